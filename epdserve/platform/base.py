@@ -1,0 +1,43 @@
+"""The `Platform` contract: one device family's device handle, dist backend, streams, core limits."""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Platform(ABC):
+    """What the rest of epdserve may ask of a device family.
+
+    name: "cpu" | "cuda" | "npu"; dist_backend: the torch.distributed backend for KV transfer;
+    visible_devices_env: the env var that restricts which devices a process sees.
+    """
+
+    name: str
+    dist_backend: str
+    visible_devices_env: str | None
+
+    @abstractmethod
+    def is_available(self) -> bool: ...
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device(self.name if index is None else f"{self.name}:{index}")
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    def new_stream(self):
+        """A stream for one stage worker, or None where streams do not exist (CPU)."""
+        return None
+
+    def stream_context(self, stream):
+        return contextlib.nullcontext()
+
+    def limit_stream(self, stream, cube: int, vector: int) -> bool:
+        """Restrict a stream to a share of the device's compute units; False if unsupported."""
+        return False
+
+    def make_pair_group(self, store, rank: int, world_size: int, timeout):
+        """Build a process group over `store` without a global world (stateless group)."""
+        raise NotImplementedError(f"{self.name}: pairwise groups not implemented")

@@ -1,0 +1,34 @@
+"""CUDA platform: NCCL for KV transfer; co-located stages get one CUDA stream each."""
+from __future__ import annotations
+
+import torch
+
+from epdserve.platform.base import Platform
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    dist_backend = "nccl"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def new_stream(self):
+        return torch.cuda.Stream()
+
+    def stream_context(self, stream):
+        return torch.cuda.stream(stream)
+
+    def make_pair_group(self, store, rank, world_size, timeout):
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+PLATFORM = CudaPlatform()

@@ -1,0 +1,71 @@
+"""Ascend NPU platform: the only module that imports torch_npu (lazily).
+
+HCCL groups are built directly as ProcessGroupHCCL over a TCP store (no global world), as
+vllm-ascend's netloader does; stage co-location uses torch.npu stream resource limits
+(AI Core "cube" and Vector Core counts) where the installed torch_npu has them.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+from epdserve.platform.base import Platform
+
+log = logging.getLogger(__name__)
+
+
+class NpuPlatform(Platform):
+    name = "npu"
+    dist_backend = "hccl"
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+
+    def _torch_npu(self):
+        return importlib.import_module("torch_npu")
+
+    def is_available(self) -> bool:
+        try:
+            self._torch_npu()
+        except Exception:  # not installed, or CANN missing: either way no NPU here
+            return False
+        import torch
+
+        return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.npu.synchronize()
+
+    def new_stream(self):
+        import torch
+
+        return torch.npu.Stream()
+
+    def stream_context(self, stream):
+        import torch
+
+        return torch.npu.stream(stream)
+
+    def limit_stream(self, stream, cube: int, vector: int) -> bool:
+        import torch
+
+        if not hasattr(torch.npu, "set_stream_limit"):
+            log.warning("torch_npu has no set_stream_limit (needs CANN 8.3.RC1+); co-located stages share cores unrestricted")
+            return False
+        torch.npu.set_stream_limit(stream, cube, vector)
+        return True
+
+    def device_limit(self):
+        import torch
+
+        return torch.npu.get_device_limit(torch.npu.current_device())
+
+    def make_pair_group(self, store, rank, world_size, timeout):
+        torch_npu = self._torch_npu()
+        c10d = torch_npu._C._distributed_c10d
+        opts = c10d.ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return c10d.ProcessGroupHCCL(store, rank, world_size, opts)
+
+
+PLATFORM = NpuPlatform()

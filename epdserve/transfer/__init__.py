@@ -1,0 +1,1 @@
+"""epdserve.transfer."""
