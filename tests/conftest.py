@@ -1,0 +1,22 @@
+"""Shared pytest fixtures: tiny random-weight demo checkpoints, built once per test session."""
+import pytest
+
+from epdserve.model.demo import build_demo_model
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_tiny(tmp_path_factory):
+    """Path of a tiny Qwen2-VL demo checkpoint (seed 0)."""
+    return build_demo_model(tmp_path_factory.mktemp("qwen2_vl_tiny"), arch="qwen2_vl", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_tiny(tmp_path_factory):
+    """Path of a tiny Qwen2.5-VL demo checkpoint (seed 0)."""
+    return build_demo_model(tmp_path_factory.mktemp("qwen2_5_vl_tiny"), arch="qwen2_5_vl", size="tiny", seed=0)
+
+
+@pytest.fixture(params=["qwen2_vl", "qwen2_5_vl"])
+def tiny_model_dir(request):
+    """Each tiny demo checkpoint in turn (parametrized over both archs)."""
+    return request.getfixturevalue(f"{request.param}_tiny")
