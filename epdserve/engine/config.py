@@ -1,0 +1,47 @@
+"""`EngineConfig`: everything that shapes one engine, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VALID_ROLES = {"E", "P", "D", "EP", "ED", "PD", "EPD"}
+
+
+@dataclass
+class EngineConfig:
+    """roles: which stages this engine runs ("EPD" = the whole pipeline in one step loop)."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"  # fp32 on CPU, bf16 elsewhere
+    roles: str = "EPD"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_encode_images_per_step: int = 8
+    enable_chunked_prefill: bool = True
+    feature_wait_s: float = 0.0  # bounded wait for a feature before recomputing it
+    seed: int = 0
+
+    def __post_init__(self):
+        self.roles = "".join(r for r in "EPD" if r in self.roles.upper())
+        if self.roles not in VALID_ROLES:
+            raise ValueError(f"roles must be one of {sorted(VALID_ROLES)}, got {self.roles!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_encode_images_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto|float32|float16|bfloat16, got {self.dtype!r}")
+
+    @property
+    def encodes(self) -> bool:
+        return "E" in self.roles
+
+    @property
+    def prefills(self) -> bool:
+        return "P" in self.roles
+
+    @property
+    def decodes(self) -> bool:
+        return "D" in self.roles

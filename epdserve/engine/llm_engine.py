@@ -1,0 +1,252 @@
+"""LLMEngine: one engine's step loop — encode → schedule → execute → update.
+
+Request lifecycle (whole pipeline, roles "EPD"): `add_request` preprocesses media and queues
+the request at ENCODING (or WAITING if text-only); each `step` encodes pending media (skipping
+media whose features the `FeatureProvider` already holds), admits ready requests, runs one
+packed forward, samples, checks stops and returns `RequestOutput`s. Blocks return to the free
+list the moment a request finishes or is aborted.
+
+Roles: an engine may run any subset of E, P, D (see `EngineConfig.roles`):
+- encode-only: `add_encode_request` encodes media into the provider and reports done;
+- prefill-only: a request stops after its first token and parks at KV_HELD, its blocks intact
+  for export, until `release(request_id)`;
+- decode-only: `add_prefilled_request` reserves blocks for imported KV (WAITING_KV) and
+  `kv_ready` admits the request to the decode batch.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from epdserve.engine.block_manager import BlockManager
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.features import FeatureProvider, LocalFeatureProvider
+from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
+from epdserve.engine.model_runner import ModelRunner
+from epdserve.engine.outputs import RequestOutput
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.scheduler import Scheduler
+from epdserve.engine.sequence import MediaItem, Sequence, SeqStatus
+from epdserve.engine.stats import EngineStats
+from epdserve.engine.stop_checker import StopChecker
+from epdserve.model.adapter import VLMAdapter
+from epdserve.model.errors import InvalidRequestError
+from epdserve.model.loader import load_checkpoint
+from epdserve.model.processor import MultimodalProcessor
+from epdserve.platform import get_platform
+from epdserve.transfer.mm_store.keys import media_key, namespace_for
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, features: FeatureProvider | None = None):
+        self.config = config
+        self.platform = get_platform(config.device)
+        self.device = self.platform.device()
+        dtype = _DTYPES.get(config.dtype) or (torch.float32 if self.platform.name == "cpu" else torch.bfloat16)
+        ckpt = load_checkpoint(config.model, self.device, dtype)
+        self.checkpoint = ckpt
+        self.tokenizer = ckpt.tokenizer
+        self.adapter = VLMAdapter(ckpt.model)
+        a = self.adapter
+        self.max_model_len = config.max_model_len or min(a.max_position_embeddings, 32768)
+        self.processor = MultimodalProcessor(
+            ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, self.max_model_len
+        )
+        self.namespace = namespace_for(str(config.model), a.vision_tower, ckpt.image_processor.to_dict())
+        spec = KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, config.block_size, dtype)
+        num_blocks = spec.blocks_for_budget(config.kv_cache_memory_bytes)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.kv_cache = PagedKVCache(spec, num_blocks, self.device)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+        )
+        self.runner = ModelRunner(a, self.kv_cache, self.blocks)
+        self.features = features or LocalFeatureProvider()
+        self.stop_checker = StopChecker(ckpt.tokenizer, self._eos_ids(ckpt), self.max_model_len)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._encoding: list[Sequence] = []
+        self._ready_outputs: list[RequestOutput] = []
+        self._arrivals = itertools.count()
+
+    # ---------------------------------------------------------------- requests in
+    def add_request(self, request_id: str, prompt: str | list[int], images: list | None = None,
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request; bad input fails this request only (its output carries the error)."""
+        params = params or SamplingParams()
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        try:
+            processed = self.processor.process(prompt, images)
+        except InvalidRequestError as e:
+            self._fail_early(request_id, str(e))
+            return
+        media = [
+            MediaItem(key=media_key(m.raw, self.namespace), input=m, num_tokens=m.num_tokens, grid_thw=m.grid_thw)
+            for m in processed.media
+        ]
+        seq = Sequence(request_id, processed.token_ids, params, media=media, arrival=next(self._arrivals))
+        seq.timings["arrival"] = time.time()
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq.positions, seq.rope_delta = self.adapter.rope_index(seq.prompt_token_ids, [m.grid_thw for m in media])
+        self._seqs[request_id] = seq
+        if media:
+            seq.status = SeqStatus.ENCODING
+            self._encoding.append(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return
+        if seq in self._encoding:
+            self._encoding.remove(seq)
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        self._finish(seq)
+
+    def release(self, request_id: str) -> None:
+        """Prefill-only role: the request's KV has been exported; free its blocks."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.blocks.free(request_id)
+
+    # ---------------------------------------------------------------- the loop
+    def has_unfinished(self) -> bool:
+        return bool(self._encoding or self.scheduler.has_work() or self._ready_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._ready_outputs = self._ready_outputs, []
+        if self._encoding:
+            self._encode_step()
+        batch = self.scheduler.schedule()
+        if batch:
+            t0 = time.perf_counter()
+            tokens = self.runner.execute(batch)
+            self.stats.record_step(batch, time.perf_counter() - t0)
+            now = time.time()
+            for item, tok in zip(batch, tokens):
+                item.seq.num_computed_tokens = item.end
+                if tok is None:
+                    continue
+                seq = item.seq
+                seq.output_token_ids.append(tok)
+                if len(seq.output_token_ids) == 1:
+                    seq.timings.setdefault("first_token", now)
+                self.stop_checker.update(seq)
+                if seq.finish_reason is None and not self.config.decodes:
+                    seq.finish_reason = "prefill_done"
+                outputs.append(self._output(seq))
+                if seq.finish_reason is not None:
+                    self._finish(seq, emit=False)
+        outputs.extend(self._ready_outputs)
+        self._ready_outputs = []
+        return outputs
+
+    # ---------------------------------------------------------------- encode stage
+    def _encode_step(self) -> None:
+        todo: list[tuple[Sequence, MediaItem]] = []
+        budget = self.config.max_encode_images_per_step
+        for seq in list(self._encoding):
+            for m in seq.media:
+                if m.features is not None:
+                    continue
+                cached = self.features.load(m.key, self.config.feature_wait_s) if self.features.contains(m.key) else None
+                if cached is not None:
+                    m.features, m.from_store = cached, True
+                elif budget > 0 and not any(m.key == o.key for _, o in todo):
+                    todo.append((seq, m))
+                    budget -= 1
+        if todo:
+            t0 = time.perf_counter()
+            seq0 = todo[0][0]
+            seq0.timings.setdefault("encode_start", time.time())
+            feats = self.adapter.encode_images([m.input.pixel_values for _, m in todo], [m.grid_thw for _, m in todo])
+            self.stats.record_vision(len(todo), time.perf_counter() - t0)
+            for (seq, m), f in zip(todo, feats):
+                m.features = f
+                self.features.save(m.key, f, request_id=seq.request_id)
+            for seq in self._encoding:  # same image twice in flight: share the fresh result
+                for m in seq.media:
+                    if m.features is None:
+                        hit = next((o.features for _, o in todo if o.key == m.key), None)
+                        if hit is not None:
+                            m.features = hit
+        for seq in [s for s in self._encoding if all(m.features is not None for m in s.media)]:
+            self._encoding.remove(seq)
+            seq.timings["encode_end"] = time.time()
+            try:
+                seq.prompt_embeds = self.runner.build_prompt_embeds(
+                    seq.prompt_token_ids, [m.features[0] for m in seq.media]
+                )
+            except ValueError as e:
+                self._fail(seq, f"media features do not fit the prompt: {e}")
+                continue
+            self.scheduler.add(seq)
+
+    # ---------------------------------------------------------------- finishing
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new = seq.output_token_ids[seq.emitted_tokens :]
+        seq.emitted_tokens = len(seq.output_token_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new,
+            new_text=self.stop_checker.text_delta(seq),
+            token_ids=list(seq.output_token_ids),
+            text=seq.text,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            error=seq.error,
+            num_prompt_tokens=seq.prompt_len,
+            num_vision_tokens=seq.num_vision_tokens,
+            num_cached_vision_tokens=sum(m.num_tokens for m in seq.media if m.from_store),
+            timings=dict(seq.timings),
+        )
+
+    def _finish(self, seq: Sequence, emit: bool = True) -> None:
+        self.scheduler.remove(seq)
+        if seq.finish_reason == "prefill_done":
+            seq.status = SeqStatus.KV_HELD  # blocks stay until release()
+        else:
+            seq.status = SeqStatus.FINISHED
+            self.blocks.free(seq.request_id)
+            self._seqs.pop(seq.request_id, None)
+        if emit:
+            self._ready_outputs.append(self._output(seq))
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        seq.error, seq.finish_reason = message, "error"
+        self._finish(seq)
+
+    def _fail_early(self, request_id: str, message: str) -> None:
+        self._ready_outputs.append(
+            RequestOutput(request_id, [], "", [], "", True, finish_reason="error", error=message)
+        )
+
+    @staticmethod
+    def _eos_ids(ckpt) -> set[int]:
+        ids = set()
+        gen_eos = getattr(getattr(ckpt.model, "generation_config", None), "eos_token_id", None)
+        for v in (gen_eos, ckpt.tokenizer.eos_token_id):
+            if isinstance(v, int):
+                ids.add(v)
+            elif v:
+                ids.update(int(x) for x in v)
+        return ids
+
+    def load_report(self) -> dict[str, int]:
+        return {
+            "free_kv_blocks": self.blocks.num_free,
+            "total_kv_blocks": self.blocks.num_blocks,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + len(self._encoding),
+        }

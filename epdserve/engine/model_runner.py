@@ -1,0 +1,110 @@
+"""Model runner: turns a scheduled batch into one packed forward pass and sampled tokens.
+
+Owns the device-side work of a step: building packed inputs (text embeddings, media features
+spliced in, M-RoPE positions per request), attention metadata, the layer loop over
+transformers' decoder layers with epdserve's paged attention, and the LM head on the rows that
+sample. `layer_hook(layer_idx, batch)` runs after each layer (the P→D transfer starts sending
+that layer's KV there while the next layer computes).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from epdserve.engine.block_manager import BlockManager
+from epdserve.engine.kv_cache import PagedKVCache
+from epdserve.engine.sampler import sample
+from epdserve.engine.scheduler import ScheduledSeq
+from epdserve.model.adapter import VLMAdapter
+from epdserve.ops import paged_attention
+from epdserve.ops.attention_meta import AttentionMeta, PrefillSegment
+
+LayerHook = Callable[[int, list[ScheduledSeq]], None]
+
+
+class ModelRunner:
+    def __init__(self, adapter: VLMAdapter, kv_cache: PagedKVCache, blocks: BlockManager):
+        self.adapter = adapter
+        self.kv_cache = kv_cache
+        self.blocks = blocks
+        self.device = adapter.device
+        adapter.text_config._attn_implementation = paged_attention.register()
+        self.layer_hooks: list[LayerHook] = []
+
+    @torch.inference_mode()
+    def build_prompt_embeds(self, token_ids: list[int], features: list[torch.Tensor]) -> torch.Tensor:
+        """Text embeddings of a prompt with each image's features at its placeholder tokens."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        emb = self.adapter.embed_tokens(ids)
+        if features:
+            mask = ids == self.adapter.image_token_id
+            feats = torch.cat([f.to(self.device, emb.dtype) for f in features])
+            if int(mask.sum()) != feats.shape[0]:
+                raise ValueError(f"{int(mask.sum())} image tokens but {feats.shape[0]} feature rows")
+            emb[mask] = feats
+        return emb
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> list[int | None]:
+        """Run one step; returns the sampled token per item (None where the item only prefilled a chunk)."""
+        ids, pos, slots, prefills, dec_idx, dec_tables, dec_ctx = [], [], [], [], [], [], []
+        embed_rows: list[tuple[int, torch.Tensor]] = []
+        offset = 0
+        for item in batch:
+            seq, s, e = item.seq, item.start, item.end
+            ids.extend(seq.token_at(i) for i in range(s, e))
+            pos.append(seq.position_slice(s, e))
+            slots.extend(self.blocks.slots(seq.request_id, s, e))
+            table = torch.tensor(self.blocks.table(seq.request_id), dtype=torch.long)
+            if seq.prompt_embeds is not None and s < seq.prompt_len:
+                embed_rows.append((offset, seq.prompt_embeds[s : min(e, seq.prompt_len)]))
+            if item.num_tokens == 1 and s > 0:
+                dec_idx.append(offset)
+                dec_tables.append(table)
+                dec_ctx.append(e)
+            else:
+                prefills.append(PrefillSegment(offset, item.num_tokens, e, table))
+            offset += item.num_tokens
+        dev = self.device
+        hidden = self.adapter.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
+        for off, rows in embed_rows:
+            hidden[off : off + rows.shape[0]] = rows
+        hidden = hidden.unsqueeze(0)
+        position_ids = torch.cat(pos, dim=1).unsqueeze(1).to(dev)  # [3, 1, T]
+        if dec_tables:
+            width = max(t.numel() for t in dec_tables)
+            tables = torch.zeros(len(dec_tables), width, dtype=torch.long)
+            for r, t in enumerate(dec_tables):
+                tables[r, : t.numel()] = t
+        else:
+            tables = torch.zeros(0, 1, dtype=torch.long)
+        meta = AttentionMeta(
+            kv_cache=self.kv_cache,
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            prefills=[PrefillSegment(p.q_start, p.q_len, p.ctx_len, p.block_table.to(dev)) for p in prefills],
+            decode_token_idx=torch.tensor(dec_idx, dtype=torch.long, device=dev),
+            decode_block_tables=tables.to(dev),
+            decode_ctx_lens=torch.tensor(dec_ctx, dtype=torch.long, device=dev),
+        )
+        cos_sin = self.adapter.rotary(hidden, position_ids)
+        for i, layer in enumerate(self.adapter.layers):
+            hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin, epd_meta=meta)
+            for hook in self.layer_hooks:
+                hook(i, batch)
+        last_rows, sampling = [], []
+        offset = 0
+        for k, item in enumerate(batch):
+            offset += item.num_tokens
+            if item.samples:
+                last_rows.append(offset - 1)
+                sampling.append(k)
+        result: list[int | None] = [None] * len(batch)
+        if not sampling:
+            return result
+        h = self.adapter.norm(hidden[0, last_rows])
+        logits = self.adapter.lm_head(h).float()
+        toks = sample(logits, [batch[k].seq.params for k in sampling], [batch[k].seq.generator for k in sampling])
+        for k, t in zip(sampling, toks):
+            result[k] = t
+        return result

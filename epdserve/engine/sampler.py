@@ -1,0 +1,34 @@
+"""Sampler: next token per request from its logits row, honouring that request's params.
+
+Greedy rows take argmax; sampled rows apply temperature, top-k, top-p, then draw with the
+request's own generator (seeded requests reproduce whatever they are batched with).
+"""
+from __future__ import annotations
+
+import torch
+
+from epdserve.engine.sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """logits [N, V] (fp32) → N token ids."""
+    out = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(params):
+        if not p.greedy:
+            out[i] = _sample_row(logits[i].float(), p, generators[i])
+    return out
+
+
+def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, idx = torch.sort(row, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        sorted_logits[drop] = float("-inf")
+        row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
+    probs = torch.softmax(row, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -1,0 +1,131 @@
+"""Offline API in vLLM's shape: `LLM(model=DIR).generate(prompts, SamplingParams(...))` and `.chat`.
+
+A prompt is a string (or token ids) or `{"prompt": str, "multi_modal_data": {"image": [...]}}`
+with `<|vision_start|><|image_pad|><|vision_end|>` once per image. A request with bad input
+comes back with `.error` set and `finish_reason == "error"`; the others complete normally.
+"""
+from __future__ import annotations
+
+import base64
+import itertools
+from dataclasses import dataclass, field
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.llm_engine import LLMEngine
+from epdserve.engine.outputs import RequestOutput
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.model.errors import InvalidRequestError
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class GenerateOutput:
+    request_id: str
+    prompt: object
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_vision_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+class LLM:
+    def __init__(self, model: str, device: str = "auto", **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=str(model), device=device, **engine_kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerateOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            rid = str(next(self._ids))
+            text, images = _split_prompt(prompt)
+            self.engine.add_request(rid, text, images, p)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [_to_generate_output(done[r], p) for r, p in zip(ids, prompts)]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True):
+        """OpenAI-style messages (or a list of conversations); image parts as `image_url` data URLs."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [chat_to_prompt(self.engine.tokenizer, c, add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params)
+
+
+def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> dict:
+    """Render a conversation with the checkpoint's chat template; collect its images in order."""
+    images, rendered = [], []
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind in ("image_url", "image"):
+                    images.append(_image_from_part(part))
+                    parts.append({"type": "image"})
+                else:
+                    raise InvalidRequestError(f"unsupported content part type {kind!r}")
+            rendered.append({"role": msg["role"], "content": parts})
+        else:
+            rendered.append({"role": msg["role"], "content": content or ""})
+    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+def _image_from_part(part: dict):
+    if part.get("type") == "image" and "image" in part:
+        return part["image"]
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise InvalidRequestError("image_url must be a data: URL (epdserve fetches nothing from the network)")
+    try:
+        header, payload = url.split(",", 1)
+        return base64.b64decode(payload) if ";base64" in header else payload.encode()
+    except Exception as e:
+        raise InvalidRequestError(f"bad data: URL: {e}") from None
+
+
+def _split_prompt(prompt):
+    if isinstance(prompt, dict):
+        mm = prompt.get("multi_modal_data") or {}
+        images = mm.get("image") or []
+        if not isinstance(images, list):
+            images = [images]
+        return prompt.get("prompt", prompt.get("prompt_token_ids")), images
+    return prompt, []
+
+
+def _to_generate_output(out: RequestOutput, prompt) -> GenerateOutput:
+    return GenerateOutput(
+        request_id=out.request_id,
+        prompt=prompt,
+        outputs=[CompletionOutput(0, out.text, out.token_ids, out.finish_reason)],
+        error=out.error,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_vision_tokens=out.num_vision_tokens,
+        metrics=out.timings,
+    )

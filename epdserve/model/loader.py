@@ -1,0 +1,44 @@
+"""Load a Hugging Face VLM checkpoint directory offline: model, tokenizer, image processor.
+
+The directory is laid out as a downloaded Qwen2-VL-7B-Instruct (config.json, *.safetensors,
+tokenizer files, preprocessor_config.json, chat template). Nothing is fetched from a hub, and
+torchvision is not needed: transformers falls back to its PIL image processor.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    model: torch.nn.Module  # *ForConditionalGeneration
+    tokenizer: object
+    image_processor: object
+    model_type: str
+
+
+def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
+    """Load model, tokenizer and image processor from `path` with no network access."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type not in SUPPORTED_ARCHS:
+        raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    return LoadedCheckpoint(path, model, tokenizer, image_processor, config.model_type)
