@@ -104,6 +104,50 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
 
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], rope_delta: int,
+                              first_token: int, params: SamplingParams, num_vision_tokens: int = 0) -> list[int]:
+        """Decode-only role: reserve blocks for a request whose prompt KV will be imported.
+
+        Returns the block table the KV must be written into (prompt tokens only). Blocks for the
+        whole request (prompt + max_tokens) are reserved up front, so an imported request is
+        never preempted (it could not be recomputed here without its media).
+        """
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if not self.blocks.can_grow(request_id, total):
+            raise MemoryError(f"not enough free KV blocks for {total} tokens")
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=next(self._arrivals))
+        seq.rope_delta = rope_delta
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.output_token_ids = [first_token]
+        seq.emitted_tokens = 1
+        seq.status = SeqStatus.WAITING_KV
+        seq.timings["arrival"] = time.time()
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + 1)
+        self.blocks.grow(request_id, total)
+        self._seqs[request_id] = seq
+        self.stop_checker.update(seq)
+        seq.emitted_text_len = len(seq.text)
+        return self.blocks.table(request_id)[: self.blocks.blocks_needed(len(prompt_token_ids))]
+
+    def kv_ready(self, request_id: str) -> None:
+        """Decode-only role: the imported KV is in place; the request joins the decode batch."""
+        seq = self._seqs[request_id]
+        if seq.status is not SeqStatus.WAITING_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for KV ({seq.status.value})")
+        if seq.finish_reason is not None:  # the first token already ended it
+            self._finish(seq)
+            return
+        self.scheduler.add_running(seq)
+
+    def kv_failed(self, request_id: str, message: str) -> None:
+        """Decode-only role: the KV import failed; free the reserved blocks and report an error."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._fail(seq, message)
+
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
         if seq is None:

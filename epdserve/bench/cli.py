@@ -1,0 +1,25 @@
+"""`epdserve bench ...`: each benchmark is a module with `add_parser(subparsers)` + `run(args)`."""
+from __future__ import annotations
+
+import importlib
+
+BENCHMARKS = [
+    "epdserve.bench.offline",  # offline: engine vs transformers generate
+    "epdserve.bench.mm_store",  # mm-store: MMStore vs raw redis-py
+    "epdserve.bench.kv_transfer",  # kv-transfer: layerwise vs after-prefill
+]
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("bench", help="run a benchmark (writes JSON + a table)",
+                              description="Benchmarks: each measures configurations side by side in one run.")
+    sub = p.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for mod in BENCHMARKS:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name == mod:  # not built yet in this checkout
+                continue
+            raise
+        module.add_parser(sub)
+    return p

@@ -1,0 +1,38 @@
+"""The `epdserve` command: one sub-command per module, each registering itself via `add_parser`.
+
+Sub-commands are looked up from `COMMANDS` (module paths); each module exposes
+`add_parser(subparsers)` which registers its parser and sets `func(args) -> int`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = [
+    "epdserve.model.demo",  # demo-model
+    "epdserve.bench.cli",  # bench {offline,mm-store,kv-transfer,...}
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epdserve",
+        description="EPD-disaggregated serving for vision-language models (Encode / Prefill / Decode).",
+    )
+    parser.add_argument("--log-level", default="INFO", help="python logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for mod in COMMANDS:
+        importlib.import_module(mod).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
