@@ -48,13 +48,13 @@ PRESETS = {
     "tiny": DemoSize(vocab=2000, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
                      mrope_section=(2, 3, 3), vit_width=32, vit_depth=2, vit_heads=2,
                      vit_intermediate=96),
-    "small": DemoSize(vocab=9000, hidden=512, layers=8, heads=8, kv_heads=2, intermediate=3072,
+    "small": DemoSize(vocab=9000, hidden=512, layers=8, heads=8, kv_heads=2, intermediate=3584,
                       mrope_section=(8, 12, 12), vit_width=512, vit_depth=8, vit_heads=8,
                       vit_intermediate=1536),
 }
 
 
-def _config(arch: str, size: DemoSize, ids: dict[str, int], vocab: int):
+def demo_config(arch: str, size: DemoSize, ids: dict[str, int], vocab: int):
     """The transformers config object for `arch` at `size`, with the tokenizer's ids."""
     text = dict(
         vocab_size=vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
@@ -155,7 +155,7 @@ def build_demo_model(out_dir, arch: str = "qwen2_vl", size: str = "tiny", seed: 
 
     tokenizer = build_demo_tokenizer(preset.vocab, seed=seed)
     ids = special_token_ids(tokenizer)
-    config = _config(arch, preset, ids, vocab=len(tokenizer))
+    config = demo_config(arch, preset, ids, vocab=len(tokenizer))
 
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

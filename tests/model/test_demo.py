@@ -109,3 +109,34 @@ def test_procedural_images():
     assert data[:2] == b"\xff\xd8"
     with pytest.raises(ValueError):
         procedural_image(0, 10)
+
+
+def test_small_preset_is_about_90m():
+    from transformers import AutoModelForImageTextToText
+
+    from epdserve.model.demo import PRESETS, demo_config
+    from epdserve.model.demo_tokenizer import build_demo_tokenizer, special_token_ids
+
+    tok = build_demo_tokenizer(PRESETS["small"].vocab, seed=0)
+    for arch in ("qwen2_vl", "qwen2_5_vl"):
+        cfg = demo_config(arch, PRESETS["small"], special_token_ids(tok), vocab=len(tok))
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(cfg)
+        n = sum(p.numel() for p in model.parameters())
+        assert 80e6 < n < 100e6, (arch, n)
+
+
+def test_cli(tmp_path, capsys):
+    import argparse
+
+    from epdserve.model.demo import add_parser, main
+
+    assert main([str(tmp_path / "m"), "--arch", "qwen2_vl", "--size", "tiny", "--seed", "3"]) == 0
+    assert "parameters" in capsys.readouterr().out
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["demo-model", "x", "--arch", "qwen2_5_vl"])
+    assert args.func is not None and args.size == "tiny" and args.seed == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo-model", "x", "--size", "huge"])
