@@ -1,0 +1,70 @@
+"""Greedy outputs of the engine equal transformers' generate token for token (both archs)."""
+import pytest
+
+from epdserve import LLM, SamplingParams
+from epdserve.model.demo_images import jpeg_bytes, procedural_image
+from epdserve.model.reference import ReferenceGenerator
+
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def setup(request):
+    model_dir = request.getfixturevalue(f"{request.param}_tiny")
+    return LLM(model=model_dir, device="cpu"), ReferenceGenerator(model_dir)
+
+
+def _check(llm, ref, prompts, max_tokens=10):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        text, images = (p["prompt"], p["multi_modal_data"]["image"]) if isinstance(p, dict) else (p, [])
+        assert o.error is None
+        assert o.outputs[0].token_ids == ref.generate(text, images, max_tokens), p
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def _img(w, h, seed):
+    return jpeg_bytes(procedural_image(w, h, seed))
+
+
+def test_text_only(setup):
+    _check(*setup, ["the quick brown fox jumps over the lazy dog"])
+
+
+def test_one_image(setup):
+    _check(*setup, [{"prompt": f"what is in {PH} here", "multi_modal_data": {"image": [_img(112, 84, 1)]}}])
+
+
+def test_three_images_of_different_sizes(setup):
+    imgs = [_img(112, 84, 2), _img(56, 140, 3), _img(168, 112, 4)]
+    _check(*setup, [{"prompt": f"a {PH} b {PH} c {PH} compare them", "multi_modal_data": {"image": imgs}}])
+
+
+def test_requests_join_while_others_decode(setup):
+    """8 requests of different lengths arrive over several steps; later ones join running decodes."""
+    llm, ref = setup
+    eng = llm.engine
+    prompts = []
+    for i in range(8):
+        text = " ".join(["word"] * (3 + 7 * i)) + f" number {i}"
+        if i % 3 == 1:
+            prompts.append((f"look {PH} {text}", [_img(56 + 28 * (i % 3), 84, 10 + i)]))
+        else:
+            prompts.append((text, []))
+    params = [SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True) for i in range(8)]
+    results, joined_while_decoding = {}, 0
+    pending = list(range(8))
+    while pending or eng.has_unfinished():
+        if pending:  # one new request every step
+            i = pending.pop(0)
+            if any(not s.in_prefill for s in eng.scheduler.running):
+                joined_while_decoding += 1
+            eng.add_request(f"r{i}", prompts[i][0], prompts[i][1], params[i])
+        for out in eng.step():
+            if out.finished:
+                results[out.request_id] = out
+    assert joined_while_decoding >= 3
+    for i in range(8):
+        assert results[f"r{i}"].error is None
+        assert results[f"r{i}"].token_ids == ref.generate(prompts[i][0], prompts[i][1], params[i].max_tokens)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
