@@ -1,0 +1,103 @@
+"""CPU core partitioning for co-located stage workers (the CPU analogue of NPU stream limits).
+
+An instance hosting two stage workers (E+P, E+D) on CPU gives each worker a disjoint core
+set by default. `split_cores` divides the cores this process may use; `pin_worker_thread`
+runs first thing in a worker's loop thread.
+
+How torch threads are split (checked on torch 2.13 / libgomp):
+- `os.sched_setaffinity(threading.get_native_id(), cores)` pins only the calling OS thread.
+- Threads inherit the affinity of the thread that creates them, and OpenMP keeps one thread
+  pool per thread that opens a parallel region, so the intra-op team a worker thread spawns
+  (at its first parallel op, after pinning) runs on that worker's cores only.
+- `torch.set_num_threads(n)` sets the calling thread's OpenMP team size (a per-thread ICV) and
+  the default for threads that have not run a parallel op yet; each worker calls it with the
+  size of its own core set, so worker A's team never grows onto worker B's cores.
+- gRPC and other helper threads keep the process's full affinity; they do no tensor math.
+With fewer cores than workers (e.g. 2 workers on 1 core) the workers share all cores.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def available_cores() -> list[int]:
+    """Cores this process may run on, sorted."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def split_cores(n_workers: int, cores: list[int] | None = None, weights: list[float] | None = None) -> list[list[int]]:
+    """Split `cores` into `n_workers` disjoint, contiguous, non-empty sets (by `weights`).
+
+    With fewer cores than workers every worker gets all cores (sharing is the only option).
+    """
+    if n_workers < 1:
+        raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+    cores = sorted(cores if cores is not None else available_cores())
+    if not cores:
+        raise ValueError("no cores to split")
+    weights = list(weights) if weights is not None else [1.0] * n_workers
+    if len(weights) != n_workers or any(w <= 0 for w in weights):
+        raise ValueError(f"need {n_workers} positive weights, got {weights}")
+    if len(cores) < n_workers:
+        return [list(cores) for _ in range(n_workers)]
+    total = sum(weights)
+    # Each worker gets at least one core; the rest follow the weights (largest remainder).
+    spare = len(cores) - n_workers
+    shares = [w / total * spare for w in weights]
+    counts = [1 + int(s) for s in shares]
+    leftover = len(cores) - sum(counts)
+    for i in sorted(range(n_workers), key=lambda i: shares[i] - int(shares[i]), reverse=True)[:leftover]:
+        counts[i] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(cores[start : start + c])
+        start += c
+    return out
+
+
+def parse_core_list(text: str) -> list[int]:
+    """Parse a taskset-style core list: "0-3,6,8-9" → [0, 1, 2, 3, 6, 8, 9]."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = (int(x) for x in part.split("-", 1))
+            if hi < lo:
+                raise ValueError(f"bad core range {part!r}")
+            cores.update(range(lo, hi + 1))
+        else:
+            cores.add(int(part))
+    if not cores:
+        raise ValueError(f"empty core list {text!r}")
+    return sorted(cores)
+
+
+def pin_worker_thread(cores: list[int] | None) -> list[int]:
+    """Pin the calling thread to `cores` and size its torch intra-op team to match.
+
+    Call before the thread's first tensor op. Returns the cores the thread now runs on.
+    `None` leaves the affinity alone (the thread shares the process's cores).
+    """
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(threading.get_native_id(), set(cores))
+        except OSError as e:  # e.g. a core outside the cgroup's cpuset
+            log.warning("cannot pin %s to cores %s (%s); sharing all cores", threading.current_thread().name, cores, e)
+    now = sorted(os.sched_getaffinity(threading.get_native_id())) if hasattr(os, "sched_getaffinity") else []
+    torch.set_num_threads(max(1, len(now) or torch.get_num_threads()))
+    return now
+
+
+def thread_cores() -> list[int]:
+    """Cores the calling thread may run on."""
+    return sorted(os.sched_getaffinity(threading.get_native_id()))
