@@ -57,7 +57,8 @@ class LLMEngine:
         a = self.adapter
         self.max_model_len = config.max_model_len or min(a.max_position_embeddings, 32768)
         self.processor = MultimodalProcessor(
-            ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, self.max_model_len
+            ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, self.max_model_len,
+            a.text_config.vocab_size,
         )
         self.namespace = namespace_for(str(config.model), a.vision_tower, ckpt.image_processor.to_dict())
         spec = KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, config.block_size, dtype)

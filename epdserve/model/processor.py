@@ -48,8 +48,10 @@ def decode_image(image) -> tuple[Image.Image, bytes]:
 
 
 class MultimodalProcessor:
-    def __init__(self, tokenizer, image_processor, image_token_id: int, merge_size: int, max_model_len: int):
+    def __init__(self, tokenizer, image_processor, image_token_id: int, merge_size: int, max_model_len: int,
+                 vocab_size: int | None = None):
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or len(tokenizer)
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.merge_size = merge_size
@@ -74,6 +76,9 @@ class MultimodalProcessor:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         n_ph = sum(1 for t in ids if t == self.image_token_id)
         if n_ph != len(images):
             raise InvalidRequestError(
