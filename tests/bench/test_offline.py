@@ -1,0 +1,88 @@
+"""`epdserve bench offline` end to end on the tiny demo model with tiny workloads: JSON structure and sanity.
+
+No timer is asserted: only token counts, the presence of every configuration, positive ratios,
+the engine's time split and the greedy-match bookkeeping.
+"""
+import json
+
+import pytest
+
+from epdserve.bench.offline import main
+from epdserve.bench.offline_configs import cb_sizes
+from epdserve.bench.offline_workloads import WorkloadSpec, build_requests
+
+N, OUT, SUBSET = 3, 3, 2
+
+
+@pytest.fixture(scope="module")
+def report(qwen2_vl_tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "offline.json"
+    rc = main(["--model", str(qwen2_vl_tiny), "--workload", "all", "--num-requests", str(N), "--output-len", str(OUT),
+               "--baseline-requests", str(SUBSET), "--image-size", "112", "--max-prompt-len", "120",
+               "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_every_configuration_ran_with_equal_output_counts(report):
+    expected = {"text": {"engine", "one_at_a_time", "padded", "generate_batch"},
+                "images": {"engine", "one_at_a_time", "padded"}}
+    assert set(report["workloads"]) == set(expected)
+    for name, w in report["workloads"].items():
+        assert set(w["configs"]) == expected[name]
+        for cfg, c in w["configs"].items():
+            n = SUBSET if cfg == "one_at_a_time" else N
+            assert c["num_requests"] == n and c["subset"] == (n < N)
+            assert c["output_tokens"] == n * OUT
+            assert c["prompt_tokens"] > 0 and c["output_tok_s"] > 0 and c["total_tok_s"] > c["output_tok_s"]
+            assert c["peak_rss_mib"] > 0
+        full = [c for c in w["configs"].values() if not c["subset"]]
+        assert len({(c["prompt_tokens"], c["vision_tokens"]) for c in full}) == 1  # same inputs everywhere
+
+
+@pytest.mark.slow
+def test_vision_tokens_and_engine_split(report):
+    text, images = report["workloads"]["text"], report["workloads"]["images"]
+    assert all(c["vision_tokens"] == 0 for c in text["configs"].values())
+    assert images["configs"]["engine"]["vision_tokens"] == N * 16  # 112² → 8×8 patches → 16 after the 2×2 merge
+    s = images["engine_split"]
+    assert s["images_encoded"] == N and s["vision_s"] > 0 and s["prefill_s"] > 0 and 0 < s["vision_share"] < 1
+    assert text["engine_split"]["images_encoded"] == 0 and text["engine_split"]["vision_share"] == 0
+
+
+@pytest.mark.slow
+def test_ratios_aims_and_token_match(report):
+    for name, w in report["workloads"].items():
+        assert set(w["engine_speedup"]) == set(w["configs"]) - {"engine"}
+        assert all(r > 0 for r in w["engine_speedup"].values())
+        assert set(w["aims"]) <= set(w["engine_speedup"]) and w["aims"]
+        for cfg, m in w["token_match_vs_one_at_a_time"].items():
+            assert m["compared"] == SUBSET and 0 <= m["matched"] <= SUBSET
+    assert "| epdserve engine" in report["markdown"] and "Engine time split" in report["markdown"]
+
+
+def test_workloads_are_seeded_and_in_range(qwen2_vl_tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen2_vl_tiny)
+    spec = WorkloadSpec("text", 16, 4, seed=3, min_prompt_len=50, max_prompt_len=400)
+    a, b = build_requests(spec, tok), build_requests(spec, tok)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    assert all(50 <= len(r.prompt) <= 400 and not r.images for r in a)
+    imgs = build_requests(WorkloadSpec("images", 2, 4, image_size=112), tok)
+    assert all(len(r.images) == 1 and r.prompt.count("<|image_pad|>") == 1 for r in imgs)
+    assert imgs[0].images != imgs[1].images
+
+
+def test_cb_sizes_fit_every_request():
+    s = cb_sizes([50, 400], 128, page_size=32, max_batch_tokens=2048)
+    assert s["num_blocks"] >= (50 + 128 + 31) // 32 + (400 + 128 + 31) // 32
+    assert s["page_size"] == 32 and s["max_batch_tokens"] == 2048
+
+
+def test_registered_in_cli():
+    from epdserve.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "offline", "--workload", "text", "--baseline-requests", "4"])
+    assert args.workload == "text" and args.baseline_requests == 4 and callable(args.func)
