@@ -23,6 +23,7 @@ import torch
 
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
+from epdserve.engine.encode_stage import EncodeStage
 from epdserve.engine.features import FeatureProvider, LocalFeatureProvider
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.engine.model_runner import ModelRunner
@@ -35,7 +36,7 @@ from epdserve.engine.stop_checker import StopChecker
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.errors import InvalidRequestError
 from epdserve.model.loader import load_checkpoint
-from epdserve.model.processor import MultimodalProcessor
+from epdserve.model.processor import MediaInput, MultimodalProcessor
 from epdserve.platform import get_platform
 from epdserve.transfer.mm_store.keys import media_key, namespace_for
 
@@ -73,7 +74,10 @@ class LLMEngine:
         self.stop_checker = StopChecker(ckpt.tokenizer, self._eos_ids(ckpt), self.max_model_len)
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
-        self._encoding: list[Sequence] = []
+        self.encoder = EncodeStage(
+            a, self.features, encodes=config.encodes, prefills=config.prefills, wait_s=config.feature_wait_s,
+            max_images_per_step=config.max_encode_images_per_step, stats=self.stats,
+        )
         self._ready_outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
 
@@ -89,21 +93,53 @@ class LLMEngine:
         except InvalidRequestError as e:
             self._fail_early(request_id, str(e))
             return
-        media = [
-            MediaItem(key=media_key(m.raw, self.namespace), input=m, num_tokens=m.num_tokens, grid_thw=m.grid_thw)
-            for m in processed.media
-        ]
-        seq = Sequence(request_id, processed.token_ids, params, media=media, arrival=next(self._arrivals))
+        self.add_processed(request_id, processed.token_ids, [self.media_item(m) for m in processed.media], params)
+
+    def media_item(self, m: MediaInput, key: str | None = None) -> MediaItem:
+        """A request's media item from preprocessed media (key computed unless given)."""
+        key = key or media_key(m.raw, self.namespace)
+        return MediaItem(key=key, input=m, num_tokens=m.num_tokens, grid_thw=m.grid_thw)
+
+    def add_processed(self, request_id: str, token_ids: list[int], media: list[MediaItem],
+                      params: SamplingParams, feature_target: str | None = None) -> None:
+        """Queue a request whose placeholders are already expanded (the scheduler did it).
+
+        A media item may come without raw media (`input=None`) when its features are known to be
+        in the store; the request then fails if they are gone (nothing to recompute from).
+        """
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        n_img = sum(1 for t in token_ids if t == self.adapter.image_token_id)
+        if n_img != sum(m.num_tokens for m in media):
+            self._fail_early(request_id, f"{n_img} image tokens in the prompt but media for {sum(m.num_tokens for m in media)}")
+            return
+        if self.config.prefills and len(token_ids) >= self.max_model_len:
+            self._fail_early(request_id, f"prompt is {len(token_ids)} tokens; the model's context is {self.max_model_len}")
+            return
+        seq = Sequence(request_id, list(token_ids), params, media=media, arrival=next(self._arrivals))
+        seq.feature_target = feature_target
         seq.timings["arrival"] = time.time()
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq.positions, seq.rope_delta = self.adapter.rope_index(seq.prompt_token_ids, [m.grid_thw for m in media])
+        if self.config.prefills:
+            seq.positions, seq.rope_delta = self.adapter.rope_index(seq.prompt_token_ids, [m.grid_thw for m in media])
         self._seqs[request_id] = seq
         if media:
             seq.status = SeqStatus.ENCODING
-            self._encoding.append(seq)
+            self.encoder.add(seq)
+        elif not self.config.prefills:
+            seq.finish_reason = "encoded"
+            self._finish(seq)
         else:
             self.scheduler.add(seq)
+
+    def add_encode_request(self, request_id: str, media: list[MediaItem], feature_target: str | None = None) -> None:
+        """Encode-only role: store the features of `media`, telling `feature_target` (a prefill side)."""
+        if not self.config.encodes:
+            raise ValueError("this engine does not run the encode stage")
+        n = sum(m.num_tokens for m in media)
+        self.add_processed(request_id, [self.adapter.image_token_id] * n, media, SamplingParams(max_tokens=1),
+                           feature_target)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], rope_delta: int,
                               first_token: int, params: SamplingParams, num_vision_tokens: int = 0) -> list[int]:
@@ -153,8 +189,7 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is None:
             return
-        if seq in self._encoding:
-            self._encoding.remove(seq)
+        self.encoder.remove(seq)
         self.scheduler.remove(seq)
         seq.finish_reason = "abort"
         self._finish(seq)
@@ -167,11 +202,11 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the loop
     def has_unfinished(self) -> bool:
-        return bool(self._encoding or self.scheduler.has_work() or self._ready_outputs)
+        return bool(self.encoder.pending or self.scheduler.has_work() or self._ready_outputs)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._ready_outputs = self._ready_outputs, []
-        if self._encoding:
+        if self.encoder.pending:
             self._encode_step()
         batch = self.scheduler.schedule()
         if batch:
@@ -199,36 +234,14 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- encode stage
     def _encode_step(self) -> None:
-        todo: list[tuple[Sequence, MediaItem]] = []
-        budget = self.config.max_encode_images_per_step
-        for seq in list(self._encoding):
-            for m in seq.media:
-                if m.features is not None:
-                    continue
-                cached = self.features.load(m.key, self.config.feature_wait_s) if self.features.contains(m.key) else None
-                if cached is not None:
-                    m.features, m.from_store = cached, True
-                elif budget > 0 and not any(m.key == o.key for _, o in todo):
-                    todo.append((seq, m))
-                    budget -= 1
-        if todo:
-            t0 = time.perf_counter()
-            seq0 = todo[0][0]
-            seq0.timings.setdefault("encode_start", time.time())
-            feats = self.adapter.encode_images([m.input.pixel_values for _, m in todo], [m.grid_thw for _, m in todo])
-            self.stats.record_vision(len(todo), time.perf_counter() - t0)
-            for (seq, m), f in zip(todo, feats):
-                m.features = f
-                self.features.save(m.key, f, request_id=seq.request_id)
-            for seq in self._encoding:  # same image twice in flight: share the fresh result
-                for m in seq.media:
-                    if m.features is None:
-                        hit = next((o.features for _, o in todo if o.key == m.key), None)
-                        if hit is not None:
-                            m.features = hit
-        for seq in [s for s in self._encoding if all(m.features is not None for m in s.media)]:
-            self._encoding.remove(seq)
-            seq.timings["encode_end"] = time.time()
+        ready, failed = self.encoder.step()
+        for seq, message in failed:
+            self._fail(seq, message)
+        for seq in ready:
+            if not self.config.prefills:  # encode-only role: the features are stored, done
+                seq.finish_reason = "encoded"
+                self._finish(seq)
+                continue
             try:
                 seq.prompt_embeds = self.runner.build_prompt_embeds(
                     seq.prompt_token_ids, [m.features[0] for m in seq.media]
@@ -293,5 +306,8 @@ class LLMEngine:
             "free_kv_blocks": self.blocks.num_free,
             "total_kv_blocks": self.blocks.num_blocks,
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + len(self._encoding),
+            "waiting": len(self.scheduler.waiting) + len(self.encoder.pending),
+            "queued_tokens": sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.waiting),
+            "encoder_runs": self.encoder.encoder_runs,
+            "recomputes": self.encoder.recomputes,
         }

@@ -33,6 +33,7 @@ class MediaItem:
     grid_thw: torch.Tensor
     features: list[torch.Tensor] | None = None
     from_store: bool = False  # features came from the cache / MM Store, encoder skipped
+    wait_since: float | None = None  # prefill-only: when this engine started waiting for the feature
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Sequence:
     emitted_tokens: int = 0
     arrival: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    feature_target: str | None = None  # encode role: which prefill side gets the "feature stored" event
 
     @property
     def prompt_len(self) -> int:

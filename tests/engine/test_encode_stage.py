@@ -1,0 +1,84 @@
+"""E→P through a FeatureProvider: encode-only and prefill-side engines, cache hits, recompute."""
+import pytest
+
+from epdserve import SamplingParams
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.features import LocalFeatureProvider
+from epdserve.engine.llm_engine import LLMEngine
+from epdserve.model.demo_images import jpeg_bytes, procedural_image
+from epdserve.model.reference import ReferenceGenerator
+
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+SP = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _drain(eng):
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+@pytest.fixture(scope="module")
+def ref(qwen2_vl_tiny):
+    return ReferenceGenerator(qwen2_vl_tiny)
+
+
+def _engine(model, roles, provider, **kw):
+    return LLMEngine(EngineConfig(model=str(model), device="cpu", roles=roles, **kw), features=provider)
+
+
+def test_encode_only_then_prefill_side_uses_stored_features(qwen2_vl_tiny, ref):
+    store = LocalFeatureProvider()
+    e = _engine(qwen2_vl_tiny, "E", store)
+    pd = _engine(qwen2_vl_tiny, "PD", store, feature_wait_s=60.0)
+    img = jpeg_bytes(procedural_image(112, 84, 21))
+    prompt = f"tell me about {PH} now"
+    processed = pd.processor.process(prompt, [img])
+    items = [pd.media_item(m) for m in processed.media]
+    pd.add_processed("r", processed.token_ids, items, SP)
+    pd.step()  # waits (bounded) for the feature instead of recomputing
+    assert pd.encoder.pending and pd.encoder.encoder_runs == 0
+    e.add_encode_request("r", [e.media_item(m) for m in e.processor.process(prompt, [img]).media], "pd-0")
+    assert _drain(e)["r"].finish_reason == "encoded"
+    out = _drain(pd)["r"]
+    assert pd.encoder.encoder_runs == 0 and pd.encoder.recomputes == 0
+    assert out.num_cached_vision_tokens == out.num_vision_tokens > 0
+    assert out.token_ids == ref.generate(prompt, [img], 6)
+
+
+def test_missing_feature_is_recomputed_with_same_output(qwen2_vl_tiny, ref):
+    pd = _engine(qwen2_vl_tiny, "PD", LocalFeatureProvider(), feature_wait_s=0.0)
+    img = jpeg_bytes(procedural_image(84, 84, 22))
+    prompt = f"what about {PH}?"
+    p = pd.processor.process(prompt, [img])
+    pd.add_processed("r", p.token_ids, [pd.media_item(m) for m in p.media], SP)
+    out = _drain(pd)["r"]
+    assert pd.encoder.recomputes == 1 and out.num_cached_vision_tokens == 0
+    assert out.token_ids == ref.generate(prompt, [img], 6)
+
+
+def test_missing_feature_without_bytes_fails_only_that_request(qwen2_vl_tiny):
+    pd = _engine(qwen2_vl_tiny, "PD", LocalFeatureProvider())
+    p = pd.processor.process(f"x {PH}", [jpeg_bytes(procedural_image(56, 56, 1))])
+    item = pd.media_item(p.media[0])
+    item.input = None
+    pd.add_processed("bad", p.token_ids, [item], SP)
+    pd.add_request("good", "plain text", [], SP)
+    done = _drain(pd)
+    assert "not in the store" in done["bad"].error
+    assert done["good"].error is None and len(done["good"].token_ids) == 6
+
+
+def test_repeated_image_is_encoded_once(qwen2_vl_tiny, ref):
+    eng = _engine(qwen2_vl_tiny, "EPD", LocalFeatureProvider())
+    img = jpeg_bytes(procedural_image(112, 112, 23))
+    eng.add_request("a", f"first {PH}", [img], SP)
+    first = _drain(eng)["a"]
+    eng.add_request("b", f"second {PH} look", [img], SP)
+    second = _drain(eng)["b"]
+    assert eng.encoder.encoder_runs == 1
+    assert first.num_cached_vision_tokens == 0 and second.num_cached_vision_tokens == second.num_vision_tokens
+    assert second.token_ids == ref.generate(f"second {PH} look", [img], 6)
