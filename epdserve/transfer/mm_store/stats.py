@@ -40,6 +40,10 @@ FEATURE_COUNTERS = (
     "events",  # feature events the listener received
     "recomputes",  # incremented by the engine when it re-ran the encoder for a miss
     "bytes_fetched",  # payload bytes moved store -> P (request path and prefetch)
+    "saves",  # features written to the store (encode side, or a prefill side's write-back)
+    "save_failures",  # writes skipped: server down or refusing (prefill will recompute)
+    "events_published",  # feature events sent to a prefill instance
+    "bytes_stored",  # payload bytes moved E -> store
 )
 
 
