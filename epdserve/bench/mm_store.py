@@ -1,7 +1,7 @@
 """`epdserve bench mm-store`: put/get throughput and latency of the MM Store against raw redis-py.
 
-Both sides run in one process against the same server, interleaved iteration by iteration so a
-noisy machine hurts both alike: raw redis-py SET/GET of a tensor's bytes, and `RedisMMStore`
+Both sides run in one process against the same server, interleaved iteration by iteration (who
+goes first alternates; each side overwrites its own key) so a noisy machine hurts both alike: raw redis-py SET/GET of a tensor's bytes, and `RedisMMStore`
 put/get of the same tensor (encode + checksum + SET; GET + verify + decode into a fresh tensor).
 MB/s counts payload bytes (the tensor), 1 MB = 1e6 bytes.
 """
@@ -69,15 +69,16 @@ def _bench_size(raw: redis.Redis, store: RedisMMStore, tokens: int, hidden: int,
     feature = torch.randn(tokens, hidden).bfloat16()
     payload = feature.view(torch.int16).numpy().tobytes()
     times: dict[tuple[str, str], list[float]] = {(s, op): [] for s in ("redis-py", "MMStore") for op in ("put", "get")}
+    raw_key, key = f"epdbench:raw:{tokens}", f"epdbench:{tokens}"  # overwritten: steady server memory
     for i in range(warmup + iters):
-        raw_key, key = f"epdbench:raw:{tokens}:{i}", f"epdbench:{tokens}:{i}"
-        steps = [
-            (("redis-py", "put"), lambda: raw.set(raw_key, payload)),
-            (("MMStore", "put"), lambda: store.put(key, [feature])),
-            (("redis-py", "get"), lambda: raw.get(raw_key)),
-            (("MMStore", "get"), lambda: store.get(key)),
-        ]
-        for name, fn in steps:
+        puts = [(("redis-py", "put"), lambda: raw.set(raw_key, payload)),
+                (("MMStore", "put"), lambda: store.put(key, [feature]))]
+        gets = [(("redis-py", "get"), lambda: raw.get(raw_key)),
+                (("MMStore", "get"), lambda: store.get(key))]
+        if i % 2:  # alternate who goes first, so order effects cancel
+            puts.reverse()
+            gets.reverse()
+        for name, fn in puts + gets:
             t0 = time.perf_counter()
             out = fn()
             dt = time.perf_counter() - t0

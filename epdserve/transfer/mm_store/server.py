@@ -169,7 +169,7 @@ class LocalRedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # own process group: stop() signals only the server
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=_parent_death_signal(),
         )
         # A weak reference: atexit must not keep the object (and its server) alive.
         ref = weakref.ref(self)
@@ -220,11 +220,19 @@ def _answers_ping(host: str, port: int, password: str | None) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
+def _parent_death_signal():
+    """A preexec_fn asking Linux to SIGTERM the server when its parent dies (None elsewhere).
+
+    prctl is looked up here, before the fork, so the child runs no import and takes no lock
+    that another thread of the parent might have held at fork time.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
     import ctypes
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+    return lambda: prctl(pr_set_pdeathsig, sigterm)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
