@@ -13,6 +13,7 @@ import sys
 COMMANDS = [
     "epdserve.model.demo",  # demo-model
     "epdserve.bench.cli",  # bench {offline,mm-store,kv-transfer,...}
+    "epdserve.bench.profile",  # profile: per-stage cost on this device
 ]
 
 

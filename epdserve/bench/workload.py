@@ -1,0 +1,202 @@
+"""Seeded, offline serving workloads shaped like ShareGPT-4o, and their arrival schedules.
+
+Owns `WorkloadConfig` (the knobs), `BenchRequest` (one request as the client sends it),
+`build_workload` (config → the same requests on every call), the named presets used by
+`epdserve bench serve` (scaled for a 2-core CPU), and `arrival_times` (gamma inter-arrivals,
+shape = burstiness, 1 = Poisson). Nothing is downloaded.
+
+A ShareGPT-4o row is one image, a short caption instruction and a long answer (~600±140 tokens).
+Here: procedural images (gradient + shapes + light noise, JPEG q85) drawn from a resolution mix,
+prompts rendered with the Qwen2-VL chat template (one placeholder per image, the offline API's
+convention), output lengths from a clipped normal, enforced with max_tokens + ignore_eos.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+RESOLUTIONS = {"240p": (426, 240), "360p": (640, 360), "480p": (854, 480), "720p": (1280, 720), "1080p": (1920, 1080)}
+MIN_SIDE = 56  # the demo image processor's smallest image side (one vision token)
+
+CAPTION_INSTRUCTIONS = (
+    "Describe this image in detail.",
+    "Write a detailed caption for this picture.",
+    "What is shown in the image? Be thorough.",
+    "Explain what you see, region by region.",
+    "Give a long description of the shapes and colours.",
+)
+
+
+def chat_prompt(user_text: str, num_images: int = 0) -> str:
+    """The Qwen2-VL chat template around one user turn: images first, then the text."""
+    return f"{SYSTEM}<|im_start|>user\n{PLACEHOLDER * num_images}{user_text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def resolution_size(name: str, scale: float = 1.0) -> tuple[int, int]:
+    """'720p' or 'WxH' → (width, height), each side times `scale`, at least MIN_SIDE."""
+    if name in RESOLUTIONS:
+        w, h = RESOLUTIONS[name]
+    else:
+        try:
+            w, h = (int(v) for v in name.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"resolution must be one of {sorted(RESOLUTIONS)} or WxH, got {name!r}") from None
+    return max(MIN_SIDE, round(w * scale)), max(MIN_SIDE, round(h * scale))
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """'360p:0.5,720p:0.3,1080p:0.2' (or '360p' alone) → {name: weight}."""
+    mix = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, weight = part.partition(":")
+        mix[name.strip()] = float(weight) if weight else 1.0
+    return mix
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Every knob of a workload. Image requests carry `images_per_request` images (uniform in the
+    inclusive range); a share `text_only_share` of requests carries none; each image slot reuses an
+    earlier image with probability `repeated_image_share` (MM Store reuse)."""
+
+    name: str = "sharegpt4o"
+    num_requests: int = 64
+    images_min: int = 1
+    images_max: int = 1
+    resolution_mix: tuple[tuple[str, float], ...] = (("360p", 0.5), ("720p", 0.3), ("1080p", 0.2))
+    resolution_scale: float = 1.0  # multiplies both sides of every resolution (CPU scaling)
+    output_len_mean: float = 600.0
+    output_len_std: float = 140.0
+    output_len_min: int = 1
+    output_len_max: int = 1200
+    text_only_share: float = 0.0
+    repeated_image_share: float = 0.0
+    text_prompt_words_mean: float = 150.0  # text-only requests: a ShareGPT-style question
+    text_prompt_words_std: float = 50.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_requests < 1:
+            raise ValueError("num_requests must be >= 1")
+        if not 0 <= self.images_min <= self.images_max:
+            raise ValueError(f"need 0 <= images_min <= images_max, got {self.images_min}..{self.images_max}")
+        if not 0 <= self.output_len_min <= self.output_len_max or self.output_len_max < 1:
+            raise ValueError("need 0 <= output_len_min <= output_len_max, output_len_max >= 1")
+        if self.output_len_std < 0 or self.text_prompt_words_std < 0:
+            raise ValueError("standard deviations must be >= 0")
+        for share in ("text_only_share", "repeated_image_share"):
+            if not 0.0 <= getattr(self, share) <= 1.0:
+                raise ValueError(f"{share} must be in [0, 1]")
+        if self.resolution_scale <= 0:
+            raise ValueError("resolution_scale must be > 0")
+        if self.images_max > 0 and self.text_only_share < 1:
+            if not self.resolution_mix or any(w < 0 for _, w in self.resolution_mix) or \
+                    sum(w for _, w in self.resolution_mix) <= 0:
+                raise ValueError("resolution_mix needs at least one positive weight")
+            for res, _ in self.resolution_mix:
+                resolution_size(res)
+
+    def with_(self, **changes) -> WorkloadConfig:
+        if isinstance(changes.get("resolution_mix"), dict):
+            changes["resolution_mix"] = tuple(changes["resolution_mix"].items())
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["resolution_mix"] = dict(self.resolution_mix)
+        return d
+
+
+@dataclass
+class BenchRequest:
+    request_id: str
+    prompt: str  # chat-rendered, one PLACEHOLDER per image
+    images: list[bytes] = field(default_factory=list)
+    image_labels: list[str] = field(default_factory=list)  # resolution name of each image
+    repeated_images: int = 0  # how many of `images` already appeared in an earlier request
+    max_tokens: int = 16
+
+    @property
+    def kind(self) -> str:
+        return "image" if self.images else "text"
+
+
+def clipped_normal(rng: random.Random, mean: float, std: float, lo: float, hi: float) -> int:
+    return int(min(hi, max(lo, round(rng.gauss(mean, std) if std > 0 else mean))))
+
+
+def build_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
+    """The workload's requests, in arrival order; the same config always gives the same bytes."""
+    from epdserve.model.demo_images import jpeg_bytes, procedural_image
+    from epdserve.model.demo_tokenizer import demo_corpus
+
+    rng = random.Random(cfg.seed)
+    names = [n for n, _ in cfg.resolution_mix]
+    weights = [w for _, w in cfg.resolution_mix]
+    words = " ".join(demo_corpus(400, seed=cfg.seed + 17)).split(" ")
+    pool: list[tuple[bytes, str]] = []  # every distinct image so far
+    out = []
+    for i in range(cfg.num_requests):
+        text_only = cfg.images_max == 0 or rng.random() < cfg.text_only_share
+        max_tokens = max(1, clipped_normal(rng, cfg.output_len_mean, cfg.output_len_std,
+                                           cfg.output_len_min, cfg.output_len_max))
+        req = BenchRequest(request_id=f"{cfg.name}-{cfg.seed}-{i}", prompt="", max_tokens=max_tokens)
+        if text_only:
+            n = max(1, clipped_normal(rng, cfg.text_prompt_words_mean, cfg.text_prompt_words_std, 1, 1e9))
+            start = rng.randrange(0, max(1, len(words) - n))
+            question = " ".join((words * (1 + n // len(words)))[start : start + n])
+            req.prompt = chat_prompt(question + "\nPlease answer at length.")
+        else:
+            for _ in range(rng.randint(max(1, cfg.images_min), max(1, cfg.images_max))):
+                if pool and rng.random() < cfg.repeated_image_share:
+                    data, label = pool[rng.randrange(len(pool))]
+                    req.repeated_images += 1
+                else:
+                    label = rng.choices(names, weights)[0]
+                    w, h = resolution_size(label, cfg.resolution_scale)
+                    data = jpeg_bytes(procedural_image(w, h, seed=cfg.seed * 1_000_003 + len(pool)), quality=85)
+                    pool.append((data, label))
+                req.images.append(data)
+                req.image_labels.append(label)
+            req.prompt = chat_prompt(rng.choice(CAPTION_INSTRUCTIONS), len(req.images))
+        out.append(req)
+    return out
+
+
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send offsets (s from the start) of n requests: gamma inter-arrivals with shape `burstiness`
+    and mean 1/rate (burstiness 1 = Poisson; < 1 burstier; > 1 more regular). The first request
+    goes at 0. rate = inf: all at once."""
+    if n < 1:
+        return []
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("rate and burstiness must be > 0")
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+# Presets scaled for a 2-core CPU and the small demo model (see `epdserve profile`): resolutions
+# at a quarter of their sides (360p → 160x90, 720p → 320x180, 1080p → 480x270: 18–165 vision
+# tokens instead of 300–1280) and outputs about a tenth of ShareGPT-4o's 600±140 tokens.
+_CPU = WorkloadConfig(resolution_scale=0.25, output_len_mean=60, output_len_std=14, output_len_min=8,
+                      output_len_max=120, text_prompt_words_mean=60, text_prompt_words_std=20)
+PRESETS = {
+    "sharegpt4o": _CPU.with_(name="sharegpt4o"),
+    # (a) several images per request, short outputs: the encoder dominates
+    "image-heavy": _CPU.with_(name="image-heavy", images_min=2, images_max=4, output_len_mean=12,
+                              output_len_std=3, output_len_min=4, output_len_max=24,
+                              resolution_mix=(("360p", 0.4), ("720p", 0.4), ("1080p", 0.2))),
+    # (b) mixed traffic: half the requests are text-only
+    "mixed": _CPU.with_(name="mixed", text_only_share=0.5, output_len_mean=24, output_len_std=6,
+                        output_len_min=4, output_len_max=48),
+    # (c) text-heavy with long outputs: few images, decode dominates
+    "text-heavy": _CPU.with_(name="text-heavy", text_only_share=0.8, output_len_mean=96, output_len_std=24,
+                             output_len_min=32, output_len_max=160, resolution_mix=(("360p", 1.0),)),
+}
