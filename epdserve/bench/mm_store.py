@@ -1,8 +1,9 @@
 """`epdserve bench mm-store`: put/get throughput and latency of the MM Store against raw redis-py.
 
-Both sides run in one process against the same server, interleaved iteration by iteration (who
-goes first alternates; each side overwrites its own key) so a noisy machine hurts both alike: raw redis-py SET/GET of a tensor's bytes, and `RedisMMStore`
-put/get of the same tensor (encode + checksum + SET; GET + verify + decode into a fresh tensor).
+Both sides run in one process against the same server, interleaved iteration by iteration
+(who goes first alternates; each side overwrites its own key) so a noisy machine hurts both
+alike: raw redis-py SET/GET of a tensor's bytes, and `RedisMMStore` put/get of the same
+tensor (encode + checksum + SET; GET + verify + decode into a fresh tensor).
 MB/s counts payload bytes (the tensor), 1 MB = 1e6 bytes.
 """
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _bench_size(raw: redis.Redis, store: RedisMMStore, tokens: int, hidden: int,
         p50 = statistics.median(ts)
         rows.append({
             "tokens": tokens, "mb": round(len(payload) / 1e6, 3), "system": system, "op": op,
-            "mb_per_s": round(len(payload) * len(ts) / sum(ts) / 1e6, 1),
+            "mb_per_s": round(len(payload) * len(ts) / sum(ts) / 1e6, 3),
             "p50_ms": round(p50 * 1e3, 3),
             "p90_ms": round(sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3, 3),
         })
@@ -103,7 +104,7 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     raw = {(r["tokens"], r["op"]): r for r in rows if r["system"] == "redis-py"}
     for r in sorted(rows, key=lambda r: (r["tokens"], r["op"] != "put", r["system"] != "redis-py")):
-        ratio = r["mb_per_s"] / raw[(r["tokens"], r["op"])]["mb_per_s"]
+        ratio = r["mb_per_s"] / max(raw[(r["tokens"], r["op"])]["mb_per_s"], 1e-9)
         lines.append(f"{r['tokens']:>6} {r['mb']:>6.2f} {r['op']:>4} {r['system']:>9} {r['mb_per_s']:>8.1f} "
                      f"{r['p50_ms']:>8.2f} {r['p90_ms']:>8.2f} {ratio:>6.0%}")
     return "\n".join(lines)

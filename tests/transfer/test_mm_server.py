@@ -78,3 +78,10 @@ def test_bad_arguments_are_refused():
         LocalRedisServer(port=70000)
     with pytest.raises(RuntimeError, match="start"):
         LocalRedisServer().url
+
+
+def test_missing_binary_is_a_clear_error(tmp_path):
+    from epdserve.transfer.mm_store.server import ServerStartError
+
+    with pytest.raises(ServerStartError, match="cannot run"):
+        LocalRedisServer(binary=str(tmp_path / "no-such-server")).start()

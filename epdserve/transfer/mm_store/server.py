@@ -163,14 +163,18 @@ class LocalRedisServer:
             args += ["--requirepass", self.password]
         else:
             args += ["--protected-mode", "no"]  # loopback only; bind above
-        self._proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # own process group: stop() signals only the server
-            preexec_fn=_parent_death_signal(),
-        )
+        try:
+            self._proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # own process group: stop() signals only the server
+                preexec_fn=_parent_death_signal(),
+            )
+        except OSError as e:
+            self.stop()
+            raise ServerStartError(f"cannot run {self.binary}: {e}") from e
         # A weak reference: atexit must not keep the object (and its server) alive.
         ref = weakref.ref(self)
         self._atexit = lambda: ref() is not None and ref().stop(timeout_s=1.0)
