@@ -1,0 +1,29 @@
+"""Layerwise P→D KV transfer over torch.distributed (gloo on CPU, NCCL on CUDA, HCCL on NPU).
+
+Owns the prefill→decode hop: each P–D pair builds its own two-rank process group from a TCP
+rendezvous (`PairRendezvous`, `RendezvousServer`, `PairConnection`); the prefill side's
+`KVSender` sends each layer's KV of a batch while the next layer computes; the decode side's
+`KVReceiver` receives it straight into blocks it reserved beforehand. Progress is a
+`TransferState` polled by the engine loop (no callbacks).
+
+Lifecycle of one request's transfer, on both sides:
+    BOOTSTRAPPING  registered (D: blocks reserved, waiting for P's batch header;
+                   P: batch header published, no layer sent yet)
+    TRANSFERRING   layers flowing
+    DONE           D: every layer is in its blocks; P: D acknowledged that
+    FAILED         peer died, stalled past the timeout, or rejected the request; the owner
+                   frees the request's blocks (nothing of ours still reads or writes them)
+"""
+from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous, RequestEntry
+from epdserve.transfer.kv.pair import PairConnection
+from epdserve.transfer.kv.receiver import KVReceiver, RecvRequest
+from epdserve.transfer.kv.rendezvous import RendezvousServer
+from epdserve.transfer.kv.sender import KVSender, SendRequest
+from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
+
+__all__ = [
+    "BatchHeader", "KVReceiver", "KVSender", "KVTransferConfig", "PairConnection", "PairRendezvous",
+    "PairState", "RecvRequest", "RendezvousServer", "RequestEntry", "SendRequest", "TransferState",
+    "TransferStatus",
+]

@@ -1,0 +1,25 @@
+"""`KVTransferConfig`: the timeouts and polling period of the P→D KV hop, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """timeout_s: the longest wait for any one posted message (a stalled peer fails the transfer
+    after this; it must exceed one layer's compute time on P).
+    bootstrap_timeout_s: D side, from `expect()` to the batch header naming the request.
+    connect_timeout_s: building a pair's process group (both sides must arrive within it).
+    poll_interval_s: D side, how often the header store is checked while a transfer is expected.
+    """
+
+    timeout_s: float = 30.0
+    bootstrap_timeout_s: float = 120.0
+    connect_timeout_s: float = 60.0
+    poll_interval_s: float = 0.001
+
+    def __post_init__(self):
+        for name in ("timeout_s", "bootstrap_timeout_s", "connect_timeout_s", "poll_interval_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"KVTransferConfig.{name} must be a positive number of seconds, got {value!r}")

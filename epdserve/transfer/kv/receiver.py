@@ -1,0 +1,292 @@
+"""`KVReceiver`: the decode side — receives a request's KV, layer by layer, into blocks it reserved.
+
+Engine protocol:
+    connect(peer, rdzv)            once per prefill peer (a thread per peer does the receiving)
+    expect(RecvRequest)            after reserving the request's blocks: BOOTSTRAPPING
+    pop_finished()                 each loop iteration: DONE (every layer is in the blocks:
+                                   the request may join the decode batch) or FAILED (free the
+                                   blocks; nothing of ours writes to them any more)
+    cancel(request_id)             withdraw a request whose header has not arrived yet
+
+Per batch, the peer's thread reads the header (published by P in the pair's store), checks
+each request against what was expected (shape, block ids, token count), posts every receive
+of the batch straight into the reserved blocks (rejected requests go to a scratch buffer, so
+the stream stays in step with P), waits on them in wire order and acknowledges to P with one
+uint8 per request (1 = stored, 0 = rejected).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.layout import layer_plan
+from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous
+from epdserve.transfer.kv.pair import PairBroken, PairConnection
+from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
+
+_IDLE_POLL_S = 0.02  # header polling period while nothing is expected from a peer
+
+
+@dataclass(frozen=True)
+class RecvRequest:
+    request_id: str
+    peer: str
+    block_ids: tuple[int, ...]  # reserved blocks, exactly as many as the prompt needs
+    num_tokens: int
+
+
+class _Expected:
+    def __init__(self, req: RecvRequest, num_layers: int, deadline: float):
+        self.req = req
+        self.num_layers = num_layers
+        self.deadline = deadline
+        self.state = TransferState.BOOTSTRAPPING
+        self.layers_done = 0
+        self.error: str | None = None
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.req.request_id, self.req.peer, self.state, self.layers_done, self.num_layers, self.error)
+
+
+class _Channel:
+    """One prefill peer: its pair and the thread that receives its batches in order."""
+
+    def __init__(self, receiver: KVReceiver, peer: str, pair: PairConnection):
+        self.rx, self.peer, self.pair = receiver, peer, pair
+        self.wake = threading.Event()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name=f"kv-recv:{peer}", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.pair.close()
+        self.wake.set()
+
+    def _run(self) -> None:
+        rx, cfg, seq = self.rx, self.rx.config, 0
+        while not self.stopped:
+            rx._expire(self.peer)
+            state = self.pair.state
+            if state is PairState.CONNECTING:
+                self.pair.wait_ready(_IDLE_POLL_S)
+                continue
+            if state is not PairState.READY:
+                break
+            try:
+                header = self.pair.poll_header(seq)
+            except PairBroken:
+                break
+            except ValueError as e:
+                self.pair.mark_broken(f"malformed batch header {seq} from {self.peer}: {e}")
+                break
+            if header is None:
+                self.wake.wait(cfg.poll_interval_s if rx._expects(self.peer) else _IDLE_POLL_S)
+                self.wake.clear()
+                continue
+            if header.seq != seq:
+                self.pair.mark_broken(f"batch header numbered {header.seq}, expected {seq}")
+                break
+            seq += 1
+            if not self._receive(header):
+                break
+        rx._fail_peer(self.peer, self.pair.error or "pair closed")
+
+    def _receive(self, header: BatchHeader) -> bool:
+        """Receive one batch; False when the pair broke (its transfers are failed by the caller)."""
+        rx, pair = self.rx, self.pair
+        accepted = rx._accept(self.peer, header)
+        cache, plan = rx.cache, layer_plan([r.dst_block_ids for r in header.requests])
+        scratch = None
+        if not all(accepted):
+            biggest = max(c.num_blocks for c in plan) * header.block_bytes()
+            scratch = torch.empty(biggest, dtype=torch.uint8, device=rx.device)
+        works = []  # (work, layer count complete once it is done, or None)
+        waited, posting = 0, True
+        try:
+            for layer in range(header.num_layers):
+                for i, c in enumerate(plan):
+                    ids = header.requests[c.request_index].dst_block_ids[c.offset : c.offset + c.num_blocks]
+                    for kind, tensors in enumerate((cache.keys, cache.values)):
+                        if accepted[c.request_index] is not None:
+                            dst = tensors[layer][ids[0] : ids[0] + len(ids)]
+                        else:
+                            dst = scratch[: c.num_blocks * header.block_bytes()]
+                        done = layer + 1 if kind == 1 and i == len(plan) - 1 else None
+                        works.append((pair.irecv(dst), done))
+            posting = False
+            for work, done in works:
+                pair.wait(work, f"receiving batch {header.seq} from {self.peer}")
+                waited += 1
+                if done is not None:
+                    rx._progress(accepted, done)
+        except PairBroken:
+            for work, _ in works[0 if posting else waited + 1 :]:
+                try:  # drain: once these return, nothing writes into the blocks any more
+                    pair.wait(work, "draining")
+                except PairBroken:
+                    pass
+            rx._fail_accepted(accepted, pair.error or "pair broken")
+            return False
+        rx._progress(accepted, header.num_layers, done=True)
+        ack = torch.tensor([0 if a is None else 1 for a in accepted], dtype=torch.uint8, device=rx.device)
+        try:
+            pair.wait(pair.isend(ack), f"acknowledging batch {header.seq} to {self.peer}")
+        except PairBroken:
+            return False
+        return True
+
+
+class KVReceiver:
+    def __init__(self, cache, platform, config: KVTransferConfig | None = None):
+        self.cache = cache
+        self.platform = platform
+        self.config = config or KVTransferConfig()
+        self.device = cache.keys[0].device
+        self._lock = threading.Lock()
+        self._channels: dict[str, _Channel] = {}
+        self._expected: dict[str, _Expected] = {}
+        # Channel threads must be stopped before the interpreter finalizes (a daemon thread
+        # returning from a torch wait during finalization aborts the process): close() does
+        # it, and this finalizer does it at exit for a receiver nobody closed.
+        self._closer = weakref.finalize(self, _stop_channels, self._channels, self._lock, self.config.timeout_s + 1.0)
+
+    # ------------------------------------------------------------------ peers
+    def connect(self, peer: str, rdzv: PairRendezvous) -> PairConnection:
+        """Start building the pair to prefill peer `peer` (replacing a previous one); returns at once."""
+        if not self._closer.alive:
+            raise RuntimeError("KVReceiver is closed")
+        if rdzv.rank != 1:
+            raise ValueError(f"the decode side joins a pair as rank 1, got {rdzv}")
+        self.disconnect(peer)
+        pair = PairConnection(rdzv, self.platform, self.config, self.device)
+        with self._lock:
+            self._channels[peer] = _Channel(self, peer, pair)
+        return pair
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            ch = self._channels.pop(peer, None)
+        if ch is not None:
+            ch.stop()
+            ch.thread.join(self.config.timeout_s + 1.0)
+
+    def pair_state(self, peer: str) -> PairState | None:
+        ch = self._channels.get(peer)
+        return ch.pair.state if ch else None
+
+    # ------------------------------------------------------------------ engine protocol
+    def expect(self, req: RecvRequest) -> None:
+        """Register a request whose blocks are reserved; its KV may now arrive from `req.peer`."""
+        bs, nb = self.cache.spec.block_size, self.cache.num_blocks
+        need = -(-req.num_tokens // bs) if req.num_tokens > 0 else 0
+        if need == 0 or len(req.block_ids) != need:
+            raise ValueError(f"request {req.request_id!r}: {req.num_tokens} tokens need {need} blocks, got {len(req.block_ids)}")
+        if not all(0 <= b < nb for b in req.block_ids) or len(set(req.block_ids)) != need:
+            raise ValueError(f"request {req.request_id!r}: block ids must be distinct and in 0..{nb - 1}")
+        exp = _Expected(req, self.cache.spec.num_layers, time.monotonic() + self.config.bootstrap_timeout_s)
+        with self._lock:
+            if req.request_id in self._expected:
+                raise ValueError(f"request {req.request_id!r} is already expected")
+            ch = self._channels.get(req.peer)
+            if ch is None or ch.pair.state not in (PairState.CONNECTING, PairState.READY):
+                exp.state = TransferState.FAILED
+                exp.error = f"no pair to prefill peer {req.peer!r}" + (f" ({ch.pair.state.value}: {ch.pair.error})" if ch else "")
+            self._expected[req.request_id] = exp
+        if ch is not None:
+            ch.wake.set()
+
+    def cancel(self, request_id: str) -> bool:
+        """Withdraw a request still BOOTSTRAPPING (True); False once its KV is arriving or finished."""
+        with self._lock:
+            exp = self._expected.get(request_id)
+            if exp is None or exp.state is not TransferState.BOOTSTRAPPING:
+                return False
+            del self._expected[request_id]
+            return True
+
+    def status(self, request_id: str) -> TransferStatus | None:
+        with self._lock:
+            exp = self._expected.get(request_id)
+            return exp.status() if exp else None
+
+    def pop_finished(self) -> list[TransferStatus]:
+        """Transfers that reached DONE or FAILED since the last call (then forgotten)."""
+        with self._lock:
+            done = [rid for rid, e in self._expected.items() if e.state.finished]
+            return [self._expected.pop(rid).status() for rid in done]
+
+    def close(self) -> None:
+        """Disconnect every peer (pending transfers fail) and stop the threads; final."""
+        self._closer()
+
+    # ------------------------------------------------------------------ called by channel threads
+    def _expects(self, peer: str) -> bool:
+        with self._lock:
+            return any(e.req.peer == peer and e.state is TransferState.BOOTSTRAPPING for e in self._expected.values())
+
+    def _expire(self, peer: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for e in self._expected.values():
+                if e.req.peer == peer and e.state is TransferState.BOOTSTRAPPING and now > e.deadline:
+                    e.state = TransferState.FAILED
+                    e.error = f"no KV from prefill peer {peer!r} within {self.config.bootstrap_timeout_s} s"
+
+    def _accept(self, peer: str, header: BatchHeader) -> list[_Expected | None]:
+        """Match a header's requests with what was expected; mismatched expected ones fail."""
+        mismatch = header.spec_mismatch(self.cache.spec)
+        out: list[_Expected | None] = []
+        with self._lock:
+            for entry in header.requests:
+                exp = self._expected.get(entry.request_id)
+                if exp is None or exp.req.peer != peer or exp.state is not TransferState.BOOTSTRAPPING:
+                    out.append(None)
+                    continue
+                why = mismatch
+                if why is None and tuple(entry.dst_block_ids) != tuple(exp.req.block_ids):
+                    why = f"sender targets blocks {list(entry.dst_block_ids)}, reserved {list(exp.req.block_ids)}"
+                if why is None and entry.num_tokens != exp.req.num_tokens:
+                    why = f"sender has {entry.num_tokens} tokens, expected {exp.req.num_tokens}"
+                if why is not None:
+                    exp.state, exp.error = TransferState.FAILED, why
+                    out.append(None)
+                    continue
+                exp.state = TransferState.TRANSFERRING
+                out.append(exp)
+        return out
+
+    def _progress(self, accepted: list[_Expected | None], layers: int, done: bool = False) -> None:
+        with self._lock:
+            for e in accepted:
+                if e is not None:
+                    e.layers_done = layers
+                    if done:
+                        e.state = TransferState.DONE
+
+    def _fail_accepted(self, accepted: list[_Expected | None], reason: str) -> None:
+        with self._lock:
+            for e in accepted:
+                if e is not None and not e.state.finished:
+                    e.state, e.error = TransferState.FAILED, reason
+
+    def _fail_peer(self, peer: str, reason: str) -> None:
+        with self._lock:
+            for e in self._expected.values():
+                if e.req.peer == peer and not e.state.finished:
+                    e.state, e.error = TransferState.FAILED, reason
+
+
+def _stop_channels(channels: dict, lock: threading.Lock, join_s: float) -> None:
+    with lock:
+        chans = list(channels.values())
+        channels.clear()
+    for ch in chans:
+        ch.stop()
+    for ch in chans:
+        ch.thread.join(join_s)
