@@ -114,3 +114,25 @@ def test_duplicate_events_fetch_once(parts):
     with PrefetchListener(store, target, cache, counters, replay_s=60):
         assert cache.wait_for("ns:marker", timeout_s=30) is not None  # events are read in order
     assert counters["events"] == 4 and counters["prefetches"] == 2
+
+
+def test_in_flight_prefetch_is_waited_for_not_fetched_twice(parts):
+    store, _, _, _, counters, _ = parts
+    waiting = threading.Event()
+
+    class SignallingCache(LocalFeatureCache):
+        def wait_for(self, key, timeout_s, inflight_only=False):
+            waiting.set()
+            return super().wait_for(key, timeout_s, inflight_only)
+
+    cache = SignallingCache(64 << 20)
+    fetcher = FeatureFetcher(store, cache, counters, inflight_wait_s=60)
+    assert cache.mark_inflight(["ns:inflight"]) == ["ns:inflight"]  # as the listener does
+    feature, result = _feature(7), []
+    getter = threading.Thread(target=lambda: result.append(fetcher.get("ns:inflight", timeout_s=0)))
+    getter.start()
+    assert waiting.wait(30)
+    cache.put("ns:inflight", feature)  # the prefetch lands
+    getter.join(60)
+    assert torch.equal(result[0][0], feature[0])
+    assert counters["waits"] == 1 and counters["hits_local"] == 1 and store.stats()["gets"] == 0

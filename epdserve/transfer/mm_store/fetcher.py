@@ -1,7 +1,8 @@
 """P side: get a media item's features for prefill, or say "recompute".
 
 `FeatureFetcher.get(key, timeout_s)` tries, in order: the local cache; a prefetch of the key
-already in flight (waited for); the store; then, while ``timeout_s`` lasts, the arrival of the
+already in flight (waited for, at least `inflight_wait_s` even when ``timeout_s`` is 0, since
+reading the store instead would move the same bytes twice); the store; then, while ``timeout_s`` lasts, the arrival of the
 key through the prefetch listener (and one last store read at the deadline). None means
 "recompute locally" — the caller runs its own vision encoder and calls `record_recompute()`.
 
@@ -21,8 +22,12 @@ from epdserve.transfer.mm_store.store import MMStore
 
 
 class FeatureFetcher:
-    def __init__(self, store: MMStore, cache: LocalFeatureCache, counters: Counters | None = None):
+    def __init__(self, store: MMStore, cache: LocalFeatureCache, counters: Counters | None = None,
+                 inflight_wait_s: float = 0.05):
+        if inflight_wait_s < 0:
+            raise ValueError(f"inflight_wait_s must be >= 0, got {inflight_wait_s}")
         self.store = store
+        self.inflight_wait_s = inflight_wait_s
         self.cache = cache
         self.counters = counters if counters is not None else feature_counters()
 
@@ -36,7 +41,8 @@ class FeatureFetcher:
             return feature
         if self.cache.is_inflight(key):
             self.counters.add("waits")
-            feature = self.cache.wait_for(key, deadline - time.monotonic(), inflight_only=True)
+            wait = max(deadline - time.monotonic(), self.inflight_wait_s)
+            feature = self.cache.wait_for(key, wait, inflight_only=True)
             if feature is not None:
                 self.counters.add("hits_local")
                 return feature
