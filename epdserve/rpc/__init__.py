@@ -1,0 +1,38 @@
+"""The wire: generated protobuf/gRPC modules of package `epdserve.v1`, and gRPC server helpers.
+
+Importing this package generates `epdserve/proto_gen/` from proto/ when it is missing or stale
+(see codegen.py). Use the modules from here, never from epdserve.proto_gen directly:
+
+    from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc, instance_pb2, instance_pb2_grpc
+
+- common.proto   SamplingParams, Media, Usage, StageTimings, Load, InstanceStatus, ...
+- serve.proto    the public `EPDServe` service (clients -> scheduler)
+- instance.proto `Registry` (instances -> scheduler) and `Instance` (scheduler -> instances)
+- servers.py     health + reflection on a server, free ports, status/conversion helpers
+"""
+from epdserve.rpc.codegen import ensure_generated
+
+ensure_generated()
+
+from epdserve.proto_gen.epdserve.v1 import (  # noqa: E402
+    common_pb2,
+    instance_pb2,
+    instance_pb2_grpc,
+    serve_pb2,
+    serve_pb2_grpc,
+)
+
+SERVE_SERVICE = "epdserve.v1.EPDServe"
+REGISTRY_SERVICE = "epdserve.v1.Registry"
+INSTANCE_SERVICE = "epdserve.v1.Instance"
+
+__all__ = [
+    "INSTANCE_SERVICE",
+    "REGISTRY_SERVICE",
+    "SERVE_SERVICE",
+    "common_pb2",
+    "instance_pb2",
+    "instance_pb2_grpc",
+    "serve_pb2",
+    "serve_pb2_grpc",
+]
