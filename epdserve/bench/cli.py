@@ -7,6 +7,7 @@ BENCHMARKS = [
     "epdserve.bench.offline",  # offline: engine vs transformers generate
     "epdserve.bench.mm_store",  # mm-store: MMStore vs raw redis-py
     "epdserve.bench.kv_transfer",  # kv-transfer: layerwise vs after-prefill
+    "epdserve.bench.serve",  # serve: modes side by side against live deployments (SLO goodput)
 ]
 
 

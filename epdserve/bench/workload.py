@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -140,6 +141,7 @@ def build_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
     weights = [w for _, w in cfg.resolution_mix]
     words = " ".join(demo_corpus(400, seed=cfg.seed + 17)).split(" ")
     pool: list[tuple[bytes, str]] = []  # every distinct image so far
+    image_seed = (cfg.seed * 1_000_003 + zlib.crc32(cfg.name.encode()) * 7919) % (1 << 62)  # distinct per workload
     out = []
     for i in range(cfg.num_requests):
         text_only = cfg.images_max == 0 or rng.random() < cfg.text_only_share
@@ -159,7 +161,7 @@ def build_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
                 else:
                     label = rng.choices(names, weights)[0]
                     w, h = resolution_size(label, cfg.resolution_scale)
-                    data = jpeg_bytes(procedural_image(w, h, seed=cfg.seed * 1_000_003 + len(pool)), quality=85)
+                    data = jpeg_bytes(procedural_image(w, h, seed=image_seed + len(pool)), quality=85)
                     pool.append((data, label))
                 req.images.append(data)
                 req.image_labels.append(label)

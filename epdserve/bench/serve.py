@@ -1,0 +1,251 @@
+"""`epdserve bench serve`: serving benchmark of live deployments, the modes side by side in one run.
+
+Owns the command: either `--address HOST:PORT` (one live deployment) or `--modes
+monolithic,E-PD,... --model DIR` (each mode launched in turn with `epdserve launch`, stopped
+after). Every target gets a warm-up, then the same seeded workloads at the same arrival
+schedules (each rate of a sweep with its own fresh images, so no run is served from a previous
+run's cache). Results: one JSON (written after every run, so a stopped benchmark keeps what it
+measured), a Markdown table (stdout and `<out>.md`) and one PNG per workload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import shlex
+import sys
+import time
+
+from epdserve.bench.metrics import SLO, compute_metrics
+from epdserve.bench.report import markdown, plot, request_rows
+from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
+from epdserve.bench.workload import PRESETS, WorkloadConfig, build_workload, parse_mix
+
+MODES = ("monolithic", "E-P-D", "EP-D", "ED-P", "E-PD")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serving benchmark: TTFT/TPOT/ITL/E2EL, goodput under SLOs, modes side by side",
+        description="Sends a seeded ShareGPT-4o-shaped workload to a live deployment (--address) or to each "
+                    "mode in turn, launched here (--modes ... --model DIR), and reports the metrics of vLLM's and "
+                    "SGLang's serving benchmarks plus the TTFT split by stage. Ratios against the first mode.")
+    t = p.add_argument_group("target")
+    t.add_argument("--address", metavar="HOST:PORT", help="a live deployment's scheduler")
+    t.add_argument("--label", default="live", help="name of the --address target in the report (default live)")
+    t.add_argument("--modes", help=f"comma-separated modes to launch in turn ({','.join(MODES)}); "
+                                   "the first is the baseline of the ratios")
+    t.add_argument("--model", metavar="DIR", help="checkpoint for --modes (default: the small demo model, built once)")
+    t.add_argument("--launch-arg", action="append", default=[], metavar="ARGS",
+                   help="extra arguments for every `epdserve launch` (shell-quoted, repeatable)")
+    t.add_argument("--mode-arg", action="append", default=[], metavar="MODE=ARGS",
+                   help="extra `epdserve launch` arguments for one mode, e.g. 'E-P-D=--decode 2' (repeatable)")
+    t.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a ready line (default 600)")
+    w = p.add_argument_group("workload (a preset, with any knob overridden)")
+    w.add_argument("--workload", default="sharegpt4o",
+                   help=f"comma-separated presets: {','.join(PRESETS)} (default sharegpt4o)")
+    w.add_argument("--num-requests", type=int, help="requests per run")
+    w.add_argument("--images-per-request", metavar="N|A-B", help="images per image request (uniform in A..B)")
+    w.add_argument("--resolution-mix", metavar="RES:W,...", help="e.g. 360p:0.5,720p:0.3,1080p:0.2 (names or WxH)")
+    w.add_argument("--resolution-scale", type=float, help="scale both sides of every resolution")
+    w.add_argument("--output-len", type=float, help="mean output tokens (clipped normal; max_tokens + ignore_eos)")
+    w.add_argument("--output-len-std", type=float, help="std of output tokens")
+    w.add_argument("--output-len-range", metavar="MIN-MAX", help="clip output tokens to this range")
+    w.add_argument("--text-only-share", type=float, help="share of text-only requests (mixed traffic)")
+    w.add_argument("--repeated-image-share", type=float, help="share of image slots reusing an earlier image")
+    w.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--request-rate", default="inf", metavar="R[,R...]",
+                   help="requests/s, a comma-separated sweep; inf = all at once (default inf)")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals; 1 = Poisson")
+    a.add_argument("--max-concurrency", type=int, help="at most this many requests in flight (closed loop with rate inf)")
+    a.add_argument("--warmup", type=int, default=2, help="warm-up requests per target, not measured (default 2)")
+    s = p.add_argument_group("SLOs (scale them to the machine and say so)")
+    s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT SLO (default 2000)")
+    s.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT SLO (default 50)")
+    s.add_argument("--slo-e2el-ms", type=float, help="E2EL SLO (default: none)")
+    s.add_argument("--slo-note", default="", help="how the SLOs were scaled (goes into the report)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="bench-serve.json", help="JSON report (default bench-serve.json); also <out>.md")
+    o.add_argument("--plots", metavar="DIR", help="PNG directory (default: next to --out)")
+    o.add_argument("--plot-prefix", help="PNG name prefix (default: the JSON's stem)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def workload_configs(args) -> list[WorkloadConfig]:
+    out = []
+    for name in [n.strip() for n in args.workload.split(",") if n.strip()]:
+        if name not in PRESETS:
+            raise SystemExit(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}")
+        changes: dict = {"seed": args.seed}
+        if args.num_requests:
+            changes["num_requests"] = args.num_requests
+        if args.images_per_request:
+            lo, _, hi = args.images_per_request.partition("-")
+            changes.update(images_min=int(lo), images_max=int(hi or lo))
+        if args.resolution_mix:
+            changes["resolution_mix"] = parse_mix(args.resolution_mix)
+        for arg, fld in (("resolution_scale", "resolution_scale"), ("output_len", "output_len_mean"),
+                         ("output_len_std", "output_len_std"), ("text_only_share", "text_only_share"),
+                         ("repeated_image_share", "repeated_image_share")):
+            if getattr(args, arg) is not None:
+                changes[fld] = getattr(args, arg)
+        if args.output_len_range:
+            lo, _, hi = args.output_len_range.partition("-")
+            changes.update(output_len_min=int(lo), output_len_max=int(hi))
+        elif args.output_len is not None:
+            changes.update(output_len_min=1, output_len_max=max(int(2 * args.output_len), 1))
+        out.append(PRESETS[name].with_(**changes))
+    return out
+
+
+def describe(cfg: WorkloadConfig) -> str:
+    img = f"{cfg.images_min}" if cfg.images_min == cfg.images_max else f"{cfg.images_min}-{cfg.images_max}"
+    mix = "/".join(f"{n}:{w:g}" for n, w in cfg.resolution_mix)
+    return (f"{cfg.num_requests} requests, {100 * cfg.text_only_share:.0f}% text-only, {img} image(s) per image "
+            f"request ({mix} x{cfg.resolution_scale:g}), output {cfg.output_len_mean:g}+-{cfg.output_len_std:g} "
+            f"tokens [{cfg.output_len_min}, {cfg.output_len_max}], {100 * cfg.repeated_image_share:.0f}% repeated images")
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [math.inf if r.strip().lower() == "inf" else float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(r <= 0 for r in rates):
+        raise SystemExit(f"--request-rate: positive numbers or inf, got {text!r}")
+    return rates
+
+
+def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: list[float], args, slo: SLO,
+               report: dict, save) -> None:
+    """Warm up, then every workload at every rate against one target; results go into `report`."""
+    warm = [*build_workload(PRESETS["sharegpt4o"].with_(name="warmup", num_requests=max(1, args.warmup - 1),
+                                                         text_only_share=0.0, output_len_mean=4, output_len_std=0,
+                                                         output_len_min=4, output_len_max=4, seed=args.seed)),
+            *build_workload(PRESETS["sharegpt4o"].with_(name="warmup-text", num_requests=1, text_only_share=1.0,
+                                                        output_len_mean=4, output_len_std=0, output_len_min=4,
+                                                        output_len_max=4, seed=args.seed))][: args.warmup]
+    for req in warm:
+        rec = send_one(backend, req)
+        if not rec.success:
+            _log(f"[{label}] warm-up request failed: {rec.error}")
+    for cfg in workloads:
+        entry = report["workloads"].setdefault(cfg.name, {"config": cfg.to_dict(), "summary": describe(cfg),
+                                                          "modes": {}})
+        mode_entry = entry["modes"].setdefault(label, {"runs": []})
+        for i, rate in enumerate(rates):
+            run_cfg = cfg.with_(seed=cfg.seed + 1000 * i)  # fresh images per rate, same for every target
+            requests = build_workload(run_cfg)
+            rc = RunConfig(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                           seed=run_cfg.seed, progress=not args.no_progress, label=f"{label} {cfg.name} {rate:g}/s")
+            t0 = time.time()
+            records = run_requests(backend, requests, rc)
+            m = compute_metrics(records, slo)
+            mode_entry["runs"].append({"rate": rate, "burstiness": args.burstiness,
+                                       "max_concurrency": args.max_concurrency, "seed": run_cfg.seed,
+                                       "wall_s": round(time.time() - t0, 2), "metrics": m,
+                                       "requests": request_rows(records)})
+            _log(f"[{label}] {cfg.name} @ {rc.describe()}: {m['completed']}/{m['num_requests']} ok, "
+                 f"goodput {m['goodput']:.3f} req/s, SLO {100 * m['slo_attainment']:.0f}%, "
+                 f"TTFT p50 {m['ttft_ms']['median'] or 0:.0f} ms, TPOT p50 {m['tpot_ms']['median'] or 0:.1f} ms")
+            save()
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.address) == bool(args.modes):
+        raise SystemExit("give exactly one of --address HOST:PORT or --modes M1,M2,...")
+    workloads = workload_configs(args)
+    rates = parse_rates(args.request_rate)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.slo_e2el_ms / 1e3 if args.slo_e2el_ms else None)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": "serve", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "command": "epdserve bench serve " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+              if sys.argv[1:3] == ["bench", "serve"] else " ".join(shlex.quote(a) for a in sys.argv),
+              "slo": slo.to_dict(), "slo_note": args.slo_note, "rates": rates, "burstiness": args.burstiness,
+              "max_concurrency": args.max_concurrency, "cpus": os.cpu_count(), "targets": {}, "workloads": {}}
+
+    def save():
+        out.write_text(json.dumps(_clean(report), indent=1, allow_nan=False) + "\n")
+
+    if args.address:
+        report["targets"][args.label] = {"address": args.address}
+        backend = ClientBackend(args.address)
+        try:
+            run_target(backend, args.label, workloads, rates, args, slo, report, save)
+        finally:
+            backend.close()
+    else:
+        _launch_all(args, workloads, rates, slo, report, save)
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save()
+    table = markdown(report, baseline=(args.modes.split(",")[0].strip() if args.modes else None))
+    out.with_suffix(".md").write_text(table + "\n")
+    pngs = plot(report, args.plots or out.parent, args.plot_prefix or out.stem)
+    print(table)
+    print(f"\nwrote {out}, {out.with_suffix('.md')}" + "".join(f", {p}" for p in pngs))
+    return 0
+
+
+def _launch_all(args, workloads, rates, slo, report, save) -> None:
+    from epdserve.bench.serve_launch import LaunchError, launched
+
+    model = args.model
+    if not model:
+        from epdserve.bench.offline import default_model
+
+        model = str(default_model("qwen2_vl"))
+    report["model"] = str(model)
+    per_mode = {}
+    for item in args.mode_arg:
+        mode, _, extra = item.partition("=")
+        per_mode.setdefault(mode.strip(), []).extend(shlex.split(extra))
+    common = [a for item in args.launch_arg for a in shlex.split(item)]
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+        extra = common + per_mode.get(mode, [])
+        target = report["targets"].setdefault(mode, {"launch_args": extra})
+        _log(f"[{mode}] launching ...")
+        try:
+            with launched(mode, model, extra, ready_timeout_s=args.launch_timeout) as dep:
+                target.update(address=dep.address, ready_s=round(dep.ready_s, 2), ready_line=dep.ready_line)
+                _log(f"[{mode}] ready at {dep.address} after {dep.ready_s:.1f} s")
+                backend = ClientBackend(dep.address)
+                try:
+                    run_target(backend, mode, workloads, rates, args, slo, report, save)
+                finally:
+                    backend.close()
+        except LaunchError as e:
+            target["error"] = str(e)
+            for cfg in workloads:
+                report["workloads"].setdefault(cfg.name, {"config": cfg.to_dict(), "summary": describe(cfg),
+                                                          "modes": {}})["modes"].setdefault(mode, {"runs": []})
+                report["workloads"][cfg.name]["modes"][mode]["error"] = str(e).splitlines()[0]
+            _log(f"[{mode}] {e}")
+        save()
+
+
+def _clean(o):
+    """JSON-safe copy: infinite rates become "inf" (strict JSON has no Infinity)."""
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if isinstance(o, float) and not math.isfinite(o):
+        return "inf" if o > 0 else None
+    return o
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/serve.py")
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args) or 0)

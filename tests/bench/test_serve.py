@@ -1,0 +1,164 @@
+"""bench serve without a server: the runner against a scripted backend, the report, the launcher."""
+import argparse
+import json
+import math
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from epdserve.bench.metrics import SLO
+from epdserve.bench.report import markdown, plot
+from epdserve.bench.serve import add_parser, parse_rates, run_target, workload_configs
+from epdserve.bench.serve_launch import LaunchError, launched, parse_ready
+from epdserve.bench.serve_runner import RunConfig, fields_of, run_requests, send_one
+from epdserve.bench.workload import WorkloadConfig, arrival_times, build_workload
+
+TINY = WorkloadConfig(name="tiny", num_requests=6, resolution_scale=0.05, output_len_mean=3, output_len_std=0,
+                      output_len_min=3, output_len_max=3, text_only_share=0.5, text_prompt_words_mean=5,
+                      text_prompt_words_std=0)
+
+
+class FakeBackend:
+    """Streams max_tokens one-token deltas, then a usage-only last message with stage timestamps."""
+
+    def __init__(self, gap=0.002, fail_ids=(), abort_ids=()):
+        self.gap, self.fail_ids, self.abort_ids = gap, set(fail_ids), set(abort_ids)
+        self.lock = threading.Lock()
+        self.in_flight = self.max_in_flight = 0
+        self.seen = []
+
+    def stream(self, req):
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self.seen.append(req.request_id)
+        try:
+            if req.request_id in self.fail_ids:
+                raise RuntimeError("instance died")
+            arrival = time.time()
+            for i in range(req.max_tokens):
+                time.sleep(self.gap)
+                yield SimpleNamespace(token_ids=[7], finished=False)
+            n_img = len(req.images)
+            timing = {"arrival": arrival, "dispatched": arrival, "encode_start": arrival if n_img else 0.0,
+                      "encode_end": arrival + 0.001 if n_img else 0.0, "prefill_start": arrival + 0.001,
+                      "first_token": arrival + self.gap}
+            yield SimpleNamespace(token_ids=[], finished=True,
+                                  finish_reason="abort" if req.request_id in self.abort_ids else "length",
+                                  usage={"prompt_tokens": 10 + 4 * n_img, "prompt_text_tokens": 10,
+                                         "vision_tokens": 4 * n_img, "cached_vision_tokens": 0,
+                                         "output_tokens": req.max_tokens},
+                                  timing=SimpleNamespace(**timing))
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def test_send_one_records_tokens_usage_and_timestamps():
+    req = build_workload(TINY.with_(text_only_share=0.0))[0]
+    rec = send_one(FakeBackend(), req)
+    assert rec.success and rec.chunk_tokens == [1, 1, 1] and rec.n_out == 3
+    assert (rec.vision_tokens, rec.prompt_text_tokens, rec.kind) == (4, 10, "image")
+    assert rec.timing["encode_start"] > 0 and rec.end >= rec.chunk_times[-1] > rec.t0
+
+
+def test_failures_and_aborts_are_recorded_not_raised():
+    reqs = build_workload(TINY)
+    backend = FakeBackend(fail_ids={reqs[1].request_id}, abort_ids={reqs[2].request_id})
+    recs = run_requests(backend, reqs, RunConfig(progress=False))
+    assert [r.request_id for r in recs] == [r.request_id for r in reqs]
+    assert [r.success for r in recs] == [True, False, False, True, True, True]
+    assert "instance died" in recs[1].error and "abort" in recs[2].error
+
+
+def test_closed_loop_respects_max_concurrency():
+    backend = FakeBackend(gap=0.005)
+    recs = run_requests(backend, build_workload(TINY.with_(num_requests=10)), RunConfig(max_concurrency=2, progress=False))
+    assert len(recs) == 10 and all(r.success for r in recs)
+    assert backend.max_in_flight <= 2
+
+
+def test_open_loop_never_sends_before_its_arrival_time():
+    reqs = build_workload(TINY.with_(num_requests=5))
+    cfg = RunConfig(rate=20.0, seed=4, progress=False)
+    recs = run_requests(FakeBackend(gap=0.001), reqs, cfg)
+    offsets = arrival_times(5, 20.0, 1.0, seed=4)
+    for rec, off in zip(recs, offsets):
+        assert rec.t0 - recs[0].t0 >= off - 0.005
+
+
+def test_fields_of_reads_dicts_objects_and_skips_missing():
+    assert fields_of({"a": 1}, ("a", "b")) == {"a": 1}
+    assert fields_of(SimpleNamespace(a=2), ("a", "b")) == {"a": 2}
+    assert fields_of(None, ("a",)) == {}
+
+
+def _args(**kw):
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers())
+    return p.parse_args(["serve", "--no-progress", "--warmup", "1", *kw.pop("argv", [])])
+
+
+def test_run_target_report_markdown_and_plots(tmp_path):
+    args = _args(argv=["--workload", "mixed", "--num-requests", "6", "--resolution-scale", "0.05", "--output-len", "3",
+                       "--output-len-std", "0", "--output-len-range", "3-3"])
+    workloads = workload_configs(args)
+    assert workloads[0].text_only_share == 0.5 and workloads[0].num_requests == 6
+    slo = SLO(ttft=1.0, tpot=0.5)
+    report = {"slo": slo.to_dict(), "workloads": {}}
+    saves = []
+    for label, gap in (("monolithic", 0.004), ("E-PD", 0.002)):
+        run_target(FakeBackend(gap=gap), label, workloads, [math.inf, 50.0], args, slo, report, lambda: saves.append(1))
+    w = report["workloads"]["mixed"]
+    assert list(w["modes"]) == ["monolithic", "E-PD"] and len(saves) == 4
+    run = w["modes"]["E-PD"]["runs"][0]
+    assert run["metrics"]["completed"] == 6 and len(run["requests"]) == 6
+    assert set(run["metrics"]["by_kind"]) == {"image", "text"}
+    # each rate of a sweep gets fresh images; every target gets the same requests
+    runs = w["modes"]["monolithic"]["runs"]
+    assert runs[0]["seed"] != runs[1]["seed"] and runs[1]["seed"] == w["modes"]["E-PD"]["runs"][1]["seed"]
+    md = markdown(report, baseline="monolithic")
+    assert "| E-PD | inf | 6/0 |" in md and "text TTFT p50" in md and "Highest rate meeting" in md
+    assert "| monolithic | inf |" in md and "1.00x" in md
+    assert "E->P / P queue" in md  # stage split from the server timestamps
+    json.dumps(report, default=str)  # JSON-ready
+    paths = plot(report, tmp_path, "t")
+    assert [p.name for p in paths] == ["t-mixed.png"] and paths[0].stat().st_size > 10_000
+
+
+def test_markdown_shows_a_mode_that_failed_to_launch():
+    report = {"slo": SLO().to_dict(), "workloads": {"w": {"summary": "s", "modes": {
+        "E-P-D": {"runs": [], "error": "launch --mode E-P-D exited with 1"}}}}}
+    assert "failed: launch --mode E-P-D exited with 1" in markdown(report)
+
+
+def test_parse_rates_and_ready_lines():
+    assert parse_rates("0.5,1,inf") == [0.5, 1.0, math.inf]
+    with pytest.raises(SystemExit):
+        parse_rates("0")
+    assert parse_ready("epdserve ready: mode E-PD listening on 0.0.0.0:5123", "x") == "127.0.0.1:5123"
+    assert parse_ready("Listening on grpc://localhost:7001 (scheduler)", "x") == "localhost:7001"
+    assert parse_ready("READY", "127.0.0.1:9") == "127.0.0.1:9"
+    assert parse_ready("starting instance E on core 0", "x") is None
+
+
+def test_launcher_waits_for_ready_and_stops_the_child(tmp_path):
+    script = "import sys,time; print('loading'); print('ready: listening on 127.0.0.1:{port}', flush=True); time.sleep(60)"
+    with launched("fake", "m", argv=[sys.executable, "-c", script], log_dir=str(tmp_path), port=45678) as dep:
+        assert dep.address == "127.0.0.1:45678" and dep.ready_s >= 0
+        pid = dep.pid
+    import os
+
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone (reaped)
+    assert "loading" in open(dep.log_path).read()
+
+
+def test_launcher_reports_an_early_exit_with_its_output(tmp_path):
+    script = "import sys; print('bad flag --mode'); sys.exit(2)"
+    with pytest.raises(LaunchError, match="(?s)exited with 2.*bad flag"):
+        with launched("fake", "m", argv=[sys.executable, "-c", script], log_dir=str(tmp_path)):
+            pass
