@@ -150,6 +150,7 @@ class RedisConnection:
             socket_connect_timeout=self.connect_timeout_s,
             retry=Retry(NoBackoff(), 0),  # ServerHealth does the backing off
             health_check_interval=0,
+            **_zero_copy_packer(),
         )
 
     def blocking_client(self, block_s: float) -> redis.Redis:
@@ -171,3 +172,18 @@ class RedisConnection:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _zero_copy_packer() -> dict:
+    """Send big values straight from their buffer (replies are still parsed by hiredis).
+
+    redis-py's hiredis command packer copies every argument into one new bytes object, which
+    measured 3-10x slower than the send itself for a freshly encoded 7 MB value; its Python
+    packer passes values above 6 kB to sendall as they are.
+    """
+    try:
+        from redis._parsers.encoders import Encoder
+        from redis.connection import PythonRespSerializer
+    except ImportError:  # another redis-py layout: keep its default packer
+        return {}
+    return {"command_packer": PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)}
