@@ -137,6 +137,31 @@ def kv_bytes_per_token(engine) -> int:
     return spec.bytes_per_block() // spec.block_size
 
 
+def interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear y(x) through the measured points, extended linearly past the ends."""
+    pts = sorted(zip(xs, ys))
+    if len(pts) == 1:
+        return pts[0][1] * x / pts[0][0] if pts[0][0] else pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1 or (x1, y1) == pts[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
+    return pts[-1][1]
+
+
+def unloaded_ttft(report: dict) -> list[dict]:
+    """Estimated TTFT of one request alone on one device, per image size: preprocess + encode +
+    prefill of (vision + text) tokens, from the measured points. The floor any SLO must clear."""
+    xs = [p["prompt_tokens"] for p in report["prefill"]]
+    ys = [p["prefill_ms"] for p in report["prefill"]]
+    text = report["text_tokens_per_request"]
+    rows = [{"request": "text-only", "prompt_tokens": text, "ttft_ms": interp(xs, ys, text)}]
+    for v in report["vision"]:
+        n = v["vision_tokens"] + text
+        rows.append({"request": f"1 x {v['resolution']}", "prompt_tokens": n,
+                     "ttft_ms": v["preprocess_ms"] + v["encode_ms"] + interp(xs, ys, n)})
+    return rows
+
+
 def run_profile(model: str, device: str = "auto", resolutions: list[str] | None = None,
                 prompt_lens: list[int] | None = None, batch_sizes: list[int] | None = None,
                 repeats: int = 3, decode_steps: int = 8, decode_context: int = 128, text_tokens: int = 32) -> dict:
@@ -164,7 +189,7 @@ def run_profile(model: str, device: str = "auto", resolutions: list[str] | None 
     per_request.insert(0, {"resolution": "text-only", "prompt_tokens": text_tokens, "feature_bytes": 0,
                            "kv_bytes": text_tokens * kv_tok})
     a = engine.adapter
-    return {
+    report = {
         "benchmark": "profile", "model": str(model), "device": str(engine.device), "platform": engine.platform.name,
         "dtype": str(a.dtype).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
         "model_info": {"layers": a.num_layers, "hidden": a.hidden_size, "kv_heads": a.num_kv_heads,
@@ -175,6 +200,8 @@ def run_profile(model: str, device: str = "auto", resolutions: list[str] | None 
         "vision": vision, "prefill": prefill, "decode": decode,
         "kv_bytes_per_token": kv_tok, "per_request": per_request, "text_tokens_per_request": text_tokens,
     }
+    report["unloaded_ttft"] = unloaded_ttft(report)
+    return report
 
 
 def markdown(report: dict) -> str:
@@ -190,6 +217,8 @@ def markdown(report: dict) -> str:
     lines += ["", "| decode batch | ms/step | tok/s |", "|---:|---:|---:|"]
     lines += [f"| {d['batch_size']} | {d['decode_ms_per_step']:.1f} | {d['decode_tokens_per_s']:.0f} |"
               for d in report["decode"]]
+    lines += ["", "| one request alone | prompt tokens | est. TTFT ms |", "|---|---:|---:|"]
+    lines += [f"| {u['request']} | {u['prompt_tokens']} | {u['ttft_ms']:.0f} |" for u in report["unloaded_ttft"]]
     lines += ["", f"KV: {report['kv_bytes_per_token']} B/token", "",
               "| request | prompt tokens | features E→P MB | KV P→D MB |", "|---|---:|---:|---:|"]
     lines += [f"| {r['resolution']} | {r['prompt_tokens']} | {r['feature_bytes'] * mb:.2f} | {r['kv_bytes'] * mb:.2f} |"

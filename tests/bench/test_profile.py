@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from epdserve.bench.profile import parse_resolution, run_profile
+from epdserve.bench.profile import interp, parse_resolution, run_profile
 from epdserve.entrypoints.cli import main
 
 
@@ -24,6 +24,16 @@ def test_profile_reports_every_stage_with_consistent_bytes(qwen2_vl_tiny):
     assert rep["per_request"][0] == {"resolution": "text-only", "prompt_tokens": 10, "feature_bytes": 0,
                                      "kv_bytes": 10 * kv_tok}
     assert rep["per_request"][2]["kv_bytes"] == (64 + 10) * kv_tok
+    est = rep["unloaded_ttft"]
+    assert [u["request"] for u in est] == ["text-only", "1 x 56x56", "1 x 224x224"]
+    assert est[2]["ttft_ms"] > rep["vision"][1]["encode_ms"] and est[0]["prompt_tokens"] == 10
+
+
+def test_interp_is_piecewise_linear():
+    assert interp([10, 20, 40], [1.0, 2.0, 6.0], 30) == pytest.approx(4.0)
+    assert interp([10, 20], [1.0, 2.0], 40) == pytest.approx(4.0)  # extended past the end
+    assert interp([10, 20], [1.0, 2.0], 5) == pytest.approx(0.5)
+    assert interp([10], [3.0], 20) == pytest.approx(6.0)
 
 
 def test_profile_cli_writes_json(qwen2_vl_tiny, tmp_path, capsys):
