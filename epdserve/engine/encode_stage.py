@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from epdserve.engine.features import FeatureProvider
+from epdserve.transfer.feature_provider import FeatureProvider
 from epdserve.engine.sequence import MediaItem, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.model.adapter import VLMAdapter

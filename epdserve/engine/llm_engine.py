@@ -24,7 +24,7 @@ import torch
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.encode_stage import EncodeStage
-from epdserve.engine.features import FeatureProvider, LocalFeatureProvider
+from epdserve.transfer.feature_provider import FeatureProvider, LocalFeatureProvider
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.outputs import RequestOutput

@@ -13,7 +13,7 @@ import pytest
 
 from epdserve import SamplingParams
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.features import FeatureProvider
+from epdserve.transfer.feature_provider import FeatureProvider
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
@@ -80,7 +80,8 @@ def _drain(eng):
     return outs
 
 
-def test_provider_matches_the_engine_interface():
+def test_provider_implements_the_engine_interface():
+    assert issubclass(MMStoreFeatureProvider, FeatureProvider)
     abstract = {n for n in dir(FeatureProvider) if getattr(getattr(FeatureProvider, n), "__isabstractmethod__", False)}
     for name in abstract | {"stats", "close"}:
         ours = inspect.signature(getattr(MMStoreFeatureProvider, name))

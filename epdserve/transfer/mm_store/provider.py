@@ -1,7 +1,4 @@
-"""`FeatureProvider` (the engine's E->P seam, epdserve/engine/features.py) over the MM Store.
-
-It matches that interface structurally rather than by subclassing: transfer/ sits below
-engine/ and never imports it (tests check the signatures match).
+"""`FeatureProvider` (the engine's E->P seam, epdserve/transfer/feature_provider.py) over the MM Store.
 
 One class, used by an engine in the role(s) it runs (`roles`, as in `EngineConfig.roles`):
 
@@ -26,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from epdserve.transfer.feature_provider import FeatureProvider
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.codec import encoded_nbytes
 from epdserve.transfer.mm_store.connection import StoreUnavailableError
@@ -38,7 +36,7 @@ from epdserve.transfer.mm_store.store import MMStoreError, RedisMMStore
 logger = logging.getLogger(__name__)
 
 
-class MMStoreFeatureProvider:
+class MMStoreFeatureProvider(FeatureProvider):
     def __init__(
         self,
         store: RedisMMStore,

@@ -6,7 +6,8 @@
 - prefill side: `load(key, timeout_s)` returns the features, waiting at most `timeout_s`, or
   None, in which case the prefill stage recomputes them with its own vision encoder.
 `LocalFeatureProvider` keeps features in this process (bounded LRU by bytes); the MM Store
-implementation lives in epdserve.transfer.mm_store.
+implementation (`MMStoreFeatureProvider`) lives in epdserve.transfer.mm_store. The interface
+sits in transfer/ (below engine/) so that implementations subclass it.
 """
 from __future__ import annotations
 
