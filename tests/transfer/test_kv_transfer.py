@@ -133,9 +133,9 @@ def _prefill_peer() -> None:
 class Peer:
     """A peer subprocess: JSON commands in, JSON events out, every wait bounded."""
 
-    def __init__(self, main: str):
-        code = f"from tests.transfer.test_kv_transfer import {main}; {main}()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE,
+    def __init__(self, main: str, module: str = __name__, argv: tuple[str, ...] = ()):
+        code = f"from {module} import {main}; {main}()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.events: queue.Queue = queue.Queue()
         self.backlog: list[dict] = []  # events read while waiting for another one
