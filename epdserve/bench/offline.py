@@ -53,6 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--baseline-requests", type=int, metavar="N",
                    help="run the slow one-at-a-time baseline on the first N requests only; its tok/s is over "
                         "those N (marked 'subset' in the table) and the token check covers them")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every configuration R times, interleaved (A B C A B C ...), and report medians (default 1)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra EngineConfig field for the engine run, e.g. max_num_batched_tokens=4096 (repeatable)")
     p.set_defaults(func=run)
@@ -60,13 +62,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.threads < 1 or (args.baseline_requests is not None and args.baseline_requests < 1):
+        raise SystemExit("--repeats, --threads and --baseline-requests must be >= 1")
     model_dir = pathlib.Path(args.model) if args.model else default_model(args.arch)
     workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
     engine_args = dict(_parse_kv(kv) for kv in args.engine_arg)
     report = {
         "benchmark": "offline", "model": str(model_dir), "model_name": model_dir.name,
-        "threads": args.threads, "seed": args.seed, "engine_args": engine_args,
-        "baseline_requests": args.baseline_requests, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "threads": args.threads, "cpu_count": os.cpu_count(), "repeats": args.repeats, "seed": args.seed,
+        "engine_args": engine_args, "baseline_requests": args.baseline_requests, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="epdserve-bench-") as tmp:
@@ -74,16 +78,8 @@ def run(args: argparse.Namespace) -> int:
             n_default, out_default = DEFAULTS[name]
             spec = WorkloadSpec(name, args.num_requests or n_default, args.output_len or out_default, args.seed,
                                 args.min_prompt_len, args.max_prompt_len, args.image_size)
-            configs = ["engine"] + ([] if args.skip_baselines else BASELINES[name])
-            results = {}
-            for cfg in configs:
-                subset = args.baseline_requests if cfg == "one_at_a_time" else None
-                _log(f"[{name}] {cfg}: running {subset or spec.num_requests} requests ...")
-                results[cfg] = _run_worker(tmp, cfg, model_dir, spec, args.threads, subset, engine_args)
-                r = results[cfg]
-                _log(f"[{name}] {cfg}: {r['output_tokens']} tokens in {r['duration_s']:.1f} s "
-                     f"({r['output_tokens'] / r['duration_s']:.1f} out tok/s), peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
-            report["workloads"][name] = {"spec": spec.to_dict(), **summarize_workload(name, results, spec.num_requests)}
+            runs = _run_workload(tmp, spec, model_dir, args, engine_args)
+            report["workloads"][name] = {"spec": spec.to_dict(), **summarize_workload(name, runs, spec.num_requests)}
     text = markdown(report, LABELS)
     print(text)
     out = pathlib.Path(args.out)
@@ -92,6 +88,23 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     _log(f"wrote {out}")
     return 0
+
+
+def _run_workload(tmp: str, spec: WorkloadSpec, model_dir, args, engine_args: dict) -> dict[str, list[dict]]:
+    """Every configuration `args.repeats` times, interleaved; config name → worker results."""
+    configs = ["engine"] + ([] if args.skip_baselines else BASELINES[spec.name])
+    runs: dict[str, list[dict]] = {cfg: [] for cfg in configs}
+    for rep in range(args.repeats):
+        for cfg in configs:
+            subset = args.baseline_requests if cfg == "one_at_a_time" else None
+            tag = f"[{spec.name} {rep + 1}/{args.repeats}] {cfg}"
+            _log(f"{tag}: running {subset or spec.num_requests} requests ...")
+            r = _run_worker(tmp, cfg, model_dir, spec, args.threads, subset, engine_args)
+            runs[cfg].append(r)
+            _log(f"{tag}: {r['output_tokens']} tokens in {r['duration_s']:.1f} s "
+                 f"({r['output_tokens'] / r['duration_s']:.1f} out tok/s), peak RSS "
+                 f"{r['peak_rss_bytes'] / 2**20:.0f} MiB, load {r['loadavg_1m'][1]:.1f}")
+    return runs
 
 
 def default_model(arch: str) -> pathlib.Path:

@@ -26,6 +26,18 @@ class RunResult:
     prompt_tokens: int  # input tokens, vision tokens included
     vision_tokens: int
     extra: dict = field(default_factory=dict)
+    cpu_s: float = 0.0  # process CPU time (all threads) over the same span; > threads × wall means oversubscribed
+
+
+class Stopwatch:
+    """Wall and process CPU time of a `with` block."""
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
 @dataclass
@@ -47,9 +59,8 @@ def run_engine(ctx: RunContext, requests: list[BenchRequest], output_len: int, w
     llm.generate([warmup.as_llm_prompt()], SamplingParams(max_tokens=2, ignore_eos=True))
     before = llm.engine.stats.as_dict()
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    t0 = time.perf_counter()
-    outs = llm.generate([r.as_llm_prompt() for r in requests], params)
-    duration = time.perf_counter() - t0
+    with Stopwatch() as sw:
+        outs = llm.generate([r.as_llm_prompt() for r in requests], params)
     failed = [o.error for o in outs if o.error]
     if failed:
         raise RuntimeError(f"{len(failed)} engine request(s) failed, first: {failed[0]}")
@@ -57,7 +68,8 @@ def run_engine(ctx: RunContext, requests: list[BenchRequest], output_len: int, w
     split = {k: after[k] - before[k] for k in after}
     return RunResult(
         tokens=[list(o.outputs[0].token_ids) for o in outs],
-        duration_s=duration,
+        duration_s=sw.wall,
+        cpu_s=sw.cpu,
         prompt_tokens=sum(o.num_prompt_tokens for o in outs),
         vision_tokens=sum(o.num_vision_tokens for o in outs),
         extra={"engine_stats": split, "engine_args": dict(ctx.engine_args)},
@@ -118,14 +130,13 @@ def _run_generate(ctx: RunContext, requests, output_len, warmup, batch_size: int
     hf = _HF(ctx)
     hf.generate([warmup], 2)
     tokens, prompt_tokens, vision_tokens = [], 0, 0
-    t0 = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        new, p, v = hf.generate(requests[i : i + batch_size], output_len)
-        tokens.extend(new)
-        prompt_tokens += p
-        vision_tokens += v
-    duration = time.perf_counter() - t0
-    return RunResult(tokens, duration, prompt_tokens, vision_tokens, extra={"batch_size": batch_size})
+    with Stopwatch() as sw:
+        for i in range(0, len(requests), batch_size):
+            new, p, v = hf.generate(requests[i : i + batch_size], output_len)
+            tokens.extend(new)
+            prompt_tokens += p
+            vision_tokens += v
+    return RunResult(tokens, sw.wall, prompt_tokens, vision_tokens, extra={"batch_size": batch_size}, cpu_s=sw.cpu)
 
 
 def run_one_at_a_time(ctx: RunContext, requests, output_len, warmup) -> RunResult:
@@ -164,13 +175,13 @@ def run_generate_batch(ctx: RunContext, requests, output_len, warmup) -> RunResu
         return ids, list(out.values()), sizes
 
     batch([warmup], 2)
-    t0 = time.perf_counter()
-    ids, results, sizes = batch(requests, output_len)
-    duration = time.perf_counter() - t0
+    with Stopwatch() as sw:
+        ids, results, sizes = batch(requests, output_len)
     tokens = [list(r.generated_tokens) for r in results]
     if len(tokens) != len(requests) or any(len(t) != output_len for t in tokens):
         raise RuntimeError(f"generate_batch returned {len(tokens)} results, lengths {sorted({len(t) for t in tokens})}")
-    return RunResult(tokens, duration, sum(len(x) for x in ids), 0, extra={"continuous_batching_config": sizes})
+    return RunResult(tokens, sw.wall, sum(len(x) for x in ids), 0, extra={"continuous_batching_config": sizes},
+                     cpu_s=sw.cpu)
 
 
 CONFIGS = {

@@ -7,6 +7,8 @@ against one-at-a-time `generate` — and the Markdown rendering. Pure functions 
 """
 from __future__ import annotations
 
+import statistics
+
 AIMS = {  # engine output tok/s ÷ baseline output tok/s, from issue 2's "Done when"
     "text": {"one_at_a_time": 5.0, "padded": 1.5, "generate_batch": 2.5},
     "images": {"one_at_a_time": 1.8, "padded": 1.1},
@@ -39,23 +41,37 @@ def engine_split(result: dict) -> dict:
     }
 
 
-def summarize_workload(name: str, results: dict[str, dict], total_requests: int) -> dict:
-    """results: config name → worker result (with "tokens"). Returns the JSON-ready summary."""
-    configs = {}
-    for cfg, r in results.items():
-        out_tps = _rate(r["output_tokens"], r["duration_s"])
+def _median_run(runs: list[dict]) -> tuple[dict, float]:
+    """The run whose duration is nearest the median, and the median duration itself."""
+    med = statistics.median(r["duration_s"] for r in runs)
+    return min(runs, key=lambda r: abs(r["duration_s"] - med)), med
+
+
+def summarize_workload(name: str, runs: dict[str, list[dict]], total_requests: int) -> dict:
+    """runs: config name → its worker results, one per repeat (with "tokens"). JSON-ready summary.
+
+    Times are medians over the repeats; tokens and the token check come from the first repeat.
+    """
+    configs, results = {}, {}
+    for cfg, rs in runs.items():
+        r, duration = _median_run(rs)
+        results[cfg] = {**r, "duration_s": duration, "tokens": rs[0]["tokens"]}
         configs[cfg] = {
             "num_requests": r["num_requests"],
             "subset": r["num_requests"] < total_requests,
-            "duration_s": r["duration_s"],
+            "repeats": len(rs),
+            "duration_s": duration,
+            "durations_s": [x["duration_s"] for x in rs],
+            "cpu_s": statistics.median(x.get("cpu_s", 0.0) for x in rs),
+            "loadavg_1m": [x.get("loadavg_1m") for x in rs],
             "prompt_tokens": r["prompt_tokens"],
             "text_prompt_tokens": r["prompt_tokens"] - r["vision_tokens"],
             "vision_tokens": r["vision_tokens"],
             "output_tokens": r["output_tokens"],
-            "output_tok_s": out_tps,
-            "total_tok_s": _rate(r["prompt_tokens"] + r["output_tokens"], r["duration_s"]),
-            "requests_s": _rate(r["num_requests"], r["duration_s"]),
-            "peak_rss_mib": r["peak_rss_bytes"] / 2**20,
+            "output_tok_s": _rate(r["output_tokens"], duration),
+            "total_tok_s": _rate(r["prompt_tokens"] + r["output_tokens"], duration),
+            "requests_s": _rate(r["num_requests"], duration),
+            "peak_rss_mib": max(x["peak_rss_bytes"] for x in rs) / 2**20,
             "extra": r.get("extra", {}),
         }
     summary: dict = {"configs": configs}
@@ -108,6 +124,11 @@ def markdown(report: dict, labels: dict[str, str]) -> str:
             parts = [f"{b} {a['measured']:.2f}× (aim ≥ {a['aim']}×: {'met' if a['met'] else 'MISSED'})"
                      for b, a in w["aims"].items()]
             lines.append("Aims: " + "; ".join(parts) + ".")
+        loads = [v for c in w["configs"].values() for pair in c["loadavg_1m"] if pair for v in pair]
+        reps = max(c["repeats"] for c in w["configs"].values())
+        if loads:
+            lines.append(f"Machine load (1-min average, all users) during the runs: {min(loads):.1f}–{max(loads):.1f} "
+                         f"on {report.get('cpu_count', '?')} cores; times are medians of {reps} interleaved repeat(s).")
         if any(c["subset"] for c in w["configs"].values()):
             lines.append("(subset): that configuration ran only the first N requests; its tok/s is over those.")
         lines.append("")

@@ -46,6 +46,7 @@ def run_job(job: WorkerJob) -> dict:
     # A warm-up request from another seed: its image is not one the timed run will see.
     warmup = build_requests(replace(spec, num_requests=1, seed=spec.seed + 7919), tokenizer)[0]
     ctx = RunContext(model_dir=job.model_dir, engine_args=dict(job.engine_args))
+    load_before = os.getloadavg()[0]
     result = CONFIGS[job.config](ctx, requests, spec.output_len, warmup)
     return {
         "config": job.config,
@@ -53,6 +54,10 @@ def run_job(job: WorkerJob) -> dict:
         "num_requests": len(requests),
         "threads": torch.get_num_threads(),
         "duration_s": result.duration_s,
+        "cpu_s": result.cpu_s,
+        # 1-minute load average of the machine (all users) before and after: > the core count means
+        # other work was competing with this configuration.
+        "loadavg_1m": [load_before, os.getloadavg()[0]],
         "prompt_tokens": result.prompt_tokens,
         "vision_tokens": result.vision_tokens,
         "output_tokens": sum(len(t) for t in result.tokens),

@@ -86,3 +86,21 @@ def test_registered_in_cli():
 
     args = build_parser().parse_args(["bench", "offline", "--workload", "text", "--baseline-requests", "4"])
     assert args.workload == "text" and args.baseline_requests == 4 and callable(args.func)
+
+
+def test_summary_takes_medians_over_repeats():
+    from epdserve.bench.offline_report import summarize_workload
+
+    def run(cfg, seconds, tokens):
+        return {"config": cfg, "num_requests": 2, "duration_s": seconds, "cpu_s": seconds, "loadavg_1m": [0.5, 0.6],
+                "prompt_tokens": 100, "vision_tokens": 0, "output_tokens": 8, "tokens": tokens,
+                "peak_rss_bytes": 2**20, "extra": {}}
+
+    same, other = [[1, 2, 3, 4]] * 2, [[1, 2, 3, 4], [9, 9, 9, 9]]
+    runs = {"engine": [run("engine", s, same) for s in (1.0, 5.0, 2.0)],
+            "one_at_a_time": [run("one_at_a_time", s, other) for s in (4.0, 8.0, 3.0)]}
+    w = summarize_workload("text", runs, total_requests=2)
+    assert w["configs"]["engine"]["duration_s"] == 2.0 and w["configs"]["engine"]["output_tok_s"] == 4.0
+    assert w["engine_speedup"]["one_at_a_time"] == 2.0
+    assert w["aims"]["one_at_a_time"] == {"aim": 5.0, "measured": 2.0, "met": False}
+    assert w["token_match_vs_one_at_a_time"]["engine"] == {"matched": 1, "compared": 2}
