@@ -1,1 +1,19 @@
-"""epdserve.scheduler."""
+"""The global scheduler: public gRPC front, instance registry, routing, request fan-out.
+
+One sentence per module:
+- config.py      SchedulerConfig (ports, health hysteresis, backpressure, retries)
+- registry.py    the instance roster with health hysteresis and per-instance outstanding work
+- health.py      the prober: grpc.health.v1 checks, forgetting the long-dead, static instances
+- routing.py     Router: coupled vs. P+D, media spread across E, least work + id cursor, backpressure
+- preprocess.py  tokenization, media decode + keys, placeholder expansion (tokenizer only, no model)
+- attempt.py     one attempt's RPC choreography (Encode / Decode reserve / Prefill / Decode stream)
+- dispatcher.py  admission, retries with resume, abort, usage and timing of each request
+- channels.py    one grpc.aio channel per instance
+- services.py    the EPDServe and Registry servicers
+- server.py      SchedulerServer (asyncio) and SchedulerThread (hosted in a thread)
+- errors.py      RequestError (status to the client) and InstanceError (what to do about a failure)
+"""
+from epdserve.scheduler.config import SchedulerConfig
+from epdserve.scheduler.server import SchedulerServer, SchedulerThread
+
+__all__ = ["SchedulerConfig", "SchedulerServer", "SchedulerThread"]

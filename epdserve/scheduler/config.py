@@ -1,0 +1,49 @@
+"""`SchedulerConfig`: everything that shapes one scheduler, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerConfig:
+    """model: the checkpoint directory (only its tokenizer, image processor and config are loaded).
+
+    Health hysteresis: an instance is SUSPECT after one failed probe/heartbeat, DOWN (no longer
+    routed to) after `unhealthy_after` consecutive failures, and HEALTHY again after
+    `healthy_after` consecutive good probes. DOWN instances are forgotten after `forget_after_s`.
+    Backpressure: at most `max_requests_in_flight` public requests, and at most
+    `max_inflight_per_instance` of them on any one instance; beyond either, RESOURCE_EXHAUSTED.
+    """
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port (the bound address is printed / returned)
+    static_instances: list[str] = field(default_factory=list)  # host:port of instances to adopt via GetLoad
+    heartbeat_interval_s: float = 1.0  # told to instances at Register
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    unhealthy_after: int = 3
+    healthy_after: int = 2
+    forget_after_s: float = 300.0
+    max_requests_in_flight: int = 1024
+    max_inflight_per_instance: int = 256
+    max_attempts: int = 4  # per public request, across instance failures
+    retry_backoff_s: float = 0.05
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
+    mode: str = ""  # as the launcher names it (reported by GetServerInfo)
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("model (a checkpoint directory) is required")
+        if not 0 <= int(self.port) < 65536:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        for name in ("heartbeat_interval_s", "probe_interval_s", "probe_timeout_s", "forget_after_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("unhealthy_after", "healthy_after", "max_requests_in_flight", "max_inflight_per_instance",
+                     "max_attempts"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.retry_backoff_s < 0:
+            raise ValueError("retry_backoff_s must be >= 0")
+        self.static_instances = list(self.static_instances)

@@ -1,0 +1,277 @@
+"""Request fan-out: admission, attempts, retries, usage and timing for every public request.
+
+Lifecycle of one request (`RequestRun.events`): admitted (or RESOURCE_EXHAUSTED) → prepared
+(tokenized, media decoded and keyed, in a worker thread) → attempt 1 on a routed plan → deltas
+stream to the client as instances produce them → the last delta carries finish reason, usage
+and timing.
+
+Retries, and the resume rule: when an instance fails mid-request (dies, is marked DOWN, its
+stream breaks, or it reports a transient failure) the attempt is closed (calls cancelled,
+Abort sent to its instances) and a new attempt starts elsewhere, with a fresh attempt id
+("<id>#<n>"). It *resumes*: its prompt is the original prompt followed by every token already
+streamed to the client, and its max_tokens is what is left, so no token is ever sent twice and
+greedy output is unchanged. (Caveats: a stop string that would span the resume point is not
+seen; a seeded sampled request continues with a fresh random stream.) At most `max_attempts`
+attempts; then UNAVAILABLE (RESOURCE_EXHAUSTED if the last failure was "busy").
+
+Abort (public `Abort`) and client cancellation close the current attempt the same way; an
+aborted stream ends with finish_reason "abort".
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from epdserve.rpc import common_pb2, instance_pb2, serve_pb2
+from epdserve.scheduler.attempt import Attempt, AttemptInputs, merge_timings
+from epdserve.scheduler.channels import ChannelPool
+from epdserve.scheduler.config import SchedulerConfig
+from epdserve.scheduler.errors import Action, InstanceError, RequestError
+from epdserve.scheduler.preprocess import PreparedRequest, RequestPreprocessor
+from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
+from epdserve.scheduler.routing import Router
+
+log = logging.getLogger(__name__)
+
+
+class StoredKeys:
+    """Media keys an E instance confirmed are in the MM Store (bounded LRU): later requests
+    skip E for them. A key evicted since costs only P's bounded wait and a local recompute."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+
+class RequestRun:
+    def __init__(self, dispatcher: Dispatcher, prep: PreparedRequest, arrival: float, deadline: float | None):
+        self.d = dispatcher
+        self.prep = prep
+        self.deadline = deadline
+        self.timing = common_pb2.StageTimings(arrival=arrival)
+        self.generated: list[int] = []
+        self.attempt: Attempt | None = None
+        self.attempts: list[Attempt] = []
+        self.first: Attempt | None = None  # the attempt that produced the first token
+        self.aborted = False
+        self._wake = asyncio.Event()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self._wake.set()
+        if self.attempt is not None:
+            for rec in self.attempt.plan.instances():
+                self.attempt.kill(rec.instance_id, "aborted by the client")
+
+    def instance_down(self, rec: InstanceRecord) -> None:
+        if self.attempt is not None:
+            self.attempt.kill(rec.instance_id, f"instance {rec.instance_id} is down")
+
+    async def events(self) -> AsyncIterator[serve_pb2.GenerateDelta]:
+        cfg, prep = self.d.config, self.prep
+        avoid: set[str] = set()
+        last_error: InstanceError | None = None
+        finished = False
+        try:
+            for n in range(1, cfg.max_attempts + 1):
+                if self.aborted:
+                    break
+                attempt = self._start_attempt(n, avoid)
+                try:
+                    async for piece in attempt.run():
+                        if piece.token_ids and self.first is None:
+                            self.first = attempt
+                        self.generated.extend(piece.token_ids)
+                        if piece.finished:
+                            finished = True
+                            await attempt.encode_results()
+                            attempt.close(abort=False)
+                            self._learn_stored(attempt)
+                            yield self._final(piece.token_ids, piece.text, piece.finish_reason)
+                            return
+                        if piece.token_ids or piece.text:
+                            yield serve_pb2.GenerateDelta(request_id=prep.request_id, token_ids=piece.token_ids,
+                                                          text=piece.text)
+                except InstanceError as e:
+                    attempt.close(abort=True)
+                    self._learn_stored(attempt)
+                    if self.aborted:
+                        break
+                    last_error = e
+                    self._handle_failure(e, avoid)
+                    log.warning("request %s attempt %d failed (%s); %s", prep.request_id, n, e,
+                                "retrying" if n < cfg.max_attempts else "giving up")
+                    if n < cfg.max_attempts:
+                        await self._backoff(n)
+            if self.aborted:
+                finished = True
+                yield self._final([], "", "abort")
+                return
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if last_error and last_error.action is Action.BUSY \
+                else grpc.StatusCode.UNAVAILABLE
+            raise RequestError(code, f"request {prep.request_id} failed after {cfg.max_attempts} attempts: {last_error}")
+        finally:
+            if self.attempt is not None:
+                self.attempt.close(abort=not finished)
+
+    # ---------------------------------------------------------------- pieces
+    def _start_attempt(self, n: int, avoid: set[str]) -> Attempt:
+        prep, d = self.prep, self.d
+        media_tokens = [m.num_tokens for m in prep.media]
+        seen: set[str] = set()
+        encode = []
+        for i, m in enumerate(prep.media):
+            if m.data and m.key not in d.stored and m.key not in seen:
+                encode.append(i)
+            seen.add(m.key)
+        prompt = prep.prompt_token_ids + self.generated
+        remaining = prep.max_tokens - len(self.generated)
+        plan, lease = d.router.plan(len(prompt), remaining, media_tokens, encode, avoid)
+        encoding = {prep.media[i].key for _, items in plan.encodes for i in items}
+        refs = [
+            instance_pb2.MediaRef(key=m.key, data=m.data, grid_thw=m.grid_thw, num_tokens=m.num_tokens,
+                                  expect_features=m.key in encoding or m.key in d.stored or not m.data)
+            for m in prep.media
+        ]
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(prep.sampling)
+        sampling.max_tokens = remaining
+        inputs = AttemptInputs(f"{prep.request_id}#{n}", prompt, refs, sampling, prep.num_vision_tokens, self.deadline)
+        attempt = Attempt(prep, inputs, plan, lease, d.channels, d.registry, d.background)
+        attempt.encoded_keys = encoding
+        self.attempt = attempt
+        self.attempts.append(attempt)
+        if not self.timing.dispatched:
+            self.timing.dispatched = time.time()
+        return attempt
+
+    def _handle_failure(self, e: InstanceError, avoid: set[str]) -> None:
+        action = e.action
+        if action is Action.FAIL:
+            raise RequestError.invalid(e.message)
+        if action is Action.DEADLINE:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, e.message)
+        if action is Action.RETRY_DEAD:
+            self.d.registry.record_failure(e.instance_id, f"{e.stage}: {e.code.name}")
+            avoid.add(e.instance_id)
+        elif action is Action.BUSY:
+            avoid.add(e.instance_id)
+
+    async def _backoff(self, n: int) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=self.d.config.retry_backoff_s * n)
+        except asyncio.TimeoutError:
+            pass
+
+    def _learn_stored(self, attempt: Attempt) -> None:
+        for key in attempt.report.already_stored:  # answered: it is in the store now
+            self.d.stored.add(key)
+
+    def _final(self, token_ids: list[int], text: str, reason: str) -> serve_pb2.GenerateDelta:
+        for a in self.attempts:
+            merge_timings(self.timing, a.report.timings)
+        self.timing.finished = time.time()
+        return serve_pb2.GenerateDelta(
+            request_id=self.prep.request_id, token_ids=token_ids, text=text, finished=True, finish_reason=reason,
+            usage=self._usage(), timing=self.timing, media_keys=self.prep.media_keys,
+        )
+
+    def _usage(self) -> common_pb2.Usage:
+        prep = self.prep
+        vision = prep.num_vision_tokens
+        return common_pb2.Usage(
+            prompt_tokens=len(prep.prompt_token_ids), prompt_text_tokens=len(prep.prompt_token_ids) - vision,
+            vision_tokens=vision, cached_vision_tokens=self._cached_vision_tokens(), output_tokens=len(self.generated),
+        )
+
+    def _cached_vision_tokens(self) -> int:
+        """Vision tokens not encoded for this request: E found them stored, or E was skipped and
+        the prefilling instance read them (see the module docstring of attempt.py)."""
+        a = self.first
+        if a is None or not self.prep.media:
+            return 0
+        rep = a.report
+        cached = sum(m.num_tokens for m in self.prep.media if rep.already_stored.get(m.key))
+        others = [m for m in self.prep.media if m.key not in a.encoded_keys]
+        if a.plan.coupled is not None:
+            cached += min(rep.reported_cached_tokens, sum(m.num_tokens for m in others))
+        else:
+            cached += sum(m.num_tokens for m in others if m.key not in rep.recomputed)
+        return min(cached, self.prep.num_vision_tokens)
+
+
+class Dispatcher:
+    def __init__(self, config: SchedulerConfig, registry: InstanceRegistry, router: Router,
+                 channels: ChannelPool, preprocessor: RequestPreprocessor):
+        self.config = config
+        self.registry = registry
+        self.router = router
+        self.channels = channels
+        self.preprocessor = preprocessor
+        self.stored = StoredKeys()
+        self.runs: dict[str, RequestRun] = {}
+        self.background: set[asyncio.Task] = set()
+        self._admitted = 0
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="epdserve-prep")
+        registry.on_down(self._instance_down)
+
+    @property
+    def in_flight(self) -> int:
+        return self._admitted
+
+    async def generate(self, req: serve_pb2.GenerateRequest, deadline: float | None = None
+                       ) -> AsyncIterator[serve_pb2.GenerateDelta]:
+        """The public stream of one request. Raises RequestError."""
+        arrival = time.time()
+        if self._admitted >= self.config.max_requests_in_flight:
+            raise RequestError.exhausted(f"{self._admitted} requests in flight (limit {self.config.max_requests_in_flight})")
+        self._admitted += 1
+        try:
+            if req.request_id and req.request_id in self.runs:
+                raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
+            loop = asyncio.get_running_loop()
+            prep = await loop.run_in_executor(self._pool, self.preprocessor.prepare, req, self.registry.namespace)
+            if prep.request_id in self.runs:
+                raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
+            run = RequestRun(self, prep, arrival, deadline)
+            self.runs[prep.request_id] = run
+            try:
+                async for delta in run.events():
+                    yield delta
+            finally:
+                self.runs.pop(prep.request_id, None)
+        finally:
+            self._admitted -= 1
+
+    def abort(self, request_id: str) -> bool:
+        run = self.runs.get(request_id)
+        if run is None:
+            return False
+        run.abort()
+        return True
+
+    def _instance_down(self, rec: InstanceRecord) -> None:
+        for run in list(self.runs.values()):
+            run.instance_down(rec)
+
+    async def close(self) -> None:
+        for run in list(self.runs.values()):
+            run.abort()
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=2.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)

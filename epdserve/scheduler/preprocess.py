@@ -1,0 +1,229 @@
+"""Tokenization and placeholder expansion, once per request, at the scheduler.
+
+`RequestPreprocessor` loads only the checkpoint's tokenizer, image processor and config (never
+the weights) and turns a public `GenerateRequest` into a `PreparedRequest`: expanded prompt
+token ids (one `<|image_pad|>` per vision token), one `PreparedMedia` per image (MM Store key,
+bytes, grid, token count) and validated sampling parameters. Every image sent as bytes is
+decoded and preprocessed here, so a corrupt image fails its request with INVALID_ARGUMENT
+before anything is routed. Media sent by key are looked up in `MediaIndex` (what this
+scheduler learned from earlier requests); an unknown key is INVALID_ARGUMENT.
+
+Thread-safe: `prepare` runs in worker threads (it is CPU work), the index takes a lock.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.entrypoints.llm import chat_to_prompt
+from epdserve.model.errors import InvalidRequestError
+from epdserve.model.processor import MultimodalProcessor
+from epdserve.rpc import common_pb2, serve_pb2
+from epdserve.scheduler.errors import RequestError
+from epdserve.transfer.mm_store.keys import media_key
+
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+_SAMPLING_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens")
+
+
+@dataclass
+class PreparedMedia:
+    key: str
+    data: bytes  # empty when the client sent only the key
+    grid_thw: list[int]
+    num_tokens: int
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    media: list[PreparedMedia]
+    sampling: common_pb2.SamplingParams  # validated; max_tokens always set
+    params: SamplingParams
+    num_vision_tokens: int = 0
+    media_keys: list[str] = field(default_factory=list)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+
+class MediaIndex:
+    """Bounded LRU: media key -> (grid_thw, num_tokens), so clients may resend media by key."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, key: str, grid_thw: list[int], num_tokens: int) -> None:
+        with self._lock:
+            self._entries[key] = (list(grid_thw), num_tokens)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def get(self, key: str) -> tuple[list[int], int] | None:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+            return hit
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    kw = {name: getattr(p, name) for name in _SAMPLING_OPTIONAL if p.HasField(name)}
+    try:
+        return SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), **kw)
+    except (ValueError, TypeError) as e:
+        raise RequestError.invalid(f"bad sampling parameters: {e}") from None
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+    )
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+class RequestPreprocessor:
+    def __init__(self, model_dir: str, max_model_len: int | None = None):
+        from transformers import AutoConfig, AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.model_dir = str(model_dir)
+        self.config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
+        tc = getattr(self.config, "text_config", self.config)
+        self.vocab_size = int(tc.vocab_size)
+        self.image_token_id = int(self.config.image_token_id)
+        self.max_model_len = max_model_len or min(int(tc.max_position_embeddings), 32768)
+        self.processor = MultimodalProcessor(
+            self.tokenizer, image_processor, self.image_token_id, self.config.vision_config.spatial_merge_size,
+            self.max_model_len,
+        )
+        self.eos_token_ids = self._eos_ids()
+        self.index = MediaIndex()
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    def prepare(self, req: serve_pb2.GenerateRequest, namespace: str) -> PreparedRequest:
+        """Validate, tokenize, decode media, expand placeholders. Raises RequestError."""
+        params = sampling_from_proto(req.sampling)
+        kind = req.WhichOneof("input")
+        if kind == "prompt":
+            ids, media = self._encode_text(req.prompt), list(req.media)
+        elif kind == "prompt_token_ids":
+            ids, media = list(req.prompt_token_ids.ids), list(req.media)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError.invalid(f"prompt_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        elif kind == "chat":
+            if req.media:
+                raise RequestError.invalid("a chat request carries its images inside its messages, not in `media`")
+            text, media = self._render_chat(req.chat)
+            ids = self._encode_text(text)
+        else:
+            raise RequestError.invalid("the request has no prompt, prompt_token_ids or chat")
+        n_ph = sum(1 for t in ids if t == self.image_token_id)
+        if n_ph != len(media):
+            raise RequestError.invalid(
+                f"prompt has {n_ph} image placeholder(s) but {len(media)} image(s) were given; put "
+                f"{IMAGE_PLACEHOLDER} once per image"
+            )
+        if media and not namespace:
+            raise RequestError.unavailable("no instance has reported its media namespace yet")
+        prepared = [self._media(i, m, namespace) for i, m in enumerate(media)]
+        expanded: list[int] = []
+        it = iter(prepared)
+        for t in ids:
+            expanded.extend([t] * next(it).num_tokens if t == self.image_token_id else [t])
+        if not expanded:
+            raise RequestError.invalid("prompt is empty")
+        if len(expanded) >= self.max_model_len:
+            raise RequestError.invalid(
+                f"prompt is {len(expanded)} tokens (images included); the model's context is {self.max_model_len}"
+            )
+        return PreparedRequest(
+            request_id=req.request_id or uuid.uuid4().hex,
+            prompt_token_ids=expanded,
+            media=prepared,
+            sampling=sampling_to_proto(params),
+            params=params,
+            num_vision_tokens=sum(m.num_tokens for m in prepared),
+            media_keys=[m.key for m in prepared],
+        )
+
+    # ---------------------------------------------------------------- pieces
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _render_chat(self, chat: serve_pb2.Chat) -> tuple[str, list[common_pb2.Media]]:
+        messages = []
+        for msg in chat.messages:
+            parts = []
+            for part in msg.content:
+                which = part.WhichOneof("part")
+                if which == "text":
+                    parts.append({"type": "text", "text": part.text})
+                elif which == "image":
+                    parts.append({"type": "image", "image": part.image})
+                else:
+                    raise RequestError.invalid(f"empty content part in a {msg.role!r} message")
+            messages.append({"role": msg.role, "content": parts})
+        if not messages:
+            raise RequestError.invalid("chat has no messages")
+        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        try:
+            rendered = chat_to_prompt(self.tokenizer, messages, add_gen)
+        except InvalidRequestError as e:
+            raise RequestError.invalid(str(e)) from None
+        except Exception as e:  # the chat template may reject a conversation in many ways
+            raise RequestError.invalid(f"cannot render the chat: {e}") from None
+        return rendered["prompt"], list(rendered["multi_modal_data"]["image"])
+
+    def _media(self, i: int, m: common_pb2.Media, namespace: str) -> PreparedMedia:
+        which = m.WhichOneof("source")
+        if which == "data":
+            try:
+                mi = self.processor.preprocess_image(bytes(m.data))
+            except InvalidRequestError as e:
+                raise RequestError.invalid(f"image {i}: {e}") from None
+            key = media_key(mi.raw, namespace)
+            grid = [int(x) for x in mi.grid_thw.tolist()]
+            self.index.put(key, grid, mi.num_tokens)
+            return PreparedMedia(key, bytes(m.data), grid, mi.num_tokens)
+        if which == "key":
+            if not m.key.startswith(namespace + ":"):
+                raise RequestError.invalid(f"image {i}: key {m.key!r} is not of this model's namespace {namespace!r}")
+            hit = self.index.get(m.key)
+            if hit is None:
+                raise RequestError.invalid(f"image {i}: unknown media key {m.key!r}; send the image bytes")
+            return PreparedMedia(m.key, b"", hit[0], hit[1])
+        raise RequestError.invalid(f"image {i} has neither data nor key")
+
+    def _eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        try:
+            from transformers import GenerationConfig
+
+            v = GenerationConfig.from_pretrained(self.model_dir, local_files_only=True).eos_token_id
+        except Exception:  # no generation_config.json
+            v = None
+        for x in (v, self.tokenizer.eos_token_id):
+            if isinstance(x, int):
+                ids.add(x)
+            elif x:
+                ids.update(int(y) for y in x)
+        return sorted(ids)

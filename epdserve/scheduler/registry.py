@@ -1,0 +1,211 @@
+"""The instance roster: who is up, what roles they run, how busy they are, and their health.
+
+Health hysteresis (one state machine per instance, driven by the prober, heartbeats and failed
+RPCs): HEALTHY --failure--> SUSPECT (still routed to) --`unhealthy_after` consecutive
+failures--> DOWN (not routed to; listeners told, so requests on it are retried elsewhere)
+--`healthy_after` consecutive successes--> HEALTHY. Any success resets the failure count;
+registering (a fresh process) makes an instance HEALTHY at once. DOWN instances are forgotten
+after `forget_after_s`; one that comes back later simply registers again.
+
+The registry also holds the scheduler's own bookkeeping per instance: work it has dispatched
+and not seen finish (`outstanding[role]`) and requests in flight on it (`inflight`), which the
+router uses for least-outstanding-work choice and backpressure. It lives on the scheduler's
+event loop: every call comes from that one thread, so it takes no locks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from epdserve.rpc import common_pb2
+
+log = logging.getLogger(__name__)
+
+VALID_ROLES = ("E", "P", "D", "EP", "ED", "PD", "EPD")
+HEALTHY, SUSPECT, DOWN = common_pb2.HEALTHY, common_pb2.SUSPECT, common_pb2.DOWN
+
+
+class RegistryError(ValueError):
+    """A registration the scheduler refuses (bad roles, another model's media namespace)."""
+
+
+@dataclass
+class InstanceRecord:
+    instance_id: str
+    roles: str
+    address: str
+    model: str = ""
+    namespace: str = ""
+    kv_endpoint: common_pb2.KvEndpoint = field(default_factory=common_pb2.KvEndpoint)
+    pid: int = 0
+    load: common_pb2.Load = field(default_factory=common_pb2.Load)
+    health: int = HEALTHY
+    failures: int = 0
+    successes: int = 0
+    last_seen: float = 0.0
+    down_since: float | None = None
+    heartbeats: bool = True  # registered itself (static instances are adopted and only probed)
+    last_heartbeat: float = 0.0
+    outstanding: dict[str, int] = field(default_factory=lambda: {"E": 0, "P": 0, "D": 0, "PD": 0})
+    inflight: int = 0
+
+    def has(self, role: str) -> bool:
+        return role in self.roles
+
+    @property
+    def coupled(self) -> bool:
+        """One engine runs P and D back to back (PD, EPD): it takes whole requests."""
+        return self.has("P") and self.has("D")
+
+    @property
+    def routable(self) -> bool:
+        return self.health != DOWN
+
+    def to_proto(self) -> common_pb2.InstanceStatus:
+        return common_pb2.InstanceStatus(
+            instance_id=self.instance_id, roles=self.roles, address=self.address, model=self.model,
+            media_namespace=self.namespace, load=self.load, kv_endpoint=self.kv_endpoint, health=self.health,
+            last_seen=self.last_seen, pid=self.pid,
+        )
+
+
+def normalize_roles(roles: str) -> str:
+    norm = "".join(r for r in "EPD" if r in (roles or "").upper())
+    if norm not in VALID_ROLES or len(norm) != len(set((roles or "").upper())):
+        raise RegistryError(f"roles must be one of {', '.join(VALID_ROLES)}, got {roles!r}")
+    return norm
+
+
+class InstanceRegistry:
+    def __init__(self, unhealthy_after: int = 3, healthy_after: int = 2, forget_after_s: float = 300.0,
+                 clock: Callable[[], float] = time.time):
+        self.unhealthy_after = unhealthy_after
+        self.healthy_after = healthy_after
+        self.forget_after_s = forget_after_s
+        self.clock = clock
+        self._records: dict[str, InstanceRecord] = {}
+        self._down_listeners: list[Callable[[InstanceRecord], None]] = []
+
+    # ---------------------------------------------------------------- roster
+    def register(self, status: common_pb2.InstanceStatus, heartbeats: bool = True) -> InstanceRecord:
+        if not status.instance_id:
+            raise RegistryError("instance_id is required")
+        if not status.address:
+            raise RegistryError(f"{status.instance_id}: address is required")
+        roles = normalize_roles(status.roles)
+        ns = status.media_namespace
+        if ns:
+            for other in self._records.values():
+                if other.namespace and other.namespace != ns and other.instance_id != status.instance_id:
+                    raise RegistryError(
+                        f"{status.instance_id} serves media namespace {ns!r} but {other.instance_id} serves "
+                        f"{other.namespace!r}: one scheduler serves one model"
+                    )
+        now = self.clock()
+        rec = self._records.get(status.instance_id)
+        if rec is None:
+            rec = InstanceRecord(status.instance_id, roles, status.address)
+            self._records[rec.instance_id] = rec
+            log.info("instance %s joined: roles %s at %s", rec.instance_id, roles, status.address)
+        elif rec.health == DOWN:
+            log.info("instance %s re-registered (was down)", rec.instance_id)
+        rec.roles, rec.address, rec.model, rec.namespace = roles, status.address, status.model, ns
+        rec.kv_endpoint = common_pb2.KvEndpoint()
+        rec.kv_endpoint.CopyFrom(status.kv_endpoint)
+        rec.pid = status.pid
+        if status.HasField("load"):
+            rec.load = status.load
+        rec.heartbeats = heartbeats
+        rec.health, rec.failures, rec.successes, rec.down_since = HEALTHY, 0, 0, None
+        rec.last_seen = rec.last_heartbeat = now
+        return rec
+
+    def heartbeat(self, instance_id: str, load: common_pb2.Load | None = None) -> bool:
+        rec = self._records.get(instance_id)
+        if rec is None:
+            return False
+        rec.last_heartbeat = self.clock()
+        if load is not None:
+            rec.load = load
+        self.record_success(instance_id)
+        return True
+
+    def deregister(self, instance_id: str) -> bool:
+        rec = self._records.pop(instance_id, None)
+        if rec is not None:
+            log.info("instance %s left", instance_id)
+            self._notify_down(rec)
+        return rec is not None
+
+    def get(self, instance_id: str) -> InstanceRecord | None:
+        return self._records.get(instance_id)
+
+    def records(self) -> list[InstanceRecord]:
+        return sorted(self._records.values(), key=lambda r: r.instance_id)
+
+    def candidates(self, role: str) -> list[InstanceRecord]:
+        """Routable instances that run `role` ("E", "P", "D"; "PD" = coupled), by id."""
+        if role == "PD":
+            return [r for r in self.records() if r.routable and r.coupled]
+        return [r for r in self.records() if r.routable and r.has(role)]
+
+    @property
+    def namespace(self) -> str:
+        """The media-key namespace the instances report ("" until one reports it)."""
+        return next((r.namespace for r in self.records() if r.namespace), "")
+
+    @property
+    def model(self) -> str:
+        return next((r.model for r in self.records() if r.model), "")
+
+    # ---------------------------------------------------------------- health
+    def record_success(self, instance_id: str) -> None:
+        rec = self._records.get(instance_id)
+        if rec is None:
+            return
+        rec.last_seen = self.clock()
+        rec.failures = 0
+        if rec.health == DOWN:
+            rec.successes += 1
+            if rec.successes >= self.healthy_after:
+                rec.health, rec.successes, rec.down_since = HEALTHY, 0, None
+                log.info("instance %s is healthy again", instance_id)
+        else:
+            rec.health = HEALTHY
+
+    def record_failure(self, instance_id: str, reason: str = "") -> None:
+        rec = self._records.get(instance_id)
+        if rec is None:
+            return
+        rec.successes = 0
+        rec.failures += 1
+        if rec.health == DOWN:
+            return
+        if rec.failures >= self.unhealthy_after:
+            rec.health, rec.down_since = DOWN, self.clock()
+            log.warning("instance %s is down after %d failures (%s)", instance_id, rec.failures, reason or "no reason")
+            self._notify_down(rec)
+        else:
+            rec.health = SUSPECT
+
+    def forget_stale(self) -> list[str]:
+        now = self.clock()
+        gone = [r.instance_id for r in self._records.values()
+                if r.health == DOWN and r.down_since is not None and now - r.down_since > self.forget_after_s]
+        for iid in gone:
+            del self._records[iid]
+            log.info("instance %s forgotten (down for over %.0f s)", iid, self.forget_after_s)
+        return gone
+
+    def on_down(self, listener: Callable[[InstanceRecord], None]) -> None:
+        """Call `listener(record)` whenever an instance goes DOWN or deregisters."""
+        self._down_listeners.append(listener)
+
+    def _notify_down(self, rec: InstanceRecord) -> None:
+        for fn in list(self._down_listeners):
+            try:
+                fn(rec)
+            except Exception:  # a listener's bug must not break health tracking
+                log.exception("down listener failed for %s", rec.instance_id)

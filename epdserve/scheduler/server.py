@@ -1,0 +1,130 @@
+"""`SchedulerServer`: the scheduler process's gRPC server, and `SchedulerThread` to host one.
+
+One grpc.aio server on one event loop serves `EPDServe` (clients), `Registry` (instances),
+grpc.health.v1 and reflection. Starting it loads the tokenizer and image processor (not the
+model), binds (port 0 picks a free one; `address` says which), and starts the health prober.
+`SchedulerThread` runs a server on its own loop in a background thread (tests, embedding);
+the `epdserve scheduler` command runs one in the foreground.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+
+import grpc
+
+from epdserve.rpc import REGISTRY_SERVICE, SERVE_SERVICE, instance_pb2_grpc, serve_pb2_grpc
+from epdserve.rpc.servers import add_health_and_reflection, set_serving_aio
+from epdserve.scheduler.channels import CHANNEL_OPTIONS, ChannelPool
+from epdserve.scheduler.config import SchedulerConfig
+from epdserve.scheduler.dispatcher import Dispatcher
+from epdserve.scheduler.health import HealthProber
+from epdserve.scheduler.preprocess import RequestPreprocessor
+from epdserve.scheduler.registry import InstanceRegistry
+from epdserve.scheduler.routing import Router
+from epdserve.scheduler.services import EPDServeServicer, RegistryServicer
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+class SchedulerServer:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.scheduler_id = f"scheduler-{uuid.uuid4().hex[:8]}"
+        self.registry = InstanceRegistry(config.unhealthy_after, config.healthy_after, config.forget_after_s)
+        self.channels = ChannelPool()
+        self.router = Router(self.registry, config.max_inflight_per_instance)
+        self.prober = HealthProber(config, self.registry, self.channels)
+        self.dispatcher: Dispatcher | None = None
+        self.address = ""
+        self._server: grpc.aio.Server | None = None
+        self._health = None
+        self._probe_task: asyncio.Task | None = None
+
+    async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        pre = await loop.run_in_executor(None, RequestPreprocessor, self.config.model, self.config.max_model_len)
+        self.dispatcher = Dispatcher(self.config, self.registry, self.router, self.channels, pre)
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
+        self.address = f"{host}:{port}"
+        info = {"scheduler_id": self.scheduler_id, "address": self.address, "started_at": time.time(),
+                "version": VERSION}
+        serve_pb2_grpc.add_EPDServeServicer_to_server(
+            EPDServeServicer(self.config, self.dispatcher, self.registry, info), server)
+        instance_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(self.config, self.registry, self.scheduler_id), server)
+        services = [SERVE_SERVICE, REGISTRY_SERVICE]
+        self._health = add_health_and_reflection(server, services, aio=True)
+        await server.start()
+        await set_serving_aio(self._health, services)
+        self._server = server
+        self._probe_task = asyncio.create_task(self.prober.run())
+        log.info("scheduler %s listening on %s", self.scheduler_id, self.address)
+        return self.address
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is None:
+            return
+        await set_serving_aio(self._health, [SERVE_SERVICE, REGISTRY_SERVICE], serving=False)
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
+        await self._server.stop(grace_s)
+        await self.channels.close()
+        self._server = None
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+class SchedulerThread:
+    """A `SchedulerServer` on its own event loop in a daemon thread: `start()` -> address, `stop()`."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.server = SchedulerServer(config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="epdserve-scheduler", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout_s)
+
+    def call(self, fn, timeout_s: float = 10.0):
+        """Run `fn()` on the scheduler's loop (registry and dispatcher live there)."""
+        async def _run():
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(_run(), self.loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(timeout_s)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout_s)
+            self.loop.close()
+
+    def __enter__(self) -> SchedulerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

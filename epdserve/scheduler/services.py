@@ -1,0 +1,110 @@
+"""The scheduler's gRPC servicers: public `EPDServe` (clients) and `Registry` (instances).
+
+Both run on the scheduler's asyncio event loop. A `RequestError` becomes its status code; an
+unexpected exception becomes INTERNAL for that request only (logged), never a crashed server.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from epdserve.rpc import instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc
+from epdserve.scheduler.config import SchedulerConfig
+from epdserve.scheduler.dispatcher import Dispatcher
+from epdserve.scheduler.errors import RequestError
+from epdserve.scheduler.preprocess import IMAGE_PLACEHOLDER
+from epdserve.scheduler.registry import InstanceRegistry, RegistryError
+
+log = logging.getLogger(__name__)
+
+
+def _deadline(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
+    def __init__(self, config: SchedulerConfig, dispatcher: Dispatcher, registry: InstanceRegistry, info: dict):
+        self.config = config
+        self.dispatcher = dispatcher
+        self.registry = registry
+        self.info = info  # scheduler_id, address, started_at, version
+
+    async def GenerateStream(self, request, context):
+        try:
+            async for delta in self.dispatcher.generate(request, _deadline(context)):
+                yield delta
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        except Exception as e:
+            log.exception("request %s failed", request.request_id or "(unnamed)")
+            await context.abort(grpc.StatusCode.INTERNAL, f"scheduler error: {e}")
+
+    async def Generate(self, request, context):
+        out = serve_pb2.GenerateResponse()
+        try:
+            async for d in self.dispatcher.generate(request, _deadline(context)):
+                out.request_id = d.request_id
+                out.token_ids.extend(d.token_ids)
+                out.text += d.text
+                if d.finished:
+                    out.finish_reason = d.finish_reason
+                    out.usage.CopyFrom(d.usage)
+                    out.timing.CopyFrom(d.timing)
+                    out.media_keys.extend(d.media_keys)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        except Exception as e:
+            log.exception("request %s failed", request.request_id or "(unnamed)")
+            await context.abort(grpc.StatusCode.INTERNAL, f"scheduler error: {e}")
+        return out
+
+    async def Abort(self, request, context):
+        return serve_pb2.AbortResponse(found=self.dispatcher.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context):
+        pp = self.dispatcher.preprocessor
+        return serve_pb2.ModelInfo(
+            model=self.config.model, model_type=pp.model_type, media_namespace=self.registry.namespace,
+            max_model_len=pp.max_model_len, image_placeholder=IMAGE_PLACEHOLDER, image_token_id=pp.image_token_id,
+            eos_token_ids=pp.eos_token_ids, vocab_size=pp.vocab_size,
+        )
+
+    async def GetServerInfo(self, request, context):
+        return serve_pb2.ServerInfo(
+            version=self.info["version"], scheduler_id=self.info["scheduler_id"], address=self.info["address"],
+            started_at=self.info["started_at"], requests_in_flight=self.dispatcher.in_flight,
+            instances=[r.to_proto() for r in self.registry.records()], mode=self.config.mode or self._mode(),
+        )
+
+    def _mode(self) -> str:
+        """The deployment mode the roster's roles add up to (e.g. "E-P-D", "EP-D", "monolithic")."""
+        roles = sorted({r.roles for r in self.registry.records()}, key=lambda x: ("EPD".index(x[0]), x))
+        if roles == ["EPD"]:
+            return "monolithic"
+        return "-".join(roles)
+
+
+class RegistryServicer(instance_pb2_grpc.RegistryServicer):
+    def __init__(self, config: SchedulerConfig, registry: InstanceRegistry, scheduler_id: str):
+        self.config = config
+        self.registry = registry
+        self.scheduler_id = scheduler_id
+
+    async def Register(self, request, context):
+        try:
+            self.registry.register(request.instance)
+        except RegistryError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return instance_pb2.RegisterResponse(scheduler_id=self.scheduler_id,
+                                             heartbeat_interval_s=self.config.heartbeat_interval_s)
+
+    async def Heartbeat(self, request, context):
+        load = request.load if request.HasField("load") else None
+        return instance_pb2.HeartbeatResponse(known=self.registry.heartbeat(request.instance_id, load))
+
+    async def Deregister(self, request, context):
+        self.registry.deregister(request.instance_id)
+        return instance_pb2.DeregisterResponse()
