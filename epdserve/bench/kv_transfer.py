@@ -55,10 +55,15 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", nargs="+", default=["demo-small", "qwen2-vl-7b"], choices=sorted(SHAPES))
     p.add_argument("--tokens", type=int, default=300, help="prompt tokens of the request")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--layer-ms", type=float, default=5.0, help="simulated compute per layer (ms)")
+    p.add_argument("--layer-ms", type=float, default=40.0,
+                   help="simulated compute per layer (ms); 40 = measured, small demo model, 311-token prompt "
+                        "with an image, one CPU thread")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per mode")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=30.0, help="KV transfer stall timeout")
+    p.add_argument("--engine", default=None, metavar="MODEL_DIR",
+                   help="also run a real prefill-only engine on this checkpoint (e.g. a `demo-model --size small`)")
+    p.add_argument("--image-px", type=int, default=224, help="engine mode: side of the square prompt image")
     p.add_argument("--out", default="kv_transfer_bench.json", help="JSON results file")
 
 
@@ -67,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--tokens, --block-size, --repeats must be positive; --warmup, --layer-ms >= 0")
     torch.set_num_threads(1)  # one core computes; gloo's IO thread and the peer get the rest
     rows = [bench_shape(name, args) for name in args.shapes]
+    if args.engine:
+        rows.append(bench_engine(args))
     print(format_table(rows))
     Path(args.out).write_text(json.dumps({"benchmark": "kv-transfer", "rows": rows}, indent=2))
     print(f"wrote {args.out}")
@@ -89,9 +96,141 @@ def _spec(shape: str, block_size: int) -> KVCacheSpec:
     return KVCacheSpec(layers, heads, dim, block_size, getattr(torch, dtype))
 
 
+class _SimulatedPrefill:
+    """Random KV in fixed blocks; each layer's compute is real matmuls for `layer_ms`."""
+
+    def __init__(self, spec: KVCacheSpec, tokens: int, layer_ms: float):
+        self.spec, self.tokens, self.s = spec, tokens, layer_ms / 1e3
+        self.cache = PagedKVCache(spec, -(-tokens // spec.block_size))
+        self.src = tuple(range(self.cache.num_blocks))
+        self.a = torch.randn(128, 128)
+        self.seed = 0
+
+    def _compute(self) -> None:
+        end = time.perf_counter() + self.s
+        while time.perf_counter() < end:
+            self.a = torch.tanh(self.a @ self.a)
+
+    def round(self, sender: KVSender, rid: str, dst: tuple[int, ...], layerwise: bool):
+        self.seed += 1
+        for layer in range(self.spec.num_layers):
+            fill_random(self.cache, layer, self.src, self.seed)
+        req = SendRequest(rid, "d0", self.src, dst, self.tokens)
+        t0 = time.perf_counter()
+        if layerwise:
+            sender.begin_batch([req])
+        for layer in range(self.spec.num_layers):
+            self._compute()
+            if layerwise:
+                sender.save_layer(layer)
+        t_end = time.perf_counter()
+        if not layerwise:
+            _send_all(sender, req, self.spec.num_layers)
+        t_ready = _wait_done(sender, rid)
+        return t_end - t0, t_ready - t_end, blocks_digest(self.cache, self.src)
+
+    def close(self) -> None:
+        pass
+
+
+class _EnginePrefill:
+    """A prefill-only LLMEngine; a runner layer hook sends each layer as it is computed."""
+
+    def __init__(self, model_dir: str, tokens: int, block_size: int, image_px: int):
+        from epdserve.engine.config import EngineConfig
+        from epdserve.engine.llm_engine import LLMEngine
+        from epdserve.model.demo_images import jpeg_bytes, procedural_image
+
+        self.eng = LLMEngine(EngineConfig(model=model_dir, device="cpu", roles="EP", block_size=block_size))
+        self.spec = self.eng.kv_cache.spec
+        self.cache = self.eng.kv_cache
+        self.images = [jpeg_bytes(procedural_image(image_px, image_px, 1))]
+        sentence = "the quick brown fox jumps over the lazy dog "
+        for reps in range(1, 1000):  # grow the text until the prompt reaches `tokens`
+            self.prompt = "<|vision_start|><|image_pad|><|vision_end|> describe it. " + sentence * reps
+            self.tokens = len(self.eng.processor.process(self.prompt, self.images).token_ids)
+            if self.tokens >= tokens:
+                break
+        self.dest: dict[str, tuple[int, ...]] = {}
+        self._sender: KVSender | None = None
+        self._open = False
+        self.eng.runner.layer_hooks.append(self._hook)
+
+    def _hook(self, layer: int, batch) -> None:
+        if layer == 0:
+            for item in batch:
+                rid = item.seq.request_id
+                if item.end == item.seq.prompt_len and rid in self.dest:
+                    dst = self.dest.pop(rid)
+                    src = tuple(self.eng.blocks.table(rid)[: len(dst)])
+                    self._sender.begin_batch([SendRequest(rid, "d0", src, dst, item.seq.prompt_len)])
+                    self._open = True
+        if self._open:
+            self._sender.save_layer(layer)
+            self._open = layer < self.spec.num_layers - 1
+
+    def round(self, sender: KVSender, rid: str, dst: tuple[int, ...], layerwise: bool):
+        from epdserve.engine.sampling_params import SamplingParams
+
+        eng, self._sender = self.eng, sender
+        eng.add_request(rid, self.prompt, self.images, SamplingParams(max_tokens=2, ignore_eos=True))
+        if layerwise:
+            self.dest[rid] = dst
+        t0 = time.perf_counter()
+        finished = False
+        while not finished:
+            for out in eng.step():
+                if out.error:
+                    raise RuntimeError(f"prefill of {rid} failed: {out.error}")
+                finished |= out.request_id == rid and out.finished
+        t_end = time.perf_counter()
+        src = tuple(eng.blocks.table(rid)[: len(dst)])
+        if not layerwise:
+            _send_all(sender, SendRequest(rid, "d0", src, dst, self.tokens), self.spec.num_layers)
+        t_ready = _wait_done(sender, rid)
+        digest = blocks_digest(self.cache, src)
+        eng.release(rid)
+        return t_end - t0, t_ready - t_end, digest
+
+    def close(self) -> None:
+        pass
+
+
+def _send_all(sender: KVSender, req: SendRequest, num_layers: int) -> None:
+    sender.begin_batch([req])
+    for layer in range(num_layers):
+        sender.save_layer(layer)
+
+
+def _wait_done(sender: KVSender, rid: str) -> float:
+    """perf_counter() when D acknowledged the request's KV."""
+    while True:
+        st = sender.status(rid)
+        if st.state.finished:
+            break
+        time.sleep(0.0001)
+    t = time.perf_counter()
+    sender.pop_finished()
+    if st.state is not TransferState.DONE:
+        raise RuntimeError(f"transfer {rid} failed: {st.error}")
+    return t
+
+
 def bench_shape(shape: str, args: argparse.Namespace) -> dict:
     spec = _spec(shape, args.block_size)
-    nblocks = -(-args.tokens // spec.block_size)
+    row = _bench(_SimulatedPrefill(spec, args.tokens, args.layer_ms), args)
+    return {"shape": shape, "compute": f"simulated {args.layer_ms} ms/layer", **row}
+
+
+def bench_engine(args: argparse.Namespace) -> dict:
+    prefill = _EnginePrefill(args.engine, args.tokens, args.block_size, args.image_px)
+    row = _bench(prefill, args)
+    return {"shape": f"engine:{Path(args.engine).name}", "compute": "real engine (EP role)", **row}
+
+
+def _bench(prefill, args: argparse.Namespace) -> dict:
+    spec, tokens = prefill.spec, prefill.tokens
+    nblocks = -(-tokens // spec.block_size)
     kv_bytes = spec.bytes_per_block() * nblocks
     rounds = args.warmup + args.repeats
     # Modes alternate which goes first; D receives into two block sets in turn, so it can
@@ -101,10 +240,9 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
     cfg = KVTransferConfig(timeout_s=args.timeout_s, bootstrap_timeout_s=600.0, connect_timeout_s=60.0)
     cpu = get_platform("cpu")
     server = RendezvousServer()
-    cache = PagedKVCache(spec, nblocks)
-    sender = KVSender(cache, cpu, cfg)
-    blocks = tuple(range(nblocks))
-    peer_cfg = dict(shape=shape, block_size=args.block_size, num_blocks=nblocks, tokens=args.tokens,
+    sender = KVSender(prefill.cache, cpu, cfg)
+    peer_cfg = dict(spec=[spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, str(spec.dtype)[6:]],
+                    num_blocks=nblocks, tokens=tokens,
                     kv=server.rendezvous("bench-kv").for_peer().to_json(),
                     raw=server.rendezvous("bench-raw").for_peer().to_json(),
                     raw_bytes=kv_bytes, raw_rounds=rounds, requests=[[rid, list(d)] for (_, rid), d in zip(order, dst)],
@@ -117,20 +255,17 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
         if not (raw_pair.wait_ready(60) and kv_pair.wait_ready(60)):
             raise RuntimeError(f"decode peer did not connect: {raw_pair.error or kv_pair.error}")
         raw = _raw_rounds(raw_pair, kv_bytes, rounds)[args.warmup:]
-        compute = _Compute(args.layer_ms)
         times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
         digests = {}
         for (mode, rid), d in zip(order, dst):
-            for layer in range(spec.num_layers):
-                fill_random(cache, layer, blocks, seed=len(digests) + 1)
-            digests[rid] = blocks_digest(cache, blocks)
-            req = SendRequest(rid, "d0", blocks, d, args.tokens)
-            times[mode].append(_kv_round(sender, req, spec.num_layers, compute, layerwise=mode == "layerwise"))
+            pre, tail, digests[rid] = prefill.round(sender, rid, d, layerwise=mode == "layerwise")
+            times[mode].append((pre, tail))
         out, _ = peer.communicate(timeout=60)
         peer_digests = json.loads(out.strip().splitlines()[-1])["digests"]
     finally:
         sender.close()
         raw_pair.close()
+        prefill.close()
         if peer.poll() is None:
             peer.kill()
             peer.wait(10)
@@ -138,60 +273,22 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
     bad = [rid for rid in digests if peer_digests.get(rid) != digests[rid]]
     if bad:
         raise RuntimeError(f"decode peer's KV differs from the prefill's for {bad}")
-    med = {m: statistics.median(t[1] for t in times[m][args.warmup:]) for m in MODES}
-    pre = {m: statistics.median(t[0] for t in times[m][args.warmup:]) for m in MODES}
-    e2e = {m: statistics.median(a + b for a, b in times[m][args.warmup:]) for m in MODES}
+    timed = {m: times[m][args.warmup:] for m in MODES}
+    tail = {m: statistics.median(t for _, t in timed[m]) for m in MODES}
+    pre = {m: statistics.median(p for p, _ in timed[m]) for m in MODES}
+    e2e = {m: statistics.median(p + t for p, t in timed[m]) for m in MODES}
     raw_s = statistics.median(raw)
     return {
-        "shape": shape, "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-        "dtype": SHAPES[shape][3], "tokens": args.tokens, "kv_bytes": kv_bytes, "layer_ms": args.layer_ms,
-        "repeats": args.repeats, "raw_ms": raw_s * 1e3, "raw_MBps": kv_bytes / raw_s / 1e6,
-        "after_tail_ms": med["after"] * 1e3, "after_MBps": kv_bytes / med["after"] / 1e6,
-        "layerwise_tail_ms": med["layerwise"] * 1e3,
+        "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "dtype": str(spec.dtype)[6:], "tokens": tokens, "kv_bytes": kv_bytes, "repeats": args.repeats,
+        "raw_ms": raw_s * 1e3, "raw_MBps": kv_bytes / raw_s / 1e6,
+        "after_tail_ms": tail["after"] * 1e3, "after_MBps": kv_bytes / tail["after"] / 1e6,
+        "layerwise_tail_ms": tail["layerwise"] * 1e3,
+        "hidden_pct": 100.0 * (1.0 - tail["layerwise"] / tail["after"]),
         "prefill_ms_after": pre["after"] * 1e3, "prefill_ms_layerwise": pre["layerwise"] * 1e3,
         "e2e_ms_after": e2e["after"] * 1e3, "e2e_ms_layerwise": e2e["layerwise"] * 1e3,
-        "hidden_pct": 100.0 * (1.0 - med["layerwise"] / med["after"]),
         "bit_exact": True,
     }
-
-
-class _Compute:
-    """Stands for one layer's compute: real matmuls for `ms` milliseconds."""
-
-    def __init__(self, ms: float):
-        self.s = ms / 1e3
-        self.a = torch.randn(128, 128)
-
-    def layer(self) -> None:
-        end = time.perf_counter() + self.s
-        while time.perf_counter() < end:
-            self.a = torch.tanh(self.a @ self.a)
-
-
-def _kv_round(sender: KVSender, req: SendRequest, num_layers: int, compute: _Compute, layerwise: bool):
-    """(prefill seconds, tail seconds) of one request: tail = last layer done → D acknowledged."""
-    t0 = time.perf_counter()
-    if layerwise:
-        sender.begin_batch([req])
-    for layer in range(num_layers):
-        compute.layer()
-        if layerwise:
-            sender.save_layer(layer)
-    t_end = time.perf_counter()
-    if not layerwise:
-        sender.begin_batch([req])
-        for layer in range(num_layers):
-            sender.save_layer(layer)
-    while True:
-        st = sender.status(req.request_id)
-        if st.state.finished:
-            break
-        time.sleep(0.0001)
-    t_ready = time.perf_counter()
-    sender.pop_finished()
-    if st.state is not TransferState.DONE:
-        raise RuntimeError(f"transfer {req.request_id} failed: {st.error}")
-    return t_end - t0, t_ready - t_end
 
 
 def _raw_rounds(pair: PairConnection, nbytes: int, rounds: int) -> list[float]:
@@ -206,22 +303,25 @@ def _raw_rounds(pair: PairConnection, nbytes: int, rounds: int) -> list[float]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'shape':<12} {'KV MB':>7} {'raw ms':>7} {'raw MB/s':>9} {'after tail':>11} {'after MB/s':>11} "
-            f"{'layerwise tail':>15} {'hidden':>7} {'prefill ms (after/lw)':>22} {'prefill->D ready ms (after/lw)':>31}")
+    head = (f"{'shape':<24} {'tokens':>6} {'KV MB':>6} {'raw ms':>7} {'raw MB/s':>8} {'after tail':>10} "
+            f"{'after MB/s':>10} {'layerwise tail':>14} {'hidden':>7} {'prefill ms after/lw':>20} "
+            f"{'prefill->D ready after/lw':>26}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['shape']:<12} {r['kv_bytes'] / 1e6:>7.2f} {r['raw_ms']:>7.2f} {r['raw_MBps']:>9.0f} "
-            f"{r['after_tail_ms']:>9.2f}ms {r['after_MBps']:>11.0f} {r['layerwise_tail_ms']:>13.2f}ms "
-            f"{r['hidden_pct']:>6.1f}% {r['prefill_ms_after']:>10.1f} / {r['prefill_ms_layerwise']:<9.1f} "
-            f"{r['e2e_ms_after']:>15.1f} / {r['e2e_ms_layerwise']:<13.1f}")
+            f"{r['shape']:<24} {r['tokens']:>6} {r['kv_bytes'] / 1e6:>6.2f} {r['raw_ms']:>7.2f} {r['raw_MBps']:>8.0f} "
+            f"{r['after_tail_ms']:>8.2f}ms {r['after_MBps']:>10.0f} {r['layerwise_tail_ms']:>12.2f}ms "
+            f"{r['hidden_pct']:>6.1f}% {r['prefill_ms_after']:>9.1f} /{r['prefill_ms_layerwise']:>8.1f} "
+            f"{r['e2e_ms_after']:>14.1f} /{r['e2e_ms_layerwise']:>9.1f}")
+    lines.append("compute: " + "; ".join(f"{r['shape']}: {r['compute']}" for r in rows))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- decode side (subprocess)
 def _decode_peer(cfg: dict) -> int:
     torch.set_num_threads(1)
-    spec = _spec(cfg["shape"], cfg["block_size"])
+    layers, heads, dim, block_size, dtype = cfg["spec"]
+    spec = KVCacheSpec(layers, heads, dim, block_size, getattr(torch, dtype))
     cache = PagedKVCache(spec, 2 * cfg["num_blocks"])
     kcfg = KVTransferConfig(timeout_s=cfg["timeout_s"], bootstrap_timeout_s=600.0, connect_timeout_s=60.0)
     cpu = get_platform("cpu")
