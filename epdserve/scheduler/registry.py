@@ -72,8 +72,9 @@ class InstanceRecord:
 
 
 def normalize_roles(roles: str) -> str:
-    norm = "".join(r for r in "EPD" if r in (roles or "").upper())
-    if norm not in VALID_ROLES or len(norm) != len(set((roles or "").upper())):
+    raw = (roles or "").upper()
+    norm = "".join(r for r in "EPD" if r in raw)
+    if norm not in VALID_ROLES or len(norm) != len(raw):
         raise RegistryError(f"roles must be one of {', '.join(VALID_ROLES)}, got {roles!r}")
     return norm
 

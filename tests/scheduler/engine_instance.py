@@ -13,9 +13,11 @@ import threading
 from concurrent import futures
 
 import grpc
+import torch
 
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.llm_engine import LLMEngine
+from epdserve.engine.sequence import MediaItem
 from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2, instance_pb2_grpc
 from epdserve.rpc.servers import add_health_and_reflection, free_port, set_serving
 from epdserve.scheduler.preprocess import sampling_from_proto
@@ -105,7 +107,7 @@ class EngineInstance:
                 kind = None
             if kind == "add":
                 try:
-                    media = [eng.media_item(eng.processor.preprocess_image(bytes(m.data)), key=m.key) for m in arg.media]
+                    media = [self._media(m) for m in arg.media]
                     self._queues[arg.request_id] = q
                     self.requests_seen.append(arg.request_id)
                     eng.add_processed(arg.request_id, list(arg.prompt_token_ids), media, sampling_from_proto(arg.sampling))
@@ -123,6 +125,12 @@ class EngineInstance:
                         q.put(out)
                         if out.finished:
                             self._queues.pop(out.request_id, None)
+
+    def _media(self, ref: instance_pb2.MediaRef) -> MediaItem:
+        if ref.data:
+            return self.engine.media_item(self.engine.processor.preprocess_image(bytes(ref.data)), key=ref.key)
+        # sent by key: the features must be in this engine's feature cache (nothing to recompute from)
+        return MediaItem(key=ref.key, input=None, num_tokens=ref.num_tokens, grid_thw=torch.tensor(list(ref.grid_thw)))
 
     # ---------------------------------------------------------------- lifecycle
     def kill(self) -> None:

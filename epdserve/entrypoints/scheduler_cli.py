@@ -1,0 +1,103 @@
+"""`epdserve scheduler`: run the global scheduler (public EPDServe + instance Registry) until signalled.
+
+Prints one line when it serves: ``epdserve scheduler ready: <id> grpc://<host>:<port>`` (and
+writes ``<host>:<port>`` to --address-file when given, for launchers that pass --port 0).
+Instances register themselves (`epdserve instance --scheduler HOST:PORT`) or are listed with
+--instance. SIGTERM / SIGINT stop it cleanly.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "scheduler", help="run the global gRPC scheduler",
+        description="The global scheduler: public EPDServe service, instance registry with health checks, "
+                    "routing of each request across E, P and D instances.")
+    p.add_argument("--model", required=True, help="checkpoint directory (only tokenizer/processor/config are loaded)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=0, help="port to bind (default 0: a free port, printed when ready)")
+    p.add_argument("--instance", action="append", default=[], metavar="HOST:PORT",
+                   help="a static instance to adopt (repeatable); instances may also register themselves")
+    p.add_argument("--mode", default="", help="deployment mode name reported by GetServerInfo")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
+    p.add_argument("--probe-timeout", type=float, default=1.0)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="heartbeat period told to instances")
+    p.add_argument("--unhealthy-after", type=int, default=3, help="failed probes before an instance is dropped")
+    p.add_argument("--healthy-after", type=int, default=2, help="good probes before a dropped instance rejoins")
+    p.add_argument("--max-requests", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-inflight-per-instance", type=int, default=256)
+    p.add_argument("--max-attempts", type=int, default=4, help="attempts per request across instance failures")
+    p.add_argument("--address-file", type=Path, default=None, help="write host:port here once serving")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args):
+    from epdserve.scheduler import SchedulerConfig
+
+    return SchedulerConfig(
+        model=args.model, host=args.host, port=args.port, static_instances=args.instance, mode=args.mode,
+        max_model_len=args.max_model_len, probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,
+        heartbeat_interval_s=args.heartbeat_interval, unhealthy_after=args.unhealthy_after,
+        healthy_after=args.healthy_after, max_requests_in_flight=args.max_requests,
+        max_inflight_per_instance=args.max_inflight_per_instance, max_attempts=args.max_attempts,
+    )
+
+
+async def serve(config, address_file: Path | None = None) -> None:
+    from epdserve.scheduler import SchedulerServer
+
+    server = SchedulerServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    try:
+        if address_file is not None:
+            tmp = address_file.with_suffix(address_file.suffix + ".tmp")
+            tmp.write_text(server.address)
+            tmp.replace(address_file)
+        print(f"epdserve scheduler ready: {server.scheduler_id} grpc://{server.address}", flush=True)
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run(args) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    try:
+        asyncio.run(serve(config, args.address_file))
+        return 0
+    except Exception as e:
+        log.error("scheduler failed: %s", e)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m epdserve.entrypoints.scheduler_cli ...``), same flags."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="epdserve")
+    parser.add_argument("--log-level", default="INFO")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["scheduler", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

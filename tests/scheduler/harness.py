@@ -1,0 +1,45 @@
+"""Test harness: a scheduler (SchedulerThread) in front of real EngineInstances, and helpers."""
+from __future__ import annotations
+
+import time
+
+from epdserve.model.demo_images import jpeg_bytes, procedural_image
+from epdserve.scheduler import SchedulerConfig, SchedulerThread
+
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def wait_until(cond, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_scheduler(model_dir, instances=(), **overrides) -> SchedulerThread:
+    cfg = dict(model=str(model_dir), static_instances=[i.address for i in instances], probe_interval_s=0.1,
+               probe_timeout_s=1.0, retry_backoff_s=0.01)
+    cfg.update(overrides)
+    sched = SchedulerThread(SchedulerConfig(**cfg))
+    sched.start()
+    want = {i.instance_id for i in instances}
+    wait_until(lambda: want <= {r.instance_id for r in sched.call(sched.server.registry.records)},
+               what="instances to join")
+    return sched
+
+
+def image(i: int, w: int = 56, h: int = 56) -> bytes:
+    return jpeg_bytes(procedural_image(w + 8 * (i % 3), h + 8 * (i % 2), seed=i))
+
+
+def mixed_prompts(n: int) -> list[tuple[str, list[bytes]]]:
+    """n prompts: every fourth text-only, the others with 1-3 images."""
+    out = []
+    for i in range(n):
+        k = 0 if i % 4 == 0 else 1 + i % 3
+        text = f"Request {i}: " + " and ".join(f"{PH}" for _ in range(k)) + (" describe." if k else " say hi.")
+        out.append((text, [image(10 * i + j) for j in range(k)]))
+    return out
