@@ -1,0 +1,55 @@
+"""`epdserve instance`: run one instance process (one or more stage workers) until signalled.
+
+Prints one line when it serves: ``epdserve instance ready: <id> roles=<roles> grpc://<host>:<port>``.
+SIGTERM / SIGINT stop it cleanly (deregister, stop the server, stop the workers).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers):
+    from epdserve.instance.config import add_instance_args
+
+    p = subparsers.add_parser(
+        "instance", help="run one E/P/D instance process",
+        description="One instance process: its stage workers (E, P, D, co-located EP/ED, coupled PD/EPD), "
+                    "registered with a scheduler.")
+    add_instance_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from epdserve.instance.config import from_args
+    from epdserve.instance.host import InstanceHost
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    host = InstanceHost(from_args(args))
+    try:
+        host.start()
+        if stop.is_set():
+            return 0
+        print(f"epdserve instance ready: {host.instance_id} roles={host.roles} grpc://{host.config.host}:{host.port}",
+              flush=True)
+        while not stop.wait(1.0):
+            pass
+        return 0
+    except Exception as e:
+        log.error("instance failed: %s", e)
+        return 1
+    finally:
+        host.stop()
+
+
+if __name__ == "__main__":
+    from epdserve.entrypoints.cli import main
+
+    sys.exit(main(["instance", *sys.argv[1:]]))

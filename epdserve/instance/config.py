@@ -1,0 +1,91 @@
+"""`InstanceConfig`: everything one instance process needs, validated on construction.
+
+`add_instance_args(parser)` / `from_args(args)` map it to and from the `epdserve instance`
+command line (the launcher builds that command line from its own config).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from epdserve.instance.affinity import parse_core_list
+from epdserve.instance.roles import normalize_roles
+
+
+@dataclass
+class InstanceConfig:
+    roles: str
+    model: str
+    scheduler: str | None = None  # host:port of the scheduler's Registry; None: standalone
+    mm_store: str | None = None  # redis:// URL; None: features stay in the process
+    device: str = "cpu"
+    dtype: str = "auto"
+    host: str = "127.0.0.1"  # the address others reach this instance (and its KV rendezvous) at
+    bind_host: str | None = None  # interface the gRPC server binds (default: host)
+    port: int = 0  # 0: a free port
+    instance_id: str | None = None  # default: "<roles>-<host>:<port>-<random>"
+    cores: list[int] | None = None  # CPU cores of this instance (default: all it may use)
+    split_cores: bool = True  # co-located workers get disjoint core sets (CPU)
+    encode_core_share: float = 0.5  # E worker's share of the cores when co-located
+    kv_cache_bytes: int = 256 << 20
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    feature_wait_s: float = 5.0  # P: bounded wait for features E was asked to send
+    kv_timeout_s: float = 30.0
+    kv_connect_timeout_s: float = 60.0
+    grpc_threads: int = 128
+
+    def __post_init__(self):
+        self.roles = normalize_roles(self.roles)
+        if not self.model:
+            raise ValueError("model is required")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        if not 0.0 < self.encode_core_share < 1.0:
+            raise ValueError(f"encode_core_share must be in (0, 1), got {self.encode_core_share}")
+        for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "grpc_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.feature_wait_s < 0 or self.kv_timeout_s <= 0 or self.kv_connect_timeout_s <= 0:
+            raise ValueError("feature_wait_s must be >= 0 and the KV timeouts > 0")
+        if self.scheduler is not None and ":" not in self.scheduler:
+            raise ValueError(f"scheduler must be host:port, got {self.scheduler!r}")
+
+
+def add_instance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--roles", required=True, help="stages this process runs: E, P, D, EP, ED, PD or EPD")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--scheduler", default=None, help="scheduler host:port to register with (omit: standalone)")
+    p.add_argument("--mm-store", default=None, help="MM Store URL, redis://host:port[/db]")
+    p.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N] | auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--host", default="127.0.0.1", help="address others reach this instance at")
+    p.add_argument("--bind-host", default=None, help="interface to bind (default: --host; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free port)")
+    p.add_argument("--instance-id", default=None)
+    p.add_argument("--cores", default=None, help="CPU cores of this instance, e.g. 0-7,16 (default: all allowed)")
+    p.add_argument("--no-core-split", action="store_true", help="co-located workers share all cores")
+    p.add_argument("--encode-core-share", type=float, default=0.5, help="E worker's share of cores when co-located")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache size per P/D worker (MiB)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--feature-wait-s", type=float, default=5.0, help="P: wait this long for E's features, then recompute")
+    p.add_argument("--kv-timeout-s", type=float, default=30.0)
+    p.add_argument("--kv-connect-timeout-s", type=float, default=60.0)
+    p.add_argument("--grpc-threads", type=int, default=128)
+
+
+def from_args(a: argparse.Namespace) -> InstanceConfig:
+    return InstanceConfig(
+        roles=a.roles, model=a.model, scheduler=a.scheduler, mm_store=a.mm_store, device=a.device,
+        dtype=a.dtype, host=a.host, bind_host=a.bind_host, port=a.port, instance_id=a.instance_id,
+        cores=parse_core_list(a.cores) if a.cores else None, split_cores=not a.no_core_split,
+        encode_core_share=a.encode_core_share, kv_cache_bytes=a.kv_cache_mb << 20, block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, feature_wait_s=a.feature_wait_s, kv_timeout_s=a.kv_timeout_s,
+        kv_connect_timeout_s=a.kv_connect_timeout_s, grpc_threads=a.grpc_threads,
+    )

@@ -1,0 +1,92 @@
+"""Conversions between the internal protobuf messages and the engine's types (instance side).
+
+- `sampling_from_proto`: common.SamplingParams → engine SamplingParams (unset = default);
+  bad values raise `InvalidRequestError` (INVALID_ARGUMENT);
+- `media_items`: MediaRef list → engine MediaItems (bytes preprocessed here, so a corrupt image
+  fails its request before it is queued);
+- `timings_to_proto`: an engine timings dict → StageTimings;
+- `token_delta`: a RequestOutput → TokenDelta.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from epdserve.engine.outputs import RequestOutput
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.sequence import MediaItem
+from epdserve.model.errors import InvalidRequestError
+from epdserve.rpc import common_pb2, instance_pb2
+
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens")
+
+# engine timing key → StageTimings field
+_TIMING_FIELDS = {
+    "encode_start": "encode_start",
+    "encode_end": "encode_end",
+    "prefill_start": "prefill_start",
+    "first_token": "first_token",
+    "kv_transfer_end": "kv_transfer_end",
+    "first_decode": "first_decode",
+    "finished": "finished",
+}
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    kw = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+    kw["stop"] = list(p.stop)
+    kw["stop_token_ids"] = list(p.stop_token_ids)
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequestError(f"bad sampling parameters: {e}") from None
+
+
+def media_items(engine, refs, *, wait_for_features: bool = True) -> list[MediaItem]:
+    """Engine media items for `refs`; the features of items not expected in the store are
+    recomputed at once (no bounded wait) unless `wait_for_features` says otherwise."""
+    items = []
+    for i, ref in enumerate(refs):
+        if not ref.key:
+            raise InvalidRequestError(f"media item {i} has no key")
+        if ref.data:
+            m = engine.processor.preprocess_image(bytes(ref.data))
+            if ref.num_tokens and m.num_tokens != ref.num_tokens:
+                raise InvalidRequestError(
+                    f"media item {i}: the image expands to {m.num_tokens} tokens, the request says {ref.num_tokens}")
+            item = engine.media_item(m, key=ref.key)
+        else:
+            if len(ref.grid_thw) != 3 or not ref.num_tokens:
+                raise InvalidRequestError(f"media item {i} ({ref.key}) has neither bytes nor grid_thw + num_tokens")
+            item = MediaItem(key=ref.key, input=None, num_tokens=int(ref.num_tokens),
+                             grid_thw=torch.tensor(list(ref.grid_thw), dtype=torch.long))
+        if not (ref.expect_features and wait_for_features) and item.input is not None:
+            item.wait_since = float("-inf")  # nothing is on its way: recompute without waiting
+        items.append(item)
+    return items
+
+
+def timings_to_proto(timings: dict[str, float], **extra: float) -> common_pb2.StageTimings:
+    out = common_pb2.StageTimings()
+    for key, name in _TIMING_FIELDS.items():
+        v = extra.get(key, timings.get(key))
+        if v:
+            setattr(out, name, float(v))
+    return out
+
+
+def token_delta(out: RequestOutput, request_id: str | None = None, **timing_extra: float) -> instance_pb2.TokenDelta:
+    d = instance_pb2.TokenDelta(
+        request_id=request_id or out.request_id,
+        token_ids=list(out.new_token_ids),
+        text=out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason or "" if out.finished else "",
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_vision_tokens=out.num_vision_tokens,
+        num_cached_vision_tokens=out.num_cached_vision_tokens,
+    )
+    if out.finished:
+        d.timings.CopyFrom(timings_to_proto(out.timings, finished=time.time(), **timing_extra))
+    return d

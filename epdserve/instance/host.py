@@ -1,0 +1,195 @@
+"""`InstanceHost`: one instance process — its stage workers, MM Store, KV rendezvous, gRPC server
+and scheduler registration, started and stopped in order.
+
+start: build the stage workers for `roles` (each loads its engine on its own pinned thread;
+co-located workers on CPU get disjoint core sets) → a KV `RendezvousServer` when a worker
+prefills for remote D instances → the gRPC server (Instance + health + reflection) on a free
+port → SERVING → register with the scheduler and heartbeat.
+stop: NOT_SERVING → deregister → stop the server (short grace) → stop workers (closing their
+KV pairs and feature providers) → close the store.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from concurrent import futures
+
+import grpc
+
+from epdserve.engine.config import EngineConfig
+from epdserve.instance.affinity import available_cores, split_cores
+from epdserve.instance.config import InstanceConfig
+from epdserve.instance.coupled_worker import CoupledWorker
+from epdserve.instance.decode_worker import DecodeWorker
+from epdserve.instance.encode_worker import EncodeWorker
+from epdserve.instance.prefill_worker import PrefillWorker
+from epdserve.instance.registration import Registrar
+from epdserve.instance.roles import worker_roles
+from epdserve.instance.servicer import InstanceServicer
+from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2_grpc
+from epdserve.rpc.servers import add_health_and_reflection, set_serving
+from epdserve.transfer.kv import KVTransferConfig, RendezvousServer
+
+log = logging.getLogger(__name__)
+
+_E_KV_BYTES = 8 << 20  # an encode-only engine never holds request KV
+_MAX_MSG = 256 << 20
+
+
+class InstanceHost:
+    def __init__(self, config: InstanceConfig):
+        self.config = config
+        self.roles = config.roles
+        self.instance_id = config.instance_id or ""
+        self.port = 0
+        self.workers: list = []
+        self._by_role: dict[str, object] = {}
+        self._store = None
+        self._rendezvous: RendezvousServer | None = None
+        self._server: grpc.Server | None = None
+        self._health = None
+        self._registrar: Registrar | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, ready_timeout_s: float = 600.0) -> "InstanceHost":
+        cfg = self.config
+        bind = cfg.bind_host or cfg.host
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.grpc_threads, thread_name_prefix="grpc"),
+            options=[("grpc.max_receive_message_length", _MAX_MSG), ("grpc.max_send_message_length", _MAX_MSG)],
+        )
+        self.port = self._server.add_insecure_port(f"{bind}:{cfg.port}")
+        if not self.port:
+            raise OSError(f"cannot bind {bind}:{cfg.port}")
+        if not self.instance_id:
+            self.instance_id = f"{self.roles}-{cfg.host}:{self.port}-{secrets.token_hex(3)}"
+        try:
+            if cfg.mm_store:
+                from epdserve.transfer.mm_store.store import RedisMMStore
+
+                self._store = RedisMMStore(cfg.mm_store)
+            self._start_workers(ready_timeout_s)
+            if "P" in self._by_role:
+                self._rendezvous = RendezvousServer(cfg.host, 0, timeout_s=cfg.kv_connect_timeout_s)
+            instance_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(self), self._server)
+            self._health = add_health_and_reflection(self._server, [INSTANCE_SERVICE])
+            self._server.start()
+            set_serving(self._health, [INSTANCE_SERVICE], True)
+        except BaseException:
+            self.stop()
+            raise
+        if cfg.scheduler:
+            self._registrar = Registrar(cfg.scheduler, self.status).start()
+        log.info("instance %s (%s) serving on %s:%d", self.instance_id, self.roles, cfg.host, self.port)
+        return self
+
+    def wait_registered(self, timeout_s: float) -> bool:
+        return self._registrar is None or self._registrar.registered.wait(timeout_s)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self._health is not None:
+            set_serving(self._health, [INSTANCE_SERVICE], False)
+        if self._registrar is not None:
+            self._registrar.stop()
+            self._registrar = None
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1.0)
+            self._server = None
+        for w in self.workers:
+            w.stop()
+        for w in self.workers:
+            if w.engine is not None and w.engine.features is not None:
+                w.engine.features.close()
+        self.workers, self._by_role = [], {}
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+
+    # ---------------------------------------------------------------- workers
+    def _start_workers(self, ready_timeout_s: float) -> None:
+        cfg = self.config
+        roles = worker_roles(self.roles)
+        core_sets: list[list[int] | None] = [cfg.cores] * len(roles)
+        if cfg.device.startswith("cpu") and len(roles) > 1 and cfg.split_cores:
+            weights = [cfg.encode_core_share if r == "E" else 1.0 - cfg.encode_core_share for r in roles]
+            core_sets = split_cores(len(roles), cfg.cores or available_cores(), weights)
+        kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s)
+        for role, cores in zip(roles, core_sets):
+            factory = self._engine_factory(role)
+            name = f"{role}-worker"
+            if role == "E":
+                w = EncodeWorker(name, factory, cores)
+            elif role == "P":
+                w = PrefillWorker(name, factory, cores, kv_config=kv_config)
+            elif role == "D":
+                w = DecodeWorker(name, factory, cores, instance_id=self.instance_id, kv_config=kv_config)
+            else:
+                w = CoupledWorker(name, factory, cores)
+            self.workers.append(w)
+            self._by_role["PD" if role in ("PD", "EPD") else role] = w
+        for w in self.workers:
+            w.start()
+        for w in self.workers:
+            w.wait_ready(ready_timeout_s)
+
+    def _engine_factory(self, role: str):
+        cfg = self.config
+
+        def build():
+            from epdserve.engine.llm_engine import LLMEngine
+
+            ecfg = EngineConfig(
+                model=cfg.model, device=cfg.device, dtype=cfg.dtype, roles=role, block_size=cfg.block_size,
+                kv_cache_memory_bytes=_E_KV_BYTES if role == "E" else cfg.kv_cache_bytes,
+                max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=cfg.max_model_len, feature_wait_s=cfg.feature_wait_s,
+            )
+            return LLMEngine(ecfg, features=self._provider(role))
+
+        return build
+
+    def _provider(self, role: str):
+        if role == "D" or self._store is None:
+            return None  # the engine's in-process cache
+        from epdserve.transfer.mm_store.provider import MMStoreFeatureProvider
+
+        listens = "P" in role and role != "EPD"  # someone else's E sends it events
+        return MMStoreFeatureProvider(self._store, role, instance_id=self.instance_id if listens else None)
+
+    def worker(self, role: str):
+        return self._by_role.get(role)
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> common_pb2.InstanceStatus:
+        cfg = self.config
+        loads = [w.load for w in self.workers]
+        hits = sum(x.cache_hits for x in loads)
+        lookups = sum(x.cache_lookups for x in loads)
+        load = common_pb2.Load(
+            queued_tokens=sum(x.queued_tokens for x in loads),
+            running_requests=sum(x.running for x in loads),
+            waiting_requests=sum(x.waiting for x in loads),
+            free_kv_blocks=sum(x.free_kv_blocks for x in loads),
+            total_kv_blocks=sum(x.total_kv_blocks for x in loads),
+            mm_cache_hit_rate=hits / lookups if lookups else 0.0,
+            queued_media=sum(x.queued_media for x in loads),
+        )
+        st = common_pb2.InstanceStatus(
+            instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
+            load=load, pid=os.getpid(),
+        )
+        engine = next((w.engine for w in self.workers if w.engine is not None), None)
+        if engine is not None:
+            st.media_namespace = engine.namespace
+        if self._rendezvous is not None:
+            st.kv_endpoint.CopyFrom(common_pb2.KvEndpoint(
+                backend=engine.platform.dist_backend if engine else "gloo", host=cfg.host, port=self._rendezvous.port))
+        return st
+
+    def worker_stats(self) -> dict[str, dict]:
+        """Per-worker load snapshots (tests, debugging)."""
+        return {w.name: dict(w.load.__dict__) for w in self.workers}

@@ -1,0 +1,190 @@
+"""The `Instance` gRPC service of one instance process: routes each RPC to its stage worker.
+
+RPC → worker: Encode → E, Prefill → P, Decode → D, Generate → the coupled (PD/EPD) worker.
+An RPC for a stage this instance does not run answers FAILED_PRECONDITION. Each handler waits
+on its request's handle; a cancelled or broken call aborts the request on the worker
+(`context.add_callback`). Failures map to status codes as errors.py says.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+
+import grpc
+
+from epdserve.instance import convert
+from epdserve.instance.errors import TransientError, output_error, status_for
+from epdserve.instance.prefill_worker import PrefillJob
+from epdserve.model.errors import InvalidRequestError
+from epdserve.rpc import instance_pb2, instance_pb2_grpc
+from epdserve.transfer.kv import PairRendezvous
+
+log = logging.getLogger(__name__)
+
+_WAIT_S = 1.0  # how often a waiting handler checks that its call is still alive
+
+
+class InstanceServicer(instance_pb2_grpc.InstanceServicer):
+    def __init__(self, host):
+        self.host = host  # InstanceHost: workers by role, status
+
+    # ---------------------------------------------------------------- helpers
+    def _worker(self, role: str, context):
+        w = self.host.worker(role)
+        if w is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"instance {self.host.instance_id} ({self.host.roles}) does not run stage {role}")
+        return w
+
+    @staticmethod
+    def _fail(context, exc: BaseException):
+        context.abort(status_for(exc), str(exc) or type(exc).__name__)
+
+    def _wait(self, handle, context):
+        """The request's next event; aborts the call with the right status on an error."""
+        while True:
+            try:
+                ev = handle.get(_WAIT_S)
+            except queue.Empty:
+                if not context.is_active():
+                    self._fail(context, TransientError("call ended"))
+                continue
+            if isinstance(ev, BaseException):
+                self._fail(context, ev)
+            return ev
+
+    def _guard(self, context, fn):
+        try:
+            return fn()
+        except (InvalidRequestError, TransientError, ValueError, MemoryError, RuntimeError) as e:
+            if isinstance(e, ValueError) and not isinstance(e, InvalidRequestError):
+                e = InvalidRequestError(str(e))
+            self._fail(context, e)
+
+    # ---------------------------------------------------------------- E
+    def Encode(self, request, context):
+        w = self._worker("E", context)
+        rid = request.request_id
+        items = self._guard(context, lambda: convert.media_items(w.engine, request.media))
+        handle = self._guard(context, lambda: w.submit(rid, items, request.target_instance_id))
+        context.add_callback(lambda: w.abort(rid))
+        out = self._wait(handle, context)
+        if out.finish_reason == "error":
+            self._fail(context, output_error(out))
+        return instance_pb2.EncodeResponse(
+            media=[instance_pb2.EncodedMedia(key=m.key, already_stored=m.from_store, num_tokens=m.num_tokens)
+                   for m in items],
+            timings=convert.timings_to_proto(out.timings),
+        )
+
+    # ---------------------------------------------------------------- P
+    def Prefill(self, request, context):
+        w = self._worker("P", context)
+        rid, dec = request.request_id, request.decode
+        if not dec.decode_instance_id or not dec.pair.port:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PrefillRequest.decode (the D reservation) is missing")
+        if dec.block_size and dec.block_size != w.engine.config.block_size:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"decode instance uses block size {dec.block_size}, this prefill instance {w.engine.config.block_size}")
+
+        def job():
+            return PrefillJob(
+                request_id=rid,
+                token_ids=list(request.prompt_token_ids),
+                media=convert.media_items(w.engine, request.media),
+                params=convert.sampling_from_proto(request.sampling),
+                peer=dec.decode_instance_id,
+                dst_block_ids=tuple(dec.dst_block_ids),
+                rdzv=PairRendezvous(dec.pair.host, int(dec.pair.port), dec.pair.pair_name, 0),
+            )
+
+        j = self._guard(context, job)
+        handle = self._guard(context, lambda: w.submit(j))
+        context.add_callback(lambda: w.abort(rid))
+        res = self._wait(handle, context)
+        out = res.output
+        first = out.token_ids[0] if out.token_ids else 0
+        t = dict(out.timings)
+        t.setdefault("prefill_start", t.get("encode_end") or t.get("arrival", 0.0))
+        return instance_pb2.PrefillResponse(
+            request_id=rid,
+            first_token_id=first,
+            first_text=out.text,
+            finish_reason="" if out.finish_reason == "prefill_done" else (out.finish_reason or ""),
+            rope_delta=res.rope_delta,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_vision_tokens=out.num_vision_tokens,
+            num_cached_vision_tokens=out.num_cached_vision_tokens,
+            recomputed_keys=res.recomputed_keys,
+            timings=convert.timings_to_proto(t),
+        )
+
+    # ---------------------------------------------------------------- D
+    def Decode(self, request_iterator, context):
+        w = self._worker("D", context)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "reserve":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Decode call starts with DecodeInput.reserve")
+        r = first.reserve
+        rid = r.request_id
+        params = self._guard(context, lambda: convert.sampling_from_proto(r.sampling))
+        ep = r.prefill_kv_endpoint
+        if not r.prefill_instance_id or not ep.port:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "DecodeReserve needs prefill_instance_id and prefill_kv_endpoint")
+        handle, res = self._guard(context, lambda: w.reserve(
+            rid, list(r.prompt_token_ids), params, r.prefill_instance_id, ep.host, int(ep.port), r.num_vision_tokens))
+        context.add_callback(lambda: w.abort(rid))
+        yield instance_pb2.DecodeOutput(reserved=instance_pb2.KvReservation(
+            decode_instance_id=self.host.instance_id,
+            dst_block_ids=list(res.block_ids),
+            block_size=res.block_size,
+            pair=instance_pb2.KvPair(host=res.rdzv.host, port=res.rdzv.port, pair_name=res.rdzv.pair_name),
+        ))
+        nxt = next(request_iterator, None)
+        if nxt is None or nxt.WhichOneof("kind") != "start":
+            w.abort(rid)
+            return  # the scheduler closed the call: the first token ended the request
+        self._guard(context, lambda: w.begin(rid, nxt.start.first_token_id, nxt.start.rope_delta).result())
+        while True:
+            out, timings = self._wait(handle, context)
+            if out.finished and out.finish_reason == "error":
+                self._fail(context, TransientError(out.error or "decode failed"))
+            yield instance_pb2.DecodeOutput(delta=convert.token_delta(out, rid, **timings))
+            if out.finished:
+                return
+
+    # ---------------------------------------------------------------- PD / EPD
+    def Generate(self, request, context):
+        w = self._worker("PD", context)
+        rid = request.request_id
+
+        def submit():
+            items = convert.media_items(w.engine, request.media)
+            params = convert.sampling_from_proto(request.sampling)
+            return w.submit(rid, list(request.prompt_token_ids), items, params)
+
+        handle = self._guard(context, submit)
+        context.add_callback(lambda: w.abort(rid))
+        while True:
+            out = self._wait(handle, context)
+            if out.finished and out.finish_reason == "error":
+                self._fail(context, output_error(out))
+            extra = {}
+            if out.token_ids and "first_token" in out.timings:
+                extra["prefill_start"] = out.timings.get("encode_end") or out.timings.get("arrival", 0.0)
+            yield convert.token_delta(out, rid, **extra)
+            if out.finished:
+                return
+
+    # ---------------------------------------------------------------- control
+    def Abort(self, request, context):
+        found = False
+        for w in self.host.workers:
+            try:
+                found = bool(w.abort(request.request_id).result(timeout=10)) or found
+            except Exception as e:  # a stopping worker
+                log.debug("abort on %s: %s", w.name, e)
+        return instance_pb2.InstanceAbortResponse(found=found)
+
+    def GetLoad(self, request, context):
+        return self.host.status()

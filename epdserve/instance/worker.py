@@ -1,0 +1,215 @@
+"""`StageWorker`: one stage's loop thread — its own queue, its own engine, its own cores.
+
+Threading contract: the engine is touched only by the worker's loop thread. gRPC handler
+threads talk to it through `call(fn)` (runs `fn()` on the loop thread, returns a Future) and
+read results from per-request `RequestHandle` queues the loop fills. Load is published as an
+immutable snapshot after every loop iteration, so reading it never races the engine.
+
+Loop: pin the thread to the worker's cores → build the engine → repeat { run queued calls;
+`tick()` (engine step + transfer polling, in the subclass); publish load }. When there is no
+engine work the loop sleeps on its queue (with a short timeout while transfers are pending).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from epdserve.instance.affinity import pin_worker_thread
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.002  # queue wait while only transfers are pending
+_IDLE_S = 0.5  # queue wait when nothing at all is pending
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    queued_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    queued_media: int = 0
+    cache_hits: int = 0
+    cache_lookups: int = 0
+    counts_kv: bool = True  # False for E workers (their tiny cache is not for requests)
+    extra: dict = field(default_factory=dict)
+
+
+class RequestHandle:
+    """Where the loop thread puts one request's events for the gRPC thread serving it."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.events: queue.Queue = queue.Queue()
+        self.closed = False
+
+    def put(self, event) -> None:
+        self.events.put(event)
+
+    def get(self, timeout_s: float | None = None):
+        return self.events.get(timeout=timeout_s)
+
+
+class StageWorker:
+    """Owns (does not subclass) its loop thread, so subclass names never clash with Thread's."""
+
+    role = "?"
+
+    def __init__(self, name: str, engine_factory: Callable[[], object], cores: list[int] | None = None):
+        self.name = name
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.engine_factory = engine_factory
+        self.cores = cores
+        self.engine = None
+        self.bound_cores: list[int] = []
+        self.ready = threading.Event()
+        self.start_error: BaseException | None = None
+        self.load = WorkerLoad()
+        self.handles: dict[str, RequestHandle] = {}  # touched by the loop thread only
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = threading.Event()
+
+    # ---------------------------------------------------------------- other threads
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn()` on the loop thread; its result (or exception) lands in the Future."""
+        fut: Future = Future()
+        if self._stopping.is_set():
+            fut.set_exception(RuntimeError(f"{self.name} is stopping"))
+            return fut
+        self._inbox.put((fn, fut))
+        return fut
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        if not self.ready.wait(timeout_s):
+            raise TimeoutError(f"{self.name} did not start within {timeout_s} s")
+        if self.start_error is not None:
+            raise RuntimeError(f"{self.name} failed to start: {self.start_error}") from self.start_error
+
+    def start(self) -> "StageWorker":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ---------------------------------------------------------------- loop thread
+    def _loop(self) -> None:
+        try:
+            self.bound_cores = pin_worker_thread(self.cores)
+            self.engine = self.engine_factory()
+            self.on_start()
+        except BaseException as e:  # reported through wait_ready
+            log.exception("%s failed to start", self.name)
+            self.start_error = e
+            self.ready.set()
+            return
+        log.info("%s ready on cores %s", self.name, self.bound_cores)
+        self._publish_load()
+        self.ready.set()
+        try:
+            while not self._stopping.is_set():
+                if not self._run_calls(self._wait_s()):
+                    break
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("%s: step failed", self.name)
+                    self.on_step_error()
+                self._publish_load()
+        finally:
+            self._drain_on_stop()
+            try:
+                self.on_stop()
+            except Exception:
+                log.exception("%s: shutdown failed", self.name)
+
+    def _wait_s(self) -> float | None:
+        if self.has_engine_work():
+            return 0.0
+        return _POLL_S if self.has_pending_transfers() else _IDLE_S
+
+    def _run_calls(self, wait_s: float) -> bool:
+        """Run queued calls (waiting up to `wait_s` for the first); False once asked to stop."""
+        try:
+            item = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if item is None:
+                return False
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _drain_on_stop(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].set_exception(RuntimeError(f"{self.name} stopped"))
+
+    def _publish_load(self) -> None:
+        try:
+            self.load = self.compute_load()
+        except Exception:  # never let a stats bug stop serving
+            log.debug("%s: load snapshot failed", self.name, exc_info=True)
+
+    def engine_load(self, counts_kv: bool = True, **extra) -> WorkerLoad:
+        """A snapshot from the engine's load report (loop thread only)."""
+        r = self.engine.load_report()
+        stats = self.engine.features.stats() if self.engine.features is not None else {}
+        hits = int(stats.get("hits_local", 0)) + int(stats.get("hits_store", 0)) + int(stats.get("hits", 0))
+        lookups = hits + int(stats.get("misses", 0))
+        return WorkerLoad(
+            queued_tokens=int(r.get("queued_tokens", 0)),
+            running=int(r.get("running", 0)),
+            waiting=int(r.get("waiting", 0)),
+            free_kv_blocks=int(r.get("free_kv_blocks", 0)) if counts_kv else 0,
+            total_kv_blocks=int(r.get("total_kv_blocks", 0)) if counts_kv else 0,
+            queued_media=sum(len(s.media) for s in self.engine.encoder.pending),
+            cache_hits=hits,
+            cache_lookups=lookups,
+            counts_kv=counts_kv,
+            extra={"encoder_runs": int(r.get("encoder_runs", 0)), "recomputes": int(r.get("recomputes", 0)),
+                   "in_flight": len(self.handles), "at": time.time(), **extra},
+        )
+
+    # ---------------------------------------------------------------- subclass hooks
+    def on_start(self) -> None:
+        """Loop thread, after the engine is built (connect transfer machinery here)."""
+
+    def on_stop(self) -> None:
+        """Loop thread, at exit: fail every request still in flight, close transfers."""
+
+    def on_step_error(self) -> None:
+        """A tick raised: fail what cannot continue (the loop goes on)."""
+
+    def has_engine_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def has_pending_transfers(self) -> bool:
+        return False
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def compute_load(self) -> WorkerLoad:
+        return self.engine_load()
