@@ -14,6 +14,8 @@ COMMANDS = [
     "epdserve.model.demo",  # demo-model
     "epdserve.bench.cli",  # bench {offline,mm-store,kv-transfer,...}
     "epdserve.bench.profile",  # profile: per-stage cost on this device
+    "epdserve.entrypoints.instance_cli",  # instance: one E/P/D instance process
+    "epdserve.entrypoints.launch",  # launch: a deployment mode (scheduler + instances)
 ]
 
 

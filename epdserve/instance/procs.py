@@ -1,12 +1,13 @@
 """Child processes of `epdserve launch`: started so that none can outlive the launcher.
 
-Each child runs `python -m epdserve.entrypoints.cli <args>`:
+Each child runs `python -m <module> <args>` (default module: the `epdserve` CLI):
 - in its own process group (Ctrl-C in a terminal reaches only the launcher, which then stops
   the children in order; stopping a child signals its whole group, grandchildren included);
 - with PR_SET_PDEATHSIG=SIGTERM on Linux, so it is told to stop if the launcher dies without
   cleaning up (even SIGKILL). Linux sends it when the *thread* that spawned the child exits:
   spawn children from the launcher's main thread.
-- its stdout/stderr go to the launcher's stderr, each line prefixed with the child's name.
+- its stdout/stderr go to `log_stream` (default: the launcher's stderr, each line prefixed
+  with the child's name).
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class ChildProcess:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log_stream=None):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log_stream=None,
+                 prefix: str | None = None, module: str = "epdserve.entrypoints.cli"):
         self.name = name
-        self.argv = [sys.executable, "-m", "epdserve.entrypoints.cli", *argv]
+        self.prefix = f"[{name}] " if prefix is None else prefix
+        self.argv = [sys.executable, "-m", module, *argv]
         self.env = env
         self.log_stream = log_stream if log_stream is not None else sys.stderr
         self.proc: subprocess.Popen | None = None
@@ -60,7 +63,7 @@ class ChildProcess:
     def _forward(self) -> None:
         for raw in self.proc.stdout:
             try:
-                self.log_stream.write(f"[{self.name}] {raw.decode(errors='replace')}")
+                self.log_stream.write(self.prefix + raw.decode(errors="replace"))
                 self.log_stream.flush()
             except (ValueError, OSError):  # the stream was closed at exit
                 pass

@@ -1,0 +1,153 @@
+"""`epdserve launch`: one deployment mode on this machine — scheduler + instances as child processes.
+
+    epdserve launch --mode EP-D --model DIR --prefill 2 --decode 2
+    epdserve launch --config configs/E-P-D.yaml --model DIR      # flags override the file
+
+Prints one line to stdout when every instance is on the scheduler's roster:
+``epdserve ready: grpc://HOST:PORT mode=EP-D instances=EPx2,Dx2 mm_store=redis://...``
+Ctrl-C / SIGTERM / SIGHUP stop every child (instances, then the scheduler, then the private MM
+Store) and exit 0; children also die if the launcher is killed outright (PR_SET_PDEATHSIG).
+Child logs go to --log-dir (default: a temporary directory removed after a clean stop).
+"""
+from __future__ import annotations
+
+import logging
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# option → (yaml key, default); None in argparse means "not given on the command line"
+_DEFAULTS = {
+    "mode": None, "model": None, "encode": 1, "prefill": 1, "decode": 1, "mm_store": None, "host": "127.0.0.1",
+    "port": 0, "device": "cpu", "devices": [], "kv_cache_mb": None, "max_num_seqs": None, "block_size": None,
+    "max_model_len": None, "feature_wait_s": None, "instance_args": [], "scheduler_args": [], "log_dir": None,
+    "ready_timeout_s": 600.0,
+}
+_INSTANCE_FLAGS = ("kv_cache_mb", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s")
+
+
+def add_parser(subparsers):
+    from epdserve.instance.roles import MODES
+
+    p = subparsers.add_parser(
+        "launch", help="launch a deployment mode (scheduler + instances) on this machine",
+        description="Start the scheduler and the E/P/D instances of one deployment mode as child processes; "
+                    "print where it serves; stop them all on Ctrl-C / SIGTERM.")
+    p.add_argument("--config", type=Path, default=None, help="YAML file (configs/<mode>.yaml); flags override it")
+    p.add_argument("--mode", choices=MODES, default=None)
+    p.add_argument("--model", default=None, help="checkpoint directory")
+    p.add_argument("--encode", type=int, default=None, help="E instances (default 1)")
+    p.add_argument("--prefill", type=int, default=None, help="P instances (EP / PD / EPD instances in those modes)")
+    p.add_argument("--decode", type=int, default=None, help="D instances (ED instances in ED-P)")
+    p.add_argument("--mm-store", default=None, help="redis://host:port of the MM Store (default: a private local server)")
+    p.add_argument("--host", default=None, help="address the scheduler binds and instances advertise (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="scheduler's public port (default 0: a free port)")
+    p.add_argument("--device", default=None, help="cpu | cuda | npu (default cpu)")
+    p.add_argument("--devices", default=None, help="accelerator ids handed to instances round-robin, e.g. 0,1,2,3")
+    p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache per P/D worker (MiB)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--feature-wait-s", type=float, default=None, help="P: wait for E's features, then recompute")
+    p.add_argument("--instance-args", default=None, help="extra `epdserve instance` flags, one string")
+    p.add_argument("--scheduler-args", default=None, help="extra `epdserve scheduler` flags, one string")
+    p.add_argument("--log-dir", default=None, help="where child logs go (kept); default: a temp dir")
+    p.add_argument("--ready-timeout-s", type=float, default=None, help="give up starting after this long (600)")
+    p.set_defaults(func=run)
+    return p
+
+
+def load_config(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of launch options")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - set(_DEFAULTS))
+    if unknown:
+        raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(_DEFAULTS))}")
+    return data
+
+
+def _flags(v) -> list[str]:
+    """Extra command-line flags: one string (shell-split) or a list."""
+    return shlex.split(v) if isinstance(v, str) else [str(x) for x in v or []]
+
+
+def _ids(v) -> list[str]:
+    """Device ids: "0,1,2" or a list."""
+    if isinstance(v, (int, str)):
+        return [x.strip() for x in str(v).split(",") if x.strip()]
+    return [str(x) for x in v or []]
+
+
+def spec_from_args(args):
+    from epdserve.instance.deployment import DeploymentSpec
+
+    file = load_config(args.config)
+    merged = {}
+    for key, default in _DEFAULTS.items():
+        cli = getattr(args, key, None)
+        merged[key] = cli if cli is not None else file.get(key, default)
+    if not merged["mode"]:
+        raise ValueError("--mode is required (or `mode:` in --config)")
+    if not merged["model"]:
+        raise ValueError("--model is required (or `model:` in --config)")
+    inst = _flags(merged["instance_args"])
+    for key in _INSTANCE_FLAGS:
+        if merged[key] is not None:
+            inst += [f"--{key.replace('_', '-')}", str(merged[key])]
+    sched = _flags(merged["scheduler_args"])
+    if merged["max_model_len"] is not None:
+        sched += ["--max-model-len", str(merged["max_model_len"])]
+    return DeploymentSpec(
+        mode=merged["mode"], model=str(Path(merged["model"]).expanduser()), encode=int(merged["encode"]),
+        prefill=int(merged["prefill"]), decode=int(merged["decode"]), mm_store=merged["mm_store"],
+        host=merged["host"], port=int(merged["port"]), device=merged["device"],
+        devices=_ids(merged["devices"]), instance_args=inst, scheduler_args=sched,
+        log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
+        ready_timeout_s=float(merged["ready_timeout_s"]),
+    )
+
+
+def run(args) -> int:
+    from epdserve.instance.deployment import Deployment, LaunchError
+
+    try:
+        spec = spec_from_args(args)
+        dep = Deployment(spec)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    clean = False
+    try:
+        log.info("starting mode %s (%s); child logs in %s", spec.mode, dep.summary(), dep.log_dir)
+        address = dep.start(should_stop=stop.is_set)
+        print(f"epdserve ready: grpc://{address} mode={spec.mode} instances={dep.summary()} "
+              f"mm_store={dep.mm_store_url}", flush=True)
+        while not stop.wait(0.5):
+            reason = dep.watch()
+            if reason:
+                log.error("stopping: %s", reason)
+                return 1
+        clean = True
+        return 0
+    except KeyboardInterrupt:  # a signal arrived while starting
+        clean = True
+        return 0
+    except (LaunchError, OSError) as e:
+        log.error("launch failed: %s", e)
+        return 1
+    finally:
+        dep.stop(clean=clean)
+        print("epdserve stopped", file=sys.stderr, flush=True)
