@@ -10,6 +10,7 @@ import queue
 import sys
 import time
 
+import pytest
 import torch
 
 from epdserve import SamplingParams
@@ -170,6 +171,7 @@ def test_prefill_engine_to_one_decode_engine(tiny_model_dir):
     ], n_decode=1)
 
 
+@pytest.mark.slow  # 15-25 s on 2 cores: three processes load the model
 def test_prefill_engine_to_two_decode_engines(qwen2_vl_tiny):
     _run(qwen2_vl_tiny, [
         ("a", f"compare {PH} and {PH}", [_img(56, 140, 2), _img(168, 112, 3)], "d0"),
