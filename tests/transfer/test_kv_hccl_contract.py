@@ -11,9 +11,7 @@ import time
 import types
 from datetime import timedelta
 
-import pytest
 import torch
-from torch.distributed import PrefixStore
 
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.platform.npu import NpuPlatform
