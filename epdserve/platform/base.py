@@ -38,6 +38,8 @@ class Platform(ABC):
         """Restrict a stream to a share of the device's compute units; False if unsupported."""
         return False
 
-    def make_pair_group(self, store, rank: int, world_size: int, timeout):
-        """Build a process group over `store` without a global world (stateless group)."""
+    def make_pair_group(self, store, rank: int, world_size: int, timeout, group_name: str = ""):
+        """Build a process group over `store` without a global world (stateless group).
+
+        `group_name` identifies the group where the backend needs it (HCCL's group_id)."""
         raise NotImplementedError(f"{self.name}: pairwise groups not implemented")

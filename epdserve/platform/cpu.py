@@ -14,7 +14,7 @@ class CpuPlatform(Platform):
     def is_available(self) -> bool:
         return True
 
-    def make_pair_group(self, store, rank, world_size, timeout):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
         from torch.distributed import ProcessGroupGloo
 
         return ProcessGroupGloo(store, rank, world_size, timeout)

@@ -23,7 +23,7 @@ class CudaPlatform(Platform):
     def stream_context(self, stream):
         return torch.cuda.stream(stream)
 
-    def make_pair_group(self, store, rank, world_size, timeout):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()

@@ -60,12 +60,18 @@ class NpuPlatform(Platform):
 
         return torch.npu.get_device_limit(torch.npu.current_device())
 
-    def make_pair_group(self, store, rank, world_size, timeout):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
+        # As torch_npu's registry/distributed.py and vllm-ascend's netloader_pg.py build it.
         torch_npu = self._torch_npu()
         c10d = torch_npu._C._distributed_c10d
         opts = c10d.ProcessGroupHCCL.Options()
+        opts.is_high_priority_stream = False
         opts._timeout = timeout
-        return c10d.ProcessGroupHCCL(store, rank, world_size, opts)
+        opts.global_ranks_in_group = []
+        opts.group_id = group_name  # unique per pair: torch_npu identifies groups by it
+        pg = c10d.ProcessGroupHCCL(store, rank, world_size, opts)
+        pg._set_sequence_number_for_group()
+        return pg
 
 
 PLATFORM = NpuPlatform()

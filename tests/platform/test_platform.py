@@ -50,7 +50,11 @@ def fake_npu(monkeypatch):
 
     class ProcessGroupHCCL:
         def __init__(self, store, rank, size, opts):
-            calls.append(("ProcessGroupHCCL", store, rank, size, opts._timeout))
+            calls.append(("ProcessGroupHCCL", store, rank, size, opts._timeout, opts.group_id,
+                          opts.is_high_priority_stream, opts.global_ranks_in_group))
+
+        def _set_sequence_number_for_group(self):
+            calls.append(("_set_sequence_number_for_group",))
 
     ProcessGroupHCCL.Options = Options
     c10d = types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL)
@@ -72,11 +76,12 @@ def test_npu_contract(fake_npu):
 
     assert npu.is_available()
     timeout = datetime.timedelta(seconds=30)
-    npu.make_pair_group("STORE", 1, 2, timeout)
+    npu.make_pair_group("STORE", 1, 2, timeout, group_name="epdserve-kv/p0-d1")
     assert npu.limit_stream("S", 8, 16) is True
     assert npu.device_limit() == {"cube_core_num": 24, "vector_core_num": 48}
     assert fake_npu == [
-        ("ProcessGroupHCCL", "STORE", 1, 2, timeout),
+        ("ProcessGroupHCCL", "STORE", 1, 2, timeout, "epdserve-kv/p0-d1", False, []),
+        ("_set_sequence_number_for_group",),
         ("set_stream_limit", "S", 8, 16),
         ("get_device_limit", 0),
     ]

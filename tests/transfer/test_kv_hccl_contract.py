@@ -47,6 +47,9 @@ def fake_torch_npu(log: list):
             log.append(("ProcessGroupHCCL", type(store).__name__, rank, size, options))
             self.rank = rank
 
+        def _set_sequence_number_for_group(self):
+            log.append((self.rank, "_set_sequence_number_for_group"))
+
         def send(self, tensors, dst_rank, tag):
             (t,) = tensors
             log.append((self.rank, "send", dst_rank, tag, t.dtype, t.numel()))
@@ -86,8 +89,11 @@ def test_hccl_calls_names_arguments_and_order(monkeypatch):
         assert sorted((c[1], c[2], c[3]) for c in ctors) == [("PrefixStore", 0, 2), ("PrefixStore", 1, 2)]
         assert log.count(("Options",)) == 2
         assert ("Options.set", "_timeout", timedelta(seconds=CFG.connect_timeout_s + CFG.timeout_s)) in log
-        for c in ctors:  # the options handed to the constructor carry the timeout
+        for c in ctors:  # the options handed to the constructor carry the timeout and a per-pair group id
             assert c[4]._timeout == timedelta(seconds=CFG.connect_timeout_s + CFG.timeout_s)
+            assert c[4].group_id == "epdserve-kv/p0-d0/g0"
+            assert c[4].is_high_priority_stream is False and c[4].global_ranks_in_group == []
+        assert sorted(e[0] for e in log if e[1:] == ("_set_sequence_number_for_group",)) == [0, 1]
 
         rx.expect(RecvRequest("r", "p0", (1, 2, 6), 10))  # two chunks on D: blocks 1-2, then 6
         tx.begin_batch([SendRequest("r", "d0", (5, 0, 3), (1, 2, 6), 10)])

@@ -77,7 +77,7 @@ class PairConnection:
             # The group's own timeout outlives ours, so our waits fire first (NCCL's watchdog
             # would otherwise tear the process down on its own timeout).
             pg_timeout = timedelta(seconds=cfg.connect_timeout_s + cfg.timeout_s)
-            pg = self.platform.make_pair_group(store, r.rank, 2, pg_timeout)
+            pg = self.platform.make_pair_group(store, r.rank, 2, pg_timeout, group_name=f"epdserve-kv/{r.pair_name}")
         except Exception as e:  # any failure to build is this pair's failure, reported in its state
             self._set_broken(f"pair {r.pair_name!r}: could not build the process group "
                              f"({self.platform.dist_backend} via {r.host}:{r.port}): {e}")
