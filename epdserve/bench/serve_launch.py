@@ -2,7 +2,8 @@
 
 Owns `launched(...)`: a context manager that runs `epdserve launch --mode M --model DIR --port P`
 (P a free local port picked now) as a child process in its own session, drains its output into
-a log file, waits for its ready line ("ready" or "listening", with the host:port it serves on)
+a log file, waits for its ready line (`epdserve ready: grpc://HOST:PORT mode=...`; the children's own
+"... ready" lines do not count)
 and yields a `Deployment`; on exit it sends SIGTERM (launch stops its own children) and, if the
 process group is still there after a grace period, SIGKILL to that group. Nothing here is global.
 """
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-READY_RE = re.compile(r"\b(ready|listening)\b", re.I)
+READY_RE = re.compile(r"^epdserve ready\b")
 ADDRESS_RE = re.compile(r"(?:grpc://)?((?:\d{1,3}\.){3}\d{1,3}|localhost|\[[0-9a-fA-F:]+\]|[\w.-]+):(\d{2,5})\b")
 
 

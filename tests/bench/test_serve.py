@@ -139,14 +139,16 @@ def test_parse_rates_and_ready_lines():
     assert parse_rates("0.5,1,inf") == [0.5, 1.0, math.inf]
     with pytest.raises(SystemExit):
         parse_rates("0")
-    assert parse_ready("epdserve ready: mode E-PD listening on 0.0.0.0:5123", "x") == "127.0.0.1:5123"
-    assert parse_ready("Listening on grpc://localhost:7001 (scheduler)", "x") == "localhost:7001"
-    assert parse_ready("READY", "127.0.0.1:9") == "127.0.0.1:9"
-    assert parse_ready("starting instance E on core 0", "x") is None
+    line = "epdserve ready: grpc://127.0.0.1:5123 mode=E-PD instances=Ex1,PDx1 mm_store=redis://127.0.0.1:6400"
+    assert parse_ready(line, "x") == "127.0.0.1:5123"
+    assert parse_ready("epdserve ready: grpc://0.0.0.0:7001 mode=EP-D", "x") == "127.0.0.1:7001"
+    assert parse_ready("epdserve ready", "127.0.0.1:9") == "127.0.0.1:9"
+    assert parse_ready("epdserve scheduler ready: s1 grpc://127.0.0.1:5000", "x") is None  # a child's line
+    assert parse_ready("waiting until instances are ready", "x") is None
 
 
 def test_launcher_waits_for_ready_and_stops_the_child(tmp_path):
-    script = "import sys,time; print('loading'); print('ready: listening on 127.0.0.1:{port}', flush=True); time.sleep(60)"
+    script = "import sys,time; print('loading'); print('epdserve ready: grpc://127.0.0.1:{port} mode=fake', flush=True); time.sleep(60)"
     with launched("fake", "m", argv=[sys.executable, "-c", script], log_dir=str(tmp_path), port=45678) as dep:
         assert dep.address == "127.0.0.1:45678" and dep.ready_s >= 0
         pid = dep.pid
