@@ -6,6 +6,7 @@ SIGTERM / SIGINT stop it cleanly (deregister, stop the server, stop the workers)
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -32,21 +33,31 @@ def run(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    host = InstanceHost(from_args(args))
+    try:
+        config = from_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    host = InstanceHost(config)
+    rc = 0
     try:
         host.start()
-        if stop.is_set():
-            return 0
-        print(f"epdserve instance ready: {host.instance_id} roles={host.roles} grpc://{host.config.host}:{host.port}",
-              flush=True)
+        if not stop.is_set():
+            print(f"epdserve instance ready: {host.instance_id} roles={host.roles} "
+                  f"grpc://{host.config.host}:{host.port}", flush=True)
         while not stop.wait(1.0):
             pass
-        return 0
     except Exception as e:
         log.error("instance failed: %s", e)
-        return 1
+        rc = 1
     finally:
         host.stop()
+    # Everything is closed; skip interpreter teardown, whose garbage collection of torch /
+    # transformers / gRPC objects takes seconds on a loaded CPU and delays the launcher's stop.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`InstanceHost`: one instance process — its stage workers, MM Store, KV rendezvous, gRPC server
 and scheduler registration, started and stopped in order.
 
-start: build the stage workers for `roles` (each loads its engine on its own pinned thread;
+start: build the stage workers for `roles` (each loads its engine on its own pinned thread,
+one after the other;
 co-located workers on CPU get disjoint core sets) → a KV `RendezvousServer` when a worker
 prefills for remote D instances → the gRPC server (Instance + health + reflection) on a free
 port → SERVING → register with the scheduler and heartbeat.
@@ -108,6 +109,7 @@ class InstanceHost:
         if self._rendezvous is not None:
             self._rendezvous.close()
             self._rendezvous = None
+        log.info("instance %s stopped", self.instance_id)
 
     # ---------------------------------------------------------------- workers
     def _start_workers(self, ready_timeout_s: float) -> None:
@@ -131,10 +133,8 @@ class InstanceHost:
                 w = CoupledWorker(name, factory, cores)
             self.workers.append(w)
             self._by_role["PD" if role in ("PD", "EPD") else role] = w
-        for w in self.workers:
-            w.start()
-        for w in self.workers:
-            w.wait_ready(ready_timeout_s)
+        for w in self.workers:  # one at a time: transformers' lazy imports are not thread-safe
+            w.start().wait_ready(ready_timeout_s)
 
     def _engine_factory(self, role: str):
         cfg = self.config
@@ -177,6 +177,7 @@ class InstanceHost:
             total_kv_blocks=sum(x.total_kv_blocks for x in loads),
             mm_cache_hit_rate=hits / lookups if lookups else 0.0,
             queued_media=sum(x.queued_media for x in loads),
+            images_encoded=sum(int(x.extra.get("encoder_runs", 0)) for x in loads),
         )
         st = common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
