@@ -1,0 +1,45 @@
+"""An instance on a real scheduler's roster: Register with its status, Heartbeat load, re-register
+after the scheduler restarts (forgetting it), Deregister on stop."""
+from __future__ import annotations
+
+import grpc
+
+from epdserve.instance.config import InstanceConfig
+from epdserve.instance.host import InstanceHost
+from epdserve.rpc import serve_pb2, serve_pb2_grpc
+from epdserve.rpc.servers import free_port
+from epdserve.scheduler import SchedulerConfig, SchedulerThread
+from tests.instance.harness import wait_until
+
+
+def roster(sched) -> dict:
+    """instance id -> InstanceStatus, from the scheduler's public GetServerInfo."""
+    with grpc.insecure_channel(sched.address) as ch:
+        info = serve_pb2_grpc.EPDServeStub(ch).GetServerInfo(serve_pb2.GetServerInfoRequest(), timeout=10)
+    return {i.instance_id: i for i in info.instances}
+
+
+def test_register_heartbeat_reregister_deregister(qwen2_vl_tiny):
+    port = free_port()
+    cfg = dict(model=str(qwen2_vl_tiny), port=port, heartbeat_interval_s=0.2, probe_interval_s=0.2)
+    sched = SchedulerThread(SchedulerConfig(**cfg))
+    sched.start()
+    host = None
+    try:
+        host = InstanceHost(InstanceConfig(roles="PD", model=str(qwen2_vl_tiny), scheduler=sched.address,
+                                           kv_cache_bytes=2 << 20)).start()
+        assert host.wait_registered(30)
+        st = wait_until(lambda: roster(sched).get(host.instance_id), what="registration")
+        assert st.roles == "PD" and st.address == f"127.0.0.1:{host.port}" and st.media_namespace
+        assert st.load.total_kv_blocks > 0 and st.pid > 0
+        sched.stop()  # a restarted scheduler knows nobody: the heartbeat says so and the instance registers again
+        sched = SchedulerThread(SchedulerConfig(**cfg))
+        sched.start()
+        wait_until(lambda: host.instance_id in roster(sched), what="registration with the new scheduler")
+        host.stop()
+        wait_until(lambda: host.instance_id not in roster(sched), what="deregistration")
+        host = None
+    finally:
+        if host is not None:
+            host.stop()
+        sched.stop()
