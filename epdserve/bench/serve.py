@@ -42,6 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="extra arguments for every `epdserve launch` (shell-quoted, repeatable)")
     t.add_argument("--mode-arg", action="append", default=[], metavar="MODE=ARGS",
                    help="extra `epdserve launch` arguments for one mode, e.g. 'E-P-D=--decode 2' (repeatable)")
+    t.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of every launched deployment, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     t.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a ready line (default 600)")
     w = p.add_argument_group("workload (a preset, with any knob overridden)")
     w.add_argument("--workload", default="sharegpt4o",
@@ -203,6 +205,8 @@ def _launch_all(args, workloads, rates, slo, report, save) -> None:
         mode, _, extra = item.partition("=")
         per_mode.setdefault(mode.strip(), []).extend(shlex.split(extra))
     common = [a for item in args.launch_arg for a in shlex.split(item)]
+    env = dict(item.split("=", 1) for item in args.env)
+    report["launch_env"] = env
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
@@ -210,7 +214,7 @@ def _launch_all(args, workloads, rates, slo, report, save) -> None:
         target = report["targets"].setdefault(mode, {"launch_args": extra})
         _log(f"[{mode}] launching ...")
         try:
-            with launched(mode, model, extra, ready_timeout_s=args.launch_timeout) as dep:
+            with launched(mode, model, extra, ready_timeout_s=args.launch_timeout, env=env) as dep:
                 target.update(address=dep.address, ready_s=round(dep.ready_s, 2), ready_line=dep.ready_line)
                 _log(f"[{mode}] ready at {dep.address} after {dep.ready_s:.1f} s")
                 backend = ClientBackend(dep.address)

@@ -73,19 +73,20 @@ def _tail(path: str, n: int = 30) -> str:
 @contextlib.contextmanager
 def launched(mode: str, model: str, extra_args: list[str] | None = None, ready_timeout_s: float = 300.0,
              stop_timeout_s: float = 30.0, argv: list[str] | None = None, log_dir: str | None = None,
-             port: int | None = None):
+             port: int | None = None, env: dict[str, str] | None = None):
     """Launch `mode`, yield its `Deployment` once ready, stop it (and its children) on exit.
 
     `argv` replaces the command (tests); it may contain "{port}", filled with the chosen port.
+    `env` adds variables to the launcher's environment (its children inherit them).
     """
     port = port or free_port()
     cmd = [a.replace("{port}", str(port)) for a in argv] if argv else launch_argv(mode, model, port, extra_args)
     fd, log_path = tempfile.mkstemp(prefix=f"epdserve-launch-{mode}-", suffix=".log", dir=log_dir)
     os.close(fd)
     t0 = time.monotonic()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=child_env)
     ready = threading.Event()
     found: dict[str, str] = {}
 

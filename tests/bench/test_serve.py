@@ -148,15 +148,16 @@ def test_parse_rates_and_ready_lines():
 
 
 def test_launcher_waits_for_ready_and_stops_the_child(tmp_path):
-    script = "import sys,time; print('loading'); print('epdserve ready: grpc://127.0.0.1:{port} mode=fake', flush=True); time.sleep(60)"
-    with launched("fake", "m", argv=[sys.executable, "-c", script], log_dir=str(tmp_path), port=45678) as dep:
+    script = "import os,sys,time; print('loading', os.environ['BENCH_X']); print('epdserve ready: grpc://127.0.0.1:{port} mode=fake', flush=True); time.sleep(60)"
+    with launched("fake", "m", argv=[sys.executable, "-c", script], log_dir=str(tmp_path), port=45678,
+                  env={"BENCH_X": "42"}) as dep:
         assert dep.address == "127.0.0.1:45678" and dep.ready_s >= 0
         pid = dep.pid
     import os
 
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # gone (reaped)
-    assert "loading" in open(dep.log_path).read()
+    assert "loading 42" in open(dep.log_path).read()
 
 
 def test_launcher_reports_an_early_exit_with_its_output(tmp_path):
