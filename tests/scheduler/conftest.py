@@ -12,8 +12,9 @@ def offline(qwen2_vl_tiny):
     """The offline engine (LLM) on the same checkpoint: the reference outputs."""
     llm = LLM(str(qwen2_vl_tiny), device="cpu")
 
-    def reference(prompt: str, images: list[bytes], max_tokens: int) -> list[int]:
-        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, SamplingParams(max_tokens=max_tokens))
+    def reference(prompt: str, images: list[bytes], max_tokens: int, **sampling) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, params)
         assert out[0].error is None, out[0].error
         return out[0].outputs[0].token_ids
 

@@ -1,0 +1,112 @@
+"""Client -> scheduler -> E, P, D, D instance *processes* (epdserve.instance) sharing a real MM
+Store (valkey) and a real P->D KV transfer: greedy outputs equal the offline engine's, the same
+image twice is served from the MM Store, a cancelled stream frees KV on P and D, and a D killed
+mid-run loses no request."""
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+pytest.importorskip("epdserve.instance.host")
+pytest.importorskip("epdserve.entrypoints.instance_cli")
+
+from epdserve import Client  # noqa: E402
+from epdserve.rpc import instance_pb2, instance_pb2_grpc  # noqa: E402
+from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
+from tests.scheduler.harness import PH, image, mixed_prompts, start_scheduler, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# `epdserve instance ...` without relying on the top-level CLI's command list
+_INSTANCE_MAIN = (
+    "import argparse, logging, sys\n"
+    "from epdserve.entrypoints import instance_cli\n"
+    "p = argparse.ArgumentParser(); sub = p.add_subparsers(dest='command'); instance_cli.add_parser(sub)\n"
+    "a = p.parse_args(['instance', *sys.argv[1:]])\n"
+    "logging.basicConfig(level='WARNING')\n"
+    "sys.exit(a.func(a))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def deployment(qwen2_vl_tiny):
+    store = LocalRedisServer().start()
+    sched = start_scheduler(qwen2_vl_tiny, [])
+    procs = {}
+    for iid, roles in (("e0", "E"), ("p0", "P"), ("d0", "D"), ("d1", "D")):
+        procs[iid] = subprocess.Popen(
+            [sys.executable, "-c", _INSTANCE_MAIN, "--roles", roles, "--model", str(qwen2_vl_tiny), "--scheduler",
+             sched.address, "--mm-store", store.url, "--instance-id", iid, "--kv-cache-mb", "32", "--no-core-split"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(sched.call(sched.server.registry.records)) == 4 or
+                   any(p.poll() is not None for p in procs.values()), 300, "four instances to register")
+        assert all(p.poll() is None for p in procs.values()), "an instance process died at start"
+        yield sched, procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sched.stop()
+        store.stop()
+
+
+def _load(sched, iid):
+    rec = sched.call(lambda: sched.server.registry.get(iid))
+    with grpc.insecure_channel(rec.address) as ch:
+        return instance_pb2_grpc.InstanceStub(ch).GetLoad(instance_pb2.GetLoadRequest(), timeout=10).load
+
+
+def test_mixed_requests_match_offline_and_same_image_is_cached(deployment, offline):
+    sched, _ = deployment
+    prompts = mixed_prompts(16)
+    with Client(sched.address, timeout=300) as c:
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda p: c.generate(p[0], images=p[1], max_tokens=10), prompts))
+        for (prompt, images), r in zip(prompts, results):
+            assert r.token_ids == offline(prompt, images, 10)
+        first = c.generate(f"Twice {PH}", images=[image(99)], max_tokens=4)
+        second = c.generate(f"Twice {PH}", images=[image(99)], max_tokens=4)
+        assert c.server_info().mode == "E-P-D"
+    assert first.token_ids == second.token_ids
+    assert first.usage.cached_vision_tokens == 0 and second.usage.cached_vision_tokens == second.usage.vision_tokens > 0
+    t = first.timing
+    assert t.encode_end and t.prefill_start and t.first_token and t.kv_transfer_end and t.first_decode
+
+
+def test_cancelled_stream_frees_kv_on_p_and_d(deployment):
+    sched, _ = deployment
+    with Client(sched.address, timeout=120) as c:
+        stream = c.generate_stream(f"Cancel {PH}", images=[image(7)], max_tokens=2000, ignore_eos=True)
+        next(stream)
+        next(stream)
+        busy = {iid: _load(sched, iid) for iid in ("p0", "d0", "d1")}
+        assert any(lo.free_kv_blocks < lo.total_kv_blocks for lo in busy.values())
+        stream.close()
+    for iid in ("p0", "d0", "d1"):
+        wait_until(lambda: (lambda lo: lo.free_kv_blocks == lo.total_kv_blocks)(_load(sched, iid)), 30,
+                   f"{iid} to free its KV blocks")
+
+
+def test_one_of_two_d_killed_mid_run_every_request_completes(deployment, offline):
+    sched, procs = deployment
+    prompts = [(f"Survive {i} {PH}" if i % 2 else f"Survive {i}", [image(i)] if i % 2 else []) for i in range(8)]
+    with Client(sched.address, timeout=300) as c:
+        streams = [c.generate_stream(p, images=im, max_tokens=40, ignore_eos=True) for p, im in prompts]
+        got = [list(next(s).token_ids) + list(next(s).token_ids) for s in streams]  # all past the first decode
+        procs["d0"].send_signal(signal.SIGKILL)
+        for s, toks in zip(streams, got):
+            for d in s:
+                toks.extend(d.token_ids)
+    for (p, im), toks in zip(prompts, got):
+        assert toks == offline(p, im, 40, ignore_eos=True)
+    assert sched.call(lambda: sched.server.registry.get("d1").health) == 1  # HEALTHY
