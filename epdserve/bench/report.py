@@ -67,6 +67,7 @@ def _same_rate(modes: dict, mode: str, run: dict) -> dict | None:
 def markdown(report: dict, baseline: str | None = "monolithic") -> str:
     out = []
     slo = report.get("slo", {})
+    out.append("load = the machine's 1-minute load average when the run started (other work shares the CPU).")
     out.append(f"SLO: TTFT <= {_f(slo.get('ttft_ms'), 0)} ms, TPOT <= {_f(slo.get('tpot_ms'), 0)} ms"
                + (f", E2EL <= {_f(slo.get('e2el_ms'), 0)} ms" if slo.get("e2el_ms") else "")
                + (f" ({report['slo_note']})" if report.get("slo_note") else ""))
@@ -75,11 +76,11 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
         base = _baseline(modes, baseline)
         out += ["", f"### {wname}: {w.get('summary', '')}".rstrip(": "), ""]
         out.append("| mode | rate | ok/fail | req/s | out tok/s | total tok/s | goodput req/s | SLO att. | "
-                   "TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | E2EL p50 | goodput vs base | TTFT p50 vs base |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                   "TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | E2EL p50 | goodput vs base | TTFT p50 vs base | load |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for mode, entry in modes.items():
             if entry.get("error") and not _runs(entry):
-                out.append(f"| {mode} | - | failed: {entry['error'][:80]} |" + " |" * 13)
+                out.append(f"| {mode} | - | failed: {entry['error'][:80]} |" + " |" * 14)
                 continue
             for run in _runs(entry):
                 m = run["metrics"]
@@ -91,7 +92,8 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
                     f"{100 * m['slo_attainment']:.0f}% | {_f(m['ttft_ms']['median'], 0)} | {_f(m['ttft_ms']['p99'], 0)} | "
                     f"{_f(m['tpot_ms']['median'])} | {_f(m['tpot_ms']['p99'])} | {_f(m['itl_ms']['median'])} | "
                     f"{_f(m['e2el_ms']['median'], 0)} | {_ratio(m['goodput'], bm and bm['goodput'])} | "
-                    f"{_ratio(m['ttft_ms']['median'], bm and bm['ttft_ms']['median'])} |")
+                    f"{_ratio(m['ttft_ms']['median'], bm and bm['ttft_ms']['median'])} | "
+                    f"{_f((run.get('load_avg_1m') or [None])[0])} |")
         out += _kind_table(modes, base)
         out += _stage_table(modes)
         out += _max_rate_lines(modes)

@@ -21,7 +21,7 @@ import time
 from epdserve.bench.metrics import SLO, compute_metrics
 from epdserve.bench.report import markdown, plot, request_rows
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
-from epdserve.bench.workload import PRESETS, WorkloadConfig, build_workload, parse_mix
+from epdserve.bench.workload import PRESET_RATES, PRESETS, WorkloadConfig, build_workload, parse_mix
 
 MODES = ("monolithic", "E-P-D", "EP-D", "ED-P", "E-PD")
 
@@ -59,8 +59,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--repeated-image-share", type=float, help="share of image slots reusing an earlier image")
     w.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
     a = p.add_argument_group("arrivals")
-    a.add_argument("--request-rate", default="inf", metavar="R[,R...]",
-                   help="requests/s, a comma-separated sweep; inf = all at once (default inf)")
+    a.add_argument("--request-rate", default="preset", metavar="R[,R...]",
+                   help="requests/s, a comma-separated sweep; inf = all at once; preset = each workload's own "
+                        "CPU-scaled sweep (default preset)")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals; 1 = Poisson")
     a.add_argument("--max-concurrency", type=int, help="at most this many requests in flight (closed loop with rate inf)")
     a.add_argument("--warmup", type=int, default=2, help="warm-up requests per target, not measured (default 2)")
@@ -113,14 +114,16 @@ def describe(cfg: WorkloadConfig) -> str:
             f"tokens [{cfg.output_len_min}, {cfg.output_len_max}], {100 * cfg.repeated_image_share:.0f}% repeated images")
 
 
-def parse_rates(text: str) -> list[float]:
+def parse_rates(text: str, workload: str | None = None) -> list[float]:
+    if text.strip() == "preset":
+        return list(PRESET_RATES.get(workload, (math.inf,)))
     rates = [math.inf if r.strip().lower() == "inf" else float(r) for r in text.split(",") if r.strip()]
     if not rates or any(r <= 0 for r in rates):
         raise SystemExit(f"--request-rate: positive numbers or inf, got {text!r}")
     return rates
 
 
-def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: list[float], args, slo: SLO,
+def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str, args, slo: SLO,
                report: dict, save) -> None:
     """Warm up, then every workload at every rate against one target; results go into `report`."""
     warm = [*build_workload(PRESETS["sharegpt4o"].with_(name="warmup", num_requests=max(1, args.warmup - 1),
@@ -137,17 +140,18 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: list
         entry = report["workloads"].setdefault(cfg.name, {"config": cfg.to_dict(), "summary": describe(cfg),
                                                           "modes": {}})
         mode_entry = entry["modes"].setdefault(label, {"runs": []})
-        for i, rate in enumerate(rates):
+        for i, rate in enumerate(parse_rates(rates, cfg.name)):
             run_cfg = cfg.with_(seed=cfg.seed + 1000 * i)  # fresh images per rate, same for every target
             requests = build_workload(run_cfg)
             rc = RunConfig(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                            seed=run_cfg.seed, progress=not args.no_progress, label=f"{label} {cfg.name} {rate:g}/s")
-            t0 = time.time()
+            t0, load0 = time.time(), _load()
             records = run_requests(backend, requests, rc)
             m = compute_metrics(records, slo)
             mode_entry["runs"].append({"rate": rate, "burstiness": args.burstiness,
                                        "max_concurrency": args.max_concurrency, "seed": run_cfg.seed,
-                                       "wall_s": round(time.time() - t0, 2), "metrics": m,
+                                       "wall_s": round(time.time() - t0, 2), "load_avg_1m": [load0, _load()],
+                                       "metrics": m,
                                        "requests": request_rows(records)})
             _log(f"[{label}] {cfg.name} @ {rc.describe()}: {m['completed']}/{m['num_requests']} ok, "
                  f"goodput {m['goodput']:.3f} req/s, SLO {100 * m['slo_attainment']:.0f}%, "
@@ -159,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.address) == bool(args.modes):
         raise SystemExit("give exactly one of --address HOST:PORT or --modes M1,M2,...")
     workloads = workload_configs(args)
-    rates = parse_rates(args.request_rate)
+    rates = args.request_rate
+    for cfg in workloads:
+        parse_rates(rates, cfg.name)  # fail early on a bad value
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.slo_e2el_ms / 1e3 if args.slo_e2el_ms else None)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -230,6 +236,13 @@ def _launch_all(args, workloads, rates, slo, report, save) -> None:
                 report["workloads"][cfg.name]["modes"][mode]["error"] = str(e).splitlines()[0]
             _log(f"[{mode}] {e}")
         save()
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _clean(o):
