@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 class StoredKeys:
     """Media keys an E instance confirmed are in the MM Store (bounded LRU): later requests
-    skip E for them. A key evicted since costs only P's bounded wait and a local recompute."""
+    skip E for them (P looks them up once). A key evicted since costs only a recompute at P."""
 
     def __init__(self, capacity: int = 100_000):
         self.capacity = capacity
@@ -145,7 +145,7 @@ class RequestRun:
         encoding = {prep.media[i].key for _, items in plan.encodes for i in items}
         refs = [
             instance_pb2.MediaRef(key=m.key, data=m.data, grid_thw=m.grid_thw, num_tokens=m.num_tokens,
-                                  expect_features=m.key in encoding or m.key in d.stored or not m.data)
+                                  expect_features=m.key in encoding)
             for m in prep.media
         ]
         sampling = common_pb2.SamplingParams()

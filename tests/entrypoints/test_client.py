@@ -103,6 +103,13 @@ def test_sync_client_stream_equals_unary_and_sampling_is_seeded(served):
     assert whole.token_ids == again.token_ids == streamed
 
 
+def test_deadline_exceeded(served):
+    with Client(served) as c:
+        with pytest.raises(EPDServeError) as e:
+            c.generate("slow", max_tokens=4000, ignore_eos=True, timeout=0.3)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def test_unreachable_server_is_unavailable():
     from epdserve.rpc.servers import free_port
 

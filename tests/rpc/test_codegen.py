@@ -5,6 +5,7 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from epdserve.rpc import INSTANCE_SERVICE, SERVE_SERVICE, codegen, common_pb2, instance_pb2, serve_pb2
@@ -54,6 +55,14 @@ def _list_services(address):
         return {s.name for s in resp.list_services_response.service}
 
 
+def _file_for(address, symbol):
+    with grpc.insecure_channel(address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        req = reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+        resp = next(iter(stub.ServerReflectionInfo(iter([req]))))
+        return [FileDescriptorProto.FromString(b).name for b in resp.file_descriptor_response.file_descriptor_proto]
+
+
 def _check(address, service=""):
     with grpc.insecure_channel(address) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
@@ -86,9 +95,11 @@ def test_health_and_reflection_on_an_asyncio_server():
         await server.start()
         await set_serving_aio(health, [SERVE_SERVICE])
         try:
-            return await asyncio.to_thread(lambda: (_check(address, SERVE_SERVICE), _list_services(address)))
+            return await asyncio.to_thread(lambda: (_check(address, SERVE_SERVICE), _list_services(address),
+                                                    _file_for(address, "epdserve.v1.GenerateRequest")))
         finally:
             await server.stop(0)
 
-    status, names = asyncio.run(main())
+    status, names, files = asyncio.run(main())
     assert status == "SERVING" and SERVE_SERVICE in names
+    assert "epdserve/v1/serve.proto" in files  # grpcurl can describe and call the service
