@@ -43,6 +43,9 @@ class ChannelPool:
             self._channels[address] = ch
         return ch
 
+    def addresses(self) -> list[str]:
+        return list(self._channels)
+
     async def drop(self, address: str) -> None:
         ch = self._channels.pop(address, None)
         if ch is not None:

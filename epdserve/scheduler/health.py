@@ -1,7 +1,8 @@
 """The prober: every `probe_interval_s`, a grpc.health.v1 Check on every known instance.
 
 SERVING counts as a success, anything else (NOT_SERVING, timeout, connection refused) as a
-failure, in the registry's hysteresis (registry.py). Each round also forgets instances DOWN
+failure, in the registry's hysteresis (registry.py). Static instances (which send no
+heartbeats) also get their load refreshed with `GetLoad`. Each round also forgets instances DOWN
 for longer than `forget_after_s` (closing their channels) and adopts configured static
 instances (addresses given to the scheduler instead of instances registering themselves) by
 asking them `GetLoad`.
@@ -44,7 +45,7 @@ class HealthProber:
         for iid in self.registry.forget_stale():
             log.debug("forgot %s", iid)
         live = {r.address for r in self.registry.records()} | set(self.config.static_instances)
-        for address in list(self.channels._channels):
+        for address in self.channels.addresses():
             if address not in live:
                 await self.channels.drop(address)
 
@@ -56,6 +57,13 @@ class HealthProber:
             reason = "" if ok else f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}"
         except grpc.aio.AioRpcError as e:
             ok, reason = False, f"probe {e.code().name}"
+        if ok and not rec.heartbeats:  # adopted static instance: no heartbeats bring its load
+            try:
+                status = await self.channels.get(rec.address).instance.GetLoad(
+                    instance_pb2.GetLoadRequest(), timeout=self.config.probe_timeout_s)
+                rec.load = status.load
+            except grpc.aio.AioRpcError:
+                pass  # health said SERVING; the load stays as last known
         if ok:
             self.registry.record_success(rec.instance_id)
         else:
