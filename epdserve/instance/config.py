@@ -25,8 +25,8 @@ class InstanceConfig:
     port: int = 0  # 0: a free port
     instance_id: str | None = None  # default: "<roles>-<host>:<port>-<random>"
     cores: list[int] | None = None  # CPU cores of this instance (default: all it may use)
-    split_cores: bool = True  # co-located workers get disjoint core sets (CPU)
-    encode_core_share: float = 0.5  # E worker's share of the cores when co-located
+    split_cores: bool = True  # co-located workers partition the device (CPU cores; NPU AI/Vector Cores)
+    encode_core_share: float = 0.5  # E worker's share of the device when co-located
     kv_cache_bytes: int = 256 << 20
     block_size: int = 16
     max_num_seqs: int = 128
@@ -66,8 +66,11 @@ def add_instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free port)")
     p.add_argument("--instance-id", default=None)
     p.add_argument("--cores", default=None, help="CPU cores of this instance, e.g. 0-7,16 (default: all allowed)")
-    p.add_argument("--no-core-split", action="store_true", help="co-located workers share all cores")
-    p.add_argument("--encode-core-share", type=float, default=0.5, help="E worker's share of cores when co-located")
+    p.add_argument("--no-core-split", action="store_true",
+                   help="co-located workers share the device unpartitioned (default: disjoint CPU core sets, "
+                        "or NPU stream core limits)")
+    p.add_argument("--encode-core-share", type=float, default=0.5,
+                   help="E worker's share of the cores (CPU) or AI/Vector Cores (NPU) when co-located")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache size per P/D worker (MiB)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)

@@ -116,8 +116,9 @@ class InstanceHost:
         cfg = self.config
         roles = worker_roles(self.roles)
         core_sets: list[list[int] | None] = [cfg.cores] * len(roles)
-        if cfg.device.startswith("cpu") and len(roles) > 1 and cfg.split_cores:
-            weights = [cfg.encode_core_share if r == "E" else 1.0 - cfg.encode_core_share for r in roles]
+        weights = [cfg.encode_core_share if r == "E" else 1.0 - cfg.encode_core_share for r in roles]
+        cpu = cfg.device.startswith("cpu")
+        if cpu and len(roles) > 1 and cfg.split_cores:
             core_sets = split_cores(len(roles), cfg.cores or available_cores(), weights)
         kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s)
         for role, cores in zip(roles, core_sets):
@@ -131,6 +132,8 @@ class InstanceHost:
                 w = DecodeWorker(name, factory, cores, instance_id=self.instance_id, kv_config=kv_config)
             else:
                 w = CoupledWorker(name, factory, cores)
+            if not cpu and len(roles) > 1 and cfg.split_cores:
+                w.device_share = weights[len(self.workers)]
             self.workers.append(w)
             self._by_role["PD" if role in ("PD", "EPD") else role] = w
         for w in self.workers:  # one at a time: transformers' lazy imports are not thread-safe

@@ -5,9 +5,11 @@ threads talk to it through `call(fn)` (runs `fn()` on the loop thread, returns a
 read results from per-request `RequestHandle` queues the loop fills. Load is published as an
 immutable snapshot after every loop iteration, so reading it never races the engine.
 
-Loop: pin the thread to the worker's cores → build the engine → repeat { run queued calls;
-`tick()` (engine step + transfer polling, in the subclass); publish load }. When there is no
-engine work the loop sleeps on its queue (with a short timeout while transfers are pending).
+Loop: pin the thread to the worker's cores → build the engine → open the worker's device
+stream (NPU/CUDA; on NPU limited to `device_share` of the AI Cores and Vector Cores when
+co-located) → repeat { run queued calls; `tick()` (engine step + transfer polling, in the
+subclass); publish load }, all under that stream. When there is no engine work the loop
+sleeps on its queue (with a short timeout while transfers are pending).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,6 +69,8 @@ class StageWorker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.engine_factory = engine_factory
         self.cores = cores
+        self.device_share: float | None = None  # co-located on an accelerator: this share of its cores
+        self.stream = None
         self.engine = None
         self.bound_cores: list[int] = []
         self.ready = threading.Event()
@@ -106,6 +111,7 @@ class StageWorker:
         try:
             self.bound_cores = pin_worker_thread(self.cores)
             self.engine = self.engine_factory()
+            self._open_stream()
             self.on_start()
         except BaseException as e:  # reported through wait_ready
             log.exception("%s failed to start", self.name)
@@ -116,21 +122,39 @@ class StageWorker:
         self._publish_load()
         self.ready.set()
         try:
-            while not self._stopping.is_set():
-                if not self._run_calls(self._wait_s()):
-                    break
-                try:
-                    self.tick()
-                except Exception:
-                    log.exception("%s: step failed", self.name)
-                    self.on_step_error()
-                self._publish_load()
+            with self.engine.platform.stream_context(self.stream) if self.stream is not None else _nullcontext():
+                while not self._stopping.is_set():
+                    if not self._run_calls(self._wait_s()):
+                        break
+                    try:
+                        self.tick()
+                    except Exception:
+                        log.exception("%s: step failed", self.name)
+                        self.on_step_error()
+                    self._publish_load()
         finally:
             self._drain_on_stop()
             try:
                 self.on_stop()
             except Exception:
                 log.exception("%s: shutdown failed", self.name)
+
+    def _open_stream(self) -> None:
+        plat = self.engine.platform
+        self.stream = plat.new_stream()
+        if self.stream is None or self.device_share is None:
+            return
+        limits = getattr(plat, "device_limit", None)
+        try:
+            total = limits() if limits else None
+        except Exception as e:  # an older torch_npu: no device limits to split
+            log.warning("%s: cannot read the device's core limits (%s); sharing it unrestricted", self.name, e)
+            return
+        if total:
+            cube = max(1, int(total["cube_core_num"] * self.device_share))
+            vector = max(1, int(total["vector_core_num"] * self.device_share))
+            if plat.limit_stream(self.stream, cube, vector):
+                log.info("%s: stream limited to %d cube / %d vector cores", self.name, cube, vector)
 
     def _wait_s(self) -> float | None:
         if self.has_engine_work():

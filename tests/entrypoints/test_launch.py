@@ -1,0 +1,198 @@
+"""`epdserve launch --config configs/<mode>.yaml` for each of the five modes, as real processes on
+CPU with the tiny demo model, called through `epdserve.Client`.
+
+One deployment per mode (module-scoped, torn down before the next starts): its teardown sends
+SIGTERM to the launcher and checks that it exits 0 and that none of its processes is left.
+E-P-D runs two D instances so that one can be killed mid-run (the file's last test, so it runs
+last in that mode's group).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from epdserve.entrypoints.client import Client, EPDServeError
+from epdserve.model.reference import ReferenceGenerator
+from epdserve.rpc import common_pb2
+from tests.instance.harness import PH, image, status, stub, wait_until
+
+pytestmark = pytest.mark.slow
+
+MODES = ["monolithic", "E-P-D", "EP-D", "ED-P", "E-PD"]
+EXTRA = {"E-P-D": ["--decode", "2"]}
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+READY = re.compile(r"^epdserve ready: grpc://(\S+) mode=(\S+)")
+MAX_TOKENS = 8
+
+
+@dataclass
+class Deployed:
+    mode: str
+    address: str
+    proc: subprocess.Popen
+    output: list[str]
+
+    def instances(self):
+        with Client(self.address, timeout=30) as c:
+            return list(c.server_info().instances)
+
+    def kv_instances(self):
+        return [i for i in self.instances() if "P" in i.roles or "D" in i.roles]
+
+
+def _launch(mode: str, model: Path) -> Deployed:
+    argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--config", str(CONFIGS / f"{mode}.yaml"),
+            "--model", str(model), "--kv-cache-mb", "16", "--feature-wait-s", "20", *EXTRA.get(mode, [])]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    output: list[str] = []
+    ready = threading.Event()
+    found: dict[str, str] = {}
+
+    def drain():
+        for line in proc.stdout:
+            output.append(line)
+            m = READY.match(line)
+            if m and not ready.is_set():
+                found.update(address=m.group(1), mode=m.group(2))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ready.wait(600) or "address" not in found:
+        _kill(proc)
+        raise AssertionError(f"launch --mode {mode} never printed its ready line:\n{''.join(output[-40:])}")
+    assert found["mode"] == mode
+    return Deployed(mode, found["address"], proc, output)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.fixture(scope="module", params=MODES)
+def deployment(request, qwen2_vl_tiny):
+    dep = _launch(request.param, qwen2_vl_tiny)
+    family = [psutil.Process(dep.proc.pid), *psutil.Process(dep.proc.pid).children(recursive=True)]
+    try:
+        yield dep
+        dep.proc.send_signal(signal.SIGTERM)
+        assert dep.proc.wait(120) == 0, "".join(dep.output[-40:])
+        left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"processes left behind: {[p.cmdline()[:6] for p in left]}"
+    finally:
+        if dep.proc.poll() is None:
+            _kill(dep.proc)
+
+
+def workload() -> list[tuple[str, list[bytes]]]:
+    """16 prompts: every fourth text-only, the others with 1-3 images of varied sizes."""
+    out = []
+    for i in range(16):
+        k = 0 if i % 4 == 0 else 1 + i % 3
+        text = f"Request {i}: " + " and ".join(PH for _ in range(k)) + (" describe." if k else " say hi.")
+        out.append((text, [image(100 + 10 * i + j, 56 + 28 * ((i + j) % 3), 56 + 28 * (j % 2)) for j in range(k)]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(qwen2_vl_tiny):
+    gen = ReferenceGenerator(qwen2_vl_tiny)
+    refs = {prompt: gen.generate(prompt, images, max_tokens=MAX_TOKENS) for prompt, images in workload()}
+    refs["kill"] = {prompt: gen.generate(prompt, images, max_tokens=24) for prompt, images in workload()}
+    return refs
+
+
+def _images_encoded(dep: Deployed) -> int:
+    return sum(status(stub(i.address)).load.images_encoded for i in dep.instances())
+
+
+def _all_blocks_free(dep: Deployed) -> bool:
+    loads = [status(stub(i.address)).load for i in dep.kv_instances()]
+    return all(x.free_kv_blocks == x.total_kv_blocks for x in loads)
+
+
+def test_16_concurrent_requests_match_transformers(deployment, references):
+    with Client(deployment.address, timeout=300) as c, ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda w: c.generate(w[0], images=w[1], max_tokens=MAX_TOKENS, ignore_eos=True),
+                                workload()))
+    for (prompt, images), r in zip(workload(), results):
+        assert r.token_ids == references[prompt], prompt
+        assert r.finish_reason == "length" and r.usage.output_tokens == MAX_TOKENS
+        assert (r.usage.vision_tokens > 0) == bool(images)
+
+
+def test_same_image_twice_is_served_from_the_mm_store(deployment):
+    img = image(7000 + MODES.index(deployment.mode), 84, 84)
+    before = _images_encoded(deployment)
+    with Client(deployment.address, timeout=120) as c:
+        first = c.generate(f"Once {PH} more", images=[img], max_tokens=4)
+        second = c.generate(f"Once {PH} more", images=[img], max_tokens=4)
+    assert second.token_ids == first.token_ids
+    assert first.usage.cached_vision_tokens == 0 < first.usage.vision_tokens
+    assert second.usage.cached_vision_tokens == second.usage.vision_tokens
+    assert _images_encoded(deployment) - before == 1  # the encoder ran once, in whichever instance
+
+
+def test_corrupt_image_fails_only_its_request(deployment):
+    with Client(deployment.address, timeout=120) as c, ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(c.generate, f"Good {i} {PH}", images=[image(900 + i)], max_tokens=4) for i in range(3)]
+        bad = pool.submit(c.generate, f"Bad {PH}", images=[image(950)[:60]], max_tokens=4)
+        with pytest.raises(EPDServeError) as e:
+            bad.result()
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert all(f.result().finish_reason == "length" for f in good)
+
+
+def test_cancelled_stream_frees_its_kv_blocks(deployment):
+    assert wait_until(lambda: _all_blocks_free(deployment), what="an idle deployment")
+    with Client(deployment.address, timeout=120) as c:
+        stream = c.generate_stream(f"Cancel {PH} me", images=[image(960)], max_tokens=2000, ignore_eos=True)
+        got = 0
+        for delta in stream:
+            got += len(delta.token_ids)
+            if got >= 2:
+                assert not _all_blocks_free(deployment)  # the request holds blocks while it runs
+                break  # leaving the loop cancels the call
+    assert wait_until(lambda: _all_blocks_free(deployment), what="blocks freed on P and D after the cancel")
+
+
+def test_instances_answer_health_and_report_their_roles(deployment):
+    roles = sorted(i.roles for i in deployment.instances())
+    want = {"monolithic": ["EPD"], "E-P-D": ["D", "D", "E", "P"], "EP-D": ["D", "EP"], "ED-P": ["ED", "P"],
+            "E-PD": ["E", "PD"]}[deployment.mode]
+    assert roles == want
+    for i in deployment.instances():
+        assert i.health == common_pb2.HEALTHY
+        assert status(stub(i.address)).instance_id == i.instance_id
+
+
+def test_killing_one_of_two_decode_instances_loses_no_request(deployment, references):
+    if deployment.mode != "E-P-D":
+        pytest.skip("runs on the E-P-D deployment (two D instances)")
+    decoders = [i for i in deployment.instances() if i.roles == "D"]
+    assert len(decoders) == 2
+    with Client(deployment.address, timeout=300) as c, ThreadPoolExecutor(16) as pool:
+        futs = [pool.submit(c.generate, p, images=im, max_tokens=24, ignore_eos=True) for p, im in workload()]
+        victim = wait_until(lambda: next((d for d in decoders if status(stub(d.address)).load.running_requests), None),
+                            timeout_s=120, what="a D instance decoding")
+        os.kill(victim.pid, signal.SIGKILL)
+        results = [f.result() for f in futs]
+    for (prompt, _), r in zip(workload(), results):
+        assert r.token_ids == references["kill"][prompt], prompt
+    assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE

@@ -1,0 +1,67 @@
+"""`epdserve launch` option handling: configs/<mode>.yaml, flags over file, and a failed start."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from epdserve.entrypoints.cli import build_parser
+from epdserve.entrypoints.launch import load_config, spec_from_args
+from epdserve.instance.roles import MODES, Pool
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def spec(*argv):
+    return spec_from_args(build_parser().parse_args(["launch", *argv]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_has_a_config_that_launches_that_mode(mode):
+    s = spec("--config", str(CONFIGS / f"{mode}.yaml"), "--model", "/m")
+    assert s.mode == mode and s.model == "/m" and s.device == "cpu" and s.port == 0
+    assert s.mm_store is None  # a private local server
+    roles = "".join(p.roles for p in s.pools())
+    assert "P" in roles and "D" in roles
+
+
+def test_flags_override_the_file_and_become_instance_flags(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("mode: EP-D\nmodel: /from/file\nprefill: 2\ndecode: 3\nkv_cache_mb: 64\n"
+                   "instance_args: '--encode-core-share 0.25'\ndevices: 0,1\n")
+    s = spec("--config", str(cfg), "--decode", "1", "--mm-store", "redis://h:1/0", "--max-model-len", "512")
+    assert (s.mode, s.model, s.prefill, s.decode, s.mm_store) == ("EP-D", "/from/file", 2, 1, "redis://h:1/0")
+    assert s.pools() == [Pool("EP", 2), Pool("D", 1)]
+    assert s.instance_args == ["--encode-core-share", "0.25", "--kv-cache-mb", "64", "--max-model-len", "512"]
+    assert s.scheduler_args == ["--max-model-len", "512"] and s.devices == ["0", "1"]
+
+
+def test_bad_options_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="--mode"):
+        spec("--model", "/m")
+    with pytest.raises(ValueError, match="--model"):
+        spec("--mode", "E-P-D")
+    with pytest.raises(ValueError, match="needs at least one"):
+        spec("--mode", "E-P-D", "--model", "/m", "--decode", "0").pools()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: E-P-D\nreplicas: 3\n")
+    with pytest.raises(ValueError, match="unknown option"):
+        load_config(bad)
+
+
+def test_a_launch_that_cannot_start_exits_nonzero_and_leaves_nothing(tmp_path):
+    """The scheduler fails on a directory that is no model: launch reports it and stops everything."""
+    logs = tmp_path / "logs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--mode", "monolithic", "--model",
+         str(tmp_path / "no-model"), "--log-dir", str(logs), "--ready-timeout-s", "120"],
+        capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    assert "epdserve ready" not in proc.stdout
+    assert "launch failed" in proc.stderr and "scheduler" in proc.stderr
+    assert (logs / "scheduler.log").is_file()
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(logs) in " ".join(p.info["cmdline"] or [])]
+    assert not left
