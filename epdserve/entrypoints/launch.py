@@ -25,7 +25,7 @@ _DEFAULTS = {
     "mode": None, "model": None, "encode": 1, "prefill": 1, "decode": 1, "mm_store": None, "host": "127.0.0.1",
     "port": 0, "device": "cpu", "devices": [], "kv_cache_mb": None, "max_num_seqs": None, "block_size": None,
     "max_model_len": None, "feature_wait_s": None, "instance_args": [], "scheduler_args": [], "log_dir": None,
-    "ready_timeout_s": 600.0,
+    "ready_timeout_s": 600.0, "pin_instances": False,
 }
 _INSTANCE_FLAGS = ("kv_cache_mb", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s")
 
@@ -48,6 +48,8 @@ def add_parser(subparsers):
     p.add_argument("--port", type=int, default=None, help="scheduler's public port (default 0: a free port)")
     p.add_argument("--device", default=None, help="cpu | cuda | npu (default cpu)")
     p.add_argument("--devices", default=None, help="accelerator ids handed to instances round-robin, e.g. 0,1,2,3")
+    p.add_argument("--pin-instances", action="store_true", default=None,
+                   help="CPU: give each instance a disjoint share of the cores (default: all share them)")
     p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache per P/D worker (MiB)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
@@ -112,7 +114,7 @@ def spec_from_args(args):
         prefill=int(merged["prefill"]), decode=int(merged["decode"]), mm_store=merged["mm_store"],
         host=merged["host"], port=int(merged["port"]), device=merged["device"],
         devices=_ids(merged["devices"]), instance_args=inst, scheduler_args=sched,
-        log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
+        pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
         ready_timeout_s=float(merged["ready_timeout_s"]),
     )
 

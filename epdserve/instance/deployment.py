@@ -39,6 +39,7 @@ class DeploymentSpec:
     port: int = 0  # scheduler's public port; 0: a free one
     device: str = "cpu"
     devices: list[str] = field(default_factory=list)  # accelerator ids handed out round-robin to instances
+    pin_instances: bool = False  # CPU: give each instance a disjoint share of this machine's cores
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
     log_dir: str | None = None  # None: a temporary directory, removed after a clean stop
@@ -89,10 +90,14 @@ class Deployment:
             self._check_deadline(deadline, should_stop, "the scheduler to bind")
             time.sleep(0.1)  # polling a child's address file; nothing to block on
         self.address = addr_file.read_text().strip()
+        cores = self._core_sets()
         k = 0
         for pool in self.pools:
             for i in range(pool.count):
-                self.instances.append(self._child(f"{pool.roles}{i}", self._instance_argv(pool.roles), self._env(k)))
+                argv = self._instance_argv(pool.roles)
+                if cores:
+                    argv += ["--cores", ",".join(map(str, cores[k]))]
+                self.instances.append(self._child(f"{pool.roles}{i}", argv, self._env(k)))
                 k += 1
         for c in self.instances:
             c.start()
@@ -103,6 +108,15 @@ class Deployment:
         s = self.spec
         return ["instance", "--roles", roles, "--model", s.model, "--scheduler", self.address,
                 "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host, *s.instance_args]
+
+    def _core_sets(self) -> list[list[int]] | None:
+        """One core set per instance (in start order) when pinning CPU instances, else None."""
+        if not (self.spec.pin_instances and self.spec.device.startswith("cpu")):
+            return None
+        from epdserve.instance.affinity import split_cores
+
+        weights = [float(len(p.roles)) for p in self.pools for _ in range(p.count)]  # EP needs more than D
+        return split_cores(len(weights), weights=weights)
 
     def _env(self, k: int) -> dict[str, str]:
         if not self.spec.devices or self.spec.device.startswith("cpu"):

@@ -32,11 +32,12 @@ def test_flags_override_the_file_and_become_instance_flags(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("mode: EP-D\nmodel: /from/file\nprefill: 2\ndecode: 3\nkv_cache_mb: 64\n"
                    "instance_args: '--encode-core-share 0.25'\ndevices: 0,1\n")
-    s = spec("--config", str(cfg), "--decode", "1", "--mm-store", "redis://h:1/0", "--max-model-len", "512")
+    s = spec("--config", str(cfg), "--decode", "1", "--mm-store", "redis://h:1/0", "--max-model-len", "512",
+             "--pin-instances")
     assert (s.mode, s.model, s.prefill, s.decode, s.mm_store) == ("EP-D", "/from/file", 2, 1, "redis://h:1/0")
     assert s.pools() == [Pool("EP", 2), Pool("D", 1)]
     assert s.instance_args == ["--encode-core-share", "0.25", "--kv-cache-mb", "64", "--max-model-len", "512"]
-    assert s.scheduler_args == ["--max-model-len", "512"] and s.devices == ["0", "1"]
+    assert s.scheduler_args == ["--max-model-len", "512"] and s.devices == ["0", "1"] and s.pin_instances
 
 
 def test_bad_options_are_rejected(tmp_path):
