@@ -1,5 +1,24 @@
 """epdserve: Encode / Prefill / Decode disaggregated serving for vision-language models."""
+import subprocess
+import sys
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+
+
+class BuildPyWithProtos(build_py):
+    """Generate epdserve/proto_gen from proto/ (grpc_tools.protoc) so wheels ship the gRPC modules.
+
+    Editable installs generate them at first import instead (epdserve.rpc.codegen)."""
+
+    def run(self):
+        subprocess.check_call([sys.executable, str(HERE / "epdserve" / "rpc" / "codegen.py")], cwd=HERE)
+        self.packages = sorted(set(self.packages or []) | set(find_packages(include=["epdserve.proto_gen*"])))
+        super().run()
+
 
 setup(
     name="epdserve",
@@ -33,5 +52,6 @@ setup(
         "bench": ["matplotlib", "tqdm"],
         "test": ["pytest", "pytest-timeout"],
     },
+    cmdclass={"build_py": BuildPyWithProtos},
     entry_points={"console_scripts": ["epdserve=epdserve.entrypoints.cli:main"]},
 )

@@ -16,6 +16,7 @@ COMMANDS = [
     "epdserve.bench.profile",  # profile: per-stage cost on this device
     "epdserve.entrypoints.instance_cli",  # instance: one E/P/D instance process
     "epdserve.entrypoints.launch",  # launch: a deployment mode (scheduler + instances)
+    "epdserve.entrypoints.scheduler_cli",  # scheduler: the gRPC scheduler alone (cluster deployments)
 ]
 
 
