@@ -146,7 +146,11 @@ class DecodeWorker(StageWorker):
         return any(not r.in_engine for r in self.requests.values())
 
     def tick(self) -> None:
-        for st in self.receiver.pop_finished():
+        finished = self.receiver.pop_finished()
+        if finished and self.engine.platform.name != "cpu":
+            # the KV arrived on the backend's stream; make it visible to this worker's stream
+            self.engine.platform.synchronize()
+        for st in finished:
             req = self.requests.get(st.request_id)
             if req is None:
                 continue

@@ -5,9 +5,9 @@ threads talk to it through `call(fn)` (runs `fn()` on the loop thread, returns a
 read results from per-request `RequestHandle` queues the loop fills. Load is published as an
 immutable snapshot after every loop iteration, so reading it never races the engine.
 
-Loop: pin the thread to the worker's cores → build the engine → open the worker's device
-stream (NPU/CUDA; on NPU limited to `device_share` of the AI Cores and Vector Cores when
-co-located) → repeat { run queued calls; `tick()` (engine step + transfer polling, in the
+Loop: pin the thread to the worker's cores → build the engine → when co-located on an
+accelerator, open the worker's own stream (on NPU limited to `device_share` of the AI Cores
+and Vector Cores) → repeat { run queued calls; `tick()` (engine step + transfer polling, in the
 subclass); publish load }, all under that stream. When there is no engine work the loop
 sleeps on its queue (with a short timeout while transfers are pending).
 """
@@ -140,9 +140,13 @@ class StageWorker:
                 log.exception("%s: shutdown failed", self.name)
 
     def _open_stream(self) -> None:
+        """Co-located on an accelerator: run on an own stream, limited to `device_share` (NPU)."""
+        if self.device_share is None:
+            return  # alone on its device: the default stream
         plat = self.engine.platform
+        plat.synchronize()  # weights and KV blocks were initialised on the default stream
         self.stream = plat.new_stream()
-        if self.stream is None or self.device_share is None:
+        if self.stream is None:
             return
         limits = getattr(plat, "device_limit", None)
         try:
