@@ -2,7 +2,8 @@
 CPU with the tiny demo model, called through `epdserve.Client`.
 
 One deployment per mode (module-scoped, torn down before the next starts): its teardown sends
-SIGTERM to the launcher and checks that it exits 0 and that none of its processes is left.
+SIGTERM to the launcher and checks that it exits 0 and that none of its processes is left
+(E-PD's launcher is SIGKILLed instead: its children must still exit, told by PR_SET_PDEATHSIG).
 E-P-D runs two D instances so that one can be killed mid-run (the file's last test, so it runs
 last in that mode's group).
 """
@@ -89,12 +90,19 @@ def _kill(proc: subprocess.Popen) -> None:
 def deployment(request, qwen2_vl_tiny):
     dep = _launch(request.param, qwen2_vl_tiny)
     family = [psutil.Process(dep.proc.pid), *psutil.Process(dep.proc.pid).children(recursive=True)]
+    def alive():
+        return [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
     try:
         yield dep
-        dep.proc.send_signal(signal.SIGTERM)
-        assert dep.proc.wait(120) == 0, "".join(dep.output[-40:])
-        left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not left, f"processes left behind: {[p.cmdline()[:6] for p in left]}"
+        if dep.mode == "E-PD":  # the launcher killed outright: its children still go (PR_SET_PDEATHSIG)
+            dep.proc.send_signal(signal.SIGKILL)
+            dep.proc.wait(30)
+            wait_until(lambda: not alive(), timeout_s=120, what="the children of a killed launcher to exit")
+        else:
+            dep.proc.send_signal(signal.SIGTERM)
+            assert dep.proc.wait(120) == 0, "".join(dep.output[-40:])
+            assert not alive(), f"processes left behind: {[p.cmdline()[:6] for p in alive()]}"
     finally:
         if dep.proc.poll() is None:
             _kill(dep.proc)
