@@ -9,13 +9,14 @@ from __future__ import annotations
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.sequence import MediaItem
 from epdserve.instance.errors import TransientError
-from epdserve.instance.worker import RequestHandle, StageWorker
+from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
 
 
 class CoupledWorker(StageWorker):
     role = "PD"
 
-    def submit(self, request_id: str, token_ids: list[int], media: list[MediaItem], params: SamplingParams) -> RequestHandle:
+    def submit(self, request_id: str, token_ids: list[int], media: list[MediaItem],
+               params: SamplingParams) -> RequestHandle:
         handle = RequestHandle(request_id)
 
         def add():
@@ -24,7 +25,7 @@ class CoupledWorker(StageWorker):
             self.handles[request_id] = handle
             self.engine.add_processed(request_id, token_ids, media, params)
 
-        self.call(add).result()
+        self.call(add).result(CALL_TIMEOUT_S)
         return handle
 
     def abort(self, request_id: str):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.instance.errors import BusyError, TransientError
-from epdserve.instance.worker import RequestHandle, StageWorker
+from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
 from epdserve.transfer.kv import KVReceiver, KVTransferConfig, PairRendezvous, PairState, RecvRequest, TransferState
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class DecodeWorker(StageWorker):
     def reserve(self, request_id, prompt_ids, params, peer, kv_host, kv_port, num_vision_tokens=0):
         handle = RequestHandle(request_id)
         res = self.call(lambda: self._reserve(request_id, list(prompt_ids), params, peer, kv_host, kv_port,
-                                              num_vision_tokens, handle)).result()
+                                              num_vision_tokens, handle)).result(CALL_TIMEOUT_S)
         return handle, res
 
     def begin(self, request_id: str, first_token: int, rope_delta: int):

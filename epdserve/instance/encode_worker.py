@@ -9,7 +9,7 @@ tells whether the encoder ran for it.
 from __future__ import annotations
 
 from epdserve.engine.sequence import MediaItem
-from epdserve.instance.worker import RequestHandle, StageWorker, WorkerLoad
+from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker, WorkerLoad
 
 
 class EncodeWorker(StageWorker):
@@ -24,7 +24,7 @@ class EncodeWorker(StageWorker):
             self.handles[request_id] = handle
             self.engine.add_encode_request(request_id, media, feature_target=target or None)
 
-        self.call(add).result()
+        self.call(add).result(CALL_TIMEOUT_S)
         return handle
 
     def abort(self, request_id: str):

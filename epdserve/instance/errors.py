@@ -3,7 +3,7 @@
 - `InvalidRequestError` (epdserve.model.errors) → INVALID_ARGUMENT: the scheduler fails it;
 - `TransientError` → ABORTED: e.g. a broken KV pair; the scheduler retries elsewhere;
 - `BusyError` → RESOURCE_EXHAUSTED: queue or KV blocks full; the scheduler tries another one;
-- anything else → UNAVAILABLE (the worker is stopping or broken).
+- anything else → UNAVAILABLE (the worker is stopping, broken or too slow to take the call).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.sequence import MediaItem
 from epdserve.instance.errors import TransientError, output_error
 from epdserve.instance.kv_hook import Destination, LayerwiseSendHook
-from epdserve.instance.worker import RequestHandle, StageWorker
+from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
 from epdserve.transfer.kv import KVSender, KVTransferConfig, PairRendezvous, PairState
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class PrefillWorker(StageWorker):
     # ---------------------------------------------------------------- gRPC threads
     def submit(self, job: PrefillJob) -> RequestHandle:
         handle = RequestHandle(job.request_id)
-        self.call(lambda: self._admit(job, handle)).result()
+        self.call(lambda: self._admit(job, handle)).result(CALL_TIMEOUT_S)
         return handle
 
     def abort(self, request_id: str):

@@ -15,6 +15,7 @@ import grpc
 from epdserve.instance import convert
 from epdserve.instance.errors import TransientError, output_error, status_for
 from epdserve.instance.prefill_worker import PrefillJob
+from epdserve.instance.worker import CALL_TIMEOUT_S
 from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
 from epdserve.transfer.kv import PairRendezvous
@@ -56,7 +57,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
     def _guard(self, context, fn):
         try:
             return fn()
-        except (InvalidRequestError, TransientError, ValueError, MemoryError, RuntimeError) as e:
+        except (InvalidRequestError, TransientError, ValueError, MemoryError, RuntimeError, TimeoutError) as e:
             if isinstance(e, ValueError) and not isinstance(e, InvalidRequestError):
                 e = InvalidRequestError(str(e))
             self._fail(context, e)
@@ -85,7 +86,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PrefillRequest.decode (the D reservation) is missing")
         if dec.block_size and dec.block_size != w.engine.config.block_size:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"decode instance uses block size {dec.block_size}, this prefill instance {w.engine.config.block_size}")
+                          f"decode instance uses block size {dec.block_size}, "
+                          f"this prefill instance {w.engine.config.block_size}")
 
         def job():
             return PrefillJob(
@@ -130,7 +132,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         params = self._guard(context, lambda: convert.sampling_from_proto(r.sampling))
         ep = r.prefill_kv_endpoint
         if not r.prefill_instance_id or not ep.port:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "DecodeReserve needs prefill_instance_id and prefill_kv_endpoint")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "DecodeReserve needs prefill_instance_id and prefill_kv_endpoint")
         handle, res = self._guard(context, lambda: w.reserve(
             rid, list(r.prompt_token_ids), params, r.prefill_instance_id, ep.host, int(ep.port), r.num_vision_tokens))
         context.add_callback(lambda: w.abort(rid))
@@ -144,7 +147,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         if nxt is None or nxt.WhichOneof("kind") != "start":
             w.abort(rid)
             return  # the scheduler closed the call: the first token ended the request
-        self._guard(context, lambda: w.begin(rid, nxt.start.first_token_id, nxt.start.rope_delta).result())
+        start = nxt.start
+        self._guard(context, lambda: w.begin(rid, start.first_token_id, start.rope_delta).result(CALL_TIMEOUT_S))
         while True:
             out, timings = self._wait(handle, context)
             if out.finished and out.finish_reason == "error":

@@ -26,6 +26,7 @@ from epdserve.instance.affinity import pin_worker_thread
 
 log = logging.getLogger(__name__)
 
+CALL_TIMEOUT_S = 120.0  # longest wait for the loop thread to take a call (it runs between steps)
 _POLL_S = 0.002  # queue wait while only transfers are pending
 _IDLE_S = 0.5  # queue wait when nothing at all is pending
 
