@@ -231,6 +231,10 @@ class Attempt:
             if self._killed is not None:
                 raise self._killed from None
             raise InstanceError.from_rpc(rec.instance_id, stage, e) from None
+        except asyncio.InvalidStateError as e:  # a write to a stream the dead peer already ended
+            if self._killed is not None:
+                raise self._killed from None
+            raise InstanceError(rec.instance_id, stage, grpc.StatusCode.UNAVAILABLE, f"stream ended: {e}") from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._killed is not None and not (task and task.cancelling()):
