@@ -226,6 +226,7 @@ def _stages(ax, modes):
             ax.bar(names, vals, bottom=bottoms, label=stage, color=f"C{i}")
             bottoms = [b + v for b, v in zip(bottoms, vals)]
     ax.set_ylabel("mean TTFT (ms), split by stage")
-    ax.set_title("where TTFT goes (server timestamps)")
+    rates = {_rate(_runs(modes[m])[-1]["rate"]) for m in names}
+    ax.set_title(f"where TTFT goes at rate {'/'.join(sorted(rates))} req/s (server timestamps)")
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=7)
