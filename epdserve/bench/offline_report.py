@@ -50,7 +50,9 @@ def _median_run(runs: list[dict]) -> tuple[dict, float]:
 def summarize_workload(name: str, runs: dict[str, list[dict]], total_requests: int) -> dict:
     """runs: config name → its worker results, one per repeat (with "tokens"). JSON-ready summary.
 
-    Times are medians over the repeats; tokens and the token check come from the first repeat.
+    Times are medians over the repeats (best-of-repeats beside them); the engine's time split comes
+    from the run nearest the median (exact with an odd repeat count); tokens and the token check
+    come from the first repeat.
     """
     configs, results = {}, {}
     for cfg, rs in runs.items():
@@ -62,6 +64,7 @@ def summarize_workload(name: str, runs: dict[str, list[dict]], total_requests: i
             "repeats": len(rs),
             "duration_s": duration,
             "durations_s": [x["duration_s"] for x in rs],
+            "best_s": min(x["duration_s"] for x in rs),
             "cpu_s": statistics.median(x.get("cpu_s", 0.0) for x in rs),
             "loadavg_1m": [x.get("loadavg_1m") for x in rs],
             "prompt_tokens": r["prompt_tokens"],
@@ -79,6 +82,12 @@ def summarize_workload(name: str, runs: dict[str, list[dict]], total_requests: i
     if engine:
         ratios = {b: _rate(engine["output_tok_s"], c["output_tok_s"]) for b, c in configs.items() if b != "engine"}
         summary["engine_speedup"] = ratios
+        # Contention only ever slows a run down, so best-of-R is the least disturbed estimate; the aims
+        # are judged on medians (house rule), this is reported beside them.
+        summary["engine_speedup_best"] = {
+            b: _rate(engine["output_tokens"] / engine["best_s"], c["output_tokens"] / c["best_s"])
+            for b, c in configs.items() if b != "engine"
+        }
         summary["aims"] = {
             b: {"aim": aim, "measured": ratios[b], "met": ratios[b] >= aim}
             for b, aim in AIMS.get(name, {}).items() if b in ratios
@@ -124,6 +133,9 @@ def markdown(report: dict, labels: dict[str, str]) -> str:
             parts = [f"{b} {a['measured']:.2f}× (aim ≥ {a['aim']}×: {'met' if a['met'] else 'MISSED'})"
                      for b, a in w["aims"].items()]
             lines.append("Aims: " + "; ".join(parts) + ".")
+        if max(c["repeats"] for c in w["configs"].values()) > 1 and w.get("engine_speedup_best"):
+            lines.append("Engine × on best-of-repeats times: "
+                         + ", ".join(f"{b} {x:.2f}×" for b, x in w["engine_speedup_best"].items()) + ".")
         loads = [v for c in w["configs"].values() for pair in c["loadavg_1m"] if pair for v in pair]
         reps = max(c["repeats"] for c in w["configs"].values())
         if loads:

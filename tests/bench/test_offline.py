@@ -102,5 +102,6 @@ def test_summary_takes_medians_over_repeats():
     w = summarize_workload("text", runs, total_requests=2)
     assert w["configs"]["engine"]["duration_s"] == 2.0 and w["configs"]["engine"]["output_tok_s"] == 4.0
     assert w["engine_speedup"]["one_at_a_time"] == 2.0
+    assert w["configs"]["engine"]["best_s"] == 1.0 and w["engine_speedup_best"]["one_at_a_time"] == 3.0
     assert w["aims"]["one_at_a_time"] == {"aim": 5.0, "measured": 2.0, "met": False}
     assert w["token_match_vs_one_at_a_time"]["engine"] == {"matched": 1, "compared": 2}
