@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.endpoint import PairEndpoint
 from epdserve.transfer.kv.layout import layer_plan
-from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous
+from epdserve.transfer.kv.messages import BatchHeader
 from epdserve.transfer.kv.pair import PairBroken, PairConnection
 from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
 
@@ -142,43 +142,15 @@ class _Channel:
         return True
 
 
-class KVReceiver:
+class KVReceiver(PairEndpoint):
+    RANK, SIDE = 1, "decode"
+
     def __init__(self, cache, platform, config: KVTransferConfig | None = None):
-        self.cache = cache
-        self.platform = platform
-        self.config = config or KVTransferConfig()
-        self.device = cache.keys[0].device
-        self._lock = threading.Lock()
-        self._channels: dict[str, _Channel] = {}
+        super().__init__(cache, platform, config)
         self._expected: dict[str, _Expected] = {}
-        # Channel threads must be stopped before the interpreter finalizes (a daemon thread
-        # returning from a torch wait during finalization aborts the process): close() does
-        # it, and this finalizer does it at exit for a receiver nobody closed.
-        self._closer = weakref.finalize(self, _stop_channels, self._channels, self._lock, self.config.timeout_s + 1.0)
 
-    # ------------------------------------------------------------------ peers
-    def connect(self, peer: str, rdzv: PairRendezvous) -> PairConnection:
-        """Start building the pair to prefill peer `peer` (replacing a previous one); returns at once."""
-        if not self._closer.alive:
-            raise RuntimeError("KVReceiver is closed")
-        if rdzv.rank != 1:
-            raise ValueError(f"the decode side joins a pair as rank 1, got {rdzv}")
-        self.disconnect(peer)
-        pair = PairConnection(rdzv, self.platform, self.config, self.device)
-        with self._lock:
-            self._channels[peer] = _Channel(self, peer, pair)
-        return pair
-
-    def disconnect(self, peer: str) -> None:
-        with self._lock:
-            ch = self._channels.pop(peer, None)
-        if ch is not None:
-            ch.stop()
-            ch.thread.join(self.config.timeout_s + 1.0)
-
-    def pair_state(self, peer: str) -> PairState | None:
-        ch = self._channels.get(peer)
-        return ch.pair.state if ch else None
+    def _new_channel(self, peer: str, pair: PairConnection) -> _Channel:
+        return _Channel(self, peer, pair)
 
     # ------------------------------------------------------------------ engine protocol
     def expect(self, req: RecvRequest) -> None:
@@ -220,10 +192,6 @@ class KVReceiver:
         with self._lock:
             done = [rid for rid, e in self._expected.items() if e.state.finished]
             return [self._expected.pop(rid).status() for rid in done]
-
-    def close(self) -> None:
-        """Disconnect every peer (pending transfers fail) and stop the threads; final."""
-        self._closer()
 
     # ------------------------------------------------------------------ called by channel threads
     def _expects(self, peer: str) -> bool:
@@ -280,13 +248,3 @@ class KVReceiver:
             for e in self._expected.values():
                 if e.req.peer == peer and not e.state.finished:
                     e.state, e.error = TransferState.FAILED, reason
-
-
-def _stop_channels(channels: dict, lock: threading.Lock, join_s: float) -> None:
-    with lock:
-        chans = list(channels.values())
-        channels.clear()
-    for ch in chans:
-        ch.stop()
-    for ch in chans:
-        ch.thread.join(join_s)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import queue
 import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.endpoint import PairEndpoint
 from epdserve.transfer.kv.layout import Chunk, layer_plan, select_blocks
-from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous, RequestEntry
+from epdserve.transfer.kv.messages import BatchHeader, RequestEntry
 from epdserve.transfer.kv.pair import PairBroken, PairConnection
 from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
 
@@ -95,45 +95,17 @@ class _Channel:
             self.posted.put(None)
 
 
-class KVSender:
+class KVSender(PairEndpoint):
+    RANK, SIDE = 0, "prefill"
+
     def __init__(self, cache, platform, config: KVTransferConfig | None = None):
-        self.cache = cache
-        self.platform = platform
-        self.config = config or KVTransferConfig()
-        self.device = cache.keys[0].device
-        self._lock = threading.Lock()
-        self._channels: dict[str, _Channel] = {}
+        super().__init__(cache, platform, config)
         self._transfers: dict[str, _Transfer] = {}
         self._open: list[_Batch] | None = None
         self._next_layer = 0
-        # Waiter threads must be stopped before the interpreter finalizes (a daemon thread
-        # returning from a torch wait during finalization aborts the process): close() does
-        # it, and this finalizer does it at exit for a sender nobody closed.
-        self._closer = weakref.finalize(self, _stop_channels, self._channels, self._lock, self.config.timeout_s + 1.0)
 
-    # ------------------------------------------------------------------ peers
-    def connect(self, peer: str, rdzv: PairRendezvous) -> PairConnection:
-        """Start building the pair to `peer` (replacing a previous one); returns at once."""
-        if not self._closer.alive:
-            raise RuntimeError("KVSender is closed")
-        if rdzv.rank != 0:
-            raise ValueError(f"the prefill side joins a pair as rank 0, got {rdzv}")
-        self.disconnect(peer)
-        pair = PairConnection(rdzv, self.platform, self.config, self.device)
-        with self._lock:
-            self._channels[peer] = _Channel(self, peer, pair)
-        return pair
-
-    def disconnect(self, peer: str) -> None:
-        with self._lock:
-            ch = self._channels.pop(peer, None)
-        if ch is not None:
-            ch.stop()  # breaks its in-flight transfers; the waiter drains and fails them
-            ch.thread.join(self.config.timeout_s + 1.0)
-
-    def pair_state(self, peer: str) -> PairState | None:
-        ch = self._channels.get(peer)
-        return ch.pair.state if ch else None
+    def _new_channel(self, peer: str, pair: PairConnection) -> _Channel:
+        return _Channel(self, peer, pair)
 
     # ------------------------------------------------------------------ engine protocol
     def begin_batch(self, requests: list[SendRequest]) -> None:
@@ -204,10 +176,6 @@ class KVSender:
         with self._lock:
             done = [rid for rid, t in self._transfers.items() if t.state.finished]
             return [self._transfers.pop(rid).status() for rid in done]
-
-    def close(self) -> None:
-        """Disconnect every peer (in-flight transfers fail) and stop the threads; final."""
-        self._closer()
 
     # ------------------------------------------------------------------ internals (lock held)
     def _validate(self, requests: list[SendRequest]) -> None:
@@ -292,13 +260,3 @@ class KVSender:
     def _fail_now(transfers: list[_Transfer], reason: str) -> None:
         for t in transfers:
             t.state, t.error = TransferState.FAILED, reason
-
-
-def _stop_channels(channels: dict, lock: threading.Lock, join_s: float) -> None:
-    with lock:
-        chans = list(channels.values())
-        channels.clear()
-    for ch in chans:
-        ch.stop()
-    for ch in chans:
-        ch.thread.join(join_s)

@@ -1,0 +1,73 @@
+"""`PairEndpoint`: what KVSender (rank 0) and KVReceiver (rank 1) share — one channel per peer.
+
+A channel owns one `PairConnection` and the thread that waits on it. Endpoints connect,
+replace and disconnect peers, report pair states and stop every thread on `close()`.
+Channel threads must be stopped before the interpreter finalizes (a daemon thread returning
+from a torch wait during finalization aborts the process): `close()` does it, and a finalizer
+does it at exit for an endpoint nobody closed.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.messages import PairRendezvous
+from epdserve.transfer.kv.pair import PairConnection
+from epdserve.transfer.kv.state import PairState
+
+
+class PairEndpoint:
+    RANK: int  # 0 = prefill (sender), 1 = decode (receiver)
+    SIDE: str
+
+    def __init__(self, cache, platform, config: KVTransferConfig | None = None):
+        self.cache = cache
+        self.platform = platform
+        self.config = config or KVTransferConfig()
+        self.device = cache.keys[0].device
+        self._lock = threading.Lock()
+        self._channels: dict = {}
+        self._closer = weakref.finalize(self, _stop_channels, self._channels, self._lock, self.config.timeout_s + 1.0)
+
+    def _new_channel(self, peer: str, pair: PairConnection):
+        """The side-specific channel (it starts its own thread)."""
+        raise NotImplementedError
+
+    def connect(self, peer: str, rdzv: PairRendezvous) -> PairConnection:
+        """Start building the pair to `peer` (replacing a previous one); returns at once."""
+        if not self._closer.alive:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        if rdzv.rank != self.RANK:
+            raise ValueError(f"the {self.SIDE} side joins a pair as rank {self.RANK}, got {rdzv}")
+        self.disconnect(peer)
+        pair = PairConnection(rdzv, self.platform, self.config, self.device)
+        with self._lock:
+            self._channels[peer] = self._new_channel(peer, pair)
+        return pair
+
+    def disconnect(self, peer: str) -> None:
+        """Stop the peer's channel: its in-flight transfers fail, its thread drains and ends."""
+        with self._lock:
+            ch = self._channels.pop(peer, None)
+        if ch is not None:
+            ch.stop()
+            ch.thread.join(self.config.timeout_s + 1.0)
+
+    def pair_state(self, peer: str) -> PairState | None:
+        ch = self._channels.get(peer)
+        return ch.pair.state if ch else None
+
+    def close(self) -> None:
+        """Disconnect every peer (pending transfers fail) and stop the threads; final."""
+        self._closer()
+
+
+def _stop_channels(channels: dict, lock: threading.Lock, join_s: float) -> None:
+    with lock:
+        chans = list(channels.values())
+        channels.clear()
+    for ch in chans:
+        ch.stop()
+    for ch in chans:
+        ch.thread.join(join_s)
