@@ -1,5 +1,4 @@
 """Client -> scheduler -> coupled EPD instances (real LLMEngines behind real gRPC servers)."""
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc

@@ -5,7 +5,6 @@ mid-run loses no request."""
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc

@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -37,7 +36,7 @@ def test_scheduler_process_serves_and_stops_on_sigterm(qwen2_vl_tiny, instance, 
             assert out.usage.output_tokens == 4 and c.health() == "SERVING"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        assert f"epdserve scheduler ready: " in proc.stdout.read()
+        assert "epdserve scheduler ready: " in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
