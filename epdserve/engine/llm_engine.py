@@ -35,7 +35,7 @@ from epdserve.engine.stats import EngineStats
 from epdserve.engine.stop_checker import StopChecker
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.errors import InvalidRequestError
-from epdserve.model.loader import load_checkpoint
+from epdserve.model.loader import eos_token_ids, load_checkpoint
 from epdserve.model.processor import MediaInput, MultimodalProcessor
 from epdserve.platform import get_platform
 from epdserve.transfer.mm_store.keys import media_key, namespace_for
@@ -71,7 +71,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(a, self.kv_cache, self.blocks)
         self.features = features or LocalFeatureProvider()
-        self.stop_checker = StopChecker(ckpt.tokenizer, self._eos_ids(ckpt), self.max_model_len)
+        self.stop_checker = StopChecker(
+            ckpt.tokenizer,
+            eos_token_ids(getattr(getattr(ckpt.model, "generation_config", None), "eos_token_id", None), ckpt.tokenizer),
+            self.max_model_len,
+        )
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self.encoder = EncodeStage(
@@ -267,6 +271,7 @@ class LLMEngine:
             num_prompt_tokens=seq.prompt_len,
             num_vision_tokens=seq.num_vision_tokens,
             num_cached_vision_tokens=sum(m.num_tokens for m in seq.media if m.from_store),
+            rope_delta=seq.rope_delta,
             timings=dict(seq.timings),
         )
 
@@ -289,17 +294,6 @@ class LLMEngine:
         self._ready_outputs.append(
             RequestOutput(request_id, [], "", [], "", True, finish_reason="error", error=message)
         )
-
-    @staticmethod
-    def _eos_ids(ckpt) -> set[int]:
-        ids = set()
-        gen_eos = getattr(getattr(ckpt.model, "generation_config", None), "eos_token_id", None)
-        for v in (gen_eos, ckpt.tokenizer.eos_token_id):
-            if isinstance(v, int):
-                ids.add(v)
-            elif v:
-                ids.update(int(x) for x in v)
-        return ids
 
     def load_report(self) -> dict[str, int]:
         return {

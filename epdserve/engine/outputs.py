@@ -17,4 +17,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_vision_tokens: int = 0
     num_cached_vision_tokens: int = 0
+    rope_delta: int = 0  # M-RoPE delta (text position of token i = i + rope_delta); a D side needs it
     timings: dict[str, float] = field(default_factory=dict)

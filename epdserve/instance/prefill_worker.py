@@ -63,7 +63,6 @@ class PrefillWorker(StageWorker):
         self.jobs: dict[str, PrefillJob] = {}  # in the engine
         self.held: set[str] = set()  # KV_HELD, transfer running
         self.transfer_done: set[str] = set()  # finished before we saw the first token
-        self.rope_deltas: dict[str, int] = {}
 
     def on_start(self) -> None:
         self.sender = KVSender(self.engine.kv_cache, self.engine.platform, self.kv_config)
@@ -92,7 +91,6 @@ class PrefillWorker(StageWorker):
             self.sender.connect(job.peer, job.rdzv)
             self.pair_names[job.peer] = job.rdzv.pair_name
         self.handles[rid] = handle
-        self.rope_deltas[rid] = self.engine.adapter.rope_index(job.token_ids, [m.grid_thw for m in job.media])[1]
         self.bootstrapping[rid] = job
 
     def _abort(self, request_id: str) -> bool:
@@ -155,8 +153,7 @@ class PrefillWorker(StageWorker):
             handle.put(TransientError(f"KV transfer refused: {refused}"))
         else:
             recomputed = [m.key for m in (job.media if job else []) if not m.from_store]
-            handle.put(PrefillResult(out, self.rope_deltas.pop(rid, 0), recomputed))
-        self.rope_deltas.pop(rid, None)
+            handle.put(PrefillResult(out, out.rope_delta, recomputed))
 
     def _transfers(self) -> None:
         for st in self.sender.pop_finished():
@@ -171,7 +168,6 @@ class PrefillWorker(StageWorker):
                 self.transfer_done.add(rid)
 
     def _fail(self, rid: str, exc: BaseException) -> None:
-        self.rope_deltas.pop(rid, None)
         handle = self.handles.pop(rid, None)
         if handle is not None:
             handle.put(exc)

@@ -42,3 +42,14 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
     return LoadedCheckpoint(path, model, tokenizer, image_processor, config.model_type)
+
+
+def eos_token_ids(generation_eos, tokenizer) -> set[int]:
+    """The ids that end a generation: generation_config's eos_token_id (int or list) and the tokenizer's."""
+    ids: set[int] = set()
+    for v in (generation_eos, tokenizer.eos_token_id):
+        if isinstance(v, int):
+            ids.add(v)
+        elif v:
+            ids.update(int(x) for x in v)
+    return ids

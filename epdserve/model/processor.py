@@ -79,24 +79,29 @@ class MultimodalProcessor:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self.check_placeholders(ids, len(images))
+        media = [self.preprocess_image(im) for im in images]
+        return ProcessedPrompt(self.expand(ids, [m.num_tokens for m in media]), media)
+
+    def check_placeholders(self, ids: list[int], num_images: int) -> None:
         n_ph = sum(1 for t in ids if t == self.image_token_id)
-        if n_ph != len(images):
+        if n_ph != num_images:
             raise InvalidRequestError(
-                f"prompt has {n_ph} image placeholder(s) but {len(images)} image(s) were given; put "
+                f"prompt has {n_ph} image placeholder(s) but {num_images} image(s) were given; put "
                 "<|vision_start|><|image_pad|><|vision_end|> once per image"
             )
-        media = [self.preprocess_image(im) for im in images]
+
+    def expand(self, ids: list[int], tokens_per_image: list[int]) -> list[int]:
+        """Each image's single placeholder → its token count of pad tokens; checks the context length."""
+        self.check_placeholders(ids, len(tokens_per_image))
         expanded: list[int] = []
-        it = iter(media)
+        it = iter(tokens_per_image)
         for t in ids:
-            if t == self.image_token_id:
-                expanded.extend([self.image_token_id] * next(it).num_tokens)
-            else:
-                expanded.append(t)
+            expanded.extend([t] * next(it) if t == self.image_token_id else [t])
         if not expanded:
             raise InvalidRequestError("prompt is empty")
         if len(expanded) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt is {len(expanded)} tokens (images included); the model's context is {self.max_model_len}"
             )
-        return ProcessedPrompt(expanded, media)
+        return expanded

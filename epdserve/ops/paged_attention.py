@@ -27,7 +27,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v = value[0].transpose(0, 1)
     cache = meta.kv_cache
     cache.write(layer, meta.slots, k, v)
-    out = torch.empty_like(q)
+    out = None if meta.decode_only else torch.empty_like(q)
     for seg in meta.prefills:
         qs = slice(seg.q_start, seg.q_start + seg.q_len)
         qh = q[qs].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.entrypoints.llm import chat_to_prompt
 from epdserve.model.errors import InvalidRequestError
+from epdserve.model.loader import eos_token_ids
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.scheduler.errors import RequestError
@@ -136,25 +137,17 @@ class RequestPreprocessor:
             ids = self._encode_text(text)
         else:
             raise RequestError.invalid("the request has no prompt, prompt_token_ids or chat")
-        n_ph = sum(1 for t in ids if t == self.image_token_id)
-        if n_ph != len(media):
-            raise RequestError.invalid(
-                f"prompt has {n_ph} image placeholder(s) but {len(media)} image(s) were given; put "
-                f"{IMAGE_PLACEHOLDER} once per image"
-            )
+        try:
+            self.processor.check_placeholders(ids, len(media))
+        except InvalidRequestError as e:
+            raise RequestError.invalid(str(e)) from None
         if media and not namespace:
             raise RequestError.unavailable("no instance has reported its media namespace yet")
         prepared = [self._media(i, m, namespace) for i, m in enumerate(media)]
-        expanded: list[int] = []
-        it = iter(prepared)
-        for t in ids:
-            expanded.extend([t] * next(it).num_tokens if t == self.image_token_id else [t])
-        if not expanded:
-            raise RequestError.invalid("prompt is empty")
-        if len(expanded) >= self.max_model_len:
-            raise RequestError.invalid(
-                f"prompt is {len(expanded)} tokens (images included); the model's context is {self.max_model_len}"
-            )
+        try:
+            expanded = self.processor.expand(ids, [m.num_tokens for m in prepared])
+        except InvalidRequestError as e:
+            raise RequestError.invalid(str(e)) from None
         return PreparedRequest(
             request_id=req.request_id or uuid.uuid4().hex,
             prompt_token_ids=expanded,
@@ -214,16 +207,10 @@ class RequestPreprocessor:
         raise RequestError.invalid(f"image {i} has neither data nor key")
 
     def _eos_ids(self) -> list[int]:
-        ids: set[int] = set()
         try:
             from transformers import GenerationConfig
 
             v = GenerationConfig.from_pretrained(self.model_dir, local_files_only=True).eos_token_id
         except Exception:  # no generation_config.json
             v = None
-        for x in (v, self.tokenizer.eos_token_id):
-            if isinstance(x, int):
-                ids.add(x)
-            elif x:
-                ids.update(int(y) for y in x)
-        return sorted(ids)
+        return sorted(eos_token_ids(v, self.tokenizer))
