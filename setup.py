@@ -46,6 +46,8 @@ setup(
         "protobuf",
         "pyyaml",
         "psutil",
+        "tenacity",  # retry loops: scheduler registration, the private MM Store server's start
+        "cachetools",  # LRUCache(getsizeof=...) is the byte-bounded LRU of both feature caches
     ],
     extras_require={
         "npu": ["torch-npu"],

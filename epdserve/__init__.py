@@ -1,6 +1,8 @@
 """epdserve: Encode / Prefill / Decode disaggregated serving for vision-language models.
 
-Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped).
+Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped), and `Client` / `AsyncClient`
+for a running deployment's gRPC service. Everything else is the `epdserve` command
+(epdserve/entrypoints/cli.py): `launch`, `scheduler`, `instance`, `demo-model`, `bench`, `profile`.
 """
 from epdserve.engine.sampling_params import SamplingParams
 

@@ -26,7 +26,7 @@ set -euo pipefail
 
 what=${1:?usage: atlas_node.sh head | instances ROLES NPU_LIST}
 
-# ---- Ascend environment (NPU_NOTES.md, "Cluster conventions on Atlas servers")
+# ---- Ascend environment: CANN's set_env.sh (newer CANN: cann/set_env.sh), and ATB's for its ops
 for f in "${ASCEND_ENV:-}" /usr/local/Ascend/ascend-toolkit/set_env.sh /usr/local/Ascend/cann/set_env.sh; do
   if [[ -n "$f" && -f "$f" ]]; then source "$f"; break; fi
 done

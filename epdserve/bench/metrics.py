@@ -1,4 +1,4 @@
-"""Serving metrics, exactly as ../shared/BENCHMARKING.md defines them, from client-side records.
+"""Serving metrics from client-side records, with the definitions of vLLM's and SGLang's serving benchmarks.
 
 Owns `RequestRecord` (what the client saw of one request: monotonic send time, the time and token
 count of every streamed message, usage, the server's stage timestamps), `SLO`, and the pure

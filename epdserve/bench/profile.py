@@ -14,6 +14,8 @@ import pathlib
 import statistics
 import time
 
+from epdserve.entrypoints.cli import add_command
+
 RESOLUTIONS = {"240p": (426, 240), "360p": (640, 360), "480p": (854, 480), "720p": (1280, 720), "1080p": (1920, 1080)}
 DEFAULT_RESOLUTIONS = "224x224,360p,720p"
 DEFAULT_PROMPT_LENS = "64,256,1024"
@@ -227,11 +229,8 @@ def markdown(report: dict) -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "profile", help="per-stage cost on this device (vision, prefill, decode, bytes moved) -> JSON",
-        description="Profiles one checkpoint through the engine: vision encoder ms per image at several "
-                    "resolutions, prefill ms per prompt length, decode ms per step at several batch sizes, "
-                    "and the image-feature and KV bytes a request moves between stages. Medians of --repeats.")
+    p = add_command(subparsers, "profile", run,
+                    "per-stage cost on this device (vision, prefill, decode, bytes moved) -> JSON", __doc__)
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     p.add_argument("--device", default="auto", help="cpu | cuda | npu | auto (default auto)")
     p.add_argument("--resolutions", default=DEFAULT_RESOLUTIONS,
@@ -243,7 +242,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point after one warm-up (default 3)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default="profile.json", help="JSON path (default profile.json)")
-    p.set_defaults(func=run)
     return p
 
 

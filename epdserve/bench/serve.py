@@ -2,9 +2,11 @@
 
 Owns the command: either `--address HOST:PORT` (one live deployment) or `--modes
 monolithic,E-PD,... --model DIR` (each mode launched in turn with `epdserve launch`, stopped
-after). Every target gets a warm-up, then the same seeded workloads at the same arrival
-schedules (each rate of a sweep with its own fresh images, so no run is served from a previous
-run's cache). Results: one JSON (written after every run, so a stopped benchmark keeps what it
+after). Every target gets a warm-up, then the same seeded ShareGPT-4o-shaped workloads at the
+same arrival schedules (each rate of a sweep with its own fresh images, so no run is served from
+a previous run's cache). Reported: the metrics of vLLM's and SGLang's serving benchmarks
+(TTFT, TPOT, ITL, E2EL, goodput under SLOs) plus the TTFT split by stage, with ratios against
+the first target. Results: one JSON (written after every run, so a stopped benchmark keeps what it
 measured), a Markdown table (stdout and `<out>.md`) and one PNG per workload.
 """
 from __future__ import annotations
@@ -22,16 +24,14 @@ from epdserve.bench.metrics import SLO, compute_metrics
 from epdserve.bench.report import markdown, plot, request_rows
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
 from epdserve.bench.workload import PRESET_RATES, PRESETS, WorkloadConfig, build_workload, parse_mix
+from epdserve.entrypoints.cli import add_command
 
 MODES = ("monolithic", "E-P-D", "EP-D", "ED-P", "E-PD")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "serve", help="serving benchmark: TTFT/TPOT/ITL/E2EL, goodput under SLOs, modes side by side",
-        description="Sends a seeded ShareGPT-4o-shaped workload to a live deployment (--address) or to each "
-                    "mode in turn, launched here (--modes ... --model DIR), and reports the metrics of vLLM's and "
-                    "SGLang's serving benchmarks plus the TTFT split by stage. Ratios against the first mode.")
+    p = add_command(subparsers, "serve", run,
+                    "serving benchmark: TTFT/TPOT/ITL/E2EL, goodput under SLOs, modes side by side", __doc__)
     t = p.add_argument_group("target")
     t.add_argument("--address", metavar="HOST:PORT", help="a live deployment's scheduler")
     t.add_argument("--label", default="live", help="name of the --address target in the report (default live)")
@@ -75,7 +75,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--plots", metavar="DIR", help="PNG directory (default: next to --out)")
     o.add_argument("--plot-prefix", help="PNG name prefix (default: the JSON's stem)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
     return p
 
 

@@ -13,13 +13,14 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+
+from epdserve.net import free_port
 
 READY_RE = re.compile(r"^epdserve ready\b")
 ADDRESS_RE = re.compile(r"(?:grpc://)?((?:\d{1,3}\.){3}\d{1,3}|localhost|\[[0-9a-fA-F:]+\]|[\w.-]+):(\d{2,5})\b")
@@ -38,12 +39,6 @@ class Deployment:
     log_path: str
     ready_line: str = ""
     extra: dict = field(default_factory=dict)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def launch_argv(mode: str, model: str, port: int, extra: list[str] | None = None) -> list[str]:

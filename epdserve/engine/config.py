@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-VALID_ROLES = {"E", "P", "D", "EP", "ED", "PD", "EPD"}
+from epdserve.engine.roles import normalize_roles
 
 
 @dataclass
@@ -25,9 +25,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
-        self.roles = "".join(r for r in "EPD" if r in self.roles.upper())
-        if self.roles not in VALID_ROLES:
-            raise ValueError(f"roles must be one of {sorted(VALID_ROLES)}, got {self.roles!r}")
+        self.roles = normalize_roles(self.roles)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_encode_images_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from epdserve.transfer.feature_provider import FeatureProvider
-from epdserve.engine.sequence import MediaItem, Sequence
+from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.model.adapter import VLMAdapter
 
@@ -34,6 +34,7 @@ class EncodeStage:
         self.encoder_runs = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.state = RequestState.WAITING_FOR_FEATURES
         self.pending.append(seq)
 
     def remove(self, seq: Sequence) -> None:

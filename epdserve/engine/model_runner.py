@@ -3,34 +3,31 @@
 Owns the device-side work of a step: building packed inputs (text embeddings, media features
 spliced in, M-RoPE positions per request), attention metadata, the layer loop over
 transformers' decoder layers with epdserve's paged attention, and the LM head on the rows that
-sample. `layer_hook(layer_idx, batch)` runs after each layer (the P→D transfer starts sending
-that layer's KV there while the next layer computes).
+sample. The KV connector's worker side runs inside the loop: `start_load_kv` before it,
+`wait_for_layer_load(i)` before layer i, `save_kv_layer(i)` after it (the P→D transfer sends
+layer i while layer i+1 computes), `wait_for_save` at the end. Block tables come with the batch;
+the runner never sees the block manager.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.kv_cache import PagedKVCache
+from epdserve.engine.kv_connector import KVConnector
 from epdserve.engine.sampler import sample
 from epdserve.engine.scheduler import ScheduledSeq
 from epdserve.model.adapter import VLMAdapter
 from epdserve.ops import paged_attention
 from epdserve.ops.attention_meta import AttentionMeta, PrefillSegment
 
-LayerHook = Callable[[int, list[ScheduledSeq]], None]
-
 
 class ModelRunner:
-    def __init__(self, adapter: VLMAdapter, kv_cache: PagedKVCache, blocks: BlockManager):
+    def __init__(self, adapter: VLMAdapter, kv_cache: PagedKVCache, connector: KVConnector | None = None):
         self.adapter = adapter
         self.kv_cache = kv_cache
-        self.blocks = blocks
+        self.connector = connector
         self.device = adapter.device
         adapter.text_config._attn_implementation = paged_attention.register()
-        self.layer_hooks: list[LayerHook] = []
 
     @torch.inference_mode()
     def build_prompt_embeds(self, token_ids: list[int], features: list[torch.Tensor]) -> torch.Tensor:
@@ -48,6 +45,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[int | None]:
         """Run one step; returns the sampled token per item (None where the item only prefilled a chunk)."""
+        hidden, position_ids, meta = self._inputs(batch)
+        conn = self.connector
+        cos_sin = self.adapter.rotary(hidden, position_ids)
+        if conn is not None:
+            conn.start_load_kv()
+        for i, layer in enumerate(self.adapter.layers):
+            if conn is not None:
+                conn.wait_for_layer_load(i)
+            hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin, epd_meta=meta)
+            if conn is not None:
+                conn.save_kv_layer(i)
+        if conn is not None:
+            conn.wait_for_save()
+        return self._sample(batch, hidden)
+
+    def _inputs(self, batch: list[ScheduledSeq]):
+        bs = self.kv_cache.spec.block_size
         ids, pos, slots, prefills, dec_idx, dec_tables, dec_ctx = [], [], [], [], [], [], []
         embed_rows: list[tuple[int, torch.Tensor]] = []
         offset = 0
@@ -55,8 +69,8 @@ class ModelRunner:
             seq, s, e = item.seq, item.start, item.end
             ids.extend(seq.token_at(i) for i in range(s, e))
             pos.append(seq.position_slice(s, e))
-            slots.extend(self.blocks.slots(seq.request_id, s, e))
-            table = torch.tensor(self.blocks.table(seq.request_id), dtype=torch.long)
+            slots.extend(item.slots(bs))
+            table = torch.tensor(item.block_ids, dtype=torch.long)
             if seq.prompt_embeds is not None and s < seq.prompt_len:
                 embed_rows.append((offset, seq.prompt_embeds[s : min(e, seq.prompt_len)]))
             if item.num_tokens == 1 and s > 0:
@@ -87,11 +101,9 @@ class ModelRunner:
             decode_block_tables=tables.to(dev),
             decode_ctx_lens=torch.tensor(dec_ctx, dtype=torch.long, device=dev),
         )
-        cos_sin = self.adapter.rotary(hidden, position_ids)
-        for i, layer in enumerate(self.adapter.layers):
-            hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin, epd_meta=meta)
-            for hook in self.layer_hooks:
-                hook(i, batch)
+        return hidden, position_ids, meta
+
+    def _sample(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> list[int | None]:
         last_rows, sampling = [], []
         offset = 0
         for k, item in enumerate(batch):

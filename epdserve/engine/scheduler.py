@@ -1,21 +1,30 @@
-"""Continuous-batching scheduler: which requests run this step and how many tokens each.
+"""Continuous-batching scheduler: the one owner of the block manager and of request states.
 
-Policy per step, under a token budget (`max_num_batched_tokens`) and a request cap:
+`schedule()` picks this step's work under a token budget (`max_num_batched_tokens`) and a
+request cap:
 1. every running request that is decoding gets one token (blocks grown as needed; if the free
    list runs dry the newest running request is preempted: its blocks are freed and it is
    recomputed later — nothing is lost);
 2. running requests in the middle of a chunked prefill continue;
 3. waiting requests are admitted in arrival order while budget, cap and blocks allow; a prompt
    longer than the remaining budget is chunked.
-The scheduler talks only to the block manager; it never touches tensors.
+`update(batch, sampled)` is the step's postprocessing: computed counts, appended tokens, stop
+checks, finishing (blocks freed, or held while the KV connector still uses them).
+`poll_connector()` applies the connector's finished transfers: received KV starts a request's
+decode, finished sends free held blocks. The scheduler never touches tensors.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from epdserve.engine.block_manager import BlockManager
-from epdserve.engine.sequence import Sequence, SeqStatus
+from epdserve.engine.kv_connector import FinishedTransfer, KVConnector
+from epdserve.engine.sequence import RequestState, Sequence
+from epdserve.engine.stop_checker import StopChecker
+
+S = RequestState
 
 
 @dataclass
@@ -23,6 +32,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first token index computed this step
     num_tokens: int
+    block_ids: tuple[int, ...] = ()  # the request's block table for this step
 
     @property
     def end(self) -> int:
@@ -33,53 +43,115 @@ class ScheduledSeq:
         """A token is sampled when this step reaches the last known token of the request."""
         return self.end == self.seq.num_tokens
 
+    def slots(self, block_size: int) -> list[int]:
+        """Flat cache slots of the tokens computed this step."""
+        t = self.block_ids
+        return [t[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunked_prefill: bool = True
+    hands_off: bool = False  # prefill-only: a request's part here ends with its first token
+
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True):
-        self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunked_prefill = chunked_prefill
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, stop_checker: StopChecker,
+                 connector: KVConnector | None = None):
+        self.config = config
+        self._blocks = blocks
+        self.stop_checker = stop_checker
+        self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV
+        self.held: dict[str, Sequence] = {}  # KV_HELD
         self.num_preemptions = 0
 
+    # ---------------------------------------------------------------- requests in / out
     def add(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        """Queue a request to be computed here (a remote-KV request's blocks are reserved now)."""
+        remote = self.connector.num_remote_tokens(seq) if self.connector else 0
+        if not remote:
+            seq.state = S.WAITING
+            self.waiting.append(seq)
+            return
+        total = min(seq.prompt_len + seq.params.max_tokens, self.stop_checker.max_model_len)
+        rid = seq.request_id
+        if not self._blocks.can_grow(rid, total):
+            raise MemoryError(f"not enough free KV blocks for {total} tokens ({self._blocks.num_free} free)")
+        table = self._blocks.grow(rid, total)  # whole request up front: an imported one is never preempted
+        try:
+            self.connector.on_blocks_allocated(seq, list(table))
+        except ValueError:
+            self._blocks.free(rid)
+            raise
+        seq.state = S.WAITING_FOR_REMOTE_KV
+        self.remote[rid] = seq
 
-    def add_running(self, seq: Sequence) -> None:
-        """Admit a request whose KV is already in its blocks (decode-only role)."""
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request wherever it is (blocks freed, or held while a transfer uses them)."""
+        if seq.state.done:
+            return
+        seq.finish_reason = "abort"
+        self.finish(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
+        """The request is done here: out of the queues; blocks freed or handed to the connector."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.remote.pop(seq.request_id, None)
+        if self.connector is not None and self.connector.request_finished(seq):
+            seq.state = S.KV_HELD
+            self.held[seq.request_id] = seq
+            return
+        self._blocks.free(seq.request_id)
+        seq.state = S.FINISHED if seq.finish_reason is not None else S.HANDED_OFF
 
+    def fail(self, seq: Sequence, message: str, retryable: bool = False) -> None:
+        seq.error, seq.finish_reason, seq.retryable = message, "error", retryable
+        self.finish(seq)
+
+    # ---------------------------------------------------------------- queries
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_pending_transfers(self) -> bool:
+        return bool(self.remote or self.held)
+
+    def load(self) -> dict[str, int]:
+        return {
+            "free_kv_blocks": self._blocks.num_free,
+            "total_kv_blocks": self._blocks.num_blocks,
+            "running": len(self.running),
+            "waiting": len(self.waiting) + len(self.remote),
+            "queued_tokens": sum(s.num_tokens - s.num_computed_tokens for s in self.waiting),
+            "held": len(self.held),
+        }
+
+    # ---------------------------------------------------------------- the step
     def schedule(self) -> list[ScheduledSeq]:
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         # 1. decodes (oldest first, so preemption takes the newest)
         for seq in sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.arrival):
             if seq not in self.running:
                 continue  # preempted below by an older request's growth
-            while not self.blocks.can_grow(seq.request_id, seq.num_tokens):
+            while not self._blocks.can_grow(seq.request_id, seq.num_tokens):
                 victim = self._newest_running(exclude=seq)
                 if victim is None:
                     break
                 self._preempt(victim)
                 out = [s for s in out if s.seq is not victim]
-            if not self.blocks.can_grow(seq.request_id, seq.num_tokens):
+            if not self._blocks.can_grow(seq.request_id, seq.num_tokens):
                 self._preempt(seq)
                 continue
-            self.blocks.grow(seq.request_id, seq.num_tokens)
-            out.append(ScheduledSeq(seq, seq.num_tokens - 1, 1))
+            table = self._blocks.grow(seq.request_id, seq.num_tokens)
+            out.append(ScheduledSeq(seq, seq.num_tokens - 1, 1, tuple(table)))
             budget -= 1
         # 2. chunked prefills in progress
         for seq in [s for s in self.running if s.in_prefill]:
@@ -90,27 +162,93 @@ class Scheduler:
                 out.append(item)
                 budget -= item.num_tokens
         # 3. admissions
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        chunked = self.config.chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.chunked_prefill and seq.num_tokens - seq.num_computed_tokens > budget and out:
+            if not chunked and seq.num_tokens - seq.num_computed_tokens > budget and out:
                 break
-            item = self._prefill_chunk(seq, budget if self.chunked_prefill else max(budget, seq.num_tokens))
+            item = self._prefill_chunk(seq, budget if chunked else max(budget, seq.num_tokens))
             if item is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
+            seq.state = S.RUNNING
             self.running.append(seq)
             out.append(item)
             budget -= item.num_tokens
+        if out and self.connector is not None:
+            self.connector.build_step(out)
         return out
+
+    def update(self, batch: list[ScheduledSeq], sampled: list[int | None]) -> list[Sequence]:
+        """Apply one forward's results; returns the requests with a new token or a new end."""
+        touched = self.poll_connector()  # a send refused or finished in this step is known before finishing
+        now = time.time()
+        for item, tok in zip(batch, sampled):
+            seq = item.seq
+            seq.num_computed_tokens = item.end
+            if tok is None or seq.state is not S.RUNNING:
+                continue
+            seq.output_token_ids.append(tok)
+            if len(seq.output_token_ids) == 1:
+                seq.timings.setdefault("first_token", now)
+            elif seq.kv_transfer is not None:
+                seq.timings.setdefault("first_decode", now)
+            self.stop_checker.update(seq)
+            touched.append(seq)
+            if seq.finish_reason is None and self.config.hands_off:
+                if seq.kv_error is not None:
+                    self.fail(seq, f"KV transfer to the decode side failed: {seq.kv_error}", retryable=True)
+                else:
+                    self.finish(seq)  # handed off: the decode side goes on
+            elif seq.finish_reason is not None:
+                self.finish(seq)
+        return touched
+
+    def poll_connector(self) -> list[Sequence]:
+        """Apply finished transfers; returns requests whose state changed visibly (failed/finished)."""
+        if self.connector is None:
+            return []
+        sent, received = self.connector.get_finished()
+        changed = []
+        for ft in sent + received:
+            seq = self.held.pop(ft.request_id, None)
+            if seq is not None:  # done here already: the blocks are free to go
+                self._blocks.free(seq.request_id)
+                seq.state = S.FINISHED if seq.finish_reason is not None else S.HANDED_OFF
+            elif ft.request_id in self.remote:
+                changed.extend(self._received(self.remote.pop(ft.request_id), ft))
+        for ft in sent:
+            seq = next((s for s in self.running if s.request_id == ft.request_id), None)
+            if seq is not None and ft.error is not None:
+                seq.kv_error = ft.error
+        return changed
+
+    # ---------------------------------------------------------------- internals
+    def _received(self, seq: Sequence, ft: FinishedTransfer) -> list[Sequence]:
+        if ft.error is not None or ft.first_token is None:
+            self.fail(seq, f"KV transfer failed: {ft.error or 'no first token'}", retryable=True)
+            return [seq]
+        seq.timings["kv_transfer_end"] = time.time()
+        seq.rope_delta = ft.rope_delta
+        seq.num_computed_tokens = seq.prompt_len
+        seq.output_token_ids = [ft.first_token]
+        seq.emitted_tokens = 1  # the prefill side streamed it
+        self.stop_checker.update(seq)
+        seq.emitted_text_len = len(seq.text)
+        if seq.finish_reason is not None:
+            self.finish(seq)
+            return [seq]
+        seq.state = S.RUNNING
+        self.running.append(seq)
+        return []
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         start = seq.num_computed_tokens
         n = min(budget, seq.num_tokens - start)
-        if n <= 0 or not self.blocks.can_grow(seq.request_id, start + n):
+        if n <= 0 or not self._blocks.can_grow(seq.request_id, start + n):
             return None
-        self.blocks.grow(seq.request_id, start + n)
-        return ScheduledSeq(seq, start, n)
+        table = self._blocks.grow(seq.request_id, start + n)
+        return ScheduledSeq(seq, start, n, tuple(table))
 
     def _newest_running(self, exclude: Sequence) -> Sequence | None:
         cands = [s for s in self.running if s is not exclude]
@@ -118,8 +256,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.request_id)
+        self._blocks.free(seq.request_id)
         seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
+        seq.state = S.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

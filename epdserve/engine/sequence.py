@@ -1,9 +1,15 @@
-"""One request's state inside an engine: tokens, media, positions, blocks, outputs.
+"""One request's state inside an engine: tokens, media, positions, life-cycle state, outputs.
 
-Lifecycle: ENCODING (media features pending) → WAITING (ready to prefill) → RUNNING
-(prefill chunks, then decode) → FINISHED. A decode-only engine starts a request at
-WAITING_KV (blocks reserved, KV being imported) and moves it to RUNNING when the KV arrived;
-a prefill-only engine parks a request at KV_HELD after its first token until its KV is released.
+Life cycle (`RequestState`), by role:
+    WAITING_FOR_FEATURES → WAITING → RUNNING → FINISHED                 coupled (PD / EPD)
+    WAITING_FOR_FEATURES → HANDED_OFF                                   encode-only (features stored)
+    WAITING_FOR_FEATURES → WAITING → RUNNING → [KV_HELD →] HANDED_OFF   prefill-only (first token out,
+                                                                        KV sent to the decode side)
+    WAITING_FOR_REMOTE_KV → RUNNING → FINISHED                          decode-only (prompt KV imported)
+A running request may go back to WAITING (preempted; recomputed later). KV_HELD: this engine is
+done computing but its KV connector still reads (or writes) the request's blocks; they are
+freed when the connector reports the transfer finished. `finish_reason` says why a request
+ended (stop, length, abort, error); it stays None for a request handed to the next stage.
 """
 from __future__ import annotations
 
@@ -16,13 +22,19 @@ from epdserve.engine.sampling_params import SamplingParams
 from epdserve.model.processor import MediaInput
 
 
-class SeqStatus(enum.Enum):
-    ENCODING = "encoding"
+class RequestState(enum.Enum):
+    WAITING_FOR_FEATURES = "waiting_for_features"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     WAITING = "waiting"
-    WAITING_KV = "waiting_kv"
     RUNNING = "running"
     KV_HELD = "kv_held"
+    HANDED_OFF = "handed_off"
     FINISHED = "finished"
+
+    @property
+    def done(self) -> bool:
+        """No more outputs come from this engine for the request."""
+        return self in (RequestState.KV_HELD, RequestState.HANDED_OFF, RequestState.FINISHED)
 
 
 @dataclass
@@ -42,21 +54,25 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     media: list[MediaItem] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING
+    state: RequestState = RequestState.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     positions: torch.Tensor | None = None  # [3, prompt_len]
     rope_delta: int = 0
     prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden], built when media is ready
     generator: torch.Generator | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
+    retryable: bool = False  # the error is the transport's or the step's, not the request's
     text: str = ""
     emitted_text_len: int = 0
     emitted_tokens: int = 0
     arrival: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     feature_target: str | None = None  # encode role: which prefill side gets the "feature stored" event
+    kv_transfer: object | None = None  # RemoteDecode / RemotePrefill (engine.kv_connector)
+    kv_error: str | None = None  # the KV connector failed this request's transfer
+    num_vision_tokens_hint: int = 0  # decode-only: vision tokens in the remote prompt (reporting)
 
     @property
     def prompt_len(self) -> int:
@@ -73,7 +89,7 @@ class Sequence:
 
     @property
     def num_vision_tokens(self) -> int:
-        return sum(m.num_tokens for m in self.media)
+        return sum(m.num_tokens for m in self.media) or self.num_vision_tokens_hint
 
     def token_at(self, i: int) -> int:
         return self.prompt_token_ids[i] if i < self.prompt_len else self.output_token_ids[i - self.prompt_len]

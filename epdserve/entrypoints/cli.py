@@ -1,7 +1,8 @@
 """The `epdserve` command: one sub-command per module, each registering itself via `add_parser`.
 
 Sub-commands are looked up from `COMMANDS` (module paths); each module exposes
-`add_parser(subparsers)` which registers its parser and sets `func(args) -> int`.
+`add_parser(subparsers)` which registers its parser and sets `func(args) -> int`, the common
+part through `add_command` (its module docstring is its `--help` text).
 """
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ COMMANDS = [
     "epdserve.entrypoints.launch",  # launch: a deployment mode (scheduler + instances)
     "epdserve.entrypoints.scheduler_cli",  # scheduler: the gRPC scheduler alone (cluster deployments)
 ]
+
+
+def add_command(subparsers, name: str, run, help: str, doc: str | None) -> argparse.ArgumentParser:
+    """Register sub-command `name`: `help` is its line in the command list, `doc` (the module's
+    docstring) its `--help` text, `run(args) -> int` what it does."""
+    p = subparsers.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=run)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,6 @@ This module holds the shared types and request building; `AsyncClient` lives in 
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
 import io
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.model.chat import image_url_bytes
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -183,13 +183,7 @@ def _part_proto(part) -> serve_pb2.ContentPart:
     if kind == "image":
         return serve_pb2.ContentPart(image=media_proto(MediaKey(part["key"]) if "key" in part else part["image"]))
     if kind == "image_url":
-        url = part["image_url"]
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-            raise ValueError("image_url must be a data: URL (epdserve fetches nothing from the network)")
-        header, payload = url.split(",", 1)
-        data = base64.b64decode(payload) if ";base64" in header else payload.encode()
-        return serve_pb2.ContentPart(image=common_pb2.Media(data=data))
+        return serve_pb2.ContentPart(image=common_pb2.Media(data=image_url_bytes(part["image_url"])))
     raise ValueError(f"unsupported content part type {kind!r}")
 
 

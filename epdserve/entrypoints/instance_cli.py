@@ -1,4 +1,5 @@
-"""`epdserve instance`: run one instance process (one or more stage workers) until signalled.
+"""`epdserve instance`: run one instance process until signalled: its stage workers (E, P, D,
+co-located EP / ED, or one coupled PD / EPD engine), registered with a scheduler.
 
 Prints one line when it serves: ``epdserve instance ready: <id> roles=<roles> grpc://<host>:<port>``.
 SIGTERM / SIGINT stop it cleanly (deregister, stop the server, stop the workers).
@@ -11,18 +12,16 @@ import signal
 import sys
 import threading
 
+from epdserve.entrypoints.cli import add_command
+
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers):
     from epdserve.instance.config import add_instance_args
 
-    p = subparsers.add_parser(
-        "instance", help="run one E/P/D instance process",
-        description="One instance process: its stage workers (E, P, D, co-located EP/ED, coupled PD/EPD), "
-                    "registered with a scheduler.")
+    p = add_command(subparsers, "instance", run, "run one E/P/D instance process", __doc__)
     add_instance_args(p)
-    p.set_defaults(func=run)
     return p
 
 

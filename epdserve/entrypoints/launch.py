@@ -20,13 +20,17 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# option → (yaml key, default); None in argparse means "not given on the command line"
+# Every launch option: its name (the argparse dest of `--<name with dashes>` and the YAML key,
+# either spelling in YAML) → its default. An argparse default of None means "not on the command
+# line": then the file's value, else this default, applies.
 _DEFAULTS = {
     "mode": None, "model": None, "encode": 1, "prefill": 1, "decode": 1, "mm_store": None, "host": "127.0.0.1",
     "port": 0, "device": "cpu", "devices": [], "kv_cache_mb": None, "max_num_seqs": None, "block_size": None,
     "max_model_len": None, "feature_wait_s": None, "instance_args": [], "scheduler_args": [], "log_dir": None,
     "ready_timeout_s": 600.0, "pin_instances": False,
 }
+# options passed on to every `epdserve instance` as the flag of the same name (max_model_len also
+# to the scheduler); left out, the instance's own default applies
 _INSTANCE_FLAGS = ("kv_cache_mb", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s")
 
 
@@ -40,7 +44,9 @@ def add_parser(subparsers):
     p.add_argument("--config", type=Path, default=None, help="YAML file (configs/<mode>.yaml); flags override it")
     p.add_argument("--mode", choices=MODES, default=None)
     p.add_argument("--model", default=None, help="checkpoint directory")
-    p.add_argument("--encode", type=int, default=None, help="E instances (default 1)")
+    p.add_argument("--encode", type=int, default=None,
+                   help="E workers (default 1): in EP-D / ED-P the co-located ones count and the rest are E-only "
+                        "instances; monolithic ignores it")
     p.add_argument("--prefill", type=int, default=None, help="P instances (EP / PD / EPD instances in those modes)")
     p.add_argument("--decode", type=int, default=None, help="D instances (ED instances in ED-P)")
     p.add_argument("--mm-store", default=None, help="redis://host:port of the MM Store (default: a private local server)")
@@ -91,7 +97,7 @@ def _ids(v) -> list[str]:
 
 
 def spec_from_args(args):
-    from epdserve.instance.deployment import DeploymentSpec
+    from epdserve.deploy.deployment import DeploymentSpec
 
     file = load_config(args.config)
     merged = {}
@@ -120,7 +126,7 @@ def spec_from_args(args):
 
 
 def run(args) -> int:
-    from epdserve.instance.deployment import Deployment, LaunchError
+    from epdserve.deploy.deployment import Deployment, LaunchError
 
     try:
         spec = spec_from_args(args)

@@ -6,7 +6,6 @@ comes back with `.error` set and `finish_reason == "error"`; the others complete
 """
 from __future__ import annotations
 
-import base64
 import itertools
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ from epdserve.engine.llm_engine import LLMEngine
 from epdserve.engine.outputs import RequestOutput
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.model.errors import InvalidRequestError
+from epdserve.model.chat import chat_to_prompt
 
 
 @dataclass
@@ -52,13 +52,16 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = []
+        ids, failed = [], {}
         for prompt, p in zip(prompts, params):
             rid = str(next(self._ids))
             text, images = _split_prompt(prompt)
-            self.engine.add_request(rid, text, images, p)
+            try:
+                self.engine.add_request(self.engine.build_request(rid, text, images, p))
+            except InvalidRequestError as e:  # this request fails alone
+                failed[rid] = RequestOutput.failed(rid, str(e))
             ids.append(rid)
-        done: dict[str, RequestOutput] = {}
+        done: dict[str, RequestOutput] = dict(failed)
         while len(done) < len(ids):
             for out in self.engine.step():
                 if out.finished:
@@ -70,43 +73,6 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [chat_to_prompt(self.engine.tokenizer, c, add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params)
-
-
-def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> dict:
-    """Render a conversation with the checkpoint's chat template; collect its images in order."""
-    images, rendered = [], []
-    for msg in messages:
-        content = msg.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                kind = part.get("type")
-                if kind == "text":
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind in ("image_url", "image"):
-                    images.append(_image_from_part(part))
-                    parts.append({"type": "image"})
-                else:
-                    raise InvalidRequestError(f"unsupported content part type {kind!r}")
-            rendered.append({"role": msg["role"], "content": parts})
-        else:
-            rendered.append({"role": msg["role"], "content": content or ""})
-    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return {"prompt": text, "multi_modal_data": {"image": images}}
-
-
-def _image_from_part(part: dict):
-    if part.get("type") == "image" and "image" in part:
-        return part["image"]
-    url = part.get("image_url")
-    url = url.get("url") if isinstance(url, dict) else url
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise InvalidRequestError("image_url must be a data: URL (epdserve fetches nothing from the network)")
-    try:
-        header, payload = url.split(",", 1)
-        return base64.b64decode(payload) if ";base64" in header else payload.encode()
-    except Exception as e:
-        raise InvalidRequestError(f"bad data: URL: {e}") from None
 
 
 def _split_prompt(prompt):

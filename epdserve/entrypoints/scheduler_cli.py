@@ -1,4 +1,5 @@
-"""`epdserve scheduler`: run the global scheduler (public EPDServe + instance Registry) until signalled.
+"""`epdserve scheduler`: run the global scheduler until signalled: the public EPDServe service, the
+instance Registry with health checks, and the routing of each request across E, P and D instances.
 
 Prints one line when it serves: ``epdserve scheduler ready: <id> grpc://<host>:<port>`` (and
 writes ``<host>:<port>`` to --address-file when given, for launchers that pass --port 0).
@@ -13,14 +14,13 @@ import signal
 import sys
 from pathlib import Path
 
+from epdserve.entrypoints.cli import add_command
+
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser(
-        "scheduler", help="run the global gRPC scheduler",
-        description="The global scheduler: public EPDServe service, instance registry with health checks, "
-                    "routing of each request across E, P and D instances.")
+    p = add_command(subparsers, "scheduler", run, "run the global gRPC scheduler", __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (only tokenizer/processor/config are loaded)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=0, help="port to bind (default 0: a free port, printed when ready)")
@@ -37,7 +37,6 @@ def add_parser(subparsers):
     p.add_argument("--max-inflight-per-instance", type=int, default=256)
     p.add_argument("--max-attempts", type=int, default=4, help="attempts per request across instance failures")
     p.add_argument("--address-file", type=Path, default=None, help="write host:port here once serving")
-    p.set_defaults(func=run)
     return p
 
 

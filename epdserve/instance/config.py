@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from epdserve.engine.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list
-from epdserve.instance.roles import normalize_roles
 
 
 @dataclass

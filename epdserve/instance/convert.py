@@ -1,7 +1,6 @@
 """Conversions between the internal protobuf messages and the engine's types (instance side).
 
-- `sampling_from_proto`: common.SamplingParams → engine SamplingParams (unset = default);
-  bad values raise `InvalidRequestError` (INVALID_ARGUMENT);
+- `sampling_from_proto`: re-exported from epdserve.rpc.sampling (one conversion for both sides);
 - `media_items`: MediaRef list → engine MediaItems (bytes preprocessed here, so a corrupt image
   fails its request before it is queued);
 - `timings_to_proto`: an engine timings dict → StageTimings;
@@ -14,12 +13,10 @@ import time
 import torch
 
 from epdserve.engine.outputs import RequestOutput
-from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.sequence import MediaItem
 from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import common_pb2, instance_pb2
-
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens")
+from epdserve.rpc.sampling import sampling_from_proto  # noqa: F401 (servicer.py uses it from here)
 
 # engine timing key → StageTimings field
 _TIMING_FIELDS = {
@@ -31,16 +28,6 @@ _TIMING_FIELDS = {
     "first_decode": "first_decode",
     "finished": "finished",
 }
-
-
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    kw = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
-    kw["stop"] = list(p.stop)
-    kw["stop_token_ids"] = list(p.stop_token_ids)
-    try:
-        return SamplingParams(**kw)
-    except (ValueError, TypeError) as e:
-        raise InvalidRequestError(f"bad sampling parameters: {e}") from None
 
 
 def media_items(engine, refs, *, wait_for_features: bool = True) -> list[MediaItem]:

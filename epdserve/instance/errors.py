@@ -31,5 +31,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def output_error(out) -> BaseException:
-    """The exception for an engine output that finished with an error."""
-    return InvalidRequestError(out.error or "request failed")
+    """The exception for an engine output that finished with an error: a transport or step
+    failure (`out.retryable`) may succeed elsewhere; anything else is the request's own fault."""
+    message = out.error or "request failed"
+    return TransientError(message) if out.retryable else InvalidRequestError(message)

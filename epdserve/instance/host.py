@@ -1,8 +1,9 @@
 """`InstanceHost`: one instance process — its stage workers, MM Store, KV rendezvous, gRPC server
 and scheduler registration, started and stopped in order.
 
-start: build the stage workers for `roles` (each loads its engine on its own pinned thread,
-one after the other;
+start: load the checkpoint once (`LoadedModel`, shared by every worker: co-located E+P or E+D
+keep one copy of the vision tower and LM) → build the stage workers for `roles` (each builds its
+engine — KV cache, scheduler, connector — on its own pinned thread, one after the other;
 co-located workers on CPU get disjoint core sets) → a KV `RendezvousServer` when a worker
 prefills for remote D instances → the gRPC server (Instance + health + reflection) on a free
 port → SERVING → register with the scheduler and heartbeat.
@@ -51,6 +52,7 @@ class InstanceHost:
         self._server: grpc.Server | None = None
         self._health = None
         self._registrar: Registrar | None = None
+        self.model = None  # LoadedModel, shared by the workers
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, ready_timeout_s: float = 600.0) -> "InstanceHost":
@@ -70,6 +72,9 @@ class InstanceHost:
                 from epdserve.transfer.mm_store.store import RedisMMStore
 
                 self._store = RedisMMStore(cfg.mm_store)
+            from epdserve.engine.loaded_model import load_model
+
+            self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
             self._start_workers(ready_timeout_s)
             if "P" in self._by_role:
                 self._rendezvous = RendezvousServer(cfg.host, 0, timeout_s=cfg.kv_connect_timeout_s)
@@ -142,7 +147,7 @@ class InstanceHost:
     def _engine_factory(self, role: str):
         cfg = self.config
 
-        def build():
+        def build(connector):
             from epdserve.engine.llm_engine import LLMEngine
 
             ecfg = EngineConfig(
@@ -151,7 +156,7 @@ class InstanceHost:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_model_len=cfg.max_model_len, feature_wait_s=cfg.feature_wait_s,
             )
-            return LLMEngine(ecfg, features=self._provider(role))
+            return LLMEngine(ecfg, model=self.model, features=self._provider(role), kv_connector=connector)
 
         return build
 
@@ -186,14 +191,9 @@ class InstanceHost:
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
             load=load, pid=os.getpid(),
         )
-        engine = next((w.engine for w in self.workers if w.engine is not None), None)
-        if engine is not None:
-            st.media_namespace = engine.namespace
+        if self.model is not None:
+            st.media_namespace = self.model.namespace
         if self._rendezvous is not None:
             st.kv_endpoint.CopyFrom(common_pb2.KvEndpoint(
-                backend=engine.platform.dist_backend if engine else "gloo", host=cfg.host, port=self._rendezvous.port))
+                backend=self.model.platform.dist_backend, host=cfg.host, port=self._rendezvous.port))
         return st
-
-    def worker_stats(self) -> dict[str, dict]:
-        """Per-worker load snapshots (tests, debugging)."""
-        return {w.name: dict(w.load.__dict__) for w in self.workers}

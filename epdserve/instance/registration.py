@@ -1,8 +1,9 @@
 """Keeps an instance on the scheduler's roster: Register, Heartbeat with load, Deregister.
 
-A thread registers (retrying with capped backoff until the scheduler answers), then sends a
-Heartbeat every `heartbeat_interval_s` the scheduler asked for. A heartbeat answered
-`known=False` (the scheduler restarted or forgot us) registers again. An unreachable
+A thread registers, then sends a Heartbeat every `heartbeat_interval_s` the scheduler asked
+for. A heartbeat answered `known=False` (the scheduler restarted or forgot us) registers again.
+A failed call is retried (tenacity) with exponential backoff capped at `max_backoff_s` until it
+succeeds or `stop()` is called, which also cuts the backoff wait short. An unreachable
 scheduler is logged once per outage, never fatal: the instance keeps serving calls it gets.
 `stop()` deregisters (best effort, short deadline).
 """
@@ -13,10 +14,13 @@ import threading
 from typing import Callable
 
 import grpc
+from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception_type, wait_exponential
 
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+FIRST_BACKOFF_S = 0.05  # the first wait after a failure (and before registering again)
 
 
 class Registrar:
@@ -39,24 +43,38 @@ class Registrar:
         return self
 
     def _run(self) -> None:
-        backoff = 0.05
+        retrying = Retrying(
+            retry=retry_if_exception_type(grpc.RpcError),
+            wait=wait_exponential(multiplier=FIRST_BACKOFF_S, max=self.max_backoff_s),
+            stop=lambda _: self._stop.is_set(),
+            sleep=self._stop.wait,  # stop() ends the wait at once
+            before_sleep=self._log_down,
+        )
         while not self._stop.is_set():
             try:
-                if not self.registered.is_set():
-                    self._register()
-                else:
-                    self._heartbeat()
-                backoff = 0.05
-                if self._down_logged:
-                    log.info("scheduler %s reachable again", self.scheduler)
-                    self._down_logged = False
-                self._stop.wait(self.interval_s if self.registered.is_set() else backoff)
-            except grpc.RpcError as e:
-                if not self._down_logged:
-                    log.warning("scheduler %s unreachable (%s); retrying", self.scheduler, e.code())
-                    self._down_logged = True
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
+                retrying(self._call)
+            except RetryError:  # tenacity gave up: stop() came while the scheduler was unreachable
+                return
+            if self._stop.is_set():  # stop() came during a backoff wait (`_call` made no call)
+                return
+            if self._down_logged:
+                log.info("scheduler %s reachable again", self.scheduler)
+                self._down_logged = False
+            self._stop.wait(self.interval_s if self.registered.is_set() else FIRST_BACKOFF_S)
+
+    def _call(self) -> None:
+        """One Register or Heartbeat; raises grpc.RpcError when the scheduler did not answer."""
+        if self._stop.is_set():  # stop() came during a backoff wait: no further call
+            return
+        if not self.registered.is_set():
+            self._register()
+        else:
+            self._heartbeat()
+
+    def _log_down(self, attempt: RetryCallState) -> None:
+        if not self._down_logged:
+            log.warning("scheduler %s unreachable (%s); retrying", self.scheduler, attempt.outcome.exception().code())
+            self._down_logged = True
 
     def _register(self) -> None:
         resp = self._stub.Register(instance_pb2.RegisterRequest(instance=self.status()), timeout=self.rpc_timeout_s)

@@ -1,6 +1,6 @@
 """Which stage workers an instance hosts for its `--roles`, and which deployment modes use which.
 
-Roles → workers (ARCHITECTURE.md, "Deployment modes"):
+Roles (parsed by `epdserve.engine.roles.normalize_roles`) → workers:
 - `EPD` is one coupled engine (monolithic): encode, prefill and decode in one step loop;
 - `PD` is one coupled engine doing prefill + decode with continuous batching (mode E-PD);
 - `EP` and `ED` are two co-located workers (E + P, E + D), each with its own queue, engine and
@@ -11,16 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("E", "P", "D", "EP", "ED", "PD", "EPD")
+from epdserve.engine.roles import normalize_roles
+
 MODES = ("monolithic", "E-P-D", "EP-D", "ED-P", "E-PD")
-
-
-def normalize_roles(roles: str) -> str:
-    """Canonical order ("PE" → "EP"); raises ValueError for anything but E/P/D subsets."""
-    text = roles.strip().upper()
-    if not text or any(c not in "EPD" for c in text) or len(set(text)) != len(text):
-        raise ValueError(f"roles must be one of {', '.join(ROLES)}, got {roles!r}")
-    return "".join(r for r in "EPD" if r in text)
 
 
 def worker_roles(roles: str) -> list[str]:

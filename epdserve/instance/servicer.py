@@ -13,8 +13,9 @@ import queue
 import grpc
 
 from epdserve.instance import convert
-from epdserve.instance.errors import TransientError, output_error, status_for
-from epdserve.instance.prefill_worker import PrefillJob
+from epdserve.instance.errors import TransientError, status_for
+from epdserve.engine.engine_request import EngineRequest
+from epdserve.engine.kv_connector import RemoteDecode
 from epdserve.instance.worker import CALL_TIMEOUT_S
 from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
@@ -67,11 +68,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         w = self._worker("E", context)
         rid = request.request_id
         items = self._guard(context, lambda: convert.media_items(w.engine, request.media))
-        handle = self._guard(context, lambda: w.submit(rid, items, request.target_instance_id))
+        handle = self._guard(context, lambda: w.encode(rid, items, request.target_instance_id))
         context.add_callback(lambda: w.abort(rid))
         out = self._wait(handle, context)
-        if out.finish_reason == "error":
-            self._fail(context, output_error(out))
         return instance_pb2.EncodeResponse(
             media=[instance_pb2.EncodedMedia(key=m.key, already_stored=m.from_store, num_tokens=m.num_tokens)
                    for m in items],
@@ -90,21 +89,19 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                           f"this prefill instance {w.engine.config.block_size}")
 
         def job():
-            return PrefillJob(
+            return EngineRequest(
                 request_id=rid,
-                token_ids=list(request.prompt_token_ids),
+                prompt_token_ids=list(request.prompt_token_ids),
                 media=convert.media_items(w.engine, request.media),
                 params=convert.sampling_from_proto(request.sampling),
-                peer=dec.decode_instance_id,
-                dst_block_ids=tuple(dec.dst_block_ids),
-                rdzv=PairRendezvous(dec.pair.host, int(dec.pair.port), dec.pair.pair_name, 0),
+                kv_transfer=RemoteDecode(dec.decode_instance_id, tuple(dec.dst_block_ids)),
             )
 
         j = self._guard(context, job)
-        handle = self._guard(context, lambda: w.submit(j))
+        rdzv = PairRendezvous(dec.pair.host, int(dec.pair.port), dec.pair.pair_name, 0)
+        handle = self._guard(context, lambda: w.prefill(j, rdzv))
         context.add_callback(lambda: w.abort(rid))
-        res = self._wait(handle, context)
-        out = res.output
+        out = self._wait(handle, context)
         first = out.token_ids[0] if out.token_ids else 0
         t = dict(out.timings)
         t.setdefault("prefill_start", t.get("encode_end") or t.get("arrival", 0.0))
@@ -112,12 +109,12 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             request_id=rid,
             first_token_id=first,
             first_text=out.text,
-            finish_reason="" if out.finish_reason == "prefill_done" else (out.finish_reason or ""),
-            rope_delta=res.rope_delta,
+            finish_reason=out.finish_reason or "",
+            rope_delta=out.rope_delta,
             num_prompt_tokens=out.num_prompt_tokens,
             num_vision_tokens=out.num_vision_tokens,
             num_cached_vision_tokens=out.num_cached_vision_tokens,
-            recomputed_keys=res.recomputed_keys,
+            recomputed_keys=out.encoded_keys,
             timings=convert.timings_to_proto(t),
         )
 
@@ -150,10 +147,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         start = nxt.start
         self._guard(context, lambda: w.begin(rid, start.first_token_id, start.rope_delta).result(CALL_TIMEOUT_S))
         while True:
-            out, timings = self._wait(handle, context)
-            if out.finished and out.finish_reason == "error":
-                self._fail(context, TransientError(out.error or "decode failed"))
-            yield instance_pb2.DecodeOutput(delta=convert.token_delta(out, rid, **timings))
+            out = self._wait(handle, context)
+            yield instance_pb2.DecodeOutput(delta=convert.token_delta(out, rid))
             if out.finished:
                 return
 
@@ -165,14 +160,12 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         def submit():
             items = convert.media_items(w.engine, request.media)
             params = convert.sampling_from_proto(request.sampling)
-            return w.submit(rid, list(request.prompt_token_ids), items, params)
+            return w.submit(EngineRequest(rid, list(request.prompt_token_ids), items, params))
 
         handle = self._guard(context, submit)
         context.add_callback(lambda: w.abort(rid))
         while True:
             out = self._wait(handle, context)
-            if out.finished and out.finish_reason == "error":
-                self._fail(context, output_error(out))
             extra = {}
             if out.token_ids and "first_token" in out.timings:
                 extra["prefill_start"] = out.timings.get("encode_end") or out.timings.get("arrival", 0.0)

@@ -5,8 +5,8 @@ threads talk to it through `call(fn)` (runs `fn()` on the loop thread, returns a
 read results from per-request `RequestHandle` queues the loop fills. Load is published as an
 immutable snapshot after every loop iteration, so reading it never races the engine.
 
-Loop: pin the thread to the worker's cores → build the engine → when co-located on an
-accelerator, open the worker's own stream (on NPU limited to `device_share` of the AI Cores
+Loop: pin the thread to the worker's cores → build the KV connector (`make_connector`, P and
+D) and the engine over the process's shared model → when co-located on an accelerator, open the worker's own stream (on NPU limited to `device_share` of the AI Cores
 and Vector Cores) → repeat { run queued calls; `tick()` (engine step + transfer polling, in the
 subclass); publish load }, all under that stream. When there is no engine work the loop
 sleeps on its queue (with a short timeout while transfers are pending).
@@ -22,7 +22,10 @@ from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
+from epdserve.engine.engine_request import EngineRequest
+from epdserve.engine.outputs import RequestOutput
 from epdserve.instance.affinity import pin_worker_thread
+from epdserve.instance.errors import TransientError, output_error
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +68,15 @@ class StageWorker:
 
     role = "?"
 
-    def __init__(self, name: str, engine_factory: Callable[[], object], cores: list[int] | None = None):
+    def __init__(self, name: str, engine_factory: Callable[[object], object], cores: list[int] | None = None):
         self.name = name
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.engine_factory = engine_factory
         self.cores = cores
         self.device_share: float | None = None  # co-located on an accelerator: this share of its cores
         self.stream = None
-        self.engine = None
+        self.engine = None  # built on the loop thread: engine_factory(connector)
+        self.connector = None
         self.bound_cores: list[int] = []
         self.ready = threading.Event()
         self.start_error: BaseException | None = None
@@ -82,6 +86,23 @@ class StageWorker:
         self._stopping = threading.Event()
 
     # ---------------------------------------------------------------- other threads
+    def submit(self, req: EngineRequest) -> RequestHandle:
+        """Queue `req` in the engine; its outputs go to the returned handle (bad input raises)."""
+        handle = RequestHandle(req.request_id)
+
+        def add():
+            if req.request_id in self.handles:
+                raise ValueError(f"request {req.request_id!r} is already in flight here")
+            self.engine.add_request(req)
+            self.handles[req.request_id] = handle
+
+        self.call(add).result(CALL_TIMEOUT_S)
+        return handle
+
+    def abort(self, request_id: str) -> Future:
+        """Abort a request (its handle gets TransientError); the Future says whether it was here."""
+        return self.call(lambda: self._abort(request_id))
+
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn()` on the loop thread; its result (or exception) lands in the Future."""
         fut: Future = Future()
@@ -111,9 +132,9 @@ class StageWorker:
     def _loop(self) -> None:
         try:
             self.bound_cores = pin_worker_thread(self.cores)
-            self.engine = self.engine_factory()
+            self.connector = self.make_connector()
+            self.engine = self.engine_factory(self.connector)
             self._open_stream()
-            self.on_start()
         except BaseException as e:  # reported through wait_ready
             log.exception("%s failed to start", self.name)
             self.start_error = e
@@ -204,41 +225,68 @@ class StageWorker:
     def engine_load(self, counts_kv: bool = True, **extra) -> WorkerLoad:
         """A snapshot from the engine's load report (loop thread only)."""
         r = self.engine.load_report()
-        stats = self.engine.features.stats() if self.engine.features is not None else {}
-        hits = int(stats.get("hits_local", 0)) + int(stats.get("hits_store", 0)) + int(stats.get("hits", 0))
-        lookups = hits + int(stats.get("misses", 0))
+        stats = self.engine.features.stats() if self.engine.features is not None else None
+        hits = stats.hits if stats is not None else 0
+        lookups = stats.lookups if stats is not None else 0
         return WorkerLoad(
             queued_tokens=int(r.get("queued_tokens", 0)),
             running=int(r.get("running", 0)),
             waiting=int(r.get("waiting", 0)),
             free_kv_blocks=int(r.get("free_kv_blocks", 0)) if counts_kv else 0,
             total_kv_blocks=int(r.get("total_kv_blocks", 0)) if counts_kv else 0,
-            queued_media=sum(len(s.media) for s in self.engine.encoder.pending),
+            queued_media=int(r.get("queued_media", 0)),
             cache_hits=hits,
             cache_lookups=lookups,
             counts_kv=counts_kv,
             extra={"encoder_runs": int(r.get("encoder_runs", 0)), "recomputes": int(r.get("recomputes", 0)),
-                   "in_flight": len(self.handles), "at": time.time(), **extra},
+                   "held": int(r.get("held", 0)), "in_flight": len(self.handles), "at": time.time(), **extra},
         )
 
-    # ---------------------------------------------------------------- subclass hooks
-    def on_start(self) -> None:
-        """Loop thread, after the engine is built (connect transfer machinery here)."""
+    # ---------------------------------------------------------------- loop thread, overridable
+    def make_connector(self):
+        """The engine's KV connector (P and D workers), or None."""
+        return None
 
-    def on_stop(self) -> None:
-        """Loop thread, at exit: fail every request still in flight, close transfers."""
+    def _abort(self, request_id: str) -> bool:
+        handle = self.handles.pop(request_id, None)
+        self.engine.abort(request_id)
+        if handle is not None:
+            handle.put(TransientError("aborted"))
+        return handle is not None
+
+    def tick(self) -> None:
+        for out in self.engine.step():
+            self.deliver(out)
+
+    def deliver(self, out: RequestOutput) -> None:
+        """One engine output to its request's handle (an error output as the exception)."""
+        handle = self.handles.get(out.request_id)
+        if handle is None:
+            return
+        if out.finished:
+            del self.handles[out.request_id]
+        handle.put(output_error(out) if out.error is not None else out)
 
     def on_step_error(self) -> None:
-        """A tick raised: fail what cannot continue (the loop goes on)."""
+        """A tick raised outside the engine's step: fail what this worker holds (the loop goes on)."""
+        for rid, handle in list(self.handles.items()):
+            self.engine.abort(rid)
+            handle.put(TransientError(f"{self.name} step failed"))
+        self.handles.clear()
+
+    def on_stop(self) -> None:
+        """At exit: fail every request still in flight, close the connector."""
+        for handle in self.handles.values():
+            handle.put(RuntimeError(f"{self.name} stopped"))
+        self.handles.clear()
+        if self.connector is not None:
+            self.connector.close()
 
     def has_engine_work(self) -> bool:
         return self.engine.has_unfinished()
 
     def has_pending_transfers(self) -> bool:
-        return False
-
-    def tick(self) -> None:
-        raise NotImplementedError
+        return self.engine.has_pending_transfers()
 
     def compute_load(self) -> WorkerLoad:
         return self.engine_load()

@@ -125,11 +125,6 @@ def _preprocessor_config() -> dict:
     }
 
 
-def count_parameters(model) -> int:
-    """Number of parameters of `model` (each tensor counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def build_demo_model(out_dir, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0) -> pathlib.Path:
     """Write a random-weight `arch` checkpoint of preset `size` into `out_dir`; return its path.
 

@@ -15,6 +15,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+MAX_DEFAULT_CONTEXT = 32768  # the default context is the model's, capped here (KV budget)
 
 
 @dataclass
@@ -42,6 +43,11 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
     return LoadedCheckpoint(path, model, tokenizer, image_processor, config.model_type)
+
+
+def max_model_len(text_config, override: int | None = None) -> int:
+    """The context length a deployment serves: `override`, else the model's (capped)."""
+    return int(override or min(int(text_config.max_position_embeddings), MAX_DEFAULT_CONTEXT))
 
 
 def eos_token_ids(generation_eos, tokenizer) -> set[int]:

@@ -1,4 +1,4 @@
-"""The `Platform` contract: one device family's device handle, dist backend, streams, core limits."""
+"""The `Platform` contract: one device family's device handle, dist backend and pair groups, streams, core limits."""
 from __future__ import annotations
 
 import contextlib
@@ -43,3 +43,12 @@ class Platform(ABC):
 
         `group_name` identifies the group where the backend needs it (HCCL's group_id)."""
         raise NotImplementedError(f"{self.name}: pairwise groups not implemented")
+
+    def interrupt_pair_group(self, pg, peer_rank: int) -> None:
+        """Break `pg` (from `make_pair_group`) so every wait blocked on it wakes with an error.
+
+        Called by a pair being torn down (peer died, stalled, or closed by us); the group is
+        never used again. Must not raise. Default: the backend's `abort()` (NCCL, HCCL)."""
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            abort()

@@ -1,9 +1,17 @@
-"""CPU platform: gloo for KV transfer; co-located stages share the CPU through disjoint core sets."""
+"""CPU platform: gloo pair groups for KV transfer, and how to interrupt one.
+
+Co-located stages share the CPU through disjoint core sets chosen by epdserve.instance.affinity,
+not here.
+"""
 from __future__ import annotations
 
-import os
+from datetime import timedelta
+
+import torch
 
 from epdserve.platform.base import Platform
+
+_INTERRUPT_TAG = 0x7E9D  # a recv nobody sends, waited 1 ms to close a gloo pair
 
 
 class CpuPlatform(Platform):
@@ -19,13 +27,14 @@ class CpuPlatform(Platform):
 
         return ProcessGroupGloo(store, rank, world_size, timeout)
 
-    @staticmethod
-    def pin_cores(cores: list[int]) -> bool:
-        """Pin this process (all threads) to `cores`; False where affinity is unsupported."""
-        if not hasattr(os, "sched_setaffinity"):
-            return False
-        os.sched_setaffinity(0, set(cores))
-        return True
+    def interrupt_pair_group(self, pg, peer_rank: int) -> None:
+        # ProcessGroupGloo.abort() does not wake pending waits, but a timed-out wait does: gloo
+        # then closes the whole pair, failing every pending op. So time out a private recv.
+        try:
+            probe = torch.zeros(1, dtype=torch.uint8)
+            pg.recv([probe], peer_rank, _INTERRUPT_TAG).wait(timedelta(milliseconds=1))
+        except Exception:  # the point: the timeout closes the pair and fails pending ops
+            pass
 
 
 PLATFORM = CpuPlatform()

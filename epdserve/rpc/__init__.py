@@ -8,7 +8,8 @@ Importing this package generates `epdserve/proto_gen/` from proto/ when it is mi
 - common.proto   SamplingParams, Media, Usage, StageTimings, Load, InstanceStatus, ...
 - serve.proto    the public `EPDServe` service (clients -> scheduler)
 - instance.proto `Registry` (instances -> scheduler) and `Instance` (scheduler -> instances)
-- servers.py     health + reflection on a server, free ports, status/conversion helpers
+- servers.py     health + reflection on a server and its serving status
+- sampling.py    common.SamplingParams ↔ the engine's SamplingParams (both sides of the wire)
 """
 from epdserve.rpc.codegen import ensure_generated
 

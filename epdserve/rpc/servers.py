@@ -4,16 +4,18 @@
   SERVING) and server reflection listing `services` plus the health and reflection services;
   returns the health servicer so the owner can flip statuses (e.g. NOT_SERVING while draining).
   Works for both `grpc.server` and `grpc.aio.server`.
-- `free_port()`: a free loopback TCP port (tests and launchers; never hard-code one).
-- `status_name(code)`: "UNAVAILABLE" etc. for messages.
+- `set_serving(servicer, services, serving)` / `set_serving_aio`: flip those statuses.
+- `free_port()`: re-exported from `epdserve.net` (where it lives) for the gRPC side's callers.
 """
 from __future__ import annotations
-
-import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from epdserve.net import free_port
+
+__all__ = ["HEALTH_SERVICE", "add_health_and_reflection", "free_port", "set_serving", "set_serving_aio"]
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "grpc.health.v1.Health"
 
@@ -39,13 +41,3 @@ def set_serving(servicer, services: list[str], serving: bool = True) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *services]:
         servicer.set(name, status)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def status_name(code: grpc.StatusCode) -> str:
-    return code.name if isinstance(code, grpc.StatusCode) else str(code)

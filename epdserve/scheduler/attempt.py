@@ -24,7 +24,6 @@ import grpc
 from epdserve.rpc import common_pb2, instance_pb2
 from epdserve.scheduler.channels import ChannelPool
 from epdserve.scheduler.errors import InstanceError
-from epdserve.scheduler.preprocess import PreparedRequest
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 from epdserve.scheduler.routing import Plan, WorkLease
 
@@ -71,9 +70,8 @@ def merge_timings(into: common_pb2.StageTimings, new: common_pb2.StageTimings) -
 
 
 class Attempt:
-    def __init__(self, prep: PreparedRequest, inputs: AttemptInputs, plan: Plan, lease: WorkLease,
-                 channels: ChannelPool, registry: InstanceRegistry, background: set):
-        self.prep = prep
+    def __init__(self, inputs: AttemptInputs, plan: Plan, lease: WorkLease, channels: ChannelPool,
+                 registry: InstanceRegistry, background: set):
         self.inputs = inputs
         self.plan = plan
         self.lease = lease

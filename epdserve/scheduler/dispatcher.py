@@ -152,7 +152,7 @@ class RequestRun:
         sampling.CopyFrom(prep.sampling)
         sampling.max_tokens = remaining
         inputs = AttemptInputs(f"{prep.request_id}#{n}", prompt, refs, sampling, prep.num_vision_tokens, self.deadline)
-        attempt = Attempt(prep, inputs, plan, lease, d.channels, d.registry, d.background)
+        attempt = Attempt(inputs, plan, lease, d.channels, d.registry, d.background)
         attempt.encoded_keys = encoding
         self.attempt = attempt
         self.attempts.append(attempt)

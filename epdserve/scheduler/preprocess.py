@@ -18,16 +18,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.entrypoints.llm import chat_to_prompt
+from epdserve.model.chat import chat_to_prompt
 from epdserve.model.errors import InvalidRequestError
 from epdserve.model.loader import eos_token_ids
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.rpc import common_pb2, serve_pb2
+from epdserve.rpc.sampling import sampling_from_proto, sampling_to_proto
 from epdserve.scheduler.errors import RequestError
 from epdserve.transfer.mm_store.keys import media_key
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-_SAMPLING_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens")
 
 
 @dataclass
@@ -76,25 +76,6 @@ class MediaIndex:
             return hit
 
 
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    kw = {name: getattr(p, name) for name in _SAMPLING_OPTIONAL if p.HasField(name)}
-    try:
-        return SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), **kw)
-    except (ValueError, TypeError) as e:
-        raise RequestError.invalid(f"bad sampling parameters: {e}") from None
-
-
-def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
-    p = common_pb2.SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        skip_special_tokens=s.skip_special_tokens,
-    )
-    if s.seed is not None:
-        p.seed = s.seed
-    return p
-
-
 class RequestPreprocessor:
     def __init__(self, model_dir: str, max_model_len: int | None = None):
         from transformers import AutoConfig, AutoTokenizer
@@ -121,7 +102,10 @@ class RequestPreprocessor:
 
     def prepare(self, req: serve_pb2.GenerateRequest, namespace: str) -> PreparedRequest:
         """Validate, tokenize, decode media, expand placeholders. Raises RequestError."""
-        params = sampling_from_proto(req.sampling)
+        try:
+            params = sampling_from_proto(req.sampling)
+        except InvalidRequestError as e:
+            raise RequestError.invalid(str(e)) from None
         kind = req.WhichOneof("input")
         if kind == "prompt":
             ids, media = self._encode_text(req.prompt), list(req.media)

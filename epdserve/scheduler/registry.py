@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from epdserve.engine.roles import normalize_roles
 from epdserve.rpc import common_pb2
 
 log = logging.getLogger(__name__)
 
-VALID_ROLES = ("E", "P", "D", "EP", "ED", "PD", "EPD")
 HEALTHY, SUSPECT, DOWN = common_pb2.HEALTHY, common_pb2.SUSPECT, common_pb2.DOWN
 
 
@@ -71,14 +71,6 @@ class InstanceRecord:
         )
 
 
-def normalize_roles(roles: str) -> str:
-    raw = (roles or "").upper()
-    norm = "".join(r for r in "EPD" if r in raw)
-    if norm not in VALID_ROLES or len(norm) != len(raw):
-        raise RegistryError(f"roles must be one of {', '.join(VALID_ROLES)}, got {roles!r}")
-    return norm
-
-
 class InstanceRegistry:
     def __init__(self, unhealthy_after: int = 3, healthy_after: int = 2, forget_after_s: float = 300.0,
                  clock: Callable[[], float] = time.time):
@@ -95,7 +87,10 @@ class InstanceRegistry:
             raise RegistryError("instance_id is required")
         if not status.address:
             raise RegistryError(f"{status.instance_id}: address is required")
-        roles = normalize_roles(status.roles)
+        try:
+            roles = normalize_roles(status.roles)
+        except ValueError as e:
+            raise RegistryError(f"{status.instance_id}: {e}") from None
         ns = status.media_namespace
         if ns:
             for other in self._records.values():

@@ -3,6 +3,7 @@ import pytest
 
 from epdserve import SamplingParams
 from epdserve.engine.config import EngineConfig
+from epdserve.engine.engine_request import EngineRequest
 from epdserve.transfer.feature_provider import LocalFeatureProvider
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
@@ -36,15 +37,16 @@ def test_encode_only_then_prefill_side_uses_stored_features(qwen2_vl_tiny, ref):
     pd = _engine(qwen2_vl_tiny, "PD", store, feature_wait_s=60.0)
     img = jpeg_bytes(procedural_image(112, 84, 21))
     prompt = f"tell me about {PH} now"
-    processed = pd.processor.process(prompt, [img])
-    items = [pd.media_item(m) for m in processed.media]
-    pd.add_processed("r", processed.token_ids, items, SP)
+    pd.add_request(pd.build_request("r", prompt, [img], SP))
     pd.step()  # waits (bounded) for the feature instead of recomputing
-    assert pd.encoder.pending and pd.encoder.encoder_runs == 0
-    e.add_encode_request("r", [e.media_item(m) for m in e.processor.process(prompt, [img]).media], "pd-0")
-    assert _drain(e)["r"].finish_reason == "encoded"
+    assert pd.load_report()["queued_media"] == 1 and pd.load_report()["encoder_runs"] == 0
+    media = e.build_request("r", prompt, [img]).media
+    e.add_request(EngineRequest("r", [], media, feature_target="pd-0"))
+    encoded = _drain(e)["r"]
+    assert encoded.error is None and encoded.finish_reason is None  # handed to the prefill side
+    assert encoded.encoded_keys == [m.key for m in media]
     out = _drain(pd)["r"]
-    assert pd.encoder.encoder_runs == 0 and pd.encoder.recomputes == 0
+    assert pd.load_report()["encoder_runs"] == 0 and pd.load_report()["recomputes"] == 0
     assert out.num_cached_vision_tokens == out.num_vision_tokens > 0
     assert out.token_ids == ref.generate(prompt, [img], 6)
 
@@ -53,20 +55,18 @@ def test_missing_feature_is_recomputed_with_same_output(qwen2_vl_tiny, ref):
     pd = _engine(qwen2_vl_tiny, "PD", LocalFeatureProvider(), feature_wait_s=0.0)
     img = jpeg_bytes(procedural_image(84, 84, 22))
     prompt = f"what about {PH}?"
-    p = pd.processor.process(prompt, [img])
-    pd.add_processed("r", p.token_ids, [pd.media_item(m) for m in p.media], SP)
+    pd.add_request(pd.build_request("r", prompt, [img], SP))
     out = _drain(pd)["r"]
-    assert pd.encoder.recomputes == 1 and out.num_cached_vision_tokens == 0
+    assert pd.load_report()["recomputes"] == 1 and out.num_cached_vision_tokens == 0
     assert out.token_ids == ref.generate(prompt, [img], 6)
 
 
 def test_missing_feature_without_bytes_fails_only_that_request(qwen2_vl_tiny):
     pd = _engine(qwen2_vl_tiny, "PD", LocalFeatureProvider())
-    p = pd.processor.process(f"x {PH}", [jpeg_bytes(procedural_image(56, 56, 1))])
-    item = pd.media_item(p.media[0])
-    item.input = None
-    pd.add_processed("bad", p.token_ids, [item], SP)
-    pd.add_request("good", "plain text", [], SP)
+    bad = pd.build_request("bad", f"x {PH}", [jpeg_bytes(procedural_image(56, 56, 1))], SP)
+    bad.media[0].input = None  # the client referenced a stored key only
+    pd.add_request(bad)
+    pd.add_request(pd.build_request("good", "plain text", [], SP))
     done = _drain(pd)
     assert "not in the store" in done["bad"].error
     assert done["good"].error is None and len(done["good"].token_ids) == 6
@@ -75,10 +75,10 @@ def test_missing_feature_without_bytes_fails_only_that_request(qwen2_vl_tiny):
 def test_repeated_image_is_encoded_once(qwen2_vl_tiny, ref):
     eng = _engine(qwen2_vl_tiny, "EPD", LocalFeatureProvider())
     img = jpeg_bytes(procedural_image(112, 112, 23))
-    eng.add_request("a", f"first {PH}", [img], SP)
+    eng.add_request(eng.build_request("a", f"first {PH}", [img], SP))
     first = _drain(eng)["a"]
-    eng.add_request("b", f"second {PH} look", [img], SP)
+    eng.add_request(eng.build_request("b", f"second {PH} look", [img], SP))
     second = _drain(eng)["b"]
-    assert eng.encoder.encoder_runs == 1
+    assert eng.load_report()["encoder_runs"] == 1
     assert first.num_cached_vision_tokens == 0 and second.num_cached_vision_tokens == second.num_vision_tokens
     assert second.token_ids == ref.generate(f"second {PH} look", [img], 6)

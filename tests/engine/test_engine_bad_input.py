@@ -1,4 +1,5 @@
 """Bad input fails only its own request with a clear error; the rest of the batch finishes."""
+from tests.engine.blocks import all_blocks_free
 from epdserve import LLM, SamplingParams
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 
@@ -22,7 +23,7 @@ def test_bad_requests_fail_alone(qwen2_vl_tiny):
     assert "context is 256" in outs[3].error
     assert all(o.outputs[0].finish_reason == "error" for o in outs[1:4])
     assert len(outs[0].outputs[0].token_ids) == 5 and len(outs[4].outputs[0].token_ids) == 5
-    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    assert all_blocks_free(llm.engine)
 
 
 def test_output_truncated_at_context_length(qwen2_vl_tiny):

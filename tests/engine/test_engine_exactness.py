@@ -1,6 +1,7 @@
 """Greedy outputs of the engine equal transformers' generate token for token (both archs)."""
 import pytest
 
+from tests.engine.blocks import all_blocks_free
 from epdserve import LLM, SamplingParams
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
@@ -20,7 +21,7 @@ def _check(llm, ref, prompts, max_tokens=10):
         text, images = (p["prompt"], p["multi_modal_data"]["image"]) if isinstance(p, dict) else (p, [])
         assert o.error is None
         assert o.outputs[0].token_ids == ref.generate(text, images, max_tokens), p
-    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    assert all_blocks_free(llm.engine)
 
 
 def _img(w, h, seed):
@@ -59,7 +60,7 @@ def test_requests_join_while_others_decode(setup):
             i = pending.pop(0)
             if any(not s.in_prefill for s in eng.scheduler.running):
                 joined_while_decoding += 1
-            eng.add_request(f"r{i}", prompts[i][0], prompts[i][1], params[i])
+            eng.add_request(eng.build_request(f"r{i}", prompts[i][0], prompts[i][1], params[i]))
         for out in eng.step():
             if out.finished:
                 results[out.request_id] = out
@@ -67,4 +68,4 @@ def test_requests_join_while_others_decode(setup):
     for i in range(8):
         assert results[f"r{i}"].error is None
         assert results[f"r{i}"].token_ids == ref.generate(prompts[i][0], prompts[i][1], params[i].max_tokens)
-    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert all_blocks_free(eng)

@@ -1,6 +1,7 @@
 """Chunked prefill, preemption under KV pressure, aborts: outputs stay exact, no block leaks."""
 import pytest
 
+from tests.engine.blocks import all_blocks_free, some_blocks_used
 from epdserve import LLM, SamplingParams
 from epdserve.engine.kv_cache import KVCacheSpec
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
@@ -37,12 +38,12 @@ def test_chunked_prefill_matches_reference(qwen2_vl_tiny, ref):
     prompts = _prompts()
     got = _run(llm, prompts, 8)
     assert got == [ref.generate(t, i, 8) for t, i in prompts]
-    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    assert all_blocks_free(llm.engine)
 
 
 def test_preemption_under_kv_pressure_loses_nothing(qwen2_vl_tiny, ref):
     probe = LLM(model=qwen2_vl_tiny, device="cpu")
-    a = probe.engine.adapter
+    a = probe.engine.model.adapter
     spec = KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, 16, probe.engine.kv_cache.spec.dtype)
     # 12 blocks = 192 tokens: not enough for all four requests at once (≈ 330 tokens in total)
     llm = LLM(model=qwen2_vl_tiny, device="cpu", block_size=16, kv_cache_memory_bytes=12 * spec.bytes_per_block())
@@ -50,17 +51,17 @@ def test_preemption_under_kv_pressure_loses_nothing(qwen2_vl_tiny, ref):
     got = _run(llm, prompts, 24)
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == [ref.generate(t, i, 24) for t, i in prompts]
-    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    assert all_blocks_free(llm.engine)
 
 
 def test_abort_frees_blocks(qwen2_vl_tiny):
     llm = LLM(model=qwen2_vl_tiny, device="cpu")
     eng = llm.engine
-    eng.add_request("a", "some words to decode for a while", [], SamplingParams(max_tokens=50, ignore_eos=True))
-    eng.add_request("b", "other words", [], SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.add_request(eng.build_request("a", "some words to decode for a while", [], SamplingParams(max_tokens=50, ignore_eos=True)))
+    eng.add_request(eng.build_request("b", "other words", [], SamplingParams(max_tokens=5, ignore_eos=True)))
     for _ in range(3):
         eng.step()
-    assert eng.blocks.num_free < eng.blocks.num_blocks
+    assert some_blocks_used(eng)
     eng.abort("a")
     finished = {}
     while eng.has_unfinished():
@@ -69,4 +70,4 @@ def test_abort_frees_blocks(qwen2_vl_tiny):
                 finished[o.request_id] = o
     assert finished["a"].finish_reason == "abort"
     assert finished["b"].finish_reason == "length" and len(finished["b"].token_ids) == 5
-    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert all_blocks_free(eng)

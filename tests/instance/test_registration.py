@@ -1,11 +1,17 @@
 """An instance on a real scheduler's roster: Register with its status, Heartbeat load, re-register
-after the scheduler restarts (forgetting it), Deregister on stop."""
+after the scheduler restarts (forgetting it), Deregister on stop; and, with no scheduler at all,
+one warning per outage and a prompt stop however long the backoff has grown."""
 from __future__ import annotations
+
+import logging
+import time
 
 import grpc
 
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost
+from epdserve.instance.registration import Registrar
+from epdserve.rpc import common_pb2
 from epdserve.rpc import serve_pb2, serve_pb2_grpc
 from epdserve.rpc.servers import free_port
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
@@ -43,3 +49,18 @@ def test_register_heartbeat_reregister_deregister(qwen2_vl_tiny):
         if host is not None:
             host.stop()
         sched.stop()
+
+
+def test_unreachable_scheduler_warns_once_and_stop_cuts_the_backoff_short(caplog):
+    caplog.set_level(logging.INFO, logger="epdserve.instance.registration")
+    status = common_pb2.InstanceStatus(instance_id="i0", roles="PD", address="127.0.0.1:1")
+    reg = Registrar(f"127.0.0.1:{free_port()}", lambda: status, rpc_timeout_s=0.5, max_backoff_s=60.0).start()
+    try:
+        wait_until(lambda: any("unreachable" in r.getMessage() for r in caplog.records), what="the warning")
+        time.sleep(0.5)  # several failed calls: the backoff grows (towards 60 s)
+    finally:
+        t0 = time.monotonic()
+        reg.stop()
+        stopped_in = time.monotonic() - t0
+    assert stopped_in < 1.0 and not reg.registered.is_set()
+    assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1

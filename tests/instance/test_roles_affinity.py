@@ -5,8 +5,9 @@ import threading
 import pytest
 import torch
 
+from epdserve.engine.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list, pin_worker_thread, split_cores, thread_cores
-from epdserve.instance.roles import Pool, mode_pools, normalize_roles, worker_roles
+from epdserve.instance.roles import Pool, mode_pools, worker_roles
 
 
 def test_worker_roles_coupled_and_colocated():

@@ -93,3 +93,21 @@ def test_npu_without_stream_limits_degrades(fake_npu, monkeypatch, caplog):
     monkeypatch.delattr(torch.npu, "set_stream_limit")
     assert npu.limit_stream("S", 8, 16) is False
     assert "set_stream_limit" in caplog.text
+
+
+def test_interrupt_pair_group_per_backend():
+    from epdserve.platform.cuda import PLATFORM as cuda
+
+    calls = []
+
+    class Group:
+        def abort(self):
+            calls.append("abort")
+
+        def recv(self, tensors, peer, tag):
+            calls.append(("recv", peer))
+            raise RuntimeError("Application timeout caused pair closure")  # what gloo raises
+
+    cuda.interrupt_pair_group(Group(), 1)  # NCCL (and HCCL): the backend's abort()
+    get_platform("cpu").interrupt_pair_group(Group(), 1)  # gloo: abort() would not wake waits
+    assert calls == ["abort", ("recv", 1)]

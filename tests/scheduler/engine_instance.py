@@ -16,11 +16,12 @@ import grpc
 import torch
 
 from epdserve.engine.config import EngineConfig
+from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.engine.sequence import MediaItem
 from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2, instance_pb2_grpc
 from epdserve.rpc.servers import add_health_and_reflection, free_port, set_serving
-from epdserve.scheduler.preprocess import sampling_from_proto
+from epdserve.rpc.sampling import sampling_from_proto
 
 
 class _Servicer(instance_pb2_grpc.InstanceServicer):
@@ -82,7 +83,7 @@ class EngineInstance:
         rep = self.engine.load_report()
         return common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles="EPD", address=self.address, model=str(self.engine.config.model),
-            media_namespace=self.engine.namespace,
+            media_namespace=self.engine.model.namespace,
             load=common_pb2.Load(running_requests=rep["running"], waiting_requests=rep["waiting"],
                                  free_kv_blocks=rep["free_kv_blocks"], total_kv_blocks=rep["total_kv_blocks"]),
         )
@@ -110,7 +111,8 @@ class EngineInstance:
                     media = [self._media(m) for m in arg.media]
                     self._queues[arg.request_id] = q
                     self.requests_seen.append(arg.request_id)
-                    eng.add_processed(arg.request_id, list(arg.prompt_token_ids), media, sampling_from_proto(arg.sampling))
+                    eng.add_request(EngineRequest(arg.request_id, list(arg.prompt_token_ids), media,
+                                                  sampling_from_proto(arg.sampling)))
                 except Exception as e:  # bad input fails this request only
                     self._queues.pop(arg.request_id, None)
                     q.put(e)

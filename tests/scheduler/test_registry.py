@@ -11,7 +11,7 @@ from epdserve.rpc.servers import add_health_and_reflection, free_port, set_servi
 from epdserve.scheduler.channels import ChannelPool
 from epdserve.scheduler.config import SchedulerConfig
 from epdserve.scheduler.health import HealthProber
-from epdserve.scheduler.registry import DOWN, HEALTHY, SUSPECT, InstanceRegistry, RegistryError, normalize_roles
+from epdserve.scheduler.registry import DOWN, HEALTHY, SUSPECT, InstanceRegistry, RegistryError
 
 
 def status(iid, roles="EPD", ns="m@1", address=None):
@@ -28,11 +28,13 @@ class Clock:
 
 
 def test_roles_are_normalized_and_validated():
-    assert normalize_roles("pe") == "EP"
-    assert normalize_roles("DPE") == "EPD"
-    for bad in ("", "X", "EPX", "EE"):
-        with pytest.raises(RegistryError):
-            normalize_roles(bad)
+    reg = InstanceRegistry()
+    assert reg.register(status("a", "pe")).roles == "EP"
+    assert reg.register(status("b", "DPE")).roles == "EPD"
+    for bad in ("", "X", "EPX", "EX", "EE"):
+        with pytest.raises(RegistryError, match="roles must be one of"):
+            reg.register(status("c", bad))
+    assert reg.get("c") is None
 
 
 def test_register_candidates_and_namespace_guard():

@@ -100,7 +100,7 @@ def test_prefetched_feature_is_local_before_prefill_and_repeats_skip_the_encoder
             # The scheduler hop E -> P: by the time P gets the request the event has been acted on.
             assert st.p_prov.cache.wait_for(st.key(img), timeout_s=30) is not None
             before = st.p_prov.stats()
-            assert before["prefetches"] == 1 and before["hits_local"] == 0
+            assert before.prefetches == 1 and before.hits_local == 0
             out1 = st.prefill_decode("r1", prompts[0], [img])
 
             st.encode("r2", prompts[1], [img])  # the same image again
@@ -113,9 +113,9 @@ def test_prefetched_feature_is_local_before_prefill_and_repeats_skip_the_encoder
     assert st.e.encoder.encoder_runs == 1  # r2's image was not encoded again
     assert st.p.encoder.encoder_runs == 0 and st.p.encoder.recomputes == 0  # prefill never encoded
     p = st.p_prov.stats()
-    assert p["hits_local"] == 2 and p["hits_store"] == 0 and p["waits"] == 0 and p["misses"] == 0
+    assert p.hits_local == 2 and p.hits_store == 0 and p.waits == 0 and p.misses == 0
     assert out1.num_cached_vision_tokens == out1.num_vision_tokens > 0
-    assert st.e_prov.stats()["saves"] == 1 and st.e_prov.stats()["events_published"] == 1
+    assert st.e_prov.stats().saves == 1 and st.e_prov.stats().events_published == 1
 
 
 def test_key_deleted_between_encode_and_prefill_is_recomputed(qwen2_5_vl_tiny, reference):
@@ -134,7 +134,7 @@ def test_key_deleted_between_encode_and_prefill_is_recomputed(qwen2_5_vl_tiny, r
     assert out.token_ids == reference.generate(prompt, [img], SP.max_tokens)
     assert st.p.encoder.recomputes == 1
     p = st.p_prov.stats()
-    assert p["misses"] >= 1 and p["hits_local"] == 0 and p["hits_store"] == 0
+    assert p.misses >= 1 and p.hits_local == 0 and p.hits_store == 0
 
 
 @pytest.mark.timeout(300)
@@ -171,10 +171,10 @@ def test_server_stopped_mid_run_recomputes_with_one_warning_then_recovers(qwen2_
             store.close()
     for i, out in outs.items():
         assert out.token_ids == reference.generate(prompts[i], [imgs[i]], SP.max_tokens), i
-    assert recomputed_while_down == 3 and down["save_failures"] == 3 and down["saves"] == 1
+    assert recomputed_while_down == 3 and down.save_failures == 3 and down.saves == 1
     assert st.p.encoder.recomputes == 3  # r4 went through the store again
     after = st.p_prov.stats()
-    assert after["prefetches"] == 2 and after["hits_local"] == 2
+    assert after.prefetches == 2 and after.hits_local == 2
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
     assert sum("reachable again" in r.getMessage() for r in caplog.records) == 1

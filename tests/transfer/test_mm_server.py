@@ -85,3 +85,17 @@ def test_missing_binary_is_a_clear_error(tmp_path):
 
     with pytest.raises(ServerStartError, match="cannot run"):
         LocalRedisServer(binary=str(tmp_path / "no-such-server")).start()
+
+
+def test_server_that_exits_or_never_answers_is_a_clear_error(tmp_path, monkeypatch):
+    from epdserve.net import free_port
+    from epdserve.transfer.mm_store.server import ServerStartError
+
+    script = tmp_path / "fake-server"
+    script.write_text("#!/bin/sh\n[ -n \"$EPD_FAKE_EXIT\" ] && exit 3\nexec sleep 30\n")
+    script.chmod(0o755)
+    with pytest.raises(ServerStartError, match="did not answer PING"):
+        LocalRedisServer(binary=str(script), startup_timeout_s=0.3).start()  # tries three ports
+    monkeypatch.setenv("EPD_FAKE_EXIT", "1")
+    with pytest.raises(ServerStartError, match="exited with code 3"):
+        LocalRedisServer(binary=str(script), port=free_port(), startup_timeout_s=10).start()

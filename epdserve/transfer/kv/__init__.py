@@ -18,12 +18,14 @@ from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous, RequestEntry
 from epdserve.transfer.kv.pair import PairConnection
 from epdserve.transfer.kv.receiver import KVReceiver, RecvRequest
+from epdserve.transfer.kv.recv_connector import LayerwiseRecvConnector
 from epdserve.transfer.kv.rendezvous import RendezvousServer
+from epdserve.transfer.kv.send_connector import LayerwiseSendConnector, StalePairError
 from epdserve.transfer.kv.sender import KVSender, SendRequest
 from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
 
 __all__ = [
-    "BatchHeader", "KVReceiver", "KVSender", "KVTransferConfig", "PairConnection", "PairRendezvous",
-    "PairState", "RecvRequest", "RendezvousServer", "RequestEntry", "SendRequest", "TransferState",
-    "TransferStatus",
+    "BatchHeader", "KVReceiver", "KVSender", "KVTransferConfig", "LayerwiseRecvConnector", "LayerwiseSendConnector",
+    "PairConnection", "PairRendezvous", "PairState", "RecvRequest", "RendezvousServer", "RequestEntry", "SendRequest",
+    "StalePairError", "TransferState", "TransferStatus",
 ]

@@ -14,9 +14,9 @@ How failures surface (measured with gloo on torch 2.13):
   the peer's next op fails too. So a timed-out wait is final for the pair;
 - `Work.is_completed()` stays False for gloo send/recv until `wait()` is called, so progress is
   observed by blocking waits in a per-pair thread, never by polling works;
-- `ProcessGroupGloo.abort()` does not interrupt pending waits. `interrupt()` therefore posts a
-  private recv and waits 1 ms on it, which closes the pair the same way and wakes every
-  blocked wait (on NCCL/HCCL it calls the backend's `abort()`).
+- `ProcessGroupGloo.abort()` does not interrupt pending waits. `interrupt()` therefore asks the
+  platform (`Platform.interrupt_pair_group`): on gloo it times out a private recv, which closes
+  the pair the same way and wakes every blocked wait; on NCCL/HCCL it calls `abort()`.
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous
 from epdserve.transfer.kv.state import PairState
 
 KV_TAG = 0  # every KV message; order alone pairs sends with receives (HCCL ignores tags)
-_INTERRUPT_TAG = 0x7E9D  # gloo only: a recv nobody sends, waited 1 ms to close the pair
 
 
 class PairBroken(RuntimeError):
@@ -152,16 +151,7 @@ class PairConnection:
         pg = self._pg
         if pg is None:
             return
-        if self.platform.dist_backend == "gloo":
-            try:
-                probe = torch.zeros(1, dtype=torch.uint8)
-                pg.recv([probe], self.peer_rank, _INTERRUPT_TAG).wait(timedelta(milliseconds=1))
-            except Exception:  # the point: the timeout closes the pair and fails pending ops
-                pass
-        else:
-            abort = getattr(pg, "abort", None)
-            if abort is not None:
-                abort()
+        self.platform.interrupt_pair_group(pg, self.peer_rank)
 
     def close(self) -> None:
         with self._lock:

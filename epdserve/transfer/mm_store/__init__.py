@@ -11,7 +11,7 @@ One sentence per module:
 - cache.py       LocalFeatureCache: LRU by bytes, in-flight tracking, optional device placement
 - prefetch.py    PrefetchListener thread: events -> store -> local cache
 - fetcher.py     FeatureFetcher.get(key, timeout_s): cache, in-flight wait, store, or None
-- stats.py       thread-safe counters
+- stats.py       thread-safe counters (the provider reports them as `FeatureStats`)
 """
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.codec import CorruptFeatureError

@@ -1,4 +1,4 @@
-"""P-side local feature cache: LRU bounded by bytes, with in-flight tracking for prefetches.
+"""P-side local feature cache: a `ByteLRU` with in-flight tracking for prefetches.
 
 Entries live in host memory, or on ``device`` when one is given (moved once, on insert), so a
 prefetched feature is ready for the prefill's embedding merge without another copy.
@@ -12,31 +12,25 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from epdserve.transfer.byte_lru import ByteLRU
+
 
 class LocalFeatureCache:
     def __init__(self, capacity_bytes: int, device: str | torch.device | None = None):
-        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        self._entries = ByteLRU(capacity_bytes)
         self.capacity_bytes = capacity_bytes
         self.device = torch.device(device) if device is not None else None
-        self._entries: OrderedDict[str, tuple[list[torch.Tensor], int]] = OrderedDict()
         self._inflight: set[str] = set()
-        self._bytes = 0
-        self._evictions = 0
         self._cond = threading.Condition()
 
     def get(self, key: str) -> list[torch.Tensor] | None:
         with self._cond:
             entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-            return list(entry[0])
+            return None if entry is None else list(entry)
 
     def __contains__(self, key: str) -> bool:
         with self._cond:
@@ -46,28 +40,15 @@ class LocalFeatureCache:
         """Insert (evicting least recently used entries); False if it can never fit."""
         if self.device is not None:
             tensors = [t.to(self.device) for t in tensors]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         with self._cond:
             self._inflight.discard(key)
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old[1]
-            fits = nbytes <= self.capacity_bytes
-            if fits:
-                while self._bytes + nbytes > self.capacity_bytes:
-                    _, (_, freed) = self._entries.popitem(last=False)
-                    self._bytes -= freed
-                    self._evictions += 1
-                self._entries[key] = (list(tensors), nbytes)
-                self._bytes += nbytes
+            fits = self._entries.put(key, tensors)
             self._cond.notify_all()
         return fits
 
     def discard(self, key: str) -> None:
         with self._cond:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old[1]
+            self._entries.pop(key, None)
 
     def mark_inflight(self, keys: Iterable[str]) -> list[str]:
         """Mark the keys neither cached nor already in flight; returns those (in order, unique)."""
@@ -103,15 +84,14 @@ class LocalFeatureCache:
                 if remaining <= 0:
                     return None
                 self._cond.wait(remaining)
-            self._entries.move_to_end(key)
-            return list(self._entries[key][0])
+            return list(self._entries[key])
 
     def stats(self) -> dict[str, int]:
         with self._cond:
             return {
                 "entries": len(self._entries),
-                "bytes": self._bytes,
+                "bytes": self._entries.nbytes,
                 "capacity_bytes": self.capacity_bytes,
-                "evictions": self._evictions,
+                "evictions": self._entries.evictions,
                 "inflight": len(self._inflight),
             }

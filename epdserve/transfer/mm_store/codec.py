@@ -132,11 +132,6 @@ def decode(value: bytes | bytearray | memoryview) -> list[torch.Tensor]:
     return out
 
 
-def encoded_nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Payload bytes of ``tensors`` (what a value of them moves, less its small header)."""
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:

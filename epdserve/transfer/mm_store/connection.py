@@ -6,6 +6,11 @@ failure, refuses further calls without touching the network for a backoff period
 to a cap), then lets one call probe the server. Only transitions are logged: one warning when
 the server goes down, one info when it is back. Every caller (store reads and writes, event
 publisher, prefetch listener) shares one `ServerHealth`, so one outage gives one warning.
+
+`ServerHealth` is a circuit breaker, not a retry loop: it never repeats a call (a failed read
+becomes a miss at once, the caller recomputes), it only decides whether the next call, from
+whichever thread, may touch the network. So it is not written with tenacity, which retries one
+call in place; epdserve's retry loops are (instance/registration.py, server.py's start).
 """
 from __future__ import annotations
 

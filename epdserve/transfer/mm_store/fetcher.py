@@ -4,7 +4,7 @@
 already in flight (waited for, at least `inflight_wait_s` even when ``timeout_s`` is 0, since
 reading the store instead would move the same bytes twice); the store; then, while ``timeout_s`` lasts, the arrival of the
 key through the prefetch listener (and one last store read at the deadline). None means
-"recompute locally" — the caller runs its own vision encoder and calls `record_recompute()`.
+"recompute locally": the caller runs its own vision encoder (and counts that itself).
 
 When the server is down the store fails fast (see connection.py), so `get` returns None at once
 instead of waiting out ``timeout_s``: no event can arrive either.
@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from epdserve.transfer.byte_lru import tensors_nbytes
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.connection import StoreUnavailableError
 from epdserve.transfer.mm_store.stats import Counters, feature_counters
@@ -60,9 +61,6 @@ class FeatureFetcher:
             self.counters.add("misses")
         return feature
 
-    def record_recompute(self, n: int = 1) -> None:
-        self.counters.add("recomputes", n)
-
     def stats(self) -> dict[str, int]:
         return self.counters.snapshot()
 
@@ -71,6 +69,6 @@ class FeatureFetcher:
         if feature is None:
             return None
         self.counters.add("hits_store")
-        self.counters.add("bytes_fetched", sum(t.numel() * t.element_size() for t in feature))
+        self.counters.add("bytes_fetched", tensors_nbytes(feature))
         self.cache.put(key, feature)
         return self.cache.get(key) or feature

@@ -16,6 +16,7 @@ import threading
 
 import redis
 
+from epdserve.transfer.byte_lru import tensors_nbytes
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.connection import StoreUnavailableError
 from epdserve.transfer.mm_store.events import FeatureEvent, stream_name
@@ -130,5 +131,5 @@ class PrefetchListener:
                 continue
             self.cache.put(key, feature)
             self.counters.add("prefetches")
-            self.counters.add("bytes_fetched", sum(t.numel() * t.element_size() for t in feature))
+            self.counters.add("bytes_fetched", tensors_nbytes(feature))
         self.cache.abandon(missing)

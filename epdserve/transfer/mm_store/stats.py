@@ -1,7 +1,9 @@
 """Thread-safe counters of the MM Store path (store client, local cache, fetcher, listener).
 
 The E side, the P engine thread and the prefetch listener thread all bump the same counters, so
-every update takes a lock; `snapshot()` returns a plain dict for logs, metrics and tests.
+every update takes a lock; `snapshot()` returns a plain dict, which `MMStoreFeatureProvider`
+turns into the seam's `FeatureStats`. Recomputes are not counted here: the engine that re-runs
+its vision encoder counts them (`EncodeStage.recomputes`, reported by `load_report()`).
 """
 from __future__ import annotations
 
@@ -38,7 +40,6 @@ FEATURE_COUNTERS = (
     "waits",  # the request path waited for an in-flight prefetch
     "prefetches",  # features the listener moved into the local cache ahead of the request
     "events",  # feature events the listener received
-    "recomputes",  # incremented by the engine when it re-ran the encoder for a miss
     "bytes_fetched",  # payload bytes moved store -> P (request path and prefetch)
     "saves",  # features written to the store (encode side, or a prefill side's write-back)
     "save_failures",  # writes skipped: server down or refusing (prefill will recompute)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from epdserve.instance.procs import ChildProcess, stop_all
+from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.instance.roles import mode_pools
 
 log = logging.getLogger(__name__)
@@ -205,9 +205,3 @@ class Deployment:
             self._redis = None
         if clean and self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
-
-    def pids(self) -> dict[str, int]:
-        out = {c.name: c.pid for c in self.instances if c.pid}
-        if self.scheduler and self.scheduler.pid:
-            out["scheduler"] = self.scheduler.pid
-        return out

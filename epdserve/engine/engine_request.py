@@ -1,0 +1,18 @@
+"""`EngineRequest`: what a caller hands `LLMEngine.add_request` — one type for every role."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.sequence import MediaItem
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]  # placeholders expanded; ignored by an encode-only engine
+    media: list[MediaItem] = field(default_factory=list)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    feature_target: str | None = None  # encode: the prefill side told when features are stored
+    kv_transfer: object | None = None  # RemoteDecode (prefill role) / RemotePrefill (decode role)
+    num_vision_tokens: int = 0  # decode role: vision tokens of the remote prompt (reporting only)

@@ -1,0 +1,64 @@
+"""`LoadedModel`: one checkpoint loaded once per process and shared by every engine in it.
+
+Co-located stage workers (E+P, E+D, and any later role change) each run their own engine —
+own KV cache, scheduler and queue — over this one object: vision tower and language model are
+loaded once (on an accelerator a second copy would cost the HBM the KV cache needs). Holds
+what depends only on the checkpoint and the context length: the split model (`VLMAdapter`),
+tokenizer, multimodal processor, the MM Store namespace of its features, EOS ids.
+Inference over the shared modules is stateless (per-forward metadata travels as arguments), so
+engines on different threads may run forwards at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epdserve.model.adapter import VLMAdapter
+from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoint, max_model_len
+from epdserve.model.processor import MultimodalProcessor
+from epdserve.platform import get_platform
+from epdserve.platform.base import Platform
+from epdserve.transfer.mm_store.keys import namespace_for
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model_id: str
+    platform: Platform
+    dtype: torch.dtype
+    checkpoint: LoadedCheckpoint
+    adapter: VLMAdapter
+    processor: MultimodalProcessor
+    namespace: str  # MM Store key namespace: features of this vision tower + preprocessing
+    eos_token_ids: set[int]
+    max_model_len: int
+
+    @property
+    def tokenizer(self):
+        return self.checkpoint.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+
+def load_model(model: str, device: str = "auto", dtype: str = "auto", context_len: int | None = None) -> LoadedModel:
+    """Load `model` (a checkpoint directory) on the platform `device` names ("auto": npu, cuda, cpu).
+
+    dtype "auto" is fp32 on CPU (no fast bf16 there) and bf16 on accelerators."""
+    platform = get_platform(device)
+    tdtype = _DTYPES.get(dtype) or (torch.float32 if platform.name == "cpu" else torch.bfloat16)
+    ckpt = load_checkpoint(model, platform.device(), tdtype)
+    a = VLMAdapter(ckpt.model)
+    ctx = max_model_len(a.text_config, context_len)
+    processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
+                                    a.text_config.vocab_size)
+    generation_eos = getattr(getattr(ckpt.model, "generation_config", None), "eos_token_id", None)
+    return LoadedModel(
+        model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a, processor=processor,
+        namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
+        eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
+    )

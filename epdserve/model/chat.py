@@ -1,0 +1,63 @@
+"""Chat conversations in OpenAI's message shape → one prompt and its images, in order.
+
+Owns `chat_to_prompt` (render a conversation with the checkpoint's chat template) and
+`image_url_bytes`, the one reader of `image_url` parts: only `data:` URLs, since epdserve fetches
+nothing from the network. Used by the offline `LLM.chat`, the scheduler's preprocessing of chat
+requests and the client building one. Bad input raises `InvalidRequestError`.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from urllib.parse import unquote_to_bytes
+
+from epdserve.model.errors import InvalidRequestError
+
+
+def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> dict:
+    """Render a conversation with the checkpoint's chat template; collect its images in order.
+
+    Returns the offline API's prompt shape: `{"prompt": str, "multi_modal_data": {"image": [...]}}`.
+    A content part is `{"type": "text", "text": ...}`, `{"type": "image", "image": <image>}` or
+    `{"type": "image_url", "image_url": {"url": "data:..."}}`.
+    """
+    images, rendered = [], []
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind in ("image_url", "image"):
+                    images.append(_image_from_part(part))
+                    parts.append({"type": "image"})
+                else:
+                    raise InvalidRequestError(f"unsupported content part type {kind!r}")
+            rendered.append({"role": msg["role"], "content": parts})
+        else:
+            rendered.append({"role": msg["role"], "content": content or ""})
+    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+def image_url_bytes(image_url) -> bytes:
+    """The bytes of an `image_url` value (`{"url": "data:..."}` or the URL itself).
+
+    RFC 2397: `data:[<media type>][;base64],<data>`; without `;base64` the data is percent-encoded.
+    """
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
+        raise InvalidRequestError("image_url must be a data: URL (epdserve fetches nothing from the network)")
+    header, payload = url.split(",", 1)
+    try:
+        return base64.b64decode(payload) if ";base64" in header else unquote_to_bytes(payload)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidRequestError(f"bad data: URL: {e}") from None
+
+
+def _image_from_part(part: dict):
+    if part.get("type") == "image" and "image" in part:
+        return part["image"]
+    return image_url_bytes(part.get("image_url"))

@@ -1,0 +1,34 @@
+"""Sampling parameters on the wire: common.SamplingParams ↔ the engine's `SamplingParams`.
+
+The one conversion both sides of the wire use (the scheduler validating a public request, an
+instance reading an internal one). A field the sender left unset takes the engine's default;
+bad values raise `InvalidRequestError` (callers map it to INVALID_ARGUMENT).
+"""
+from __future__ import annotations
+
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.model.errors import InvalidRequestError
+from epdserve.rpc import common_pb2
+
+# proto3 `optional` scalars: copied only when the sender set them
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens")
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    kw = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+    try:
+        return SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), **kw)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequestError(f"bad sampling parameters: {e}") from None
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    """Every field set (the receiver needs no defaults of its own); `seed` only when given."""
+    p = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+    )
+    if s.seed is not None:
+        p.seed = s.seed
+    return p

@@ -1,0 +1,118 @@
+"""`LayerwiseRecvConnector`: the decode role of the engine's KV connector, over `KVReceiver`.
+
+A request with `RemotePrefill` has all of its prompt's KV (and the first token) made elsewhere:
+`num_remote_tokens` says so, the scheduler reserves blocks for prompt + max_tokens, and
+`on_blocks_allocated` tells the receiver to expect the KV into the prompt's blocks (it is
+received by the pair's thread, straight into them). The prefill side's first token and M-RoPE
+delta arrive through the control plane: `set_first_token`. `get_finished` reports a request as
+received once both are in (or failed). An aborted request whose KV is still arriving is held
+(`request_finished` → True) until the receiver is done with its blocks.
+Pairs: `pair_for(peer, host, port)` reuses the pair to a prefill peer, or builds the next
+generation when the old one broke or the peer moved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epdserve.engine.kv_connector import FinishedTransfer, KVConnector, RemotePrefill
+from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.messages import PairRendezvous
+from epdserve.transfer.kv.pair_names import pair_name
+from epdserve.transfer.kv.receiver import KVReceiver, RecvRequest
+from epdserve.transfer.kv.state import PairState, TransferState
+
+
+@dataclass
+class _Incoming:
+    block_ids: tuple[int, ...]
+    kv_done: bool = False
+    first_token: int | None = None
+    rope_delta: int = 0
+    aborted: bool = False  # the engine let go; report it once the receiver is done with the blocks
+
+
+class LayerwiseRecvConnector(KVConnector):
+    def __init__(self, instance_id: str, config: KVTransferConfig | None = None):
+        self.instance_id = instance_id
+        self.config = config or KVTransferConfig()
+        self.receiver: KVReceiver | None = None
+        self._block_size = 0
+        self._pairs: dict[str, PairRendezvous] = {}  # prefill peer -> current pair (our rank 1)
+        self._generations: dict[str, int] = {}
+        self._incoming: dict[str, _Incoming] = {}
+
+    def register_kv_cache(self, cache, platform) -> None:
+        self.receiver = KVReceiver(cache, platform, self.config)
+        self._block_size = cache.spec.block_size
+
+    # ------------------------------------------------------------------ the worker's calls
+    def pair_for(self, peer: str, host: str, port: int) -> PairRendezvous:
+        """The pair to prefill peer `peer` whose rendezvous store is at host:port (ours: rank 1)."""
+        cur = self._pairs.get(peer)
+        if cur is not None and (cur.host, cur.port) == (host, int(port)) \
+                and self.receiver.pair_state(peer) in (PairState.CONNECTING, PairState.READY):
+            return cur
+        gen = self._generations.get(peer, -1) + 1
+        self._generations[peer] = gen
+        rdzv = PairRendezvous(host, int(port), pair_name(peer, self.instance_id, gen), 1)
+        self.receiver.connect(peer, rdzv)
+        self._pairs[peer] = rdzv
+        return rdzv
+
+    def reserved_blocks(self, request_id: str) -> tuple[int, ...]:
+        """The blocks the request's prompt KV must be written into (for the prefill side)."""
+        return self._incoming[request_id].block_ids
+
+    def set_first_token(self, request_id: str, token: int, rope_delta: int) -> None:
+        """The prefill side's first token; KeyError if the request is not (any more) expected."""
+        inc = self._incoming.get(request_id)
+        if inc is None or inc.aborted:
+            raise KeyError(request_id)
+        inc.first_token, inc.rope_delta = int(token), int(rope_delta)
+
+    # ------------------------------------------------------------------ scheduler side
+    def num_remote_tokens(self, seq) -> int:
+        return seq.prompt_len if isinstance(seq.kv_transfer, RemotePrefill) else 0
+
+    def on_blocks_allocated(self, seq, block_ids: list[int]) -> None:
+        prompt_blocks = tuple(block_ids[: -(-seq.prompt_len // self._block_size)])
+        self.receiver.expect(RecvRequest(seq.request_id, seq.kv_transfer.peer, prompt_blocks, seq.prompt_len))
+        self._incoming[seq.request_id] = _Incoming(prompt_blocks)
+
+    def request_finished(self, seq) -> bool:
+        inc = self._incoming.get(seq.request_id)
+        if inc is None:
+            return False
+        if inc.kv_done or self.receiver.cancel(seq.request_id):
+            del self._incoming[seq.request_id]
+            return False
+        inc.aborted = True  # KV may be arriving into the blocks
+        return True
+
+    # ------------------------------------------------------------------ worker side
+    def get_finished(self) -> tuple[list[FinishedTransfer], list[FinishedTransfer]]:
+        done: list[FinishedTransfer] = []
+        finished = self.receiver.pop_finished()
+        if finished:  # the KV landed on the backend's stream: make it visible to ours (no-op on CPU)
+            self.receiver.platform.synchronize()
+        for st in finished:
+            inc = self._incoming.get(st.request_id)
+            if inc is None:
+                continue
+            if inc.aborted or st.error is not None or st.state is not TransferState.DONE:
+                del self._incoming[st.request_id]
+                done.append(FinishedTransfer(st.request_id, st.error or ("aborted" if inc.aborted else st.state.value)))
+            else:
+                inc.kv_done = True
+        for rid, inc in list(self._incoming.items()):
+            if inc.kv_done and inc.first_token is not None:
+                del self._incoming[rid]
+                done.append(FinishedTransfer(rid, None, inc.first_token, inc.rope_delta))
+        return [], done
+
+    def has_pending(self) -> bool:
+        return bool(self._incoming)
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,105 @@
+"""`LayerwiseSendConnector`: the prefill role of the engine's KV connector, over `KVSender`.
+
+Scheduler side: `build_step` opens one batch with every request whose prompt completes in the
+step and that carries a `RemoteDecode` (source blocks from the step's block tables, the prompt's
+blocks only); `request_finished` keeps a request's blocks while its transfer may still read
+them. Worker side: `save_kv_layer(i)` posts layer i (it travels while layer i+1 computes);
+`get_finished` reports sends that D acknowledged, failed, or could not begin.
+Pairs: `join(peer, rdzv)` builds (or keeps) the pair to a decode peer; a rendezvous older than
+the current pair's generation is refused (`StalePairError`).
+"""
+from __future__ import annotations
+
+import logging
+
+from epdserve.engine.kv_connector import FinishedTransfer, KVConnector, RemoteDecode
+from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.messages import PairRendezvous
+from epdserve.transfer.kv.pair_names import pair_generation
+from epdserve.transfer.kv.sender import KVSender, SendRequest
+from epdserve.transfer.kv.state import PairState, TransferStatus
+
+log = logging.getLogger(__name__)
+
+
+class StalePairError(RuntimeError):
+    """A request names a pair older than the one this side already uses for that peer."""
+
+
+class LayerwiseSendConnector(KVConnector):
+    def __init__(self, config: KVTransferConfig | None = None):
+        self.config = config or KVTransferConfig()
+        self.sender: KVSender | None = None
+        self._block_size = 0
+        self._pair_names: dict[str, str] = {}  # decode peer -> current pair name
+        self._inflight: set[str] = set()  # sends begun, not yet reported finished
+        self._refused: list[FinishedTransfer] = []
+
+    def register_kv_cache(self, cache, platform) -> None:
+        self.sender = KVSender(cache, platform, self.config)
+        self._block_size = cache.spec.block_size
+
+    # ------------------------------------------------------------------ pairs (the worker's calls)
+    def join(self, peer: str, rdzv: PairRendezvous) -> None:
+        """Use the pair `rdzv` names for `peer` (connecting if it is new); StalePairError if older."""
+        current = self._pair_names.get(peer)
+        if current == rdzv.pair_name:
+            return
+        state = self.sender.pair_state(peer)
+        if current is not None and state in (PairState.READY, PairState.CONNECTING) \
+                and pair_generation(rdzv.pair_name) < pair_generation(current):
+            raise StalePairError(f"stale KV pair {rdzv.pair_name!r} (current {current!r})")
+        self.sender.connect(peer, rdzv)
+        self._pair_names[peer] = rdzv.pair_name
+
+    def pair_state(self, peer: str) -> PairState | None:
+        return self.sender.pair_state(peer)
+
+    def status(self, request_id: str) -> TransferStatus | None:
+        return self.sender.status(request_id)
+
+    # ------------------------------------------------------------------ scheduler side
+    def build_step(self, batch) -> None:
+        reqs = []
+        for item in batch:
+            seq, dest = item.seq, item.seq.kv_transfer
+            if not isinstance(dest, RemoteDecode) or item.end != seq.prompt_len:
+                continue
+            n = -(-seq.prompt_len // self._block_size)
+            reqs.append(SendRequest(seq.request_id, dest.peer, tuple(item.block_ids[:n]), dest.dst_block_ids,
+                                    seq.prompt_len))
+        if not reqs:
+            return
+        try:
+            self.sender.begin_batch(reqs)
+        except (ValueError, RuntimeError) as e:  # a bad reservation: those requests fail, the forward goes on
+            log.warning("KV transfer of %d request(s) refused: %s", len(reqs), e)
+            self._refused.extend(FinishedTransfer(r.request_id, f"refused: {e}") for r in reqs)
+            return
+        self._inflight.update(r.request_id for r in reqs)
+
+    def request_finished(self, seq) -> bool:
+        return seq.request_id in self._inflight
+
+    # ------------------------------------------------------------------ worker side
+    def save_kv_layer(self, layer: int) -> None:
+        self.sender.save_layer(layer)
+
+    def abort_step(self, reason: str) -> None:
+        self.sender.abort_batch(reason)
+
+    def get_finished(self) -> tuple[list[FinishedTransfer], list[FinishedTransfer]]:
+        sent, self._refused = self._refused, []
+        for st in self.sender.pop_finished():
+            self._inflight.discard(st.request_id)
+            if st.error:
+                log.warning("KV transfer of %s to %s failed: %s", st.request_id, st.peer, st.error)
+            sent.append(FinishedTransfer(st.request_id, st.error))
+        return sent, []
+
+    def has_pending(self) -> bool:
+        return bool(self._inflight)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
