@@ -29,8 +29,8 @@ import torch
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.platform import get_platform
 from epdserve.transfer.kv import (
-    KVReceiver, KVSender, KVTransferConfig, PairConnection, PairRendezvous, RecvRequest, RendezvousServer,
-    SendRequest, TransferState,
+    KVReceiver, KVSender, KVTransferConfig, LayerwiseSendConnector, PairConnection, PairRendezvous, RecvRequest,
+    RendezvousServer, SendRequest, TransferState,
 )
 from epdserve.transfer.kv.checks import blocks_digest, fill_random
 
@@ -99,9 +99,10 @@ def _spec(shape: str, block_size: int) -> KVCacheSpec:
 class _SimulatedPrefill:
     """Random KV in fixed blocks; each layer's compute is real matmuls for `layer_ms`."""
 
-    def __init__(self, spec: KVCacheSpec, tokens: int, layer_ms: float):
+    def __init__(self, spec: KVCacheSpec, tokens: int, layer_ms: float, cfg: KVTransferConfig):
         self.spec, self.tokens, self.s = spec, tokens, layer_ms / 1e3
         self.cache = PagedKVCache(spec, -(-tokens // spec.block_size))
+        self.sender = KVSender(self.cache, get_platform("cpu"), cfg)
         self.src = tuple(range(self.cache.num_blocks))
         self.a = torch.randn(128, 128)
         self.seed = 0
@@ -130,18 +131,22 @@ class _SimulatedPrefill:
         return t_end - t0, t_ready - t_end, blocks_digest(self.cache, self.src)
 
     def close(self) -> None:
-        pass
+        self.sender.close()
 
 
 class _EnginePrefill:
-    """A prefill-only LLMEngine; a runner layer hook sends each layer as it is computed."""
+    """A prefill-only LLMEngine whose layerwise send connector sends each layer as it is computed
+    ("layerwise"), or all layers once the forward is done ("after")."""
 
-    def __init__(self, model_dir: str, tokens: int, block_size: int, image_px: int):
+    def __init__(self, model_dir: str, tokens: int, block_size: int, image_px: int, cfg: KVTransferConfig):
         from epdserve.engine.config import EngineConfig
         from epdserve.engine.llm_engine import LLMEngine
         from epdserve.model.demo_images import jpeg_bytes, procedural_image
 
-        self.eng = LLMEngine(EngineConfig(model=model_dir, device="cpu", roles="EP", block_size=block_size))
+        self.conn = _RecordingSendConnector(cfg)
+        self.eng = LLMEngine(EngineConfig(model=model_dir, device="cpu", roles="EP", block_size=block_size),
+                             kv_connector=self.conn)
+        self.sender = self.conn.sender
         self.spec = self.eng.kv_cache.spec
         self.cache = self.eng.kv_cache
         self.images = [jpeg_bytes(procedural_image(image_px, image_px, 1))]
@@ -151,31 +156,16 @@ class _EnginePrefill:
             self.tokens = len(self.eng.processor.process(self.prompt, self.images).token_ids)
             if self.tokens >= tokens:
                 break
-        self.dest: dict[str, tuple[int, ...]] = {}
-        self._sender: KVSender | None = None
-        self._open = False
-        self.eng.runner.layer_hooks.append(self._hook)
-
-    def _hook(self, layer: int, batch) -> None:
-        if layer == 0:
-            for item in batch:
-                rid = item.seq.request_id
-                if item.end == item.seq.prompt_len and rid in self.dest:
-                    dst = self.dest.pop(rid)
-                    src = tuple(self.eng.blocks.table(rid)[: len(dst)])
-                    self._sender.begin_batch([SendRequest(rid, "d0", src, dst, item.seq.prompt_len)])
-                    self._open = True
-        if self._open:
-            self._sender.save_layer(layer)
-            self._open = layer < self.spec.num_layers - 1
 
     def round(self, sender: KVSender, rid: str, dst: tuple[int, ...], layerwise: bool):
+        from epdserve.engine.kv_connector import RemoteDecode
         from epdserve.engine.sampling_params import SamplingParams
 
-        eng, self._sender = self.eng, sender
-        eng.add_request(rid, self.prompt, self.images, SamplingParams(max_tokens=2, ignore_eos=True))
-        if layerwise:
-            self.dest[rid] = dst
+        eng = self.eng
+        self.conn.layerwise = layerwise
+        req = eng.build_request(rid, self.prompt, self.images, SamplingParams(max_tokens=2, ignore_eos=True))
+        req.kv_transfer = RemoteDecode("d0", dst)
+        eng.add_request(req)
         t0 = time.perf_counter()
         finished = False
         while not finished:
@@ -184,16 +174,46 @@ class _EnginePrefill:
                     raise RuntimeError(f"prefill of {rid} failed: {out.error}")
                 finished |= out.request_id == rid and out.finished
         t_end = time.perf_counter()
-        src = tuple(eng.blocks.table(rid)[: len(dst)])
-        if not layerwise:
-            _send_all(sender, SendRequest(rid, "d0", src, dst, self.tokens), self.spec.num_layers)
-        t_ready = _wait_done(sender, rid)
-        digest = blocks_digest(self.cache, src)
-        eng.release(rid)
-        return t_end - t0, t_ready - t_end, digest
+        while eng.has_pending_transfers():  # the engine holds the blocks until D acknowledged
+            for out in eng.step():
+                if out.error:
+                    raise RuntimeError(f"transfer of {rid} failed: {out.error}")
+        t_ready = time.perf_counter()
+        if self.conn.failed:
+            raise RuntimeError(f"transfer {rid} failed: {self.conn.failed}")
+        return t_end - t0, t_ready - t_end, blocks_digest(self.cache, self.conn.sources.pop(rid)[: len(dst)])
 
     def close(self) -> None:
-        pass
+        self.conn.close()
+
+
+class _RecordingSendConnector(LayerwiseSendConnector):
+    """The engine's send connector, plus what the benchmark checks: each request's source blocks
+    (for the bit-exactness digest) and failures; `layerwise=False` posts all layers after the forward."""
+
+    def __init__(self, cfg: KVTransferConfig):
+        super().__init__(cfg)
+        self.layerwise = True
+        self.sources: dict[str, tuple[int, ...]] = {}
+        self.failed: list[str] = []
+
+    def build_step(self, batch) -> None:
+        self.sources.update((i.seq.request_id, i.block_ids) for i in batch if i.end == i.seq.prompt_len)
+        super().build_step(batch)
+
+    def save_kv_layer(self, layer: int) -> None:
+        if self.layerwise:
+            super().save_kv_layer(layer)
+
+    def wait_for_save(self) -> None:
+        if not self.layerwise:
+            for layer in range(self.sender.cache.spec.num_layers):
+                super().save_kv_layer(layer)
+
+    def get_finished(self):
+        sent, received = super().get_finished()
+        self.failed.extend(f"{f.request_id}: {f.error}" for f in sent if f.error)
+        return sent, received
 
 
 def _send_all(sender: KVSender, req: SendRequest, num_layers: int) -> None:
@@ -218,14 +238,18 @@ def _wait_done(sender: KVSender, rid: str) -> float:
 
 def bench_shape(shape: str, args: argparse.Namespace) -> dict:
     spec = _spec(shape, args.block_size)
-    row = _bench(_SimulatedPrefill(spec, args.tokens, args.layer_ms), args)
+    row = _bench(_SimulatedPrefill(spec, args.tokens, args.layer_ms, _config(args)), args)
     return {"shape": shape, "compute": f"simulated {args.layer_ms} ms/layer", **row}
 
 
 def bench_engine(args: argparse.Namespace) -> dict:
-    prefill = _EnginePrefill(args.engine, args.tokens, args.block_size, args.image_px)
+    prefill = _EnginePrefill(args.engine, args.tokens, args.block_size, args.image_px, _config(args))
     row = _bench(prefill, args)
     return {"shape": f"engine:{Path(args.engine).name}", "compute": "real engine (EP role)", **row}
+
+
+def _config(args: argparse.Namespace) -> KVTransferConfig:
+    return KVTransferConfig(timeout_s=args.timeout_s, bootstrap_timeout_s=600.0, connect_timeout_s=60.0)
 
 
 def _bench(prefill, args: argparse.Namespace) -> dict:
@@ -237,10 +261,10 @@ def _bench(prefill, args: argparse.Namespace) -> dict:
     # hash one request while the next one lands.
     order = [(m, f"{m}-{i}") for i in range(rounds) for m in (MODES if i % 2 == 0 else MODES[::-1])]
     dst = [tuple(range((k % 2) * nblocks, (k % 2 + 1) * nblocks)) for k in range(len(order))]
-    cfg = KVTransferConfig(timeout_s=args.timeout_s, bootstrap_timeout_s=600.0, connect_timeout_s=60.0)
+    cfg = _config(args)
     cpu = get_platform("cpu")
     server = RendezvousServer()
-    sender = KVSender(prefill.cache, cpu, cfg)
+    sender = prefill.sender
     peer_cfg = dict(spec=[spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, str(spec.dtype)[6:]],
                     num_blocks=nblocks, tokens=tokens,
                     kv=server.rendezvous("bench-kv").for_peer().to_json(),
@@ -263,7 +287,6 @@ def _bench(prefill, args: argparse.Namespace) -> dict:
         out, _ = peer.communicate(timeout=60)
         peer_digests = json.loads(out.strip().splitlines()[-1])["digests"]
     finally:
-        sender.close()
         raw_pair.close()
         prefill.close()
         if peer.poll() is None:

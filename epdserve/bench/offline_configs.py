@@ -81,7 +81,7 @@ class _HF:
     """A transformers model plus epdserve's processor, so inputs match the engine's exactly."""
 
     def __init__(self, ctx: RunContext):
-        from epdserve.model.loader import load_checkpoint
+        from epdserve.model.loader import load_checkpoint, max_model_len
         from epdserve.model.processor import MultimodalProcessor
 
         ckpt = load_checkpoint(ctx.model_dir, "cpu", torch.float32)
@@ -91,7 +91,7 @@ class _HF:
         self.pad_id = ckpt.tokenizer.pad_token_id
         self.processor = MultimodalProcessor(
             ckpt.tokenizer, ckpt.image_processor, cfg.image_token_id, cfg.vision_config.spatial_merge_size,
-            cfg.text_config.max_position_embeddings,
+            max_model_len(cfg.text_config),
         )
 
     def gen_config(self, output_len: int):

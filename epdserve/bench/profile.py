@@ -71,7 +71,7 @@ def profile_vision(engine, resolutions: list[str], repeats: int, timer: _Timer) 
         media = engine.processor.preprocess_image(data)
         pre_ms = _median(lambda: engine.processor.preprocess_image(data), timer, repeats)
         feats: list = []
-        enc_ms = _median(lambda: feats.__setitem__(slice(None), engine.adapter.encode_images(
+        enc_ms = _median(lambda: feats.__setitem__(slice(None), engine.model.adapter.encode_images(
             [media.pixel_values], [media.grid_thw])), timer, repeats)
         feature_bytes = sum(t.numel() * t.element_size() for t in feats[0])
         rows.append({"resolution": name, "width": w, "height": h, "jpeg_bytes": len(data),
@@ -81,7 +81,7 @@ def profile_vision(engine, resolutions: list[str], repeats: int, timer: _Timer) 
 
 
 def _prompt(engine, n: int, salt: int) -> list[int]:
-    vocab = engine.adapter.text_config.vocab_size
+    vocab = engine.model.adapter.text_config.vocab_size
     lo = min(100, vocab // 2)  # clear of the special tokens at the end and the byte tokens at the start
     return [lo + (i * 7919 + salt * 104729) % (vocab - lo - 16) for i in range(n)]
 
@@ -102,7 +102,7 @@ def profile_prefill(engine, prompt_lens: list[int], repeats: int, timer: _Timer)
 
     def one(n: int):
         rid = f"prefill-{next(counter)}"
-        engine.add_request(rid, _prompt(engine, n, int(rid.split("-")[1])), None, params)
+        engine.add_request(engine.build_request(rid, _prompt(engine, n, int(rid.split("-")[1])), None, params))
         _run_until_done(engine, {rid})
 
     for n in prompt_lens:
@@ -120,7 +120,7 @@ def profile_decode(engine, batch_sizes: list[int], prompt_len: int, steps: int, 
         params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
         ids = [f"decode-{b}-{i}" for i in range(b)]
         for i, rid in enumerate(ids):
-            engine.add_request(rid, _prompt(engine, prompt_len, 1000 + i), None, params)
+            engine.add_request(engine.build_request(rid, _prompt(engine, prompt_len, 1000 + i), None, params))
         have_first: set[str] = set()
         while len(have_first) < b:  # every prompt prefilled: from now on a step is pure decode
             have_first.update(o.request_id for o in engine.step() if o.token_ids)
@@ -190,9 +190,9 @@ def run_profile(model: str, device: str = "auto", resolutions: list[str] | None 
                    for v in vision]
     per_request.insert(0, {"resolution": "text-only", "prompt_tokens": text_tokens, "feature_bytes": 0,
                            "kv_bytes": text_tokens * kv_tok})
-    a = engine.adapter
+    a = engine.model.adapter
     report = {
-        "benchmark": "profile", "model": str(model), "device": str(engine.device), "platform": engine.platform.name,
+        "benchmark": "profile", "model": str(model), "device": str(engine.model.device), "platform": engine.platform.name,
         "dtype": str(a.dtype).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
         "model_info": {"layers": a.num_layers, "hidden": a.hidden_size, "kv_heads": a.num_kv_heads,
                        "head_dim": a.head_dim, "vision_params": sum(p.numel() for p in a.vision_tower.parameters()),

@@ -21,6 +21,7 @@ from epdserve.engine.sampling_params import SamplingParams
 from epdserve.model.chat import chat_to_prompt
 from epdserve.model.errors import InvalidRequestError
 from epdserve.model.loader import eos_token_ids
+from epdserve.model.loader import max_model_len as context_length
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.rpc.sampling import sampling_from_proto, sampling_to_proto
@@ -88,7 +89,7 @@ class RequestPreprocessor:
         tc = getattr(self.config, "text_config", self.config)
         self.vocab_size = int(tc.vocab_size)
         self.image_token_id = int(self.config.image_token_id)
-        self.max_model_len = max_model_len or min(int(tc.max_position_embeddings), 32768)
+        self.max_model_len = context_length(tc, max_model_len)
         self.processor = MultimodalProcessor(
             self.tokenizer, image_processor, self.image_token_id, self.config.vision_config.spatial_merge_size,
             self.max_model_len,

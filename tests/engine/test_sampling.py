@@ -48,15 +48,15 @@ def test_eos_stops_unless_ignored(llm):
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     full = llm.generate("eos test", sp)[0].outputs[0].token_ids
     # make the third generated token count as EOS by passing it as the model's EOS id set
-    llm.engine.stop_checker.eos_token_ids.add(full[2])
+    llm.engine.model.eos_token_ids.add(full[2])
     try:
         out = llm.generate("eos test", SamplingParams(max_tokens=10))[0].outputs[0]
         assert out.token_ids == full[: full.index(full[2]) + 1] and out.finish_reason == "stop"
         kept = llm.generate("eos test", sp)[0].outputs[0]
         assert kept.token_ids == full
     finally:
-        llm.engine.stop_checker.eos_token_ids.discard(full[2])
-        llm.engine.stop_checker.eos_token_ids.add(eos)
+        llm.engine.model.eos_token_ids.discard(full[2])
+        llm.engine.model.eos_token_ids.add(eos)
 
 
 def test_bad_params_are_rejected():

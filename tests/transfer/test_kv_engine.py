@@ -1,5 +1,5 @@
 """P→D with real engines across processes: a prefill-only engine here sends each layer's KV
-during its forward (runner layer hook) over gloo to decode-only engines in subprocesses.
+during its forward (its LayerwiseSendConnector) over gloo to decode-only engines in subprocesses.
 
 Done-when of issue 4: the KV each D holds equals, bit for bit, the KV the P engine computed,
 and the tokens D decodes after importing it equal transformers' `generate`.
@@ -18,7 +18,11 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
-from epdserve.transfer.kv import KVReceiver, KVSender, RecvRequest, RendezvousServer, SendRequest, TransferState
+from epdserve.engine.engine_request import EngineRequest
+from epdserve.engine.kv_connector import RemoteDecode, RemotePrefill
+from epdserve.transfer.kv import (
+    LayerwiseRecvConnector, LayerwiseSendConnector, PairRendezvous, PairState, RendezvousServer,
+)
 from epdserve.transfer.kv.checks import blocks_digest
 from tests.transfer.test_kv_transfer import Peer, _cfg, _commands, _emit
 
@@ -26,39 +30,26 @@ PH = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_TOKENS = 8
 
 
-class LayerwiseHook:
-    """Runner layer hook: at layer 0 of a forward that completes reserved prompts, open a batch;
-    after every layer, send that layer (the engine wiring in miniature)."""
+class RecordingSendConnector(LayerwiseSendConnector):
+    """The engine's own send connector, remembering each sent request's source blocks so the test
+    can hash P's KV (block ids reach a connector only through the engine's calls)."""
 
-    def __init__(self, engine: LLMEngine, sender: KVSender):
-        self.engine, self.sender = engine, sender
-        self.dest: dict[str, tuple[str, tuple[int, ...]]] = {}
-        self.open = False
-        engine.runner.layer_hooks.append(self)
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.sources: dict[str, tuple[int, ...]] = {}
 
-    def __call__(self, layer: int, batch) -> None:
-        if layer == 0:
-            reqs = []
-            for item in batch:
-                rid, seq = item.seq.request_id, item.seq
-                if item.end == seq.prompt_len and rid in self.dest:
-                    peer, dst = self.dest.pop(rid)
-                    src = tuple(self.engine.blocks.table(rid)[: len(dst)])
-                    reqs.append(SendRequest(rid, peer, src, dst, seq.prompt_len))
-            if reqs:
-                self.sender.begin_batch(reqs)
-                self.open = True
-        if self.open:
-            self.sender.save_layer(layer)
-            self.open = layer < self.engine.adapter.num_layers - 1
+    def build_step(self, batch) -> None:
+        self.sources.update((i.seq.request_id, i.block_ids) for i in batch if i.end == i.seq.prompt_len)
+        super().build_step(batch)
 
 
 def _decode_engine_peer() -> None:
-    """A decode-only engine: reserves blocks, imports KV through KVReceiver, decodes."""
+    """A decode-only engine: takes requests with RemotePrefill (blocks reserved, KV expected
+    through its receive connector), gets P's first token, decodes."""
     torch.set_num_threads(1)
-    eng = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", roles="D"))
-    rx = KVReceiver(eng.kv_cache, eng.platform, _cfg())
-    cmds, prompt_blocks, kv_digest, starts = _commands(), {}, {}, {}
+    rx = LayerwiseRecvConnector(sys.argv[2], _cfg())  # the instance id names its pairs
+    eng = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", roles="D"), kv_connector=rx)
+    cmds, prompt_blocks = _commands(), {}
     _emit(event="up")
     while True:
         try:
@@ -69,90 +60,75 @@ def _decode_engine_peer() -> None:
             rx.close()
             return
         if cmd["cmd"] == "connect":
-            from epdserve.transfer.kv import PairRendezvous
-
-            pair = rx.connect("p0", PairRendezvous.from_json(cmd["rdzv"]))
-            _emit(event="ready" if pair.wait_ready(30) else "connect_failed", error=pair.error)
+            rdzv = PairRendezvous.from_json(cmd["rdzv"])
+            _emit(event="connecting", pair_name=rx.pair_for("p0", rdzv.host, rdzv.port).pair_name)
         if cmd["cmd"] == "reserve":
-            rid, n = cmd["request_id"], cmd["prompt_len"]
-            table = eng.blocks.grow(rid, n + cmd["max_tokens"])
-            prompt_blocks[rid] = (tuple(table[: eng.blocks.blocks_needed(n)]), n)
-            rx.expect(RecvRequest(rid, "p0", *prompt_blocks[rid]))
+            rid, ids = cmd["request_id"], cmd["prompt_token_ids"]
+            sp = SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True)
+            eng.add_request(EngineRequest(rid, ids, [], sp, kv_transfer=RemotePrefill("p0")))
+            prompt_blocks[rid] = (rx.reserved_blocks(rid), len(ids))
             _emit(event="reserved", request_id=rid, blocks=list(prompt_blocks[rid][0]))
         if cmd["cmd"] == "start":
-            starts[cmd["request_id"]] = cmd
-        for st in rx.pop_finished():
-            if st.state is TransferState.DONE:
-                kv_digest[st.request_id] = blocks_digest(eng.kv_cache, *prompt_blocks[st.request_id])
-            else:
-                eng.blocks.free(st.request_id)
-                _emit(event="finished", request_id=st.request_id, error=st.error)
-        for rid in [r for r in starts if r in kv_digest]:
-            c = starts.pop(rid)
-            sp = SamplingParams(max_tokens=c["max_tokens"], ignore_eos=True)
-            eng.add_prefilled_request(rid, c["prompt_token_ids"], c["rope_delta"], c["first_token"], sp)
-            eng.kv_ready(rid)
-        if eng.has_unfinished():
-            for out in eng.step():
-                if out.finished:
-                    _emit(event="finished", request_id=out.request_id, token_ids=out.token_ids, error=out.error,
-                          digest=kv_digest.pop(out.request_id), num_free=eng.blocks.num_free,
-                          num_blocks=eng.blocks.num_blocks)
+            rx.set_first_token(cmd["request_id"], cmd["first_token"], cmd["rope_delta"])
+        for out in eng.step():
+            if out.finished:
+                r = eng.load_report()
+                _emit(event="finished", request_id=out.request_id, token_ids=out.token_ids, error=out.error,
+                      digest=blocks_digest(eng.kv_cache, *prompt_blocks.pop(out.request_id)),
+                      all_free=r["free_kv_blocks"] == r["total_kv_blocks"])
 
 
 def _run(model_dir, requests: list[tuple[str, str, list, str]], n_decode: int) -> None:
     """requests: (request_id, prompt, images, decode peer name "d0".."dN"): all prefilled in one
     forward here, each KV sent to its decode peer, decoded there, checked against generate."""
     torch.set_num_threads(1)
-    decoders = {f"d{i}": Peer("_decode_engine_peer", __name__, (str(model_dir),)) for i in range(n_decode)}
-    p_eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="EP"))
+    decoders = {f"d{i}": Peer("_decode_engine_peer", __name__, (str(model_dir), f"d{i}")) for i in range(n_decode)}
+    tx = RecordingSendConnector(_cfg())
+    p_eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="EP"), kv_connector=tx)
     server = RendezvousServer()
-    tx = KVSender(p_eng.kv_cache, p_eng.platform, _cfg())
-    hook = LayerwiseHook(p_eng, tx)
     try:
         for name, d in decoders.items():
             d.wait("up", timeout_s=60)
-            rdzv = server.rendezvous(f"p0-{name}/g0")
-            pair = tx.connect(name, rdzv)
-            d.send(cmd="connect", rdzv=rdzv.for_peer().to_json())
-            assert pair.wait_ready(30), pair.error
-            d.wait("ready")
+            d.send(cmd="connect", rdzv=server.rendezvous("unused").to_json())
+            pair_name = d.wait("connecting")["pair_name"]
+            tx.join(name, server.rendezvous(pair_name))
+        deadline = time.monotonic() + 60
+        while any(tx.pair_state(n) is not PairState.READY for n in decoders):
+            assert time.monotonic() < deadline, "pairs did not connect"
+            time.sleep(0.01)
         sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         for rid, prompt, images, peer in requests:
-            p_eng.add_request(rid, prompt, images, sp)
-            n = p_eng._seqs[rid].prompt_len
-            decoders[peer].send(cmd="reserve", request_id=rid, prompt_len=n, max_tokens=MAX_TOKENS)
-            hook.dest[rid] = (peer, tuple(decoders[peer].wait("reserved", request_id=rid)["blocks"]))
+            req = p_eng.build_request(rid, prompt, images, sp)
+            decoders[peer].send(cmd="reserve", request_id=rid, prompt_token_ids=req.prompt_token_ids,
+                                max_tokens=MAX_TOKENS)
+            req.kv_transfer = RemoteDecode(peer, tuple(decoders[peer].wait("reserved", request_id=rid)["blocks"]))
+            p_eng.add_request(req)
         first = {}
-        deadline = time.monotonic() + 60
         while len(first) < len(requests):
             assert time.monotonic() < deadline, "prefill did not finish"
             for out in p_eng.step():
-                assert out.error is None and out.finish_reason == "prefill_done"
-                first[out.request_id] = out.token_ids[0]
-        assert not hook.dest, "every request's KV left in one forward"
-        done = {}
-        while len(done) < len(requests):
+                assert out.error is None and out.finished and out.finish_reason is None  # handed off
+                first[out.request_id] = out
+        assert len(tx.sources) == len(requests), "every request's KV left in one forward"
+        while p_eng.has_pending_transfers():  # P holds the blocks until each D acknowledged
             assert time.monotonic() < deadline, "transfers did not finish"
-            done.update((st.request_id, st) for st in tx.pop_finished())
-            time.sleep(0.005)
+            p_eng.step()
+            time.sleep(0.002)
         ref = ReferenceGenerator(model_dir)
         last_free = {}
         for rid, prompt, images, peer in requests:
-            assert done[rid].state is TransferState.DONE, done[rid].error
-            seq = p_eng._seqs[rid]
-            p_blocks = p_eng.blocks.table(rid)[: p_eng.blocks.blocks_needed(seq.prompt_len)]
-            p_digest = blocks_digest(p_eng.kv_cache, p_blocks, seq.prompt_len)
-            decoders[peer].send(cmd="start", request_id=rid, prompt_token_ids=seq.prompt_token_ids,
-                                rope_delta=seq.rope_delta, first_token=first[rid], max_tokens=MAX_TOKENS)
-            p_eng.release(rid)
+            src, n = tx.sources[rid], first[rid].num_prompt_tokens
+            p_digest = blocks_digest(p_eng.kv_cache, src[: -(-n // p_eng.kv_cache.spec.block_size)], n)
+            decoders[peer].send(cmd="start", request_id=rid, first_token=first[rid].token_ids[0],
+                                rope_delta=first[rid].rope_delta)
             ev = decoders[peer].wait("finished", request_id=rid, timeout_s=60)
             assert ev["error"] is None
             assert ev["digest"] == p_digest, f"{rid}: D's KV differs from P's"
             assert ev["token_ids"] == ref.generate(prompt, images, MAX_TOKENS), rid
-            last_free[peer] = (ev["num_free"], ev["num_blocks"])
-        assert all(free == total for free, total in last_free.values())
-        assert p_eng.blocks.num_free == p_eng.blocks.num_blocks
+            last_free[peer] = ev["all_free"]
+        assert all(last_free.values())  # each D freed every block once its last request finished
+        r = p_eng.load_report()
+        assert r["free_kv_blocks"] == r["total_kv_blocks"]
     finally:
         tx.close()
         server.close()

@@ -1,6 +1,6 @@
 """Encode and prefill as two engine stages that exchange features only through the MM Store.
 
-The encode stage is an `LLMEngine` with roles "E" (`add_encode_request`) and an encode-side
+The encode stage is an `LLMEngine` with roles "E" (a request with a `feature_target`) and an encode-side
 provider (put + event to the prefill instance); the prefill stage is an engine with roles "PD"
 whose provider prefetches from its event stream. Outputs are checked against transformers'
 `generate`; the encoder's work is read from the engines' counters.
@@ -51,22 +51,23 @@ class Stages:
         self.p_prov = MMStoreFeatureProvider(store, "PD", instance_id=self.target)
         self.e = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="E"), features=self.e_prov)
         self.p = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="PD"), features=self.p_prov)
-        assert self.e.namespace == self.p.namespace
+        assert self.e.model.namespace == self.p.model.namespace
 
     def encode(self, rid, prompt, images):
-        media = [self.e.media_item(m) for m in self.e.processor.process(prompt, images).media]
-        self.e.add_encode_request(rid, media, self.target)
+        req = self.e.build_request(rid, prompt, images)
+        req.feature_target = self.target
+        self.e.add_request(req)
         (done,) = [o for o in _drain(self.e) if o.finished]
-        assert done.finish_reason == "encoded", done.error
+        assert done.error is None and done.finish_reason is None, done.error  # handed off to prefill
 
     def prefill_decode(self, rid, prompt, images):
-        self.p.add_request(rid, prompt, images, SP)
+        self.p.add_request(self.p.build_request(rid, prompt, images, SP))
         (final,) = [o for o in _drain(self.p) if o.finished]
         assert final.error is None, final.error
         return final
 
     def key(self, image):
-        return media_key(image, self.e.namespace)
+        return media_key(image, self.e.model.namespace)
 
     def close(self):
         self.p_prov.close()

@@ -3,8 +3,10 @@
 Owns the prefill→decode hop: each P–D pair builds its own two-rank process group from a TCP
 rendezvous (`PairRendezvous`, `RendezvousServer`, `PairConnection`); the prefill side's
 `KVSender` sends each layer's KV of a batch while the next layer computes; the decode side's
-`KVReceiver` receives it straight into blocks it reserved beforehand. Progress is a
-`TransferState` polled by the engine loop (no callbacks).
+`KVReceiver` receives it straight into blocks it reserved beforehand. The engine drives them
+through its `KVConnector` seam: `LayerwiseSendConnector` (prefill role) and
+`LayerwiseRecvConnector` (decode role). Progress is a `TransferState` polled by the engine loop
+(no callbacks).
 
 Lifecycle of one request's transfer, on both sides:
     BOOTSTRAPPING  registered (D: blocks reserved, waiting for P's batch header;
