@@ -64,19 +64,25 @@ class Usage:
     output_tokens: int = 0
 
 
-@dataclass
 class Timing:
-    """Unix timestamps of the request's path (0: stage not run) and the durations between them."""
+    """The request's path as the server stamped it — `StageTimings` fields (arrival, dispatched,
+    encode_start/end, prefill_start, first_token, kv_transfer_end, first_decode, finished: Unix
+    times, 0 = stage not run) read as attributes — and the durations between the stamps."""
 
-    arrival: float = 0.0
-    dispatched: float = 0.0
-    encode_start: float = 0.0
-    encode_end: float = 0.0
-    prefill_start: float = 0.0
-    first_token: float = 0.0
-    kv_transfer_end: float = 0.0
-    first_decode: float = 0.0
-    finished: float = 0.0
+    def __init__(self, stamps: common_pb2.StageTimings | None = None, **fields: float):
+        self.stamps = stamps if stamps is not None else common_pb2.StageTimings(**fields)
+
+    def __getattr__(self, name: str):
+        if name == "stamps":
+            raise AttributeError(name)
+        return getattr(self.stamps, name)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Timing) and self.stamps == other.stamps
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self.stamps, f.name)}" for f in self.stamps.DESCRIPTOR.fields)
+        return f"Timing({fields})"
 
     @staticmethod
     def _span(a: float, b: float) -> float | None:
@@ -220,7 +226,9 @@ def usage_from(p: common_pb2.Usage) -> Usage:
 
 
 def timing_from(p: common_pb2.StageTimings) -> Timing:
-    return Timing(**{f.name: getattr(p, f.name) for f in dataclasses.fields(Timing)})
+    stamps = common_pb2.StageTimings()
+    stamps.CopyFrom(p)
+    return Timing(stamps)
 
 
 def delta_from(d: serve_pb2.GenerateDelta) -> Delta:

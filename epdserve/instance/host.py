@@ -27,6 +27,7 @@ from epdserve.instance.decode_worker import DecodeWorker
 from epdserve.instance.encode_worker import EncodeWorker
 from epdserve.instance.prefill_worker import PrefillWorker
 from epdserve.instance.registration import Registrar
+from epdserve.instance.worker import sum_loads
 from epdserve.instance.roles import worker_roles
 from epdserve.instance.servicer import InstanceServicer
 from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2_grpc
@@ -174,19 +175,7 @@ class InstanceHost:
     # ---------------------------------------------------------------- status
     def status(self) -> common_pb2.InstanceStatus:
         cfg = self.config
-        loads = [w.load for w in self.workers]
-        hits = sum(x.cache_hits for x in loads)
-        lookups = sum(x.cache_lookups for x in loads)
-        load = common_pb2.Load(
-            queued_tokens=sum(x.queued_tokens for x in loads),
-            running_requests=sum(x.running for x in loads),
-            waiting_requests=sum(x.waiting for x in loads),
-            free_kv_blocks=sum(x.free_kv_blocks for x in loads),
-            total_kv_blocks=sum(x.total_kv_blocks for x in loads),
-            mm_cache_hit_rate=hits / lookups if lookups else 0.0,
-            queued_media=sum(x.queued_media for x in loads),
-            images_encoded=sum(int(x.extra.get("encoder_runs", 0)) for x in loads),
-        )
+        load = sum_loads([w.load for w in self.workers])
         st = common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
             load=load, pid=os.getpid(),

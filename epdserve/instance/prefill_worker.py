@@ -10,8 +10,6 @@ first token fails the request as retryable.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.kv_connector import RemoteDecode
 from epdserve.instance.errors import TransientError
@@ -89,6 +87,7 @@ class PrefillWorker(StageWorker):
             self.handles[rid] = handle
 
     def compute_load(self):
-        load = self.engine_load()
-        queued = sum(len(r.prompt_token_ids) for r in self.bootstrapping.values())
-        return replace(load, waiting=load.waiting + len(self.bootstrapping), queued_tokens=load.queued_tokens + queued)
+        load = self.engine_load()  # a fresh snapshot, not yet published: ours to add to
+        load.counts.waiting_requests += len(self.bootstrapping)
+        load.counts.queued_tokens += sum(len(r.prompt_token_ids) for r in self.bootstrapping.values())
+        return load

@@ -26,6 +26,7 @@ from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.outputs import RequestOutput
 from epdserve.instance.affinity import pin_worker_thread
 from epdserve.instance.errors import TransientError, output_error
+from epdserve.rpc import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +37,24 @@ _IDLE_S = 0.5  # queue wait when nothing at all is pending
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    queued_tokens: int = 0
-    running: int = 0
-    waiting: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    queued_media: int = 0
+    """One worker's load snapshot: its counts as the gRPC `Load` message (summed per instance by
+    `sum_loads`), the feature cache's hits and lookups (for the hit rate), and debugging extras."""
+
+    counts: common_pb2.Load = field(default_factory=common_pb2.Load)
     cache_hits: int = 0
     cache_lookups: int = 0
-    counts_kv: bool = True  # False for E workers (their tiny cache is not for requests)
     extra: dict = field(default_factory=dict)
+
+
+def sum_loads(loads: list[WorkerLoad]) -> common_pb2.Load:
+    """An instance's Load: every count summed over its workers; the hit rate over all lookups."""
+    total = common_pb2.Load()
+    for f in common_pb2.Load.DESCRIPTOR.fields:
+        if f.name != "mm_cache_hit_rate":
+            setattr(total, f.name, sum(getattr(x.counts, f.name) for x in loads))
+    lookups = sum(x.cache_lookups for x in loads)
+    total.mm_cache_hit_rate = sum(x.cache_hits for x in loads) / lookups if lookups else 0.0
+    return total
 
 
 class RequestHandle:
@@ -228,19 +237,14 @@ class StageWorker:
         stats = self.engine.features.stats() if self.engine.features is not None else None
         hits = stats.hits if stats is not None else 0
         lookups = stats.lookups if stats is not None else 0
-        return WorkerLoad(
-            queued_tokens=int(r.get("queued_tokens", 0)),
-            running=int(r.get("running", 0)),
-            waiting=int(r.get("waiting", 0)),
-            free_kv_blocks=int(r.get("free_kv_blocks", 0)) if counts_kv else 0,
-            total_kv_blocks=int(r.get("total_kv_blocks", 0)) if counts_kv else 0,
-            queued_media=int(r.get("queued_media", 0)),
-            cache_hits=hits,
-            cache_lookups=lookups,
-            counts_kv=counts_kv,
-            extra={"encoder_runs": int(r.get("encoder_runs", 0)), "recomputes": int(r.get("recomputes", 0)),
-                   "held": int(r.get("held", 0)), "in_flight": len(self.handles), "at": time.time(), **extra},
+        kv = counts_kv  # an E worker's tiny cache holds no request KV: not the instance's capacity
+        counts = common_pb2.Load(
+            queued_tokens=r["queued_tokens"], running_requests=r["running"], waiting_requests=r["waiting"],
+            free_kv_blocks=r["free_kv_blocks"] if kv else 0, total_kv_blocks=r["total_kv_blocks"] if kv else 0,
+            queued_media=r["queued_media"], images_encoded=r["encoder_runs"],
         )
+        return WorkerLoad(counts, hits, lookups, extra={
+            "recomputes": r["recomputes"], "held": r["held"], "in_flight": len(self.handles), "at": time.time(), **extra})
 
     # ---------------------------------------------------------------- loop thread, overridable
     def make_connector(self):

@@ -72,11 +72,8 @@ def merge_timings(into: common_pb2.StageTimings, new: common_pb2.StageTimings) -
 class Attempt:
     def __init__(self, inputs: AttemptInputs, plan: Plan, lease: WorkLease, channels: ChannelPool,
                  registry: InstanceRegistry, background: set):
-        self.inputs = inputs
-        self.plan = plan
-        self.lease = lease
-        self.channels = channels
-        self.registry = registry
+        self.inputs, self.plan, self.lease = inputs, plan, lease
+        self.channels, self.registry = channels, registry
         self.report = AttemptReport()
         self.encoded_keys: set[str] = set()  # media keys sent to E in this attempt
         self._background = background  # the dispatcher's set of fire-and-forget tasks

@@ -18,13 +18,15 @@ class SchedulerConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port (the bound address is printed / returned)
-    static_instances: list[str] = field(default_factory=list)  # host:port of instances to adopt via GetLoad
+    # instance health (health.py probes, registry.py's hysteresis)
     heartbeat_interval_s: float = 1.0  # told to instances at Register
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 1.0
     unhealthy_after: int = 3
     healthy_after: int = 2
-    forget_after_s: float = 300.0
+    static_instances: list[str] = field(default_factory=list)  # host:port of instances to adopt via GetLoad, then probe
+    forget_after_s: float = 300.0  # a DOWN instance (registered or static) is dropped after this
+    # admission and retries (dispatcher.py)
     max_requests_in_flight: int = 1024
     max_inflight_per_instance: int = 256
     max_attempts: int = 4  # per public request, across instance failures
