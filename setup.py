@@ -1,4 +1,5 @@
 """epdserve: Encode / Prefill / Decode disaggregated serving for vision-language models."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ HERE = Path(__file__).resolve().parent
 
 
 class BuildPyWithProtos(build_py):
-    """Generate epdserve/proto_gen from proto/ (grpc_tools.protoc) so wheels ship the gRPC modules.
+    """Generate epdserve/proto_gen from proto/ (grpc_tools.protoc) so wheels ship the gRPC modules,
+    and copy csrc/ into the package (the native operators are built from it on first use).
 
     Editable installs generate them at first import instead (epdserve.rpc.codegen)."""
 
@@ -18,6 +20,8 @@ class BuildPyWithProtos(build_py):
         subprocess.check_call([sys.executable, str(HERE / "epdserve" / "rpc" / "codegen.py")], cwd=HERE)
         self.packages = sorted(set(self.packages or []) | set(find_packages(include=["epdserve.proto_gen*"])))
         super().run()
+        # the C++ operators travel in the wheel; they are built on first use (epdserve.ops.native_build)
+        shutil.copytree(HERE / "csrc", Path(self.build_lib) / "epdserve" / "csrc", dirs_exist_ok=True)
 
 
 setup(
@@ -45,6 +49,7 @@ setup(
         "grpcio-reflection",
         "protobuf",
         "pyyaml",
+        "ninja",  # torch's C++-extension JIT builds csrc/ with it on first use
         "psutil",
         "tenacity",  # retry loops: scheduler registration, the private MM Store server's start
         "cachetools",  # LRUCache(getsizeof=...) is the byte-bounded LRU of both feature caches

@@ -5,9 +5,11 @@ import importlib
 
 BENCHMARKS = [
     "epdserve.bench.offline",  # offline: engine vs transformers generate
+    "epdserve.bench.host",  # host: the engine's Python time per decode step, short vs long outputs
     "epdserve.bench.mm_store",  # mm-store: MMStore vs raw redis-py
     "epdserve.bench.kv_transfer",  # kv-transfer: layerwise vs after-prefill
     "epdserve.bench.serve",  # serve: modes side by side against live deployments (SLO goodput)
+    "epdserve.bench.ops",  # ops: paged operators, native (csrc/) vs portable torch
 ]
 
 

@@ -198,7 +198,7 @@ class _RecordingSendConnector(LayerwiseSendConnector):
         self.failed: list[str] = []
 
     def build_step(self, batch) -> None:
-        self.sources.update((i.seq.request_id, i.block_ids) for i in batch if i.end == i.seq.prompt_len)
+        self.sources.update((i.seq.request_id, tuple(i.block_ids)) for i in batch if i.end == i.seq.prompt_len)
         super().build_step(batch)
 
     def save_kv_layer(self, layer: int) -> None:
@@ -271,8 +271,10 @@ def _bench(prefill, args: argparse.Namespace) -> dict:
                     raw=server.rendezvous("bench-raw").for_peer().to_json(),
                     raw_bytes=kv_bytes, raw_rounds=rounds, requests=[[rid, list(d)] for (_, rid), d in zip(order, dst)],
                     timeout_s=args.timeout_s)
+    # the peer lingers until its stdin closes (communicate() below): it must not close the pair
+    # before P has D's acknowledgement of the last round
     peer = subprocess.Popen([sys.executable, "-m", "epdserve.bench.kv_transfer", "--peer", json.dumps(peer_cfg)],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
     raw_pair = PairConnection(server.rendezvous("bench-raw"), cpu, cfg)
     try:
         kv_pair = sender.connect("d0", server.rendezvous("bench-kv"))
@@ -369,6 +371,7 @@ def _decode_peer(cfg: dict) -> int:
                 digests[st.request_id] = blocks_digest(cache, dst[st.request_id]) if ok else f"failed: {st.error}"
             time.sleep(0.0005)
         print(json.dumps({"digests": digests}), flush=True)
+        sys.stdin.read()  # D marks a batch DONE before it acknowledges it: stay until P has every ack
         return 0
     finally:
         rx.close()

@@ -20,7 +20,8 @@ from epdserve.bench.offline_configs import LABELS
 from epdserve.bench.offline_report import markdown, summarize_workload
 from epdserve.bench.offline_workloads import DEFAULTS, WORKLOADS, WorkloadSpec
 
-BASELINES = {"text": ["one_at_a_time", "padded", "generate_batch"], "images": ["one_at_a_time", "padded"]}
+BASELINES = {"text": ["engine_portable", "one_at_a_time", "padded", "generate_batch"],
+             "images": ["engine_portable", "one_at_a_time", "padded"]}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,7 +30,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="offline throughput: epdserve engine vs transformers generate (1 at a time, padded batches, generate_batch)",
         description=(
             "Measures offline throughput (output and total tokens/s), peak RSS and the engine's time split "
-            "(vision / prefill / decode) for the epdserve engine (LLM.generate, all requests at once) against "
+            "(vision / prefill / decode; host (Python) time per step apart from the forward) for the epdserve "
+            "engine (LLM.generate, all requests at once; native paged operators unless --engine-arg ops=portable) "
+            "against the same engine on the portable paged operators, "
             "transformers generate one request at a time, generate on left-padded batches of 8 and, for "
             "text-only, transformers' continuous batching (generate_batch). Each configuration runs in its own "
             "process on the same seeded requests with the same number of output tokens (EOS ignored); greedy "
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats, --threads and --baseline-requests must be >= 1")
     model_dir = pathlib.Path(args.model) if args.model else default_model(args.arch)
     workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    engine_args = dict(_parse_kv(kv) for kv in args.engine_arg)
+    engine_args = dict(parse_kv(kv) for kv in args.engine_arg)
     report = {
         "benchmark": "offline", "model": str(model_dir), "model_name": model_dir.name,
         "threads": args.threads, "cpu_count": os.cpu_count(), "repeats": args.repeats, "seed": args.seed,
@@ -107,18 +110,18 @@ def _run_workload(tmp: str, spec: WorkloadSpec, model_dir, args, engine_args: di
     return runs
 
 
-def default_model(arch: str) -> pathlib.Path:
-    """The small demo checkpoint in the user's cache dir, built on first use (same seed, same files)."""
+def default_model(arch: str, size: str = "small") -> pathlib.Path:
+    """A demo checkpoint in the user's cache dir, built on first use (same seed, same files)."""
     from epdserve.model.demo import build_demo_model
 
     root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "epdserve" / "demo-models"
-    path = root / f"{arch}-small-seed0"
+    path = root / f"{arch}-{size}-seed0"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
-    _log(f"building the small {arch} demo model into {path} (once) ...")
+    _log(f"building the {size} {arch} demo model into {path} (once) ...")
     root.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=root))
-    build_demo_model(tmp, arch=arch, size="small", seed=0)
+    build_demo_model(tmp, arch=arch, size=size, seed=0)
     try:
         tmp.rename(path)
     except OSError:  # another process built it first
@@ -144,7 +147,8 @@ def _run_worker(tmp: str, cfg: str, model_dir, spec: WorkloadSpec, threads: int,
     return json.loads(out_path.read_text())
 
 
-def _parse_kv(kv: str) -> tuple[str, object]:
+def parse_kv(kv: str) -> tuple[str, object]:
+    """`--engine-arg KEY=VALUE` → (key, value as int, float, bool or str)."""
     key, sep, value = kv.partition("=")
     if not sep:
         raise SystemExit(f"--engine-arg wants KEY=VALUE, got {kv!r}")

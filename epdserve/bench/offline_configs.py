@@ -76,6 +76,14 @@ def run_engine(ctx: RunContext, requests: list[BenchRequest], output_len: int, w
     )
 
 
+def run_engine_portable(ctx: RunContext, requests: list[BenchRequest], output_len: int,
+                        warmup: BenchRequest) -> RunResult:
+    """The same engine on the portable paged operators (gather + SDPA) instead of the native ones."""
+    portable = RunContext(ctx.model_dir, {**ctx.engine_args, "ops": "portable"}, ctx.padded_batch_size,
+                          ctx.cb_page_size, ctx.cb_max_batch_tokens)
+    return run_engine(portable, requests, output_len, warmup)
+
+
 # ---------------------------------------------------------------- transformers generate
 class _HF:
     """A transformers model plus epdserve's processor, so inputs match the engine's exactly."""
@@ -186,12 +194,14 @@ def run_generate_batch(ctx: RunContext, requests, output_len, warmup) -> RunResu
 
 CONFIGS = {
     "engine": run_engine,
+    "engine_portable": run_engine_portable,
     "one_at_a_time": run_one_at_a_time,
     "padded": run_padded,
     "generate_batch": run_generate_batch,
 }
 LABELS = {
     "engine": "epdserve engine (LLM.generate, all at once)",
+    "engine_portable": "epdserve engine, portable paged ops (gather + SDPA)",
     "one_at_a_time": "transformers generate, 1 request at a time",
     "padded": "transformers generate, left-padded batches of 8",
     "generate_batch": "transformers generate_batch (continuous batching)",

@@ -2,8 +2,9 @@
 
 Owns the derived numbers — output and total tok/s per configuration, the engine's speed-up over
 each baseline (output tok/s ratio), the aims from the issue and whether they are met, the
-engine's time split (vision / prefill / decode, vision share) and the greedy token match
-against one-at-a-time `generate` — and the Markdown rendering. Pure functions of the results.
+engine's time split (vision / prefill / decode, vision share; host time per step and its parts
+apart from the forward) and the greedy token match against one-at-a-time `generate` — and the
+Markdown rendering. Pure functions of the results.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ AIMS = {  # engine output tok/s ÷ baseline output tok/s, from issue 2's "Done w
     "images": {"one_at_a_time": 1.8, "padded": 1.1},
 }
 REFERENCE = "one_at_a_time"  # the greedy reference the other configurations' tokens are checked against
+HOST_PARTS = ("host", "schedule", "inputs", "update", "forward")
 
 
 def _rate(n: float, seconds: float) -> float:
@@ -31,13 +33,18 @@ def engine_split(result: dict) -> dict:
     s = (result.get("extra") or {}).get("engine_stats") or {}
     vision, prefill, decode = s.get("vision_s", 0.0), s.get("prefill_s", 0.0), s.get("decode_s", 0.0)
     busy = vision + prefill + decode
+    steps, decode_steps = s.get("steps", 0), s.get("decode_steps", 0)
     return {
         "vision_s": vision, "prefill_s": prefill, "decode_s": decode,
         "other_s": max(0.0, result["duration_s"] - busy),  # preprocessing, scheduling, sampling glue
         "vision_share": vision / busy if busy else 0.0,
         "vision_share_of_wall": _rate(vision, result["duration_s"]),
-        "images_encoded": s.get("images_encoded", 0), "steps": s.get("steps", 0),
+        "images_encoded": s.get("images_encoded", 0), "steps": steps,
         "prompt_tokens": s.get("prompt_tokens", 0), "decode_tokens": s.get("decode_tokens", 0),
+        # per step, ms: host (Python) time and its parts, the forward (EngineStats' docstring)
+        "host_ms_per_step": {k: 1e3 * _rate(s.get(f"{k}_s", 0.0), steps) for k in HOST_PARTS},
+        "decode_host_ms_per_step": 1e3 * _rate(s.get("decode_host_s", 0.0), decode_steps),
+        "decode_forward_ms_per_step": 1e3 * _rate(s.get("decode_forward_s", 0.0), decode_steps),
     }
 
 
@@ -129,6 +136,11 @@ def markdown(report: dict, labels: dict[str, str]) -> str:
                          f"decode {s['decode_s']:.2f} s, other {s['other_s']:.2f} s; vision share "
                          f"{100 * s['vision_share']:.0f}% of engine compute ({s['images_encoded']} images, "
                          f"{s['steps']} steps).")
+            h = s["host_ms_per_step"]
+            lines.append(f"Per step: host (Python) {h['host']:.2f} ms (schedule {h['schedule']:.2f}, inputs "
+                         f"{h['inputs']:.2f}, update {h['update']:.2f}), forward {h['forward']:.2f} ms; decode-only "
+                         f"steps: host {s['decode_host_ms_per_step']:.2f} ms, forward "
+                         f"{s['decode_forward_ms_per_step']:.2f} ms.")
         if w.get("aims"):
             parts = [f"{b} {a['measured']:.2f}× (aim ≥ {a['aim']}×: {'met' if a['met'] else 'MISSED'})"
                      for b, a in w["aims"].items()]

@@ -5,6 +5,7 @@ returns every block of that request. The scheduler is the only caller.
 """
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
 
@@ -15,7 +16,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, array] = {}  # int64 block ids, copied in C
 
     @property
     def num_free(self) -> int:
@@ -39,7 +40,7 @@ class BlockManager:
         need = self.extra_blocks_for(request_id, num_tokens)
         if need > self.num_free:
             raise MemoryError(f"need {need} KV blocks, {self.num_free} free")
-        table = self._tables.setdefault(request_id, [])
+        table = self._tables.setdefault(request_id, array("q"))
         for _ in range(need):
             table.append(self._free.popleft())
         return table

@@ -14,7 +14,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # fp32 on CPU, bf16 elsewhere
     roles: str = "EPD"
-    block_size: int = 16
+    block_size: int | None = None  # None: the platform's kv_block_size (set by the engine)
     kv_cache_memory_bytes: int = 1 << 30
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -23,14 +23,17 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     feature_wait_s: float = 0.0  # bounded wait for a feature before recomputing it
     seed: int = 0
+    ops: str | None = None  # paged operators: native | portable; None: $EPDSERVE_OPS, else the platform's best
 
     def __post_init__(self):
         self.roles = normalize_roles(self.roles)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_encode_images_per_step"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto|float32|float16|bfloat16, got {self.dtype!r}")
+        if self.ops not in (None, "native", "portable"):
+            raise ValueError(f"ops must be native|portable, got {self.ops!r}")
 
     @property
     def encodes(self) -> bool:

@@ -36,6 +36,7 @@ from epdserve.engine.stats import EngineStats
 from epdserve.engine.stop_checker import StopChecker
 from epdserve.model.errors import InvalidRequestError
 from epdserve.model.processor import MediaInput
+from epdserve.ops.select import paged_ops
 from epdserve.transfer.feature_provider import FeatureProvider, LocalFeatureProvider
 from epdserve.transfer.mm_store.keys import media_key
 
@@ -49,6 +50,7 @@ class LLMEngine:
         self.model = model or load_model(config.model, config.device, config.dtype, config.max_model_len)
         a = self.model.adapter
         self.platform, self.max_model_len = self.model.platform, self.model.max_model_len
+        config.block_size = config.block_size or self.platform.kv_block_size  # NPU kernels want 128
         spec = KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, config.block_size, self.model.dtype)
         num_blocks = spec.blocks_for_budget(config.kv_cache_memory_bytes)
         self.kv_cache = PagedKVCache(spec, num_blocks, self.model.device)
@@ -61,7 +63,7 @@ class LLMEngine:
             BlockManager(num_blocks, config.block_size),
             StopChecker(self.model.tokenizer, self.model.eos_token_ids, self.max_model_len), kv_connector,
         )
-        self.runner = ModelRunner(a, self.kv_cache, kv_connector)
+        self.runner = ModelRunner(a, self.kv_cache, paged_ops(self.platform, config.ops), kv_connector)
         self.features = features or LocalFeatureProvider()
         self.stats = EngineStats()
         self.encoder = EncodeStage(
@@ -141,10 +143,13 @@ class LLMEngine:
         return self.scheduler.has_pending_transfers()
 
     def step(self) -> list[RequestOutput]:
+        t_start, encode_s = time.perf_counter(), 0.0
         for seq in self.scheduler.poll_connector():
             self._emit(seq)
         if self.encoder.pending:
+            t = time.perf_counter()
             self._encode_step()
+            encode_s = time.perf_counter() - t
         batch = self.scheduler.schedule()
         if batch:
             t0 = time.perf_counter()
@@ -154,9 +159,12 @@ class LLMEngine:
                 log.exception("engine step failed")
                 self._fail_batch(batch, f"step failed: {e}")
             else:
-                self.stats.record_step(batch, time.perf_counter() - t0)
+                t1 = time.perf_counter()
                 for seq in self.scheduler.update(batch, sampled):
                     self._emit(seq)
+                inputs_s = self.runner.inputs_s  # host time inside execute
+                self.stats.record_step(batch, t0 - t_start - encode_s, inputs_s, t1 - t0 - inputs_s,
+                                       time.perf_counter() - t1)
         outputs, self._outputs = self._outputs, []
         return outputs
 

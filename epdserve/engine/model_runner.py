@@ -10,6 +10,9 @@ the runner never sees the block manager.
 """
 from __future__ import annotations
 
+import time
+from array import array
+
 import torch
 
 from epdserve.engine.kv_cache import PagedKVCache
@@ -18,13 +21,16 @@ from epdserve.engine.sampler import sample
 from epdserve.engine.scheduler import ScheduledSeq
 from epdserve.model.adapter import VLMAdapter
 from epdserve.ops import paged_attention
+from epdserve.ops.backend import PagedOps
 from epdserve.ops.attention_meta import AttentionMeta, PrefillSegment
 
 
 class ModelRunner:
-    def __init__(self, adapter: VLMAdapter, kv_cache: PagedKVCache, connector: KVConnector | None = None):
+    def __init__(self, adapter: VLMAdapter, kv_cache: PagedKVCache, ops: PagedOps,
+                 connector: KVConnector | None = None):
         self.adapter = adapter
         self.kv_cache = kv_cache
+        self.ops = ops
         self.connector = connector
         self.device = adapter.device
         adapter.text_config._attn_implementation = paged_attention.register()
@@ -45,7 +51,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[int | None]:
         """Run one step; returns the sampled token per item (None where the item only prefilled a chunk)."""
+        t0 = time.perf_counter()
         hidden, position_ids, meta = self._inputs(batch)
+        self.inputs_s = time.perf_counter() - t0  # host time of building this step's inputs (EngineStats)
         conn = self.connector
         cos_sin = self.adapter.rotary(hidden, position_ids)
         if conn is not None:
@@ -70,14 +78,14 @@ class ModelRunner:
             ids.extend(seq.token_at(i) for i in range(s, e))
             pos.append(seq.position_slice(s, e))
             slots.extend(item.slots(bs))
-            table = torch.tensor(item.block_ids, dtype=torch.long)
             if seq.prompt_embeds is not None and s < seq.prompt_len:
                 embed_rows.append((offset, seq.prompt_embeds[s : min(e, seq.prompt_len)]))
             if item.num_tokens == 1 and s > 0:
                 dec_idx.append(offset)
-                dec_tables.append(table)
+                dec_tables.append(item.block_ids)
                 dec_ctx.append(e)
             else:
+                table = torch.tensor(list(item.block_ids), dtype=torch.long)
                 prefills.append(PrefillSegment(offset, item.num_tokens, e, table))
             offset += item.num_tokens
         dev = self.device
@@ -87,14 +95,17 @@ class ModelRunner:
         hidden = hidden.unsqueeze(0)
         position_ids = torch.cat(pos, dim=1).unsqueeze(1).to(dev)  # [3, 1, T]
         if dec_tables:
-            width = max(t.numel() for t in dec_tables)
-            tables = torch.zeros(len(dec_tables), width, dtype=torch.long)
-            for r, t in enumerate(dec_tables):
-                tables[r, : t.numel()] = t
+            width = max(map(len, dec_tables))
+            flat, pad = array("q"), array("q", bytes(8 * width))
+            for t in dec_tables:  # int64 arrays: padded rows are memcpys
+                flat.extend(t)
+                flat.extend(pad[: width - len(t)])
+            tables = torch.frombuffer(flat, dtype=torch.long).view(len(dec_tables), width)
         else:
             tables = torch.zeros(0, 1, dtype=torch.long)
         meta = AttentionMeta(
             kv_cache=self.kv_cache,
+            ops=self.ops,
             slots=torch.tensor(slots, dtype=torch.long, device=dev),
             prefills=[PrefillSegment(p.q_start, p.q_len, p.ctx_len, p.block_table.to(dev)) for p in prefills],
             decode_token_idx=torch.tensor(dec_idx, dtype=torch.long, device=dev),

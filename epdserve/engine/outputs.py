@@ -1,6 +1,12 @@
-"""What an engine step reports per request (deltas while running, totals when done here)."""
+"""What an engine step reports per request (deltas while running, totals when done here).
+
+Making an output costs the same at any output length: nothing in it copies the whole output
+while the request runs (`token_ids` is then an `OutputTokens` view; a plain list once done).
+"""
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from epdserve.engine.sequence import Sequence
@@ -12,7 +18,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    token_ids: list[int]
+    token_ids: SequenceABC[int]  # all output tokens so far: a list once finished, else an OutputTokens view
     text: str
     finished: bool  # no more outputs from this engine (ended, or handed to the next stage)
     finish_reason: str | None = None  # stop | length | abort | error; None while running or handed off
@@ -31,17 +37,54 @@ class RequestOutput:
         return cls(request_id, [], "", [], "", True, finish_reason="error", error=message)
 
 
+class OutputTokens(SequenceABC):
+    """The first `n` ids of a request's output list, read in place (no copy per step).
+
+    Valid because the engine only appends to `Sequence.output_token_ids` (preemption keeps it;
+    a decode side sets it once, before any view exists). Compares equal to a list of the ids.
+    """
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: list[int], n: int):
+        self._ids, self._n = ids, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._ids[: self._n][i]
+        if not -self._n <= i < self._n:
+            raise IndexError("output token index out of range")
+        return self._ids[i % self._n]
+
+    def __iter__(self):
+        return itertools.islice(self._ids, self._n)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, OutputTokens)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 def make_output(seq: Sequence) -> RequestOutput:
     """The request's output since the last one (tokens and text not yet emitted)."""
-    new = seq.output_token_ids[seq.emitted_tokens :]
-    seq.emitted_tokens = len(seq.output_token_ids)
+    ids, done = seq.output_token_ids, seq.state.done
+    new = ids[seq.emitted_tokens :]
+    seq.emitted_tokens = len(ids)
     return RequestOutput(
         request_id=seq.request_id,
         new_token_ids=new,
         new_text=StopChecker.text_delta(seq),
-        token_ids=list(seq.output_token_ids),
+        token_ids=list(ids) if done else OutputTokens(ids, len(ids)),
         text=seq.text,
-        finished=seq.state.done,
+        finished=done,
         finish_reason=seq.finish_reason,
         error=seq.error,
         retryable=seq.retryable,

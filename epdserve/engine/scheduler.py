@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from array import array
 from dataclasses import dataclass
 
 from epdserve.engine.block_manager import BlockManager
@@ -32,7 +33,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first token index computed this step
     num_tokens: int
-    block_ids: tuple[int, ...] = ()  # the request's block table for this step
+    block_ids: array | tuple[int, ...] = ()  # the request's block table for this step (an int64 copy)
 
     @property
     def end(self) -> int:
@@ -151,7 +152,7 @@ class Scheduler:
                 self._preempt(seq)
                 continue
             table = self._blocks.grow(seq.request_id, seq.num_tokens)
-            out.append(ScheduledSeq(seq, seq.num_tokens - 1, 1, tuple(table)))
+            out.append(ScheduledSeq(seq, seq.num_tokens - 1, 1, table[:]))
             budget -= 1
         # 2. chunked prefills in progress
         for seq in [s for s in self.running if s.in_prefill]:
@@ -248,7 +249,7 @@ class Scheduler:
         if n <= 0 or not self._blocks.can_grow(seq.request_id, start + n):
             return None
         table = self._blocks.grow(seq.request_id, start + n)
-        return ScheduledSeq(seq, start, n, tuple(table))
+        return ScheduledSeq(seq, start, n, table[:])
 
     def _newest_running(self, exclude: Sequence) -> Sequence | None:
         cands = [s for s in self.running if s is not exclude]

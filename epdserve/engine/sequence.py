@@ -48,7 +48,7 @@ class MediaItem:
     wait_since: float | None = None  # prefill-only: when this engine started waiting for the feature
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in scheduler.running` must not compare every field
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -67,6 +67,11 @@ class Sequence:
     text: str = ""
     emitted_text_len: int = 0
     emitted_tokens: int = 0
+    # incremental detokenizer (StopChecker): text[:detok_text_len] is output_token_ids[:detok_read_offset]
+    # decoded, final; each step decodes from detok_prefix_offset (a little context) to the end
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+    detok_text_len: int = 0
     arrival: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     feature_target: str | None = None  # encode role: which prefill side gets the "feature stored" event

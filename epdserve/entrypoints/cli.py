@@ -18,6 +18,7 @@ COMMANDS = [
     "epdserve.entrypoints.instance_cli",  # instance: one E/P/D instance process
     "epdserve.entrypoints.launch",  # launch: a deployment mode (scheduler + instances)
     "epdserve.entrypoints.scheduler_cli",  # scheduler: the gRPC scheduler alone (cluster deployments)
+    "epdserve.entrypoints.build_ops_cli",  # build-ops: the native paged-KV operators, ahead of time
 ]
 
 

@@ -28,7 +28,7 @@ class InstanceConfig:
     split_cores: bool = True  # co-located workers partition the device (CPU cores; NPU AI/Vector Cores)
     encode_core_share: float = 0.5  # E worker's share of the device when co-located
     kv_cache_bytes: int = 256 << 20
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; default: the platform's (CPU/CUDA 16, NPU 128)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -45,7 +45,9 @@ class InstanceConfig:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if not 0.0 < self.encode_core_share < 1.0:
             raise ValueError(f"encode_core_share must be in (0, 1), got {self.encode_core_share}")
-        for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "grpc_threads"):
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        for name in ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "grpc_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.feature_wait_s < 0 or self.kv_timeout_s <= 0 or self.kv_connect_timeout_s <= 0:
@@ -72,7 +74,8 @@ def add_instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encode-core-share", type=float, default=0.5,
                    help="E worker's share of the cores (CPU) or AI/Vector Cores (NPU) when co-located")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache size per P/D worker (MiB)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: the platform's: 16 on CPU/CUDA, 128 on NPU, as its kernels want)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -11,12 +11,14 @@ class Platform(ABC):
     """What the rest of epdserve may ask of a device family.
 
     name: "cpu" | "cuda" | "npu"; dist_backend: the torch.distributed backend for KV transfer;
-    visible_devices_env: the env var that restricts which devices a process sees.
+    visible_devices_env: the env var that restricts which devices a process sees;
+    kv_block_size: the paged-KV block size (tokens) this device's attention kernels want.
     """
 
     name: str
     dist_backend: str
     visible_devices_env: str | None
+    kv_block_size: int = 16
 
     @abstractmethod
     def is_available(self) -> bool: ...

@@ -1,4 +1,5 @@
-"""Ascend NPU platform: the only module that imports torch_npu (lazily).
+"""Ascend NPU platform: device, HCCL, streams and core limits; with ops/npu_ops.py (the paged
+kernels) the only modules that import torch_npu (lazily).
 
 HCCL groups are built directly as ProcessGroupHCCL over a TCP store (no global world), as
 vllm-ascend's netloader does; stage co-location uses torch.npu stream resource limits
@@ -18,6 +19,9 @@ class NpuPlatform(Platform):
     name = "npu"
     dist_backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+    # npu_fused_infer_attention_score with a block table needs a multiple of 128 (<= 512) when a
+    # query has more than one token; vllm-ascend's kernels support only 128 (ops/npu_ops.py).
+    kv_block_size = 128
 
     def _torch_npu(self):
         return importlib.import_module("torch_npu")

@@ -26,8 +26,8 @@ def report(qwen2_vl_tiny, tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_configuration_ran_with_equal_output_counts(report):
-    expected = {"text": {"engine", "one_at_a_time", "padded", "generate_batch"},
-                "images": {"engine", "one_at_a_time", "padded"}}
+    expected = {"text": {"engine", "engine_portable", "one_at_a_time", "padded", "generate_batch"},
+                "images": {"engine", "engine_portable", "one_at_a_time", "padded"}}
     assert set(report["workloads"]) == set(expected)
     for name, w in report["workloads"].items():
         assert set(w["configs"]) == expected[name]
@@ -49,6 +49,12 @@ def test_vision_tokens_and_engine_split(report):
     s = images["engine_split"]
     assert s["images_encoded"] == N and s["vision_s"] > 0 and s["prefill_s"] > 0 and 0 < s["vision_share"] < 1
     assert text["engine_split"]["images_encoded"] == 0 and text["engine_split"]["vision_share"] == 0
+    for w in (text, images):
+        h = w["engine_split"]["host_ms_per_step"]
+        assert h["host"] > 0 and h["forward"] > 0
+        assert h["host"] == pytest.approx(h["schedule"] + h["inputs"] + h["update"])
+        assert w["engine_split"]["decode_host_ms_per_step"] > 0
+    assert "Per step: host (Python)" in report["markdown"]
 
 
 @pytest.mark.slow
@@ -105,3 +111,17 @@ def test_summary_takes_medians_over_repeats():
     assert w["configs"]["engine"]["best_s"] == 1.0 and w["engine_speedup_best"]["one_at_a_time"] == 3.0
     assert w["aims"]["one_at_a_time"] == {"aim": 5.0, "measured": 2.0, "met": False}
     assert w["token_match_vs_one_at_a_time"]["engine"] == {"matched": 1, "compared": 2}
+
+
+def test_engine_split_reports_host_time_per_step():
+    from epdserve.bench.offline_report import engine_split
+
+    stats = {"vision_s": 0.0, "prefill_s": 1.0, "decode_s": 3.0, "steps": 10, "decode_steps": 8,
+             "host_s": 0.05, "schedule_s": 0.01, "inputs_s": 0.02, "update_s": 0.02, "forward_s": 3.9,
+             "decode_host_s": 0.032, "decode_forward_s": 2.9}
+    s = engine_split({"duration_s": 5.0, "extra": {"engine_stats": stats}})
+    assert s["host_ms_per_step"] == pytest.approx({"host": 5.0, "schedule": 1.0, "inputs": 2.0, "update": 2.0,
+                                                   "forward": 390.0})
+    assert s["decode_host_ms_per_step"] == pytest.approx(4.0) and s["decode_forward_ms_per_step"] == pytest.approx(362.5)
+    empty = engine_split({"duration_s": 1.0, "extra": {}})
+    assert empty["host_ms_per_step"]["host"] == 0.0 and empty["decode_host_ms_per_step"] == 0.0

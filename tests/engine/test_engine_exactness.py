@@ -9,10 +9,14 @@ from epdserve.model.reference import ReferenceGenerator
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=[(arch, ops) for arch in ("qwen2_vl", "qwen2_5_vl")
+                                        for ops in ("native", "portable")], ids=lambda p: "-".join(p))
 def setup(request):
-    model_dir = request.getfixturevalue(f"{request.param}_tiny")
-    return LLM(model=model_dir, device="cpu"), ReferenceGenerator(model_dir)
+    arch, ops = request.param
+    model_dir = request.getfixturevalue(f"{arch}_tiny")
+    llm = LLM(model=model_dir, device="cpu", ops=ops)
+    assert llm.engine.runner.ops.name == ops
+    return llm, ReferenceGenerator(model_dir)
 
 
 def _check(llm, ref, prompts, max_tokens=10):
@@ -69,3 +73,11 @@ def test_requests_join_while_others_decode(setup):
         assert results[f"r{i}"].error is None
         assert results[f"r{i}"].token_ids == ref.generate(prompts[i][0], prompts[i][1], params[i].max_tokens)
     assert all_blocks_free(eng)
+
+
+def test_tiny_chunks_use_the_native_chunk_kernel_exactly(qwen2_vl_tiny):
+    """Two-token chunks: every later chunk runs the native paged prefill kernel (not the SDPA path)."""
+    llm = LLM(model=qwen2_vl_tiny, device="cpu", ops="native", max_num_batched_tokens=2)
+    assert llm.engine.runner.ops.prefill_native_max >= 2
+    prompt = {"prompt": f"look {PH} closely now", "multi_modal_data": {"image": [_img(56, 56, 9)]}}
+    _check(llm, ReferenceGenerator(qwen2_vl_tiny), [prompt, "and a text one"], max_tokens=6)

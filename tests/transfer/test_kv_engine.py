@@ -39,7 +39,7 @@ class RecordingSendConnector(LayerwiseSendConnector):
         self.sources: dict[str, tuple[int, ...]] = {}
 
     def build_step(self, batch) -> None:
-        self.sources.update((i.seq.request_id, i.block_ids) for i in batch if i.end == i.seq.prompt_len)
+        self.sources.update((i.seq.request_id, tuple(i.block_ids)) for i in batch if i.end == i.seq.prompt_len)
         super().build_step(batch)
 
 

@@ -1,0 +1,38 @@
+"""`PagedOps`: the three paged-KV operators attention needs, behind one interface per platform.
+
+- `reshape_and_cache(key, value, key_cache, value_cache, slots)`: write a packed batch's new K/V
+  ([T, kv_heads, head_dim]) into the paged cache ([num_blocks, block_size, kv_heads, head_dim])
+  at flat slots [T] (slot = block * block_size + offset), in place;
+- `decode_attention(query, key_cache, value_cache, block_tables, ctx_lens, scale)`: one query
+  token per request ([B, heads, head_dim]) against its first `ctx_lens[b]` cached tokens, read
+  through `block_tables` [B, max_blocks] (int64, padded with any valid id); GQA by
+  heads // kv_heads; returns [B, heads, head_dim];
+- `prefill_attention(query, key_cache, value_cache, block_table, ctx_len, scale)`: a later chunk
+  of one prompt ([q_len, heads, head_dim], its K/V already in the cache) against the request's
+  `ctx_len` cached tokens, causally (query i sits at position ctx_len - q_len + i).
+
+Implementations: `PortableOps` (torch: gather + SDPA; any device), `NativeOps` (csrc/ C++
+kernels registered as `torch.ops.epdserve.*`, reading the blocks where they lie), and the NPU
+one over torch_npu's kernels. `ops.select.paged_ops(platform)` picks one.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class PagedOps(ABC):
+    name: str
+
+    @abstractmethod
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def decode_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+    @abstractmethod
+    def prefill_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          block_table: torch.Tensor, ctx_len: int, scale: float) -> torch.Tensor: ...

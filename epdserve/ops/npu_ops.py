@@ -1,0 +1,138 @@
+"""`NpuPagedOps`: the paged-KV operators on Ascend NPUs, over torch_npu's built-in kernels.
+
+Only this module and platform/npu.py import torch_npu, lazily, inside methods. The calls follow
+how vllm-ascend's attention backend makes them; every signature below was read from source:
+
+- `torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
+  compress_lens=None, compress_seq_offsets=None, seq_lens=None, cache_mode='PA_NZ') -> ()`
+  (Ascend/op-plugin op_plugin/config/op_plugin_functions.yaml; docs/zh/custom_APIs/torch_npu/
+  torch_npu-npu_scatter_pa_kv_cache.md). The default 'PA_NZ' expects the NZ cache layout
+  [num_blocks, H*D/16, block_size, 16]; our ND layout needs cache_mode="Norm", as
+  vllm-ascend vllm_ascend/device/device_op.py BaseDeviceAdaptor.reshape_and_cache passes.
+  key/value fp16/bf16/int8 (no fp32 on A2/A3), contiguous; slot_mapping int32 or int64 (we pass
+  int32 as vllm_ascend/attention/attention_v1.py does). An Ascend C (AI Core) operator
+  (hicann/ops-transformer attention/scatter_pa_kv_cache/op_host/scatter_pa_kv_cache_def.cpp), so
+  it should stay within a stream's core limit (not measured: no NPU here). In torch_npu from the
+  7.2.0 releases (/work/shared/NPU_NOTES.md).
+- Older torch_npu: `torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache,
+  slot_indices) -> ()` (op-plugin op_plugin/ops/atb/ReshapeAndCachAtb.cpp; ND layout, int32
+  slots as in test/test_custom_ops/test_atb_reshape_and_cache.py). An ATB operator: it IGNORES
+  stream core limits, so a co-located stage calling it is not confined to its share.
+- `torch_npu.npu_fused_infer_attention_score(query, key, value, *, ..., atten_mask=None,
+  actual_seq_lengths=None, actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0,
+  input_layout="BSH", num_key_value_heads=0, sparse_mode=0, block_size=0, ...) -> (out, lse)`
+  (op_plugin_functions.yaml; docs/zh/custom_APIs/torch_npu/
+  torch_npu-npu_fused_infer_attention_score.md). An Ascend C operator (ops-transformer
+  attention/fused_infer_attention_score), so it should honour stream core limits (not measured).
+  query fp16/bf16 only (no fp32).
+  With a block table ("PageAttention"): key/value are the caches viewed [num_blocks, block_size,
+  kv_heads * head_dim] ("BnBsH", as vllm-ascend `_get_fia_params` and `_forward_decode_dcp` view
+  them), block_table int32 [B, >= blocks needed], actual_seq_lengths_kv a list of per-request
+  lengths (required). We use input_layout "BSND": decode is query [B, 1, heads, D] (the S=1
+  "IncreFlashAttention" branch; sparse_mode and masks do not apply); a prefill chunk is one
+  request, query [1, q_len, heads, D], with sparse_mode=3 ("rightDownCausal": query i sees keys
+  j <= ctx_len - q_len + i) and the 2048x2048 int8 mask triu(ones, 1) (1 = masked) that
+  vllm-ascend's AttentionMaskBuilder.get_splitfuse_attn_mask builds.
+
+Block size: with a block table the documented rule is block_size in (0, 512] when each query has
+one token, a multiple of 128 in [128, 512] when it has more (prefill chunks; newer CANN relaxes
+this for head_dim 64/128, ops-transformer op_host/checkers/paged_attention_checker.cpp); vllm-ascend
+supports only 128 (AscendAttentionBackend.get_supported_kernel_block_sizes), hence
+`NpuPlatform.kv_block_size = 128`. Cache layout is the engine's own, per layer
+[num_blocks, block_size, kv_heads, head_dim], contiguous.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from epdserve.ops.backend import PagedOps
+
+log = logging.getLogger(__name__)
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_CAUSAL_MASK_SIZE = 2048  # sparse_mode 2/3/4 take this fixed "optimized" mask
+
+
+class NpuPagedOps(PagedOps):
+    name = "npu"
+
+    def __init__(self):
+        self._npu = None  # the torch_npu module, imported on first use
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    def _torch_npu(self):
+        if self._npu is None:
+            import torch_npu
+
+            if not hasattr(torch_npu, "npu_scatter_pa_kv_cache"):
+                log.warning("torch_npu has no npu_scatter_pa_kv_cache (needs the 7.2.0 releases): KV writes "
+                            "use the ATB _npu_reshape_and_cache, which ignores stream core limits")
+            self._npu = torch_npu
+        return self._npu
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slots):
+        if slots.numel() == 0:
+            return
+        _check_dtype(key)
+        npu = self._torch_npu()
+        slots = slots.to(torch.int32).contiguous()
+        if hasattr(npu, "npu_scatter_pa_kv_cache"):
+            npu.npu_scatter_pa_kv_cache(key=key.contiguous(), value=value.contiguous(), key_cache=key_cache,
+                                        value_cache=value_cache, slot_mapping=slots, cache_mode="Norm")
+        else:
+            npu._npu_reshape_and_cache(key=key.contiguous(), value=value.contiguous(), key_cache=key_cache,
+                                       value_cache=value_cache, slot_indices=slots)
+
+    def decode_attention(self, query, key_cache, value_cache, block_tables, ctx_lens, scale):
+        if query.shape[0] == 0:  # the kernel rejects an empty block table
+            return query.new_empty(query.shape)
+        _check_dtype(query)
+        out, _ = self._torch_npu().npu_fused_infer_attention_score(
+            query.contiguous().unsqueeze(1), *_paged_kv(key_cache, value_cache),
+            block_table=block_tables.to(torch.int32).contiguous(),
+            actual_seq_lengths_kv=ctx_lens.tolist(),  # SymInt[]: host ints (a sync if ctx_lens is on device)
+            **_heads_and_layout(query, key_cache, scale))
+        return out.squeeze(1)
+
+    def prefill_attention(self, query, key_cache, value_cache, block_table, ctx_len, scale):
+        _check_dtype(query)
+        _check_block_size(key_cache.shape[1])
+        out, _ = self._torch_npu().npu_fused_infer_attention_score(
+            query.contiguous().unsqueeze(0), *_paged_kv(key_cache, value_cache),
+            atten_mask=self._causal_mask(query.device), sparse_mode=3,
+            block_table=block_table.to(torch.int32).reshape(1, -1),
+            actual_seq_lengths=[query.shape[0]], actual_seq_lengths_kv=[int(ctx_len)],
+            **_heads_and_layout(query, key_cache, scale))
+        return out[0]
+
+    def _causal_mask(self, device: torch.device) -> torch.Tensor:
+        mask = self._masks.get(device)
+        if mask is None:  # built as vllm-ascend's AttentionMaskBuilder.get_splitfuse_attn_mask does
+            n = _CAUSAL_MASK_SIZE
+            mask = self._masks[device] = torch.triu(torch.ones(n, n), diagonal=1).to(torch.int8).to(device)
+        return mask
+
+
+def _paged_kv(key_cache: torch.Tensor, value_cache: torch.Tensor):
+    """The caches as the kernel's paged key/value: [num_blocks, block_size, kv_heads * head_dim]."""
+    nb, bs = key_cache.shape[:2]
+    return key_cache.view(nb, bs, -1), value_cache.view(nb, bs, -1)
+
+
+def _heads_and_layout(query: torch.Tensor, key_cache: torch.Tensor, scale: float) -> dict:
+    return dict(num_heads=query.shape[1], num_key_value_heads=key_cache.shape[2], scale=float(scale),
+                input_layout="BSND", block_size=key_cache.shape[1])
+
+
+def _check_dtype(t: torch.Tensor) -> None:
+    if t.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"torch_npu's paged-KV kernels take float16/bfloat16, not {t.dtype}: "
+                        "run the model in bfloat16 on NPU")
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size % 128 or not 128 <= block_size <= 512:
+        raise ValueError(f"npu_fused_infer_attention_score needs a KV block size that is a multiple of 128 "
+                         f"in [128, 512] for prefill chunks, got {block_size} (NpuPlatform.kv_block_size is 128)")

@@ -1,0 +1,332 @@
+"""Contract test of `NpuPagedOps` on CPU: a stand-in for torch_npu (injected only here) pins every
+kernel call and computes what the real kernel computes, so the NPU path's outputs can be checked
+against `PortableOps`.
+
+The stand-in's signatures are parsed from the schemas in Ascend/op-plugin
+op_plugin/config/op_plugin_functions.yaml (and the ATB schema in op_plugin/ops/atb/
+ReshapeAndCachAtb.cpp): a misnamed or extra argument fails as it would on the device. It
+rejects what the sources say the kernels reject (fp32, int64 block tables, a non-128 block size
+for multi-token queries, non-contiguous inputs, a wrong causal mask) and does the documented
+math: npu_fused_infer_attention_score = softmax(scale * q k^T + mask) v over the blocks of a
+block table, sparse_mode 3 = right-down causal; npu_scatter_pa_kv_cache writes the ND layout with
+cache_mode "Norm" and the NZ layout of its golden test under the default "PA_NZ".
+"""
+from __future__ import annotations
+
+import ast
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from epdserve.ops.npu_ops import NpuPagedOps
+from epdserve.ops.portable import PortableOps
+
+# Verbatim from op_plugin_functions.yaml / ReshapeAndCachAtb.cpp.
+FIA_SCHEMA = (
+    "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+    "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+    "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, "
+    "Tensor? quant_offset2=None, Tensor? antiquant_scale=None, Tensor? antiquant_offset=None, "
+    "Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
+    "Tensor? value_antiquant_offset=None, Tensor? block_table=None, Tensor? query_padding_size=None, "
+    "Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
+    "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? key_rope=None, "
+    "Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, int pre_tokens=2147483647, "
+    "int next_tokens=2147483647, str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
+    "int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
+    "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)")
+SCATTER_SCHEMA = (
+    "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, Tensor? seq_lens=None, "
+    "str? cache_mode='PA_NZ') -> ()")
+ATB_RESHAPE_SCHEMA = ("_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+                      "Tensor(b!) value_cache, Tensor slot_indices) -> ()")
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 128  # GQA 3:1; the NPU block size
+SCALE = 1 / math.sqrt(HEAD_DIM)
+
+
+def parse_schema(schema: str):
+    """(positional names, {keyword: default}) of an ATen schema string."""
+    params = schema[schema.index("(") + 1:schema.index(") ->")].split(", ")
+    positional, keywords, star = [], {}, False
+    for p in params:
+        if p == "*":
+            star = True
+            continue
+        name, _, default = p.split(" ")[-1].partition("=")
+        if star:
+            keywords[name] = None if default == "None" else ast.literal_eval(default)
+        else:
+            positional.append(name)
+    return positional, keywords
+
+
+def _bind(schema, args, kwargs):
+    """Bind a call like the ATen binding would: positional-or-keyword first, keyword-only after `*`."""
+    positional, keywords = parse_schema(schema)
+    if len(args) > len(positional):
+        raise TypeError(f"{schema.split('(')[0]}: too many positional arguments")
+    bound = dict(zip(positional, args))
+    for k, v in kwargs.items():
+        if k not in positional and k not in keywords or k in bound:
+            raise TypeError(f"{schema.split('(')[0]}: unexpected or repeated argument {k!r}")
+        bound[k] = v
+    missing = [p for p in positional if p not in bound]
+    if missing:
+        raise TypeError(f"missing {missing}")
+    return {**keywords, **bound}
+
+
+def _desc(v):
+    return (v.dtype, tuple(v.shape), v.is_contiguous()) if isinstance(v, torch.Tensor) else v
+
+
+def _require(cond, msg):
+    if not cond:
+        raise RuntimeError(msg)  # what a failed tiling/parameter check surfaces as
+
+
+def _fia(a):
+    """npu_fused_infer_attention_score, PageAttention + BSND (the only case epdserve uses)."""
+    q, key, value, bt = a["query"], a["key"], a["value"], a["block_table"]
+    if a["input_layout"] != "BSND" or bt is None:
+        raise NotImplementedError("stand-in covers only paged BSND")
+    _require(q.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == q.dtype, "dtype")
+    _require(q.is_contiguous() and key.is_contiguous() and value.is_contiguous(), "non-contiguous input")
+    B, S, N, D = q.shape
+    n2 = a["num_key_value_heads"] or a["num_heads"]
+    _require(N == a["num_heads"] and N % n2 == 0 and N // n2 <= 64, "num_heads / num_key_value_heads")
+    _require(D * q.element_size() % 16 == 0, "head_dim must be 16-byte aligned")
+    bs = a["block_size"]
+    _require(0 < bs <= 512 and (S == 1 or (bs >= 128 and bs % 128 == 0)), f"block_size {bs}")
+    _require(bt.dtype == torch.int32 and bt.dim() == 2 and bt.numel() > 0 and bt.shape[0] == B, "block_table")
+    _require(key.dim() == 3 and key.shape[1] == bs and key.shape[2] == n2 * D and value.shape == key.shape,
+             "paged key/value must be [num_blocks, block_size, kv_heads * head_dim]")
+    kv_lens = a["actual_seq_lengths_kv"]
+    _require(isinstance(kv_lens, list) and all(type(n) is int for n in kv_lens) and len(kv_lens) in (1, B),
+             "actual_seq_lengths_kv: a list of ints, required with a block table")
+    kv_lens = kv_lens * B if len(kv_lens) == 1 else kv_lens
+    blocks = [-(-n // bs) for n in kv_lens]
+    _require(bt.shape[1] >= max(blocks) and key.shape[0] >= sum(blocks), "block_table / num_blocks too small")
+    q_lens = a["actual_seq_lengths"] or [S]
+    q_lens = q_lens * B if len(q_lens) == 1 else q_lens
+    causal = False
+    if S > 1:  # S == 1 takes the incremental branch, where sparse_mode does not apply
+        _require(a["sparse_mode"] in (0, 3), "stand-in covers sparse_mode 0 and 3")
+        if a["sparse_mode"] == 3:
+            m = a["atten_mask"]
+            _require(m is not None and m.dtype in (torch.bool, torch.int8, torch.uint8)
+                     and m.shape[-2:] == (2048, 2048) and m.numel() == 2048 * 2048, "sparse_mode 3 mask shape")
+            _require(torch.equal(m.reshape(2048, 2048).bool(), torch.ones(2048, 2048).triu(1).bool()),
+                     "sparse_mode 3 mask must be triu(ones(2048, 2048), 1)")
+            causal = True
+        else:
+            _require(a["atten_mask"] is None, "stand-in covers sparse_mode 0 without a mask only")
+    out = torch.zeros_like(q)
+    for b in range(B):
+        pos = torch.arange(kv_lens[b])
+        rows = bt[b].long()[pos // bs], pos % bs
+        k = key[rows].view(-1, n2, D).float().repeat_interleave(N // n2, dim=1)  # [kv, N, D]
+        v = value[rows].view(-1, n2, D).float().repeat_interleave(N // n2, dim=1)
+        ql = q_lens[b]
+        s = torch.einsum("qnd,knd->nqk", q[b, :ql].float(), k) * a["scale"]
+        if causal:  # right-down causal: query i sees keys j <= kv_len - q_len + i
+            s.masked_fill_(pos[None, :] > torch.arange(ql)[:, None] + kv_lens[b] - ql, float("-inf"))
+        out[b, :ql] = torch.einsum("nqk,knd->qnd", s.softmax(-1), v).to(q.dtype)
+    return out, torch.zeros(1)
+
+
+def _scatter(a, slot_key, cache_mode):
+    key, value, kc, vc, slots = a["key"], a["value"], a["key_cache"], a["value_cache"], a[slot_key]
+    _require(key.dtype in (torch.float16, torch.bfloat16, torch.int8), "A2/A3 take fp16/bf16/int8")
+    _require(key.dtype == value.dtype == kc.dtype == vc.dtype, "dtypes must match")
+    _require(all(t.is_contiguous() for t in (key, value, kc, vc, slots)), "non-contiguous input")
+    _require(key.dim() == 3 and kc.dim() == 4, "stand-in covers 3-D key/value and 4-D caches")
+    T, n, d = key.shape
+    if cache_mode in (None, "Norm"):  # ND: [num_blocks, block_size, heads, head_dim]
+        _require(tuple(kc.shape[2:]) == (n, d) and vc.shape == kc.shape, "ND cache shape")
+        bs = kc.shape[1]
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                kc[s // bs, s % bs] = key[i]
+                vc[s // bs, s % bs] = value[i]
+    elif cache_mode == "PA_NZ":  # NZ, as the op's golden: [num_blocks, heads * head_dim // last, block_size, last]
+        last = 32 // key.element_size()
+        _require(kc.shape[3] == last and kc.shape[1] == n * d // last, "NZ cache shape")
+        bs = kc.shape[2]
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                kc[s // bs, :, s % bs] = key[i].reshape(-1, last)
+                vc[s // bs, :, s % bs] = value[i].reshape(-1, last)
+    else:
+        raise RuntimeError(f"cache_mode {cache_mode!r}")
+
+
+def fake_torch_npu(calls: list, with_scatter: bool = True):
+    def recorder(name, schema, impl):
+        def fn(*args, **kwargs):
+            calls.append((name, tuple(_desc(x) for x in args), {k: _desc(v) for k, v in kwargs.items()}))
+            return impl(_bind(schema, args, kwargs))
+        return fn
+
+    def scatter(a):
+        _require(a["slot_mapping"].dtype in (torch.int32, torch.int64), "slot_mapping int32/int64")
+        _require(a["compress_lens"] is None and a["seq_lens"] is None, "stand-in covers scenario one/two")
+        _scatter(a, "slot_mapping", a["cache_mode"])
+
+    def atb_reshape(a):
+        _require(a["slot_indices"].dtype == torch.int32, "ATB ReshapeAndCache takes int32 slots")
+        _scatter(a, "slot_indices", "Norm")
+
+    mod = types.ModuleType("torch_npu")
+    mod.npu_fused_infer_attention_score = recorder("npu_fused_infer_attention_score", FIA_SCHEMA, _fia)
+    mod._npu_reshape_and_cache = recorder("_npu_reshape_and_cache", ATB_RESHAPE_SCHEMA, atb_reshape)
+    if with_scatter:
+        mod.npu_scatter_pa_kv_cache = recorder("npu_scatter_pa_kv_cache", SCATTER_SCHEMA, scatter)
+    return mod
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(calls))
+    return calls
+
+
+def _caches(num_blocks, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def _block_tables(ctx_lens, num_blocks, seed=0):
+    """Each request gets blocks from a shuffled pool (out of order); rows padded with block 0."""
+    pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    need = [-(-n // BLOCK) for n in ctx_lens]
+    table = torch.zeros(len(ctx_lens), max(need), dtype=torch.long)
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(pool[:n])
+        pool = pool[n:]
+    return table
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reshape_and_cache_pins_scatter_with_norm_mode_and_matches_portable(npu, dtype):
+    kc, vc = _caches(6, dtype)
+    key = torch.randn(HEAD_DIM, 7, KV_HEADS).to(dtype).permute(1, 2, 0)  # non-contiguous [7, kv_heads, D]
+    value = torch.randn(7, KV_HEADS, HEAD_DIM).to(dtype)
+    slots = torch.tensor([700, 3, 129, 128, 511, 0, 767])  # out of order, across blocks, int64
+    ref_k, ref_v = kc.clone(), vc.clone()
+    PortableOps().reshape_and_cache(key, value, ref_k, ref_v, slots)
+
+    NpuPagedOps().reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    cache = (dtype, (6, BLOCK, KV_HEADS, HEAD_DIM), True)
+    assert npu == [("npu_scatter_pa_kv_cache", (), {
+        "key": (dtype, (7, KV_HEADS, HEAD_DIM), True), "value": (dtype, (7, KV_HEADS, HEAD_DIM), True),
+        "key_cache": cache, "value_cache": cache, "slot_mapping": (torch.int32, (7,), True), "cache_mode": "Norm"})]
+
+
+def test_scatter_default_cache_mode_is_nz_and_does_not_fit_our_layout(npu):
+    # Why cache_mode is passed: torch_npu's default is 'PA_NZ' (the NZ layout), not our ND cache.
+    assert parse_schema(SCATTER_SCHEMA)[1]["cache_mode"] == "PA_NZ"
+    kc, vc = _caches(2, torch.bfloat16)
+    key = torch.randn(3, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="NZ cache shape"):
+        sys.modules["torch_npu"].npu_scatter_pa_kv_cache(key, key, kc, vc, torch.tensor([0, 1, 2]))
+
+
+def test_reshape_and_cache_falls_back_to_atb_without_scatter(monkeypatch, caplog):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(calls, with_scatter=False))
+    kc, vc = _caches(3, torch.bfloat16)
+    key, value = (torch.randn(4, KV_HEADS, HEAD_DIM).to(torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([300, 5, 128, 6])
+    ref_k, ref_v = kc.clone(), vc.clone()
+    PortableOps().reshape_and_cache(key, value, ref_k, ref_v, slots)
+
+    NpuPagedOps().reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    assert [(c[0], sorted(c[2]), c[2]["slot_indices"]) for c in calls] == [(
+        "_npu_reshape_and_cache", ["key", "key_cache", "slot_indices", "value", "value_cache"],
+        (torch.int32, (4,), True))]
+    assert "ignores stream core limits" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_pins_the_paged_call_and_matches_portable(npu, dtype):
+    ctx_lens = torch.tensor([1, 128, 129, 300, 77])  # one token, a full block, odd lengths
+    num_blocks = 12
+    kc, vc = _caches(num_blocks, dtype)
+    tables = _block_tables(ctx_lens.tolist(), num_blocks)
+    query = torch.randn(HEAD_DIM, 5, HEADS).to(dtype).permute(1, 2, 0)  # [B, heads, D], non-contiguous
+    expected = PortableOps().decode_attention(query, kc, vc, tables, ctx_lens, SCALE)
+
+    out = NpuPagedOps().decode_attention(query, kc, vc, tables, ctx_lens, SCALE)
+    assert out.shape == (5, HEADS, HEAD_DIM) and out.dtype == dtype
+    torch.testing.assert_close(out, expected, **_tol(dtype))
+    paged = (dtype, (num_blocks, BLOCK, KV_HEADS * HEAD_DIM), True)
+    assert npu == [("npu_fused_infer_attention_score", ((dtype, (5, 1, HEADS, HEAD_DIM), True), paged, paged), {
+        "block_table": (torch.int32, (5, 3), True), "actual_seq_lengths_kv": [1, 128, 129, 300, 77],
+        "num_heads": HEADS, "num_key_value_heads": KV_HEADS, "scale": SCALE, "input_layout": "BSND",
+        "block_size": BLOCK})]
+
+
+@pytest.mark.parametrize("ctx_len,q_len", [(300, 45), (257, 257), (129, 1), (1, 1)])
+def test_prefill_chunk_pins_the_causal_paged_call_and_matches_portable(npu, ctx_len, q_len):
+    dtype = torch.bfloat16
+    num_blocks = 5
+    kc, vc = _caches(num_blocks, dtype, seed=1)
+    table = _block_tables([ctx_len], num_blocks, seed=1)[0]
+    query = torch.randn(q_len, HEADS, HEAD_DIM).to(dtype)
+    expected = PortableOps().prefill_attention(query, kc, vc, table, ctx_len, SCALE)
+
+    out = NpuPagedOps().prefill_attention(query, kc, vc, table, ctx_len, SCALE)
+    assert out.shape == (q_len, HEADS, HEAD_DIM)
+    torch.testing.assert_close(out, expected, **_tol(dtype))
+    paged = (dtype, (num_blocks, BLOCK, KV_HEADS * HEAD_DIM), True)
+    assert npu == [("npu_fused_infer_attention_score", ((dtype, (1, q_len, HEADS, HEAD_DIM), True), paged, paged), {
+        "atten_mask": (torch.int8, (2048, 2048), True), "sparse_mode": 3,
+        "block_table": (torch.int32, (1, len(table)), True), "actual_seq_lengths": [q_len],
+        "actual_seq_lengths_kv": [ctx_len], "num_heads": HEADS, "num_key_value_heads": KV_HEADS, "scale": SCALE,
+        "input_layout": "BSND", "block_size": BLOCK})]
+
+
+def test_empty_batches_call_no_kernel(npu):
+    kc, vc = _caches(2, torch.bfloat16)
+    ops = NpuPagedOps()
+    out = ops.decode_attention(torch.empty(0, HEADS, HEAD_DIM, dtype=torch.bfloat16), kc, vc,
+                               torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long), SCALE)
+    ops.reshape_and_cache(*(torch.empty(0, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16),) * 2, kc, vc,
+                          torch.empty(0, dtype=torch.long))
+    assert out.shape == (0, HEADS, HEAD_DIM) and npu == []
+
+
+def test_what_the_kernels_cannot_take_fails_clearly(npu):
+    ops = NpuPagedOps()
+    kc, vc = _caches(2, torch.float32)
+    with pytest.raises(TypeError, match="float16/bfloat16"):
+        ops.decode_attention(torch.randn(1, HEADS, HEAD_DIM), kc, vc, torch.zeros(1, 1, dtype=torch.long),
+                             torch.tensor([3]), SCALE)
+    small = torch.zeros(4, 16, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)  # the CPU block size
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.prefill_attention(torch.zeros(4, HEADS, HEAD_DIM, dtype=torch.bfloat16), small, small,
+                              torch.tensor([0]), 4, SCALE)
+    assert npu == []
+
+
+def test_torch_npu_is_imported_only_when_a_kernel_runs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # importing it raises
+    ops = NpuPagedOps()
+    assert ops.name == "npu"
+    kc, vc = _caches(1, torch.bfloat16)
+    with pytest.raises(ImportError):
+        ops.reshape_and_cache(kc[0, :1], vc[0, :1], kc, vc, torch.tensor([0]))
