@@ -38,6 +38,16 @@ class RequestState(enum.Enum):
 
 
 @dataclass
+class DetokState:
+    """Incremental detokenization (StopChecker): text[:text_len] is output_token_ids[:read_offset]
+    decoded, final; each step decodes from prefix_offset (a little context) to the end."""
+
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text_len: int = 0
+
+
+@dataclass
 class MediaItem:
     key: str
     input: MediaInput | None  # None when the request referenced a stored key only
@@ -67,11 +77,7 @@ class Sequence:
     text: str = ""
     emitted_text_len: int = 0
     emitted_tokens: int = 0
-    # incremental detokenizer (StopChecker): text[:detok_text_len] is output_token_ids[:detok_read_offset]
-    # decoded, final; each step decodes from detok_prefix_offset (a little context) to the end
-    detok_prefix_offset: int = 0
-    detok_read_offset: int = 0
-    detok_text_len: int = 0
+    detok: DetokState = field(default_factory=DetokState)  # StopChecker's incremental decoding
     arrival: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     feature_target: str | None = None  # encode role: which prefill side gets the "feature stored" event

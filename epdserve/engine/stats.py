@@ -11,50 +11,41 @@ decode tokens only. `prefill_s` / `decode_s` keep their meaning: a step's `execu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+COUNTERS = (
+    "vision_s", "images_encoded", "prefill_s", "decode_s", "steps", "prompt_tokens", "decode_tokens",  # vision, by step kind
+    "host_s", "schedule_s", "inputs_s", "update_s", "forward_s",  # every step's host parts and forward
+    "decode_steps", "decode_host_s", "decode_forward_s",  # the same for decode-only steps
+)
 
 
-@dataclass
 class EngineStats:
-    vision_s: float = 0.0
-    images_encoded: int = 0
-    prefill_s: float = 0.0  # execute time of steps that contained prompt tokens (decodes riding along included)
-    decode_s: float = 0.0  # execute time of steps with decode tokens only
-    steps: int = 0
-    prompt_tokens: int = 0
-    decode_tokens: int = 0
-    host_s: float = 0.0  # schedule_s + inputs_s + update_s
-    schedule_s: float = 0.0
-    inputs_s: float = 0.0
-    update_s: float = 0.0
-    forward_s: float = 0.0
-    decode_steps: int = 0
-    decode_host_s: float = 0.0
-    decode_forward_s: float = 0.0
+    """Running totals, read as one dict (`as_dict`); benchmarks subtract two readings."""
+
+    def __init__(self):
+        self._t: dict[str, float] = dict.fromkeys(COUNTERS, 0)
 
     def record_vision(self, n_images: int, seconds: float) -> None:
-        self.images_encoded += n_images
-        self.vision_s += seconds
+        self._t["images_encoded"] += n_images
+        self._t["vision_s"] += seconds
 
     def record_step(self, batch, schedule_s: float, inputs_s: float, forward_s: float, update_s: float) -> None:
         """One step's batch and its times (seconds; see the module docstring)."""
-        self.steps += 1
+        t = self._t
+        t["steps"] += 1
         prefill = sum(i.num_tokens for i in batch if i.num_tokens > 1 or i.start == 0)
-        self.prompt_tokens += prefill
-        self.decode_tokens += sum(1 for i in batch if i.num_tokens == 1 and i.start > 0)
+        t["prompt_tokens"] += prefill
+        t["decode_tokens"] += sum(1 for i in batch if i.num_tokens == 1 and i.start > 0)
         host = schedule_s + inputs_s + update_s
-        self.host_s += host
-        self.schedule_s += schedule_s
-        self.inputs_s += inputs_s
-        self.update_s += update_s
-        self.forward_s += forward_s
+        for name, v in (("host_s", host), ("schedule_s", schedule_s), ("inputs_s", inputs_s), ("update_s", update_s),
+                        ("forward_s", forward_s)):
+            t[name] += v
         if prefill:
-            self.prefill_s += inputs_s + forward_s
+            t["prefill_s"] += inputs_s + forward_s
         else:
-            self.decode_s += inputs_s + forward_s
-            self.decode_steps += 1
-            self.decode_host_s += host
-            self.decode_forward_s += forward_s
+            t["decode_s"] += inputs_s + forward_s
+            t["decode_steps"] += 1
+            t["decode_host_s"] += host
+            t["decode_forward_s"] += forward_s
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return dict(self._t)

@@ -2,14 +2,14 @@
 
 `update(seq)` runs once per new token and costs the same at output token 10 and 10,000: it
 decodes only a short window of the newest tokens (vLLM's prefix / read offsets, state in the
-`Sequence`'s `detok_*` fields) and searches for stop strings only where the text changed.
+`Sequence`'s `detok` state) and searches for stop strings only where the text changed.
 
 Invariant: `seq.text == tokenizer.decode(seq.output_token_ids, skip_special_tokens=...)`, cut at
 the first stop string once one is found. It holds because a window starts at a clean boundary:
-`output_token_ids[:detok_read_offset]` decodes to text that does not end in U+FFFD (no partial
+`output_token_ids[:detok.read_offset]` decodes to text that does not end in U+FFFD (no partial
 UTF-8 character), so what follows decodes the same alone as after it. A window whose text ends
 in U+FFFD is not committed; the next token decodes it again, with the bytes that complete it.
-The window also keeps the tokens before `detok_read_offset` (from `detok_prefix_offset`) and
+The window also keeps the tokens before `detok.read_offset` (from `detok.prefix_offset`) and
 takes only the text past theirs, so decoders that treat a first token specially (SentencePiece's
 leading space) give the same text as a whole decode.
 """
@@ -31,7 +31,7 @@ class StopChecker:
         """Refresh seq.text after new token(s) and set seq.finish_reason if the request is done."""
         p = seq.params
         tok = seq.output_token_ids[-1]
-        final_len = seq.detok_text_len  # text before this was final and searched in earlier updates
+        final_len = seq.detok.text_len  # text before this was final and searched in earlier updates
         self._detokenize(seq)
         if p.stop:
             # a new match ends past final_len, so it starts at most len(stop) - 1 characters before
@@ -48,13 +48,17 @@ class StopChecker:
 
     def _detokenize(self, seq: Sequence) -> None:
         ids, skip = seq.output_token_ids, seq.params.skip_special_tokens
-        start, read = seq.detok_prefix_offset, seq.detok_read_offset
+        start, read = seq.detok.prefix_offset, seq.detok.read_offset
         prefix = self._decode(ids[start:read], skip) if read > start else ""
         window = self._decode(ids[start:], skip)
-        seq.text = seq.text[: seq.detok_text_len] + window[len(prefix) :]
+        text, seq.text = seq.text, ""  # drop the Sequence's reference: with ours the only one, += grows in place
+        if len(text) != seq.detok.text_len:
+            text = text[: seq.detok.text_len]  # the last step's uncommitted tail goes
+        text += window[len(prefix) :]  # CPython appends in place to a str nobody else holds: O(new), not O(text)
+        seq.text = text
         if len(window) > len(prefix) and not window.endswith(_REPLACEMENT):
-            seq.detok_text_len = len(seq.text)
-            seq.detok_prefix_offset, seq.detok_read_offset = read, len(ids)
+            seq.detok.text_len = len(seq.text)
+            seq.detok.prefix_offset, seq.detok.read_offset = read, len(ids)
 
     @staticmethod
     def text_delta(seq: Sequence) -> str:
