@@ -57,7 +57,7 @@ setup(
     extras_require={
         "npu": ["torch-npu"],
         "bench": ["matplotlib", "tqdm"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
     },
     cmdclass={"build_py": BuildPyWithProtos},
     entry_points={"console_scripts": ["epdserve=epdserve.entrypoints.cli:main"]},

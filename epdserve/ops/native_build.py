@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -50,6 +51,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("EPDSERVE_OPS_CACHE") or Path.home() / ".cache" / "epdserve" / "ops")
 
 
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; an un-activated venv's pip-installed ninja is not on it."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return  # torch's own error ("Ninja is required ...") then says what is missing
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 @lru_cache(maxsize=None)  # a process loads the library once; torch.ops registration is process-wide
 def build_and_load(verbose: bool = False) -> Path:
     """Build (or reuse the cached build of) the operator library and load it; returns its folder.
@@ -57,6 +68,7 @@ def build_and_load(verbose: bool = False) -> Path:
     Raises whatever the compiler or loader raised (the caller decides whether to fall back)."""
     from torch.utils.cpp_extension import load
 
+    _ninja_on_path()
     paths = sources()
     key = build_key(paths)
     name = f"epdserve_ops_{key}"
