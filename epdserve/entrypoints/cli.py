@@ -19,6 +19,7 @@ COMMANDS = [
     "epdserve.entrypoints.launch",  # launch: a deployment mode (scheduler + instances)
     "epdserve.entrypoints.scheduler_cli",  # scheduler: the gRPC scheduler alone (cluster deployments)
     "epdserve.entrypoints.build_ops_cli",  # build-ops: the native paged-KV operators, ahead of time
+    "epdserve.entrypoints.doctor_cli",  # doctor: what this machine has for epdserve, and what to fix
 ]
 
 

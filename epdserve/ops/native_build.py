@@ -51,6 +51,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("EPDSERVE_OPS_CACHE") or Path.home() / ".cache" / "epdserve" / "ops")
 
 
+def build_dir(key: str) -> Path:
+    """Where the library built from sources with `key` lives, for the installed torch."""
+    return cache_root() / f"torch-{torch.__version__}" / f"epdserve_ops_{key}"
+
+
 def _ninja_on_path() -> None:
     """torch runs `ninja` from PATH; an un-activated venv's pip-installed ninja is not on it."""
     if shutil.which("ninja") is None:
@@ -70,10 +75,8 @@ def build_and_load(verbose: bool = False) -> Path:
 
     _ninja_on_path()
     paths = sources()
-    key = build_key(paths)
-    name = f"epdserve_ops_{key}"
-    build_dir = cache_root() / f"torch-{torch.__version__}" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=name, sources=[str(p) for p in paths], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-         build_directory=str(build_dir), is_python_module=False, verbose=verbose)
-    return build_dir
+    folder = build_dir(build_key(paths))
+    folder.mkdir(parents=True, exist_ok=True)
+    load(name=folder.name, sources=[str(p) for p in paths], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+         build_directory=str(folder), is_python_module=False, verbose=verbose)
+    return folder

@@ -6,8 +6,12 @@ platform is asked for (or probed by `device="auto"`).
 from __future__ import annotations
 
 import importlib
+import logging
+from functools import lru_cache
 
 from epdserve.platform.base import Platform
+
+log = logging.getLogger(__name__)
 
 _MODULES = {"cpu": "epdserve.platform.cpu", "cuda": "epdserve.platform.cuda", "npu": "epdserve.platform.npu"}
 
@@ -18,15 +22,24 @@ def get_platform(device: str = "auto") -> Platform:
     if kind == "auto":
         for name in ("npu", "cuda"):
             plat = _load(name)
-            if plat.is_available():
+            reason = plat.unavailable_reason()
+            if reason is None:
                 return plat
+            if name == "npu" and importlib.import_module(_MODULES["npu"]).torch_npu_installed():
+                _warn_once(f"torch_npu is installed but the NPU cannot be used, running on another device: {reason}")
         return _load("cpu")
     if kind not in _MODULES:
         raise ValueError(f"unknown device {device!r}; expected one of auto, cpu, cuda, npu")
     plat = _load(kind)
-    if not plat.is_available():
-        raise RuntimeError(f"device {device!r} requested but not available on this machine")
+    reason = plat.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"device {device!r} requested but not available on this machine: {reason}")
     return plat
+
+
+@lru_cache(maxsize=None)  # one warning per distinct reason and process
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def _load(name: str) -> Platform:

@@ -23,6 +23,10 @@ class Platform(ABC):
     @abstractmethod
     def is_available(self) -> bool: ...
 
+    def unavailable_reason(self) -> str | None:
+        """Why this platform cannot be used here, in one line (None when it can)."""
+        return None if self.is_available() else f"no {self.name} device is available"
+
     def device(self, index: int | None = None) -> torch.device:
         return torch.device(self.name if index is None else f"{self.name}:{index}")
 

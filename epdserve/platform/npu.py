@@ -1,5 +1,5 @@
-"""Ascend NPU platform: device, HCCL, streams and core limits; with ops/npu_ops.py (the paged
-kernels) the only modules that import torch_npu (lazily).
+"""Ascend NPU platform: device, HCCL, streams and core limits. torch_npu is imported lazily, here,
+in ops/npu_ops.py (the paged kernels) and by `epdserve doctor` (to show a broken install's error).
 
 HCCL groups are built directly as ProcessGroupHCCL over a TCP store (no global world), as
 vllm-ascend's netloader does; stage co-location uses torch.npu stream resource limits
@@ -8,11 +8,20 @@ vllm-ascend's netloader does; stage co-location uses torch.npu stream resource l
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 
 from epdserve.platform.base import Platform
 
 log = logging.getLogger(__name__)
+
+
+def torch_npu_installed() -> bool:
+    """Is torch_npu importable-in-principle here (without importing it)?"""
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except ValueError:  # already in sys.modules without a spec (imported, or a test's stand-in)
+        return True
 
 
 class NpuPlatform(Platform):
@@ -26,14 +35,23 @@ class NpuPlatform(Platform):
     def _torch_npu(self):
         return importlib.import_module("torch_npu")
 
-    def is_available(self) -> bool:
+    def unavailable_reason(self) -> str | None:
+        """Why there is no usable NPU here (None: there is one): torch_npu missing, failing to
+        import (CANN or the driver not found, a torch version it was not built for), or no device."""
+        if not torch_npu_installed():
+            return "torch_npu is not installed (pip install epdserve[npu]; see the README's compatibility table)"
         try:
             self._torch_npu()
-        except Exception:  # not installed, or CANN missing: either way no NPU here
-            return False
+        except Exception as e:  # the real reason, e.g. libhccl.so not found: CANN's set_env.sh not sourced
+            return f"torch_npu is installed but failed to import: {type(e).__name__}: {e}"
         import torch
 
-        return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+        if not (getattr(torch, "npu", None) and torch.npu.is_available()):
+            return "torch_npu imported but no NPU is visible (npu-smi info; ASCEND_RT_VISIBLE_DEVICES)"
+        return None
+
+    def is_available(self) -> bool:
+        return self.unavailable_reason() is None
 
     def synchronize(self) -> None:
         import torch

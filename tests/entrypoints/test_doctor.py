@@ -1,0 +1,108 @@
+"""`epdserve doctor` on CPU against real servers: a running MM Store and scheduler answer (ok), a
+closed port does not (exit 1 with the fix line); `--mode E-P-D` passes when nothing is missing;
+a torch_npu that does not match torch fails through the real entry point."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epdserve.entrypoints.cli import main
+from epdserve.entrypoints.doctor_checks import Status, cann_version, run_checks
+from epdserve.net import free_port
+from epdserve.scheduler import SchedulerConfig, SchedulerThread
+from epdserve.transfer.mm_store import LocalRedisServer
+
+
+def doctor(capsys, *args) -> tuple[int, str]:
+    rc = main(["doctor", "--timeout", "1", *args])
+    return rc, capsys.readouterr().out
+
+
+def row(out: str, name: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(name + " "))
+
+
+@pytest.fixture
+def empty_ops_cache(tmp_path, monkeypatch):
+    """No native build cached: the native-ops row warns (it never builds)."""
+    monkeypatch.setenv("EPDSERVE_OPS_CACHE", str(tmp_path / "ops"))
+    monkeypatch.delenv("EPDSERVE_OPS", raising=False)
+
+
+def test_table_and_mode_on_cpu_passes_with_warnings(capsys, empty_ops_cache):
+    rc, out = doctor(capsys, "--mode", "E-P-D", "--device", "cpu")
+    assert rc == 0, out
+    for name in ("torch", "torch_npu", "CANN", "CUDA", "devices", "mode", "dist backend", "native ops",
+                 "HCCL/Gloo env", "MM Store", "scheduler"):
+        assert row(out, name)
+    assert "gloo" in row(out, "dist backend") and " ok " in row(out, "dist backend")
+    assert "KV hop P->D over gloo" in row(out, "mode")
+    assert "launch starts a private server" in row(out, "MM Store")
+    assert " warn " in row(out, "native ops") and "fix native ops: epdserve build-ops" in out
+    assert "0 fail" in out
+
+
+def test_mm_store_answers_and_closed_port_fails(capsys):
+    with LocalRedisServer() as server:
+        rc, out = doctor(capsys, "--mm-store", server.url)
+    assert rc == 0, out
+    assert f"{server.url} answers" in row(out, "MM Store")
+
+    url = f"redis://127.0.0.1:{free_port()}"  # nobody listens there
+    rc, out = doctor(capsys, "--mode", "E-P-D", "--mm-store", url)
+    assert rc == 1
+    assert " fail " in row(out, "MM Store") and "does not answer" in row(out, "MM Store")
+    assert f"fix MM Store: start a Redis/Valkey server at {url}" in out
+
+    rc, out = doctor(capsys, "--mm-store", "http://127.0.0.1:1")
+    assert rc == 1 and "must start with redis://" in row(out, "MM Store")
+
+
+def test_scheduler_answers_and_unreachable_fails(capsys, qwen2_vl_tiny):
+    with SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), port=free_port(), mode="E-P-D")) as sched:
+        rc, out = doctor(capsys, "--scheduler", f"grpc://{sched.address}", "--mode", "E-P-D")
+        assert rc == 0, out
+        assert f"{sched.address} answers" in row(out, "scheduler") and "mode E-P-D" in row(out, "scheduler")
+        rc, out = doctor(capsys, "--scheduler", sched.address, "--mode", "EP-D")  # another mode: a warning
+        assert rc == 0 and " warn " in row(out, "scheduler") and "fix scheduler: this scheduler serves E-P-D" in out
+
+    rc, out = doctor(capsys, "--scheduler", f"127.0.0.1:{free_port()}")
+    assert rc == 1
+    assert " fail " in row(out, "scheduler") and "fix scheduler: start it" in out
+
+
+def test_cann_version_from_toolkit_info(tmp_path):
+    info = tmp_path / "x86_64-linux" / "ascend_toolkit_install.info"
+    info.parent.mkdir()
+    info.write_text("package_name=Ascend-cann-toolkit\nversion=8.0.RC2\ninnerversion=V100R001C18\n")
+    assert cann_version([str(tmp_path)]) == ("8.0.RC2", str(tmp_path))
+    assert cann_version([str(tmp_path / "missing")]) is None
+
+
+def test_device_not_present_fails():
+    checks = {c.name: c for c in run_checks(device="npu")}
+    assert checks["devices"].status is Status.FAIL and checks["devices"].fix
+    assert "dist backend" not in checks  # nothing to check it on
+
+
+def test_mismatched_torch_npu_fails_through_the_command(tmp_path):
+    """A stub torch_npu whose version is not torch's: exit 1, the matching pip line as the fix."""
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("")
+    dist = tmp_path / "torch_npu-1.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 1.0.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "ASCEND_HOME_PATH": str(tmp_path / "no-cann")}
+    proc = subprocess.run([sys.executable, "-m", "epdserve.entrypoints.cli", "doctor", "--device", "cpu"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:3])
+    assert "1.0.0 does not match torch" in row(proc.stdout, "torch_npu")
+    assert f"fix torch_npu: pip install 'torch-npu=={release}.*'" in proc.stdout
+    if cann_version() is None:  # torch_npu is installed, so CANN is needed
+        assert " fail " in row(proc.stdout, "CANN")
