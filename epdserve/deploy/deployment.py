@@ -39,7 +39,7 @@ class DeploymentSpec:
     host: str = "127.0.0.1"
     port: int = 0  # scheduler's public port; 0: a free one
     device: str = "cpu"
-    devices: list[str] = field(default_factory=list)  # accelerator ids handed out round-robin to instances
+    devices: list[str] = field(default_factory=list)  # accelerator ids handed out round-robin (default: all visible)
     pin_instances: bool = False  # CPU: give each instance a disjoint share of this machine's cores
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
@@ -124,12 +124,9 @@ class Deployment:
             # Several torch processes share the cores: OpenMP threads that spin while waiting
             # steal them from the other processes (measured 5-20x slower decode on 2 cores).
             return {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
-        if not self.spec.devices:
-            return {}
         from epdserve.platform import get_platform
 
-        var = get_platform(self.spec.device.split(":")[0]).visible_devices_env
-        return {var: str(self.spec.devices[k % len(self.spec.devices)])} if var else {}
+        return instance_device_env(get_platform(self.spec.device.split(":")[0]), self.spec.devices, k)
 
     def _child(self, name: str, argv: list[str], env: dict[str, str] | None = None,
                module: str | None = None) -> ChildProcess:
@@ -205,3 +202,17 @@ class Deployment:
             self._redis = None
         if clean and self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def instance_device_env(platform, devices: list[str], k: int) -> dict[str, str]:
+    """The visible-devices variable of the k-th instance (start order): its own accelerator.
+
+    Instances are separate processes that the mode does not co-locate, so by default each gets a
+    device of its own, round-robin over `devices` or, when none are named, over every device the
+    platform sees (co-located workers share their instance's device). Without a variable to set
+    (CPU), nothing."""
+    var = platform.visible_devices_env
+    if not var:
+        return {}
+    ids = list(devices) or [str(i) for i in range(platform.device_count())]
+    return {var: ids[k % len(ids)]} if ids else {}

@@ -50,6 +50,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
 
     dtype "auto" is fp32 on CPU (no fast bf16 there) and bf16 on accelerators."""
     platform = get_platform(device)
+    platform.set_thread_device(platform.device(_index(device)).index or 0)  # the loading thread's device
     tdtype = _DTYPES.get(dtype) or (torch.float32 if platform.name == "cpu" else torch.bfloat16)
     ckpt = load_checkpoint(model, platform.device(), tdtype)
     a = VLMAdapter(ckpt.model)
@@ -62,3 +63,9 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
     )
+
+
+def _index(device: str) -> int | None:
+    """The index in "npu:1" / "cuda:0" (None without one)."""
+    _, _, idx = device.partition(":")
+    return int(idx) if idx.isdigit() else None

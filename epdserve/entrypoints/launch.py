@@ -53,7 +53,9 @@ def add_parser(subparsers):
     p.add_argument("--host", default=None, help="address the scheduler binds and instances advertise (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="scheduler's public port (default 0: a free port)")
     p.add_argument("--device", default=None, help="cpu | cuda | npu (default cpu)")
-    p.add_argument("--devices", default=None, help="accelerator ids handed to instances round-robin, e.g. 0,1,2,3")
+    p.add_argument("--devices", default=None,
+                   help="accelerator ids handed to instances round-robin, e.g. 0,1,2,3 "
+                        "(default: every visible device, one per instance)")
     p.add_argument("--pin-instances", action="store_true", default=None,
                    help="CPU: give each instance a disjoint share of the cores (default: all share them)")
     p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache per P/D worker (MiB)")

@@ -148,8 +148,10 @@ class InstanceHost:
     def _engine_factory(self, role: str):
         cfg = self.config
 
-        def build(connector):
+        def build(connector):  # on the worker's own thread
             from epdserve.engine.llm_engine import LLMEngine
+
+            self.model.platform.set_thread_device(self.model.device.index or 0)  # per thread on NPU
 
             ecfg = EngineConfig(
                 model=cfg.model, device=cfg.device, dtype=cfg.dtype, roles=role, block_size=cfg.block_size,

@@ -30,6 +30,15 @@ class Platform(ABC):
     def device(self, index: int | None = None) -> torch.device:
         return torch.device(self.name if index is None else f"{self.name}:{index}")
 
+    def set_thread_device(self, index: int = 0) -> None:
+        """Select device `index` for the calling thread: torch_npu (and CUDA) keep the current
+        device per thread, so every thread that touches the device calls this first."""
+        getattr(torch, self.name).set_device(index)
+
+    def device_count(self) -> int:
+        """Accelerators this process can see (torch.cuda / torch.npu device_count)."""
+        return int(getattr(torch, self.name).device_count())
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 

@@ -22,6 +22,12 @@ class CpuPlatform(Platform):
     def is_available(self) -> bool:
         return True
 
+    def set_thread_device(self, index: int = 0) -> None:
+        pass  # one host, no per-thread device
+
+    def device_count(self) -> int:
+        return 1  # the host: instances share it (core sets, not devices, split it)
+
     def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
         from torch.distributed import ProcessGroupGloo
 

@@ -53,6 +53,10 @@ class NpuPlatform(Platform):
     def is_available(self) -> bool:
         return self.unavailable_reason() is None
 
+    def set_thread_device(self, index: int = 0) -> None:
+        # torch_npu/npu/utils.py set_device(device) -> torch_npu._C._npu_setDevice: per calling thread
+        self._torch_npu().npu.set_device(index)
+
     def synchronize(self) -> None:
         import torch
 

@@ -64,8 +64,10 @@ def fake_npu(monkeypatch):
         is_available=lambda: True,
         set_stream_limit=lambda stream, cube, vector: calls.append(("set_stream_limit", stream, cube, vector)),
         current_device=lambda: 0,
+        set_device=lambda dev: calls.append(("set_device", dev)),  # torch_npu/npu/utils.py set_device(device)
         get_device_limit=lambda dev: calls.append(("get_device_limit", dev)) or {"cube_core_num": 24, "vector_core_num": 48},
     )
+    torch_npu.npu = npu_ns  # torch_npu patches torch.npu with this same module
     monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
     monkeypatch.setattr(torch, "npu", npu_ns, raising=False)
     return calls
@@ -76,10 +78,12 @@ def test_npu_contract(fake_npu):
 
     assert npu.is_available()
     timeout = datetime.timedelta(seconds=30)
+    npu.set_thread_device(0)
     npu.make_pair_group("STORE", 1, 2, timeout, group_name="epdserve-kv/p0-d1")
     assert npu.limit_stream("S", 8, 16) is True
     assert npu.device_limit() == {"cube_core_num": 24, "vector_core_num": 48}
     assert fake_npu == [
+        ("set_device", 0),
         ("ProcessGroupHCCL", "STORE", 1, 2, timeout, "epdserve-kv/p0-d1", False, []),
         ("_set_sequence_number_for_group",),
         ("set_stream_limit", "S", 8, 16),

@@ -72,6 +72,8 @@ def fake_torch_npu(log: list):
     ProcessGroupHCCL.Options = Options
     mod = types.ModuleType("torch_npu")
     mod._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL))
+    # torch_npu/npu/utils.py set_device(device): the calling thread's current device
+    mod.npu = types.SimpleNamespace(set_device=lambda index: log.append(("set_device", index)))
     return mod
 
 
@@ -94,6 +96,8 @@ def test_hccl_calls_names_arguments_and_order(monkeypatch):
             assert c[4].group_id == "epdserve-kv/p0-d0/g0"
             assert c[4].is_high_priority_stream is False and c[4].global_ranks_in_group == []
         assert sorted(e[0] for e in log if e[1:] == ("_set_sequence_number_for_group",)) == [0, 1]
+        first_ctor = log.index(ctors[0])
+        assert log[:first_ctor].count(("set_device", 0)) >= 1  # a pair thread selects its device before HCCL
 
         rx.expect(RecvRequest("r", "p0", (1, 2, 6), 10))  # two chunks on D: blocks 1-2, then 6
         tx.begin_batch([SendRequest("r", "d0", (5, 0, 3), (1, 2, 6), 10)])
@@ -119,6 +123,7 @@ def test_hccl_calls_names_arguments_and_order(monkeypatch):
     assert len(waits) == len(p_ops) + len(d_ops)
     assert {w[2] for w in waits} == {timedelta(seconds=CFG.timeout_s)}
     assert (0, "abort") in log and (1, "abort") in log  # close() breaks HCCL pairs with abort()
+    assert log.count(("set_device", 0)) == 4  # both group builders, P's waiter, D's receiver
 
 
 def test_without_torch_npu_the_npu_pair_fails_cleanly(monkeypatch):

@@ -68,9 +68,14 @@ class PairConnection:
         self._ready.wait(timeout_s)
         return self._state is PairState.READY
 
+    def enter_thread(self) -> None:
+        """Every thread of this pair selects the pair's device first (device selection is per thread)."""
+        self.platform.set_thread_device(self.device.index or 0)
+
     def _connect(self) -> None:
         r, cfg = self.rdzv, self.config
         try:
+            self.enter_thread()  # the HCCL communicator is created in the calling thread, on its device
             client = TCPStore(r.host, r.port, None, False, timeout=timedelta(seconds=cfg.connect_timeout_s))
             store = PrefixStore(f"epdserve-kv/{r.pair_name}", client)
             # The group's own timeout outlives ours, so our waits fire first (NCCL's watchdog

@@ -69,6 +69,7 @@ class _Channel:
         self.wake.set()
 
     def _run(self) -> None:
+        self.pair.enter_thread()
         rx, cfg, seq = self.rx, self.rx.config, 0
         while not self.stopped:
             rx._expire(self.peer)

@@ -78,6 +78,7 @@ class _Channel:
         self.thread.start()
 
     def _wait_loop(self) -> None:
+        self.pair.enter_thread()
         while True:
             item = self.posted.get()
             if item is None:
