@@ -46,3 +46,8 @@ class EngineConfig:
     @property
     def decodes(self) -> bool:
         return "D" in self.roles
+
+    @property
+    def computes(self) -> bool:
+        """Runs the language model (P or D): holds request KV, schedules tokens."""
+        return self.prefills or self.decodes

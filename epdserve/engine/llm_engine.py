@@ -25,7 +25,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.encode_stage import EncodeStage
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
-from epdserve.engine.kv_connector import KVConnector
+from epdserve.engine.kv_connector import KVConnector, RemotePrefill
 from epdserve.engine.loaded_model import LoadedModel, load_model
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.outputs import RequestOutput, make_output
@@ -101,14 +101,14 @@ class LLMEngine:
         self._validate(seq)
         seq.timings["arrival"] = time.time()
         if req.params.seed is not None:  # a decode side continues a remote sampler: another stream
-            seed = req.params.seed + (1 if req.kv_transfer is not None and not self.config.prefills else 0)
+            seed = req.params.seed + (1 if isinstance(req.kv_transfer, RemotePrefill) else 0)
             seq.generator = torch.Generator(device=self.model.device).manual_seed(seed)
         if self.config.prefills:
             seq.positions, seq.rope_delta = self.model.adapter.rope_index(seq.prompt_token_ids,
                                                                           [m.grid_thw for m in seq.media])
         if seq.media:
             self.encoder.add(seq)
-        elif self.config.prefills or self.config.decodes:
+        elif self.config.computes:
             self.scheduler.add(seq)  # may raise MemoryError (remote KV: no room for its blocks)
         else:
             seq.state = RequestState.HANDED_OFF  # encode-only, nothing to encode
@@ -121,7 +121,7 @@ class LLMEngine:
         n_media = sum(m.num_tokens for m in seq.media)
         if self.config.prefills and n_img != n_media:
             raise InvalidRequestError(f"{n_img} image tokens in the prompt but media for {n_media}")
-        if (self.config.prefills or self.config.decodes) and seq.prompt_len >= self.max_model_len:
+        if self.config.computes and seq.prompt_len >= self.max_model_len:
             raise InvalidRequestError(f"prompt is {seq.prompt_len} tokens; the model's context is {self.max_model_len}")
 
     def abort(self, request_id: str) -> None:
@@ -182,7 +182,7 @@ class LLMEngine:
             self.scheduler.fail(seq, message)
             self._emit(seq)
         for seq in ready:
-            if not (self.config.prefills or self.config.decodes):  # encode-only: features stored, done
+            if not self.config.computes:  # encode-only: features stored, done
                 seq.state = RequestState.HANDED_OFF
                 self._emit(seq)
                 continue

@@ -50,7 +50,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
 
     dtype "auto" is fp32 on CPU (no fast bf16 there) and bf16 on accelerators."""
     platform = get_platform(device)
-    platform.set_thread_device(platform.device(_index(device)).index or 0)  # the loading thread's device
+    platform.set_thread_device(_index(device) or 0)  # the loading thread's device
     tdtype = _DTYPES.get(dtype) or (torch.float32 if platform.name == "cpu" else torch.bfloat16)
     ckpt = load_checkpoint(model, platform.device(), tdtype)
     a = VLMAdapter(ckpt.model)

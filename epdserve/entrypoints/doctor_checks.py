@@ -143,7 +143,7 @@ def _device(device: str):
     if plat.name == "cpu":
         count = f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPU cores"
     else:
-        count = f"{getattr(torch, plat.name).device_count()} {plat.name.upper()} device(s)"
+        count = f"{plat.device_count()} {plat.name.upper()} device(s)"
     env = plat.visible_devices_env
     visible = f" ({env}={os.environ[env]})" if env and env in os.environ else ""
     return plat, Check("devices", Status.OK, f"platform {plat.name}: {count}{visible}")

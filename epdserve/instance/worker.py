@@ -6,9 +6,10 @@ read results from per-request `RequestHandle` queues the loop fills. Load is pub
 immutable snapshot after every loop iteration, so reading it never races the engine.
 
 Loop: pin the thread to the worker's cores → build the KV connector (`make_connector`, P and
-D) and the engine over the process's shared model → when co-located on an accelerator, open the worker's own stream (on NPU limited to `device_share` of the AI Cores
-and Vector Cores) → repeat { run queued calls; `tick()` (engine step + transfer polling, in the
-subclass); publish load }, all under that stream. When there is no engine work the loop
+D) and the engine over the process's shared model → when co-located on an accelerator, open
+the worker's own stream (on NPU limited to `device_share` of the AI Cores and Vector Cores) →
+repeat { run queued calls; `tick()` (one engine step, its outputs to their handles; P first
+admits the requests whose KV pair became ready); publish load }, all under that stream. When there is no engine work the loop
 sleeps on its queue (with a short timeout while transfers are pending).
 """
 from __future__ import annotations
@@ -237,10 +238,10 @@ class StageWorker:
         stats = self.engine.features.stats() if self.engine.features is not None else None
         hits = stats.hits if stats is not None else 0
         lookups = stats.lookups if stats is not None else 0
-        kv = counts_kv  # an E worker's tiny cache holds no request KV: not the instance's capacity
-        counts = common_pb2.Load(
+        counts = common_pb2.Load(  # an E worker's tiny cache holds no request KV (counts_kv False): not capacity
             queued_tokens=r["queued_tokens"], running_requests=r["running"], waiting_requests=r["waiting"],
-            free_kv_blocks=r["free_kv_blocks"] if kv else 0, total_kv_blocks=r["total_kv_blocks"] if kv else 0,
+            free_kv_blocks=r["free_kv_blocks"] if counts_kv else 0,
+            total_kv_blocks=r["total_kv_blocks"] if counts_kv else 0,
             queued_media=r["queued_media"], images_encoded=r["encoder_runs"],
         )
         return WorkerLoad(counts, hits, lookups, extra={

@@ -11,9 +11,7 @@ import torch
 
 from epdserve.ops.backend import PagedOps
 from epdserve.ops.native_build import build_and_load
-from epdserve.ops.portable import PortableOps
-
-_PORTABLE = PortableOps()  # stateless: the prefill path for long chunks
+from epdserve.ops.portable import prefill_attention as gathered_prefill_attention
 
 
 def load_native_ops() -> "NativeOps":
@@ -59,6 +57,6 @@ class NativeOps(PagedOps):
 
     def prefill_attention(self, query, key_cache, value_cache, block_table, ctx_len, scale):
         if query.shape[0] > self.prefill_native_max:
-            return _PORTABLE.prefill_attention(query, key_cache, value_cache, block_table, ctx_len, scale)
+            return gathered_prefill_attention(query, key_cache, value_cache, block_table, ctx_len, scale)
         return torch.ops.epdserve.paged_prefill_attention(query, key_cache, value_cache, block_table, int(ctx_len),
                                                           float(scale))

@@ -22,10 +22,13 @@ from epdserve.transfer.byte_lru import ByteLRU
 class LocalFeatureCache:
     def __init__(self, capacity_bytes: int, device: str | torch.device | None = None):
         self._entries = ByteLRU(capacity_bytes)
-        self.capacity_bytes = capacity_bytes
         self.device = torch.device(device) if device is not None else None
         self._inflight: set[str] = set()
         self._cond = threading.Condition()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._entries.capacity_bytes
 
     def get(self, key: str) -> list[torch.Tensor] | None:
         with self._cond:
