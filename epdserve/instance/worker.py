@@ -27,6 +27,7 @@ from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.outputs import RequestOutput
 from epdserve.instance.affinity import pin_worker_thread
 from epdserve.instance.errors import TransientError, output_error
+from epdserve.instance.stage_stream import open_stage_stream
 from epdserve.rpc import common_pb2
 
 log = logging.getLogger(__name__)
@@ -173,24 +174,8 @@ class StageWorker:
 
     def _open_stream(self) -> None:
         """Co-located on an accelerator: run on an own stream, limited to `device_share` (NPU)."""
-        if self.device_share is None:
-            return  # alone on its device: the default stream
-        plat = self.engine.platform
-        plat.synchronize()  # weights and KV blocks were initialised on the default stream
-        self.stream = plat.new_stream()
-        if self.stream is None:
-            return
-        limits = getattr(plat, "device_limit", None)
-        try:
-            total = limits() if limits else None
-        except Exception as e:  # an older torch_npu: no device limits to split
-            log.warning("%s: cannot read the device's core limits (%s); sharing it unrestricted", self.name, e)
-            return
-        if total:
-            cube = max(1, int(total["cube_core_num"] * self.device_share))
-            vector = max(1, int(total["vector_core_num"] * self.device_share))
-            if plat.limit_stream(self.stream, cube, vector):
-                log.info("%s: stream limited to %d cube / %d vector cores", self.name, cube, vector)
+        if self.device_share is not None:
+            self.stream = open_stage_stream(self.engine.platform, self.device_share, self.name)
 
     def _wait_s(self) -> float | None:
         if self.has_engine_work():

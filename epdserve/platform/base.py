@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import time
 from abc import ABC, abstractmethod
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class Platform(ABC):
@@ -49,9 +54,25 @@ class Platform(ABC):
     def stream_context(self, stream):
         return contextlib.nullcontext()
 
+    def set_thread_stream(self, stream) -> None:
+        """Make `stream` the calling thread's current stream (torch keeps it per thread)."""
+        getattr(torch, self.name).set_stream(stream)
+
     def limit_stream(self, stream, cube: int, vector: int) -> bool:
         """Restrict a stream to a share of the device's compute units; False if unsupported."""
         return False
+
+    # Env the backend reads when a group is built: its watchdog must not take the process down
+    # when one pair fails (a stalled or dead peer fails that pair's transfers only).
+    pair_group_env: tuple[tuple[str, str], ...] = ()
+
+    def prepare_pair_groups(self) -> None:
+        """Set `pair_group_env` (unless the operator set it) before the first pair group."""
+        for name, value in self.pair_group_env:
+            current = os.environ.setdefault(name, value)
+            if current != value:
+                log.warning("%s=%s is set: the %s watchdog may take this process down when one KV pair "
+                            "times out (epdserve would use %s)", name, current, self.dist_backend, value)
 
     def make_pair_group(self, store, rank: int, world_size: int, timeout, group_name: str = ""):
         """Build a process group over `store` without a global world (stateless group).
@@ -63,7 +84,27 @@ class Platform(ABC):
         """Break `pg` (from `make_pair_group`) so every wait blocked on it wakes with an error.
 
         Called by a pair being torn down (peer died, stalled, or closed by us); the group is
-        never used again. Must not raise. Default: the backend's `abort()` (NCCL, HCCL)."""
+        never used again. Must not raise. Default: the backend's `abort()` (NCCL)."""
         abort = getattr(pg, "abort", None)
         if abort is not None:
             abort()
+
+    def wait_work(self, work, timeout_s: float) -> None:
+        """Return once `work` (a send/recv of a pair group) has completed on the device; raise
+        TimeoutError after `timeout_s`, RuntimeError when the backend reports its failure.
+
+        NCCL / HCCL: `Work.wait()` does not block the host (it makes the calling thread's
+        current stream wait on the work's end event and returns True; torch_npu's
+        WorkHCCL::wait / synchronizeInternal unless TORCH_HCCL_BLOCKING_WAIT=1), so the
+        deadline is ours: poll `is_completed()` (true once the end event has fired, or on an
+        error), never `wait()`, so no stream of ours is chained to the peer."""
+        deadline = time.monotonic() + timeout_s
+        pause = 5e-5
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"Timed out after {timeout_s:g} s: the peer did not complete the message")
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+        error = work.exception()
+        if error is not None:
+            raise RuntimeError(f"the {self.dist_backend} operation failed: {error}")

@@ -28,6 +28,14 @@ class CpuPlatform(Platform):
     def device_count(self) -> int:
         return 1  # the host: instances share it (core sets, not devices, split it)
 
+    def set_thread_stream(self, stream) -> None:
+        pass  # no streams on the host
+
+    def wait_work(self, work, timeout_s: float) -> None:
+        # Gloo's send/recv make progress only inside wait(): is_completed() stays False until
+        # it is called, so the waiter blocks, with the same deadline as the device backends.
+        work.wait(timedelta(seconds=timeout_s))
+
     def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
         from torch.distributed import ProcessGroupGloo
 

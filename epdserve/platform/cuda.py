@@ -23,9 +23,16 @@ class CudaPlatform(Platform):
     def stream_context(self, stream):
         return torch.cuda.stream(stream)
 
+    # ProcessGroupNCCL's watchdog: 0 = no handling (a failed pair is aborted by us, not the process)
+    pair_group_env = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0"),)
+
+    def set_thread_device(self, index: int = 0) -> None:
+        torch.cuda.set_device(index)
+
     def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
         from torch.distributed import ProcessGroupNCCL
 
+        self.prepare_pair_groups()
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return ProcessGroupNCCL(store, rank, world_size, opts)

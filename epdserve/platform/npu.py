@@ -57,37 +57,60 @@ class NpuPlatform(Platform):
         # torch_npu/npu/utils.py set_device(device) -> torch_npu._C._npu_setDevice: per calling thread
         self._torch_npu().npu.set_device(index)
 
-    def synchronize(self) -> None:
-        import torch
+    def set_thread_stream(self, stream) -> None:
+        # torch_npu/npu/utils.py set_stream: the calling thread's current stream
+        self._torch_npu().npu.set_stream(stream)
 
-        torch.npu.synchronize()
+    def synchronize(self) -> None:
+        self._torch_npu().npu.synchronize()
 
     def new_stream(self):
-        import torch
-
-        return torch.npu.Stream()
+        return self._torch_npu().npu.Stream()
 
     def stream_context(self, stream):
-        import torch
-
-        return torch.npu.stream(stream)
+        return self._torch_npu().npu.stream(stream)
 
     def limit_stream(self, stream, cube: int, vector: int) -> bool:
-        import torch
-
-        if not hasattr(torch.npu, "set_stream_limit"):
+        """Restrict `stream` to `cube` AI Cores and `vector` Vector Cores. Never raises: a
+        torch_npu without the API, a CANN without aclrtSetStreamResLimit (torch_npu's
+        AclInterface.cpp TORCH_CHECK "Failed to find function") or an ACL error on this SoC
+        leave the stream unrestricted, with a warning. The API binds only Ascend C operators and
+        requires `allow_internal_format = False` (op-plugin docs, torch_npu-set_stream_limit.md)."""
+        npu = self._torch_npu().npu
+        if not hasattr(npu, "set_stream_limit"):
             log.warning("torch_npu has no set_stream_limit (needs CANN 8.3.RC1+); co-located stages share cores unrestricted")
             return False
-        torch.npu.set_stream_limit(stream, cube, vector)
+        try:
+            npu.config.allow_internal_format = False
+            npu.set_stream_limit(stream, cube, vector)
+        except Exception as e:  # RuntimeError from NPU_CHECK_ERROR / TORCH_CHECK, AssertionError on a bad stream
+            log.warning("set_stream_limit(%d cube, %d vector) failed (%s: %s); co-located stages share cores unrestricted",
+                        cube, vector, type(e).__name__, e)
+            return False
         return True
 
     def device_limit(self):
-        import torch
+        npu = self._torch_npu().npu
+        return npu.get_device_limit(npu.current_device())
 
-        return torch.npu.get_device_limit(torch.npu.current_device())
+    # torch_npu's watchdog (ProcessGroupHCCL.cpp, checkHcclComms / WorkHCCL::handleException) rethrows in
+    # its own thread and so ends the process when asyncErrorHandling_ is TearDown, the default
+    # (OptionsManager::CheckUseHcclAsyncErrorHandleEnable: TORCH_HCCL_ASYNC_ERROR_HANDLING, default 1,
+    # read once per process, in the first ProcessGroupHCCL's constructor).
+    pair_group_env = (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "0"),)
+
+    def interrupt_pair_group(self, pg, peer_rank: int) -> None:
+        # Python's pg.abort() is c10d::Backend::abort(), a no-op: ProcessGroupHCCL's
+        # abort(optional<string>) does not override it. The binding that destroys the
+        # communicators (failing the pair's pending ops) is abort_hccl_comm (Init.cpp).
+        try:
+            pg.abort_hccl_comm("epdserve: KV pair torn down")
+        except Exception as e:  # must not raise: the pair is dead either way
+            log.warning("abort_hccl_comm failed: %s", e)
 
     def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
         # As torch_npu's registry/distributed.py and vllm-ascend's netloader_pg.py build it.
+        self.prepare_pair_groups()
         torch_npu = self._torch_npu()
         c10d = torch_npu._C._distributed_c10d
         opts = c10d.ProcessGroupHCCL.Options()

@@ -1,16 +1,18 @@
 """Platform registry: auto-selection, backends, env vars; NPU calls pinned by a contract test.
 
-No NPU exists here, so the NPU test injects a recording stand-in for torch_npu / torch.npu and
-pins the exact calls epdserve makes (names, arguments, order) — the contract with torch_npu.
+No NPU exists here, so the NPU tests install tests/fakes/torch_npu_fake.py (a stand-in that
+behaves as torch_npu's sources say) and pin the calls epdserve makes: per-thread device and
+stream, stream limits (and their failures), the HCCL group, its watchdog setting and real abort.
 """
 import datetime
+import os
 import sys
-import types
 
 import pytest
 import torch
 
 from epdserve.platform import get_platform
+from tests.fakes.torch_npu_fake import FakeTorchNpu
 
 
 def test_auto_picks_cpu_here():
@@ -42,61 +44,58 @@ def test_npu_is_not_imported_by_cpu_code():
 
 @pytest.fixture
 def fake_npu(monkeypatch):
-    calls = []
-
-    class Options:
-        def __init__(self):
-            self._timeout = None
-
-    class ProcessGroupHCCL:
-        def __init__(self, store, rank, size, opts):
-            calls.append(("ProcessGroupHCCL", store, rank, size, opts._timeout, opts.group_id,
-                          opts.is_high_priority_stream, opts.global_ranks_in_group))
-
-        def _set_sequence_number_for_group(self):
-            calls.append(("_set_sequence_number_for_group",))
-
-    ProcessGroupHCCL.Options = Options
-    c10d = types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL)
-    torch_npu = types.ModuleType("torch_npu")
-    torch_npu._C = types.SimpleNamespace(_distributed_c10d=c10d)
-    npu_ns = types.SimpleNamespace(
-        is_available=lambda: True,
-        set_stream_limit=lambda stream, cube, vector: calls.append(("set_stream_limit", stream, cube, vector)),
-        current_device=lambda: 0,
-        set_device=lambda dev: calls.append(("set_device", dev)),  # torch_npu/npu/utils.py set_device(device)
-        get_device_limit=lambda dev: calls.append(("get_device_limit", dev)) or {"cube_core_num": 24, "vector_core_num": 48},
-    )
-    torch_npu.npu = npu_ns  # torch_npu patches torch.npu with this same module
-    monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
-    monkeypatch.setattr(torch, "npu", npu_ns, raising=False)
-    return calls
+    monkeypatch.setenv("TORCH_HCCL_ASYNC_ERROR_HANDLING", "-")  # recorded, so what epdserve sets is undone
+    monkeypatch.delenv("TORCH_HCCL_ASYNC_ERROR_HANDLING")
+    return FakeTorchNpu().install(monkeypatch)
 
 
 def test_npu_contract(fake_npu):
     from epdserve.platform.npu import PLATFORM as npu
 
     assert npu.is_available()
-    timeout = datetime.timedelta(seconds=30)
     npu.set_thread_device(0)
-    npu.make_pair_group("STORE", 1, 2, timeout, group_name="epdserve-kv/p0-d1")
-    assert npu.limit_stream("S", 8, 16) is True
-    assert npu.device_limit() == {"cube_core_num": 24, "vector_core_num": 48}
-    assert fake_npu == [
-        ("set_device", 0),
-        ("ProcessGroupHCCL", "STORE", 1, 2, timeout, "epdserve-kv/p0-d1", False, []),
-        ("_set_sequence_number_for_group",),
-        ("set_stream_limit", "S", 8, 16),
-        ("get_device_limit", 0),
-    ]
+    stream = npu.new_stream()
+    npu.set_thread_stream(stream)
+    assert torch.npu.current_stream() is stream
+    assert npu.limit_stream(stream, 8, 16) is True
+    assert npu.device_limit() == {"cube_core_num": 20, "vector_core_num": 40}
+    # set_stream_limit needs allow_internal_format = False (op-plugin's torch_npu-set_stream_limit.md)
+    assert fake_npu.of("set_stream_limit") == [("MainThread", "set_stream_limit", stream.stream_id, 8, 16, False)]
+    assert fake_npu.of("set_device") == [("MainThread", "set_device", 0)]
 
 
-def test_npu_without_stream_limits_degrades(fake_npu, monkeypatch, caplog):
+def test_npu_pair_group_turns_the_teardown_watchdog_off(fake_npu):
     from epdserve.platform.npu import PLATFORM as npu
 
-    monkeypatch.delattr(torch.npu, "set_stream_limit")
-    assert npu.limit_stream("S", 8, 16) is False
-    assert "set_stream_limit" in caplog.text
+    timeout = datetime.timedelta(seconds=30)
+    store = torch.distributed.HashStore()
+    pg = npu.make_pair_group(store, 1, 2, timeout, group_name="epdserve-kv/p0-d1")
+    assert fake_npu.of("ProcessGroupHCCL") == [("MainThread", "ProcessGroupHCCL", 1, 2, "epdserve-kv/p0-d1", timeout)]
+    assert fake_npu.of("_set_sequence_number_for_group") == [("MainThread", "_set_sequence_number_for_group", 1)]
+    assert os.environ["TORCH_HCCL_ASYNC_ERROR_HANDLING"] == "0" and pg.error_handling == 0
+    npu.interrupt_pair_group(pg, 0)  # the real abort (abort_hccl_comm), not the no-op Backend.abort
+    assert [e[1] for e in fake_npu.events if e[1] in ("abort_hccl_comm", "pg.abort")] == ["abort_hccl_comm"]
+
+
+def test_an_operator_choice_of_teardown_is_kept_and_named(fake_npu, monkeypatch, caplog):
+    from epdserve.platform.npu import PLATFORM as npu
+
+    monkeypatch.setenv("TORCH_HCCL_ASYNC_ERROR_HANDLING", "1")
+    npu.make_pair_group(torch.distributed.HashStore(), 0, 2, datetime.timedelta(seconds=5), group_name="g")
+    assert os.environ["TORCH_HCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "TORCH_HCCL_ASYNC_ERROR_HANDLING=1 is set" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["missing_api", "soc_without_it", "not_a_stream"])
+def test_npu_stream_limits_never_stop_a_worker(how, monkeypatch, caplog):
+    from epdserve.platform.npu import PLATFORM as npu
+
+    fake = FakeTorchNpu(stream_limits=how != "soc_without_it").install(monkeypatch)
+    if how == "missing_api":
+        monkeypatch.delattr(torch.npu, "set_stream_limit")
+    stream = "S" if how == "not_a_stream" else npu.new_stream()
+    assert npu.limit_stream(stream, 8, 16) is False
+    assert "share cores unrestricted" in caplog.text and not fake.of("set_stream_limit")
 
 
 def test_interrupt_pair_group_per_backend():
@@ -112,6 +111,6 @@ def test_interrupt_pair_group_per_backend():
             calls.append(("recv", peer))
             raise RuntimeError("Application timeout caused pair closure")  # what gloo raises
 
-    cuda.interrupt_pair_group(Group(), 1)  # NCCL (and HCCL): the backend's abort()
+    cuda.interrupt_pair_group(Group(), 1)  # NCCL: the backend's abort() (HCCL: test_npu_pair_group_...)
     get_platform("cpu").interrupt_pair_group(Group(), 1)  # gloo: abort() would not wake waits
     assert calls == ["abort", ("recv", 1)]

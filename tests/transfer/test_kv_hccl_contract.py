@@ -1,16 +1,19 @@
-"""Contract test of the HCCL path, on CPU: a recording stand-in for torch_npu (injected only
-here) pins the calls the KV hop makes through `platform/npu.py` — the ProcessGroupHCCL
-constructor and Options._timeout, send/recv names, ranks, tags and uint8 payloads, their order
-on both sides (HCCL ignores tags and cannot receive from any source), waits with our timeout,
-and abort() to break a pair. The rendezvous store is real.
+"""Contract test of the HCCL path, on CPU, against tests/fakes/torch_npu_fake.py (torch_npu's
+semantics: non-blocking wait, lazy communicator, no-op Backend.abort, teardown watchdog, per-thread
+device and stream), over a real gloo transport and rendezvous store. Pins what the KV hop does
+through `platform/npu.py`: the ProcessGroupHCCL constructor and its timeout, the handshake that
+builds the communicator in the connect thread, send/recv names, ranks, tags, uint8 payloads and
+their order (HCCL ignores tags), which thread posts what on which stream, completion by polling
+(never wait(), never a device-wide synchronize), and abort_hccl_comm to break a pair.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
-import types
 from datetime import timedelta
 
+import pytest
 import torch
 
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -18,95 +21,47 @@ from epdserve.platform.npu import NpuPlatform
 from epdserve.transfer.kv import (
     KVReceiver, KVSender, KVTransferConfig, RecvRequest, RendezvousServer, SendRequest, TransferState,
 )
+from tests.fakes.torch_npu_fake import FakeTorchNpu
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.bfloat16)
 CFG = KVTransferConfig(timeout_s=7.0, bootstrap_timeout_s=10.0, connect_timeout_s=11.0)
 
 
-def fake_torch_npu(log: list):
-    """A torch_npu with just `_C._distributed_c10d.ProcessGroupHCCL`, logging every call."""
-
-    class Options:
-        def __init__(self):
-            log.append(("Options",))
-
-        def __setattr__(self, name, value):
-            log.append(("Options.set", name, value))
-            object.__setattr__(self, name, value)
-
-    class Work:
-        def __init__(self, rank):
-            self.rank = rank
-
-        def wait(self, timeout=timedelta(0)):
-            log.append((self.rank, "wait", timeout))
-            return True
-
-    class ProcessGroupHCCL:
-        def __init__(self, store, rank, size, options):
-            log.append(("ProcessGroupHCCL", type(store).__name__, rank, size, options))
-            self.rank = rank
-
-        def _set_sequence_number_for_group(self):
-            log.append((self.rank, "_set_sequence_number_for_group"))
-
-        def send(self, tensors, dst_rank, tag):
-            (t,) = tensors
-            log.append((self.rank, "send", dst_rank, tag, t.dtype, t.numel()))
-            return Work(self.rank)
-
-        def recv(self, tensors, src_rank, tag):
-            (t,) = tensors
-            log.append((self.rank, "recv", src_rank, tag, t.dtype, t.numel()))
-            if t.numel() == 1:  # the acknowledgement: "stored"
-                t.fill_(1)
-            return Work(self.rank)
-
-        def recv_anysource(self, *a):
-            log.append((self.rank, "recv_anysource"))
-            raise RuntimeError("HCCL cannot receive from any source")
-
-        def abort(self):
-            log.append((self.rank, "abort"))
-
-    ProcessGroupHCCL.Options = Options
-    mod = types.ModuleType("torch_npu")
-    mod._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL))
-    # torch_npu/npu/utils.py set_device(device): the calling thread's current device
-    mod.npu = types.SimpleNamespace(set_device=lambda index: log.append(("set_device", index)))
-    return mod
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setenv("TORCH_HCCL_ASYNC_ERROR_HANDLING", "-")  # recorded, so what epdserve sets is undone
+    monkeypatch.delenv("TORCH_HCCL_ASYNC_ERROR_HANDLING")
+    return FakeTorchNpu().install(monkeypatch)
 
 
-def test_hccl_calls_names_arguments_and_order(monkeypatch):
-    log: list = []
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(log))
+def _finish(tx, rx, rid: str) -> None:
+    deadline = time.monotonic() + 10
+    while not (tx.status(rid).state.finished and rx.status(rid).state.finished):
+        assert time.monotonic() < deadline, "transfer did not finish"
+        time.sleep(0.005)
+
+
+def test_hccl_calls_threads_and_streams(fake):
     npu = NpuPlatform()
     server = RendezvousServer()
     tx, rx = KVSender(PagedKVCache(SPEC, 8), npu, CFG), KVReceiver(PagedKVCache(SPEC, 8), npu, CFG)
     try:
         rdzv = server.rendezvous("p0-d0/g0")
-        assert tx.connect("d0", rdzv).wait_ready(10) and rx.connect("p0", rdzv.for_peer()).wait_ready(10)
-
-        ctors = [e for e in log if e[0] == "ProcessGroupHCCL"]
-        assert sorted((c[1], c[2], c[3]) for c in ctors) == [("PrefixStore", 0, 2), ("PrefixStore", 1, 2)]
-        assert log.count(("Options",)) == 2
-        assert ("Options.set", "_timeout", timedelta(seconds=CFG.connect_timeout_s + CFG.timeout_s)) in log
-        for c in ctors:  # the options handed to the constructor carry the timeout and a per-pair group id
-            assert c[4]._timeout == timedelta(seconds=CFG.connect_timeout_s + CFG.timeout_s)
-            assert c[4].group_id == "epdserve-kv/p0-d0/g0"
-            assert c[4].is_high_priority_stream is False and c[4].global_ranks_in_group == []
-        assert sorted(e[0] for e in log if e[1:] == ("_set_sequence_number_for_group",)) == [0, 1]
-        first_ctor = log.index(ctors[0])
-        assert log[:first_ctor].count(("set_device", 0)) >= 1  # a pair thread selects its device before HCCL
+        pairs = tx.connect("d0", rdzv), rx.connect("p0", rdzv.for_peer())  # both must arrive
+        assert all(p.wait_ready(10) for p in pairs), [p.error for p in pairs]
+        group_timeout = timedelta(seconds=CFG.connect_timeout_s + CFG.timeout_s)
+        assert sorted(e[2:] for e in fake.of("ProcessGroupHCCL")) == [
+            (0, 2, "epdserve-kv/p0-d0/g0", group_timeout), (1, 2, "epdserve-kv/p0-d0/g0", group_timeout)]
+        assert os.environ["TORCH_HCCL_ASYNC_ERROR_HANDLING"] == "0"  # no teardown watchdog
+        # The communicator (a blocking rendezvous) is built by each side's connect thread, on its device.
+        assert sorted((e[0], e[2], e[3]) for e in fake.of("comm_init")) == [
+            ("kv-connect:p0-d0/g0", 0, 0), ("kv-connect:p0-d0/g0", 1, 0)]
 
         rx.expect(RecvRequest("r", "p0", (1, 2, 6), 10))  # two chunks on D: blocks 1-2, then 6
         tx.begin_batch([SendRequest("r", "d0", (5, 0, 3), (1, 2, 6), 10)])
-        for layer in range(SPEC.num_layers):
+        for layer in range(SPEC.num_layers):  # this thread plays P's forward
             tx.save_layer(layer)
-        deadline = time.monotonic() + 10
-        while not (tx.status("r").state.finished and rx.status("r").state.finished):
-            assert time.monotonic() < deadline, "transfer did not finish"
-            time.sleep(0.005)
+        _finish(tx, rx, "r")
         assert tx.status("r").state is rx.status("r").state is TransferState.DONE
     finally:
         tx.close()
@@ -115,15 +70,24 @@ def test_hccl_calls_names_arguments_and_order(monkeypatch):
 
     block_bytes = SPEC.block_size * SPEC.num_kv_heads * SPEC.head_dim * 2
     per_layer = [2 * block_bytes, 2 * block_bytes, block_bytes, block_bytes]  # K, V of chunk 1; K, V of chunk 2
-    p_ops = [e[1:] for e in log if e[0] == 0 and e[1] in ("send", "recv", "recv_anysource")]
-    d_ops = [e[1:] for e in log if e[0] == 1 and e[1] in ("send", "recv", "recv_anysource")]
-    assert p_ops == [("send", 1, 0, torch.uint8, n) for n in per_layer * SPEC.num_layers] + [("recv", 1, 0, torch.uint8, 1)]
-    assert d_ops == [("recv", 0, 0, torch.uint8, n) for n in per_layer * SPEC.num_layers] + [("send", 0, 0, torch.uint8, 1)]
-    waits = [e for e in log if len(e) == 3 and e[1] == "wait"]
-    assert len(waits) == len(p_ops) + len(d_ops)
-    assert {w[2] for w in waits} == {timedelta(seconds=CFG.timeout_s)}
-    assert (0, "abort") in log and (1, "abort") in log  # close() breaks HCCL pairs with abort()
-    assert log.count(("set_device", 0)) == 4  # both group builders, P's waiter, D's receiver
+    ops = [e for e in fake.events if e[1] in ("send", "recv")]
+    p_ops = [(e[1], e[3], e[4], e[5], e[6]) for e in ops if e[2] == 0]
+    d_ops = [(e[1], e[3], e[4], e[5], e[6]) for e in ops if e[2] == 1]
+    kv = per_layer * SPEC.num_layers
+    assert p_ops == [("send", 1, 0, torch.uint8, 1)] + [("send", 1, 0, torch.uint8, n) for n in kv] + [("recv", 1, 0, torch.uint8, 1)]
+    assert d_ops == [("recv", 0, 0, torch.uint8, 1)] + [("recv", 0, 0, torch.uint8, n) for n in kv] + [("send", 0, 0, torch.uint8, 1)]
+    # P's forward thread posts the KV and the acknowledgement's receive (it never waits on them);
+    # D's receiver thread posts D's side; the handshake is the connect threads'.
+    assert [e[0] for e in ops if e[2] == 0] == ["kv-connect:p0-d0/g0"] + ["MainThread"] * (len(kv) + 1)
+    assert [e[0] for e in ops if e[2] == 1] == ["kv-connect:p0-d0/g0"] + ["kv-recv:p0"] * (len(kv) + 1)
+    # Completion is polled: no HCCL wait() ever chains a stream to the peer, nothing synchronizes
+    # the whole device, and every pair thread runs on a side stream of its own.
+    assert fake.of("work.wait") == [] and fake.of("synchronize") == []
+    side = {e[0]: e[2] for e in fake.of("set_stream")}
+    assert set(side) == {"kv-connect:p0-d0/g0", "kv-send:d0", "kv-recv:p0"} and 0 not in side.values()
+    assert {e[7] for e in ops if e[0] == "kv-recv:p0"} == {side["kv-recv:p0"]}
+    # close() breaks HCCL pairs with the real abort; the no-op Backend.abort is never relied on.
+    assert sorted(e[2] for e in fake.of("abort_hccl_comm")) == [0, 1] and fake.of("pg.abort") == []
 
 
 def test_without_torch_npu_the_npu_pair_fails_cleanly(monkeypatch):

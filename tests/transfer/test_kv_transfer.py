@@ -1,5 +1,6 @@
-"""P→D KV transfer across real processes (gloo on loopback): 1 P + 1 D, 1 P + 2 D, peer death
-and stall, pair rebuild.
+"""P→D KV transfer across real processes: 1 P + 1 D, 1 P + 2 D, peer death and stall, pair
+rebuild — on gloo (loopback), and on HCCL's semantics through tests/fakes/torch_npu_fake.py
+(non-blocking waits, lazy communicator, abort_hccl_comm, a teardown watchdog) over gloo.
 
 The peers are this file's `_decode_peer` / `_prefill_peer`, run as `python -c` subprocesses
 that take JSON commands on stdin and report JSON events on stdout (no pickling). Block ids
@@ -18,21 +19,45 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.platform import get_platform
+from epdserve.platform.npu import NpuPlatform
 from epdserve.transfer.kv import (
     KVReceiver, KVSender, KVTransferConfig, PairRendezvous, PairState, RecvRequest, RendezvousServer, SendRequest,
     TransferState,
 )
 from epdserve.transfer.kv.checks import blocks_digest, fill_random
+from tests.fakes.torch_npu_fake import FakeTorchNpu
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = dict(num_layers=6, num_kv_heads=2, head_dim=16, block_size=8, dtype="bfloat16")
 NUM_BLOCKS = 64
 TIMEOUT_S = 3.0
+BACKEND_ENV = "EPDSERVE_TEST_KV_BACKEND"  # gloo | fake-hccl, inherited by the peer processes
+CFG_ENV = "EPDSERVE_TEST_KV_CFG"  # JSON KVTransferConfig overrides, inherited too
+
+
+@pytest.fixture(params=["gloo", "fake-hccl"], autouse=True)
+def backend(request, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, request.param)
+    if request.param == "fake-hccl":
+        monkeypatch.setenv("TORCH_HCCL_ASYNC_ERROR_HANDLING", "-")  # recorded, so what epdserve sets is undone
+        monkeypatch.delenv("TORCH_HCCL_ASYNC_ERROR_HANDLING")
+        FakeTorchNpu().install(monkeypatch)
+    return request.param
+
+
+def _platform():
+    """This process's platform for the KV hop: the CPU's gloo, or the NPU's over the fake torch_npu."""
+    if os.environ.get(BACKEND_ENV, "gloo") == "gloo":
+        return get_platform("cpu")
+    if "torch_npu" not in sys.modules:  # a peer process (the test process installed it already)
+        FakeTorchNpu().install()
+    return NpuPlatform()
 
 
 def _spec() -> KVCacheSpec:
@@ -40,7 +65,9 @@ def _spec() -> KVCacheSpec:
 
 
 def _cfg(**kw) -> KVTransferConfig:
-    return KVTransferConfig(**{"timeout_s": TIMEOUT_S, "bootstrap_timeout_s": 30.0, "connect_timeout_s": 30.0, **kw})
+    overrides = json.loads(os.environ.get(CFG_ENV, "{}"))  # a test's own timeouts, for peers too
+    return KVTransferConfig(**{"timeout_s": TIMEOUT_S, "bootstrap_timeout_s": 30.0, "connect_timeout_s": 30.0,
+                               **overrides, **kw})
 
 
 # ---------------------------------------------------------------------------- peer processes
@@ -64,7 +91,7 @@ def _decode_peer() -> None:
     """A decode instance: reserves blocks on `expect`, receives, reports digests, frees blocks."""
     cache = PagedKVCache(_spec(), NUM_BLOCKS)
     blocks = BlockManager(NUM_BLOCKS, SPEC["block_size"])
-    rx = KVReceiver(cache, get_platform("cpu"), _cfg())
+    rx = KVReceiver(cache, _platform(), _cfg())
     cmds, progress = _commands(), {}
     while True:
         try:
@@ -101,7 +128,7 @@ def _prefill_peer() -> None:
     cache = PagedKVCache(_spec(), NUM_BLOCKS)
     blocks = BlockManager(NUM_BLOCKS, SPEC["block_size"])
     server = RendezvousServer()
-    tx = KVSender(cache, get_platform("cpu"), _cfg())
+    tx = KVSender(cache, _platform(), _cfg())
     cmds = _commands()
     while True:
         cmd = cmds.get(timeout=60)
@@ -203,7 +230,7 @@ class Prefill:
         self.cache = PagedKVCache(_spec(), NUM_BLOCKS)
         self.blocks = BlockManager(NUM_BLOCKS, SPEC["block_size"])
         self.server = RendezvousServer()
-        self.tx = KVSender(self.cache, get_platform("cpu"), _cfg())
+        self.tx = KVSender(self.cache, _platform(), _cfg())
 
     def connect(self, peer_name: str, peer: Peer, pair_name: str) -> None:
         rdzv = self.server.rendezvous(pair_name)
@@ -300,7 +327,7 @@ def test_killing_one_decode_midway_fails_it_and_the_other_decode_keeps_serving()
 def test_stalled_prefill_fails_the_decode_side_within_the_timeout_and_the_pair_is_rebuilt():
     cache = PagedKVCache(_spec(), NUM_BLOCKS)
     blocks = BlockManager(NUM_BLOCKS, SPEC["block_size"])
-    rx = KVReceiver(cache, get_platform("cpu"), _cfg())
+    rx = KVReceiver(cache, _platform(), _cfg())
     p = Peer("_prefill_peer")
     try:
         for gen, stall in ((0, True), (1, False)):

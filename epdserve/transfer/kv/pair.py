@@ -6,21 +6,33 @@ PrefixStore on the prefill side's TCP store; no global world). State: CONNECTING
 BROKEN (peer died, stalled or never came) or CLOSED (by us). A broken pair is never reused:
 the control plane rebuilds it under a new pair name.
 
+Waiting: every wait goes through `Platform.wait_work` with our own deadline (`timeout_s`). On
+NCCL / HCCL it polls `Work.is_completed()` (their `wait()` never blocks the host: it only chains
+the calling thread's stream onto the work), so no stream of ours is ever made to wait on the
+peer; on gloo, whose works progress only inside `wait()`, it is a blocking wait.
+
+Threads: each thread of a pair selects the pair's device and runs on a side stream of its own
+(`enter_thread`), so a copy made by a pair thread (P reading D's acknowledgement) never queues
+behind the engine's compute. The backend's communicator is created, with its blocking
+rendezvous, by the first message of the pair; `_connect` sends that message itself (a 1-byte
+handshake), so the rendezvous never happens inside P's forward.
+
 How failures surface (measured with gloo on torch 2.13):
 - a dead peer: the next post, or the wait of a pending one, raises "Connection closed by peer"
   within milliseconds;
-- a stalled peer: `work.wait(timeout)` raises after `timeout`, and gloo then closes the whole
-  pair ("Application timeout caused pair closure"): every other pending op fails at once and
-  the peer's next op fails too. So a timed-out wait is final for the pair;
-- `Work.is_completed()` stays False for gloo send/recv until `wait()` is called, so progress is
-  observed by blocking waits in a per-pair thread, never by polling works;
-- `ProcessGroupGloo.abort()` does not interrupt pending waits. `interrupt()` therefore asks the
-  platform (`Platform.interrupt_pair_group`): on gloo it times out a private recv, which closes
-  the pair the same way and wakes every blocked wait; on NCCL/HCCL it calls `abort()`.
+- a stalled peer: the wait times out after `timeout_s`; the pair is then broken on purpose
+  (`interrupt`), which fails every other pending op and the peer's next op too. So a timed-out
+  wait is final for the pair;
+- interrupting: `Platform.interrupt_pair_group`: on gloo (whose abort() does not wake pending
+  waits) it times out a private recv, which closes the pair; on HCCL `abort_hccl_comm` (torch_npu's
+  `pg.abort()` is torch's no-op Backend::abort); on NCCL `abort()`. The backends' watchdogs are
+  told not to take the process down (`Platform.prepare_pair_groups`), and the group's own
+  timeout outlives ours, so one bad pair fails its transfers, never the instance.
 """
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -49,6 +61,7 @@ class PairConnection:
         self._ready = threading.Event()
         self._state = PairState.CONNECTING
         self._error: str | None = None
+        self._drain_deadline = 0.0  # set when the pair breaks or closes: the end of the drain budget
         self._pg = None
         self._store = None
         self._thread = threading.Thread(target=self._connect, name=f"kv-connect:{rdzv.pair_name}", daemon=True)
@@ -68,21 +81,37 @@ class PairConnection:
         self._ready.wait(timeout_s)
         return self._state is PairState.READY
 
-    def enter_thread(self) -> None:
-        """Every thread of this pair selects the pair's device first (device selection is per thread)."""
+    def enter_thread(self) -> bool:
+        """Every thread of this pair selects the pair's device first (device selection is per
+        thread) and a side stream of its own (None on CPU: nothing to select). False, with the
+        pair broken, when the device cannot be selected."""
+        try:
+            self._select_device()
+        except Exception as e:
+            self.mark_broken(f"pair {self.rdzv.pair_name!r}: cannot select {self.device} in this thread: {e}")
+            return False
+        return True
+
+    def _select_device(self) -> None:
         self.platform.set_thread_device(self.device.index or 0)
+        stream = self.platform.new_stream()
+        if stream is not None:
+            self.platform.set_thread_stream(stream)
 
     def _connect(self) -> None:
         r, cfg = self.rdzv, self.config
+        pg = None
         try:
-            self.enter_thread()  # the HCCL communicator is created in the calling thread, on its device
+            self._select_device()  # the communicator is built in this thread, on this device
             client = TCPStore(r.host, r.port, None, False, timeout=timedelta(seconds=cfg.connect_timeout_s))
             store = PrefixStore(f"epdserve-kv/{r.pair_name}", client)
-            # The group's own timeout outlives ours, so our waits fire first (NCCL's watchdog
-            # would otherwise tear the process down on its own timeout).
+            # The group's own timeout outlives ours, so our waits fire first.
             pg_timeout = timedelta(seconds=cfg.connect_timeout_s + cfg.timeout_s)
             pg = self.platform.make_pair_group(store, r.rank, 2, pg_timeout, group_name=f"epdserve-kv/{r.pair_name}")
+            self._handshake(pg)
         except Exception as e:  # any failure to build is this pair's failure, reported in its state
+            if pg is not None:
+                self.platform.interrupt_pair_group(pg, self.peer_rank)
             self._set_broken(f"pair {r.pair_name!r}: could not build the process group "
                              f"({self.platform.dist_backend} via {r.host}:{r.port}): {e}")
             self._ready.set()
@@ -91,6 +120,14 @@ class PairConnection:
             if self._state is PairState.CONNECTING:
                 self._pg, self._store, self._state = pg, store, PairState.READY
         self._ready.set()
+
+    def _handshake(self, pg) -> None:
+        """One byte P→D in this thread: the backend builds its communicator (a blocking
+        rendezvous of both sides) here rather than in the first KV message's thread."""
+        probe = torch.ones(1, dtype=torch.uint8, device=self.device)
+        op = pg.send if self.rdzv.rank == 0 else pg.recv
+        work = op([probe], self.peer_rank, KV_TAG)
+        self.platform.wait_work(work, self.config.connect_timeout_s)
 
     # ------------------------------------------------------------------ KV messages
     def isend(self, t: torch.Tensor):
@@ -110,12 +147,29 @@ class PairConnection:
             raise PairBroken(self._error) from None
 
     def wait(self, work, what: str) -> None:
-        """Wait for one posted message for at most `timeout_s`; PairBroken when it does not complete."""
+        """Wait for one posted message for at most `timeout_s`; PairBroken when it does not
+        complete. On a pair already broken, every remaining wait shares one `timeout_s` budget
+        (a message pending when an HCCL communicator is destroyed may never complete)."""
+        if self._state is not PairState.READY:
+            self.drain([work])
+            raise PairBroken(self._error or "pair closed")
         try:
-            work.wait(timedelta(seconds=self.config.timeout_s))
+            self.platform.wait_work(work, self.config.timeout_s)
         except Exception as e:
             self.mark_broken(f"{what}: {e}")
             raise PairBroken(self._error) from None
+
+    def drain(self, works) -> None:
+        """After the pair broke: wait, within one `timeout_s` from the break in all, for posted
+        messages to end (failed or done), so nothing writes into their buffers any more."""
+        for work in works:
+            left = self._drain_deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                self.platform.wait_work(work, left)
+            except Exception:  # the expected outcome on a broken pair
+                pass
 
     # ------------------------------------------------------------------ batch headers
     def publish_header(self, header: BatchHeader) -> None:
@@ -150,6 +204,7 @@ class PairConnection:
             if self._state in (PairState.BROKEN, PairState.CLOSED):
                 return False
             self._state, self._error = PairState.BROKEN, reason
+            self._drain_deadline = time.monotonic() + self.config.timeout_s
             return True
 
     def interrupt(self) -> None:
@@ -161,6 +216,8 @@ class PairConnection:
     def close(self) -> None:
         with self._lock:
             was = self._state
+            if was is not PairState.BROKEN:
+                self._drain_deadline = time.monotonic() + self.config.timeout_s
             self._state = PairState.CLOSED
             self._error = self._error or "closed"
         if was in (PairState.READY, PairState.BROKEN):

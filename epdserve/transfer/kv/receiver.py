@@ -126,12 +126,8 @@ class _Channel:
                 waited += 1
                 if done is not None:
                     rx._progress(accepted, done)
-        except PairBroken:
-            for work, _ in works[0 if posting else waited + 1 :]:
-                try:  # drain: once these return, nothing writes into the blocks any more
-                    pair.wait(work, "draining")
-                except PairBroken:
-                    pass
+        except PairBroken:  # drain: once these end, nothing writes into the blocks any more
+            pair.drain(w for w, _ in works[0 if posting else waited + 1 :])
             rx._fail_accepted(accepted, pair.error or "pair broken")
             return False
         rx._progress(accepted, header.num_layers, done=True)

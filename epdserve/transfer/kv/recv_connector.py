@@ -92,10 +92,9 @@ class LayerwiseRecvConnector(KVConnector):
     # ------------------------------------------------------------------ worker side
     def get_finished(self) -> tuple[list[FinishedTransfer], list[FinishedTransfer]]:
         done: list[FinishedTransfer] = []
-        finished = self.receiver.pop_finished()
-        if finished:  # the KV landed on the backend's stream: make it visible to ours (no-op on CPU)
-            self.receiver.platform.synchronize()
-        for st in finished:
+        # DONE means every receive of the request completed on the device (Platform.wait_work):
+        # its KV is in the blocks, so no stream (and no other request) has to wait for it.
+        for st in self.receiver.pop_finished():
             inc = self._incoming.get(st.request_id)
             if inc is None:
                 continue

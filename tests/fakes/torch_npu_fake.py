@@ -1,0 +1,327 @@
+"""A stand-in for torch_npu that behaves as the real one does where epdserve depends on it, for
+tests on a host without an NPU. Tests only; never imported by epdserve.
+
+Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read 2026-11-30):
+- `torch_npu/csrc/distributed/ProcessGroupHCCL.cpp` (PG = that file):
+  * WorkHCCL::wait -> synchronizeInternal: the host does NOT block unless TORCH_HCCL_BLOCKING_WAIT=1;
+    the calling thread's current stream is made to wait on the work's end event, and wait
+    returns True ("Always return true, because abort API is not implemented");
+  * WorkHCCL::isCompleted: `exception() || finishedNPUExecutionInternal()` (the end event fired);
+  * the communicator is created lazily by the first operation, in the calling thread, with a
+    blocking rendezvous of all ranks (getHCCLComm -> broadcastMasterID + HcclCommInitRootInfo);
+    pointToPoint then calls SetDevice(tensor's device) on the calling thread (not faked: the
+    tensors here are CPU tensors);
+  * the constructor reads TORCH_HCCL_BLOCKING_WAIT per group, and the async error handling mode
+    once per process (OptionsManager::CheckUseHcclAsyncErrorHandleEnable: a function-static of
+    TORCH_HCCL_ASYNC_ERROR_HANDLING, default 1 = TearDown);
+  * the watchdog (Watchdog::runLoop -> WorkHCCL::checkTimeout, handleException): a work pending
+    longer than the group timeout gets "Watchdog caught collective operation timeout"; with
+    SHOULD_TEAR_DOWN(mode) (mode 1 or 3) the exception is rethrown in the watchdog thread, which
+    ends the process (std::terminate -> SIGABRT). Real period 1000 ms; 100 ms here;
+  * `pg.abort()` from Python is c10d::Backend::abort(), a no-op: ProcessGroupHCCL's
+    `bool abort(c10::optional<std::string>)` does not override torch's `virtual void abort()`
+    (torch Backend.hpp); the binding that destroys communicators is `abort_hccl_comm`
+    (Init.cpp -> abortAndClearHcclComm -> HCCLComm::destroyHcclComm);
+  * after destroyHcclComm nothing sets the comm's async error (HCCLUtils.cpp), so whether a
+    pending work ever completes is not in the source: this fake takes the harder case — a work
+    pending when its communicator is destroyed never completes;
+  * a dead peer is not an error to HCCL until HCCL_EXEC_TIMEOUT (default 1836 s, PG
+    `defaultExecTimeout`): the work just stays pending, as it does here.
+- `torch_npu/npu/utils.py` set_device / current_device / set_stream / current_stream: per thread.
+- `torch_npu/npu/npu_config.py` set_stream_limit: AssertionError for a stream that is not a
+  torch_npu.npu.Stream; `csrc/core/npu/interface/AclInterface.cpp` AclrtSetStreamResLimit:
+  TORCH_CHECK "Failed to find function aclrtSetStreamResLimit" (RuntimeError) where the CANN
+  runtime lacks it — `FakeTorchNpu(stream_limits=False)`.
+
+Transport: a real ProcessGroupGloo on loopback under each fake ProcessGroupHCCL, built by the
+first operation (as HCCL builds its communicator); a progress thread per group completes works
+in posting order, as the device executes one HCCL stream. Tensors stay on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import time
+import types
+from datetime import timedelta
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo
+
+PRIVATE_USE1 = 20  # c10::DeviceType::PrivateUse1, the device type torch_npu registers
+WATCHDOG_PERIOD_S = 0.1
+_TEAR_DOWN_MODES = (1, 3)  # SHOULD_TEAR_DOWN(a): a != NoHandling(0) && a != CleanUpOnly(2)
+
+
+class FakeTorchNpu:
+    """One fake torch_npu: `install()` puts it in sys.modules (and torch.npu), `events` records
+    what epdserve did with it: (thread name, event, details...)."""
+
+    def __init__(self, *, stream_limits: bool = True, devices: int = 1, cores: tuple[int, int] = (20, 40)):
+        self.stream_limits = stream_limits
+        self.devices = devices
+        self.cores = cores
+        self.events: list[tuple] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._stream_ids = itertools.count(1)
+        self._default_streams: dict[int, FakeStream] = {}
+        self._async_error_handling: int | None = None  # read once, by the first group
+        self.module = self._build_module()
+
+    # ------------------------------------------------------------------ installing
+    def install(self, monkeypatch=None) -> FakeTorchNpu:
+        """Make `import torch_npu` return this fake (and `torch.npu` its npu namespace)."""
+        if monkeypatch is not None:
+            monkeypatch.setitem(sys.modules, "torch_npu", self.module)
+            monkeypatch.setattr(torch, "npu", self.module.npu, raising=False)
+        else:  # a subprocess of a test
+            sys.modules["torch_npu"] = self.module
+            torch.npu = self.module.npu
+        return self
+
+    def record(self, event: str, *details) -> None:
+        with self._lock:
+            self.events.append((threading.current_thread().name, event, *details))
+
+    def of(self, event: str) -> list[tuple]:
+        with self._lock:
+            return [e for e in self.events if e[1] == event]
+
+    # ------------------------------------------------------------------ per-thread device and stream
+    def current_device(self) -> int:
+        return getattr(self._local, "device", 0)
+
+    def set_device(self, index) -> None:
+        index = index if isinstance(index, int) else torch.device(index).index or 0
+        if not 0 <= index < self.devices:
+            raise RuntimeError(f"Invalid device ID {index}")
+        self._local.device = index
+        self.record("set_device", index)
+
+    def current_stream(self) -> FakeStream:
+        stream = getattr(self._local, "stream", None)
+        if stream is None or stream.device_index != self.current_device():
+            with self._lock:
+                stream = self._default_streams.setdefault(self.current_device(), FakeStream(self, default=True))
+        return stream
+
+    def set_stream(self, stream: FakeStream) -> None:
+        self._local.stream = stream
+        self.record("set_stream", stream.stream_id)
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream):
+        before = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield stream
+        finally:
+            self._local.stream = before
+
+    def synchronize(self, device=None) -> None:
+        self.record("synchronize")
+
+    def set_stream_limit(self, stream, cube_num=-1, vector_num=-1) -> None:
+        if stream is None:
+            raise AssertionError("stream cannot be None")
+        if not isinstance(stream, FakeStream):
+            raise AssertionError(f"stream should be torch_npu.npu.Stream, could not be {type(stream)}")
+        if not self.stream_limits:
+            raise RuntimeError("Failed to find function aclrtSetStreamResLimit")
+        stream.limits = (cube_num, vector_num)
+        self.record("set_stream_limit", stream.stream_id, cube_num, vector_num,
+                    self.module.npu.config.allow_internal_format)
+
+    def get_device_limit(self, device) -> dict:
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"device must be an int, but got {type(device).__name__}")
+        return {"cube_core_num": self.cores[0], "vector_core_num": self.cores[1]}
+
+    def async_error_handling(self) -> int:
+        with self._lock:
+            if self._async_error_handling is None:
+                self._async_error_handling = int(os.environ.get("TORCH_HCCL_ASYNC_ERROR_HANDLING", "1"))
+            return self._async_error_handling
+
+    # ------------------------------------------------------------------ the module
+    def _build_module(self) -> types.ModuleType:
+        fake = self
+
+        class Stream(FakeStream):
+            def __init__(self, device=None, priority=0):
+                super().__init__(fake)
+
+        npu = types.ModuleType("torch_npu.npu")
+        npu.set_device = self.set_device
+        npu.current_device = self.current_device
+        npu.device_count = lambda: self.devices
+        npu.is_available = lambda: True
+        npu.synchronize = self.synchronize
+        npu.Stream = Stream
+        npu.current_stream = lambda device=None: self.current_stream()
+        npu.set_stream = self.set_stream
+        npu.stream = self.stream
+        npu.set_stream_limit = self.set_stream_limit
+        npu.get_device_limit = self.get_device_limit
+        npu.config = types.SimpleNamespace(allow_internal_format=True)
+
+        class Options:
+            def __init__(self):
+                self.is_high_priority_stream = False
+                self._timeout = timedelta(minutes=30)
+                self.global_ranks_in_group: list[int] = []
+                self.group_id = ""
+
+        class ProcessGroupHCCL(FakeProcessGroupHCCL):
+            def __init__(self, store, rank, size, options):
+                super().__init__(fake, store, rank, size, options)
+
+        ProcessGroupHCCL.Options = Options
+        mod = types.ModuleType("torch_npu")
+        mod.npu = npu
+        mod._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL))
+        mod.__version__ = "fake"
+        return mod
+
+
+class FakeStream:
+    def __init__(self, fake: FakeTorchNpu, default: bool = False):
+        self.fake = fake
+        self.stream_id = 0 if default else next(fake._stream_ids)
+        self.device_index = fake.current_device()
+        self.device_type = PRIVATE_USE1
+        self.limits: tuple[int, int] | None = None
+        self.waits_on: list[FakeWork] = []  # works whose end event this stream was made to wait on
+
+
+class FakeWork:
+    def __init__(self, group: FakeProcessGroupHCCL, op: str, numel: int):
+        self.group, self.op, self.numel = group, op, numel
+        self.start = time.monotonic()
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def is_completed(self) -> bool:
+        return self.error is not None or self.done.is_set()
+
+    def exception(self):
+        return self.error
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        fake = self.group.fake
+        stream = fake.current_stream()
+        stream.waits_on.append(self)  # (*hcclEndEvents_)[i].block(currentStream)
+        fake.record("work.wait", self.op, stream.stream_id)
+        if self.group.blocking_wait:  # synchronizeInternal's blockingWait_ branch
+            deadline = time.monotonic() + (timeout.total_seconds() or 1e9)
+            while not self.is_completed():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("Work timed out in blocking wait (TORCH_HCCL_BLOCKING_WAIT=1)")
+                time.sleep(0.01)
+            if self.error is not None:
+                raise RuntimeError(str(self.error))
+        return True
+
+
+class FakeProcessGroupHCCL:
+    def __init__(self, fake: FakeTorchNpu, store, rank: int, size: int, options):
+        self.fake, self.store, self.rank, self.size, self.options = fake, store, rank, size, options
+        self.blocking_wait = os.environ.get("TORCH_HCCL_BLOCKING_WAIT", "0") == "1"
+        self.error_handling = fake.async_error_handling()
+        self._lock = threading.Lock()
+        self._gloo: ProcessGroupGloo | None = None
+        self._destroyed = False
+        self._pending: list[tuple[FakeWork, object]] = []
+        self._queue: list[tuple[FakeWork, object]] = []
+        self._has_work = threading.Condition(self._lock)
+        self._stopped = False
+        fake.record("ProcessGroupHCCL", rank, size, options.group_id, options._timeout)
+        threading.Thread(target=self._progress, name=f"hccl-progress-{rank}", daemon=True).start()
+        if not self.blocking_wait:  # "TORCH_HCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created."
+            threading.Thread(target=self._watchdog, name=f"hccl-watchdog-{rank}", daemon=True).start()
+
+    def _set_sequence_number_for_group(self) -> None:
+        self.fake.record("_set_sequence_number_for_group", self.rank)
+
+    def abort(self) -> None:  # c10d::Backend::abort(): a no-op
+        self.fake.record("pg.abort")
+
+    def abort_hccl_comm(self, reason=None) -> None:
+        self.fake.record("abort_hccl_comm", self.rank, reason)
+        with self._lock:
+            self._destroyed = True
+            gloo, self._gloo = self._gloo, None
+            self._has_work.notify_all()
+        if gloo is not None:  # stop the transport under it (its pending ops fail, ignored below)
+            with contextlib.suppress(Exception):
+                gloo.recv([torch.zeros(1, dtype=torch.uint8)], 1 - self.rank, 0x7E9E).wait(timedelta(milliseconds=1))
+
+    def send(self, tensors, dst_rank: int, tag: int = 0) -> FakeWork:
+        return self._post("send", tensors, dst_rank, tag)
+
+    def recv(self, tensors, src_rank: int, tag: int = 0) -> FakeWork:
+        return self._post("recv", tensors, src_rank, tag)
+
+    def recv_anysource(self, *args):
+        raise RuntimeError("HCCL does not support recv from any source")
+
+    # ------------------------------------------------------------------ internals
+    def _comm(self) -> ProcessGroupGloo:
+        with self._lock:
+            if self._destroyed:
+                raise RuntimeError("HCCL communicator has been destroyed (abort_hccl_comm)")
+            if self._gloo is not None:
+                return self._gloo
+        # The blocking rendezvous of HcclCommInitRootInfo, in the calling thread.
+        self.fake.record("comm_init", self.rank, self.fake.current_device())
+        gloo = ProcessGroupGloo(PrefixStore("fake-hccl-comm", self.store), self.rank, self.size, self.options._timeout)
+        with self._lock:
+            self._gloo = self._gloo or gloo
+            return self._gloo
+
+    def _post(self, op: str, tensors, peer: int, tag: int) -> FakeWork:
+        (t,) = tensors  # a CPU tensor here: pointToPoint's SetDevice(tensor's device) has no index to set
+        gloo = self._comm()
+        work = FakeWork(self, op, t.numel())
+        self.fake.record(op, self.rank, peer, tag, t.dtype, t.numel(), self.fake.current_stream().stream_id)
+        inner = getattr(gloo, op)([t], peer, tag)
+        with self._lock:
+            self._queue.append((work, inner))
+            self._pending.append((work, inner))
+            self._has_work.notify_all()
+        return work
+
+    def _progress(self) -> None:
+        """The device executing the HCCL stream: works finish in posting order."""
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopped and not self._destroyed:
+                    self._has_work.wait(0.5)
+                if self._destroyed or self._stopped:
+                    return
+                work, inner = self._queue.pop(0)
+            try:
+                inner.wait()
+            except Exception:  # a dead peer or a destroyed comm: HCCL reports nothing (see above)
+                return
+            work.done.set()
+
+    def _watchdog(self) -> None:
+        timeout_s = self.options._timeout.total_seconds()
+        while not (self._destroyed and not self._pending):
+            time.sleep(WATCHDOG_PERIOD_S)
+            with self._lock:
+                self._pending = [(w, i) for w, i in self._pending if not w.is_completed()]
+                overdue = [w for w, _ in self._pending if time.monotonic() - w.start >= timeout_s]
+            for work in overdue:
+                work.error = RuntimeError(f"[Rank {self.rank}] Watchdog caught collective operation timeout: "
+                                          f"{work.op} ran for {int((time.monotonic() - work.start) * 1000)} "
+                                          f"milliseconds before timing out.")
+                self.fake.record("watchdog_timeout", self.rank, work.op)
+                if self.error_handling in _TEAR_DOWN_MODES:
+                    print("To avoid data inconsistency, we are taking the entire process down.", file=sys.stderr, flush=True)
+                    os.abort()

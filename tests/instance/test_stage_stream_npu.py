@@ -1,0 +1,50 @@
+"""Co-located stages on an NPU, against tests/fakes/torch_npu_fake.py: each stage thread gets its
+own stream limited to its share of the cores, and no failure of the core-limit API (older
+torch_npu, a CANN without aclrtSetStreamResLimit) stops a stage from starting."""
+import threading
+
+import pytest
+import torch
+
+from epdserve.instance.stage_stream import open_stage_stream
+from epdserve.platform.cpu import CpuPlatform
+from epdserve.platform.npu import NpuPlatform
+from tests.fakes.torch_npu_fake import FakeTorchNpu
+
+
+def _open_in_threads(shares: dict[str, float]) -> dict:
+    npu, out = NpuPlatform(), {}
+
+    def stage(name, share):
+        npu.set_thread_device(0)
+        out[name] = open_stage_stream(npu, share, name)
+
+    threads = [threading.Thread(target=stage, args=item, name=item[0]) for item in shares.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_co_located_stages_get_their_own_limited_streams(monkeypatch):
+    fake = FakeTorchNpu(cores=(20, 40)).install(monkeypatch)
+    streams = _open_in_threads({"E-worker": 0.3, "P-worker": 0.7})
+    assert streams["E-worker"] is not streams["P-worker"]
+    limits = {e[0]: e[2:] for e in fake.of("set_stream_limit")}
+    assert limits == {"E-worker": (streams["E-worker"].stream_id, 6, 12, False),
+                      "P-worker": (streams["P-worker"].stream_id, 14, 28, False)}
+
+
+@pytest.mark.parametrize("how", ["soc_without_it", "old_torch_npu"])
+def test_a_stage_starts_when_core_limits_fail(how, monkeypatch, caplog):
+    fake = FakeTorchNpu(stream_limits=how != "soc_without_it").install(monkeypatch)
+    if how == "old_torch_npu":
+        monkeypatch.delattr(torch.npu, "get_device_limit")
+    streams = _open_in_threads({"E-worker": 0.5, "D-worker": 0.5})
+    assert all(s is not None and s.limits is None for s in streams.values())
+    assert "unrestricted" in caplog.text and not fake.of("set_stream_limit")
+
+
+def test_no_streams_on_cpu():
+    assert open_stage_stream(CpuPlatform(), 0.5, "E-worker") is None
