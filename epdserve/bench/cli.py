@@ -10,6 +10,8 @@ BENCHMARKS = [
     "epdserve.bench.kv_transfer",  # kv-transfer: layerwise vs after-prefill
     "epdserve.bench.serve",  # serve: modes side by side against live deployments (SLO goodput)
     "epdserve.bench.ops",  # ops: paged operators, native (csrc/) vs portable torch
+    "epdserve.bench.chaos",  # chaos: kill -9 instances, MM Store and scheduler under load
+    "epdserve.bench.colocation",  # colocation: decode with co-located encode busy vs idle, per policy
 ]
 
 

@@ -12,13 +12,13 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def open_stage_stream(platform, share: float, name: str):
-    """A new stream for the calling stage thread, limited to `share` (0..1] of the device's
-    cores where supported; None where the platform has no streams."""
+def open_stage_stream(platform, share: float | None, name: str, priority: int = 0):
+    """A new stream at `priority` for the calling stage thread, limited to `share` (0..1) of the
+    device's cores where supported (None: unlimited); None where the platform has no streams."""
     platform.synchronize()  # weights and KV blocks were initialised on the default stream
-    stream = platform.new_stream()
-    if stream is None:
-        return None
+    stream = platform.new_stream(priority)
+    if stream is None or share is None:
+        return stream
     limits = getattr(platform, "device_limit", None)
     try:
         total = limits() if limits else None

@@ -25,7 +25,7 @@ from typing import Callable
 
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.outputs import RequestOutput
-from epdserve.instance.affinity import pin_worker_thread
+from epdserve.instance.colocation import enter_stage_thread
 from epdserve.instance.errors import TransientError, output_error
 from epdserve.instance.stage_stream import open_stage_stream
 from epdserve.rpc import common_pb2
@@ -84,7 +84,10 @@ class StageWorker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.engine_factory = engine_factory
         self.cores = cores
-        self.device_share: float | None = None  # co-located on an accelerator: this share of its cores
+        self.colocated = False  # shares an accelerator with another worker: runs on its own stream
+        self.device_share: float | None = None  # ... limited to this share of its cores (None: unlimited)
+        self.stream_priority = 0  # ... at this priority (lower = higher)
+        self.low_priority = False  # CPU: this worker's thread gives way to the others (SCHED_IDLE)
         self.stream = None
         self.engine = None  # built on the loop thread: engine_factory(connector)
         self.connector = None
@@ -142,7 +145,7 @@ class StageWorker:
     # ---------------------------------------------------------------- loop thread
     def _loop(self) -> None:
         try:
-            self.bound_cores = pin_worker_thread(self.cores)
+            self.bound_cores = enter_stage_thread(self.cores, self.low_priority)
             self.connector = self.make_connector()
             self.engine = self.engine_factory(self.connector)
             self._open_stream()
@@ -174,8 +177,8 @@ class StageWorker:
 
     def _open_stream(self) -> None:
         """Co-located on an accelerator: run on an own stream, limited to `device_share` (NPU)."""
-        if self.device_share is not None:
-            self.stream = open_stage_stream(self.engine.platform, self.device_share, self.name)
+        if self.colocated:
+            self.stream = open_stage_stream(self.engine.platform, self.device_share, self.name, self.stream_priority)
 
     def _wait_s(self) -> float | None:
         if self.has_engine_work():

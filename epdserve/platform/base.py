@@ -47,8 +47,8 @@ class Platform(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 
-    def new_stream(self):
-        """A stream for one stage worker, or None where streams do not exist (CPU)."""
+    def new_stream(self, priority: int = 0):
+        """A stream for one stage worker (lower `priority` = higher), or None where streams do not exist (CPU)."""
         return None
 
     def stream_context(self, stream):

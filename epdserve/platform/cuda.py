@@ -17,8 +17,8 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def new_stream(self):
-        return torch.cuda.Stream()
+    def new_stream(self, priority: int = 0):
+        return torch.cuda.Stream(priority=priority)
 
     def stream_context(self, stream):
         return torch.cuda.stream(stream)

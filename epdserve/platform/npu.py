@@ -64,8 +64,8 @@ class NpuPlatform(Platform):
     def synchronize(self) -> None:
         self._torch_npu().npu.synchronize()
 
-    def new_stream(self):
-        return self._torch_npu().npu.Stream()
+    def new_stream(self, priority: int = 0):
+        return self._torch_npu().npu.Stream(priority=priority)  # torch_npu/npu/streams.py: lower = higher
 
     def stream_context(self, stream):
         return self._torch_npu().npu.stream(stream)

@@ -154,6 +154,7 @@ class FakeTorchNpu:
         class Stream(FakeStream):
             def __init__(self, device=None, priority=0):
                 super().__init__(fake)
+                self.priority = priority  # torch_npu/npu/streams.py: lower numbers = higher priority
 
         npu = types.ModuleType("torch_npu.npu")
         npu.set_device = self.set_device
@@ -195,6 +196,7 @@ class FakeStream:
         self.device_index = fake.current_device()
         self.device_type = PRIVATE_USE1
         self.limits: tuple[int, int] | None = None
+        self.priority = 0
         self.waits_on: list[FakeWork] = []  # works whose end event this stream was made to wait on
 
 

@@ -46,5 +46,15 @@ def test_a_stage_starts_when_core_limits_fail(how, monkeypatch, caplog):
     assert "unrestricted" in caplog.text and not fake.of("set_stream_limit")
 
 
+def test_yield_gives_unlimited_streams_that_rank_p_and_d_first(monkeypatch):
+    fake = FakeTorchNpu().install(monkeypatch)
+    npu = NpuPlatform()
+    npu.set_thread_device(0)
+    e = open_stage_stream(npu, None, "E-worker", priority=0)
+    d = open_stage_stream(npu, None, "D-worker", priority=-1)
+    assert (e.priority, d.priority) == (0, -1) and e.limits is d.limits is None
+    assert not fake.of("set_stream_limit")
+
+
 def test_no_streams_on_cpu():
     assert open_stage_stream(CpuPlatform(), 0.5, "E-worker") is None

@@ -1,0 +1,98 @@
+"""How co-located stages share one device: the co-location policy, the same object on CPU and NPU.
+
+Co-located means E beside P or D in one instance (EP, ED), or an E process beside a P / PD / D
+process on the same device (on one machine every mode is co-located). Two policies:
+
+- `split` (static): each stage gets a fixed share — disjoint CPU core sets, or NPU stream core
+  limits (`instance/stage_stream.py`). A stage runs at its share's speed even while the other
+  idles.
+- `yield` (work-conserving): every stage may use every core; encode runs at the lowest CPU
+  priority (Linux SCHED_IDLE for its thread and the OpenMP team it spawns; on NPU a
+  low-priority stream), so a P or D step that becomes runnable takes the cores from encode at
+  the kernel's next scheduling decision (within one operator's slice on CPU), and encode uses
+  every core while P and D idle.
+
+Why SCHED_IDLE (measured by `epdserve bench colocation`, README): nice 19 still gets ~1.5% of a
+core per competing thread at weight 15 vs 1024, SCHED_IDLE gets less (weight 3) and never
+preempts a normal thread; threads inherit the policy of the thread that creates them, so the
+intra-op team an encode worker spawns at its first parallel op inherits it, as it inherits the
+core set under `split` (`instance/affinity.py`). An unprivileged thread may enter SCHED_IDLE but
+not leave it: each policy is set once, on a stage's own fresh thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from epdserve.instance.affinity import pin_worker_thread, split_cores
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("split", "yield")
+
+
+def worker_core_sets(policy: str, roles: list[str], cores: list[int], weights: list[float]) -> list[list[int] | None]:
+    """Core set of each co-located CPU worker: disjoint by weight (`split`), or all of `cores`
+    for every worker (`yield`, and a lone worker)."""
+    check_policy(policy)
+    if policy == "yield" or len(roles) < 2:
+        return [list(cores) for _ in roles]
+    return split_cores(len(roles), cores, weights)
+
+
+def yields(policy: str, role: str) -> bool:
+    """Does a worker of `role` give way to the others under `policy`? (Encode, under yield.)"""
+    return check_policy(policy) == "yield" and role == "E"
+
+
+def device_share(policy: str, role: str, weight: float) -> float | None:
+    """An accelerator worker's share of the device's cores: its weight under `split`, None (no
+    limit: its own stream, prioritized) under `yield`."""
+    return weight if check_policy(policy) == "split" else None
+
+
+def stream_priority(policy: str, role: str) -> int:
+    """Stream priority (lower = higher, as torch_npu's and CUDA's Stream take it): under `yield`
+    P/D streams outrank encode's; under `split` all are equal (0)."""
+    return -1 if check_policy(policy) == "yield" and role != "E" else 0
+
+
+def enter_stage_thread(cores: list[int] | None, low_priority: bool) -> list[int]:
+    """First thing in a stage worker's thread, before its first tensor op: pin it to `cores`
+    (None: all of the process's), size its torch team, and, for a yielding stage, drop the
+    thread (and so the team it will spawn) to SCHED_IDLE. Returns the thread's cores."""
+    if low_priority:  # first: torch.set_num_threads (in pinning) may already start a thread
+        set_idle_priority()
+    return pin_worker_thread(cores)
+
+
+def set_idle_priority() -> bool:
+    """SCHED_IDLE for the calling thread (nice 19 where SCHED_IDLE is unavailable); False if neither."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except (AttributeError, OSError) as e:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+            log.info("SCHED_IDLE unavailable (%s); encode thread at nice 19", e)
+            return True
+        except (AttributeError, OSError) as e2:
+            log.warning("cannot lower the encode thread's priority (%s); it competes with P/D at equal priority", e2)
+            return False
+
+
+def thread_is_idle_priority() -> bool:
+    """Is the calling thread at SCHED_IDLE (or nice 19)?"""
+    tid = threading.get_native_id()
+    try:
+        return os.sched_getscheduler(tid) == os.SCHED_IDLE or os.getpriority(os.PRIO_PROCESS, tid) >= 19
+    except (AttributeError, OSError):
+        return False
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"co-location policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return policy
