@@ -75,12 +75,12 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
         modes = w.get("modes", {})
         base = _baseline(modes, baseline)
         out += ["", f"### {wname}: {w.get('summary', '')}".rstrip(": "), ""]
-        out.append("| mode | rate | ok/fail | req/s | out tok/s | total tok/s | goodput req/s | SLO att. | "
+        out.append("| mode | rate | ok/fail | req/s | out tok/s | total tok/s | goodput req/s | out tok/s under SLO | SLO att. | "
                    "TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | E2EL p50 | goodput vs base | TTFT p50 vs base | load |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for mode, entry in modes.items():
             if entry.get("error") and not _runs(entry):
-                out.append(f"| {mode} | - | failed: {entry['error'][:80]} |" + " |" * 14)
+                out.append(f"| {mode} | - | failed: {entry['error'][:80]} |" + " |" * 15)
                 continue
             for run in _runs(entry):
                 m = run["metrics"]
@@ -89,7 +89,7 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
                 out.append(
                     f"| {mode} | {_rate(run['rate'])} | {m['completed']}/{m['failed']} | {m['request_throughput']:.3f} | "
                     f"{m['output_throughput']:.1f} | {m['total_token_throughput']:.1f} | {m['goodput']:.3f} | "
-                    f"{100 * m['slo_attainment']:.0f}% | {_f(m['ttft_ms']['median'], 0)} | {_f(m['ttft_ms']['p99'], 0)} | "
+                    f"{m.get('output_throughput_under_slo', 0.0):.1f} | {100 * m['slo_attainment']:.0f}% | {_f(m['ttft_ms']['median'], 0)} | {_f(m['ttft_ms']['p99'], 0)} | "
                     f"{_f(m['tpot_ms']['median'])} | {_f(m['tpot_ms']['p99'])} | {_f(m['itl_ms']['median'])} | "
                     f"{_f(m['e2el_ms']['median'], 0)} | {_ratio(m['goodput'], bm and bm['goodput'])} | "
                     f"{_ratio(m['ttft_ms']['median'], bm and bm['ttft_ms']['median'])} | "

@@ -5,21 +5,22 @@ Roles (parsed by `epdserve.engine.roles.normalize_roles`) → workers:
 - `PD` is one coupled engine doing prefill + decode with continuous batching (mode E-PD);
 - `EP` and `ED` are two co-located workers (E + P, E + D), each with its own queue, engine and
   loop thread, splitting the device (disjoint core sets on CPU, stream limits on NPU);
-- `E`, `P`, `D` are one worker each.
+- `E`, `P`, `D` are one worker each;
+- `P+E` is one prefill worker whose engine encodes inline (mode P-D), handing KV to a D.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.engine.roles import normalize_roles
+from epdserve.engine.roles import FUSED_PREFILL, normalize_roles
 
-MODES = ("monolithic", "E-P-D", "EP-D", "ED-P", "E-PD")
+MODES = ("monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD")
 
 
 def worker_roles(roles: str) -> list[str]:
     """The role of each stage worker an instance with `roles` runs."""
     roles = normalize_roles(roles)
-    if roles in ("EPD", "PD", "E", "P", "D"):
+    if roles in ("EPD", "PD", "E", "P", "D", FUSED_PREFILL):
         return [roles]
     return list(roles)  # EP → [E, P]; ED → [E, D]
 
@@ -52,6 +53,8 @@ def mode_pools(mode: str, encode: int = 1, prefill: int = 1, decode: int = 1) ->
         pools = [Pool("ED", decode), Pool("E", max(0, encode - decode)), Pool("P", prefill)]
     elif mode == "E-PD":
         pools = [Pool("E", encode), Pool("PD", prefill)]
+    elif mode == "P-D":  # EPD-Serve's PD disaggregation: P encodes inline, no E instances
+        pools = [Pool(FUSED_PREFILL, prefill), Pool("D", decode)]
     else:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     pools = [p for p in pools if p.count > 0]

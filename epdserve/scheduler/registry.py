@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from epdserve.engine.roles import normalize_roles
+from epdserve.engine.roles import encodes_inline, normalize_roles, served_stages
 from epdserve.rpc import common_pb2
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,13 @@ class InstanceRecord:
     inflight: int = 0
 
     def has(self, role: str) -> bool:
-        return role in self.roles
+        """Does it serve calls for stage `role` (E, P, D)? A "P+E" instance serves P only."""
+        return role in served_stages(self.roles)
+
+    @property
+    def encodes_inline(self) -> bool:
+        """It encodes the media of what it prefills itself (EPD, P+E): no E needed."""
+        return encodes_inline(self.roles)
 
     @property
     def coupled(self) -> bool:

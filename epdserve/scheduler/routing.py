@@ -4,7 +4,7 @@ Pipelines: a coupled instance (roles PD or EPD, one engine) takes the whole requ
 otherwise a P instance prefills and a separate D instance decodes. Media that need encoding
 are spread across E instances (each item to the E with the least outstanding vision tokens,
 counting what this request already gave it). Text-only requests, media known to be in the MM
-Store, and requests whose coupled instance encodes inline (EPD) skip E.
+Store, and requests whose prefilling instance encodes inline (EPD; P+E in mode P-D) skip E.
 
 Work per pool (the scheduler's own count of dispatched, unfinished work): E vision tokens, P
 prompt tokens, D and coupled (prompt +) max_tokens of requests on them. Ties go round-robin by
@@ -108,7 +108,7 @@ class Router:
         else:
             plan.prefill = self._pick("P", avoid, {})
             plan.decode = self._pick("D", avoid, {})
-        inline = plan.coupled is not None and plan.coupled.has("E")
+        inline = plan.target.encodes_inline  # EPD, or P+E (mode P-D)
         if encode and not inline and self.registry.candidates("E"):
             extra: dict[str, int] = {}
             groups: dict[str, tuple[InstanceRecord, list[int]]] = {}

@@ -8,13 +8,15 @@ from epdserve.instance.config import InstanceConfig
 from epdserve.rpc import common_pb2
 from epdserve.scheduler.registry import InstanceRegistry, RegistryError
 
-BAD = ("", "X", "EX", "EPX", "EE", "E,P", "PDD")
+BAD = ("", "X", "EX", "EPX", "EE", "E,P", "PDD", "E+P", "P+D", "P+")
 
 
 def test_normalize_roles_canonical_order():
     assert normalize_roles("pe") == "EP"
     assert normalize_roles(" DPE ") == "EPD"
     assert normalize_roles("dp") == "PD"
+    assert normalize_roles(" p + e ") == "P+E" and EngineConfig(model="unused", roles="P+E").encodes
+    assert not EngineConfig(model="unused", roles="P+E").decodes
     assert sorted(normalize_roles(r) for r in ROLES) == sorted(ROLES)
     for bad in BAD:
         with pytest.raises(ValueError, match="roles must be one of"):

@@ -16,6 +16,7 @@ def test_worker_roles_coupled_and_colocated():
     assert worker_roles("PE") == ["E", "P"]
     assert worker_roles("ED") == ["E", "D"]
     assert worker_roles("D") == ["D"]
+    assert worker_roles("P+E") == ["P+E"]  # one prefill engine that encodes inline (mode P-D)
     for bad in ("", "X", "EE", "E,P"):
         with pytest.raises(ValueError):
             normalize_roles(bad)
@@ -27,6 +28,7 @@ def test_mode_pools():
     assert mode_pools("EP-D", 3, 1, 1) == [Pool("EP", 1), Pool("E", 2), Pool("D", 1)]
     assert mode_pools("ED-P", 1, 1, 2) == [Pool("ED", 2), Pool("P", 1)]
     assert mode_pools("E-PD", 1, 1, 1) == [Pool("E", 1), Pool("PD", 1)]
+    assert mode_pools("P-D", 3, 2, 1) == [Pool("P+E", 2), Pool("D", 1)]  # no E instances: P encodes inline
     with pytest.raises(ValueError, match="role"):
         mode_pools("E-P-D", 1, 1, 0)
     with pytest.raises(ValueError, match="mode"):

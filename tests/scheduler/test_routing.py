@@ -52,6 +52,16 @@ def test_coupled_instances_take_whole_requests_epd_encodes_inline():
     assert plan.coupled.instance_id == "c0" and [r.instance_id for r, _ in plan.encodes] == ["e0"]
 
 
+def test_p_plus_e_prefills_with_inline_encoding_and_is_never_an_encoder():
+    reg = reg_with(("p0", "P+E"), ("d0", "D"))
+    assert [r.instance_id for r in reg.candidates("P")] == ["p0"] and reg.candidates("E") == []
+    plan, _ = Router(reg).plan(10, 8, [4, 4], [0, 1])
+    assert plan.coupled is None and plan.prefill.instance_id == "p0" and plan.decode.instance_id == "d0"
+    assert plan.encodes == []  # P+E encodes its own requests' media
+    reg = reg_with(("e0", "E"), ("p0", "P"), ("d0", "D"))  # a plain P still gets its media from E
+    assert [r.instance_id for r, _ in Router(reg).plan(10, 8, [4], [0])[0].encodes] == ["e0"]
+
+
 def test_cursor_round_robins_ties_and_survives_roster_changes():
     reg = reg_with(("c0", "EPD"), ("c1", "EPD"), ("c2", "EPD"))
     router = Router(reg)
