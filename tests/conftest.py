@@ -20,3 +20,15 @@ def qwen2_5_vl_tiny(tmp_path_factory):
 def tiny_model_dir(request):
     """Each tiny demo checkpoint in turn (parametrized over both archs)."""
     return request.getfixturevalue(f"{request.param}_tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_tiny(tmp_path_factory):
+    """Path of a tiny Qwen3-VL demo checkpoint (seed 0; DeepStack into LM layers 0 and 1)."""
+    return build_demo_model(tmp_path_factory.mktemp("qwen3_vl_tiny"), arch="qwen3_vl", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_moe_tiny(tmp_path_factory):
+    """Path of a tiny Qwen3-VL-MoE demo checkpoint (seed 0; every LM layer a MoE layer)."""
+    return build_demo_model(tmp_path_factory.mktemp("qwen3_vl_moe_tiny"), arch="qwen3_vl_moe", size="tiny", seed=0)

@@ -19,6 +19,7 @@ import time
 from epdserve.bench.offline_configs import LABELS
 from epdserve.bench.offline_report import markdown, summarize_workload
 from epdserve.bench.offline_workloads import DEFAULTS, WORKLOADS, WorkloadSpec
+from epdserve.deploy.procs import die_with_parent
 
 BASELINES = {"text": ["engine_portable", "one_at_a_time", "padded", "generate_batch"],
              "images": ["engine_portable", "one_at_a_time", "padded"]}
@@ -141,7 +142,8 @@ def _run_worker(tmp: str, cfg: str, model_dir, spec: WorkloadSpec, threads: int,
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     pkg_root = str(pathlib.Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "epdserve.bench.offline_worker", str(job_path), str(out_path)], env=env)
+    proc = subprocess.run([sys.executable, "-m", "epdserve.bench.offline_worker", str(job_path), str(out_path)], env=env,
+                          preexec_fn=die_with_parent())  # a killed benchmark leaves no worker behind
     if proc.returncode != 0 or not out_path.is_file():
         raise RuntimeError(f"{spec.name}/{cfg} worker failed (exit {proc.returncode})")
     return json.loads(out_path.read_text())

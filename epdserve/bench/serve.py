@@ -1,6 +1,7 @@
 """`epdserve bench serve`: serving benchmark of live deployments, the modes side by side in one run.
 
-Owns the command: either `--address HOST:PORT` (one live deployment) or `--modes
+Owns the command: either `--address HOST:PORT` (one live deployment), `--backend openai
+--base-url URL` (any OpenAI-compatible server, epdserve's HTTP front included) or `--modes
 monolithic,E-PD,... --model DIR` (each mode launched in turn with `epdserve launch`, stopped
 after). Every target gets a warm-up, then the same seeded ShareGPT-4o-shaped workloads at the
 same arrival schedules (each rate of a sweep with its own fresh images, so no run is served from
@@ -26,14 +27,21 @@ from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, 
 from epdserve.bench.workload import PRESET_RATES, PRESETS, WorkloadConfig, build_workload, parse_mix
 from epdserve.entrypoints.cli import add_command
 
-MODES = ("monolithic", "E-P-D", "EP-D", "ED-P", "E-PD")
+MODES = ("monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(subparsers, "serve", run,
                     "serving benchmark: TTFT/TPOT/ITL/E2EL, goodput under SLOs, modes side by side", __doc__)
     t = p.add_argument_group("target")
-    t.add_argument("--address", metavar="HOST:PORT", help="a live deployment's scheduler")
+    t.add_argument("--address", metavar="HOST:PORT", help="a live deployment's scheduler (epdserve gRPC API)")
+    t.add_argument("--backend", choices=("epdserve", "openai"), default="epdserve",
+                   help="epdserve: the gRPC API at --address; openai: an OpenAI-compatible server at --base-url "
+                        "(epdserve --http-port, vLLM, SGLang, transformers serve), requests shaped as "
+                        "`vllm bench serve --backend openai-chat` sends them")
+    t.add_argument("--base-url", metavar="URL", help="with --backend openai: e.g. http://127.0.0.1:8000 (or .../v1)")
+    t.add_argument("--served-model", help="with --backend openai: model name (default: the server's first)")
+    t.add_argument("--api-key", default=None, help="with --backend openai: API key (default: $EPDSERVE_API_KEY)")
     t.add_argument("--label", default="live", help="name of the --address target in the report (default live)")
     t.add_argument("--modes", help=f"comma-separated modes to launch in turn ({','.join(MODES)}); "
                                    "the first is the baseline of the ratios")
@@ -110,7 +118,9 @@ def describe(cfg: WorkloadConfig) -> str:
     mix = "/".join(f"{n}:{w:g}" for n, w in cfg.resolution_mix)
     return (f"{cfg.num_requests} requests, {100 * cfg.text_only_share:.0f}% text-only, {img} image(s) per image "
             f"request ({mix} x{cfg.resolution_scale:g}), output {cfg.output_len_mean:g}+-{cfg.output_len_std:g} "
-            f"tokens [{cfg.output_len_min}, {cfg.output_len_max}], {100 * cfg.repeated_image_share:.0f}% repeated images")
+            f"tokens [{cfg.output_len_min}, {cfg.output_len_max}], {100 * cfg.repeated_image_share:.0f}% repeated images"
+            + (f", {100 * cfg.video_share:.0f}% with one clip ({'/'.join(n for n, _ in cfg.video_mix)}, "
+               f"{'/'.join(f'{s:g}' for s in cfg.video_seconds)} s)" if cfg.video_share else ""))
 
 
 def parse_rates(text: str, workload: str | None = None) -> list[float]:
@@ -159,7 +169,10 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
 
 
 def run(args: argparse.Namespace) -> int:
-    if bool(args.address) == bool(args.modes):
+    if args.backend == "openai":
+        if not args.base_url or args.modes:
+            raise SystemExit("--backend openai needs --base-url URL (and no --modes)")
+    elif bool(args.address) == bool(args.modes):
         raise SystemExit("give exactly one of --address HOST:PORT or --modes M1,M2,...")
     workloads = workload_configs(args)
     rates = args.request_rate
@@ -177,7 +190,16 @@ def run(args: argparse.Namespace) -> int:
     def save():
         out.write_text(json.dumps(_clean(report), indent=1, allow_nan=False) + "\n")
 
-    if args.address:
+    if args.backend == "openai":
+        from epdserve.bench.openai_backend import OpenAIBackend
+
+        backend = OpenAIBackend(args.base_url, args.served_model, args.api_key or os.environ.get("EPDSERVE_API_KEY"))
+        report["targets"][args.label] = {"base_url": args.base_url, "backend": "openai", "model": backend.model}
+        try:
+            run_target(backend, args.label, workloads, rates, args, slo, report, save)
+        finally:
+            backend.close()
+    elif args.address:
         report["targets"][args.label] = {"address": args.address}
         backend = ClientBackend(args.address)
         try:

@@ -5,7 +5,9 @@ Owns `launched(...)`: a context manager that runs `epdserve launch --mode M --mo
 a log file, waits for its ready line (`epdserve ready: grpc://HOST:PORT mode=...`; the children's own
 "... ready" lines do not count)
 and yields a `Deployment`; on exit it sends SIGTERM (launch stops its own children) and, if the
-process group is still there after a grace period, SIGKILL to that group. Nothing here is global.
+process group is still there after a grace period, SIGKILL to that group. If the benchmark
+process dies first (even by SIGKILL), the launcher is told (PR_SET_PDEATHSIG) and stops its
+children. Nothing here is global.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from epdserve.deploy.procs import die_with_parent
 from epdserve.net import free_port
 
 READY_RE = re.compile(r"^epdserve ready\b")
@@ -81,7 +84,7 @@ def launched(mode: str, model: str, extra_args: list[str] | None = None, ready_t
     t0 = time.monotonic()
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True, env=child_env)
+                            start_new_session=True, env=child_env, preexec_fn=die_with_parent())
     ready = threading.Event()
     found: dict[str, str] = {}
 

@@ -42,7 +42,8 @@ class ClientBackend:
 
     def stream(self, request: BenchRequest) -> Iterator:
         kwargs = {"timeout": self.timeout_s} if self.timeout_s else {}
-        return iter(self.client.generate_stream(request.prompt, images=list(request.images), request_id=request.request_id,
+        return iter(self.client.generate_stream(request.prompt, images=list(request.images), videos=list(request.videos),
+                                                request_id=request.request_id,
                                                 max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0,
                                                 **kwargs))
 

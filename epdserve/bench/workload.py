@@ -9,6 +9,8 @@ A ShareGPT-4o row is one image, a short caption instruction and a long answer (~
 Here: procedural images (gradient + shapes + light noise, JPEG q85) drawn from a resolution mix,
 prompts rendered with the Qwen2-VL chat template (one placeholder per image, the offline API's
 convention), output lengths from a clipped normal, enforced with max_tokens + ignore_eos.
+A share `video_share` of requests carries one synthetic clip instead (bench/clips.py: MP4 made
+with PyAV, seeded) of a length from `video_seconds` at a resolution from `video_mix`.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 RESOLUTIONS = {"240p": (426, 240), "360p": (640, 360), "480p": (854, 480), "720p": (1280, 720), "1080p": (1920, 1080)}
 MIN_SIDE = 56  # the demo image processor's smallest image side (one vision token)
@@ -31,11 +34,17 @@ CAPTION_INSTRUCTIONS = (
     "Explain what you see, region by region.",
     "Give a long description of the shapes and colours.",
 )
+VIDEO_INSTRUCTIONS = (
+    "Describe what happens in this video.",
+    "What moves in this clip, and where does it go?",
+    "Summarise the video frame by frame.",
+)
 
 
-def chat_prompt(user_text: str, num_images: int = 0) -> str:
-    """The Qwen2-VL chat template around one user turn: images first, then the text."""
-    return f"{SYSTEM}<|im_start|>user\n{PLACEHOLDER * num_images}{user_text}<|im_end|>\n<|im_start|>assistant\n"
+def chat_prompt(user_text: str, num_images: int = 0, num_videos: int = 0) -> str:
+    """The Qwen2-VL chat template around one user turn: videos, images, then the text."""
+    media = VIDEO_PLACEHOLDER * num_videos + PLACEHOLDER * num_images
+    return f"{SYSTEM}<|im_start|>user\n{media}{user_text}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def resolution_size(name: str, scale: float = 1.0) -> tuple[int, int]:
@@ -79,6 +88,10 @@ class WorkloadConfig:
     repeated_image_share: float = 0.0
     text_prompt_words_mean: float = 150.0  # text-only requests: a ShareGPT-style question
     text_prompt_words_std: float = 50.0
+    video_share: float = 0.0  # requests carrying one clip (no images, not text-only)
+    video_mix: tuple[tuple[str, float], ...] = (("240p", 0.4), ("360p", 0.4), ("480p", 0.2))  # x resolution_scale
+    video_seconds: tuple[float, ...] = (1.0, 2.0, 4.0)  # clip lengths, one drawn uniformly per clip
+    video_fps: int = 8  # the clips' frame rate (the server samples frames at its own fps)
     seed: int = 0
 
     def __post_init__(self):
@@ -90,7 +103,7 @@ class WorkloadConfig:
             raise ValueError("need 0 <= output_len_min <= output_len_max, output_len_max >= 1")
         if self.output_len_std < 0 or self.text_prompt_words_std < 0:
             raise ValueError("standard deviations must be >= 0")
-        for share in ("text_only_share", "repeated_image_share"):
+        for share in ("text_only_share", "repeated_image_share", "video_share"):
             if not 0.0 <= getattr(self, share) <= 1.0:
                 raise ValueError(f"{share} must be in [0, 1]")
         if self.resolution_scale <= 0:
@@ -101,30 +114,41 @@ class WorkloadConfig:
                 raise ValueError("resolution_mix needs at least one positive weight")
             for res, _ in self.resolution_mix:
                 resolution_size(res)
+        if self.video_share > 0:
+            if not self.video_mix or any(w < 0 for _, w in self.video_mix) or sum(w for _, w in self.video_mix) <= 0:
+                raise ValueError("video_mix needs at least one positive weight")
+            for res, _ in self.video_mix:
+                resolution_size(res)
+            if not self.video_seconds or min(self.video_seconds) <= 0 or self.video_fps < 1:
+                raise ValueError("video_seconds must be > 0 and video_fps >= 1")
 
     def with_(self, **changes) -> WorkloadConfig:
-        if isinstance(changes.get("resolution_mix"), dict):
-            changes["resolution_mix"] = tuple(changes["resolution_mix"].items())
+        for mix in ("resolution_mix", "video_mix"):
+            if isinstance(changes.get(mix), dict):
+                changes[mix] = tuple(changes[mix].items())
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["resolution_mix"] = dict(self.resolution_mix)
+        d["video_mix"] = dict(self.video_mix)
         return d
 
 
 @dataclass
 class BenchRequest:
     request_id: str
-    prompt: str  # chat-rendered, one PLACEHOLDER per image
+    prompt: str  # chat-rendered, one PLACEHOLDER per image, one VIDEO_PLACEHOLDER per video
     images: list[bytes] = field(default_factory=list)
     image_labels: list[str] = field(default_factory=list)  # resolution name of each image
     repeated_images: int = 0  # how many of `images` already appeared in an earlier request
     max_tokens: int = 16
+    videos: list[bytes] = field(default_factory=list)  # MP4 clips
+    video_labels: list[str] = field(default_factory=list)  # "<resolution>/<seconds>s" of each clip
 
     @property
     def kind(self) -> str:
-        return "image" if self.images else "text"
+        return "video" if self.videos else "image" if self.images else "text"
 
 
 def clipped_normal(rng: random.Random, mean: float, std: float, lo: float, hi: float) -> int:
@@ -144,11 +168,14 @@ def build_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
     image_seed = (cfg.seed * 1_000_003 + zlib.crc32(cfg.name.encode()) * 7919) % (1 << 62)  # distinct per workload
     out = []
     for i in range(cfg.num_requests):
-        text_only = cfg.images_max == 0 or rng.random() < cfg.text_only_share
+        video = cfg.video_share > 0 and rng.random() < cfg.video_share  # no draw without videos: same workloads
+        text_only = not video and (cfg.images_max == 0 or rng.random() < cfg.text_only_share)
         max_tokens = max(1, clipped_normal(rng, cfg.output_len_mean, cfg.output_len_std,
                                            cfg.output_len_min, cfg.output_len_max))
         req = BenchRequest(request_id=f"{cfg.name}-{cfg.seed}-{i}", prompt="", max_tokens=max_tokens)
-        if text_only:
+        if video:
+            _add_clip(req, cfg, rng, seed=image_seed + 1_000_000 + i)
+        elif text_only:
             n = max(1, clipped_normal(rng, cfg.text_prompt_words_mean, cfg.text_prompt_words_std, 1, 1e9))
             start = rng.randrange(0, max(1, len(words) - n))
             question = " ".join((words * (1 + n // len(words)))[start : start + n])
@@ -168,6 +195,17 @@ def build_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
             req.prompt = chat_prompt(rng.choice(CAPTION_INSTRUCTIONS), len(req.images))
         out.append(req)
     return out
+
+
+def _add_clip(req: BenchRequest, cfg: WorkloadConfig, rng: random.Random, seed: int) -> None:
+    from epdserve.bench.clips import synthetic_clip
+
+    label = rng.choices([n for n, _ in cfg.video_mix], [w for _, w in cfg.video_mix])[0]
+    seconds = rng.choice(cfg.video_seconds)
+    w, h = resolution_size(label, cfg.resolution_scale)
+    req.videos.append(synthetic_clip(w, h, max(1, round(seconds * cfg.video_fps)), cfg.video_fps, seed))
+    req.video_labels.append(f"{label}/{seconds:g}s")
+    req.prompt = chat_prompt(rng.choice(VIDEO_INSTRUCTIONS), num_videos=1)
 
 
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -202,6 +240,10 @@ PRESETS = {
     "text-heavy": _CPU.with_(name="text-heavy", num_requests=12, text_only_share=0.8, output_len_mean=96,
                              output_len_std=24, output_len_min=32, output_len_max=160,
                              resolution_mix=(("360p", 1.0),), text_prompt_words_mean=120, text_prompt_words_std=30),
+    # (d) video: one short clip per request (1, 2 or 4 s at 8 fps; 240p-480p at a quarter of their
+    # sides), short outputs: every sampled frame is encoded, the load EPD exists for
+    "video": _CPU.with_(name="video", num_requests=12, video_share=1.0, output_len_mean=12, output_len_std=3,
+                        output_len_min=4, output_len_max=24),
 }
 # The request-rate sweep of each preset (req/s) on that CPU: about 40% and 80% of what the
 # monolithic deployment sustains, measured with the presets above.

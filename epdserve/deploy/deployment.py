@@ -7,13 +7,20 @@ scheduler's roster and HEALTHY. Stop order is the reverse: instances (in paralle
 store. Children are `ChildProcess`es (own process group, die with the launcher) whose output
 goes to one log file each under `log_dir`.
 
-Watching: the scheduler exiting is fatal (`watch()` reports it); an instance exiting is not —
-the scheduler retries its requests elsewhere — and is logged once with its log's tail.
+Supervising (`watch()`, called from the launcher's main thread, so that PR_SET_PDEATHSIG holds
+for restarted children too): a child that exits — an instance, the scheduler, the private MM
+Store server — is logged with its log's tail and started again after a capped exponential
+backoff (`supervisor.RestartPolicy`). The scheduler comes back on the port it had, and the
+instances register with it again (their heartbeat learns it forgot them); the MM Store comes back
+on its port, empty (P recomputes features it misses); an instance comes back on a new port and
+registers itself. Meanwhile the scheduler retries requests elsewhere. A child in a crash loop is
+reported and left dead; for the scheduler that ends the deployment (`watch()` says why).
 """
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -23,7 +30,10 @@ from pathlib import Path
 import grpc
 
 from epdserve.deploy.procs import ChildProcess, stop_all
+from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
+from epdserve.deploy.supervisor import RestartPolicy, RestartSchedule
 from epdserve.instance.roles import mode_pools
+from epdserve.transfer.mm_store.connection import PASSWORD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +46,7 @@ class DeploymentSpec:
     prefill: int = 1
     decode: int = 1
     mm_store: str | None = None  # None: a private local server
+    mm_store_max_bytes: int = 4 << 30  # the private server's memory bound (LRU eviction)
     host: str = "127.0.0.1"
     port: int = 0  # scheduler's public port; 0: a free one
     device: str = "cpu"
@@ -43,9 +54,12 @@ class DeploymentSpec:
     pin_instances: bool = False  # CPU: give each instance a disjoint share of this machine's cores
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
+    registry: str | None = None  # host:port instances register at (the scheduler's --internal-port); None: --port
     log_dir: str | None = None  # None: a temporary directory, removed after a clean stop
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0
+    drain_timeout_s: float = 10.0  # instances' --drain-timeout: calls in flight finish within it on stop
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def pools(self):
         return mode_pools(self.mode, self.encode, self.prefill, self.decode)
@@ -67,7 +81,8 @@ class Deployment:
         self._own_log_dir = spec.log_dir is None
         self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="epdserve-launch-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._reported: set[str] = set()
+        self._instance_launches: list[tuple[str, list[str], dict[str, str]]] = []  # name, argv, env
+        self._schedules: dict[str, RestartSchedule] = {}  # child name ("mm_store", "scheduler", instances)
 
     # ---------------------------------------------------------------- start
     def start(self, should_stop=lambda: False) -> str:
@@ -77,15 +92,13 @@ class Deployment:
         if not s.mm_store:
             from epdserve.transfer.mm_store.server import LocalRedisServer
 
-            self._redis = LocalRedisServer().start()
-            self.mm_store_url = self._redis.url
+            # a password even on loopback (other local users); instances get it from the environment
+            self._redis = LocalRedisServer(maxmemory=s.mm_store_max_bytes, password=secrets.token_urlsafe(24)).start()
+            self.mm_store_url = self._redis.address_url
             log.info("MM Store: private server at %s", self.mm_store_url)
         addr_file = self.log_dir / "scheduler.address"
         addr_file.unlink(missing_ok=True)
-        self.scheduler = self._child("scheduler", [
-            "--model", s.model, "--host", s.host, "--port", str(s.port), "--mode", s.mode,
-            "--address-file", str(addr_file), *s.scheduler_args],
-            module="epdserve.entrypoints.scheduler_cli").start()
+        self.scheduler = self._scheduler_child(s.port, addr_file).start()
         while not addr_file.exists():
             self._check_alive(self.scheduler, "the scheduler")
             self._check_deadline(deadline, should_stop, "the scheduler to bind")
@@ -98,28 +111,45 @@ class Deployment:
                 argv = self._instance_argv(pool.roles)
                 if cores:
                     argv += ["--cores", ",".join(map(str, cores[k]))]
-                self.instances.append(self._child(f"{pool.roles}{i}", argv, self._env(k)))
+                self._instance_launches.append((f"{pool.roles}{i}", argv, self._env(k)))
                 k += 1
+        self.instances = [self._child(*launch) for launch in self._instance_launches]
         for c in self.instances:
             c.start()
         self._wait_roster(deadline, should_stop)
+        now = time.monotonic()
+        for name in ["scheduler", *(c.name for c in self.instances), *(["mm_store"] if self._redis else [])]:
+            self._schedules[name] = RestartSchedule(s.restart, now)
         return self.address
+
+    def _scheduler_child(self, port: int, addr_file: Path) -> ChildProcess:
+        s = self.spec
+        return self._child("scheduler", [
+            "--model", s.model, "--host", s.host, "--port", str(port), "--mode", s.mode,
+            "--address-file", str(addr_file), *s.scheduler_args],
+            module="epdserve.entrypoints.scheduler_cli")
 
     def _instance_argv(self, roles: str) -> list[str]:
         s = self.spec
-        return ["instance", "--roles", roles, "--model", s.model, "--scheduler", self.address,
-                "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host, *s.instance_args]
+        return ["instance", "--roles", roles, "--model", s.model, "--scheduler", s.registry or self.address,
+                "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host,
+                "--drain-timeout", str(s.drain_timeout_s), *s.instance_args]
 
     def _core_sets(self) -> list[list[int]] | None:
         """One core set per instance (in start order) when pinning CPU instances, else None."""
         if not (self.spec.pin_instances and self.spec.device.startswith("cpu")):
             return None
+        from epdserve.engine.roles import engine_stages
         from epdserve.instance.affinity import split_cores
 
-        weights = [float(len(p.roles)) for p in self.pools for _ in range(p.count)]  # EP needs more than D
+        weights = [float(len(engine_stages(p.roles))) for p in self.pools for _ in range(p.count)]  # EP > D
         return split_cores(len(weights), weights=weights)
 
     def _env(self, k: int) -> dict[str, str]:
+        env = {} if self._redis is None else {PASSWORD_ENV: self._redis.password}  # the private MM Store's
+        return {**env, **self._device_env(k)}
+
+    def _device_env(self, k: int) -> dict[str, str]:
         if self.spec.device.startswith("cpu"):
             # Several torch processes share the cores: OpenMP threads that spin while waiting
             # steal them from the other processes (measured 5-20x slower decode on 2 cores).
@@ -138,8 +168,11 @@ class Deployment:
     def _wait_roster(self, deadline: float, should_stop) -> None:
         from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 
+        from epdserve.security import channels
+
         want = len(self.instances)
-        with grpc.insecure_channel(self.address) as ch:
+        key, token = channels.from_env()  # the deployment's API key / cluster token, if any
+        with channels.channel(self.address, api_key=key, cluster_token=token) as ch:
             stub = serve_pb2_grpc.EPDServeStub(ch)
             while True:
                 self._check_alive(self.scheduler, "the scheduler")
@@ -167,15 +200,75 @@ class Deployment:
 
     # ---------------------------------------------------------------- run
     def watch(self) -> str | None:
-        """Check the children once: a reason to stop (the scheduler died), else None."""
-        if self.scheduler is not None and self.scheduler.poll() is not None:
-            return f"the scheduler exited with code {self.scheduler.poll()}:\n{self.tail(self.scheduler)}"
-        for c in self.instances:
-            if c.poll() is not None and c.name not in self._reported:
-                self._reported.add(c.name)
-                log.warning("instance %s (pid %s) exited with code %s; its requests are retried elsewhere:\n%s",
-                            c.name, c.pid, c.poll(), self.tail(c))
+        """Check the children once, restarting the dead that are due: a reason to stop (the
+        scheduler is in a crash loop), else None."""
+        now = time.monotonic()
+        if self._redis is not None and "mm_store" in self._schedules:
+            self._supervise("mm_store", "the MM Store server", self._redis.running, now, self._restart_mm_store)
+        if self.scheduler is not None and "scheduler" in self._schedules:
+            if self._supervise("scheduler", "the scheduler", self.scheduler.alive(), now, self._restart_scheduler,
+                               self.scheduler):
+                return f"the scheduler is in a crash loop (exited {self._schedules['scheduler'].failures} times in a row)"
+        for k, c in enumerate(self.instances):
+            if c.name in self._schedules:
+                self._supervise(c.name, f"instance {c.name}", c.alive(), now, lambda k=k: self._restart_instance(k), c)
         return None
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How many times each child was started again."""
+        return {name: sch.restarts for name, sch in self._schedules.items()}
+
+    def _supervise(self, name: str, what: str, alive: bool, now: float, restart, child: ChildProcess | None = None
+                   ) -> bool:
+        """One child's turn: note its death, restart it when due. True: it is in a crash loop."""
+        sch = self._schedules[name]
+        if sch.gave_up:
+            return True
+        if alive:
+            return False
+        if sch.due is None:
+            code = f" with code {child.poll()}" if child is not None else ""
+            tail = self.tail(child) if child is not None else ""
+            if child is not None:
+                self._reap(child)
+            delay = sch.exited(now)
+            if delay is None:
+                log.error("%s is in a crash loop (exited %d times in a row, each within %.0f s of its start); "
+                          "not restarting it:\n%s", what, sch.failures, sch.policy.stable_after_s, tail)
+                return True
+            log.warning("%s exited%s; restarting it in %.1f s:\n%s", what, code, delay, tail)
+            return False
+        if sch.is_due(now):
+            try:
+                restart()
+            except Exception as e:  # e.g. the MM Store port was taken: counts as another exit
+                log.error("restarting %s failed: %s", what, e)
+                sch.started(now)
+                return False
+            sch.started(now)
+            log.info("%s started again (restart %d)", what, sch.restarts)
+        return False
+
+    def _reap(self, c: ChildProcess) -> None:
+        c.stop(0.0)  # reaps it; SIGKILLs whatever of its process group is left
+        try:
+            c.log_stream.close()
+        except OSError:
+            pass
+
+    def _restart_mm_store(self) -> None:
+        self._redis.stop()
+        self._redis.start()  # the same port, empty
+
+    def _restart_scheduler(self) -> None:
+        port = int(self.address.rsplit(":", 1)[1])  # the port it had: instances and clients know it
+        addr_file = self.log_dir / "scheduler.address"
+        addr_file.unlink(missing_ok=True)
+        self.scheduler = self._scheduler_child(port, addr_file).start()
+
+    def _restart_instance(self, k: int) -> None:
+        self.instances[k] = self._child(*self._instance_launches[k]).start()  # same flags, cores included
 
     def tail(self, c: ChildProcess, n: int = 15) -> str:
         try:
@@ -188,10 +281,13 @@ class Deployment:
         return ",".join(f"{p.roles}x{p.count}" for p in self.pools)
 
     # ---------------------------------------------------------------- stop
-    def stop(self, timeout_s: float = 15.0, clean: bool = True) -> None:
+    def stop(self, timeout_s: float | None = None, clean: bool = True) -> None:
+        """Instances first (each within its drain timeout + margin, then SIGKILL), the scheduler, the store."""
+        if timeout_s is None:
+            timeout_s = self.spec.drain_timeout_s + INSTANCE_STOP_MARGIN_S
         stop_all(self.instances, timeout_s)
         if self.scheduler is not None:
-            self.scheduler.stop(timeout_s)
+            self.scheduler.stop(5.0)
         for c in [*self.instances, *([self.scheduler] if self.scheduler else [])]:
             try:
                 c.log_stream.close()

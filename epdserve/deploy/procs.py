@@ -5,7 +5,10 @@ Each child runs `python -m <module> <args>` (default module: the `epdserve` CLI)
   the children in order; stopping a child signals its whole group, grandchildren included);
 - with PR_SET_PDEATHSIG=SIGTERM on Linux, so it is told to stop if the launcher dies without
   cleaning up (even SIGKILL). Linux sends it when the *thread* that spawned the child exits:
-  spawn children from the launcher's main thread.
+  spawn children from the launcher's main thread. A launcher that died before the child set it
+  is caught right after (the child's parent pid is no longer the launcher's), and the child's
+  environment names the launcher (EPDSERVE_PARENT_PID) so that epdserve children also watch it
+  (`deploy.signals.StopSignals`).
 - its stdout/stderr go to `log_stream` (default: the launcher's stderr, each line prefixed
   with the child's name).
 """
@@ -22,10 +25,25 @@ import time
 log = logging.getLogger(__name__)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent():
+    """A preexec_fn: the child gets SIGTERM when this process (its parent) dies; None off Linux.
+
+    Everything is looked up before the fork, so the child runs no import and takes no lock that
+    another thread of the parent may have held at fork time; only prctl, getppid and _exit run
+    there."""
+    if not sys.platform.startswith("linux"):
+        return None
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent, sigterm = os.getpid(), int(signal.SIGTERM)
+
+    def child() -> None:  # between fork and exec
+        prctl(1, sigterm)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl: nobody will send the signal
+            os._exit(1)
+
+    return child
 
 
 class ChildProcess:
@@ -38,6 +56,7 @@ class ChildProcess:
         self.log_stream = log_stream if log_stream is not None else sys.stderr
         self.proc: subprocess.Popen | None = None
         self._pump: threading.Thread | None = None
+        self._stopped = False  # stop() ran: the group was killed and the child reaped (its pid may be reused)
 
     @property
     def pid(self) -> int | None:
@@ -47,6 +66,9 @@ class ChildProcess:
         env = dict(os.environ)
         env.update(self.env or {})
         env.setdefault("PYTHONUNBUFFERED", "1")
+        from epdserve.deploy.signals import PARENT_PID_ENV
+
+        env[PARENT_PID_ENV] = str(os.getpid())
         self.proc = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -54,7 +76,7 @@ class ChildProcess:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent(),
         )
         self._pump = threading.Thread(target=self._forward, name=f"log[{self.name}]", daemon=True)
         self._pump.start()
@@ -92,9 +114,11 @@ class ChildProcess:
             return False
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM the child's group, then SIGKILL it after `timeout_s`. Returns the exit code."""
-        if self.proc is None:
-            return None
+        """SIGTERM the child's group, then SIGKILL it after `timeout_s`. Returns the exit code.
+        Once only: a second call signals nothing (the pid, reaped, may belong to another process now)."""
+        if self.proc is None or self._stopped:
+            return None if self.proc is None else self.proc.returncode
+        self._stopped = True
         if self.alive():
             self.signal(signal.SIGTERM)
             if not self.wait(timeout_s):

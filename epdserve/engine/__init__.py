@@ -6,6 +6,7 @@
 - scheduler.py       Scheduler: queues, request states, the block manager's only owner; schedule / update
 - kv_connector.py    KVConnector: the seam through which KV leaves for or arrives from other instances
 - encode_stage.py    EncodeStage: media features from the FeatureProvider or the vision tower
+- encode_plan.py     encode batching under a vision-token budget: round-robin, videos by temporal patches
 - model_runner.py    ModelRunner: one packed forward over a scheduled batch, then sampling
 - sequence.py        Sequence and RequestState: one request inside the engine
 - block_manager.py, kv_cache.py, sampler.py, stop_checker.py, outputs.py, stats.py, config.py,

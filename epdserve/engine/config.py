@@ -19,7 +19,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    max_encode_images_per_step: int = 8
+    # vision tokens (after the spatial merge) E encodes per engine step, across requests; a video
+    # over the budget is encoded a few temporal patches per step (engine/encode_plan.py)
+    encode_token_budget: int = 1024
     enable_chunked_prefill: bool = True
     feature_wait_s: float = 0.0  # bounded wait for a feature before recomputing it
     seed: int = 0
@@ -27,7 +29,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self.roles = normalize_roles(self.roles)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_encode_images_per_step"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "encode_token_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

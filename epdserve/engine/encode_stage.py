@@ -7,12 +7,17 @@ Per media item, in order of preference:
 3. a prefill-only engine waits up to `wait_s` (polled each step, never blocking the loop) for
    the feature to arrive, then recomputes it with its own vision encoder — same output,
    counted in `recomputes`. An item without raw media cannot be recomputed: that request fails.
-At most `max_images_per_step` images are encoded per engine step, batched in one call.
+Encoding runs under a vision-token budget per engine step, across requests, round-robin; a
+video over the budget is encoded a few temporal patches per step (engine/encode_plan.py), and
+its features are stored once, whole, when its last slice is done.
+An item's features are one list (the embedding, then Qwen3-VL's DeepStack features): a stored
+value with another number of tensors is treated as absent, so it is recomputed.
 """
 from __future__ import annotations
 
 import time
 
+from epdserve.engine.encode_plan import TEMPORAL_SLICING_EXACT, EncodeJob, Slice, pack
 from epdserve.transfer.feature_provider import FeatureProvider
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
@@ -21,17 +26,21 @@ from epdserve.model.adapter import VLMAdapter
 
 class EncodeStage:
     def __init__(self, adapter: VLMAdapter, features: FeatureProvider, *, encodes: bool, prefills: bool,
-                 wait_s: float, max_images_per_step: int, stats: EngineStats):
+                 wait_s: float, token_budget: int, stats: EngineStats):
         self.adapter = adapter
         self.features = features
         self.encodes = encodes
         self.prefills = prefills
         self.wait_s = wait_s
-        self.max_images_per_step = max_images_per_step
+        self.token_budget = token_budget
         self.stats = stats
         self.pending: list[Sequence] = []
+        self.jobs: dict[str, EncodeJob] = {}  # media key -> its encoding in progress
+        self._served: dict[str, int] = {}  # request id -> the last step that encoded a slice of it
+        self._steps = 0
         self.recomputes = 0
-        self.encoder_runs = 0
+        self.encoder_runs = 0  # media items encoded (whole, however many slices)
+        self.encoder_calls = 0  # vision tower calls
 
     def add(self, seq: Sequence) -> None:
         seq.state = RequestState.WAITING_FOR_FEATURES
@@ -40,17 +49,16 @@ class EncodeStage:
     def remove(self, seq: Sequence) -> None:
         if seq in self.pending:
             self.pending.remove(seq)
+            self._served.pop(seq.request_id, None)
 
     def step(self) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
         """Advance every pending request; returns (ready requests, failed (request, message))."""
+        self._steps += 1
         now = time.monotonic()
-        todo: list[tuple[Sequence, MediaItem]] = []
         failed: list[tuple[Sequence, str]] = []
         for seq in self.pending:
             for m in seq.media:
-                if m.features is not None or any(m is o for _, o in todo):
-                    continue
-                if self._from_provider(m):
+                if m.features is not None or m.key in self.jobs or self._from_provider(m):
                     continue
                 if not self.encodes and (m.wait_since is None or now - m.wait_since < self.wait_s):
                     if m.wait_since is None:
@@ -60,16 +68,30 @@ class EncodeStage:
                 if m.input is None:
                     failed.append((seq, f"features of media {m.key} are not in the store and its bytes were not sent"))
                     break
-                if len(todo) < self.max_images_per_step:
-                    todo.append((seq, m))
-        if todo:
-            self._encode(todo)
+                self.jobs[m.key] = self._job(m)
         bad = {id(s) for s, _ in failed}
-        ready = [s for s in self.pending if id(s) not in bad and all(m.features is not None for m in s.media)]
+        live = [s for s in self.pending if id(s) not in bad]
+        needed = {m.key for s in live for m in s.media if m.features is None}
+        for key in [k for k in self.jobs if k not in needed]:  # its requests failed or were aborted
+            del self.jobs[key]
+        order = sorted(live, key=lambda s: self._served.get(s.request_id, -1))  # stable: then arrival
+        slices, served = pack([(s, [self.jobs[m.key] for m in s.media if m.key in self.jobs]) for s in order],
+                              self.token_budget)
+        for seq in served:
+            self._served[seq.request_id] = self._steps
+            seq.timings.setdefault("encode_start", time.time())
+        if slices:
+            self._encode(slices)
+        ready = [s for s in live if all(m.features is not None for m in s.media)]
         for seq in ready + [s for s, _ in failed]:
-            self.pending.remove(seq)
+            self.remove(seq)
             seq.timings["encode_end"] = time.time()
         return ready, failed
+
+    def _job(self, m: MediaItem) -> EncodeJob:
+        t = int(m.grid_thw.reshape(3)[0])
+        return EncodeJob(m, self.adapter.tokens_per_image(m.grid_thw) // t,
+                         sliceable=self.adapter.config.model_type in TEMPORAL_SLICING_EXACT)
 
     def _from_provider(self, m: MediaItem) -> bool:
         if self.encodes and not self.prefills:
@@ -78,33 +100,32 @@ class EncodeStage:
                 return True
             return False
         feats = self.features.load(m.key, 0.0)
-        if feats is None:
+        if feats is None or len(feats) != 1 + self.adapter.num_deepstack:
             return False
         m.features, m.from_store = feats, True
         return True
 
-    def _encode(self, todo: list[tuple[Sequence, MediaItem]]) -> None:
-        for seq, _ in todo:
-            seq.timings.setdefault("encode_start", time.time())
-        # one encoder run per distinct key; duplicates in flight share the result
-        unique: dict[str, MediaItem] = {}
-        for _, m in todo:
-            unique.setdefault(m.key, m)
+    def _encode(self, slices: list[Slice]) -> None:
         t0 = time.perf_counter()
-        feats = self.adapter.encode_images([m.input.pixel_values for m in unique.values()],
-                                           [m.grid_thw for m in unique.values()])
-        self.stats.record_vision(len(unique), time.perf_counter() - t0)
-        self.encoder_runs += len(unique)
+        inputs = [s.job.slice_input(s.start, s.end) for s in slices]
+        feats = self.adapter.encode_images([pv for pv, _ in inputs], [g for _, g in inputs])
+        self.encoder_calls += 1
+        done = []
+        for s, f in zip(slices, feats):
+            s.job.add_part(f, s.end - s.start)
+            if s.job.complete:
+                done.append(s.job)
+        self.stats.record_vision(len(done), time.perf_counter() - t0)
+        self.encoder_runs += len(done)
         if not self.encodes:
-            self.recomputes += len(unique)
-        by_key = dict(zip(unique, feats))
-        for seq, m in todo:
-            m.features = by_key[m.key]
-        for key, f in by_key.items():
-            owner = next(s for s, m in todo if m.key == key)
+            self.recomputes += len(done)
+        for job in done:
+            key, f = job.item.key, job.features()
+            del self.jobs[key]
+            owners = [s for s in self.pending if any(m.key == key and m.features is None for m in s.media)]
             if self.encodes:
-                self.features.save(key, f, request_id=owner.request_id, target=owner.feature_target)
-        for seq in self.pending:  # the same image in another pending request
-            for m in seq.media:
-                if m.features is None and m.key in by_key:
-                    m.features = by_key[m.key]
+                self.features.save(key, f, request_id=owners[0].request_id, target=owners[0].feature_target)
+            for seq in owners:  # the same media in every pending request
+                for m in seq.media:
+                    if m.key == key and m.features is None:
+                        m.features = f

@@ -68,7 +68,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.encoder = EncodeStage(
             a, self.features, encodes=config.encodes, prefills=config.prefills, wait_s=config.feature_wait_s,
-            max_images_per_step=config.max_encode_images_per_step, stats=self.stats,
+            token_budget=config.encode_token_budget, stats=self.stats,
         )
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
@@ -84,9 +84,10 @@ class LLMEngine:
                          grid_thw=m.grid_thw)
 
     def build_request(self, request_id: str, prompt: str | list[int], images: list | None = None,
-                      params: SamplingParams | None = None) -> EngineRequest:
-        """Preprocess a raw prompt and its images; InvalidRequestError for bad input."""
-        processed = self.processor.process(prompt, images)
+                      params: SamplingParams | None = None, videos: list | None = None,
+                      video_options: dict | None = None) -> EngineRequest:
+        """Preprocess a raw prompt and its images / videos; InvalidRequestError for bad input."""
+        processed = self.processor.process(prompt, images, videos, video_options)
         return EngineRequest(request_id, processed.token_ids, [self.media_item(m) for m in processed.media],
                              params or SamplingParams())
 
@@ -104,8 +105,9 @@ class LLMEngine:
             seed = req.params.seed + (1 if isinstance(req.kv_transfer, RemotePrefill) else 0)
             seq.generator = torch.Generator(device=self.model.device).manual_seed(seed)
         if self.config.prefills:
-            seq.positions, seq.rope_delta = self.model.adapter.rope_index(seq.prompt_token_ids,
-                                                                          [m.grid_thw for m in seq.media])
+            seq.positions, seq.rope_delta = self.model.adapter.rope_index(
+                seq.prompt_token_ids, [m.grid_thw for m in seq.media],
+                [m.input.seconds_per_grid if m.input is not None else None for m in seq.media])
         if seq.media:
             self.encoder.add(seq)
         elif self.config.computes:
@@ -117,10 +119,11 @@ class LLMEngine:
         self._seqs[rid] = seq
 
     def _validate(self, seq: Sequence) -> None:
-        n_img = sum(1 for t in seq.prompt_token_ids if t == self.model.adapter.image_token_id)
+        visual = (self.model.adapter.image_token_id, self.model.adapter.video_token_id)
+        n_img = sum(1 for t in seq.prompt_token_ids if t in visual)
         n_media = sum(m.num_tokens for m in seq.media)
         if self.config.prefills and n_img != n_media:
-            raise InvalidRequestError(f"{n_img} image tokens in the prompt but media for {n_media}")
+            raise InvalidRequestError(f"{n_img} image/video tokens in the prompt but media for {n_media}")
         if self.config.computes and seq.prompt_len >= self.max_model_len:
             raise InvalidRequestError(f"prompt is {seq.prompt_len} tokens; the model's context is {self.max_model_len}")
 

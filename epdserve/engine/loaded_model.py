@@ -56,7 +56,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     a = VLMAdapter(ckpt.model)
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
-                                    a.text_config.vocab_size)
+                                    a.text_config.vocab_size, video=ckpt.video)
     generation_eos = getattr(getattr(ckpt.model, "generation_config", None), "eos_token_id", None)
     return LoadedModel(
         model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a, processor=processor,

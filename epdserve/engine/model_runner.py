@@ -6,7 +6,9 @@ transformers' decoder layers with epdserve's paged attention, and the LM head on
 sample. The KV connector's worker side runs inside the loop: `start_load_kv` before it,
 `wait_for_layer_load(i)` before layer i, `save_kv_layer(i)` after it (the P→D transfer sends
 layer i while layer i+1 computes), `wait_for_save` at the end. Block tables come with the batch;
-the runner never sees the block manager.
+the runner never sees the block manager. Qwen3-VL's DeepStack features of the visual tokens in
+a step's prompt chunks are added to the hidden states after the first LM layers, as
+transformers does (`model.deepstack`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from epdserve.engine.kv_connector import KVConnector
 from epdserve.engine.sampler import sample
 from epdserve.engine.scheduler import ScheduledSeq
 from epdserve.model.adapter import VLMAdapter
+from epdserve.model.deepstack import chunk_deepstack
 from epdserve.ops import paged_attention
 from epdserve.ops.backend import PagedOps
 from epdserve.ops.attention_meta import AttentionMeta, PrefillSegment
@@ -37,11 +40,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def build_prompt_embeds(self, token_ids: list[int], features: list[torch.Tensor]) -> torch.Tensor:
-        """Text embeddings of a prompt with each image's features at its placeholder tokens."""
+        """Text embeddings of a prompt with each image's (and video's) features at its placeholder tokens."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         emb = self.adapter.embed_tokens(ids)
         if features:
             mask = ids == self.adapter.image_token_id
+            if self.adapter.video_token_id is not None:
+                mask |= ids == self.adapter.video_token_id
             feats = torch.cat([f.to(self.device, emb.dtype) for f in features])
             if int(mask.sum()) != feats.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image tokens but {feats.shape[0]} feature rows")
@@ -53,6 +58,7 @@ class ModelRunner:
         """Run one step; returns the sampled token per item (None where the item only prefilled a chunk)."""
         t0 = time.perf_counter()
         hidden, position_ids, meta = self._inputs(batch)
+        deepstack = self._deepstack(batch, hidden) if self.adapter.num_deepstack else None
         self.inputs_s = time.perf_counter() - t0  # host time of building this step's inputs (EngineStats)
         conn = self.connector
         cos_sin = self.adapter.rotary(hidden, position_ids)
@@ -62,6 +68,9 @@ class ModelRunner:
             if conn is not None:
                 conn.wait_for_layer_load(i)
             hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin, epd_meta=meta)
+            if deepstack is not None and i < len(deepstack[1]):
+                rows = deepstack[0]
+                hidden[0, rows] = hidden[0, rows] + deepstack[1][i]
             if conn is not None:
                 conn.save_kv_layer(i)
         if conn is not None:
@@ -113,6 +122,27 @@ class ModelRunner:
             decode_ctx_lens=torch.tensor(dec_ctx, dtype=torch.long, device=dev),
         )
         return hidden, position_ids, meta
+
+    def _deepstack(self, batch: list[ScheduledSeq], hidden: torch.Tensor):
+        """(packed rows of the visual tokens in this step's prompt chunks, per deepstack layer their
+        features), or None when the step has none."""
+        rows: list[int] = []
+        per_item: list[list[torch.Tensor]] = []
+        offset, visual = 0, (self.adapter.image_token_id, self.adapter.video_token_id)
+        for item in batch:
+            seq = item.seq
+            if seq.media and item.start < seq.prompt_len:
+                found = chunk_deepstack(seq.prompt_token_ids, visual, [m.features for m in seq.media],
+                                        item.start, item.end)
+                if found is not None:
+                    rows.extend(offset + r for r in found[0])
+                    per_item.append(found[1])
+            offset += item.num_tokens
+        if not rows:
+            return None
+        dev, dtype = hidden.device, hidden.dtype
+        layers = [torch.cat([f[i] for f in per_item]).to(dev, dtype) for i in range(len(per_item[0]))]
+        return torch.tensor(rows, dtype=torch.long, device=dev), layers
 
     def _sample(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> list[int | None]:
         last_rows, sampling = [], []

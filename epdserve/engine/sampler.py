@@ -1,7 +1,9 @@
 """Sampler: next token per request from its logits row, honouring that request's params.
 
-Greedy rows take argmax; sampled rows apply temperature, top-k, top-p, then draw with the
-request's own generator (seeded requests reproduce whatever they are batched with).
+Greedy rows take argmax; sampled rows apply temperature, then min-p, top-k, top-p (vLLM v1's
+order: min-p is computed on the temperature-scaled distribution over the whole vocabulary),
+then draw with the request's own generator (seeded requests reproduce whatever they are
+batched with).
 """
 from __future__ import annotations
 
@@ -19,8 +21,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return out
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def filtered_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """`row` / temperature with the tokens min-p, top-k and top-p drop set to -inf."""
     row = row / p.temperature
+    if p.min_p > 0.0:  # keep p(token) >= min_p * max p; the top token always stays
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -30,5 +36,9 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest prefix reaching top_p
         sorted_logits[drop] = float("-inf")
         row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
-    probs = torch.softmax(row, dim=-1)
+    return row
+
+
+def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    probs = torch.softmax(filtered_logits(row, p), dim=-1)
     return int(torch.multinomial(probs, 1, generator=gen).item())

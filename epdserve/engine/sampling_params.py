@@ -1,15 +1,20 @@
 """`SamplingParams`: how one request samples and when it stops (validated on construction)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MIN_TEMPERATURE = 1e-5  # below it (but not 0), logits / temperature overflow float32 to inf
 
 
 @dataclass
 class SamplingParams:
     """Sampling and stop criteria of one request, in vLLM's shape.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. `seed` makes a
-    sampled request reproducible regardless of what it is batched with.
+    temperature 0 means greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those filters.
+    min_p (vLLM's): tokens whose probability is below min_p times the most likely token's are
+    dropped before sampling (greedy is unaffected). `seed` makes a sampled request reproducible
+    regardless of what it is batched with.
     """
 
     max_tokens: int = 16
@@ -21,6 +26,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_p: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -29,10 +35,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):

@@ -7,7 +7,8 @@ for the device). `host_s` is the rest of `LLMEngine.step`: `schedule_s` (connect
 scheduling), `inputs_s` (packed inputs, positions, slots, block tables), `update_s` (appending
 tokens, detokenizing, stop checks, making outputs). `decode_*` count the same for steps with
 decode tokens only. `prefill_s` / `decode_s` keep their meaning: a step's `execute` time
-(inputs + forward), by whether the step contained prompt tokens.
+(inputs + forward), by whether the step contained prompt tokens. An instance reports `steps`,
+`host_s + forward_s` and `batch_requests` in its `Load` (the scheduler's /metrics exports them).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ COUNTERS = (
     "vision_s", "images_encoded", "prefill_s", "decode_s", "steps", "prompt_tokens", "decode_tokens",  # vision, by step kind
     "host_s", "schedule_s", "inputs_s", "update_s", "forward_s",  # every step's host parts and forward
     "decode_steps", "decode_host_s", "decode_forward_s",  # the same for decode-only steps
+    "batch_requests",  # requests in each step's batch, summed (/ steps: the mean batch size)
 )
 
 
@@ -32,6 +34,7 @@ class EngineStats:
         """One step's batch and its times (seconds; see the module docstring)."""
         t = self._t
         t["steps"] += 1
+        t["batch_requests"] += len(batch)
         prefill = sum(i.num_tokens for i in batch if i.num_tokens > 1 or i.start == 0)
         t["prompt_tokens"] += prefill
         t["decode_tokens"] += sum(1 for i in batch if i.num_tokens == 1 and i.start > 0)

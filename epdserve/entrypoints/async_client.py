@@ -1,4 +1,5 @@
-"""`AsyncClient`: the asyncio twin of `Client` (same methods, awaited; streams are async iterators).
+"""`AsyncClient`: the asyncio twin of `Client` (same methods, awaited; streams are async iterators;
+the same addresses and resumption after a lost scheduler).
 
     async with AsyncClient("127.0.0.1:50051") as c:
         out = await c.generate("Hello", max_tokens=8)
@@ -7,6 +8,8 @@
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,24 +20,47 @@ from epdserve.entrypoints.client import (
     Delta,
     EPDServeError,
     GenerateResult,
+    addresses_of,
     build_request,
     delta_from,
-    result_from,
 )
+from epdserve.entrypoints.resume import RetryPolicy, collect, resumed, retryable
 from epdserve.rpc import serve_pb2, serve_pb2_grpc
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout: float | None = None):
-        self.address = address
+    def __init__(self, address, timeout: float | None = None, *, api_key: str | None = None,
+                 tls_ca: str | None = None, tls: bool = False, retries: int = RetryPolicy.retries,
+                 retry_backoff_s: float = RetryPolicy.backoff_s):
+        """As `Client`: one address or several, retries / retry_backoff_s, api_key (default:
+        EPDSERVE_API_KEY), tls_ca / tls for a TLS port."""
+        from epdserve.security import channels
+
+        self.addresses = addresses_of(address)
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = serve_pb2_grpc.EPDServeStub(self._channel)
+        self.retry = RetryPolicy(retries, retry_backoff_s, max(retry_backoff_s, RetryPolicy.max_backoff_s))
+        self.retried = 0
+        key, token = channels.from_env(api_key)
+        self._channels = [channels.aio_channel(a, CHANNEL_OPTIONS, api_key=key, cluster_token=token, tls_ca=tls_ca,
+                                               tls=tls) for a in self.addresses]
+        self._current = 0
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self._current]
+
+    @property
+    def _channel(self) -> grpc.aio.Channel:
+        return self._channels[self._current]
+
+    @property
+    def _stub(self) -> serve_pb2_grpc.EPDServeStub:
+        return serve_pb2_grpc.EPDServeStub(self._channel)
 
     async def generate(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
                        **sampling) -> GenerateResult:
         req = build_request(prompt, images, request_id=request_id, **sampling)
-        return result_from(await self._call(self._stub.Generate, req, timeout))
+        return collect([d async for d in self._stream(req, timeout)])
 
     def generate_stream(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
                         **sampling) -> AsyncIterator[Delta]:
@@ -44,7 +70,7 @@ class AsyncClient:
                    timeout: float | None = None, **sampling) -> GenerateResult:
         req = build_request(chat=messages, add_generation_prompt=add_generation_prompt, request_id=request_id,
                             **sampling)
-        return result_from(await self._call(self._stub.Generate, req, timeout))
+        return collect([d async for d in self._stream(req, timeout)])
 
     def chat_stream(self, messages: list[dict], *, add_generation_prompt: bool = True, request_id: str = "",
                     timeout: float | None = None, **sampling) -> AsyncIterator[Delta]:
@@ -67,7 +93,8 @@ class AsyncClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for ch in self._channels:
+            await ch.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -82,7 +109,31 @@ class AsyncClient:
             raise EPDServeError.from_rpc(e) from None
 
     async def _stream(self, req, timeout) -> AsyncIterator[Delta]:
-        call = self._stub.GenerateStream(req, timeout=timeout if timeout is not None else self.timeout)
+        """The request's deltas; on UNAVAILABLE, resumed on the next address (resume.py)."""
+        timeout = timeout if timeout is not None else self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        received: list[int] = []
+        for n in range(self.retry.retries + 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            once = self._stream_once(resumed(req, received), left)
+            try:
+                async for d in once:
+                    received.extend(d.token_ids)
+                    yield d
+                return
+            except EPDServeError as e:
+                wait = self.retry.wait_s(n + 1)
+                if (not retryable(e.code) or n == self.retry.retries
+                        or (deadline is not None and time.monotonic() + wait >= deadline)):
+                    raise
+            finally:
+                await once.aclose()  # cancels its call at once (also when the caller leaves early)
+            self._current = (self._current + 1) % len(self.addresses)
+            self.retried += 1
+            await asyncio.sleep(wait)
+
+    async def _stream_once(self, req, timeout) -> AsyncIterator[Delta]:
+        call = self._stub.GenerateStream(req, timeout=timeout)
         try:
             while True:
                 d = await call.read()

@@ -12,10 +12,17 @@
 `prompt` follows the offline API's convention (one `<|vision_start|><|image_pad|><|vision_end|>`
 per image, images in order); token ids work too (`prompt=[...]`). An image is bytes (an encoded
 file), a PIL image (sent as PNG), a path, or `MediaKey(key)` for media already in the MM Store
-(a previous result's `media_keys`). Every `SamplingParams` field is a keyword (max_tokens,
-temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, skip_special_tokens).
+(a previous result's `media_keys`). Chat content parts: text, `image` / `image_url`, and
+`{"type": "video", "video": bytes or path, "video_options": {...}}` / `video_url` (a data: URL).
+Every `SamplingParams` field is a keyword (max_tokens,
+temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, skip_special_tokens).
 Failures raise `EPDServeError` carrying the gRPC status code. Leaving a `generate_stream` loop
 early (break, exception, close) cancels the call, which aborts the request on every instance.
+
+A lost scheduler loses no request: give one address or several (`Client(["host:a", "host:b"])`,
+schedulers that share the instances); a generation that fails with UNAVAILABLE is retried on
+the next address, resuming after the tokens already received (resume.py: `retries`,
+`retry_backoff_s`). Every call goes to the current address, which moves on at each retry.
 
 This module holds the shared types and request building; `AsyncClient` lives in async_client.py.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +39,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.entrypoints.resume import RetryPolicy, collect, resumed, retryable
 from epdserve.model.chat import image_url_bytes
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
+                   # gRPC's reconnect backoff grows to 120 s by default: a restarted scheduler would wait that long
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class MediaKey(str):
@@ -190,6 +202,9 @@ def _part_proto(part) -> serve_pb2.ContentPart:
         return serve_pb2.ContentPart(image=media_proto(MediaKey(part["key"]) if "key" in part else part["image"]))
     if kind == "image_url":
         return serve_pb2.ContentPart(image=common_pb2.Media(data=image_url_bytes(part["image_url"])))
+    if kind in ("video", "video_url"):  # container bytes or a path; or a data: URL
+        video = part["video"] if kind == "video" else image_url_bytes(part["video_url"], "video_url")
+        return serve_pb2.ContentPart(video=video_proto(video, part.get("video_options")))
     raise ValueError(f"unsupported content part type {kind!r}")
 
 
@@ -202,11 +217,25 @@ def chat_proto(messages: list[dict], add_generation_prompt: bool = True) -> serv
     return chat
 
 
+def video_proto(video, options: dict | None = None) -> common_pb2.Media:
+    """A video as container bytes (mp4, webm, ...) or a path to its file, with its sampling options
+    ({"fps": 2.0, "max_frames": 16, "max_pixels": ...}; unset: the model's defaults)."""
+    from epdserve.rpc.video_spec import video_spec_to_proto
+
+    if isinstance(video, (str, Path)):
+        video = Path(video).read_bytes()
+    if not isinstance(video, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a video must be container bytes or a path, got {type(video).__name__}")
+    return common_pb2.Media(data=bytes(video), video=video_spec_to_proto(options))
+
+
 def build_request(prompt=None, images=None, *, chat=None, request_id: str = "", add_generation_prompt: bool = True,
-                  **sampling) -> serve_pb2.GenerateRequest:
+                  videos=None, video_options: dict | None = None, **sampling) -> serve_pb2.GenerateRequest:
+    """`videos`: container bytes or paths, one per `<|vision_start|><|video_pad|><|vision_end|>`;
+    `video_options` applies to each of them."""
     req = serve_pb2.GenerateRequest(request_id=request_id or "", sampling=sampling_proto(sampling))
     if chat is not None:
-        if images:
+        if images or videos:
             raise ValueError("chat messages carry their own images")
         req.chat.CopyFrom(chat_proto(chat, add_generation_prompt))
         return req
@@ -217,6 +246,7 @@ def build_request(prompt=None, images=None, *, chat=None, request_id: str = "", 
     else:
         raise ValueError("give a prompt (text or token ids) or chat messages")
     req.media.extend(media_proto(im) for im in images or [])
+    req.media.extend(video_proto(v, video_options) for v in videos or [])
     return req
 
 
@@ -244,18 +274,52 @@ def result_from(r: serve_pb2.GenerateResponse) -> GenerateResult:
 
 
 # ---------------------------------------------------------------- the blocking client
+def addresses_of(address) -> list[str]:
+    """One "host:port", or several (a list, or one string with commas)."""
+    out = [a.strip() for a in address.split(",")] if isinstance(address, str) else [str(a) for a in address]
+    out = [a for a in out if a]
+    if not out:
+        raise ValueError("no scheduler address given")
+    return out
+
+
 class Client:
-    def __init__(self, address: str, timeout: float | None = None):
-        """address: "host:port" of the scheduler; timeout: default deadline (s) of each call."""
-        self.address = address
+    def __init__(self, address, timeout: float | None = None, *, api_key: str | None = None,
+                 tls_ca: str | None = None, tls: bool = False, retries: int = RetryPolicy.retries,
+                 retry_backoff_s: float = RetryPolicy.backoff_s):
+        """address: "host:port" of the scheduler, or a list of them (schedulers sharing the
+        instances); timeout: default deadline (s) of each call (a retried generation: of all its
+        attempts together). retries / retry_backoff_s: how often and after how long a generation
+        that lost its scheduler is resumed (0: never). api_key: sent as ``authorization: Bearer``
+        (default: EPDSERVE_API_KEY, if set); tls_ca: a PEM file of the roots to trust, for a TLS
+        port (`tls=True`: TLS with the system's roots)."""
+        from epdserve.security import channels
+
+        self.addresses = addresses_of(address)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = serve_pb2_grpc.EPDServeStub(self._channel)
+        self.retry = RetryPolicy(retries, retry_backoff_s, max(retry_backoff_s, RetryPolicy.max_backoff_s))
+        self.retried = 0  # generations resumed after a lost scheduler, in all
+        key, token = channels.from_env(api_key)
+        self._channels = [channels.channel(a, CHANNEL_OPTIONS, api_key=key, cluster_token=token, tls_ca=tls_ca,
+                                           tls=tls) for a in self.addresses]
+        self._current = 0
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self._current]
+
+    @property
+    def _channel(self) -> grpc.Channel:
+        return self._channels[self._current]
+
+    @property
+    def _stub(self) -> serve_pb2_grpc.EPDServeStub:
+        return serve_pb2_grpc.EPDServeStub(self._channel)
 
     def generate(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
                  **sampling) -> GenerateResult:
         req = build_request(prompt, images, request_id=request_id, **sampling)
-        return result_from(self._call(self._stub.Generate, req, timeout))
+        return collect(list(self._stream(req, timeout)))
 
     def generate_stream(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
                         **sampling) -> Iterator[Delta]:
@@ -265,7 +329,7 @@ class Client:
              timeout: float | None = None, **sampling) -> GenerateResult:
         req = build_request(chat=messages, add_generation_prompt=add_generation_prompt, request_id=request_id,
                             **sampling)
-        return result_from(self._call(self._stub.Generate, req, timeout))
+        return collect(list(self._stream(req, timeout)))
 
     def chat_stream(self, messages: list[dict], *, add_generation_prompt: bool = True, request_id: str = "",
                     timeout: float | None = None, **sampling) -> Iterator[Delta]:
@@ -296,7 +360,8 @@ class Client:
             raise EPDServeError(grpc.StatusCode.UNAVAILABLE, f"{self.address} not reachable in {timeout} s") from None
 
     def close(self) -> None:
-        self._channel.close()
+        for ch in self._channels:
+            ch.close()
 
     def __enter__(self) -> Client:
         return self
@@ -311,8 +376,29 @@ class Client:
             raise EPDServeError.from_rpc(e) from None
 
     def _stream(self, req, timeout) -> Iterator[Delta]:
+        """The request's deltas; on UNAVAILABLE, resumed on the next address (resume.py)."""
+        timeout = timeout if timeout is not None else self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        received: list[int] = []
+        for n in range(self.retry.retries + 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                for d in self._stream_once(resumed(req, received), left):
+                    received.extend(d.token_ids)
+                    yield d
+                return
+            except EPDServeError as e:
+                wait = self.retry.wait_s(n + 1)
+                if (not retryable(e.code) or n == self.retry.retries
+                        or (deadline is not None and time.monotonic() + wait >= deadline)):
+                    raise
+            self._current = (self._current + 1) % len(self.addresses)
+            self.retried += 1
+            time.sleep(wait)  # the backoff before resuming (a scheduler restarting takes seconds)
+
+    def _stream_once(self, req, timeout) -> Iterator[Delta]:
         try:
-            call = self._stub.GenerateStream(req, timeout=timeout if timeout is not None else self.timeout)
+            call = self._stub.GenerateStream(req, timeout=timeout)
         except grpc.RpcError as e:
             raise EPDServeError.from_rpc(e) from None
         try:

@@ -2,16 +2,19 @@
 co-located EP / ED, or one coupled PD / EPD engine), registered with a scheduler.
 
 Prints one line when it serves: ``epdserve instance ready: <id> roles=<roles> grpc://<host>:<port>``.
-SIGTERM / SIGINT stop it cleanly (deregister, stop the server, stop the workers).
+SIGTERM / SIGINT stop it (deregister, stop taking calls, let calls in flight finish for up to
+--drain-timeout seconds, stop the workers). The process exits within --drain-timeout +
+INSTANCE_STOP_MARGIN_S seconds of the first signal, always: if stopping hangs, it exits with code 1. A
+signal during start-up stops it the same way. Started by `epdserve launch`, it also stops when
+the launcher dies (PR_SET_PDEATHSIG, and a watch on its parent's pid).
 """
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 
+from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.entrypoints.cli import add_command
 
 log = logging.getLogger(__name__)
@@ -22,35 +25,50 @@ def add_parser(subparsers):
 
     p = add_command(subparsers, "instance", run, "run one E/P/D instance process", __doc__)
     add_instance_args(p)
+    from epdserve.security.options import add_instance_security_flags
+
+    add_instance_security_flags(p)
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, let calls in flight finish for up to this many seconds (default 10); "
+                        f"the process exits within this + {INSTANCE_STOP_MARGIN_S:.0f} s, always")
     return p
 
 
 def run(args) -> int:
+    from epdserve.deploy.signals import StopSignals, parent_pid_from_env
     from epdserve.instance.config import from_args
     from epdserve.instance.host import InstanceHost
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    if args.drain_timeout < 0:
+        log.error("--drain-timeout must be >= 0")
+        return 2
     try:
         config = from_args(args)
     except ValueError as e:
         log.error("%s", e)
         return 2
-    host = InstanceHost(config)
+    stop = StopSignals(deadline_s=args.drain_timeout + INSTANCE_STOP_MARGIN_S, parent_pid=parent_pid_from_env(),
+                       name="instance").install()
+    from epdserve.security.options import InstanceSecurity
+
+    try:
+        security = InstanceSecurity.from_args(args)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        return 2
+    host = InstanceHost(config, security)
     rc = 0
     try:
         host.start()
         if not stop.is_set():
             print(f"epdserve instance ready: {host.instance_id} roles={host.roles} "
                   f"grpc://{host.config.host}:{host.port}", flush=True)
-        while not stop.wait(1.0):
-            pass
+        stop.wait()
     except Exception as e:
         log.error("instance failed: %s", e)
         rc = 1
     finally:
-        host.stop()
+        host.stop(grace_s=args.drain_timeout)
     # Everything is closed; skip interpreter teardown, whose garbage collection of torch /
     # transformers / gRPC objects takes seconds on a loaded CPU and delays the launcher's stop.
     logging.shutdown()

@@ -4,9 +4,12 @@
     epdserve launch --config configs/E-P-D.yaml --model DIR      # flags override the file
 
 Prints one line to stdout when every instance is on the scheduler's roster:
-``epdserve ready: grpc://HOST:PORT mode=EP-D instances=EPx2,Dx2 mm_store=redis://...``
+``epdserve ready: grpc://HOST:PORT mode=EP-D instances=EPx2,Dx2 mm_store=redis://...`` (then
+``http=URL`` with --http-port, ``internal=grpc://HOST:PORT`` with --internal-port).
 Ctrl-C / SIGTERM / SIGHUP stop every child (instances, then the scheduler, then the private MM
-Store) and exit 0; children also die if the launcher is killed outright (PR_SET_PDEATHSIG).
+Store) and exit 0, within --drain-timeout + STOP_MARGIN_S seconds, always (past that it exits 1;
+its children still go). Children also stop if the launcher is killed outright, SIGKILL included
+(PR_SET_PDEATHSIG, and each child watches its parent's pid).
 Child logs go to --log-dir (default: a temporary directory removed after a clean stop).
 """
 from __future__ import annotations
@@ -15,10 +18,11 @@ import logging
 import shlex
 import signal
 import sys
-import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), the scheduler (5), the MM Store (5)
 
 # Every launch option: its name (the argparse dest of `--<name with dashes>` and the YAML key,
 # either spelling in YAML) → its default. An argparse default of None means "not on the command
@@ -26,12 +30,17 @@ log = logging.getLogger(__name__)
 _DEFAULTS = {
     "mode": None, "model": None, "encode": 1, "prefill": 1, "decode": 1, "mm_store": None, "host": "127.0.0.1",
     "port": 0, "device": "cpu", "devices": [], "kv_cache_mb": None, "max_num_seqs": None, "block_size": None,
-    "max_model_len": None, "feature_wait_s": None, "instance_args": [], "scheduler_args": [], "log_dir": None,
-    "ready_timeout_s": 600.0, "pin_instances": False,
+    "max_model_len": None, "feature_wait_s": None, "encode_token_budget": None, "instance_args": [],
+    "scheduler_args": [], "log_dir": None,
+    "ready_timeout_s": 600.0, "pin_instances": False, "drain_timeout": 10.0, "http_port": None,
+    "restart_backoff_s": 0.5, "restart_backoff_max_s": 10.0, "max_restarts": 5, "mm_store_max_mb": 4096,
+    "internal_port": None, "internal_host": None, "internal_tls_cert": None, "internal_tls_key": None,
+    "internal_tls_ca": None,
 }
 # options passed on to every `epdserve instance` as the flag of the same name (max_model_len also
 # to the scheduler); left out, the instance's own default applies
-_INSTANCE_FLAGS = ("kv_cache_mb", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s")
+_INSTANCE_FLAGS = ("kv_cache_mb", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s",
+                   "encode_token_budget")
 
 
 def add_parser(subparsers):
@@ -50,6 +59,9 @@ def add_parser(subparsers):
     p.add_argument("--prefill", type=int, default=None, help="P instances (EP / PD / EPD instances in those modes)")
     p.add_argument("--decode", type=int, default=None, help="D instances (ED instances in ED-P)")
     p.add_argument("--mm-store", default=None, help="redis://host:port of the MM Store (default: a private local server)")
+    p.add_argument("--mm-store-max-mb", type=int, default=None,
+                   help="memory bound of the private MM Store server, least recently used features evicted "
+                        "(MiB, default 4096)")
     p.add_argument("--host", default=None, help="address the scheduler binds and instances advertise (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="scheduler's public port (default 0: a free port)")
     p.add_argument("--device", default=None, help="cpu | cuda | npu (default cpu)")
@@ -63,12 +75,75 @@ def add_parser(subparsers):
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--feature-wait-s", type=float, default=None, help="P: wait for E's features, then recompute")
+    p.add_argument("--encode-token-budget", type=int, default=None,
+                   help="E: vision tokens encoded per engine step, across requests (default 2048); a long video "
+                        "is encoded over several steps (see `epdserve instance --help`)")
     p.add_argument("--instance-args", default=None, help="extra `epdserve instance` flags, one string")
     p.add_argument("--scheduler-args", default=None, help="extra `epdserve scheduler` flags, one string")
     p.add_argument("--log-dir", default=None, help="where child logs go (kept); default: a temp dir")
     p.add_argument("--ready-timeout-s", type=float, default=None, help="give up starting after this long (600)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="the scheduler also serves the OpenAI-compatible HTTP API here (0: a free one, printed as "
+                        "http=URL in the ready line); the API key, if any, comes from EPDSERVE_API_KEY")
+    _add_internal_flags(p)
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="on stop, instances let calls in flight finish for up to this many seconds (default 10); "
+                        f"the launcher exits within this + {STOP_MARGIN_S:.0f} s, always")
+    p.add_argument("--restart-backoff-s", type=float, default=None,
+                   help="a dead child (instance, scheduler, MM Store server) is started again after this "
+                        "(default 0.5), doubling with each exit in a row")
+    p.add_argument("--restart-backoff-max-s", type=float, default=None, help="cap of that backoff (default 10)")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="exits in a row (each within 60 s of its start) before a child counts as crash-looping "
+                        "and is left dead (default 5; the scheduler's ends the deployment)")
     p.set_defaults(func=run)
     return p
+
+
+def _add_internal_flags(p) -> None:
+    g = p.add_argument_group(
+        "internal port (scheduler <-> instances)",
+        "The cluster token, if any, comes from EPDSERVE_CLUSTER_TOKEN (passed to every child): instances present "
+        "it to register and the scheduler on every call to them.")
+    g.add_argument("--internal-port", type=int, default=None,
+                   help="the scheduler serves the instance Registry on this port instead of --port (0: a free one); "
+                        "instances register there")
+    g.add_argument("--internal-host", default=None,
+                   help="interface of --internal-port, e.g. this machine's cluster-network address (default --host); "
+                        "instances dial it (--host when it is 0.0.0.0 / ::)")
+    g.add_argument("--internal-tls-cert", default=None,
+                   help="mutual TLS between scheduler and instances (needs --internal-port): the PEM certificate "
+                        "the scheduler and every instance present (its SAN must name --host)")
+    g.add_argument("--internal-tls-key", default=None, help="PEM private key of --internal-tls-cert")
+    g.add_argument("--internal-tls-ca", default=None,
+                   help="PEM CA both sides trust: the Registry and the instances' ports refuse a peer whose "
+                        "certificate does not chain to it")
+
+
+def _internal(merged: dict, args) -> tuple[list[str], list[str], str | None]:
+    """(scheduler flags, instance flags, the Registry's host:port) of the internal-port options."""
+    tls = [merged[k] for k in ("internal_tls_cert", "internal_tls_key", "internal_tls_ca")]
+    if any(tls) and not all(tls):
+        raise ValueError("--internal-tls-cert, --internal-tls-key and --internal-tls-ca go together")
+    if merged["internal_port"] is None:
+        if any(tls):
+            raise ValueError("mutual TLS with instances needs --internal-port (0: a free one)")
+        if merged["internal_host"]:
+            raise ValueError("--internal-host needs --internal-port")
+        return [], [], None
+    from epdserve.net import free_port
+
+    bind = merged["internal_host"] or merged["host"]
+    # resolved now: a restarted scheduler comes back on the same port, where instances look for it
+    port = int(merged["internal_port"]) or free_port("0.0.0.0" if bind in ("0.0.0.0", "::") else bind)
+    sched = ["--internal-port", str(port), "--internal-host", bind]
+    inst = []
+    if all(tls):
+        cert, key, ca = (str(Path(x).expanduser().resolve()) for x in tls)
+        sched += ["--internal-tls-cert", cert, "--internal-tls-key", key, "--internal-tls-ca", ca]
+        inst += ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+    dial = merged["host"] if bind in ("0.0.0.0", "::") else bind
+    return sched, inst, f"[{dial}]:{port}" if ":" in dial else f"{dial}:{port}"
 
 
 def load_config(path: Path | None) -> dict:
@@ -100,6 +175,7 @@ def _ids(v) -> list[str]:
 
 def spec_from_args(args):
     from epdserve.deploy.deployment import DeploymentSpec
+    from epdserve.deploy.supervisor import RestartPolicy
 
     file = load_config(args.config)
     merged = {}
@@ -117,13 +193,25 @@ def spec_from_args(args):
     sched = _flags(merged["scheduler_args"])
     if merged["max_model_len"] is not None:
         sched += ["--max-model-len", str(merged["max_model_len"])]
+    if merged["http_port"] is not None:  # resolved now: a restarted scheduler comes back on the same port
+        from epdserve.net import free_port
+
+        args.http_port = int(merged["http_port"]) or free_port(merged["host"])
+        sched += ["--http-port", str(args.http_port)]
+    internal_sched, internal_inst, registry = _internal(merged, args)
+    sched += internal_sched
+    inst += internal_inst
     return DeploymentSpec(
         mode=merged["mode"], model=str(Path(merged["model"]).expanduser()), encode=int(merged["encode"]),
         prefill=int(merged["prefill"]), decode=int(merged["decode"]), mm_store=merged["mm_store"],
         host=merged["host"], port=int(merged["port"]), device=merged["device"],
         devices=_ids(merged["devices"]), instance_args=inst, scheduler_args=sched,
-        pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
-        ready_timeout_s=float(merged["ready_timeout_s"]),
+        registry=registry, pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
+        ready_timeout_s=float(merged["ready_timeout_s"]), drain_timeout_s=float(merged["drain_timeout"]),
+        mm_store_max_bytes=int(merged["mm_store_max_mb"]) << 20,
+        restart=RestartPolicy(first_backoff_s=float(merged["restart_backoff_s"]),
+                              max_backoff_s=float(merged["restart_backoff_max_s"]),
+                              max_restarts=int(merged["max_restarts"])),
     )
 
 
@@ -136,15 +224,18 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+    from epdserve.deploy.signals import StopSignals
+
+    stop = StopSignals((signal.SIGTERM, signal.SIGINT, signal.SIGHUP), deadline_s=spec.drain_timeout_s + STOP_MARGIN_S,
+                       name="launch").install()
     clean = False
     try:
         log.info("starting mode %s (%s); child logs in %s", spec.mode, dep.summary(), dep.log_dir)
         address = dep.start(should_stop=stop.is_set)
         print(f"epdserve ready: grpc://{address} mode={spec.mode} instances={dep.summary()} "
-              f"mm_store={dep.mm_store_url}", flush=True)
+              f"mm_store={dep.mm_store_url}" + (f" http=http://{spec.host}:{args.http_port}"
+                                                if getattr(args, "http_port", None) else "")
+              + (f" internal=grpc://{spec.registry}" if spec.registry else ""), flush=True)
         while not stop.wait(0.5):
             reason = dep.watch()
             if reason:
@@ -160,4 +251,5 @@ def run(args) -> int:
         return 1
     finally:
         dep.stop(clean=clean)
+        stop.stopped()
         print("epdserve stopped", file=sys.stderr, flush=True)

@@ -1,7 +1,12 @@
 """Offline API in vLLM's shape: `LLM(model=DIR).generate(prompts, SamplingParams(...))` and `.chat`.
 
 A prompt is a string (or token ids) or `{"prompt": str, "multi_modal_data": {"image": [...]}}`
-with `<|vision_start|><|image_pad|><|vision_end|>` once per image. A request with bad input
+with `<|vision_start|><|image_pad|><|vision_end|>` once per image. Models whose checkpoint has a
+video processor config with frame sampling (Qwen3-VL, Qwen2-VL, Qwen2.5-VL) also take
+`"video": [...]` (container bytes such as mp4 / webm, or a list of frames, taken at 24 fps) with
+`<|vision_start|><|video_pad|><|vision_end|>` once per video, and per-request sampling in
+`"mm_processor_kwargs": {"fps": ..., "max_frames": ..., "max_pixels": ...}` (bounded by the
+checkpoint's video processor config). A request with bad input
 comes back with `.error` set and `finish_reason == "error"`; the others complete normally.
 """
 from __future__ import annotations
@@ -55,9 +60,9 @@ class LLM:
         ids, failed = [], {}
         for prompt, p in zip(prompts, params):
             rid = str(next(self._ids))
-            text, images = _split_prompt(prompt)
+            text, images, videos, video_options = _split_prompt(prompt)
             try:
-                self.engine.add_request(self.engine.build_request(rid, text, images, p))
+                self.engine.add_request(self.engine.build_request(rid, text, images, p, videos, video_options))
             except InvalidRequestError as e:  # this request fails alone
                 failed[rid] = RequestOutput.failed(rid, str(e))
             ids.append(rid)
@@ -76,13 +81,18 @@ class LLM:
 
 
 def _split_prompt(prompt):
+    """(text or token ids, images, videos, video options) of one prompt."""
     if isinstance(prompt, dict):
         mm = prompt.get("multi_modal_data") or {}
         images = mm.get("image") or []
         if not isinstance(images, list):
             images = [images]
-        return prompt.get("prompt", prompt.get("prompt_token_ids")), images
-    return prompt, []
+        videos = mm.get("video") or []
+        if not isinstance(videos, list) or (videos and not isinstance(videos[0], (bytes, bytearray, list, tuple))):
+            videos = [videos]  # one video: its bytes, or its list of frames
+        return (prompt.get("prompt", prompt.get("prompt_token_ids")), images, videos,
+                prompt.get("mm_processor_kwargs"))
+    return prompt, [], [], None
 
 
 def _to_generate_output(out: RequestOutput, prompt) -> GenerateOutput:

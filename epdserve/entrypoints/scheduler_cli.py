@@ -4,19 +4,22 @@ instance Registry with health checks, and the routing of each request across E, 
 Prints one line when it serves: ``epdserve scheduler ready: <id> grpc://<host>:<port>`` (and
 writes ``<host>:<port>`` to --address-file when given, for launchers that pass --port 0).
 Instances register themselves (`epdserve instance --scheduler HOST:PORT`) or are listed with
---instance. SIGTERM / SIGINT stop it cleanly.
+--instance. SIGTERM / SIGINT stop it: it stops taking requests, aborts those in flight and
+exits within STOP_DEADLINE_S seconds, always. Started by `epdserve launch`, it also stops when
+the launcher dies.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
 
 from epdserve.entrypoints.cli import add_command
 
 log = logging.getLogger(__name__)
+
+STOP_DEADLINE_S = 10.0  # from the first SIGTERM / SIGINT to the process's exit, at most
 
 
 def add_parser(subparsers):
@@ -33,14 +36,31 @@ def add_parser(subparsers):
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="heartbeat period told to instances")
     p.add_argument("--unhealthy-after", type=int, default=3, help="failed probes before an instance is dropped")
     p.add_argument("--healthy-after", type=int, default=2, help="good probes before a dropped instance rejoins")
-    p.add_argument("--max-requests", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-inflight-per-instance", type=int, default=256)
+    p.add_argument("--max-requests", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED (default 1024)")
+    p.add_argument("--max-inflight-per-instance", type=int, default=256,
+                   help="requests queued or running on one instance before it counts as full (default 256)")
     p.add_argument("--max-attempts", type=int, default=4, help="attempts per request across instance failures")
+    p.add_argument("--retry-backoff-s", type=float, default=0.05,
+                   help="wait before attempt n+1 of a request: n times this (default 0.05)")
+    p.add_argument("--preprocess-threads", type=int, default=4,
+                   help="threads tokenising prompts and decoding images (default 4)")
+    p.add_argument("--media-index-size", type=int, default=100_000,
+                   help="media keys remembered so that clients may resend an image by key (LRU, default 100000)")
+    p.add_argument("--stored-keys-size", type=int, default=100_000,
+                   help="media keys remembered as already in the MM Store (LRU, default 100000)")
+    from epdserve.limits import add_limit_args
+
+    add_limit_args(p)
     p.add_argument("--address-file", type=Path, default=None, help="write host:port here once serving")
+    from epdserve.entrypoints.fronts import add_front_flags, add_security_flags
+
+    add_front_flags(p)
+    add_security_flags(p)
     return p
 
 
 def config_from_args(args):
+    from epdserve.limits import limits_from_args
     from epdserve.scheduler import SchedulerConfig
 
     return SchedulerConfig(
@@ -49,19 +69,25 @@ def config_from_args(args):
         heartbeat_interval_s=args.heartbeat_interval, unhealthy_after=args.unhealthy_after,
         healthy_after=args.healthy_after, max_requests_in_flight=args.max_requests,
         max_inflight_per_instance=args.max_inflight_per_instance, max_attempts=args.max_attempts,
+        retry_backoff_s=args.retry_backoff_s, preprocess_threads=args.preprocess_threads,
+        media_index_size=args.media_index_size, stored_keys_size=args.stored_keys_size, limits=limits_from_args(args),
     )
 
 
-async def serve(config, address_file: Path | None = None) -> None:
+async def serve(config, address_file: Path | None = None, signals=None, fronts=None) -> None:
+    """Serve until `signals` (a `deploy.signals.StopSignals`; None: forever) asks to stop."""
     from epdserve.scheduler import SchedulerServer
 
-    server = SchedulerServer(config)
+    server = SchedulerServer(config, observer=fronts.metrics if fronts is not None else None,
+                             security=fronts.security if fronts is not None else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if signals is not None:
+        signals.on_stop(lambda: loop.call_soon_threadsafe(stop.set))
     await server.start()
     try:
+        if fronts is not None:  # the HTTP front, on this loop (entrypoints.fronts)
+            await fronts.start(server)
         if address_file is not None:
             tmp = address_file.with_suffix(address_file.suffix + ".tmp")
             tmp.write_text(server.address)
@@ -69,21 +95,31 @@ async def serve(config, address_file: Path | None = None) -> None:
         print(f"epdserve scheduler ready: {server.scheduler_id} grpc://{server.address}", flush=True)
         await stop.wait()
     finally:
+        if fronts is not None:
+            await fronts.stop()
         await server.stop()
 
 
 def run(args) -> int:
     try:
         config = config_from_args(args)
-    except ValueError as e:
+        from epdserve.entrypoints.fronts import Fronts
+
+        fronts = Fronts.from_args(args)
+    except (ValueError, OSError) as e:
         log.error("%s", e)
         return 2
+    from epdserve.deploy.signals import StopSignals, parent_pid_from_env
+
+    signals = StopSignals(deadline_s=STOP_DEADLINE_S, parent_pid=parent_pid_from_env(), name="scheduler").install()
     try:
-        asyncio.run(serve(config, args.address_file))
+        asyncio.run(serve(config, args.address_file, signals, fronts))
         return 0
     except Exception as e:
         log.error("scheduler failed: %s", e)
         return 1
+    finally:
+        signals.stopped()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,10 +4,12 @@
 - `media_items`: MediaRef list → engine MediaItems (bytes preprocessed here, so a corrupt image
   fails its request before it is queued);
 - `timings_to_proto`: an engine timings dict → StageTimings;
-- `token_delta`: a RequestOutput → TokenDelta.
+- `token_delta`: a RequestOutput → TokenDelta; `coalesce`: consecutive outputs of one request
+  → one (their new tokens and text joined), so a stream sends one message for what queued up.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -17,6 +19,7 @@ from epdserve.engine.sequence import MediaItem
 from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import common_pb2, instance_pb2
 from epdserve.rpc.sampling import sampling_from_proto  # noqa: F401 (servicer.py uses it from here)
+from epdserve.rpc.video_spec import video_options_from_proto
 
 # engine timing key → StageTimings field
 _TIMING_FIELDS = {
@@ -38,10 +41,13 @@ def media_items(engine, refs, *, wait_for_features: bool = True) -> list[MediaIt
         if not ref.key:
             raise InvalidRequestError(f"media item {i} has no key")
         if ref.data:
-            m = engine.processor.preprocess_image(bytes(ref.data))
+            if ref.HasField("video"):  # a video: decoded and sampled as the scheduler did
+                m = engine.processor.preprocess_video(bytes(ref.data), video_options_from_proto(ref.video))
+            else:
+                m = engine.processor.preprocess_image(bytes(ref.data))
             if ref.num_tokens and m.num_tokens != ref.num_tokens:
                 raise InvalidRequestError(
-                    f"media item {i}: the image expands to {m.num_tokens} tokens, the request says {ref.num_tokens}")
+                    f"media item {i}: the {m.kind} expands to {m.num_tokens} tokens, the request says {ref.num_tokens}")
             item = engine.media_item(m, key=ref.key)
         else:
             if len(ref.grid_thw) != 3 or not ref.num_tokens:
@@ -61,6 +67,15 @@ def timings_to_proto(timings: dict[str, float], **extra: float) -> common_pb2.St
         if v:
             setattr(out, name, float(v))
     return out
+
+
+def coalesce(outs: list[RequestOutput]) -> RequestOutput:
+    """One output standing for `outs` (consecutive, of one request): the last one's state with
+    every new token and all new text of them all."""
+    if len(outs) == 1:
+        return outs[0]
+    return dataclasses.replace(outs[-1], new_token_ids=[t for o in outs for t in o.new_token_ids],
+                               new_text="".join(o.new_text for o in outs))
 
 
 def token_delta(out: RequestOutput, request_id: str | None = None, **timing_extra: float) -> instance_pb2.TokenDelta:

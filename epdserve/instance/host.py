@@ -6,7 +6,8 @@ keep one copy of the vision tower and LM) → build the stage workers for `roles
 engine — KV cache, scheduler, connector — on its own pinned thread, one after the other;
 co-located workers on CPU get disjoint core sets) → a KV `RendezvousServer` when a worker
 prefills for remote D instances → the gRPC server (Instance + health + reflection) on a free
-port → SERVING → register with the scheduler and heartbeat.
+port, the cluster token required on Instance calls when one is set → SERVING → register with
+the scheduler (presenting the token) and heartbeat.
 stop: NOT_SERVING → deregister → stop the server (short grace) → stop workers (closing their
 KV pairs and feature providers) → close the store.
 """
@@ -20,7 +21,9 @@ from concurrent import futures
 import grpc
 
 from epdserve.engine.config import EngineConfig
-from epdserve.instance.affinity import available_cores, split_cores
+from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
+from epdserve.instance.affinity import available_cores
+from epdserve.instance.colocation import device_share, stream_priority, worker_core_sets, yields
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.coupled_worker import CoupledWorker
 from epdserve.instance.decode_worker import DecodeWorker
@@ -32,6 +35,9 @@ from epdserve.instance.roles import worker_roles
 from epdserve.instance.servicer import InstanceServicer
 from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2_grpc
 from epdserve.rpc.servers import add_health_and_reflection, set_serving
+from epdserve.security.interceptors import AuthInterceptor, cluster_metadata, metadata_interceptors
+from epdserve.security.options import InstanceSecurity
+from epdserve.security.tls import channel_credentials, server_credentials
 from epdserve.transfer.kv import KVTransferConfig, RendezvousServer
 
 log = logging.getLogger(__name__)
@@ -41,8 +47,11 @@ _MAX_MSG = 256 << 20
 
 
 class InstanceHost:
-    def __init__(self, config: InstanceConfig):
+    """`security`: the cluster token to require and present (default: EPDSERVE_CLUSTER_TOKEN, if set)."""
+
+    def __init__(self, config: InstanceConfig, security: InstanceSecurity | None = None):
         self.config = config
+        self.security = security or InstanceSecurity.from_env()
         self.roles = config.roles
         self.instance_id = config.instance_id or ""
         self.port = 0
@@ -52,18 +61,25 @@ class InstanceHost:
         self._rendezvous: RendezvousServer | None = None
         self._server: grpc.Server | None = None
         self._health = None
-        self._registrar: Registrar | None = None
+        self._registrars: list[Registrar] = []  # one per scheduler (--scheduler a:1,b:2 registers with both)
         self.model = None  # LoadedModel, shared by the workers
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, ready_timeout_s: float = 600.0) -> "InstanceHost":
         cfg = self.config
         bind = cfg.bind_host or cfg.host
+        rules = self.security.rules()  # the cluster token on every Instance call, when one is set
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.grpc_threads, thread_name_prefix="grpc"),
             options=[("grpc.max_receive_message_length", _MAX_MSG), ("grpc.max_send_message_length", _MAX_MSG)],
+            interceptors=[AuthInterceptor(rules)] if rules else None,
         )
-        self.port = self._server.add_insecure_port(f"{bind}:{cfg.port}")
+        sec = self.security
+        if sec.mutual_tls:  # TLS only, and only clients with a certificate from the deployment's CA
+            self.port = self._server.add_secure_port(f"{bind}:{cfg.port}",
+                                                     server_credentials(sec.tls_cert, sec.tls_key, client_ca=sec.tls_ca))
+        else:
+            self.port = self._server.add_insecure_port(f"{bind}:{cfg.port}")
         if not self.port:
             raise OSError(f"cannot bind {bind}:{cfg.port}")
         if not self.instance_id:
@@ -86,20 +102,22 @@ class InstanceHost:
         except BaseException:
             self.stop()
             raise
-        if cfg.scheduler:
-            self._registrar = Registrar(cfg.scheduler, self.status).start()
+        for scheduler in cfg.schedulers:
+            creds = channel_credentials(sec.tls_ca, sec.tls_cert, sec.tls_key) if sec.mutual_tls else None
+            self._registrars.append(Registrar(scheduler, self.status, credentials=creds, interceptors=metadata_interceptors(
+                cluster_metadata(sec.cluster_token))).start())
         log.info("instance %s (%s) serving on %s:%d", self.instance_id, self.roles, cfg.host, self.port)
         return self
 
     def wait_registered(self, timeout_s: float) -> bool:
-        return self._registrar is None or self._registrar.registered.wait(timeout_s)
+        return all(r.registered.wait(timeout_s) for r in self._registrars)
 
     def stop(self, grace_s: float = 2.0) -> None:
         if self._health is not None:
             set_serving(self._health, [INSTANCE_SERVICE], False)
-        if self._registrar is not None:
-            self._registrar.stop()
-            self._registrar = None
+        for r in self._registrars:
+            r.stop()
+        self._registrars = []
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1.0)
             self._server = None
@@ -125,23 +143,26 @@ class InstanceHost:
         weights = [cfg.encode_core_share if r == "E" else 1.0 - cfg.encode_core_share for r in roles]
         cpu = cfg.device.startswith("cpu")
         if cpu and len(roles) > 1 and cfg.split_cores:
-            core_sets = split_cores(len(roles), cfg.cores or available_cores(), weights)
+            core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
         kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s)
         for role, cores in zip(roles, core_sets):
             factory = self._engine_factory(role)
             name = f"{role}-worker"
             if role == "E":
                 w = EncodeWorker(name, factory, cores)
-            elif role == "P":
+            elif role in ("P", FUSED_PREFILL):
                 w = PrefillWorker(name, factory, cores, kv_config=kv_config)
             elif role == "D":
                 w = DecodeWorker(name, factory, cores, instance_id=self.instance_id, kv_config=kv_config)
             else:
                 w = CoupledWorker(name, factory, cores)
+            w.low_priority = yields(cfg.colocation, role)
             if not cpu and len(roles) > 1 and cfg.split_cores:
-                w.device_share = weights[len(self.workers)]
+                w.colocated = True
+                w.device_share = device_share(cfg.colocation, role, weights[len(self.workers)])
+                w.stream_priority = stream_priority(cfg.colocation, role)
             self.workers.append(w)
-            self._by_role["PD" if role in ("PD", "EPD") else role] = w
+            self._by_role["PD" if role in ("PD", "EPD") else served_stages(role)] = w
         for w in self.workers:  # one at a time: transformers' lazy imports are not thread-safe
             w.start().wait_ready(ready_timeout_s)
 
@@ -158,6 +179,7 @@ class InstanceHost:
                 kv_cache_memory_bytes=_E_KV_BYTES if role == "E" else cfg.kv_cache_bytes,
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_model_len=cfg.max_model_len, feature_wait_s=cfg.feature_wait_s,
+                encode_token_budget=cfg.encode_token_budget,
             )
             return LLMEngine(ecfg, model=self.model, features=self._provider(role), kv_connector=connector)
 
@@ -168,8 +190,9 @@ class InstanceHost:
             return None  # the engine's in-process cache
         from epdserve.transfer.mm_store.provider import MMStoreFeatureProvider
 
-        listens = "P" in role and role != "EPD"  # someone else's E sends it events
-        return MMStoreFeatureProvider(self._store, role, instance_id=self.instance_id if listens else None)
+        listens = "P" in role and not encodes_inline(role)  # someone else's E sends it events
+        return MMStoreFeatureProvider(self._store, engine_stages(role), instance_id=self.instance_id if listens else None,
+                                      cache_bytes=self.config.feature_cache_bytes)
 
     def worker(self, role: str):
         return self._by_role.get(role)

@@ -21,11 +21,16 @@ from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc
 log = logging.getLogger(__name__)
 
 FIRST_BACKOFF_S = 0.05  # the first wait after a failure (and before registering again)
+# gRPC's own reconnect backoff grows to 120 s by default: a restarted scheduler would wait that long
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class Registrar:
     def __init__(self, scheduler: str, status: Callable[[], common_pb2.InstanceStatus], *,
-                 rpc_timeout_s: float = 3.0, max_backoff_s: float = 2.0):
+                 rpc_timeout_s: float = 3.0, max_backoff_s: float = 2.0, interceptors=(), credentials=None):
+        """`interceptors`: client interceptors of the channel (the cluster token's metadata);
+        `credentials`: grpc channel credentials for a TLS scheduler port (mutual TLS)."""
         self.scheduler = scheduler
         self.status = status
         self.rpc_timeout_s = rpc_timeout_s
@@ -33,7 +38,9 @@ class Registrar:
         self.interval_s = 1.0
         self.registered = threading.Event()
         self._stop = threading.Event()
-        self._channel = grpc.insecure_channel(scheduler)
+        channel = grpc.secure_channel(scheduler, credentials, options=_CHANNEL_OPTIONS) if credentials \
+            else grpc.insecure_channel(scheduler, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.intercept_channel(channel, *interceptors)
         self._stub = instance_pb2_grpc.RegistryStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
         self._down_logged = False

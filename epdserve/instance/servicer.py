@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 
 import grpc
 
@@ -54,6 +55,24 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             if isinstance(ev, BaseException):
                 self._fail(context, ev)
             return ev
+
+    def _next_delta(self, handle, context, streamed: bool):
+        """The next stream message's output: the next event and whatever else the request has
+        queued, joined; once the request has `streamed` a token, held up to the instance's
+        stream interval to gather more (the first token is never held)."""
+        outs = [self._wait(handle, context)]
+        hold = self.host.config.stream_interval_ms / 1e3 if streamed else 0.0
+        deadline = time.monotonic() + hold
+        while not outs[-1].finished:
+            left = deadline - time.monotonic()
+            try:
+                ev = handle.get(left) if left > 0 else handle.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(ev, BaseException):
+                self._fail(context, ev)
+            outs.append(ev)
+        return convert.coalesce(outs)
 
     def _guard(self, context, fn):
         try:
@@ -147,7 +166,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         start = nxt.start
         self._guard(context, lambda: w.begin(rid, start.first_token_id, start.rope_delta).result(CALL_TIMEOUT_S))
         while True:
-            out = self._wait(handle, context)
+            out = self._next_delta(handle, context, streamed=True)  # D's first token came from P
             yield instance_pb2.DecodeOutput(delta=convert.token_delta(out, rid))
             if out.finished:
                 return
@@ -164,8 +183,10 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
 
         handle = self._guard(context, submit)
         context.add_callback(lambda: w.abort(rid))
+        streamed = False
         while True:
-            out = self._wait(handle, context)
+            out = self._next_delta(handle, context, streamed)
+            streamed = streamed or bool(out.new_token_ids)
             extra = {}
             if out.token_ids and "first_token" in out.timings:
                 extra["prefill_start"] = out.timings.get("encode_end") or out.timings.get("arrival", 0.0)

@@ -59,6 +59,17 @@ def sum_loads(loads: list[WorkerLoad]) -> common_pb2.Load:
     return total
 
 
+def _add_counters(counts: common_pb2.Load, stats: dict, kv, role: str) -> None:
+    """The engine's step counters and the KV connector's transfer totals (P sends, D receives)."""
+    counts.engine_steps = int(stats["steps"])
+    counts.engine_step_seconds = stats["host_s"] + stats["forward_s"]
+    counts.engine_step_requests = int(stats["batch_requests"])
+    if kv is not None and role == "P":
+        counts.kv_sent_bytes, counts.kv_send_failures = kv.bytes, kv.failures
+    elif kv is not None and role == "D":
+        counts.kv_received_bytes, counts.kv_recv_failures = kv.bytes, kv.failures
+
+
 class RequestHandle:
     """Where the loop thread puts one request's events for the gRPC thread serving it."""
 
@@ -232,6 +243,7 @@ class StageWorker:
             total_kv_blocks=r["total_kv_blocks"] if counts_kv else 0,
             queued_media=r["queued_media"], images_encoded=r["encoder_runs"],
         )
+        _add_counters(counts, self.engine.stats.as_dict(), getattr(self.connector, "counters", None), self.role)
         return WorkerLoad(counts, hits, lookups, extra={
             "recomputes": r["recomputes"], "held": r["held"], "in_flight": len(self.handles), "at": time.time(), **extra})
 

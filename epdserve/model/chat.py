@@ -1,7 +1,7 @@
-"""Chat conversations in OpenAI's message shape → one prompt and its images, in order.
+"""Chat conversations in OpenAI's message shape → one prompt and its images (and videos), in order.
 
 Owns `chat_to_prompt` (render a conversation with the checkpoint's chat template) and
-`image_url_bytes`, the one reader of `image_url` parts: only `data:` URLs, since epdserve fetches
+`image_url_bytes`, the one reader of `image_url` / `video_url` parts: only `data:` URLs, since epdserve fetches
 nothing from the network. Used by the offline `LLM.chat`, the scheduler's preprocessing of chat
 requests and the client building one. Bad input raises `InvalidRequestError`.
 """
@@ -17,11 +17,13 @@ from epdserve.model.errors import InvalidRequestError
 def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> dict:
     """Render a conversation with the checkpoint's chat template; collect its images in order.
 
-    Returns the offline API's prompt shape: `{"prompt": str, "multi_modal_data": {"image": [...]}}`.
-    A content part is `{"type": "text", "text": ...}`, `{"type": "image", "image": <image>}` or
-    `{"type": "image_url", "image_url": {"url": "data:..."}}`.
+    Returns the offline API's prompt shape: `{"prompt": str, "multi_modal_data": {"image": [...]}}`
+    (plus `"video": [...]` when the conversation has videos). A content part is
+    `{"type": "text", "text": ...}`, `{"type": "image", "image": <image>}`,
+    `{"type": "image_url", "image_url": {"url": "data:..."}}`, `{"type": "video", "video": <video>}`
+    or `{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}`.
     """
-    images, rendered = [], []
+    images, videos, rendered = [], [], []
     for msg in messages:
         content = msg.get("content")
         if isinstance(content, list):
@@ -33,23 +35,28 @@ def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool 
                 elif kind in ("image_url", "image"):
                     images.append(_image_from_part(part))
                     parts.append({"type": "image"})
+                elif kind in ("video_url", "video"):
+                    videos.append(part["video"] if kind == "video" and "video" in part
+                                  else image_url_bytes(part.get("video_url"), "video_url"))
+                    parts.append({"type": "video"})
                 else:
                     raise InvalidRequestError(f"unsupported content part type {kind!r}")
             rendered.append({"role": msg["role"], "content": parts})
         else:
             rendered.append({"role": msg["role"], "content": content or ""})
     text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return {"prompt": text, "multi_modal_data": {"image": images}}
+    mm = {"image": images, "video": videos} if videos else {"image": images}
+    return {"prompt": text, "multi_modal_data": mm}
 
 
-def image_url_bytes(image_url) -> bytes:
-    """The bytes of an `image_url` value (`{"url": "data:..."}` or the URL itself).
+def image_url_bytes(image_url, what: str = "image_url") -> bytes:
+    """The bytes of an `image_url` (or `video_url`) value (`{"url": "data:..."}` or the URL itself).
 
     RFC 2397: `data:[<media type>][;base64],<data>`; without `;base64` the data is percent-encoded.
     """
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
     if not isinstance(url, str) or not url.startswith("data:") or "," not in url:
-        raise InvalidRequestError("image_url must be a data: URL (epdserve fetches nothing from the network)")
+        raise InvalidRequestError(f"{what} must be a data: URL (epdserve fetches nothing from the network)")
     header, payload = url.split(",", 1)
     try:
         return base64.b64decode(payload) if ";base64" in header else unquote_to_bytes(payload)

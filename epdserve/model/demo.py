@@ -1,8 +1,9 @@
-"""Random-weight demo checkpoints laid out like a downloaded Qwen2-VL / Qwen2.5-VL.
+"""Random-weight demo checkpoints laid out like a downloaded Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE).
 
 Owns: the `tiny` and `small` size presets, `build_demo_model` (config + fp32 safetensors +
 generation config + offline tokenizer and chat template + image-processor config in one
-directory) and the `epdserve demo-model` CLI subcommand (`add_parser` / `run` / `main`).
+directory) and the `epdserve demo-model` CLI subcommand (`add_parser` / `run` / `main`). The
+Qwen3 family's shapes and preprocessor files live in `demo_qwen3`.
 
 Weights are re-drawn with std 1.5/sqrt(fan_in) (the default 0.02 init makes a model that
 repeats one token), so greedy outputs depend on the prompt and on the images. The same
@@ -18,7 +19,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl")
+from epdserve.model.demo_qwen3 import QWEN3_ARCHS, QWEN3_PRESETS, qwen3_config, qwen3_preprocessor_files
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", *QWEN3_ARCHS)
 SIZES = ("tiny", "small")
 
 # A 448x448 image → 32x32 patches of 14 px → 256 tokens after the 2x2 merge; 56x56 is the
@@ -54,8 +57,9 @@ PRESETS = {
 }
 
 
-def demo_config(arch: str, size: DemoSize, ids: dict[str, int], vocab: int):
-    """The transformers config object for `arch` at `size`, with the tokenizer's ids."""
+def demo_config(arch: str, size: DemoSize, ids: dict[str, int], vocab: int, size_name: str = "tiny"):
+    """The transformers config object for `arch` at `size`, with the tokenizer's ids (the Qwen3
+    family also takes its own shape of the preset `size_name`)."""
     text = dict(
         vocab_size=vocab, hidden_size=size.hidden, intermediate_size=size.intermediate,
         num_hidden_layers=size.layers, num_attention_heads=size.heads,
@@ -65,15 +69,17 @@ def demo_config(arch: str, size: DemoSize, ids: dict[str, int], vocab: int):
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
-    if sum(size.mrope_section) != size.hidden // size.heads // 2:
-        raise ValueError(f"mrope_section {size.mrope_section} must sum to head_dim // 2")
-    common = dict(patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
-                  temporal_patch_size=TEMPORAL_PATCH_SIZE, in_channels=3)
     token_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                      vision_start_token_id=ids["<|vision_start|>"],
                      vision_end_token_id=ids["<|vision_end|>"],
                      bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                      pad_token_id=ids["<|endoftext|>"])
+    if arch in QWEN3_ARCHS:
+        return qwen3_config(arch, size, QWEN3_PRESETS[size_name], token_ids, text)
+    if sum(size.mrope_section) != size.hidden // size.heads // 2:
+        raise ValueError(f"mrope_section {size.mrope_section} must sum to head_dim // 2")
+    common = dict(patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
+                  temporal_patch_size=TEMPORAL_PATCH_SIZE, in_channels=3)
     if arch == "qwen2_vl":
         from transformers import Qwen2VLConfig
 
@@ -92,13 +98,18 @@ def demo_config(arch: str, size: DemoSize, ids: dict[str, int], vocab: int):
 
 
 def _redraw_weights(model, seed: int) -> None:
-    """Re-draw Linear/Conv weights with std 1.5/sqrt(fan_in), embeddings with std 1, biases 0."""
+    """Re-draw Linear/Conv weights with std 1.5/sqrt(fan_in), embeddings with std 1, biases 0;
+    MoE experts (fused [experts, out, in] parameters) and routers ([experts, in]) alike."""
     import torch
     from torch import nn
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
+            fused = [p for n, p in sorted(module.named_parameters(recurse=False)) if p.ndim == 3 or
+                     (type(module).__name__.endswith("TopKRouter") and n == "weight")]
+            for p in fused:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[-1])))
             if isinstance(module, (nn.Linear, nn.Conv3d, nn.Conv2d)):
                 fan_in = module.weight[0].numel()
                 std = 1.5 / math.sqrt(fan_in)
@@ -123,6 +134,16 @@ def _preprocessor_config() -> dict:
         "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
         "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
     }
+
+
+def _video_preprocessor_config() -> dict:
+    """video_preprocessor_config.json for `Qwen2VLVideoProcessor`, with frame sampling on (as
+    transformers recommends for new models; epdserve takes video only then) and a per-frame pixel
+    budget of 4..256 tokens."""
+    image = {k: v for k, v in _preprocessor_config().items() if k != "image_processor_type"}
+    return dict(image, video_processor_type="Qwen2VLVideoProcessor", do_sample_frames=True, fps=2.0,
+                min_frames=4, max_frames=768, size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 256},
+                min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 256)
 
 
 def build_demo_model(out_dir, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0) -> pathlib.Path:
@@ -150,7 +171,7 @@ def build_demo_model(out_dir, arch: str = "qwen2_vl", size: str = "tiny", seed: 
 
     tokenizer = build_demo_tokenizer(preset.vocab, seed=seed)
     ids = special_token_ids(tokenizer)
-    config = demo_config(arch, preset, ids, vocab=len(tokenizer))
+    config = demo_config(arch, preset, ids, vocab=len(tokenizer), size_name=size)
 
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -162,7 +183,11 @@ def build_demo_model(out_dir, arch: str = "qwen2_vl", size: str = "tiny", seed: 
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(), indent=2, sort_keys=True) + "\n")
+    files = qwen3_preprocessor_files() if arch in QWEN3_ARCHS else {"preprocessor_config.json": _preprocessor_config()}
+    if arch in ("qwen2_vl", "qwen2_5_vl"):
+        files["video_preprocessor_config.json"] = _video_preprocessor_config()
+    for name, content in files.items():
+        (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -170,11 +195,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `demo-model` subcommand on an argparse `subparsers` object."""
     parser = subparsers.add_parser(
         "demo-model",
-        help="write a random-weight Qwen2-VL / Qwen2.5-VL checkpoint for demos and tests",
+        help="write a random-weight Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE) checkpoint for demos and tests",
         description="Write a random-weight checkpoint directory laid out like a downloaded "
                     "Qwen2-VL-7B-Instruct (config, fp32 safetensors, offline tokenizer with chat "
-                    "template, image-processor config). Nothing is downloaded; the same seed gives "
-                    "identical files. tiny builds in seconds; small has about 90M parameters.",
+                    "template, image-processor and video-processor configs). Nothing "
+                    "is downloaded; the same seed gives identical files. tiny builds in seconds; small "
+                    "has about 90M parameters (qwen3_vl 100M; qwen3_vl_moe 130M, 75M active per token).",
     )
     parser.add_argument("out_dir", metavar="DIR", help="directory to write (created if missing)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen2_vl", help="model family (default: qwen2_vl)")

@@ -2,7 +2,8 @@
 
 The directory is laid out as a downloaded Qwen2-VL-7B-Instruct (config.json, *.safetensors,
 tokenizer files, preprocessor_config.json, chat template). Nothing is fetched from a hub, and
-torchvision is not needed: transformers falls back to its PIL image processor.
+torchvision is not needed: the image processor is always transformers' PIL implementation, even
+where the config names the fast (torchvision) one, as Qwen3-VL checkpoints do.
 """
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# video input (model.video) where the checkpoint has a video_preprocessor_config.json that samples
+# frames; the value names whose video processor rules apply
+VIDEO_ARCHS = {"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
 MAX_DEFAULT_CONTEXT = 32768  # the default context is the model's, capped here (KV budget)
 
 
@@ -25,6 +29,7 @@ class LoadedCheckpoint:
     tokenizer: object
     image_processor: object
     model_type: str
+    video: object = None  # model.video.VideoOptions: the checkpoint's video defaults (None: no video input)
 
 
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
@@ -42,7 +47,12 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
-    return LoadedCheckpoint(path, model, tokenizer, image_processor, config.model_type)
+    video = None
+    if config.model_type in VIDEO_ARCHS:
+        from epdserve.model.video import VideoOptions
+
+        video = VideoOptions.from_checkpoint(path, VIDEO_ARCHS[config.model_type])
+    return LoadedCheckpoint(path, model, tokenizer, image_processor, config.model_type, video)
 
 
 def max_model_len(text_config, override: int | None = None) -> int:

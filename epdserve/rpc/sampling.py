@@ -11,7 +11,8 @@ from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import common_pb2
 
 # proto3 `optional` scalars: copied only when the sender set them
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens")
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens",
+             "min_p")
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -27,7 +28,7 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     p = common_pb2.SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        skip_special_tokens=s.skip_special_tokens,
+        skip_special_tokens=s.skip_special_tokens, min_p=s.min_p,
     )
     if s.seed is not None:
         p.seed = s.seed

@@ -31,13 +31,22 @@ class InstanceChannel:
 
 
 class ChannelPool:
-    def __init__(self):
+    """`interceptors`: grpc.aio client interceptors of every channel (the cluster token's);
+    `credentials`: channel credentials for instances serving TLS (mutual TLS), else plaintext."""
+
+    def __init__(self, interceptors=None, credentials=None):
         self._channels: dict[str, InstanceChannel] = {}
+        self._interceptors = interceptors
+        self._credentials = credentials
 
     def get(self, address: str) -> InstanceChannel:
         ch = self._channels.get(address)
         if ch is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS,
+                                                  interceptors=self._interceptors)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=self._interceptors)
             ch = InstanceChannel(address, channel, instance_pb2_grpc.InstanceStub(channel),
                                  health_pb2_grpc.HealthStub(channel))
             self._channels[address] = ch

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epdserve.limits import InputLimits
+
 
 @dataclass
 class SchedulerConfig:
@@ -13,6 +15,9 @@ class SchedulerConfig:
     `healthy_after` consecutive good probes. DOWN instances are forgotten after `forget_after_s`.
     Backpressure: at most `max_requests_in_flight` public requests, and at most
     `max_inflight_per_instance` of them on any one instance; beyond either, RESOURCE_EXHAUSTED.
+    Bounds: `limits` (each request's input, checked before any work), `preprocess_threads`
+    (tokenisation and image decode), `media_index_size` / `stored_keys_size` (media keys
+    remembered), `max_attempts` (tries per request).
     """
 
     model: str
@@ -30,7 +35,11 @@ class SchedulerConfig:
     max_requests_in_flight: int = 1024
     max_inflight_per_instance: int = 256
     max_attempts: int = 4  # per public request, across instance failures
-    retry_backoff_s: float = 0.05
+    retry_backoff_s: float = 0.05  # before attempt n+1: n times this
+    preprocess_threads: int = 4
+    media_index_size: int = 100_000  # media keys a client may resend by key (LRU)
+    stored_keys_size: int = 100_000  # media keys known to be in the MM Store (LRU)
+    limits: InputLimits = field(default_factory=InputLimits)
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
     mode: str = ""  # as the launcher names it (reported by GetServerInfo)
 
@@ -43,7 +52,7 @@ class SchedulerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("unhealthy_after", "healthy_after", "max_requests_in_flight", "max_inflight_per_instance",
-                     "max_attempts"):
+                     "max_attempts", "preprocess_threads", "media_index_size", "stored_keys_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.retry_backoff_s < 0:

@@ -1,6 +1,8 @@
 """Request fan-out: admission, attempts, retries, usage and timing for every public request.
 
-Lifecycle of one request (`RequestRun.events`): admitted (or RESOURCE_EXHAUSTED) → prepared
+Lifecycle of one request (`RequestRun.events`): checked against the input limits (`epdserve.limits`,
+sizes and image headers only: INVALID_ARGUMENT or RESOURCE_EXHAUSTED before any work) → admitted
+(or RESOURCE_EXHAUSTED past `max_requests_in_flight`) → prepared
 (tokenized, media decoded and keyed, in a worker thread) → attempt 1 on a routed plan → deltas
 stream to the client as instances produce them → the last delta carries finish reason, usage
 and timing.
@@ -13,6 +15,10 @@ streamed to the client, and its max_tokens is what is left, so no token is ever 
 greedy output is unchanged. (Caveats: a stop string that would span the resume point is not
 seen; a seeded sampled request continues with a fresh random stream.) At most `max_attempts`
 attempts; then UNAVAILABLE (RESOURCE_EXHAUSTED if the last failure was "busy").
+
+A client that lost its scheduler resumes the same way on another one (or on this one,
+restarted): its request carries the token ids it already received (`resume_token_ids`), which
+start the run as if this scheduler had streamed them itself.
 
 Abort (public `Abort`) and client cancellation close the current attempt the same way; an
 aborted stream ends with finish_reason "abort".
@@ -28,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from epdserve.limits import LimitError, check_generate_request
 from epdserve.rpc import common_pb2, instance_pb2, serve_pb2
 from epdserve.scheduler.attempt import Attempt, AttemptInputs, merge_timings
 from epdserve.scheduler.channels import ChannelPool
@@ -145,7 +152,7 @@ class RequestRun:
         encoding = {prep.media[i].key for _, items in plan.encodes for i in items}
         refs = [
             instance_pb2.MediaRef(key=m.key, data=m.data, grid_thw=m.grid_thw, num_tokens=m.num_tokens,
-                                  expect_features=m.key in encoding)
+                                  expect_features=m.key in encoding, video=m.video)
             for m in prep.media
         ]
         sampling = common_pb2.SamplingParams()
@@ -223,11 +230,12 @@ class Dispatcher:
         self.router = router
         self.channels = channels
         self.preprocessor = preprocessor
-        self.stored = StoredKeys()
+        self.stored = StoredKeys(config.stored_keys_size)
+        preprocessor.index.capacity = config.media_index_size
         self.runs: dict[str, RequestRun] = {}
         self.background: set[asyncio.Task] = set()
         self._admitted = 0
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="epdserve-prep")
+        self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
         registry.on_down(self._instance_down)
 
     @property
@@ -238,6 +246,10 @@ class Dispatcher:
                        ) -> AsyncIterator[serve_pb2.GenerateDelta]:
         """The public stream of one request. Raises RequestError."""
         arrival = time.time()
+        try:
+            check_generate_request(req, self.config.limits)
+        except LimitError as e:
+            raise RequestError(e.grpc_code, e.message) from None
         if self._admitted >= self.config.max_requests_in_flight:
             raise RequestError.exhausted(f"{self._admitted} requests in flight (limit {self.config.max_requests_in_flight})")
         self._admitted += 1
@@ -249,6 +261,7 @@ class Dispatcher:
             if prep.request_id in self.runs:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
             run = RequestRun(self, prep, arrival, deadline)
+            run.generated = self._resumed(req, prep)
             self.runs[prep.request_id] = run
             try:
                 async for delta in run.events():
@@ -257,6 +270,17 @@ class Dispatcher:
                 self.runs.pop(prep.request_id, None)
         finally:
             self._admitted -= 1
+
+    def _resumed(self, req: serve_pb2.GenerateRequest, prep: PreparedRequest) -> list[int]:
+        """The output a resuming client already has (validated): the run continues after it."""
+        ids = list(req.resume_token_ids)
+        if len(ids) >= prep.max_tokens:
+            raise RequestError.invalid(f"{len(ids)} resume_token_ids leave nothing of max_tokens={prep.max_tokens}")
+        vocab = self.preprocessor.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError.invalid(f"resume_token_ids out of range [0, {vocab}): {bad[:5]}")
+        return ids
 
     def abort(self, request_id: str) -> bool:
         run = self.runs.get(request_id)

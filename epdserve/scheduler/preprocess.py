@@ -5,7 +5,8 @@ the weights) and turns a public `GenerateRequest` into a `PreparedRequest`: expa
 token ids (one `<|image_pad|>` per vision token), one `PreparedMedia` per image (MM Store key,
 bytes, grid, token count) and validated sampling parameters. Every image sent as bytes is
 decoded and preprocessed here, so a corrupt image fails its request with INVALID_ARGUMENT
-before anything is routed. Media sent by key are looked up in `MediaIndex` (what this
+before anything is routed; so is every video (`Media.video` set, or a chat's video part), whose placeholder
+expands to its per-temporal-patch timestamps and pad tokens (media then in prompt order). Media sent by key are looked up in `MediaIndex` (what this
 scheduler learned from earlier requests); an unknown key is INVALID_ARGUMENT.
 
 Thread-safe: `prepare` runs in worker threads (it is CPU work), the index takes a lock.
@@ -25,6 +26,7 @@ from epdserve.model.loader import max_model_len as context_length
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.rpc.sampling import sampling_from_proto, sampling_to_proto
+from epdserve.rpc.video_spec import video_options_from_proto
 from epdserve.scheduler.errors import RequestError
 from epdserve.transfer.mm_store.keys import media_key
 
@@ -37,6 +39,9 @@ class PreparedMedia:
     data: bytes  # empty when the client sent only the key
     grid_thw: list[int]
     num_tokens: int
+    kind: str = "image"  # or "video"
+    expansion: list[int] | None = None  # a video's placeholder replacement
+    video: common_pb2.VideoSpec | None = None  # a video's sampling options, passed on to E and P
 
 
 @dataclass
@@ -92,7 +97,7 @@ class RequestPreprocessor:
         self.max_model_len = context_length(tc, max_model_len)
         self.processor = MultimodalProcessor(
             self.tokenizer, image_processor, self.image_token_id, self.config.vision_config.spatial_merge_size,
-            self.max_model_len,
+            self.max_model_len, video=_video_defaults(model_dir, self.config.model_type),
         )
         self.eos_token_ids = self._eos_ids()
         self.index = MediaIndex()
@@ -122,17 +127,21 @@ class RequestPreprocessor:
             ids = self._encode_text(text)
         else:
             raise RequestError.invalid("the request has no prompt, prompt_token_ids or chat")
+        n_videos = sum(1 for m in media if m.HasField("video"))
         try:
-            self.processor.check_placeholders(ids, len(media))
+            self.processor.check_placeholders(ids, len(media) - n_videos)
+            self.processor.check_video_placeholders(ids, n_videos)
         except InvalidRequestError as e:
             raise RequestError.invalid(str(e)) from None
         if media and not namespace:
             raise RequestError.unavailable("no instance has reported its media namespace yet")
         prepared = [self._media(i, m, namespace) for i, m in enumerate(media)]
+        keys = [m.key for m in prepared]  # in the client's order
         try:
-            expanded = self.processor.expand(ids, [m.num_tokens for m in prepared])
+            expanded, order = self.processor.expand_media(ids, prepared)
         except InvalidRequestError as e:
             raise RequestError.invalid(str(e)) from None
+        prepared = [prepared[i] for i in order]  # prompt order, as the engines read them
         return PreparedRequest(
             request_id=req.request_id or uuid.uuid4().hex,
             prompt_token_ids=expanded,
@@ -140,7 +149,7 @@ class RequestPreprocessor:
             sampling=sampling_to_proto(params),
             params=params,
             num_vision_tokens=sum(m.num_tokens for m in prepared),
-            media_keys=[m.key for m in prepared],
+            media_keys=keys,
         )
 
     # ---------------------------------------------------------------- pieces
@@ -148,6 +157,7 @@ class RequestPreprocessor:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _render_chat(self, chat: serve_pb2.Chat) -> tuple[str, list[common_pb2.Media]]:
+        """The rendered prompt and its media: images, then videos (`expand_media` pairs each kind)."""
         messages = []
         for msg in chat.messages:
             parts = []
@@ -157,6 +167,11 @@ class RequestPreprocessor:
                     parts.append({"type": "text", "text": part.text})
                 elif which == "image":
                     parts.append({"type": "image", "image": part.image})
+                elif which == "video":
+                    video = common_pb2.Media()
+                    video.CopyFrom(part.video)
+                    video.video.SetInParent()  # a video part is a video, its sampling options or not
+                    parts.append({"type": "video", "video": video})
                 else:
                     raise RequestError.invalid(f"empty content part in a {msg.role!r} message")
             messages.append({"role": msg.role, "content": parts})
@@ -169,10 +184,20 @@ class RequestPreprocessor:
             raise RequestError.invalid(str(e)) from None
         except Exception as e:  # the chat template may reject a conversation in many ways
             raise RequestError.invalid(f"cannot render the chat: {e}") from None
-        return rendered["prompt"], list(rendered["multi_modal_data"]["image"])
+        mm = rendered["multi_modal_data"]
+        return rendered["prompt"], [*mm["image"], *mm.get("video", [])]  # each kind in prompt order
 
     def _media(self, i: int, m: common_pb2.Media, namespace: str) -> PreparedMedia:
         which = m.WhichOneof("source")
+        if m.HasField("video"):
+            if which != "data":
+                raise RequestError.invalid(f"media {i}: a video is sent as its bytes (no keys for videos)")
+            try:
+                mi = self.processor.preprocess_video(bytes(m.data), video_options_from_proto(m.video))
+            except InvalidRequestError as e:
+                raise RequestError.invalid(f"video {i}: {e}") from None
+            return PreparedMedia(media_key(mi.raw, namespace), bytes(m.data), [int(x) for x in mi.grid_thw.tolist()],
+                                 mi.num_tokens, "video", mi.expansion, m.video)
         if which == "data":
             try:
                 mi = self.processor.preprocess_image(bytes(m.data))
@@ -199,3 +224,11 @@ class RequestPreprocessor:
         except Exception:  # no generation_config.json
             v = None
         return sorted(eos_token_ids(v, self.tokenizer))
+
+
+def _video_defaults(model_dir, model_type: str):
+    """The checkpoint's video defaults and limits (None: the model takes no video)."""
+    from epdserve.model.loader import VIDEO_ARCHS
+    from epdserve.model.video import VideoOptions
+
+    return VideoOptions.from_checkpoint(model_dir, VIDEO_ARCHS[model_type]) if model_type in VIDEO_ARCHS else None

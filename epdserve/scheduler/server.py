@@ -1,7 +1,9 @@
 """`SchedulerServer`: the scheduler process's gRPC server, and `SchedulerThread` to host one.
 
 One grpc.aio server on one event loop serves `EPDServe` (clients), `Registry` (instances),
-grpc.health.v1 and reflection. Starting it loads the tokenizer and image processor (not the
+grpc.health.v1 and reflection; with an internal port (`SchedulerSecurity`), the `Registry` is
+served there instead, on a second server on the same loop. Keys, tokens and TLS:
+`epdserve.security`. Starting it loads the tokenizer and image processor (not the
 model), binds (port 0 picks a free one; `address` says which), and starts the health prober.
 `SchedulerThread` runs a server on its own loop in a background thread (tests, embedding);
 the `epdserve scheduler` command runs one in the foreground.
@@ -26,6 +28,9 @@ from epdserve.scheduler.preprocess import RequestPreprocessor
 from epdserve.scheduler.registry import InstanceRegistry
 from epdserve.scheduler.routing import Router
 from epdserve.scheduler.services import EPDServeServicer, RegistryServicer
+from epdserve.security.interceptors import AioAuthInterceptor, aio_metadata_interceptors, cluster_metadata
+from epdserve.security.options import SchedulerSecurity
+from epdserve.security.tls import channel_credentials, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +38,28 @@ VERSION = "0.1.0"
 
 
 class SchedulerServer:
-    def __init__(self, config: SchedulerConfig):
+    """`observer`: optional; `observer.observe(stream, server)` wraps every public request's delta
+    stream (the entrypoints pass the Prometheus metrics here; nothing in scheduler/ knows them).
+    `security`: API key, cluster token, TLS and the internal port (`SchedulerSecurity`; default:
+    none of them, everything on one plaintext port)."""
+
+    def __init__(self, config: SchedulerConfig, observer=None, security: SchedulerSecurity | None = None):
         self.config = config
+        self.observer = observer
+        self.security = security or SchedulerSecurity()
         self.scheduler_id = f"scheduler-{uuid.uuid4().hex[:8]}"
         self.registry = InstanceRegistry(config.unhealthy_after, config.healthy_after, config.forget_after_s)
-        self.channels = ChannelPool()
+        sec = self.security
+        self.channels = ChannelPool(aio_metadata_interceptors(cluster_metadata(sec.cluster_token)),
+                                    channel_credentials(sec.internal_tls_ca, sec.internal_tls_cert,
+                                                        sec.internal_tls_key) if sec.mutual_tls else None)
         self.router = Router(self.registry, config.max_inflight_per_instance)
         self.prober = HealthProber(config, self.registry, self.channels)
         self.dispatcher: Dispatcher | None = None
         self.address = ""
+        self.internal_address = ""  # where instances register (the public address unless an internal port is set)
         self._server: grpc.aio.Server | None = None
+        self._internal: grpc.aio.Server | None = None
         self._health = None
         self._probe_task: asyncio.Task | None = None
 
@@ -50,19 +67,26 @@ class SchedulerServer:
         loop = asyncio.get_running_loop()
         pre = await loop.run_in_executor(None, RequestPreprocessor, self.config.model, self.config.max_model_len)
         self.dispatcher = Dispatcher(self.config, self.registry, self.router, self.channels, pre)
-        server = grpc.aio.server(options=CHANNEL_OPTIONS)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
-        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
-        self.address = f"{host}:{port}"
+        sec = self.security
+        server = _aio_server(sec.public_rules())
+        self.address = _bind(server, self.config.host, self.config.port, sec)
         info = {"scheduler_id": self.scheduler_id, "address": self.address, "started_at": time.time(),
                 "version": VERSION}
         serve_pb2_grpc.add_EPDServeServicer_to_server(
-            EPDServeServicer(self.config, self.dispatcher, self.registry, info), server)
-        instance_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.config, self.registry, self.scheduler_id), server)
-        services = [SERVE_SERVICE, REGISTRY_SERVICE]
+            EPDServeServicer(self.config, self.dispatcher, self.registry, info, self.generate, sec.holds_token), server)
+        registry = RegistryServicer(self.config, self.registry, self.scheduler_id)
+        if sec.internal_port is None:
+            instance_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+            services = [SERVE_SERVICE, REGISTRY_SERVICE]
+            self.internal_address = self.address
+        else:  # the Registry alone on its own port (bind it to the cluster network)
+            self._internal = _aio_server(sec.internal_rules())
+            self.internal_address = _bind(self._internal, sec.internal_host or self.config.host, sec.internal_port,
+                                          sec, internal=True)
+            instance_pb2_grpc.add_RegistryServicer_to_server(registry, self._internal)
+            add_health_and_reflection(self._internal, [REGISTRY_SERVICE], aio=True)
+            await self._internal.start()
+            services = [SERVE_SERVICE]
         self._health = add_health_and_reflection(server, services, aio=True)
         await server.start()
         await set_serving_aio(self._health, services)
@@ -70,6 +94,12 @@ class SchedulerServer:
         self._probe_task = asyncio.create_task(self.prober.run())
         log.info("scheduler %s listening on %s", self.scheduler_id, self.address)
         return self.address
+
+    def generate(self, req, deadline: float | None = None):
+        """The public request path every front takes (gRPC EPDServe, the HTTP front): the
+        dispatcher's delta stream, through the observer. Raises RequestError."""
+        stream = self.dispatcher.generate(req, deadline)
+        return stream if self.observer is None else self.observer.observe(stream, self)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._server is None:
@@ -80,6 +110,9 @@ class SchedulerServer:
         if self.dispatcher is not None:
             await self.dispatcher.close()
         await self._server.stop(grace_s)
+        if self._internal is not None:
+            await self._internal.stop(grace_s)
+            self._internal = None
         await self.channels.close()
         self._server = None
 
@@ -88,12 +121,33 @@ class SchedulerServer:
             await self._server.wait_for_termination()
 
 
+def _aio_server(rules) -> grpc.aio.Server:
+    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[AioAuthInterceptor(rules)] if rules else None)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: SchedulerSecurity | None = None,
+          internal: bool = False) -> str:
+    """Bind host:port (public: TLS with `tls.tls_cert`; internal: mutual TLS with
+    `tls.internal_tls_*`); the address clients dial."""
+    where = f"{host}:{port}"
+    if internal and tls is not None and tls.mutual_tls:
+        bound = server.add_secure_port(where, server_credentials(tls.internal_tls_cert, tls.internal_tls_key,
+                                                                 client_ca=tls.internal_tls_ca))
+    elif not internal and tls is not None and tls.tls_cert:
+        bound = server.add_secure_port(where, server_credentials(tls.tls_cert, tls.tls_key))
+    else:
+        bound = server.add_insecure_port(where)
+    if bound == 0:
+        raise OSError(f"cannot bind {where}")
+    return f"{host if host not in ('0.0.0.0', '::', '[::]') else '127.0.0.1'}:{bound}"
+
+
 class SchedulerThread:
     """A `SchedulerServer` on its own event loop in a daemon thread: `start()` -> address, `stop()`."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, observer=None, security: SchedulerSecurity | None = None):
         self.config = config
-        self.server = SchedulerServer(config)
+        self.server = SchedulerServer(config, observer, security)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="epdserve-scheduler", daemon=True)
 

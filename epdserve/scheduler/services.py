@@ -26,15 +26,18 @@ def _deadline(context) -> float | None:
 
 
 class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
-    def __init__(self, config: SchedulerConfig, dispatcher: Dispatcher, registry: InstanceRegistry, info: dict):
+    def __init__(self, config: SchedulerConfig, dispatcher: Dispatcher, registry: InstanceRegistry, info: dict,
+                 generate=None, may_see_addresses=None):
         self.config = config
         self.dispatcher = dispatcher
+        self.generate = generate or dispatcher.generate  # SchedulerServer.generate: the observed path
+        self.may_see_addresses = may_see_addresses or (lambda metadata: True)  # the cluster token holders
         self.registry = registry
         self.info = info  # scheduler_id, address, started_at, version
 
     async def GenerateStream(self, request, context):
         try:
-            async for delta in self.dispatcher.generate(request, _deadline(context)):
+            async for delta in self.generate(request, _deadline(context)):
                 yield delta
         except RequestError as e:
             await context.abort(e.code, e.message)
@@ -45,7 +48,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     async def Generate(self, request, context):
         out = serve_pb2.GenerateResponse()
         try:
-            async for d in self.dispatcher.generate(request, _deadline(context)):
+            async for d in self.generate(request, _deadline(context)):
                 out.request_id = d.request_id
                 out.token_ids.extend(d.token_ids)
                 out.text += d.text
@@ -76,8 +79,17 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
         return serve_pb2.ServerInfo(
             version=self.info["version"], scheduler_id=self.info["scheduler_id"], address=self.info["address"],
             started_at=self.info["started_at"], requests_in_flight=self.dispatcher.in_flight,
-            instances=[r.to_proto() for r in self.registry.records()], mode=self.config.mode or self._mode(),
+            instances=[self._status(r, context) for r in self.registry.records()],
+            mode=self.config.mode or self._mode(),
         )
+
+    def _status(self, record, context):
+        st = record.to_proto()
+        if not self.may_see_addresses(context.invocation_metadata()):
+            st.ClearField("address")
+            st.ClearField("kv_endpoint")
+            st.ClearField("pid")
+        return st
 
     def _mode(self) -> str:
         """The deployment mode the roster's roles add up to (e.g. "E-P-D", "EP-D", "monolithic")."""

@@ -1,4 +1,4 @@
-"""`epdserve launch --config configs/<mode>.yaml` for each of the five modes, as real processes on
+"""`epdserve launch --config configs/<mode>.yaml` for each of the six modes, as real processes on
 CPU with the tiny demo model, called through `epdserve.Client`.
 
 One deployment per mode (module-scoped, torn down before the next starts): its teardown sends
@@ -30,7 +30,7 @@ from tests.instance.harness import PH, image, status, stub, wait_until
 
 pytestmark = pytest.mark.slow
 
-MODES = ["monolithic", "E-P-D", "EP-D", "ED-P", "E-PD"]
+MODES = ["monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD"]
 EXTRA = {"E-P-D": ["--decode", "2"]}
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 READY = re.compile(r"^epdserve ready: grpc://(\S+) mode=(\S+)")
@@ -52,9 +52,9 @@ class Deployed:
         return [i for i in self.instances() if "P" in i.roles or "D" in i.roles]
 
 
-def _launch(mode: str, model: Path) -> Deployed:
+def _launch(mode: str, model: Path, extra: tuple[str, ...] = ()) -> Deployed:
     argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--config", str(CONFIGS / f"{mode}.yaml"),
-            "--model", str(model), "--kv-cache-mb", "16", "--feature-wait-s", "20", *EXTRA.get(mode, [])]
+            "--model", str(model), "--kv-cache-mb", "16", "--feature-wait-s", "20", *EXTRA.get(mode, []), *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     output: list[str] = []
@@ -183,7 +183,7 @@ def test_cancelled_stream_frees_its_kv_blocks(deployment):
 def test_instances_answer_health_and_report_their_roles(deployment):
     roles = sorted(i.roles for i in deployment.instances())
     want = {"monolithic": ["EPD"], "E-P-D": ["D", "D", "E", "P"], "EP-D": ["D", "EP"], "ED-P": ["ED", "P"],
-            "E-PD": ["E", "PD"]}[deployment.mode]
+            "E-PD": ["E", "PD"], "P-D": ["D", "P+E"]}[deployment.mode]
     assert roles == want
     for i in deployment.instances():
         assert i.health == common_pb2.HEALTHY

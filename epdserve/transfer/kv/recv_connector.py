@@ -5,8 +5,10 @@ A request with `RemotePrefill` has all of its prompt's KV (and the first token) 
 `on_blocks_allocated` tells the receiver to expect the KV into the prompt's blocks (it is
 received by the pair's thread, straight into them). The prefill side's first token and M-RoPE
 delta arrive through the control plane: `set_first_token`. `get_finished` reports a request as
-received once both are in (or failed). An aborted request whose KV is still arriving is held
-(`request_finished` → True) until the receiver is done with its blocks.
+received once both are in (or failed), and counts it in `counters` (bytes received: whole
+blocks, every layer's K and V; failures: receives that failed, not requests aborted here). An
+aborted request whose KV is still arriving is held (`request_finished` → True) until the
+receiver is done with its blocks.
 Pairs: `pair_for(peer, host, port)` reuses the pair to a prefill peer, or builds the next
 generation when the old one broke or the peer moved.
 """
@@ -19,7 +21,7 @@ from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.messages import PairRendezvous
 from epdserve.transfer.kv.pair_names import pair_name
 from epdserve.transfer.kv.receiver import KVReceiver, RecvRequest
-from epdserve.transfer.kv.state import PairState, TransferState
+from epdserve.transfer.kv.state import PairState, TransferCounters, TransferState
 
 
 @dataclass
@@ -37,6 +39,8 @@ class LayerwiseRecvConnector(KVConnector):
         self.config = config or KVTransferConfig()
         self.receiver: KVReceiver | None = None
         self._block_size = 0
+        self._block_bytes = 0  # one block, every layer's K and V
+        self.counters = TransferCounters()
         self._pairs: dict[str, PairRendezvous] = {}  # prefill peer -> current pair (our rank 1)
         self._generations: dict[str, int] = {}
         self._incoming: dict[str, _Incoming] = {}
@@ -44,6 +48,7 @@ class LayerwiseRecvConnector(KVConnector):
     def register_kv_cache(self, cache, platform) -> None:
         self.receiver = KVReceiver(cache, platform, self.config)
         self._block_size = cache.spec.block_size
+        self._block_bytes = cache.spec.bytes_per_block()
 
     # ------------------------------------------------------------------ the worker's calls
     def pair_for(self, peer: str, host: str, port: int) -> PairRendezvous:
@@ -100,9 +105,11 @@ class LayerwiseRecvConnector(KVConnector):
                 continue
             if inc.aborted or st.error is not None or st.state is not TransferState.DONE:
                 del self._incoming[st.request_id]
+                self.counters.failures += not inc.aborted
                 done.append(FinishedTransfer(st.request_id, st.error or ("aborted" if inc.aborted else st.state.value)))
             else:
                 inc.kv_done = True
+                self.counters.bytes += len(inc.block_ids) * self._block_bytes
         for rid, inc in list(self._incoming.items()):
             if inc.kv_done and inc.first_token is not None:
                 del self._incoming[rid]

@@ -4,7 +4,8 @@ Scheduler side: `build_step` opens one batch with every request whose prompt com
 step and that carries a `RemoteDecode` (source blocks from the step's block tables, the prompt's
 blocks only); `request_finished` keeps a request's blocks while its transfer may still read
 them. Worker side: `save_kv_layer(i)` posts layer i (it travels while layer i+1 computes);
-`get_finished` reports sends that D acknowledged, failed, or could not begin.
+`get_finished` reports sends that D acknowledged, failed, or could not begin, and counts them
+in `counters` (bytes of the acknowledged ones: whole blocks, every layer's K and V).
 Pairs: `join(peer, rdzv)` builds (or keeps) the pair to a decode peer; a rendezvous older than
 the current pair's generation is refused (`StalePairError`).
 """
@@ -17,7 +18,7 @@ from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.messages import PairRendezvous
 from epdserve.transfer.kv.pair_names import pair_generation
 from epdserve.transfer.kv.sender import KVSender, SendRequest
-from epdserve.transfer.kv.state import PairState, TransferStatus
+from epdserve.transfer.kv.state import PairState, TransferCounters, TransferStatus
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,16 @@ class LayerwiseSendConnector(KVConnector):
         self.config = config or KVTransferConfig()
         self.sender: KVSender | None = None
         self._block_size = 0
+        self._block_bytes = 0  # one block, every layer's K and V
+        self.counters = TransferCounters()
         self._pair_names: dict[str, str] = {}  # decode peer -> current pair name
-        self._inflight: set[str] = set()  # sends begun, not yet reported finished
+        self._inflight: dict[str, int] = {}  # sends begun, not yet reported finished -> their block count
         self._refused: list[FinishedTransfer] = []
 
     def register_kv_cache(self, cache, platform) -> None:
         self.sender = KVSender(cache, platform, self.config)
         self._block_size = cache.spec.block_size
+        self._block_bytes = cache.spec.bytes_per_block()
 
     # ------------------------------------------------------------------ pairs (the worker's calls)
     def join(self, peer: str, rdzv: PairRendezvous) -> None:
@@ -76,7 +80,7 @@ class LayerwiseSendConnector(KVConnector):
             log.warning("KV transfer of %d request(s) refused: %s", len(reqs), e)
             self._refused.extend(FinishedTransfer(r.request_id, f"refused: {e}") for r in reqs)
             return
-        self._inflight.update(r.request_id for r in reqs)
+        self._inflight.update((r.request_id, len(r.dst_block_ids)) for r in reqs)
 
     def request_finished(self, seq) -> bool:
         return seq.request_id in self._inflight
@@ -90,10 +94,14 @@ class LayerwiseSendConnector(KVConnector):
 
     def get_finished(self) -> tuple[list[FinishedTransfer], list[FinishedTransfer]]:
         sent, self._refused = self._refused, []
+        self.counters.failures += len(sent)
         for st in self.sender.pop_finished():
-            self._inflight.discard(st.request_id)
+            blocks = self._inflight.pop(st.request_id, 0)
             if st.error:
                 log.warning("KV transfer of %s to %s failed: %s", st.request_id, st.peer, st.error)
+                self.counters.failures += 1
+            else:
+                self.counters.bytes += blocks * self._block_bytes
             sent.append(FinishedTransfer(st.request_id, st.error))
         return sent, []
 

@@ -1,4 +1,5 @@
-"""Transfer and pair states: the small enums the engine loop polls, and one request's status."""
+"""Transfer and pair states: the small enums the engine loop polls, one request's status, and a
+connector's running totals (`TransferCounters`)."""
 from __future__ import annotations
 
 import enum
@@ -33,3 +34,13 @@ class TransferStatus:
     layers_done: int
     num_layers: int
     error: str | None = None
+
+
+@dataclass
+class TransferCounters:
+    """A connector's totals since start: KV bytes moved by finished transfers and failed transfers.
+    Owned by the connector, touched only on the engine's loop thread (which also reads them for
+    the instance's `Load`)."""
+
+    bytes: int = 0
+    failures: int = 0

@@ -3,6 +3,7 @@
 Layout, little-endian::
 
     header   magic b"EPMF" | format version u16 | tensor count u16 | xxh3-64 of the rest u64
+    key      the media key it was stored under: length u16 | UTF-8 bytes
     table    per tensor: dtype code u8 | ndim u8 | shape ndim x u64 | nbytes u64
     payload  the tensors' raw bytes, back to back, in table order
 
@@ -12,6 +13,11 @@ corrupted value into a `CorruptFeatureError` instead of silently wrong embedding
 another format version is refused the same way, so a rolling upgrade recomputes instead of
 misreading. Several tensors per value carry Qwen3-VL's deepstack features next to the main
 embedding.
+
+The key inside the checksummed value ties the value to its key: `decode(value, key)` refuses a
+value stored under another key (`ForeignFeatureError`), so two entries swapped or copied in the
+server are recomputed, never served as another image's features. (This catches swaps and
+misplacements; who may write at all is the server's password / ACL.)
 """
 from __future__ import annotations
 
@@ -23,9 +29,11 @@ import torch
 import xxhash
 
 MAGIC = b"EPMF"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the key inside the value
 MAX_TENSORS = 1024
+MAX_KEY_BYTES = 1024
 _HEADER = struct.Struct("<4sHHQ")
+_KEYLEN = struct.Struct("<H")
 _ENTRY = struct.Struct("<BB")
 _U64 = struct.Struct("<Q")
 
@@ -48,13 +56,21 @@ class CorruptFeatureError(ValueError):
     """A stored value is truncated, corrupted, or written by another format version."""
 
 
-def encode(tensors: Sequence[torch.Tensor]) -> memoryview:
-    """Serialize tensors (any device; copied to host) into one bytes-like value (one copy of the data)."""
+class ForeignFeatureError(CorruptFeatureError):
+    """A stored value is intact but was stored under another key (entries swapped or copied)."""
+
+
+def encode(tensors: Sequence[torch.Tensor], key: str = "") -> memoryview:
+    """Serialize tensors (any device; copied to host) into one bytes-like value (one copy of the
+    data), bound to `key` (the media key it will be stored under)."""
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     if not 1 <= len(tensors) <= MAX_TENSORS:
         raise ValueError(f"a feature value holds 1..{MAX_TENSORS} tensors, got {len(tensors)}")
-    table: list[bytes] = []
+    key_bytes = key.encode()
+    if len(key_bytes) > MAX_KEY_BYTES:
+        raise ValueError(f"a media key is at most {MAX_KEY_BYTES} bytes, got {len(key_bytes)}")
+    table: list[bytes] = [_KEYLEN.pack(len(key_bytes)), key_bytes]
     payload: list[memoryview] = []
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -82,8 +98,9 @@ def encode(tensors: Sequence[torch.Tensor]) -> memoryview:
     return out
 
 
-def decode(value: bytes | bytearray | memoryview) -> list[torch.Tensor]:
-    """Parse a value back into fresh, writable host tensors (one copy; the value can be freed)."""
+def decode(value: bytes | bytearray | memoryview, key: str | None = None) -> list[torch.Tensor]:
+    """Parse a value back into fresh, writable host tensors (one copy; the value can be freed).
+    With `key`, a value stored under another key raises `ForeignFeatureError`."""
     mv = memoryview(value).cast("B")
     if len(mv) < _HEADER.size:
         raise CorruptFeatureError(f"feature value is truncated: {len(mv)} bytes, shorter than its header")
@@ -102,6 +119,13 @@ def decode(value: bytes | bytearray | memoryview) -> list[torch.Tensor]:
     specs: list[tuple[torch.dtype, tuple[int, ...], int]] = []
     off = _HEADER.size
     try:
+        (key_len,) = _KEYLEN.unpack_from(mv, off)
+        off += _KEYLEN.size
+        stored_key = bytes(mv[off : off + key_len])
+        off += key_len
+        if key is not None and stored_key != key.encode():
+            raise ForeignFeatureError(f"value was stored under key {stored_key.decode(errors='replace')!r}, "
+                                      f"not {key!r}")
         for _ in range(count):
             code, ndim = _ENTRY.unpack_from(mv, off)
             off += _ENTRY.size

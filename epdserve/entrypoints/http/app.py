@@ -1,0 +1,284 @@
+"""The FastAPI app: the OpenAI routes over the scheduler's `Dispatcher`.
+
+Every /v1 route checks the API key (when one is set) before reading the body, reads at most
+`max_body_bytes` (413 beyond), validates it (400), converts it to `GenerateRequest`s (one per
+prompt: /v1/completions takes a list of prompts), checks the scheduler's input limits
+(`epdserve.limits`: 400, or 413 for a message too large) and runs them through
+`SchedulerServer.generate`, the path the gRPC API takes, concurrently. A generation request
+refused before that (400, 401, 404, 413) is counted in the metrics' requests by status (the
+scheduler counts the rest). Errors before the first token get their HTTP status (`errors`); a
+stream already answering 200 ends with an ``error`` event. A client that disconnects cancels
+its generations, which aborts them on every instance (the dispatcher's cancellation path); so
+does a failed prompt of a list its siblings. /health and /metrics need no key (as in vLLM).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from epdserve.entrypoints.http.convert import chat_request, completion_requests
+from epdserve.entrypoints.http.errors import ApiError
+from epdserve.entrypoints.http.options import HttpOptions
+from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest
+from epdserve.entrypoints.http.responses import Choice, Shape, sse, sum_usage
+from epdserve.limits import LimitError, check_generate_request
+from epdserve.rpc import serve_pb2
+from epdserve.scheduler.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+_DISCONNECTED = object()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes")
+    return bytes(body)
+
+
+def _parse(model: type[BaseModel], raw: bytes):
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise ApiError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")),
+                       param=where or None) from None
+
+
+async def _race_disconnect(request: Request, aw):
+    """Await `aw`; if the client disconnects first, cancel it and return `_DISCONNECTED`."""
+    task = asyncio.ensure_future(aw)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return _DISCONNECTED
+    return task.result()
+
+
+def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
+    """`scheduler`: a started `SchedulerServer` (its dispatcher, config, registry). `metrics`: a
+    `ServingMetrics` (or anything with `render() -> (bytes, content_type)` and `refused(status)`)
+    served on /metrics and counting refused requests, or None."""
+    app = FastAPI(title="epdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    model_name = opts.served_model_name or scheduler.config.model
+    key = opts.api_key.encode() if opts.api_key else None
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return e.response()
+
+    def check(request: Request, body_model: str | None = None) -> None:
+        if key is not None:
+            auth = request.headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+                log.warning("HTTP %s from %s refused: missing or wrong API key", request.url.path,
+                            request.client.host if request.client else "?")
+                raise ApiError(401, "missing or invalid API key")
+        if body_model is not None and body_model != model_name:
+            raise ApiError(404, f"the model {body_model!r} does not exist; this server serves {model_name!r}",
+                           param="model")
+
+    def deadline() -> float | None:
+        return None if opts.request_timeout_s is None else time.monotonic() + opts.request_timeout_s
+
+    def max_len() -> int:
+        return scheduler.dispatcher.preprocessor.max_model_len
+
+    async def admitted(admit):
+        """Await `admit` (everything before the scheduler); a refusal is counted, then raised."""
+        try:
+            return await admit
+        except ApiError as e:
+            if metrics is not None:
+                metrics.refused(e.grpc_code.name)
+            raise
+
+    def within_limits(reqs: list[serve_pb2.GenerateRequest]) -> list[serve_pb2.GenerateRequest]:
+        # the dispatcher checks them too; here a message too large is 413, not the 429 of RESOURCE_EXHAUSTED
+        for req in reqs:
+            try:
+                check_generate_request(req, scheduler.config.limits)
+            except LimitError as e:
+                raise ApiError(e.http_status, e.message) from None
+        return reqs
+
+    async def serve(request: Request, reqs: list[serve_pb2.GenerateRequest], shape: Shape, stream: bool,
+                    include_usage: bool):
+        streams = [scheduler.generate(req, deadline()) for req in reqs]
+        try:
+            firsts = await _race_disconnect(request, _all([_next(s) for s in streams]))
+            if firsts is _DISCONNECTED:
+                await _close(streams)
+                return JSONResponse({}, status_code=499)
+        except BaseException:
+            await _close(streams)
+            raise
+        if not stream:
+            try:
+                results = await _race_disconnect(request, _all([_collect(f, s) for f, s in zip(firsts, streams)]))
+            finally:
+                await _close(streams)
+            if results is _DISCONNECTED:
+                return JSONResponse({}, status_code=499)
+            return JSONResponse(shape.response([c for c, _ in results], sum_usage(u for _, u in results)))
+        return StreamingResponse(_events(firsts, streams, shape, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        async def admit():
+            check(request)
+            body = _parse(ChatCompletionRequest, await _read_body(request, opts.max_body_bytes))
+            check(request, body.model)
+            return body, within_limits([await chat_request(body, opts, max_len())])
+
+        body, reqs = await admitted(admit())
+        shape = Shape(True, reqs[0].request_id, model_name, body.return_token_ids)
+        return await serve(request, reqs, shape, body.stream,
+                           bool(body.stream_options and body.stream_options.include_usage))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        async def admit():
+            check(request)
+            body = _parse(CompletionRequest, await _read_body(request, opts.max_body_bytes))
+            check(request, body.model)
+            rid, reqs = completion_requests(body, max_len())
+            return body, rid, within_limits(reqs)
+
+        body, rid, reqs = await admitted(admit())
+        shape = Shape(False, rid, model_name, body.return_token_ids)
+        return await serve(request, reqs, shape, body.stream,
+                           bool(body.stream_options and body.stream_options.include_usage))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check(request)
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "epdserve",
+            "max_model_len": max_len()}]}
+
+    @app.get("/health")
+    async def health():
+        healthy = sum(1 for r in scheduler.registry.records() if r.routable)
+        return {"status": "ok", "instances_routable": healthy}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        if metrics is None:
+            raise ApiError(404, "metrics are not enabled on this server")
+        data, content_type = metrics.render()
+        return PlainTextResponse(data, media_type=content_type)
+
+    return app
+
+
+async def _all(coros):
+    """Run `coros` concurrently; their results in order. The first to fail cancels the others."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(streams) -> None:
+    """Close every generation (one still running is aborted on its instances)."""
+    await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+
+async def _next(deltas: AsyncIterator[serve_pb2.GenerateDelta]):
+    try:
+        return await deltas.__anext__()
+    except RequestError as e:
+        raise ApiError.from_grpc(e.code, e.message) from None
+
+
+async def _collect(first, deltas) -> tuple[Choice, object]:
+    """The whole output of one generation (read to its end: the metrics count it as ended, not cancelled)."""
+    text, ids, last = first.text, list(first.token_ids), first
+    try:
+        async for d in deltas:
+            text += d.text
+            ids.extend(d.token_ids)
+            last = d
+    except RequestError as e:
+        raise ApiError.from_grpc(e.code, e.message) from None
+    return Choice(text, ids, last.finish_reason), last.usage
+
+
+async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    """SSE body: (chat) a role chunk, one chunk per delta (each prompt's, as they come, with its
+    index), each prompt's finish chunk, then the summed usage and [DONE]. Cancelled when the
+    client disconnects (starlette), which aborts every generation."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:  # prompt i's deltas into the queue, to the stream's end; then None
+        d = firsts[i]
+        try:
+            while True:
+                await queue.put((i, d))
+                d = await streams[i].__anext__()
+        except StopAsyncIteration:
+            pass
+        except RequestError as e:
+            await queue.put((i, e))
+            return
+        await queue.put((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    usages = []
+    try:
+        if shape.chat:
+            yield sse(shape.chunk("", [], role=True))
+        running = len(streams)
+        while running:
+            i, d = await queue.get()
+            if d is None:
+                running -= 1
+            elif isinstance(d, RequestError):
+                yield sse(ApiError.from_grpc(d.code, d.message).body())
+                break
+            else:
+                if d.text or d.token_ids:
+                    yield sse(shape.chunk(d.text, list(d.token_ids), index=i))
+                if d.finished:
+                    yield sse(shape.chunk(None if shape.chat else "", [], d.finish_reason, index=i))
+                    usages.append(d.usage)
+        else:
+            if include_usage:
+                yield sse(shape.usage_chunk(sum_usage(usages)))
+    finally:
+        for p in pumps:
+            p.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        await _close(streams)
+    yield sse("[DONE]")

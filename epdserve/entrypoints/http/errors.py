@@ -1,0 +1,57 @@
+"""OpenAI-style errors: `ApiError` (status, message, type) and the gRPC-status → HTTP map.
+
+Body shape (as OpenAI and vLLM answer): ``{"error": {"message", "type", "param", "code"}}``.
+400 bad input, 401 bad key, 404 unknown model/route, 413 body too large, 429 queues full,
+503 no instance can serve, 504 deadline.
+"""
+from __future__ import annotations
+
+import grpc
+from fastapi.responses import JSONResponse
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+          429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError",
+          504: "TimeoutError"}
+
+_FROM_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+}
+
+
+# a status the front answers itself -> the gRPC code the same refusal gets on the gRPC API (the
+# `status` label of epdserve:requests_total, so both fronts count alike; 413: limits.LimitError's)
+_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+            404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @classmethod
+    def from_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
+        return cls(_FROM_GRPC.get(code, 500), message)
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return _TO_GRPC.get(self.status, grpc.StatusCode.UNKNOWN)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "Error"), "param": self.param,
+                          "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)

@@ -1,0 +1,94 @@
+"""Response bodies and SSE chunks of the OpenAI API, built from the scheduler's `GenerateDelta`s.
+
+`Shape` knows one endpoint's object names (chat: ``chat.completion`` / ``.chunk`` with
+``message`` / ``delta``; completions: ``text_completion`` with ``text``). A /v1/completions
+request with a list of prompts has one choice per prompt, ``index`` its place in the list (a
+chunk carries the index of the prompt it continues); its usage is the prompts' sum. With
+`return_token_ids` (vLLM's extra) each choice carries ``token_ids``: all of them in a response,
+the new ones in each chunk. Usage puts the vision tokens served from the MM Store in
+``prompt_tokens_details.cached_tokens``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from epdserve.rpc import common_pb2
+
+
+def usage_dict(u: common_pb2.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.output_tokens,
+            "total_tokens": u.prompt_tokens + u.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_vision_tokens}}
+
+
+def sum_usage(usages) -> common_pb2.Usage:
+    """The field-wise sum of several prompts' usage."""
+    total = common_pb2.Usage()
+    for u in usages:
+        for f in common_pb2.Usage.DESCRIPTOR.fields:
+            setattr(total, f.name, getattr(total, f.name) + getattr(u, f.name))
+    return total
+
+
+def sse(obj) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line (``[DONE]`` ends the stream)."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One prompt's finished output."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class Shape:
+    chat: bool
+    request_id: str
+    model: str
+    return_token_ids: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, choices: list[Choice], usage: common_pb2.Usage) -> dict:
+        out = []
+        for index, c in enumerate(choices):
+            choice = {"index": index, "finish_reason": c.finish_reason, "logprobs": None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            if self.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            out.append(choice)
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        body.update(choices=out, usage=usage_dict(usage))
+        return body
+
+    def chunk(self, text: str | None, token_ids: list[int], finish_reason: str | None = None,
+              role: bool = False, index: int = 0) -> dict:
+        choice: dict = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            delta = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = [choice]
+        return body
+
+    def usage_chunk(self, usage: common_pb2.Usage) -> dict:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        body.update(choices=[], usage=usage_dict(usage))
+        return body

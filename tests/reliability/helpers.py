@@ -1,0 +1,126 @@
+"""Launched deployments for the reliability tests: start `epdserve launch` as a real process,
+read its ready line, find its children, and check that nothing of it is left."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+READY = re.compile(r"^epdserve ready: grpc://(\S+) mode=\S+ .* mm_store=redis://([\d.]+:\d+)")
+
+
+@dataclass
+class Launched:
+    proc: subprocess.Popen
+    address: str = ""
+    mm_store: str = ""
+    output: list[str] = field(default_factory=list)
+
+    def children(self) -> dict[str, psutil.Process]:
+        """The launcher's live children by kind: "scheduler", "mm_store", "instance:<roles>#<k>"."""
+        out, k = {}, 0
+        for p in psutil.Process(self.proc.pid).children():
+            try:
+                cmd = " ".join(p.cmdline())
+            except psutil.NoSuchProcess:
+                continue
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "scheduler_cli" in cmd:
+                out["scheduler"] = p
+            elif "valkey" in cmd or "redis-server" in cmd:
+                out["mm_store"] = p
+            elif " instance " in cmd:
+                roles = cmd.split("--roles ")[1].split()[0]
+                out[f"instance:{roles}#{k}"] = p
+                k += 1
+        return out
+
+    def tail(self, n: int = 40) -> str:
+        return "".join(self.output[-n:])
+
+
+def launch(model, *args: str, wait_ready: bool = True, timeout_s: float = 300) -> Launched:
+    argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--model", str(model), "--kv-cache-mb", "16",
+            *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    dep = Launched(proc)
+    ready = threading.Event()
+
+    def drain():
+        for line in proc.stdout:
+            dep.output.append(line)
+            m = READY.match(line)
+            if m:
+                dep.address, dep.mm_store = m.group(1), m.group(2)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if wait_ready and (not ready.wait(timeout_s) or not dep.address):
+        kill_group(proc)
+        raise AssertionError(f"launch never got ready:\n{dep.tail()}")
+    return dep
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def family(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def listening(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def wait_exit(procs: list[psutil.Process], timeout_s: float) -> float:
+    """Seconds until every process in `procs` is gone; AssertionError past `timeout_s`."""
+    t0 = time.monotonic()
+    while alive(procs):
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"still running after {timeout_s} s: {[p.cmdline()[:6] for p in alive(procs)]}")
+        time.sleep(0.05)  # polling other processes' state; nothing to block on
+    return time.monotonic() - t0
+
+
+def signal_storm(pid: int, sig: int, count: int, interval_s: float) -> int:
+    """Send `sig` to `pid` `count` times, `interval_s` apart (stops early once it is gone); how many were sent."""
+    sent = 0
+    for _ in range(count):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            break
+        sent += 1
+        time.sleep(interval_s)
+    return sent
