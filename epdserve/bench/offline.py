@@ -111,12 +111,15 @@ def _run_workload(tmp: str, spec: WorkloadSpec, model_dir, args, engine_args: di
     return runs
 
 
+DEMO_FORMAT = "v2"  # v2: with video_preprocessor_config.json (video input)
+
+
 def default_model(arch: str, size: str = "small") -> pathlib.Path:
     """A demo checkpoint in the user's cache dir, built on first use (same seed, same files)."""
     from epdserve.model.demo import build_demo_model
 
     root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "epdserve" / "demo-models"
-    path = root / f"{arch}-{size}-seed0"
+    path = root / f"{arch}-{size}-seed0-{DEMO_FORMAT}"  # a newer demo format is built afresh
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
     _log(f"building the {size} {arch} demo model into {path} (once) ...")

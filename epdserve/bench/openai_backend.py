@@ -48,20 +48,23 @@ def chat_body(request: BenchRequest) -> dict:
 
 class OpenAIBackend:
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, vllm_extras: bool = True):
         import openai
 
         self.client = openai.OpenAI(base_url=base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/v1")
                                                                       else "/v1"),
                                     api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s or 600.0)
         self.model = model or self.client.models.list().data[0].id
+        # vLLM's extra body fields; a server that refuses unknown fields (transformers serve) gets
+        # none: outputs may then end at EOS, and tokens are counted one per content chunk.
+        self.extra_body = {"ignore_eos": True, "return_token_ids": True} if vllm_extras else {}
 
     def stream(self, request: BenchRequest) -> Iterator:
         body = chat_body(request)
         stream = self.client.chat.completions.create(
             model=self.model, messages=body["messages"], max_completion_tokens=body["max_completion_tokens"],
             temperature=0.0, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "return_token_ids": True})
+            extra_body=self.extra_body)
         reason, usage = "", None
         try:
             for chunk in stream:

@@ -42,6 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--base-url", metavar="URL", help="with --backend openai: e.g. http://127.0.0.1:8000 (or .../v1)")
     t.add_argument("--served-model", help="with --backend openai: model name (default: the server's first)")
     t.add_argument("--api-key", default=None, help="with --backend openai: API key (default: $EPDSERVE_API_KEY)")
+    t.add_argument("--no-vllm-extras", action="store_true",
+                   help="with --backend openai: send no vLLM extras (ignore_eos, return_token_ids), for servers that "
+                        "refuse unknown fields (transformers serve); outputs may then end early at EOS")
     t.add_argument("--label", default="live", help="name of the --address target in the report (default live)")
     t.add_argument("--modes", help=f"comma-separated modes to launch in turn ({','.join(MODES)}); "
                                    "the first is the baseline of the ratios")
@@ -193,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     if args.backend == "openai":
         from epdserve.bench.openai_backend import OpenAIBackend
 
-        backend = OpenAIBackend(args.base_url, args.served_model, args.api_key or os.environ.get("EPDSERVE_API_KEY"))
+        backend = OpenAIBackend(args.base_url, args.served_model, args.api_key or os.environ.get("EPDSERVE_API_KEY"),
+                                vllm_extras=not args.no_vllm_extras)
         report["targets"][args.label] = {"base_url": args.base_url, "backend": "openai", "model": backend.model}
         try:
             run_target(backend, args.label, workloads, rates, args, slo, report, save)

@@ -68,7 +68,9 @@ class SchedulerServer:
         pre = await loop.run_in_executor(None, RequestPreprocessor, self.config.model, self.config.max_model_len)
         self.dispatcher = Dispatcher(self.config, self.registry, self.router, self.channels, pre)
         sec = self.security
-        server = _aio_server(sec.public_rules())
+        # A request over the input limit is refused by gRPC as it arrives (RESOURCE_EXHAUSTED),
+        # not buffered whole first; the public port only: registrations are small.
+        server = _aio_server(sec.public_rules(), max_receive=self.config.limits.max_message_bytes)
         self.address = _bind(server, self.config.host, self.config.port, sec)
         info = {"scheduler_id": self.scheduler_id, "address": self.address, "started_at": time.time(),
                 "version": VERSION}
@@ -121,8 +123,11 @@ class SchedulerServer:
             await self._server.wait_for_termination()
 
 
-def _aio_server(rules) -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[AioAuthInterceptor(rules)] if rules else None)
+def _aio_server(rules, max_receive: int | None = None) -> grpc.aio.Server:
+    options = [o for o in CHANNEL_OPTIONS if max_receive is None or o[0] != "grpc.max_receive_message_length"]
+    if max_receive is not None:
+        options.append(("grpc.max_receive_message_length", max_receive))
+    return grpc.aio.server(options=options, interceptors=[AioAuthInterceptor(rules)] if rules else None)
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: SchedulerSecurity | None = None,

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import urllib.request
 
 import grpc
@@ -21,46 +17,22 @@ from epdserve.entrypoints.client import Client, EPDServeError
 from epdserve.model.chat import chat_to_prompt
 from epdserve.model.reference import ReferenceGenerator
 from tests.entrypoints.http_harness import data_url
+from tests.entrypoints.launch_harness import launched as launch_process
 from tests.instance.harness import image
 
 pytestmark = pytest.mark.slow
 
-READY = re.compile(r"^epdserve ready: grpc://(\S+) mode=\S+ .* http=(\S+)")
+READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) mode=\S+ .* http=(?P<http>\S+)")
 KEY, TOKEN = "sk-launch-test", "launch-cluster-token"
 
 
 @pytest.fixture(scope="module")
 def launched(qwen2_vl_tiny):
-    argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--mode", "E-P-D", "--model",
-            str(qwen2_vl_tiny), "--kv-cache-mb", "16", "--feature-wait-s", "20", "--http-port", "0"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", EPDSERVE_API_KEY=KEY,
-                                     EPDSERVE_CLUSTER_TOKEN=TOKEN))
-    output: list[str] = []
-    found: dict[str, str] = {}
-    ready = threading.Event()
-
-    def drain():
-        for line in proc.stdout:
-            output.append(line)
-            m = READY.match(line)
-            if m:
-                found.update(grpc=m.group(1), http=m.group(2))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        if not ready.wait(600) or not found:
-            raise AssertionError("launch never printed its ready line:\n" + "".join(output[-40:]))
+    args = ["--mode", "E-P-D", "--model", str(qwen2_vl_tiny), "--kv-cache-mb", "16", "--feature-wait-s", "20",
+            "--http-port", "0"]
+    env = dict(os.environ, EPDSERVE_API_KEY=KEY, EPDSERVE_CLUSTER_TOKEN=TOKEN)
+    with launch_process(args, env, READY, secrets=(KEY, TOKEN)) as (found, output):
         yield found, output
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0, "".join(output[-40:])
-        assert KEY not in "".join(output) and TOKEN not in "".join(output)  # never logged
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_launched_http_chat_matches_grpc_and_transformers(launched, qwen2_vl_tiny):

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 
 import grpc
 import pytest
@@ -19,12 +15,13 @@ from epdserve.entrypoints.client import Client
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
 from epdserve.security.tls import channel_credentials
+from tests.entrypoints.launch_harness import launched as launch_process
 from tests.instance.harness import PH, image
 from tests.security.certs import self_signed
 
 pytestmark = pytest.mark.slow
 
-READY = re.compile(r"^epdserve ready: grpc://(\S+) mode=\S+ .* internal=grpc://(\S+)")
+READY = re.compile(r"^epdserve ready: grpc://(?P<public>\S+) mode=\S+ .* internal=grpc://(?P<internal>\S+)")
 TOKEN = "launch-internal-token"
 TOKEN_MD = [("epdserve-cluster-token", TOKEN)]
 
@@ -32,37 +29,12 @@ TOKEN_MD = [("epdserve-cluster-token", TOKEN)]
 @pytest.fixture(scope="module")
 def launched(qwen2_vl_tiny, tmp_path_factory):
     cert, key = self_signed(tmp_path_factory.mktemp("mtls"))
-    argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--mode", "P-D", "--model", str(qwen2_vl_tiny),
-            "--kv-cache-mb", "16", "--internal-port", "0", "--internal-host", "127.0.0.1",
-            "--internal-tls-cert", cert, "--internal-tls-key", key, "--internal-tls-ca", cert]
+    args = ["--mode", "P-D", "--model", str(qwen2_vl_tiny), "--kv-cache-mb", "16", "--internal-port", "0",
+            "--internal-host", "127.0.0.1", "--internal-tls-cert", cert, "--internal-tls-key", key,
+            "--internal-tls-ca", cert]
     env = {k: v for k, v in os.environ.items() if k != "EPDSERVE_API_KEY"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=dict(env, PYTHONUNBUFFERED="1", EPDSERVE_CLUSTER_TOKEN=TOKEN))
-    output: list[str] = []
-    found: dict[str, str] = {}
-    ready = threading.Event()
-
-    def drain():
-        for line in proc.stdout:
-            output.append(line)
-            m = READY.match(line)
-            if m:
-                found.update(public=m.group(1), internal=m.group(2))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        if not ready.wait(600) or not found:
-            raise AssertionError("launch never printed its ready line:\n" + "".join(output[-40:]))
+    with launch_process(args, dict(env, EPDSERVE_CLUSTER_TOKEN=TOKEN), READY, secrets=(TOKEN,)) as (found, _):
         yield found, cert, key
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0, "".join(output[-40:])
-        assert TOKEN not in "".join(output)  # never logged
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _code(call) -> grpc.StatusCode:
