@@ -30,7 +30,8 @@ STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), t
 _DEFAULTS = {
     "mode": None, "model": None, "encode": 1, "prefill": 1, "decode": 1, "mm_store": None, "host": "127.0.0.1",
     "port": 0, "device": "cpu", "devices": [], "kv_cache_mb": None, "max_num_seqs": None, "block_size": None,
-    "max_model_len": None, "feature_wait_s": None, "encode_token_budget": None, "instance_args": [],
+    "max_model_len": None, "feature_wait_s": None, "encode_token_budget": None, "colocation": None,
+    "stream_interval_ms": None, "instance_args": [],
     "scheduler_args": [], "log_dir": None,
     "ready_timeout_s": 600.0, "pin_instances": False, "drain_timeout": 10.0, "http_port": None,
     "restart_backoff_s": 0.5, "restart_backoff_max_s": 10.0, "max_restarts": 5, "mm_store_max_mb": 4096,
@@ -40,7 +41,7 @@ _DEFAULTS = {
 # options passed on to every `epdserve instance` as the flag of the same name (max_model_len also
 # to the scheduler); left out, the instance's own default applies
 _INSTANCE_FLAGS = ("kv_cache_mb", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s",
-                   "encode_token_budget")
+                   "encode_token_budget", "colocation", "stream_interval_ms")
 
 
 def add_parser(subparsers):
@@ -76,8 +77,14 @@ def add_parser(subparsers):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--feature-wait-s", type=float, default=None, help="P: wait for E's features, then recompute")
     p.add_argument("--encode-token-budget", type=int, default=None,
-                   help="E: vision tokens encoded per engine step, across requests (default 2048); a long video "
+                   help="E: vision tokens encoded per engine step, across requests (default 1024); a long video "
                         "is encoded over several steps (see `epdserve instance --help`)")
+    p.add_argument("--colocation", choices=("split", "yield"), default=None,
+                   help="how E shares the cores with P/D in every instance: split (fixed shares, the default) or "
+                        "yield (all cores, E at the lowest priority); see `epdserve instance --help`")
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="gather a request's tokens after its first for up to this long into one stream message "
+                        "(default 0: at once)")
     p.add_argument("--instance-args", default=None, help="extra `epdserve instance` flags, one string")
     p.add_argument("--scheduler-args", default=None, help="extra `epdserve scheduler` flags, one string")
     p.add_argument("--log-dir", default=None, help="where child logs go (kept); default: a temp dir")

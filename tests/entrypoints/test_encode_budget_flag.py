@@ -26,6 +26,14 @@ def test_launch_passes_the_budget_to_instances(tmp_path):
     assert s.instance_args == ["--encode-token-budget", "256"]
 
 
+def test_launch_passes_the_colocation_policy_and_stream_interval(tmp_path):
+    s = spec_from_args(build_parser().parse_args(["launch", "--mode", "EP-D", "--model", "/m", "--colocation", "yield",
+                                                  "--stream-interval-ms", "20"]))
+    assert s.instance_args == ["--colocation", "yield", "--stream-interval-ms", "20.0"]
+    inst = _instance(*s.instance_args)
+    assert (inst.colocation, inst.stream_interval_ms) == ("yield", 20.0)
+
+
 def test_instance_flag_default_and_validation():
     assert _instance().encode_token_budget == 1024
     assert _instance("--encode-token-budget", "64").encode_token_budget == 64
