@@ -16,19 +16,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epdserve.entrypoints.client import (
-    CHANNEL_OPTIONS,
     Delta,
     EPDServeError,
     GenerateResult,
-    addresses_of,
+    SchedulerConnection,
     build_request,
     delta_from,
 )
 from epdserve.entrypoints.resume import RetryPolicy, collect, resumed, retryable
-from epdserve.rpc import serve_pb2, serve_pb2_grpc
+from epdserve.rpc import serve_pb2
 
 
-class AsyncClient:
+class AsyncClient(SchedulerConnection):
     def __init__(self, address, timeout: float | None = None, *, api_key: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, retries: int = RetryPolicy.retries,
                  retry_backoff_s: float = RetryPolicy.backoff_s):
@@ -36,26 +35,7 @@ class AsyncClient:
         EPDSERVE_API_KEY), tls_ca / tls for a TLS port."""
         from epdserve.security import channels
 
-        self.addresses = addresses_of(address)
-        self.timeout = timeout
-        self.retry = RetryPolicy(retries, retry_backoff_s, max(retry_backoff_s, RetryPolicy.max_backoff_s))
-        self.retried = 0
-        key, token = channels.from_env(api_key)
-        self._channels = [channels.aio_channel(a, CHANNEL_OPTIONS, api_key=key, cluster_token=token, tls_ca=tls_ca,
-                                               tls=tls) for a in self.addresses]
-        self._current = 0
-
-    @property
-    def address(self) -> str:
-        return self.addresses[self._current]
-
-    @property
-    def _channel(self) -> grpc.aio.Channel:
-        return self._channels[self._current]
-
-    @property
-    def _stub(self) -> serve_pb2_grpc.EPDServeStub:
-        return serve_pb2_grpc.EPDServeStub(self._channel)
+        super().__init__(address, timeout, api_key, tls_ca, tls, retries, retry_backoff_s, channels.aio_channel)
 
     async def generate(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
                        **sampling) -> GenerateResult:

@@ -283,7 +283,36 @@ def addresses_of(address) -> list[str]:
     return out
 
 
-class Client:
+class SchedulerConnection:
+    """What `Client` and `AsyncClient` share: the scheduler address(es), one channel to each (made
+    by `make_channel`: sync or asyncio), the retry policy and which address is current."""
+
+    def __init__(self, address, timeout, api_key, tls_ca, tls, retries, retry_backoff_s, make_channel):
+        from epdserve.security import channels
+
+        self.addresses = addresses_of(address)
+        self.timeout = timeout
+        self.retry = RetryPolicy(retries, retry_backoff_s, max(retry_backoff_s, RetryPolicy.max_backoff_s))
+        self.retried = 0  # generations resumed after a lost scheduler, in all
+        key, token = channels.from_env(api_key)
+        self._channels = [make_channel(a, CHANNEL_OPTIONS, api_key=key, cluster_token=token, tls_ca=tls_ca, tls=tls)
+                          for a in self.addresses]
+        self._current = 0
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self._current]
+
+    @property
+    def _channel(self):
+        return self._channels[self._current]
+
+    @property
+    def _stub(self) -> serve_pb2_grpc.EPDServeStub:
+        return serve_pb2_grpc.EPDServeStub(self._channel)
+
+
+class Client(SchedulerConnection):
     def __init__(self, address, timeout: float | None = None, *, api_key: str | None = None,
                  tls_ca: str | None = None, tls: bool = False, retries: int = RetryPolicy.retries,
                  retry_backoff_s: float = RetryPolicy.backoff_s):
@@ -295,26 +324,7 @@ class Client:
         port (`tls=True`: TLS with the system's roots)."""
         from epdserve.security import channels
 
-        self.addresses = addresses_of(address)
-        self.timeout = timeout
-        self.retry = RetryPolicy(retries, retry_backoff_s, max(retry_backoff_s, RetryPolicy.max_backoff_s))
-        self.retried = 0  # generations resumed after a lost scheduler, in all
-        key, token = channels.from_env(api_key)
-        self._channels = [channels.channel(a, CHANNEL_OPTIONS, api_key=key, cluster_token=token, tls_ca=tls_ca,
-                                           tls=tls) for a in self.addresses]
-        self._current = 0
-
-    @property
-    def address(self) -> str:
-        return self.addresses[self._current]
-
-    @property
-    def _channel(self) -> grpc.Channel:
-        return self._channels[self._current]
-
-    @property
-    def _stub(self) -> serve_pb2_grpc.EPDServeStub:
-        return serve_pb2_grpc.EPDServeStub(self._channel)
+        super().__init__(address, timeout, api_key, tls_ca, tls, retries, retry_backoff_s, channels.channel)
 
     def generate(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
                  **sampling) -> GenerateResult:

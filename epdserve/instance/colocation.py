@@ -12,12 +12,14 @@ process on the same device (on one machine every mode is co-located). Two polici
   the kernel's next scheduling decision (within one operator's slice on CPU), and encode uses
   every core while P and D idle.
 
-Why SCHED_IDLE (measured by `epdserve bench colocation`, README): nice 19 still gets ~1.5% of a
-core per competing thread at weight 15 vs 1024, SCHED_IDLE gets less (weight 3) and never
-preempts a normal thread; threads inherit the policy of the thread that creates them, so the
+Why SCHED_IDLE: nice 19 still has weight 15 against 1024 and, measured by `epdserve bench
+colocation`, does not protect decode (busy/idle 1.47); SCHED_IDLE (weight 3, never preempts a
+normal thread) does (0.97). Threads inherit the policy of the thread that creates them, so the
 intra-op team an encode worker spawns at its first parallel op inherits it, as it inherits the
 core set under `split` (`instance/affinity.py`). An unprivileged thread may enter SCHED_IDLE but
-not leave it: each policy is set once, on a stage's own fresh thread.
+not leave it: each policy is set once, on a stage's own fresh thread. Served, `yield` starves
+encode while P/D/scheduler keep the cores busy (README, co-location benchmarks): `split` is the
+default.
 """
 from __future__ import annotations
 
