@@ -12,6 +12,7 @@ import math
 import pathlib
 
 from epdserve.bench.metrics import POST_STAGES, TTFT_STAGES, RequestRecord, max_rate_meeting_slo, ttft_segments
+from epdserve.bench.spread import fmt_ratio, goodput_ratio_interval, median_ratio_interval
 
 STAGE_ORDER = ["send", *(n for _, n in TTFT_STAGES), "return"]
 POST_ORDER = [n for _, _, n in POST_STAGES]
@@ -47,6 +48,33 @@ def _ratio(a, b, nd=2) -> str:
     return f"{a / b:.{nd}f}x"
 
 
+def _goodput_vs(run: dict, base: dict | None, slo: dict) -> str:
+    """Goodput over the baseline's at the same rate, with its 95% bootstrap interval (bench/spread.py)."""
+    if base is None:
+        return "-"
+    if base is run:
+        return "base"
+    m, bm = run["metrics"], base["metrics"]
+    if not bm["goodput"]:
+        return _ratio(m["goodput"], bm["goodput"])
+    ci = goodput_ratio_interval(run.get("requests") or [], base.get("requests") or [], m["duration_s"],
+                                bm["duration_s"], slo)
+    return fmt_ratio(m["goodput"] / bm["goodput"], ci)
+
+
+def _ttft_vs(run: dict, base: dict | None) -> str:
+    if base is None:
+        return "-"
+    if base is run:
+        return "base"
+    a, b = run["metrics"]["ttft_ms"]["median"], base["metrics"]["ttft_ms"]["median"]
+    if a is None or not b:
+        return _ratio(a, b)
+    ci = median_ratio_interval([r.get("ttft_ms") for r in run.get("requests") or []],
+                               [r.get("ttft_ms") for r in base.get("requests") or []])
+    return fmt_ratio(a / b, ci)
+
+
 def _runs(mode_entry: dict) -> list[dict]:
     return mode_entry.get("runs") or []
 
@@ -68,6 +96,8 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
     out = []
     slo = report.get("slo", {})
     out.append("load = the machine's 1-minute load average when the run started (other work shares the CPU).")
+    out.append("vs base: the ratio to the baseline's figure at the same rate, with its 95% interval from resampling "
+               "both runs' requests (bootstrap); 'within noise' when that interval contains 1.")
     out.append(f"SLO: TTFT <= {_f(slo.get('ttft_ms'), 0)} ms, TPOT <= {_f(slo.get('tpot_ms'), 0)} ms"
                + (f", E2EL <= {_f(slo.get('e2el_ms'), 0)} ms" if slo.get("e2el_ms") else "")
                + (f" ({report['slo_note']})" if report.get("slo_note") else ""))
@@ -91,8 +121,7 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
                     f"{m['output_throughput']:.1f} | {m['total_token_throughput']:.1f} | {m['goodput']:.3f} | "
                     f"{m.get('output_throughput_under_slo', 0.0):.1f} | {100 * m['slo_attainment']:.0f}% | {_f(m['ttft_ms']['median'], 0)} | {_f(m['ttft_ms']['p99'], 0)} | "
                     f"{_f(m['tpot_ms']['median'])} | {_f(m['tpot_ms']['p99'])} | {_f(m['itl_ms']['median'])} | "
-                    f"{_f(m['e2el_ms']['median'], 0)} | {_ratio(m['goodput'], bm and bm['goodput'])} | "
-                    f"{_ratio(m['ttft_ms']['median'], bm and bm['ttft_ms']['median'])} | "
+                    f"{_f(m['e2el_ms']['median'], 0)} | {_goodput_vs(run, b, slo)} | {_ttft_vs(run, b)} | "
                     f"{_f((run.get('load_avg_1m') or [None])[0])} |")
         out += _kind_table(modes, base)
         out += _stage_table(modes)

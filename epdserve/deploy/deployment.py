@@ -52,6 +52,7 @@ class DeploymentSpec:
     device: str = "cpu"
     devices: list[str] = field(default_factory=list)  # accelerator ids handed out round-robin (default: all visible)
     pin_instances: bool = False  # CPU: give each instance a disjoint share of this machine's cores
+    colocation: str | None = None  # the instances' policy (also in instance_args); slo on CPU: we host the core lease
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
     registry: str | None = None  # host:port instances register at (the scheduler's --internal-port); None: --port
@@ -78,6 +79,7 @@ class Deployment:
         self.scheduler: ChildProcess | None = None
         self.instances: list[ChildProcess] = []
         self._redis = None
+        self._arbiter = None  # slo on CPU: the machine's core-lease arbiter, on a thread of this process
         self._own_log_dir = spec.log_dir is None
         self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="epdserve-launch-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -105,10 +107,11 @@ class Deployment:
             time.sleep(0.1)  # polling a child's address file; nothing to block on
         self.address = addr_file.read_text().strip()
         cores = self._core_sets()
+        lease = self._start_arbiter()
         k = 0
         for pool in self.pools:
             for i in range(pool.count):
-                argv = self._instance_argv(pool.roles)
+                argv = self._instance_argv(pool.roles) + lease
                 if cores:
                     argv += ["--cores", ",".join(map(str, cores[k]))]
                 self._instance_launches.append((f"{pool.roles}{i}", argv, self._env(k)))
@@ -134,6 +137,19 @@ class Deployment:
         return ["instance", "--roles", roles, "--model", s.model, "--scheduler", s.registry or self.address,
                 "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host,
                 "--drain-timeout", str(s.drain_timeout_s), *s.instance_args]
+
+    def _start_arbiter(self) -> list[str]:
+        """`slo` on CPU: one core-lease arbiter for every instance on this machine (it lives as long
+        as the launcher, so restarted instances find it); the flag that names it."""
+        from epdserve.instance.colocation import uses_core_lease
+
+        if not self.spec.colocation or not uses_core_lease(self.spec.colocation, self.spec.device):
+            return []
+        from epdserve.instance.lease_arbiter import LeaseArbiter
+
+        self._arbiter = LeaseArbiter().start()
+        log.info("core lease: arbiter at %s", self._arbiter.path)
+        return ["--core-lease", self._arbiter.path]
 
     def _core_sets(self) -> list[list[int]] | None:
         """One core set per instance (in start order) when pinning CPU instances, else None."""
@@ -296,6 +312,10 @@ class Deployment:
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
+        if self._arbiter is not None:
+            log.info("%s", self._arbiter.summary())
+            self._arbiter.close()
+            self._arbiter = None
         if clean and self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

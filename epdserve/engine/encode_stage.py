@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from epdserve.engine.compute_gate import NO_GATE
 from epdserve.engine.encode_plan import TEMPORAL_SLICING_EXACT, EncodeJob, Slice, pack
 from epdserve.transfer.feature_provider import FeatureProvider
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
@@ -41,6 +42,7 @@ class EncodeStage:
         self.recomputes = 0
         self.encoder_runs = 0  # media items encoded (whole, however many slices)
         self.encoder_calls = 0  # vision tower calls
+        self.gate = NO_GATE  # the engine's compute gate (LLMEngine.set_gate)
 
     def add(self, seq: Sequence) -> None:
         seq.state = RequestState.WAITING_FOR_FEATURES
@@ -108,7 +110,8 @@ class EncodeStage:
     def _encode(self, slices: list[Slice]) -> None:
         t0 = time.perf_counter()
         inputs = [s.job.slice_input(s.start, s.end) for s in slices]
-        feats = self.adapter.encode_images([pv for pv, _ in inputs], [g for _, g in inputs])
+        with self.gate.hold("E"):
+            feats = self.adapter.encode_images([pv for pv, _ in inputs], [g for _, g in inputs])
         self.encoder_calls += 1
         done = []
         for s, f in zip(slices, feats):

@@ -37,6 +37,7 @@ from epdserve.engine.stop_checker import StopChecker
 from epdserve.model.errors import InvalidRequestError
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import paged_ops
+from epdserve.engine.compute_gate import NO_GATE, ComputeGate, batch_kind
 from epdserve.transfer.feature_provider import FeatureProvider, LocalFeatureProvider
 from epdserve.transfer.mm_store.keys import media_key
 
@@ -70,9 +71,15 @@ class LLMEngine:
             a, self.features, encodes=config.encodes, prefills=config.prefills, wait_s=config.feature_wait_s,
             token_budget=config.encode_token_budget, stats=self.stats,
         )
+        self.gate: ComputeGate = NO_GATE
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
+
+    def set_gate(self, gate: ComputeGate) -> None:
+        """Wrap every compute step (encode batch, model step) in `gate.hold(kind)` (engine/compute_gate.py)."""
+        self.gate = gate
+        self.encoder.gate = gate
 
     tokenizer = property(lambda self: self.model.tokenizer)
     processor = property(lambda self: self.model.processor)
@@ -157,7 +164,8 @@ class LLMEngine:
         if batch:
             t0 = time.perf_counter()
             try:
-                sampled = self.runner.execute(batch)
+                with self.gate.hold(batch_kind(batch)):
+                    sampled = self.runner.execute(batch)
             except Exception as e:  # the batch's requests fail (retryable); the engine goes on
                 log.exception("engine step failed")
                 self._fail_batch(batch, f"step failed: {e}")

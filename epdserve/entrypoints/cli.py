@@ -15,6 +15,7 @@ COMMANDS = [
     "epdserve.model.demo",  # demo-model
     "epdserve.bench.cli",  # bench {offline,mm-store,kv-transfer,...}
     "epdserve.bench.profile",  # profile: per-stage cost on this device
+    "epdserve.planner.cli",  # plan: predict each mode's SLO goodput from a profile, pick one
     "epdserve.entrypoints.instance_cli",  # instance: one E/P/D instance process
     "epdserve.entrypoints.launch",  # launch: a deployment mode (scheduler + instances)
     "epdserve.entrypoints.scheduler_cli",  # scheduler: the gRPC scheduler alone (cluster deployments)

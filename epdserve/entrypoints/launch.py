@@ -31,7 +31,7 @@ _DEFAULTS = {
     "mode": None, "model": None, "encode": 1, "prefill": 1, "decode": 1, "mm_store": None, "host": "127.0.0.1",
     "port": 0, "device": "cpu", "devices": [], "kv_cache_mb": None, "max_num_seqs": None, "block_size": None,
     "max_model_len": None, "feature_wait_s": None, "encode_token_budget": None, "colocation": None,
-    "stream_interval_ms": None, "instance_args": [],
+    "stream_interval_ms": None, "slo_tpot_ms": None, "instance_args": [],
     "scheduler_args": [], "log_dir": None,
     "ready_timeout_s": 600.0, "pin_instances": False, "drain_timeout": 10.0, "http_port": None,
     "restart_backoff_s": 0.5, "restart_backoff_max_s": 10.0, "max_restarts": 5, "mm_store_max_mb": 4096,
@@ -41,10 +41,11 @@ _DEFAULTS = {
 # options passed on to every `epdserve instance` as the flag of the same name (max_model_len also
 # to the scheduler); left out, the instance's own default applies
 _INSTANCE_FLAGS = ("kv_cache_mb", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s",
-                   "encode_token_budget", "colocation", "stream_interval_ms")
+                   "encode_token_budget", "colocation", "stream_interval_ms", "slo_tpot_ms")
 
 
 def add_parser(subparsers):
+    from epdserve.instance.colocation import POLICIES
     from epdserve.instance.roles import MODES
 
     p = subparsers.add_parser(
@@ -79,9 +80,13 @@ def add_parser(subparsers):
     p.add_argument("--encode-token-budget", type=int, default=None,
                    help="E: vision tokens encoded per engine step, across requests (default 1024); a long video "
                         "is encoded over several steps (see `epdserve instance --help`)")
-    p.add_argument("--colocation", choices=("split", "yield"), default=None,
-                   help="how E shares the cores with P/D in every instance: split (fixed shares, the default) or "
-                        "yield (all cores, E at the lowest priority); see `epdserve instance --help`")
+    p.add_argument("--colocation", choices=POLICIES, default=None,
+                   help="how stages share the cores: split (fixed shares inside an instance, the default), yield "
+                        "(all cores, E at the lowest priority) or slo (all cores, one stage at a time in SLO order: "
+                        "on CPU the launcher runs one core-lease arbiter for every instance); see "
+                        "`epdserve instance --help`")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="slo: the TPOT SLO decode steps are paced to keep (default 100 ms)")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="gather a request's tokens after its first for up to this long into one stream message "
                         "(default 0: at once)")
@@ -213,7 +218,7 @@ def spec_from_args(args):
         prefill=int(merged["prefill"]), decode=int(merged["decode"]), mm_store=merged["mm_store"],
         host=merged["host"], port=int(merged["port"]), device=merged["device"],
         devices=_ids(merged["devices"]), instance_args=inst, scheduler_args=sched,
-        registry=registry, pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
+        registry=registry, colocation=merged["colocation"], pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
         ready_timeout_s=float(merged["ready_timeout_s"]), drain_timeout_s=float(merged["drain_timeout"]),
         mm_store_max_bytes=int(merged["mm_store_max_mb"]) << 20,
         restart=RestartPolicy(first_backoff_s=float(merged["restart_backoff_s"]),

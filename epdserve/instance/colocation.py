@@ -1,7 +1,7 @@
 """How co-located stages share one device: the co-location policy, the same object on CPU and NPU.
 
 Co-located means E beside P or D in one instance (EP, ED), or an E process beside a P / PD / D
-process on the same device (on one machine every mode is co-located). Two policies:
+process on the same device (on one machine every mode is co-located). Three policies:
 
 - `split` (static): each stage gets a fixed share — disjoint CPU core sets, or NPU stream core
   limits (`instance/stage_stream.py`). A stage runs at its share's speed even while the other
@@ -11,6 +11,16 @@ process on the same device (on one machine every mode is co-located). Two polici
   low-priority stream), so a P or D step that becomes runnable takes the cores from encode at
   the kernel's next scheduling decision (within one operator's slice on CPU), and encode uses
   every core while P and D idle.
+- `slo` (work-conserving, SLO-driven): every stage may use every core, one compute step at a
+  time, in the order the SLOs ask for. On CPU a lease on the cores (`instance/lease_arbiter.py`,
+  `instance/core_lease.py`): a decode step that falls due (paced at a share of the TPOT SLO)
+  comes first, then prefill, then encode; encode and prefill hand the cores over at the next
+  vision block or LM layer when something more urgent waits; a decode step not yet due runs at
+  once if nothing else waits. So decode gets what keeps TPOT under its SLO, encode and prefill
+  (TTFT) everything else, and no stage is starved the way SCHED_IDLE starves encode. One
+  arbiter serves the whole machine (the launcher's; an instance with co-located workers and no
+  `--core-lease` runs its own). On NPU, where steps are asynchronous, `slo` gives each worker
+  an unlimited stream, P/D ranked before E, as `yield` does.
 
 Why SCHED_IDLE: nice 19 still has weight 15 against 1024 and, measured by `epdserve bench
 colocation`, does not protect decode (busy/idle 1.47); SCHED_IDLE (weight 3, never preempts a
@@ -18,8 +28,7 @@ normal thread) does (0.97). Threads inherit the policy of the thread that create
 intra-op team an encode worker spawns at its first parallel op inherits it, as it inherits the
 core set under `split` (`instance/affinity.py`). An unprivileged thread may enter SCHED_IDLE but
 not leave it: each policy is set once, on a stage's own fresh thread. Served, `yield` starves
-encode while P/D/scheduler keep the cores busy (README, co-location benchmarks): `split` is the
-default.
+encode while P/D/scheduler keep the cores busy (README, co-location benchmarks).
 """
 from __future__ import annotations
 
@@ -31,14 +40,14 @@ from epdserve.instance.affinity import pin_worker_thread, split_cores
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("split", "yield")
+POLICIES = ("split", "yield", "slo")
 
 
 def worker_core_sets(policy: str, roles: list[str], cores: list[int], weights: list[float]) -> list[list[int] | None]:
     """Core set of each co-located CPU worker: disjoint by weight (`split`), or all of `cores`
     for every worker (`yield`, and a lone worker)."""
     check_policy(policy)
-    if policy == "yield" or len(roles) < 2:
+    if policy != "split" or len(roles) < 2:
         return [list(cores) for _ in roles]
     return split_cores(len(roles), cores, weights)
 
@@ -50,14 +59,19 @@ def yields(policy: str, role: str) -> bool:
 
 def device_share(policy: str, role: str, weight: float) -> float | None:
     """An accelerator worker's share of the device's cores: its weight under `split`, None (no
-    limit: its own stream, prioritized) under `yield`."""
+    limit: its own stream, prioritized) under `yield` and `slo`."""
     return weight if check_policy(policy) == "split" else None
 
 
 def stream_priority(policy: str, role: str) -> int:
     """Stream priority (lower = higher, as torch_npu's and CUDA's Stream take it): under `yield`
-    P/D streams outrank encode's; under `split` all are equal (0)."""
-    return -1 if check_policy(policy) == "yield" and role != "E" else 0
+    P/D streams outrank encode's under `yield` and `slo`; under `split` all are equal (0)."""
+    return -1 if check_policy(policy) != "split" and role != "E" else 0
+
+
+def uses_core_lease(policy: str, device: str) -> bool:
+    """Do this policy's workers take the machine's core lease for every compute step? (`slo` on CPU.)"""
+    return check_policy(policy) == "slo" and device.startswith("cpu")
 
 
 def enter_stage_thread(cores: list[int] | None, low_priority: bool) -> list[int]:

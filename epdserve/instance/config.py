@@ -29,7 +29,9 @@ class InstanceConfig:
     split_cores: bool = True  # co-located workers partition the device (CPU cores; NPU AI/Vector Cores)
     encode_core_share: float = 0.5  # E worker's share of the device when co-located
     stream_interval_ms: float = 0.0  # hold a running request's stream messages this long to send tokens together
-    colocation: str = "split"  # co-location policy: split (static shares) | yield (E gives way; instance/colocation.py)
+    colocation: str = "split"  # co-location policy: split | yield | slo (instance/colocation.py)
+    core_lease: str | None = None  # slo on CPU: the lease arbiter's socket (the launcher's); None: own, if co-located
+    slo_tpot_ms: float = 100.0  # slo: decode steps are paced to keep TPOT under this
     kv_cache_bytes: int = 256 << 20
     block_size: int | None = None  # tokens per KV block; default: the platform's (CPU/CUDA 16, NPU 128)
     max_num_seqs: int = 128
@@ -51,6 +53,8 @@ class InstanceConfig:
         if not 0.0 < self.encode_core_share < 1.0:
             raise ValueError(f"encode_core_share must be in (0, 1), got {self.encode_core_share}")
         check_policy(self.colocation)
+        if self.slo_tpot_ms <= 0:
+            raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
         if self.stream_interval_ms < 0:
             raise ValueError(f"stream_interval_ms must be >= 0, got {self.stream_interval_ms}")
         if self.block_size is not None and self.block_size < 1:
@@ -97,7 +101,15 @@ def add_instance_args(p: argparse.ArgumentParser) -> None:
                    help="how E shares the device with P/D: split = fixed shares (disjoint cores, NPU stream core "
                         "limits); yield = every core for whoever has work, E at the lowest priority (SCHED_IDLE "
                         "threads on CPU, a low-priority stream on NPU) so P/D steps take the cores back at once. "
+                        "slo = every core for one stage at a time in SLO order (CPU: a lease on the machine's cores; "
+                        "a decode step due by its TPOT pacing first, then prefill, then encode, which give way at "
+                        "the next layer; on NPU unlimited streams, P/D first). "
                         "Applies to co-located workers and to an E-only instance sharing its machine")
+    p.add_argument("--core-lease", default=None, metavar="PATH",
+                   help="slo on CPU: the Unix socket of the machine's core-lease arbiter (epdserve launch passes "
+                        "its own); omitted, an instance with co-located workers runs an arbiter for them alone")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0,
+                   help="slo: the TPOT SLO decode steps are paced to keep (default 100 ms)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache size per P/D worker (MiB)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: the platform's: 16 on CPU/CUDA, 128 on NPU, as its kernels want)")
@@ -123,7 +135,8 @@ def from_args(a: argparse.Namespace) -> InstanceConfig:
         roles=a.roles, model=a.model, scheduler=a.scheduler, mm_store=a.mm_store, device=a.device,
         dtype=a.dtype, host=a.host, bind_host=a.bind_host, port=a.port, instance_id=a.instance_id,
         cores=parse_core_list(a.cores) if a.cores else None, split_cores=not a.no_core_split,
-        encode_core_share=a.encode_core_share, colocation=a.colocation, stream_interval_ms=a.stream_interval_ms, kv_cache_bytes=a.kv_cache_mb << 20, block_size=a.block_size,
+        encode_core_share=a.encode_core_share, colocation=a.colocation, core_lease=a.core_lease, slo_tpot_ms=a.slo_tpot_ms,
+        stream_interval_ms=a.stream_interval_ms, kv_cache_bytes=a.kv_cache_mb << 20, block_size=a.block_size,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, encode_token_budget=a.encode_token_budget, feature_wait_s=a.feature_wait_s,
         kv_timeout_s=a.kv_timeout_s,

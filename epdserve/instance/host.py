@@ -23,7 +23,9 @@ import grpc
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
 from epdserve.instance.affinity import available_cores
-from epdserve.instance.colocation import device_share, stream_priority, worker_core_sets, yields
+from epdserve.instance.colocation import device_share, stream_priority, uses_core_lease, worker_core_sets, yields
+from epdserve.instance.core_lease import Checkpoints, CoreLease, LeaseGate
+from epdserve.instance.lease_arbiter import LeaseArbiter
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.coupled_worker import CoupledWorker
 from epdserve.instance.decode_worker import DecodeWorker
@@ -63,6 +65,8 @@ class InstanceHost:
         self._health = None
         self._registrars: list[Registrar] = []  # one per scheduler (--scheduler a:1,b:2 registers with both)
         self.model = None  # LoadedModel, shared by the workers
+        self._arbiter: LeaseArbiter | None = None  # slo, co-located, no launcher's arbiter: our own
+        self._hooks: list = []  # slo: the layer checkpoints' hook handles
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, ready_timeout_s: float = 600.0) -> "InstanceHost":
@@ -123,6 +127,12 @@ class InstanceHost:
             self._server = None
         for w in self.workers:
             w.stop()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._arbiter is not None:
+            self._arbiter.close()
+            self._arbiter = None
         for w in self.workers:
             if w.engine is not None and w.engine.features is not None:
                 w.engine.features.close()
@@ -145,6 +155,7 @@ class InstanceHost:
         if cpu and len(roles) > 1 and cfg.split_cores:
             core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
         kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s)
+        gates = self._gate_factory(len(roles))
         for role, cores in zip(roles, core_sets):
             factory = self._engine_factory(role)
             name = f"{role}-worker"
@@ -157,6 +168,8 @@ class InstanceHost:
             else:
                 w = CoupledWorker(name, factory, cores)
             w.low_priority = yields(cfg.colocation, role)
+            if gates is not None:
+                w.gate_factory = gates(name)
             if not cpu and len(roles) > 1 and cfg.split_cores:
                 w.colocated = True
                 w.device_share = device_share(cfg.colocation, role, weights[len(self.workers)])
@@ -165,6 +178,34 @@ class InstanceHost:
             self._by_role["PD" if role in ("PD", "EPD") else served_stages(role)] = w
         for w in self.workers:  # one at a time: transformers' lazy imports are not thread-safe
             w.start().wait_ready(ready_timeout_s)
+
+    def _gate_factory(self, num_workers: int):
+        """`slo` on CPU: name → a factory of each worker's core-lease gate (on the launcher's arbiter,
+        or on our own when our workers are co-located), the layer checkpoints installed; else None."""
+        cfg = self.config
+        if not uses_core_lease(cfg.colocation, cfg.device):
+            return None
+        path = cfg.core_lease
+        if path is None and num_workers > 1:
+            self._arbiter = LeaseArbiter().start()
+            path = self._arbiter.path
+        if path is None:
+            log.info("slo: a lone worker and no --core-lease: nothing to share the cores with here")
+            return None
+        checkpoints = Checkpoints()
+        self._hooks = checkpoints.install(self.model.adapter)
+
+        def for_worker(name: str):
+            def make():  # on the worker's own thread
+                try:
+                    lease = CoreLease(path, name)
+                except OSError as e:
+                    log.warning("%s: cannot reach the core-lease arbiter at %s (%s); computing unarbitrated", name, path, e)
+                    return None
+                return LeaseGate(lease, checkpoints, cfg.slo_tpot_ms / 1e3)
+            return make
+
+        return for_worker
 
     def _engine_factory(self, role: str):
         cfg = self.config

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from epdserve.instance.colocation import (device_share, enter_stage_thread, stream_priority, worker_core_sets,
-                                          yields)
+from epdserve.instance.colocation import (device_share, enter_stage_thread, stream_priority, uses_core_lease,
+                                          worker_core_sets, yields)
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost
 
@@ -23,6 +23,10 @@ def test_what_each_policy_gives():
     assert yields("yield", "E") and not yields("yield", "P") and not yields("split", "E")
     assert device_share("split", "E", 0.3) == 0.3 and device_share("yield", "E", 0.3) is None
     assert stream_priority("yield", "D") < stream_priority("yield", "E") == stream_priority("split", "D") == 0
+    assert worker_core_sets("slo", ["E", "P"], cores, [0.5, 0.5]) == [cores, cores]
+    assert not yields("slo", "E") and device_share("slo", "E", 0.3) is None
+    assert stream_priority("slo", "P") < stream_priority("slo", "E")
+    assert uses_core_lease("slo", "cpu") and not uses_core_lease("slo", "npu:0") and not uses_core_lease("yield", "cpu")
     with pytest.raises(ValueError, match="co-location policy"):
         yields("greedy", "E")
     with pytest.raises(ValueError, match="co-location policy"):
@@ -74,3 +78,18 @@ def test_an_ep_instance_under_yield(qwen2_vl_tiny):
         assert os.sched_getscheduler(p._thread.native_id) == os.SCHED_OTHER
     finally:
         host.stop()
+
+
+def test_an_ep_instance_under_slo_runs_its_own_core_lease(qwen2_vl_tiny):
+    host = InstanceHost(InstanceConfig(roles="EP", model=str(qwen2_vl_tiny), kv_cache_bytes=4 << 20,
+                                       colocation="slo")).start()
+    try:
+        e, p = host.workers
+        assert host._arbiter is not None and e.gate is not None and p.gate is not None
+        assert e.engine.gate is e.gate and p.engine.encoder.gate is p.gate
+        assert os.sched_getscheduler(e._thread.native_id) == os.SCHED_OTHER  # no SCHED_IDLE: the lease orders them
+        assert e.bound_cores == p.bound_cores == sorted(os.sched_getaffinity(0))
+        assert len(host._hooks) > 0
+    finally:
+        host.stop()
+    assert host._arbiter is None and not host._hooks

@@ -1,0 +1,125 @@
+"""One candidate deployment: a mode, its instance pools, and where the instances run.
+
+`Deployment` holds the mode and the pools of `instance.roles.mode_pools` (the counts `epdserve
+launch` takes: `encode`, `prefill`, `decode`). Placement:
+- dedicated devices (default): each instance on a device of its own (an NPU, a GPU, a core group
+  given to it alone); its co-located workers (EP, ED) share that device;
+- colocated host (`colocated_host=True`): every instance shares one device, the whole host at
+  the profile's speed. This is `epdserve launch` on one CPU machine without --pin-instances:
+  every process's threads run on the same cores, so two instances never both run at full speed.
+
+`splits(mode, devices, colocated_host)` lists the counts that fit: on dedicated devices the
+instances number at most `devices`; on a colocated host each pool has at most `devices`
+instances (the host's core groups bound how many processes are worth running) and E-only
+instances beyond the co-located ones at most `devices - 1`.
+`launch_config()` is the YAML mapping `epdserve launch --config` reads.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from epdserve.instance.roles import MODES, Pool, mode_pools
+
+
+@dataclass(frozen=True)
+class Deployment:
+    mode: str
+    encode: int
+    prefill: int
+    decode: int
+    colocated_host: bool = False
+
+    @property
+    def pools(self) -> list[Pool]:
+        return mode_pools(self.mode, self.encode, self.prefill, self.decode)
+
+    @property
+    def num_instances(self) -> int:
+        return sum(p.count for p in self.pools)
+
+    def instance_roles(self) -> list[str]:
+        """Roles of each instance, in launch order."""
+        return [p.roles for p in self.pools for _ in range(p.count)]
+
+    def device_of(self, instance: int) -> int:
+        return 0 if self.colocated_host else instance
+
+    @property
+    def split(self) -> str:
+        """E:P:D as instances of each role (co-located workers counted in both)."""
+        roles = self.instance_roles()
+        count = {s: sum(1 for r in roles if s in r.replace("+", "")) for s in "EPD"}
+        return f"{count['E']}:{count['P']}:{count['D']}"
+
+    @property
+    def summary(self) -> str:
+        """The launch ready line's `instances=` text, e.g. EPx1,Dx1."""
+        return ",".join(f"{p.roles}x{p.count}" for p in self.pools)
+
+    def launch_config(self, device: str = "cpu") -> dict:
+        cfg = {"mode": self.mode, "encode": self.encode, "prefill": self.prefill, "decode": self.decode,
+               "device": device}
+        if not self.colocated_host and device == "cpu":
+            cfg["pin_instances"] = True  # a core group per instance, as the plan assumed
+        return cfg
+
+
+def from_pools(mode: str, pools: dict[str, int], colocated_host: bool = False) -> Deployment:
+    """The deployment whose pools are `pools` ({roles: count}, as in a ready line's `instances=`)."""
+    n = {r: int(pools.get(r, 0)) for r in ("E", "P", "D", "EP", "ED", "PD", "EPD", "P+E")}
+    if mode == "monolithic":
+        counts = (1, n["EPD"], 1)
+    elif mode == "P-D":
+        counts = (1, n["P+E"], n["D"])
+    elif mode == "E-P-D":
+        counts = (n["E"], n["P"], n["D"])
+    elif mode == "EP-D":
+        counts = (n["EP"] + n["E"], n["EP"], n["D"])
+    elif mode == "ED-P":
+        counts = (n["ED"] + n["E"], n["P"], n["ED"])
+    elif mode == "E-PD":
+        counts = (n["E"], n["PD"], 1)
+    else:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    dep = Deployment(mode, *counts, colocated_host=colocated_host)
+    if {p.roles: p.count for p in dep.pools} != {r: c for r, c in n.items() if c}:
+        raise ValueError(f"instances {pools} are not a {mode} deployment")
+    return dep
+
+
+def parse_summary(text: str) -> dict[str, int]:
+    """'EPx1,Dx2' → {'EP': 1, 'D': 2}."""
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        roles, sep, count = part.rpartition("x")
+        if not sep or not count.isdigit():
+            raise ValueError(f"bad instance count {part!r} (expected ROLESxN)")
+        out[roles] = out.get(roles, 0) + int(count)
+    return out
+
+
+def splits(mode: str, devices: int, colocated_host: bool = False) -> list[Deployment]:
+    """Every deployment of `mode` that fits `devices` (see the module docstring)."""
+    if devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {devices}")
+    n = devices
+    rng = range(1, n + 1)
+    if mode == "monolithic":
+        cands = [(1, p, 1) for p in rng]
+    elif mode in ("P-D",):
+        cands = [(1, p, d) for p in rng for d in rng]
+    elif mode == "E-P-D":
+        cands = list(itertools.product(rng, rng, rng))
+    elif mode == "EP-D":
+        cands = [(p + extra, p, d) for p in rng for extra in range(n) for d in rng]
+    elif mode == "ED-P":
+        cands = [(d + extra, p, d) for d in rng for extra in range(n) for p in rng]
+    elif mode == "E-PD":
+        cands = [(e, p, 1) for e in rng for p in rng]
+    else:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    out = [Deployment(mode, *c, colocated_host=colocated_host) for c in cands]
+    if not colocated_host:
+        out = [d for d in out if d.num_instances <= n]
+    return out

@@ -1,0 +1,204 @@
+"""Discrete-event simulation of one deployment serving one workload → per-request records.
+
+Time is simulated seconds; stage costs come from the `CostModel` in ms. The pieces:
+- a request arrives at its offset, spends the scheduler's preprocessing time (JPEG decode + image
+  processor, per image), is routed (least outstanding work, as `scheduler/routing.py`), then:
+  E (each media item to an E worker) → features E→P (link time) → P → first token → KV P→D (link
+  time) → D; a coupled worker (PD, EPD) takes the whole request, EPD encoding its own media,
+  P+E encoding inline. Text-only requests skip E.
+- `Device`: one step at a time (non-preemptive). When it frees up it runs, in order: a decode
+  step that is due — its batch has waited at least `tpot_pace - step time` since its last step,
+  so tokens keep the TPOT pace; else the oldest queued encode/prefill work (FIFO over its
+  workers); else any decode step (work-conserving). A worker alone on its device simply runs
+  back to back. Coupled workers count as decoding when they have a decode batch.
+- transfers and preprocessing are delays, not shared resources; KV cache capacity, the
+  scheduler's own CPU time and the client's network are not modelled.
+
+`simulate(deployment, costs, shapes)` returns `bench.metrics.RequestRecord`s (token times as
+the client would see them), so every figure comes from the benchmarks' own metric functions.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from epdserve.bench.metrics import RequestRecord
+from epdserve.planner.costs import CostModel
+from epdserve.planner.deployment import Deployment
+from epdserve.planner.shapes import RequestShape
+from epdserve.planner.workers import (CoupledWorker, DecodeWorker, EncodeWorker, Job, Limits, PrefillWorker,
+                                      Worker)
+
+MAX_EVENTS_PER_REQUEST = 200_000
+
+
+class SimulationError(RuntimeError):
+    """The simulation could not finish every request (a planner bug, never a workload's fault)."""
+
+
+class Device:
+    """One NPU / GPU / core group: runs one step of one of its workers at a time, to its end."""
+
+    def __init__(self, sim, index: int):
+        self.sim, self.index = sim, index
+        self.workers: list[Worker] = []
+        self.busy = False
+        self.busy_s = 0.0
+
+    def choose(self, now: float) -> Worker | None:
+        """A due decode step, else the oldest queued encode/prefill work, else any decode step."""
+        pace, costs = self.sim.tpot_pace_s, self.sim.costs
+        decoding = [w for w in self.workers if w.decoding()]
+        due = [w for w in decoding
+               if now >= w.last_decode_end + max(0.0, pace - costs.decode_ms(w.decode_batch_size()) / 1e3) - 1e-12]
+        if due:
+            return min(due, key=lambda w: w.last_decode_end)
+        waiting = [(w.fifo_head(), i) for i, w in enumerate(self.workers) if w.fifo_head() is not None]
+        if waiting:
+            return self.workers[min(waiting)[1]]
+        return min(decoding, key=lambda w: w.last_decode_end) if decoding else None
+
+    def kick(self, now: float) -> None:
+        if self.busy:
+            return
+        worker = self.choose(now)
+        if worker is None:
+            return
+        ms, done = worker.step(now)
+        self.busy = True
+        self.busy_s += ms / 1e3
+
+        def end(t: float) -> None:
+            self.busy = False
+            done(t)
+            self.kick(t)
+        self.sim.at(now + ms / 1e3, end)
+
+
+class Simulation:
+    def __init__(self, deployment: Deployment, costs: CostModel, tpot_pace_s: float = 0.1,
+                 limits: Limits | None = None):
+        self.deployment, self.costs, self.tpot_pace_s = deployment, costs, tpot_pace_s
+        self.limits = limits or Limits()
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.devices: dict[int, Device] = {}
+        self.encoders: list[Worker] = []
+        self.prefillers: list[Worker] = []
+        self.decoders: list[Worker] = []
+        self.coupled: list[CoupledWorker] = []
+        for i, roles in enumerate(deployment.instance_roles()):
+            dev = self.devices.setdefault(deployment.device_of(i), Device(self, deployment.device_of(i)))
+            for w in self._workers(roles, dev, f"{roles}{i}"):
+                dev.workers.append(w)
+        self.done: list[Job] = []
+
+    def _workers(self, roles: str, dev: Device, name: str) -> list[Worker]:
+        if roles in ("EPD", "PD"):
+            w = CoupledWorker(self, dev, name, encodes=roles == "EPD")
+            self.coupled.append(w)
+            return [w]
+        if roles == "P+E":
+            w = PrefillWorker(self, dev, name, inline_encode=True)
+            self.prefillers.append(w)
+            return [w]
+        out: list[Worker] = []
+        for r in roles:
+            if r == "E":
+                out.append(EncodeWorker(self, dev, f"{name}.E"))
+                self.encoders.append(out[-1])
+            elif r == "P":
+                out.append(PrefillWorker(self, dev, f"{name}.P"))
+                self.prefillers.append(out[-1])
+            elif r == "D":
+                out.append(DecodeWorker(self, dev, f"{name}.D"))
+                self.decoders.append(out[-1])
+        return out
+
+    # -- event loop --
+    def at(self, t: float, fn) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self, shapes: list[RequestShape]) -> list[Job]:
+        jobs = [Job(s) for s in shapes]
+        for job in jobs:
+            self.at(job.shape.arrival_s, lambda t, j=job: self.arrive(t, j))
+        budget = MAX_EVENTS_PER_REQUEST * max(1, len(jobs))
+        while self._events:
+            budget -= 1
+            if budget < 0:
+                raise SimulationError("simulation did not converge")
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn(t)
+        if len(self.done) != len(jobs):
+            raise SimulationError(f"{len(jobs) - len(self.done)} request(s) never finished")
+        return jobs
+
+    # -- the request path --
+    @staticmethod
+    def _route(pool: list[Worker], work: float) -> Worker:
+        w = min(pool, key=lambda w: (w.work, w.assigned))
+        w.work += work
+        w.assigned += 1
+        return w
+
+    def arrive(self, t: float, job: Job) -> None:
+        pre = sum(self.costs.preprocess_ms(n) for n in job.shape.vision_items) / 1e3
+        self.at(t + pre, lambda t2: self.dispatch(t2, job))
+
+    def dispatch(self, t: float, job: Job) -> None:
+        s = job.shape
+        if self.coupled:
+            w = self._route(self.coupled, s.prompt_tokens + s.output_tokens)
+            job.prefill_worker = w
+            if s.vision_items and w.kind == "EPD":
+                job.items_left = len(s.vision_items)
+                for n in s.vision_items:
+                    w.add_item(t, job, n)
+                return
+        else:
+            job.prefill_worker = self._route(self.prefillers, s.prompt_tokens)
+            job.decode_worker = self._route(self.decoders, s.prompt_tokens + s.output_tokens)
+        if s.vision_items and self.encoders and job.prefill_worker.kind != "P+E":
+            job.items_left = len(s.vision_items)
+            for n in s.vision_items:
+                self._route(self.encoders, 0).add_item(t, job, n)  # add_item counts the tokens as its work
+            return
+        job.prefill_worker.add(t, job)
+
+    def item_encoded(self, t: float, job: Job) -> None:
+        job.items_left -= 1
+        if job.items_left == 0:
+            delay = self.costs.feature_transfer_ms(job.shape.vision_tokens) / 1e3
+            self.at(t + delay, lambda t2: job.prefill_worker.add(t2, job))
+
+    def prefilled(self, t: float, job: Job) -> None:
+        job.token_times.append(t)
+        if job.remaining <= 0:
+            job.decode_worker.work -= job.shape.prompt_tokens + job.shape.output_tokens
+            self.finished(t, job)
+            return
+        delay = self.costs.kv_transfer_ms(job.shape.prompt_tokens) / 1e3
+        self.at(t + delay, lambda t2: job.decode_worker.add(t2, job))
+
+    def finished(self, t: float, job: Job) -> None:
+        self.done.append(job)
+
+
+def to_record(job: Job) -> RequestRecord:
+    s = job.shape
+    return RequestRecord(
+        request_id=s.request_id, t0=s.arrival_s, kind=s.kind,
+        num_images=len(s.vision_items) if s.kind == "image" else 0, chunk_times=list(job.token_times),
+        chunk_tokens=[1] * len(job.token_times), end=job.token_times[-1], success=True,
+        expected_output_tokens=s.output_tokens, prompt_tokens=s.prompt_tokens, prompt_text_tokens=s.text_tokens,
+        vision_tokens=s.vision_tokens, output_tokens=len(job.token_times))
+
+
+def simulate(deployment: Deployment, costs: CostModel, shapes: list[RequestShape], tpot_pace_s: float = 0.1,
+             limits: Limits | None = None) -> list[RequestRecord]:
+    """Per-request records of `deployment` serving `shapes` (see the module docstring)."""
+    sim = Simulation(deployment, costs, tpot_pace_s, limits)
+    return [to_record(j) for j in sim.run(shapes)]
