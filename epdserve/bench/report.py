@@ -4,7 +4,8 @@ Owns the report's presentation only (the numbers come from `metrics`): `request_
 per-request latencies kept in the JSON, which the CDFs are drawn from), `markdown` (per
 workload: one row per mode and rate with ratios against the baseline mode, text vs image TTFT
 for mixed traffic, the TTFT stage split, the highest rate meeting the p99 SLOs) and `plot`
-(per workload, one PNG: TTFT CDF, TPOT CDF, goodput against rate, stage bars; matplotlib Agg).
+(per workload, one PNG: TTFT CDF, TPOT CDF, goodput against rate, stage bars; matplotlib Agg). A run
+with phases (the shift workload) adds its per-phase table and a timeline PNG (bench/shift.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 import pathlib
 
 from epdserve.bench.metrics import POST_STAGES, TTFT_STAGES, RequestRecord, max_rate_meeting_slo, ttft_segments
+from epdserve.bench.shift import phase_table, plot_timeline
 from epdserve.bench.spread import fmt_ratio, goodput_ratio_interval, median_ratio_interval
 
 STAGE_ORDER = ["send", *(n for _, n in TTFT_STAGES), "return"]
@@ -124,6 +126,7 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
                     f"{_f(m['e2el_ms']['median'], 0)} | {_goodput_vs(run, b, slo)} | {_ttft_vs(run, b)} | "
                     f"{_f((run.get('load_avg_1m') or [None])[0])} |")
         out += _kind_table(modes, base)
+        out += phase_table(modes)
         out += _stage_table(modes)
         out += _max_rate_lines(modes)
     return "\n".join(out)
@@ -201,6 +204,9 @@ def plot(report: dict, out_dir: str | pathlib.Path, prefix: str = "serve") -> li
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
+        timeline = plot_timeline(wname, w, out_dir / f"{prefix}-{wname}-timeline.png", slo, report.get("events"))
+        if timeline is not None:
+            paths.append(timeline)
     return paths
 
 

@@ -8,7 +8,9 @@ same arrival schedules (each rate of a sweep with its own fresh images, so no ru
 a previous run's cache). Reported: the metrics of vLLM's and SGLang's serving benchmarks
 (TTFT, TPOT, ITL, E2EL, goodput under SLOs) plus the TTFT split by stage, with ratios against
 the first target. Results: one JSON (written after every run, so a stopped benchmark keeps what it
-measured), a Markdown table (stdout and `<out>.md`) and one PNG per workload.
+measured), a Markdown table (stdout and `<out>.md`) and one PNG per workload. `--workload shift`
+changes the traffic's shape mid-run (image-heavy -> text-heavy -> mixed) and adds per-phase
+figures and a timeline PNG (bench/shift.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 from epdserve.bench.metrics import SLO, compute_metrics
 from epdserve.bench.report import markdown, plot, request_rows
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
+from epdserve.bench.shift import SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
 from epdserve.bench.workload import PRESET_RATES, PRESETS, WorkloadConfig, build_workload, parse_mix
 from epdserve.entrypoints.cli import add_command
 
@@ -58,7 +61,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a ready line (default 600)")
     w = p.add_argument_group("workload (a preset, with any knob overridden)")
     w.add_argument("--workload", default="sharegpt4o",
-                   help=f"comma-separated presets: {','.join(PRESETS)} (default sharegpt4o)")
+                   help=f"comma-separated presets: {','.join(PRESETS)}, or {SHIFT}: image-heavy -> text-heavy -> "
+                        "mixed in one run, arrivals continuous, metrics per phase (default sharegpt4o)")
     w.add_argument("--num-requests", type=int, help="requests per run")
     w.add_argument("--images-per-request", metavar="N|A-B", help="images per image request (uniform in A..B)")
     w.add_argument("--resolution-mix", metavar="RES:W,...", help="e.g. 360p:0.5,720p:0.3,1080p:0.2 (names or WxH)")
@@ -92,8 +96,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def workload_configs(args) -> list[WorkloadConfig]:
     out = []
     for name in [n.strip() for n in args.workload.split(",") if n.strip()]:
-        if name not in PRESETS:
-            raise SystemExit(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}")
+        if name not in PRESETS and name != SHIFT:
+            raise SystemExit(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}, {SHIFT}")
         changes: dict = {"seed": args.seed}
         if args.num_requests:
             changes["num_requests"] = args.num_requests
@@ -112,11 +116,13 @@ def workload_configs(args) -> list[WorkloadConfig]:
             changes.update(output_len_min=int(lo), output_len_max=int(hi))
         elif args.output_len is not None:
             changes.update(output_len_min=1, output_len_max=max(int(2 * args.output_len), 1))
-        out.append(PRESETS[name].with_(**changes))
+        out.append(shift_config(changes) if name == SHIFT else PRESETS[name].with_(**changes))
     return out
 
 
-def describe(cfg: WorkloadConfig) -> str:
+def describe(cfg: WorkloadConfig | ShiftConfig) -> str:
+    if isinstance(cfg, ShiftConfig):
+        return cfg.summary()
     img = f"{cfg.images_min}" if cfg.images_min == cfg.images_max else f"{cfg.images_min}-{cfg.images_max}"
     mix = "/".join(f"{n}:{w:g}" for n, w in cfg.resolution_mix)
     return (f"{cfg.num_requests} requests, {100 * cfg.text_only_share:.0f}% text-only, {img} image(s) per image "
@@ -154,17 +160,20 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
         mode_entry = entry["modes"].setdefault(label, {"runs": []})
         for i, rate in enumerate(parse_rates(rates, cfg.name)):
             run_cfg = cfg.with_(seed=cfg.seed + 1000 * i)  # fresh images per rate, same for every target
-            requests = build_workload(run_cfg)
+            shift = build_shift(run_cfg, rate, args.burstiness) if isinstance(run_cfg, ShiftConfig) else None
+            requests = shift.requests if shift else build_workload(run_cfg)
             rc = RunConfig(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                            seed=run_cfg.seed, progress=not args.no_progress, label=f"{label} {cfg.name} {rate:g}/s")
             t0, load0 = time.time(), _load()
-            records = run_requests(backend, requests, rc)
+            records = run_requests(backend, requests, rc, offsets=shift.offsets if shift else None)
             m = compute_metrics(records, slo)
-            mode_entry["runs"].append({"rate": rate, "burstiness": args.burstiness,
-                                       "max_concurrency": args.max_concurrency, "seed": run_cfg.seed,
-                                       "wall_s": round(time.time() - t0, 2), "load_avg_1m": [load0, _load()],
-                                       "metrics": m,
-                                       "requests": request_rows(records)})
+            run_entry = {"rate": rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+                         "seed": run_cfg.seed, "wall_s": round(time.time() - t0, 2), "load_avg_1m": [load0, _load()],
+                         "metrics": m, "requests": request_rows(records)}
+            if shift:
+                run_entry.update(annotate_rows(run_entry["requests"], records, shift, slo),
+                                 phases=phase_metrics(shift, records, slo))
+            mode_entry["runs"].append(run_entry)
             _log(f"[{label}] {cfg.name} @ {rc.describe()}: {m['completed']}/{m['num_requests']} ok, "
                  f"goodput {m['goodput']:.3f} req/s, SLO {100 * m['slo_attainment']:.0f}%, "
                  f"TTFT p50 {m['ttft_ms']['median'] or 0:.0f} ms, TPOT p50 {m['tpot_ms']['median'] or 0:.1f} ms")

@@ -121,9 +121,14 @@ def send_one(backend: Backend, req: BenchRequest) -> RequestRecord:
     return rec
 
 
-def run_requests(backend: Backend, requests: list[BenchRequest], cfg: RunConfig) -> list[RequestRecord]:
-    """Send `requests` on cfg's schedule; returns their records in request order."""
-    offsets = arrival_times(len(requests), cfg.rate, cfg.burstiness, cfg.seed)
+def run_requests(backend: Backend, requests: list[BenchRequest], cfg: RunConfig,
+                 offsets: list[float] | None = None) -> list[RequestRecord]:
+    """Send `requests` on cfg's schedule (or at the given send `offsets`, s from the start, one per
+    request: the shift workload's); returns their records in request order."""
+    if offsets is None:
+        offsets = arrival_times(len(requests), cfg.rate, cfg.burstiness, cfg.seed)
+    elif len(offsets) != len(requests):
+        raise ValueError(f"{len(offsets)} offsets for {len(requests)} requests")
     limit = threading.BoundedSemaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     records: list[RequestRecord | None] = [None] * len(requests)
     bar = _progress(len(requests), cfg)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 from concurrent import futures
 
 import grpc
@@ -67,6 +68,9 @@ class InstanceHost:
         self.model = None  # LoadedModel, shared by the workers
         self._arbiter: LeaseArbiter | None = None  # slo, co-located, no launcher's arbiter: our own
         self._hooks: list = []  # slo: the layer checkpoints' hook handles
+        self.switch_lock = threading.Lock()  # one role switch at a time (instance/role_switch.py)
+        self.draining = False  # switching roles: the scheduler routes us nothing new
+        self.rebuilding = False  # ... and the workers are being rebuilt: late calls are told to retry
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, ready_timeout_s: float = 600.0) -> "InstanceHost":
@@ -125,6 +129,18 @@ class InstanceHost:
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1.0)
             self._server = None
+        self._stop_workers()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+        log.info("instance %s stopped", self.instance_id)
+
+    # ---------------------------------------------------------------- workers
+    def _stop_workers(self) -> None:
+        """Stop every stage worker (their engines, KV connectors and feature providers go with them)."""
         for w in self.workers:
             w.stop()
         for h in self._hooks:
@@ -137,15 +153,7 @@ class InstanceHost:
             if w.engine is not None and w.engine.features is not None:
                 w.engine.features.close()
         self.workers, self._by_role = [], {}
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
-        log.info("instance %s stopped", self.instance_id)
 
-    # ---------------------------------------------------------------- workers
     def _start_workers(self, ready_timeout_s: float) -> None:
         cfg = self.config
         roles = worker_roles(self.roles)
@@ -207,6 +215,30 @@ class InstanceHost:
 
         return for_worker
 
+    def rebuild(self, roles: str, instance_id: str) -> None:
+        """Stop the workers and start those of `roles` on the loaded model, under `instance_id`
+        (role switching; the caller drained them first)."""
+        self._stop_workers()
+        self.roles = self.config.roles = roles
+        self.instance_id = instance_id
+        self._start_workers(600.0)
+        if "P" in self._by_role and self._rendezvous is None:
+            self._rendezvous = RendezvousServer(self.config.host, 0, timeout_s=self.config.kv_connect_timeout_s)
+        elif "P" not in self._by_role and self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+
+    def announce(self, previous_id: str | None = None) -> None:
+        """Tell every scheduler our status now (Register), then that `previous_id` is gone."""
+        for r in self._registrars:
+            r.announce(previous_id)
+
+    def switch_roles(self, roles: str, drain_timeout_s: float = 60.0, reason: str = ""):
+        """Change roles in place (instance/role_switch.py); returns its SwitchResult."""
+        from epdserve.instance.role_switch import switch_roles
+
+        return switch_roles(self, roles, drain_timeout_s, reason)
+
     def _engine_factory(self, role: str):
         cfg = self.config
 
@@ -244,7 +276,7 @@ class InstanceHost:
         load = sum_loads([w.load for w in self.workers])
         st = common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
-            load=load, pid=os.getpid(),
+            load=load, pid=os.getpid(), draining=self.draining,
         )
         if self.model is not None:
             st.media_namespace = self.model.namespace

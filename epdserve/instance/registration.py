@@ -99,6 +99,21 @@ class Registrar:
             log.info("scheduler %s does not know %s any more; registering again", self.scheduler, st.instance_id)
             self.registered.clear()
 
+    def announce(self, previous_id: str | None = None, attempts: int = 5) -> None:
+        """Register our status now (role switching: draining, or a new id and roles), then
+        Deregister `previous_id`; a few quick retries, raising grpc.RpcError if they all fail."""
+        for n in range(attempts):
+            try:
+                self._register()
+                if previous_id and previous_id != self.status().instance_id:
+                    self._stub.Deregister(instance_pb2.DeregisterRequest(instance_id=previous_id),
+                                          timeout=self.rpc_timeout_s)
+                return
+            except grpc.RpcError:
+                if n == attempts - 1:
+                    raise
+                self._stop.wait(FIRST_BACKOFF_S * 2 ** n)
+
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
         if self._thread.is_alive():

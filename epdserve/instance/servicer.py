@@ -34,6 +34,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
     # ---------------------------------------------------------------- helpers
     def _worker(self, role: str, context):
         w = self.host.worker(role)
+        if w is None and self.host.rebuilding:  # a call routed before our switch was announced
+            context.abort(grpc.StatusCode.ABORTED, f"instance {self.host.instance_id} is switching roles; retry elsewhere")
         if w is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"instance {self.host.instance_id} ({self.host.roles}) does not run stage {role}")
@@ -206,3 +208,13 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
 
     def GetLoad(self, request, context):
         return self.host.status()
+
+    def SwitchRoles(self, request, context):
+        from epdserve.instance.role_switch import SwitchError
+
+        try:
+            r = self.host.switch_roles(request.roles, request.drain_timeout_s or 60.0, request.reason)
+        except SwitchError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return instance_pb2.SwitchRolesResponse(instance=self.host.status(), previous_instance_id=r.previous_instance_id,
+                                                drain_s=r.drain_s, rebuild_s=r.rebuild_s)

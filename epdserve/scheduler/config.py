@@ -36,6 +36,7 @@ class SchedulerConfig:
     max_inflight_per_instance: int = 256
     max_attempts: int = 4  # per public request, across instance failures
     retry_backoff_s: float = 0.05  # before attempt n+1: n times this
+    switch_wait_s: float = 60.0  # a request needing a role whose instances are all switching roles waits this long
     preprocess_threads: int = 4
     media_index_size: int = 100_000  # media keys a client may resend by key (LRU)
     stored_keys_size: int = 100_000  # media keys known to be in the MM Store (LRU)
@@ -55,6 +56,8 @@ class SchedulerConfig:
                      "max_attempts", "preprocess_threads", "media_index_size", "stored_keys_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.switch_wait_s < 0:
+            raise ValueError("switch_wait_s must be >= 0")
         if self.retry_backoff_s < 0:
             raise ValueError("retry_backoff_s must be >= 0")
         self.static_instances = list(self.static_instances)

@@ -46,6 +46,8 @@ from epdserve.scheduler.routing import Router
 
 log = logging.getLogger(__name__)
 
+_SWITCH_POLL_S = 0.05  # how often a request waiting out a role switch looks at the roster again
+
 
 class StoredKeys:
     """Media keys an E instance confirmed are in the MM Store (bounded LRU): later requests
@@ -98,7 +100,7 @@ class RequestRun:
             for n in range(1, cfg.max_attempts + 1):
                 if self.aborted:
                     break
-                attempt = self._start_attempt(n, avoid)
+                attempt = await self._routed_attempt(n, avoid)
                 try:
                     async for piece in attempt.run():
                         if piece.token_ids and self.first is None:
@@ -137,6 +139,19 @@ class RequestRun:
                 self.attempt.close(abort=not finished)
 
     # ---------------------------------------------------------------- pieces
+    async def _routed_attempt(self, n: int, avoid: set[str]) -> Attempt:
+        """Start attempt `n`; while a role has no instance only because one is switching roles,
+        wait for it (up to `switch_wait_s`) instead of failing the request."""
+        deadline = time.monotonic() + self.d.config.switch_wait_s
+        while True:
+            try:
+                return self._start_attempt(n, avoid)
+            except RequestError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or not self.d.registry.switching() \
+                        or time.monotonic() > deadline or self.aborted:
+                    raise
+            await asyncio.sleep(_SWITCH_POLL_S)
+
     def _start_attempt(self, n: int, avoid: set[str]) -> Attempt:
         prep, d = self.prep, self.d
         media_tokens = [m.num_tokens for m in prep.media]

@@ -50,6 +50,7 @@ class InstanceRecord:
     last_heartbeat: float = 0.0
     outstanding: dict[str, int] = field(default_factory=lambda: {"E": 0, "P": 0, "D": 0, "PD": 0})
     inflight: int = 0
+    draining: bool = False  # switching roles: finishes what it holds, takes nothing new
 
     def has(self, role: str) -> bool:
         """Does it serve calls for stage `role` (E, P, D)? A "P+E" instance serves P only."""
@@ -67,13 +68,14 @@ class InstanceRecord:
 
     @property
     def routable(self) -> bool:
-        return self.health != DOWN
+        """May new work go here? (Not DOWN, not draining for a role switch.)"""
+        return self.health != DOWN and not self.draining
 
     def to_proto(self) -> common_pb2.InstanceStatus:
         return common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=self.address, model=self.model,
             media_namespace=self.namespace, load=self.load, kv_endpoint=self.kv_endpoint, health=self.health,
-            last_seen=self.last_seen, pid=self.pid,
+            last_seen=self.last_seen, pid=self.pid, draining=self.draining,
         )
 
 
@@ -117,6 +119,10 @@ class InstanceRegistry:
         rec.kv_endpoint = common_pb2.KvEndpoint()
         rec.kv_endpoint.CopyFrom(status.kv_endpoint)
         rec.pid = status.pid
+        if status.draining != rec.draining:
+            log.info("instance %s %s", rec.instance_id, "is draining (switching roles)" if status.draining
+                     else "takes work again")
+        rec.draining = status.draining
         if status.HasField("load"):
             rec.load = status.load
         rec.heartbeats = heartbeats
@@ -152,6 +158,10 @@ class InstanceRegistry:
         if role == "PD":
             return [r for r in self.records() if r.routable and r.coupled]
         return [r for r in self.records() if r.routable and r.has(role)]
+
+    def switching(self) -> bool:
+        """Is an instance draining for a role switch? (A role with no instance now may have one soon.)"""
+        return any(r.draining for r in self._records.values())
 
     @property
     def namespace(self) -> str:

@@ -1,0 +1,127 @@
+"""Live role switching: an instance changes its roles without a restart (`SwitchRoles`).
+
+`switch_roles(host, roles, drain_timeout_s, reason)`, one switch at a time per instance:
+1. draining — the host reports `draining` and announces it to every scheduler (Register): the
+   registry routes it nothing new, and what it already holds finishes here. A call routed just
+   before the announcement may still arrive: it is taken and drained like the rest.
+2. drain — wait until no worker holds a request (handles, KV pairs still bootstrapping, engine
+   work, KV transfers still going), seen idle twice `SETTLE_S` apart. Past `drain_timeout_s` what
+   is left is aborted and the scheduler retries it elsewhere (the one case where a switch causes
+   a retry; logged as such).
+3. rebuild — stop the workers (their engines' KV caches and encoder space go with them) and start
+   those of the new roles on the model the process already holds (no reload): a P or D gets a KV
+   cache, an E only its small encoder-side cache; a KV rendezvous server exists while a worker
+   prefills for remote D instances.
+4. announce — a new instance id (KV pair names and the scheduler's per-instance bookkeeping start
+   fresh), Register it, then Deregister the old id, on which nothing is in flight any more, so
+   no request is retried; draining ends.
+A call that reaches the instance while its workers are being rebuilt is answered ABORTED, which
+the scheduler retries elsewhere.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from epdserve.engine.roles import normalize_roles
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 0.2  # idle twice this far apart: no call routed before the announcement is still on its way
+_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class SwitchResult:
+    previous_instance_id: str
+    instance_id: str
+    roles: str
+    drain_s: float
+    rebuild_s: float
+    aborted: int  # requests still in flight at the drain timeout (retried by the scheduler)
+
+
+class SwitchError(RuntimeError):
+    """The switch could not be made (bad roles, one already under way, rebuild failed)."""
+
+
+def _idle(worker) -> bool:
+    """No request held by this worker (runs on its loop thread)."""
+    return not worker.handles and not worker.has_engine_work() and not worker.has_pending_transfers()
+
+
+def all_idle(workers, timeout_s: float = 30.0) -> bool:
+    return all(w.call(lambda w=w: _idle(w)).result(timeout_s) for w in workers)
+
+
+def drain(workers, timeout_s: float) -> tuple[float, int]:
+    """Wait for the workers to finish what they hold; returns (seconds, requests aborted at the timeout)."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    idle_since = None
+    while True:
+        now = time.monotonic()
+        if all_idle(workers):
+            idle_since = idle_since or now
+            if now - idle_since >= SETTLE_S:
+                return now - t0, 0
+        else:
+            idle_since = None
+        if now > deadline:
+            break
+        time.sleep(_POLL_S)
+    aborted = 0
+    for w in workers:
+        for rid in w.call(lambda w=w: list(w.handles)).result(30.0):
+            w.abort(rid).result(30.0)
+            aborted += 1
+    log.warning("drain timed out after %.1f s: %d request(s) aborted, the scheduler retries them elsewhere",
+                timeout_s, aborted)
+    return time.monotonic() - t0, aborted
+
+
+def new_instance_id(host, roles: str) -> str:
+    base = host.config.instance_id or f"{roles}-{host.config.host}:{host.port}"
+    return f"{base}-{secrets.token_hex(3)}"
+
+
+def switch_roles(host, roles: str, drain_timeout_s: float, reason: str = "") -> SwitchResult:
+    """Switch `host` (an InstanceHost) to `roles` in place; see the module docstring."""
+    try:
+        roles = normalize_roles(roles)
+    except ValueError as e:
+        raise SwitchError(str(e)) from None
+    if not host.switch_lock.acquire(blocking=False):
+        raise SwitchError(f"instance {host.instance_id} is already switching roles")
+    try:
+        old_id, old_roles = host.instance_id, host.roles
+        log.info("switching %s from %s to %s%s", old_id, old_roles, roles, f" ({reason})" if reason else "")
+        host.draining = True
+        host.announce()
+        drain_s, aborted = drain(list(host.workers), drain_timeout_s)
+        t0 = time.monotonic()
+        host.rebuilding = True
+        try:
+            host.rebuild(roles, new_instance_id(host, roles))
+        except Exception as e:
+            log.exception("rebuilding %s as %s failed; restoring %s", old_id, roles, old_roles)
+            host.rebuild(old_roles, old_id)  # if this fails too, the instance stays draining (never routed)
+            host.rebuilding = False
+            host.draining = False
+            host.announce()
+            raise SwitchError(f"could not switch to {roles}: {e}; still {old_roles}") from e
+        finally:
+            host.rebuilding = False
+        gc.collect()  # the old engines' KV caches
+        rebuild_s = time.monotonic() - t0
+        host.draining = False
+        host.announce(previous_id=old_id)
+        log.info("switched %s (%s) -> %s (%s): drained in %.2f s, rebuilt in %.2f s", old_id, old_roles,
+                 host.instance_id, roles, drain_s, rebuild_s)
+        return SwitchResult(old_id, host.instance_id, roles, drain_s, rebuild_s, aborted)
+    finally:
+        host.draining = False
+        host.switch_lock.release()

@@ -1,0 +1,151 @@
+"""Live role switching (instance/role_switch.py, `SwitchRoles`): real instance hosts registered
+with a real scheduler, a real MM Store and gloo KV pairs. An instance switches while requests are
+in flight on it; they finish there (no retry, outputs equal transformers'), the instance comes back
+under a new id with its new roles, on the model it already held (no reload), and serves the next
+requests in them. A lone instance switching leaves a gap: requests wait it out, none fails."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from epdserve.entrypoints.client import Client
+from epdserve.instance.config import InstanceConfig
+from epdserve.instance.host import InstanceHost
+from epdserve.model.reference import ReferenceGenerator
+from epdserve.rpc import instance_pb2
+from epdserve.scheduler import SchedulerConfig, SchedulerThread
+from epdserve.transfer.mm_store.server import LocalRedisServer
+from tests.instance.harness import PH, image, stub, wait_until
+from tests.instance.test_registration import roster
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with LocalRedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def ref(qwen2_vl_tiny):
+    return ReferenceGenerator(qwen2_vl_tiny)
+
+
+def _work(n: int, seed: int) -> list[tuple[str, list[bytes]]]:
+    out = []
+    for i in range(n):
+        k = i % 3
+        text = f"Request {seed + i}: " + " and ".join(PH for _ in range(k)) + (" describe." if k else " say hi.")
+        out.append((text, [image(100 + 10 * (seed + i) + j, 56 + 28 * (j % 2), 56) for j in range(k)]))
+    return out
+
+
+def _host(model, roles, sched, redis):
+    return InstanceHost(InstanceConfig(roles=roles, model=str(model), scheduler=sched.address, mm_store=redis.url,
+                                       kv_cache_bytes=4 << 20, feature_wait_s=5.0)).start()
+
+
+def _run(client, work):
+    with ThreadPoolExecutor(len(work)) as pool:
+        return list(pool.map(lambda w: client.generate(w[0], images=w[1], max_tokens=MAX_TOKENS, ignore_eos=True),
+                             work))
+
+
+def _retries(caplog):
+    return [r.getMessage() for r in caplog.records if "attempt" in r.getMessage() and "failed" in r.getMessage()]
+
+
+def _switch(host, roles, reason="test"):
+    return stub(f"127.0.0.1:{host.port}").SwitchRoles(
+        instance_pb2.SwitchRolesRequest(roles=roles, drain_timeout_s=60, reason=reason), timeout=120)
+
+
+def test_switch_with_requests_in_flight_loses_nothing(qwen2_vl_tiny, redis, ref, caplog):
+    caplog.set_level(logging.INFO)
+    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
+    sched.start()
+    a = d = None
+    try:
+        a, d = _host(qwen2_vl_tiny, "EP", sched, redis), _host(qwen2_vl_tiny, "D", sched, redis)
+        wait_until(lambda: {a.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
+        model_before, old_id = a.model, a.instance_id
+        first, second = _work(6, 0), _work(6, 50)
+        refs = [ref.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in first + second]
+        with Client(sched.address, timeout=300) as c:
+            results: dict = {}
+            t = threading.Thread(target=lambda: results.update(first=_run(c, first)))
+            t.start()
+            wait_until(lambda: any(w.handles for w in a.workers) or any(w.handles for w in d.workers),
+                       timeout_s=60, what="requests in flight")
+            resp = _switch(a, "PD", "prefill and decode here")
+            t.join(300)
+            assert resp.previous_instance_id == old_id and resp.instance.roles == "PD"
+            assert resp.instance.instance_id == a.instance_id != old_id and not resp.instance.draining
+            assert a.model is model_before  # the model it held: no reload
+            assert [w.role for w in a.workers] == ["PD"] and a.workers[0].engine.model is model_before
+            info = roster(sched)
+            assert old_id not in info and info[a.instance_id].roles == "PD"
+            results["second"] = _run(c, second)  # now coupled on the switched instance
+        outs = results["first"] + results["second"]
+        assert [list(o.token_ids) for o in outs] == refs
+        assert not _retries(caplog)
+        assert a.workers[0].load.counts.engine_steps > 0  # the second wave ran on the switched instance
+    finally:
+        for h in (a, d):
+            if h is not None:
+                h.stop()
+        sched.stop()
+
+
+def test_a_lone_instance_switching_makes_requests_wait_not_fail(qwen2_vl_tiny, redis, ref, caplog):
+    caplog.set_level(logging.INFO)
+    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
+    sched.start()
+    a = None
+    try:
+        a = _host(qwen2_vl_tiny, "EPD", sched, redis)
+        wait_until(lambda: a.instance_id in roster(sched), what="registration")
+        work = _work(4, 100)
+        refs = [ref.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in work]
+        with Client(sched.address, timeout=300) as c:
+            a.draining = True  # what SwitchRoles announces first: the roster's only instance takes nothing new
+            a.announce()
+            wait_until(lambda: roster(sched)[a.instance_id].draining, what="draining on the roster")
+            results: dict = {}
+            t = threading.Thread(target=lambda: results.update(outs=_run(c, work)))
+            t.start()
+            time.sleep(0.5)  # the requests reach the scheduler and find no routable instance
+            a.draining = False
+            resp = _switch(a, "PD", "lone instance")  # the requests above wait for it
+            t.join(300)
+        assert resp.instance.roles == "PD"
+        assert [list(o.token_ids) for o in results["outs"]] == refs
+        assert not _retries(caplog)
+    finally:
+        if a is not None:
+            a.stop()
+        sched.stop()
+
+
+def test_bad_switches_are_refused(qwen2_vl_tiny):
+    host = InstanceHost(InstanceConfig(roles="PD", model=str(qwen2_vl_tiny), kv_cache_bytes=2 << 20)).start()
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            _switch(host, "XYZ")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "roles" in e.value.details()
+        assert host.switch_lock.acquire(blocking=False)  # one at a time: a second switch meanwhile is refused
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                _switch(host, "EPD")
+            assert "already switching" in e.value.details()
+        finally:
+            host.switch_lock.release()
+        assert host.roles == "PD"
+    finally:
+        host.stop()
