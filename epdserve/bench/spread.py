@@ -60,7 +60,7 @@ def median_ratio_interval(values: list[float], base_values: list[float], seed: i
 
 
 def within_noise(interval: tuple[float, float] | None) -> bool:
-    return interval is not None and interval[0] <= 1.0 <= interval[1]
+    return interval is not None and interval[0] <= 1.0 + 1e-9 and interval[1] >= 1.0 - 1e-9
 
 
 def fmt_ratio(value: float | None, interval: tuple[float, float] | None, nd: int = 2) -> str:

@@ -10,11 +10,11 @@ profile too: feature bytes per vision token (E→P) and KV bytes per prompt toke
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from epdserve.bench.profile import interp
+from epdserve.planner.reports import read_report
 
 DEFAULT_LINK_GBPS = 1.0  # loopback gloo / Redis on a CPU host moves ~1 GB/s (`epdserve bench kv-transfer`)
 DEFAULT_LINK_LATENCY_MS = 1.0
@@ -100,13 +100,6 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path, **kw) -> tuple[CostModel, dict]:
         """(cost model, the raw report) of a profile JSON file."""
-        path = Path(path)
-        try:
-            report = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ProfileError(f"profile {path} not found (write one with `epdserve profile --model DIR --out {path}`)") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise ProfileError(f"profile {path}: cannot read it as JSON ({e})") from None
-        if not isinstance(report, dict) or report.get("benchmark") != "profile":
-            raise ProfileError(f"{path}: not an `epdserve profile` report (no \"benchmark\": \"profile\")")
+        report = read_report(path, "profile", ProfileError, "profile", "`epdserve profile` report",
+                             f" (write one with `epdserve profile --model DIR --out {path}`)")
         return cls.from_report(report, source=str(path), **kw), report

@@ -16,12 +16,12 @@ ignore_eos, so max_tokens is the output length).
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from epdserve.bench.workload import PRESETS, arrival_times
+from epdserve.planner.reports import read_report
 
 
 class WorkloadError(ValueError):
@@ -91,15 +91,9 @@ def _rate(value) -> float:
 
 
 def load_results(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise WorkloadError(f"results file {path} not found") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise WorkloadError(f"{path}: cannot read it as JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("benchmark") != "serve" or not isinstance(data.get("workloads"), dict):
-        raise WorkloadError(f"{path}: not an `epdserve bench serve` results file")
+    data = read_report(path, "serve", WorkloadError, "results file", "`epdserve bench serve` results file")
+    if not isinstance(data.get("workloads"), dict):
+        raise WorkloadError(f"{path}: not an `epdserve bench serve` results file (no workloads)")
     return data
 
 

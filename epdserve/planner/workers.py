@@ -137,6 +137,16 @@ class PrefillWorker(Worker):
         return ms, done
 
 
+def decoded(worker, batch: list, t: float) -> None:
+    """A decode step over `batch` ended at `t`: a token each; finished jobs leave `worker.batch`."""
+    for job in batch:
+        job.token_times.append(t)
+        if job.remaining <= 0:
+            worker.batch.remove(job)
+            worker.work -= job.shape.prompt_tokens + job.shape.output_tokens
+            worker.sim.finished(t, job)
+
+
 class DecodeWorker(Worker):
     kind = "D"
 
@@ -163,12 +173,7 @@ class DecodeWorker(Worker):
 
         def done(t):
             self.last_decode_end = t
-            for job in batch:
-                job.token_times.append(t)
-                if job.remaining <= 0:
-                    self.batch.remove(job)
-                    self.work -= job.shape.prompt_tokens + job.shape.output_tokens
-                    self.sim.finished(t, job)
+            decoded(self, batch, t)
         return ms, done
 
 
@@ -227,12 +232,7 @@ class CoupledWorker(EncodeWorker):
                         self.prefill_q.append((t, job))
             if batch:
                 self.last_decode_end = t
-            for job in batch:
-                job.token_times.append(t)
-                if job.remaining <= 0:
-                    self.batch.remove(job)
-                    self.work -= job.shape.prompt_tokens + job.shape.output_tokens
-                    self.sim.finished(t, job)
+            decoded(self, batch, t)
             for _, job in admitted:
                 job.items_left = 0
                 job.token_times.append(t)

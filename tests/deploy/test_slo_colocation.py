@@ -11,19 +11,14 @@ import pytest
 from epdserve.deploy.deployment import Deployment, DeploymentSpec
 from epdserve.entrypoints.client import Client
 from epdserve.model.reference import ReferenceGenerator
-from tests.instance.harness import PH, image
+from tests.entrypoints.test_launch import workload
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 
 
 def _workload():
-    out = []
-    for i in range(8):
-        k = 0 if i % 4 == 0 else 1 + i % 3
-        text = f"Request {i}: " + " and ".join(PH for _ in range(k)) + (" describe." if k else " say hi.")
-        out.append((text, [image(100 + 10 * i + j, 56 + 28 * ((i + j) % 3), 56 + 28 * (j % 2)) for j in range(k)]))
-    return out
+    return workload()[:8]  # the launch tests' mixed prompts (1-3 images, some text-only)
 
 
 @pytest.mark.parametrize("mode", ["E-P-D", "EP-D"])
