@@ -22,15 +22,17 @@ import pathlib
 import shlex
 import sys
 import time
+from contextlib import nullcontext
 
 from epdserve.bench.metrics import SLO, compute_metrics
 from epdserve.bench.report import markdown, plot, request_rows
+from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
 from epdserve.bench.shift import SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
 from epdserve.bench.workload import PRESET_RATES, PRESETS, WorkloadConfig, build_workload, parse_mix
 from epdserve.entrypoints.cli import add_command
 
-MODES = ("monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD")
+MODES = ("monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD", "auto")  # auto: the planner's start + the role controller
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -165,14 +167,17 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
             rc = RunConfig(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                            seed=run_cfg.seed, progress=not args.no_progress, label=f"{label} {cfg.name} {rate:g}/s")
             t0, load0 = time.time(), _load()
-            records = run_requests(backend, requests, rc, offsets=shift.offsets if shift else None)
+            watch = RosterWatch(backend.address) if shift and getattr(backend, "address", None) else nullcontext()
+            with watch:
+                records = run_requests(backend, requests, rc, offsets=shift.offsets if shift else None)
             m = compute_metrics(records, slo)
             run_entry = {"rate": rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                          "seed": run_cfg.seed, "wall_s": round(time.time() - t0, 2), "load_avg_1m": [load0, _load()],
                          "metrics": m, "requests": request_rows(records)}
             if shift:
                 run_entry.update(annotate_rows(run_entry["requests"], records, shift, slo),
-                                 phases=phase_metrics(shift, records, slo))
+                                 phases=phase_metrics(shift, records, slo),
+                                 events=getattr(watch, "events", []))  # role changes on the time axis
             mode_entry["runs"].append(run_entry)
             _log(f"[{label}] {cfg.name} @ {rc.describe()}: {m['completed']}/{m['num_requests']} ok, "
                  f"goodput {m['goodput']:.3f} req/s, SLO {100 * m['slo_attainment']:.0f}%, "

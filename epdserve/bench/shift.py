@@ -202,7 +202,7 @@ def phase_table(modes: dict) -> list[str]:
              "TPOT p99 |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, run in runs:
         rate = "inf" if math.isinf(float(run["rate"])) else f"{float(run['rate']):g}"
-        cells = [(f"{p['index'] + 1}. {p['name']}", f"{p['start_s']:.0f}-{p['end_s']:.0f}", p["metrics"])
+        cells = [(f"{p['index'] + 1}. {p['name']}", f"{p['start_s']:.1f}-{p['end_s']:.1f}", p["metrics"])
                  for p in run["phases"]] + [("all", "-", run["metrics"])]
         for name, window, m in cells:
             lines.append(f"| {mode} | {rate} | {name} | {window} | {m['completed']}/{m['failed']} | "
@@ -251,7 +251,7 @@ def plot_timeline(wname: str, w: dict, path: str | pathlib.Path, slo: dict | Non
         for t, label in events_of(run, report_events):
             for ax in axes:
                 ax.axvline(t, color=colour, linestyle="-", alpha=0.6, linewidth=1)
-            axes[0].annotate(f"{mode}: {label}", (t, 1.0), xycoords=("data", "axes fraction"), rotation=90,
+            axes[0].annotate(f"{mode}: {label}", (t, 0.97), xycoords=("data", "axes fraction"), rotation=90,
                              fontsize=6, va="top", ha="right", color=colour)
     phases = next(iter(runs.values()))["phases"]
     for p in phases:

@@ -52,6 +52,7 @@ class DeploymentSpec:
     device: str = "cpu"
     devices: list[str] = field(default_factory=list)  # accelerator ids handed out round-robin (default: all visible)
     pin_instances: bool = False  # CPU: give each instance a disjoint share of this machine's cores
+    planned: str | None = None  # --mode auto: what the planner chose, and why (logged)
     colocation: str | None = None  # the instances' policy (also in instance_args); slo on CPU: we host the core lease
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags

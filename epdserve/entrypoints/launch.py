@@ -36,7 +36,7 @@ _DEFAULTS = {
     "ready_timeout_s": 600.0, "pin_instances": False, "drain_timeout": 10.0, "http_port": None,
     "restart_backoff_s": 0.5, "restart_backoff_max_s": 10.0, "max_restarts": 5, "mm_store_max_mb": 4096,
     "internal_port": None, "internal_host": None, "internal_tls_cert": None, "internal_tls_key": None,
-    "internal_tls_ca": None,
+    "internal_tls_ca": None, "expected_workload": None, "expected_rate": None, "profile": None,
 }
 # options passed on to every `epdserve instance` as the flag of the same name (max_model_len also
 # to the scheduler); left out, the instance's own default applies
@@ -53,7 +53,17 @@ def add_parser(subparsers):
         description="Start the scheduler and the E/P/D instances of one deployment mode as child processes; "
                     "print where it serves; stop them all on Ctrl-C / SIGTERM.")
     p.add_argument("--config", type=Path, default=None, help="YAML file (configs/<mode>.yaml); flags override it")
-    p.add_argument("--mode", choices=MODES, default=None)
+    p.add_argument("--mode", choices=(*MODES, "auto"), default=None,
+                   help="deployment mode; auto: the planner picks the mode and E:P:D split for "
+                        "--expected-workload from a profile of the model, and the scheduler's controller moves "
+                        "instances between roles as the traffic changes")
+    p.add_argument("--expected-workload", default=None,
+                   help="auto: the traffic to plan the start for, a `bench serve` preset (default mixed)")
+    p.add_argument("--expected-rate", type=float, default=None,
+                   help="auto: its request rate (default: the preset's busier rate)")
+    p.add_argument("--profile", default=None,
+                   help="auto: an `epdserve profile` JSON of this model on this machine (default: measured once "
+                        "and cached in ~/.cache/epdserve/profiles)")
     p.add_argument("--model", default=None, help="checkpoint directory")
     p.add_argument("--encode", type=int, default=None,
                    help="E workers (default 1): in EP-D / ED-P the co-located ones count and the rest are E-only "
@@ -210,6 +220,10 @@ def spec_from_args(args):
 
         args.http_port = int(merged["http_port"]) or free_port(merged["host"])
         sched += ["--http-port", str(args.http_port)]
+    planned = None
+    if merged["mode"] == "auto":
+        merged, planned = _plan_auto(merged)
+        sched += ["--controller"]
     internal_sched, internal_inst, registry = _internal(merged, args)
     sched += internal_sched
     inst += internal_inst
@@ -218,13 +232,24 @@ def spec_from_args(args):
         prefill=int(merged["prefill"]), decode=int(merged["decode"]), mm_store=merged["mm_store"],
         host=merged["host"], port=int(merged["port"]), device=merged["device"],
         devices=_ids(merged["devices"]), instance_args=inst, scheduler_args=sched,
-        registry=registry, colocation=merged["colocation"], pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
+        registry=registry, colocation=merged["colocation"], planned=planned, pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
         ready_timeout_s=float(merged["ready_timeout_s"]), drain_timeout_s=float(merged["drain_timeout"]),
         mm_store_max_bytes=int(merged["mm_store_max_mb"]) << 20,
         restart=RestartPolicy(first_backoff_s=float(merged["restart_backoff_s"]),
                               max_backoff_s=float(merged["restart_backoff_max_s"]),
                               max_restarts=int(merged["max_restarts"])),
     )
+
+
+def _plan_auto(merged: dict) -> tuple[dict, str]:
+    """--mode auto: the planner's starting deployment (planner/auto.py) in place of the mode and counts."""
+    from epdserve.planner.auto import DEFAULT_WORKLOAD, plan_start
+
+    devices = len(_ids(merged["devices"])) or 2
+    plan = plan_start(str(Path(merged["model"]).expanduser()), merged["device"], merged["profile"],
+                      merged["expected_workload"] or DEFAULT_WORKLOAD, merged["expected_rate"], devices)
+    return {**merged, "mode": plan.mode, "encode": plan.encode, "prefill": plan.prefill,
+            "decode": plan.decode}, plan.line()
 
 
 def run(args) -> int:
@@ -242,9 +267,12 @@ def run(args) -> int:
                        name="launch").install()
     clean = False
     try:
+        if spec.planned:
+            log.info("auto: %s", spec.planned)
         log.info("starting mode %s (%s); child logs in %s", spec.mode, dep.summary(), dep.log_dir)
         address = dep.start(should_stop=stop.is_set)
-        print(f"epdserve ready: grpc://{address} mode={spec.mode} instances={dep.summary()} "
+        print(f"epdserve ready: grpc://{address} mode={spec.mode}{' auto=1' if spec.planned else ''} "
+              f"instances={dep.summary()} "
               f"mm_store={dep.mm_store_url}" + (f" http=http://{spec.host}:{args.http_port}"
                                                 if getattr(args, "http_port", None) else "")
               + (f" internal=grpc://{spec.registry}" if spec.registry else ""), flush=True)

@@ -52,6 +52,18 @@ def add_parser(subparsers):
 
     add_limit_args(p)
     p.add_argument("--address-file", type=Path, default=None, help="write host:port here once serving")
+    c = p.add_argument_group("role controller (`epdserve launch --mode auto` turns it on)")
+    c.add_argument("--controller", action="store_true",
+                   help="move instances between roles (Instance.SwitchRoles) as queue depths and SLO attainment "
+                        "ask, one at a time, with hysteresis; every decision is logged with its reason and exported "
+                        "as a metric (scheduler/controller.py)")
+    c.add_argument("--controller-tick-s", type=float, default=5.0, help="seconds between decisions (default 5)")
+    c.add_argument("--controller-dwell-s", type=float, default=120.0,
+                   help="an instance keeps its roles at least this long (default 120)")
+    c.add_argument("--controller-cooldown-s", type=float, default=60.0,
+                   help="after a switch, wait this long before the next decision (default 60)")
+    c.add_argument("--controller-slo-ttft-ms", type=float, default=3000.0, help="TTFT SLO it counts against (3000)")
+    c.add_argument("--controller-slo-tpot-ms", type=float, default=100.0, help="TPOT SLO it counts against (100)")
     from epdserve.entrypoints.fronts import add_front_flags, add_security_flags
 
     add_front_flags(p)
@@ -71,15 +83,33 @@ def config_from_args(args):
         max_inflight_per_instance=args.max_inflight_per_instance, max_attempts=args.max_attempts,
         retry_backoff_s=args.retry_backoff_s, preprocess_threads=args.preprocess_threads,
         media_index_size=args.media_index_size, stored_keys_size=args.stored_keys_size, limits=limits_from_args(args),
+        controller=_controller_config(args),
     )
+
+
+def _controller_config(args):
+    """`--controller`: the role controller's ControllerConfig from its flags; else None."""
+    if not getattr(args, "controller", False):
+        return None
+    from epdserve.scheduler.controller import ControllerConfig
+
+    return ControllerConfig(tick_s=args.controller_tick_s, min_dwell_s=args.controller_dwell_s,
+                            cooldown_s=args.controller_cooldown_s, ttft_slo_s=args.controller_slo_ttft_ms / 1e3,
+                            tpot_slo_s=args.controller_slo_tpot_ms / 1e3)
 
 
 async def serve(config, address_file: Path | None = None, signals=None, fronts=None) -> None:
     """Serve until `signals` (a `deploy.signals.StopSignals`; None: forever) asks to stop."""
     from epdserve.scheduler import SchedulerServer
 
+    controller_metrics = None
+    if fronts is not None and config.controller is not None:
+        from epdserve.metrics.controller import ControllerMetrics
+
+        controller_metrics = ControllerMetrics(fronts.metrics.registry)
     server = SchedulerServer(config, observer=fronts.metrics if fronts is not None else None,
-                             security=fronts.security if fronts is not None else None)
+                             security=fronts.security if fronts is not None else None,
+                             controller_observer=controller_metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if signals is not None:

@@ -36,6 +36,7 @@ class SchedulerConfig:
     max_inflight_per_instance: int = 256
     max_attempts: int = 4  # per public request, across instance failures
     retry_backoff_s: float = 0.05  # before attempt n+1: n times this
+    controller: object | None = None  # --mode auto: a scheduler.controller.ControllerConfig (None: no role controller)
     switch_wait_s: float = 60.0  # a request needing a role whose instances are all switching roles waits this long
     preprocess_threads: int = 4
     media_index_size: int = 100_000  # media keys a client may resend by key (LRU)

@@ -43,9 +43,13 @@ class SchedulerServer:
     `security`: API key, cluster token, TLS and the internal port (`SchedulerSecurity`; default:
     none of them, everything on one plaintext port)."""
 
-    def __init__(self, config: SchedulerConfig, observer=None, security: SchedulerSecurity | None = None):
+    def __init__(self, config: SchedulerConfig, observer=None, security: SchedulerSecurity | None = None,
+                 controller_observer=None):
         self.config = config
         self.observer = observer
+        self.controller_observer = controller_observer  # `--controller`: its decisions as metrics (metrics/controller.py)
+        self.controller = None  # `--controller`: the role controller's loop (scheduler/controller.py)
+        self._controller_task: asyncio.Task | None = None
         self.security = security or SchedulerSecurity()
         self.scheduler_id = f"scheduler-{uuid.uuid4().hex[:8]}"
         self.registry = InstanceRegistry(config.unhealthy_after, config.healthy_after, config.forget_after_s)
@@ -94,6 +98,13 @@ class SchedulerServer:
         await set_serving_aio(self._health, services)
         self._server = server
         self._probe_task = asyncio.create_task(self.prober.run())
+        if self.config.controller is not None:
+            from epdserve.scheduler.controller import ControllerLoop, RoleController
+
+            self.controller = ControllerLoop(RoleController(self.config.controller, self.controller_observer),
+                                             self.registry.records, self._switch_roles)
+            self._controller_task = asyncio.create_task(self.controller.run())
+            log.info("role controller on: a decision every %.0f s", self.config.controller.tick_s)
         log.info("scheduler %s listening on %s", self.scheduler_id, self.address)
         return self.address
 
@@ -101,7 +112,21 @@ class SchedulerServer:
         """The public request path every front takes (gRPC EPDServe, the HTTP front): the
         dispatcher's delta stream, through the observer. Raises RequestError."""
         stream = self.dispatcher.generate(req, deadline)
+        if self.controller is not None:
+            stream = _timed(stream, self.controller.observe_request)
         return stream if self.observer is None else self.observer.observe(stream, self)
+
+    async def _switch_roles(self, move, reason: str, drain_timeout_s: float):
+        """The controller's switch: Instance.SwitchRoles on the instance, until it serves its new roles."""
+        from epdserve.rpc import instance_pb2
+
+        rec = self.registry.get(move.instance_id)
+        if rec is None:
+            raise RuntimeError(f"instance {move.instance_id} left the roster")
+        log.info("role controller: switching %s (%s)", move, reason)
+        return await self.channels.get(rec.address).instance.SwitchRoles(
+            instance_pb2.SwitchRolesRequest(roles=move.to_roles, drain_timeout_s=drain_timeout_s, reason=reason),
+            timeout=drain_timeout_s + 600.0)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._server is None:
@@ -109,6 +134,8 @@ class SchedulerServer:
         await set_serving_aio(self._health, [SERVE_SERVICE, REGISTRY_SERVICE], serving=False)
         if self._probe_task is not None:
             self._probe_task.cancel()
+        if self._controller_task is not None:
+            self._controller_task.cancel()
         if self.dispatcher is not None:
             await self.dispatcher.close()
         await self._server.stop(grace_s)
@@ -121,6 +148,26 @@ class SchedulerServer:
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+async def _timed(stream, observe):
+    """Pass `stream`'s deltas through; at its end tell `observe(ttft_s, tpot_s, ok)` how it went."""
+    t0 = time.monotonic()
+    first = last = None
+    tokens = 0
+    ok = False
+    try:
+        async for delta in stream:
+            if delta.token_ids:
+                now = time.monotonic()
+                first = first or now
+                last = now
+                tokens += len(delta.token_ids)
+            yield delta
+        ok = True
+    finally:
+        tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+        observe(first - t0 if first is not None else None, tpot, ok)
 
 
 def _aio_server(rules, max_receive: int | None = None) -> grpc.aio.Server:

@@ -33,6 +33,8 @@ class _Servicer(instance_pb2_grpc.InstanceServicer):
         context.add_callback(lambda: self.inst.abort(request.request_id))
         while True:
             out = q.get()
+            if isinstance(out, ConnectionError):  # killed while the call was still open
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(out))
             if isinstance(out, BaseException):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
             if out.finish_reason == "error":
@@ -141,6 +143,6 @@ class EngineInstance:
         self._stop.set()
         self._loop.join(10)
         for q in list(self._queues.values()):  # wake handlers still waiting (their calls are gone)
-            q.put(RuntimeError("instance killed"))
+            q.put(ConnectionError("instance killed"))  # what a dead process's calls end with: UNAVAILABLE
 
     stop = kill

@@ -1,0 +1,87 @@
+"""The role controller wired into a real scheduler (`--controller`): real instance hosts register,
+traffic flows, the controller sees the front stage miss its SLO, decides a move, and carries it out
+through Instance.SwitchRoles while requests are in flight — every output equal to transformers',
+no request retried, the decision logged with its reason."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from epdserve.entrypoints.client import Client
+from epdserve.instance.config import InstanceConfig
+from epdserve.instance.host import InstanceHost
+from epdserve.model.reference import ReferenceGenerator
+from epdserve.scheduler import SchedulerConfig, SchedulerThread
+from epdserve.scheduler.controller import ControllerConfig, Outcome
+from epdserve.scheduler.pressure import PressureConfig
+from epdserve.transfer.mm_store.server import LocalRedisServer
+from tests.instance.harness import PH, image, wait_until
+from tests.instance.test_registration import roster
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+
+
+def _work(i: int) -> tuple[str, list[bytes]]:
+    k = i % 2
+    return (f"Request {i}: " + (f"{PH} describe." if k else "say hi."), [image(200 + i, 56 + 28 * (i % 3), 56)] * k)
+
+
+def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplog):
+    caplog.set_level(logging.INFO)
+    ctl = ControllerConfig(tick_s=0.3, min_dwell_s=0.0, cooldown_s=600.0, min_samples=2,
+                           ttft_slo_s=0.001, tpot_slo_s=60.0,  # every first token is late: the front stage is hot
+                           pressure=PressureConfig(window_s=5.0, min_slo_requests=3))
+    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2,
+                                            controller=ctl))
+    sched.start()
+    hosts = []
+    ref = ReferenceGenerator(qwen2_vl_tiny)
+    try:
+        with LocalRedisServer() as redis:
+            for roles in ("EP", "D", "D"):
+                hosts.append(InstanceHost(InstanceConfig(roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.address,
+                                                         mm_store=redis.url, kv_cache_bytes=4 << 20,
+                                                         feature_wait_s=5.0)).start())
+            wait_until(lambda: len(roster(sched)) == 3, what="registration")
+            before = sorted(s.roles for s in roster(sched).values())
+            controller = sched.server.controller
+            outs, stop = {}, threading.Event()
+
+            def traffic():
+                with Client(sched.address, timeout=300) as c, ThreadPoolExecutor(4) as pool:
+                    i = 0
+                    while not stop.is_set() and i < 400:
+                        batch = list(range(i, i + 4))
+                        for j, o in zip(batch, pool.map(lambda j: c.generate(*_work(j), max_tokens=MAX_TOKENS,
+                                                                               ignore_eos=True), batch)):
+                            outs[j] = list(o.token_ids)
+                        i += 4
+
+            t = threading.Thread(target=traffic)
+            t.start()
+            try:
+                wait_until(lambda: any(d.outcome is Outcome.MOVE for d in controller.decisions), timeout_s=120,
+                           what="a move")
+                wait_until(lambda: sorted(s.roles for s in roster(sched).values()) != before
+                           and not any(s.draining for s in roster(sched).values()), timeout_s=120, what="the switch")
+                time.sleep(1.0)  # requests on the new roster too
+            finally:
+                stop.set()
+                t.join(300)
+            move = next(d for d in controller.decisions if d.outcome is Outcome.MOVE)
+            assert move.reason and move.move.from_roles != move.move.to_roles
+            assert len(roster(sched)) == 3 and outs
+            for j, tokens in outs.items():
+                prompt, imgs = _work(j)
+                assert tokens == ref.generate(prompt, imgs, max_tokens=MAX_TOKENS), f"request {j}"
+            failures = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage() and "failed" in r.getMessage()]
+            assert not failures
+    finally:
+        for h in hosts:
+            h.stop()
+        sched.stop()
