@@ -19,7 +19,7 @@ def served(interval_ms, mode="monolithic"):
         with Client(m.group(1), timeout=300) as c:
             c.generate("warm up", max_tokens=8)
             for pr in PROMPTS:
-                t0 = time.perf_counter(); first = None; n = 0
+                first = None; n = 0
                 for d in c.generate_stream(pr, max_tokens=64, ignore_eos=True):
                     if d.token_ids:
                         if first is None: first = time.perf_counter(); n += len(d.token_ids) - 1

@@ -104,21 +104,23 @@ class _Rig:
         self._decoding: list[str] = []
         self._ids = iter(range(1 << 62))
         self.model = model
-        self._arbiter = None  # slo: the core lease, built on first use
+        self._arbiter = None  # slo: the core lease and the layer checkpoints, built on first use
+        self._checkpoints = None
 
     def _gate(self, policy: str, engine, role: str):
         """slo: a fresh lease gate for `engine` on this thread (set on the engine); else None."""
         if policy != "slo":
             return None
-        from epdserve.instance.core_lease import Checkpoints, CoreLease, LeaseGate
+        from epdserve.instance.core_lease import Checkpoints, open_gate
         from epdserve.instance.lease_arbiter import LeaseArbiter
 
         if self._arbiter is None:
             self._arbiter = LeaseArbiter().start()
             self._checkpoints = Checkpoints()
             self._checkpoints.install(self.model.adapter)
-        gate = LeaseGate(CoreLease(self._arbiter.path, role), self._checkpoints, self.args.slo_tpot_ms / 1e3)
-        engine.set_gate(gate)
+        gate = open_gate(self._arbiter.path, role, self._checkpoints, self.args.slo_tpot_ms / 1e3)
+        if gate is not None:
+            engine.set_gate(gate)
         return gate
 
     def _ungate(self, engine, gate) -> None:
@@ -137,7 +139,7 @@ class _Rig:
             if not e.is_alive():
                 raise RuntimeError("the encode thread ended before encoding one image (see its error above)")
             time.sleep(0.01)
-        busy, interval = self._decode_window(policy, with_interval=True)
+        busy, interval = self._decode_window(policy)
         stop.set()
         e.join()
         for rid in self._decoding:
@@ -187,7 +189,7 @@ class _Rig:
         t, _ = self._on_thread(policy, "D", fill)
         t.join()
 
-    def _decode_window(self, policy: str, with_interval: bool = False) -> tuple[float, float]:
+    def _decode_window(self, policy: str) -> tuple[float, float]:
         """Median decode step time (under slo: holding the cores + waiting beyond its due time) and
         median step-to-step interval, over `--window` steps."""
         def window():
@@ -220,18 +222,15 @@ class _Rig:
         def loop():
             gate = self._gate(policy, self.encode, "E")
             try:
-                encode_until(stop, gate)
+                while not stop.is_set():
+                    img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+                    rid = f"e{next(self._ids)}"
+                    self.encode.add_request(self.encode.build_request(rid, IMAGE_PROMPT, [img]))
+                    while self.encode.has_unfinished():
+                        self.encode.step()
+                    encoded.append(time.perf_counter())
             finally:
                 self._ungate(self.encode, gate)
-
-        def encode_until(stop, gate):
-            while not stop.is_set():
-                img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
-                rid = f"e{next(self._ids)}"
-                self.encode.add_request(self.encode.build_request(rid, IMAGE_PROMPT, [img]))
-                while self.encode.has_unfinished():
-                    self.encode.step()
-                encoded.append(time.perf_counter())
 
         t, _ = self._on_thread(policy, "E", loop)
         return t

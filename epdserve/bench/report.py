@@ -120,7 +120,6 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
             for run in _runs(entry):
                 m = run["metrics"]
                 b = _same_rate(modes, base, run) if base else None
-                bm = b["metrics"] if b else None
                 out.append(
                     f"| {mode} | {_rate(run['rate'])} | {m['completed']}/{m['failed']} | {m['request_throughput']:.3f} | "
                     f"{m['output_throughput']:.1f} | {m['total_token_throughput']:.1f} | {m['goodput']:.3f} | "

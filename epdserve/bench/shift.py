@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from epdserve.bench.metrics import SLO, RequestRecord, compute_metrics
-from epdserve.bench.workload import PRESETS, BenchRequest, WorkloadConfig, build_workload
+from epdserve.bench.workload import PRESETS, BenchRequest, WorkloadConfig, arrival_times, build_workload
 
 SHIFT = "shift"
 DEFAULT_PHASES = ("image-heavy", "text-heavy", "mixed")
@@ -118,19 +118,15 @@ class ShiftRun:
 
 def build_shift(cfg: ShiftConfig, rate: float, burstiness: float = 1.0) -> ShiftRun:
     """The run's requests in send order, their offsets and the phases (seeded by cfg.seed)."""
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be > 0")
     requests, phase_of = [], []
     for i, p in enumerate(cfg.phases):
         reqs = build_workload(p)
         requests += reqs
         phase_of += [i] * len(reqs)
     n = len(requests)
-    if math.isinf(rate):
-        offsets = [0.0] * n
-    else:
-        gaps = np.random.default_rng(cfg.seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
-        gaps = gaps / np.asarray([cfg.factors[phase_of[j]] for j in range(1, n)], dtype=float)
+    offsets = arrival_times(n, rate, burstiness, cfg.seed)  # validates rate and burstiness
+    if not math.isinf(rate) and any(f != 1.0 for f in cfg.factors):  # a phase's gaps shrink by its factor
+        gaps = np.diff(offsets) / np.asarray([cfg.factors[phase_of[j]] for j in range(1, n)], dtype=float)
         offsets = [0.0, *np.cumsum(gaps).tolist()]
     phases, first = [], 0
     for i, p in enumerate(cfg.phases):

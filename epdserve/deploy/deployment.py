@@ -53,7 +53,6 @@ class DeploymentSpec:
     devices: list[str] = field(default_factory=list)  # accelerator ids handed out round-robin (default: all visible)
     pin_instances: bool = False  # CPU: give each instance a disjoint share of this machine's cores
     planned: str | None = None  # --mode auto: what the planner chose, and why (logged)
-    colocation: str | None = None  # the instances' policy (also in instance_args); slo on CPU: we host the core lease
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
     registry: str | None = None  # host:port instances register at (the scheduler's --internal-port); None: --port
@@ -144,13 +143,25 @@ class Deployment:
         as the launcher, so restarted instances find it); the flag that names it."""
         from epdserve.instance.colocation import uses_core_lease
 
-        if not self.spec.colocation or not uses_core_lease(self.spec.colocation, self.spec.device):
+        policy = self._instance_flag("--colocation")  # as the instances will read it (--colocation or YAML)
+        if not policy or not uses_core_lease(policy, self.spec.device):
             return []
         from epdserve.instance.lease_arbiter import LeaseArbiter
 
         self._arbiter = LeaseArbiter().start()
         log.info("core lease: arbiter at %s", self._arbiter.path)
         return ["--core-lease", self._arbiter.path]
+
+    def _instance_flag(self, name: str) -> str | None:
+        """The value every instance gets for flag `name` (the last one in instance_args wins, as argparse does)."""
+        value = None
+        args = self.spec.instance_args
+        for i, a in enumerate(args):
+            if a == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif a.startswith(name + "="):
+                value = a.split("=", 1)[1]
+        return value
 
     def _core_sets(self) -> list[list[int]] | None:
         """One core set per instance (in start order) when pinning CPU instances, else None."""

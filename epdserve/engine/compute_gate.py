@@ -27,3 +27,8 @@ NO_GATE = _NoGate()
 def batch_kind(batch) -> str:
     """"D" if the scheduled batch decodes any request, else "P" (prefill only)."""
     return "D" if any(not item.seq.in_prefill for item in batch) else "P"
+
+
+def hold_step(gate: ComputeGate, batch):
+    """`gate.hold` around one model step over `batch`; without a gate, the batch is not even looked at."""
+    return nullcontext() if gate is NO_GATE else gate.hold(batch_kind(batch))

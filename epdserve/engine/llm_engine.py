@@ -21,6 +21,7 @@ import time
 import torch
 
 from epdserve.engine.block_manager import BlockManager
+from epdserve.engine.compute_gate import NO_GATE, ComputeGate, hold_step
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.encode_stage import EncodeStage
 from epdserve.engine.engine_request import EngineRequest
@@ -37,7 +38,6 @@ from epdserve.engine.stop_checker import StopChecker
 from epdserve.model.errors import InvalidRequestError
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import paged_ops
-from epdserve.engine.compute_gate import NO_GATE, ComputeGate, batch_kind
 from epdserve.transfer.feature_provider import FeatureProvider, LocalFeatureProvider
 from epdserve.transfer.mm_store.keys import media_key
 
@@ -164,7 +164,7 @@ class LLMEngine:
         if batch:
             t0 = time.perf_counter()
             try:
-                with self.gate.hold(batch_kind(batch)):
+                with hold_step(self.gate, batch):
                     sampled = self.runner.execute(batch)
             except Exception as e:  # the batch's requests fail (retryable); the engine goes on
                 log.exception("engine step failed")

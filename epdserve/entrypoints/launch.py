@@ -232,7 +232,7 @@ def spec_from_args(args):
         prefill=int(merged["prefill"]), decode=int(merged["decode"]), mm_store=merged["mm_store"],
         host=merged["host"], port=int(merged["port"]), device=merged["device"],
         devices=_ids(merged["devices"]), instance_args=inst, scheduler_args=sched,
-        registry=registry, colocation=merged["colocation"], planned=planned, pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
+        registry=registry, planned=planned, pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
         ready_timeout_s=float(merged["ready_timeout_s"]), drain_timeout_s=float(merged["drain_timeout"]),
         mm_store_max_bytes=int(merged["mm_store_max_mb"]) << 20,
         restart=RestartPolicy(first_backoff_s=float(merged["restart_backoff_s"]),

@@ -168,3 +168,14 @@ class LeaseGate:
 
     def close(self) -> None:
         self.lease.close()
+
+
+def open_gate(path: str, name: str, checkpoints: Checkpoints, tpot_slo_s: float) -> LeaseGate | None:
+    """A worker thread's gate on the arbiter at `path`; None (logged) if the arbiter cannot be
+    reached: the worker then computes unarbitrated rather than not at all."""
+    try:
+        lease = CoreLease(path, name)
+    except OSError as e:
+        log.warning("%s: cannot reach the core-lease arbiter at %s (%s); computing unarbitrated", name, path, e)
+        return None
+    return LeaseGate(lease, checkpoints, tpot_slo_s)

@@ -25,7 +25,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
 from epdserve.instance.affinity import available_cores
 from epdserve.instance.colocation import device_share, stream_priority, uses_core_lease, worker_core_sets, yields
-from epdserve.instance.core_lease import Checkpoints, CoreLease, LeaseGate
+from epdserve.instance.core_lease import Checkpoints, open_gate
 from epdserve.instance.lease_arbiter import LeaseArbiter
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.coupled_worker import CoupledWorker
@@ -70,7 +70,7 @@ class InstanceHost:
         self._hooks: list = []  # slo: the layer checkpoints' hook handles
         self.switch_lock = threading.Lock()  # one role switch at a time (instance/role_switch.py)
         self.draining = False  # switching roles: the scheduler routes us nothing new
-        self.rebuilding = False  # ... and the workers are being rebuilt: late calls are told to retry
+        self._ready_timeout_s = 600.0  # start()'s: also how long a role switch's new workers may take
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, ready_timeout_s: float = 600.0) -> "InstanceHost":
@@ -100,9 +100,9 @@ class InstanceHost:
             from epdserve.engine.loaded_model import load_model
 
             self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
+            self._ready_timeout_s = ready_timeout_s
             self._start_workers(ready_timeout_s)
-            if "P" in self._by_role:
-                self._rendezvous = RendezvousServer(cfg.host, 0, timeout_s=cfg.kv_connect_timeout_s)
+            self._sync_rendezvous()
             instance_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(self), self._server)
             self._health = add_health_and_reflection(self._server, [INSTANCE_SERVICE])
             self._server.start()
@@ -203,15 +203,8 @@ class InstanceHost:
         checkpoints = Checkpoints()
         self._hooks = checkpoints.install(self.model.adapter)
 
-        def for_worker(name: str):
-            def make():  # on the worker's own thread
-                try:
-                    lease = CoreLease(path, name)
-                except OSError as e:
-                    log.warning("%s: cannot reach the core-lease arbiter at %s (%s); computing unarbitrated", name, path, e)
-                    return None
-                return LeaseGate(lease, checkpoints, cfg.slo_tpot_ms / 1e3)
-            return make
+        def for_worker(name: str):  # the gate itself is opened on the worker's own thread
+            return lambda: open_gate(path, name, checkpoints, cfg.slo_tpot_ms / 1e3)
 
         return for_worker
 
@@ -221,7 +214,11 @@ class InstanceHost:
         self._stop_workers()
         self.roles = self.config.roles = roles
         self.instance_id = instance_id
-        self._start_workers(600.0)
+        self._start_workers(self._ready_timeout_s)
+        self._sync_rendezvous()
+
+    def _sync_rendezvous(self) -> None:
+        """A KV rendezvous server while a worker prefills for remote D instances, none otherwise."""
         if "P" in self._by_role and self._rendezvous is None:
             self._rendezvous = RendezvousServer(self.config.host, 0, timeout_s=self.config.kv_connect_timeout_s)
         elif "P" not in self._by_role and self._rendezvous is not None:

@@ -14,7 +14,8 @@ import threading
 from typing import Callable
 
 import grpc
-from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception_type, wait_exponential
+from tenacity import (RetryCallState, RetryError, Retrying, retry_if_exception_type, stop_after_attempt,
+                      wait_exponential)
 
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc
 
@@ -102,17 +103,15 @@ class Registrar:
     def announce(self, previous_id: str | None = None, attempts: int = 5) -> None:
         """Register our status now (role switching: draining, or a new id and roles), then
         Deregister `previous_id`; a few quick retries, raising grpc.RpcError if they all fail."""
-        for n in range(attempts):
-            try:
-                self._register()
-                if previous_id and previous_id != self.status().instance_id:
-                    self._stub.Deregister(instance_pb2.DeregisterRequest(instance_id=previous_id),
-                                          timeout=self.rpc_timeout_s)
-                return
-            except grpc.RpcError:
-                if n == attempts - 1:
-                    raise
-                self._stop.wait(FIRST_BACKOFF_S * 2 ** n)
+        def once() -> None:
+            self._register()
+            if previous_id and previous_id != self.status().instance_id:
+                self._stub.Deregister(instance_pb2.DeregisterRequest(instance_id=previous_id),
+                                      timeout=self.rpc_timeout_s)
+
+        Retrying(retry=retry_if_exception_type(grpc.RpcError), stop=stop_after_attempt(attempts),
+                 wait=wait_exponential(multiplier=FIRST_BACKOFF_S, max=self.max_backoff_s), sleep=self._stop.wait,
+                 reraise=True)(once)
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()

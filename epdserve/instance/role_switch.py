@@ -15,8 +15,9 @@
 4. announce — a new instance id (KV pair names and the scheduler's per-instance bookkeeping start
    fresh), Register it, then Deregister the old id, on which nothing is in flight any more, so
    no request is retried; draining ends.
-A call that reaches the instance while its workers are being rebuilt is answered ABORTED, which
-the scheduler retries elsewhere.
+A call for a stage the instance does not run while a switch is under way (its workers are being
+rebuilt, or it was routed by the roster from before) is answered ABORTED, which the scheduler
+retries elsewhere.
 """
 from __future__ import annotations
 
@@ -97,31 +98,42 @@ def switch_roles(host, roles: str, drain_timeout_s: float, reason: str = "") -> 
     if not host.switch_lock.acquire(blocking=False):
         raise SwitchError(f"instance {host.instance_id} is already switching roles")
     try:
-        old_id, old_roles = host.instance_id, host.roles
-        log.info("switching %s from %s to %s%s", old_id, old_roles, roles, f" ({reason})" if reason else "")
-        host.draining = True
+        return _switch(host, roles, drain_timeout_s, reason)
+    finally:
+        host.switch_lock.release()
+
+
+def _switch(host, roles: str, drain_timeout_s: float, reason: str) -> SwitchResult:
+    old_id, old_roles = host.instance_id, host.roles
+    log.info("switching %s from %s to %s%s", old_id, old_roles, roles, f" ({reason})" if reason else "")
+    host.draining = True
+    try:
         host.announce()
         drain_s, aborted = drain(list(host.workers), drain_timeout_s)
-        t0 = time.monotonic()
-        host.rebuilding = True
-        try:
-            host.rebuild(roles, new_instance_id(host, roles))
-        except Exception as e:
-            log.exception("rebuilding %s as %s failed; restoring %s", old_id, roles, old_roles)
-            host.rebuild(old_roles, old_id)  # if this fails too, the instance stays draining (never routed)
-            host.rebuilding = False
-            host.draining = False
-            host.announce()
-            raise SwitchError(f"could not switch to {roles}: {e}; still {old_roles}") from e
-        finally:
-            host.rebuilding = False
-        gc.collect()  # the old engines' KV caches
-        rebuild_s = time.monotonic() - t0
-        host.draining = False
-        host.announce(previous_id=old_id)
-        log.info("switched %s (%s) -> %s (%s): drained in %.2f s, rebuilt in %.2f s", old_id, old_roles,
-                 host.instance_id, roles, drain_s, rebuild_s)
-        return SwitchResult(old_id, host.instance_id, roles, drain_s, rebuild_s, aborted)
-    finally:
-        host.draining = False
-        host.switch_lock.release()
+    except BaseException:  # nothing changed yet: take work again
+        _take_work_again(host)
+        raise
+    t0 = time.monotonic()
+    try:
+        host.rebuild(roles, new_instance_id(host, roles))
+    except Exception as e:
+        log.exception("rebuilding %s as %s failed; restoring %s", old_id, roles, old_roles)
+        host.rebuild(old_roles, old_id)  # if this fails too, the instance stays draining (never routed)
+        _take_work_again(host)
+        raise SwitchError(f"could not switch to {roles}: {e}; still {old_roles}") from e
+    gc.collect()  # the old engines' KV caches
+    rebuild_s = time.monotonic() - t0
+    host.draining = False
+    host.announce(previous_id=old_id)
+    log.info("switched %s (%s) -> %s (%s): drained in %.2f s, rebuilt in %.2f s", old_id, old_roles,
+             host.instance_id, roles, drain_s, rebuild_s)
+    return SwitchResult(old_id, host.instance_id, roles, drain_s, rebuild_s, aborted)
+
+
+def _take_work_again(host) -> None:
+    """Draining ends without a switch: tell the schedulers (best effort; heartbeats re-register)."""
+    host.draining = False
+    try:
+        host.announce()
+    except Exception:
+        log.exception("could not tell the scheduler that %s takes work again", host.instance_id)

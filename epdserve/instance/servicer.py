@@ -34,7 +34,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
     # ---------------------------------------------------------------- helpers
     def _worker(self, role: str, context):
         w = self.host.worker(role)
-        if w is None and self.host.rebuilding:  # a call routed before our switch was announced
+        if w is None and self.host.switch_lock.locked():  # routed before our role switch was announced
             context.abort(grpc.StatusCode.ABORTED, f"instance {self.host.instance_id} is switching roles; retry elsewhere")
         if w is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,

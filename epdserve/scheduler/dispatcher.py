@@ -77,6 +77,8 @@ class RequestRun:
         self.attempt: Attempt | None = None
         self.attempts: list[Attempt] = []
         self.first: Attempt | None = None  # the attempt that produced the first token
+        self.first_at: float | None = None  # ... when it reached the scheduler (Unix seconds)
+        self.resumed = 0  # output tokens the client already had (resume_token_ids)
         self.aborted = False
         self._wake = asyncio.Event()
 
@@ -104,7 +106,7 @@ class RequestRun:
                 try:
                     async for piece in attempt.run():
                         if piece.token_ids and self.first is None:
-                            self.first = attempt
+                            self.first, self.first_at = attempt, time.time()
                         self.generated.extend(piece.token_ids)
                         if piece.finished:
                             finished = True
@@ -248,6 +250,7 @@ class Dispatcher:
         self.stored = StoredKeys(config.stored_keys_size)
         preprocessor.index.capacity = config.media_index_size
         self.runs: dict[str, RequestRun] = {}
+        self.finished_listeners: list = []  # each finished request: listener(ttft_s, tpot_s, ok) (the role controller)
         self.background: set[asyncio.Task] = set()
         self._admitted = 0
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
@@ -277,14 +280,29 @@ class Dispatcher:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
             run = RequestRun(self, prep, arrival, deadline)
             run.generated = self._resumed(req, prep)
+            run.resumed = len(run.generated)
             self.runs[prep.request_id] = run
+            ok = False
             try:
                 async for delta in run.events():
                     yield delta
+                ok = True
             finally:
                 self.runs.pop(prep.request_id, None)
+                self._report_finished(run, ok)
         finally:
             self._admitted -= 1
+
+    def _report_finished(self, run: RequestRun, ok: bool) -> None:
+        """Tell `finished_listeners(ttft_s, tpot_s, ok)` how a request went (scheduler's clock;
+        TPOT None with fewer than two tokens streamed)."""
+        if not self.finished_listeners:
+            return
+        ttft = run.first_at - run.timing.arrival if run.first_at is not None else None
+        n = len(run.generated) - run.resumed
+        tpot = (time.time() - run.first_at) / (n - 1) if run.first_at is not None and n > 1 else None
+        for listener in self.finished_listeners:
+            listener(ttft, tpot, ok)
 
     def _resumed(self, req: serve_pb2.GenerateRequest, prep: PreparedRequest) -> list[int]:
         """The output a resuming client already has (validated): the run continues after it."""

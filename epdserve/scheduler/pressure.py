@@ -25,12 +25,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from epdserve.engine.roles import engine_stages
+
 STAGES = ("E", "P", "D")
 
 
 def stages_of(roles: str) -> frozenset[str]:
     """The stages whose work an instance with `roles` runs ("P+E" encodes inline: E and P)."""
-    return frozenset("EP") if roles == "P+E" else frozenset(c for c in roles if c in STAGES)
+    return frozenset(engine_stages(roles))
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,7 @@ class SchedulerServer:
 
             self.controller = ControllerLoop(RoleController(self.config.controller, self.controller_observer),
                                              self.registry.records, self._switch_roles)
+            self.dispatcher.finished_listeners.append(self.controller.observe_request)
             self._controller_task = asyncio.create_task(self.controller.run())
             log.info("role controller on: a decision every %.0f s", self.config.controller.tick_s)
         log.info("scheduler %s listening on %s", self.scheduler_id, self.address)
@@ -112,8 +113,6 @@ class SchedulerServer:
         """The public request path every front takes (gRPC EPDServe, the HTTP front): the
         dispatcher's delta stream, through the observer. Raises RequestError."""
         stream = self.dispatcher.generate(req, deadline)
-        if self.controller is not None:
-            stream = _timed(stream, self.controller.observe_request)
         return stream if self.observer is None else self.observer.observe(stream, self)
 
     async def _switch_roles(self, move, reason: str, drain_timeout_s: float):
@@ -148,26 +147,6 @@ class SchedulerServer:
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
-
-
-async def _timed(stream, observe):
-    """Pass `stream`'s deltas through; at its end tell `observe(ttft_s, tpot_s, ok)` how it went."""
-    t0 = time.monotonic()
-    first = last = None
-    tokens = 0
-    ok = False
-    try:
-        async for delta in stream:
-            if delta.token_ids:
-                now = time.monotonic()
-                first = first or now
-                last = now
-                tokens += len(delta.token_ids)
-            yield delta
-        ok = True
-    finally:
-        tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
-        observe(first - t0 if first is not None else None, tpot, ok)
 
 
 def _aio_server(rules, max_receive: int | None = None) -> grpc.aio.Server:

@@ -26,7 +26,7 @@ def test_outputs_under_the_core_lease_match_transformers(mode, qwen2_vl_tiny):
     work = _workload()
     gen = ReferenceGenerator(qwen2_vl_tiny)
     refs = [gen.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in work]
-    dep = Deployment(DeploymentSpec(mode=mode, model=str(qwen2_vl_tiny), colocation="slo",
+    dep = Deployment(DeploymentSpec(mode=mode, model=str(qwen2_vl_tiny),
                                     instance_args=["--colocation", "slo", "--slo-tpot-ms", "20", "--kv-cache-mb", "16",
                                                    "--feature-wait-s", "20"]))
     try:
