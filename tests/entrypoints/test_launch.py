@@ -197,8 +197,12 @@ def test_killing_one_of_two_decode_instances_loses_no_request(deployment, refere
     assert len(decoders) == 2
     with Client(deployment.address, timeout=300) as c, ThreadPoolExecutor(16) as pool:
         futs = [pool.submit(c.generate, p, images=im, max_tokens=24, ignore_eos=True) for p, im in workload()]
-        victim = wait_until(lambda: next((d for d in decoders if status(stub(d.address)).load.running_requests), None),
-                            timeout_s=120, what="a D instance decoding")
+        def holding(d) -> bool:  # requests reserved there (KV on its way) or decoding: 16 x 24 tokens end fast
+            load = status(stub(d.address)).load
+            return load.running_requests + load.waiting_requests > 0
+
+        victim = wait_until(lambda: next((d for d in decoders if holding(d)), None), timeout_s=120,
+                            what="a D instance holding requests")
         os.kill(victim.pid, signal.SIGKILL)
         results = [f.result() for f in futs]
     for (prompt, _), r in zip(workload(), results):
