@@ -52,12 +52,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "refuse unknown fields (transformers serve); outputs may then end early at EOS")
     t.add_argument("--label", default="live", help="name of the --address target in the report (default live)")
     t.add_argument("--modes", help=f"comma-separated modes to launch in turn ({','.join(MODES)}); "
-                                   "the first is the baseline of the ratios")
+                                   "the first is the baseline of the ratios. MODE#NAME is a variant of a mode with its "
+                                   "own --mode-arg, e.g. 'P-D,P-D#2P' with --mode-arg 'P-D#2P=--prefill 2'")
     t.add_argument("--model", metavar="DIR", help="checkpoint for --modes (default: the small demo model, built once)")
     t.add_argument("--launch-arg", action="append", default=[], metavar="ARGS",
                    help="extra arguments for every `epdserve launch` (shell-quoted, repeatable)")
     t.add_argument("--mode-arg", action="append", default=[], metavar="MODE=ARGS",
-                   help="extra `epdserve launch` arguments for one mode, e.g. 'E-P-D=--decode 2' (repeatable)")
+                   help="extra `epdserve launch` arguments for one mode (or MODE#NAME variant), e.g. "
+                        "'E-P-D=--decode 2' (repeatable)")
     t.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of every launched deployment, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     t.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a ready line (default 600)")
@@ -253,13 +255,14 @@ def _launch_all(args, workloads, rates, slo, report, save) -> None:
     env = dict(item.split("=", 1) for item in args.env)
     report["launch_env"] = env
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        if mode not in MODES:
-            raise SystemExit(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+        base = mode.partition("#")[0]  # MODE#NAME: a variant, launched as MODE with its own --mode-arg
+        if base not in MODES:
+            raise SystemExit(f"unknown mode {base!r}; modes: {', '.join(MODES)}")
         extra = common + per_mode.get(mode, [])
         target = report["targets"].setdefault(mode, {"launch_args": extra})
         _log(f"[{mode}] launching ...")
         try:
-            with launched(mode, model, extra, ready_timeout_s=args.launch_timeout, env=env) as dep:
+            with launched(base, model, extra, ready_timeout_s=args.launch_timeout, env=env) as dep:
                 target.update(address=dep.address, ready_s=round(dep.ready_s, 2), ready_line=dep.ready_line)
                 _log(f"[{mode}] ready at {dep.address} after {dep.ready_s:.1f} s")
                 backend = ClientBackend(dep.address)

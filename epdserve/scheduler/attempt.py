@@ -80,6 +80,7 @@ class Attempt:
         self._calls: list = []
         self._encode_tasks: list[asyncio.Task] = []
         self._killed: InstanceError | None = None
+        self._kill_signal: asyncio.Future | None = None  # resolved by kill(): every pending `_rpc` wakes
         self._closed = False
 
     # ---------------------------------------------------------------- driving
@@ -192,6 +193,8 @@ class Attempt:
             self._killed = InstanceError(instance_id, "attempt", grpc.StatusCode.UNAVAILABLE, reason)
             for call in self._calls:
                 call.cancel()
+            if self._kill_signal is not None and not self._kill_signal.done():
+                self._kill_signal.set_result(None)  # wakes an `_rpc` that call.cancel() does not (see there)
 
     def close(self, abort: bool) -> None:
         """Cancel live calls; with `abort`, tell every instance to drop the attempt (background)."""
@@ -218,10 +221,29 @@ class Attempt:
 
     # ---------------------------------------------------------------- helpers
     async def _rpc(self, rec: InstanceRecord, stage: str, awaitable: Awaitable):
+        """Await one step of a call; InstanceError when it fails or the attempt is killed.
+
+        The step races `kill()`'s signal instead of relying on `call.cancel()` alone: grpc.aio's
+        stream `write()` waits for the call's initial metadata to be sent and never wakes when the
+        call is cancelled before that (a D that died while its Decode stream was being opened:
+        the write hung forever and its request with it)."""
         if self._killed is not None:
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()
+            raise self._killed
+        if self._kill_signal is None:
+            self._kill_signal = asyncio.get_running_loop().create_future()
+        step = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.wait((step, self._kill_signal), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            step.cancel()
+            raise
+        if not step.done():
+            step.cancel()
             raise self._killed
         try:
-            return await awaitable
+            return step.result()
         except grpc.aio.AioRpcError as e:
             if self._killed is not None:
                 raise self._killed from None
@@ -230,9 +252,8 @@ class Attempt:
             if self._killed is not None:
                 raise self._killed from None
             raise InstanceError(rec.instance_id, stage, grpc.StatusCode.UNAVAILABLE, f"stream ended: {e}") from None
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self._killed is not None and not (task and task.cancelling()):
+        except asyncio.CancelledError:  # the call was cancelled under the step (kill, close)
+            if self._killed is not None:
                 raise self._killed from None
             raise
 
