@@ -28,7 +28,7 @@ from epdserve.bench.metrics import SLO, compute_metrics
 from epdserve.bench.report import markdown, plot, request_rows
 from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
-from epdserve.bench.shift import SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
+from epdserve.bench.shift import DEFAULT_PHASES, SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
 from epdserve.bench.workload import PRESET_RATES, PRESETS, WorkloadConfig, build_workload, parse_mix
 from epdserve.entrypoints.cli import add_command
 
@@ -67,6 +67,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--workload", default="sharegpt4o",
                    help=f"comma-separated presets: {','.join(PRESETS)}, or {SHIFT}: image-heavy -> text-heavy -> "
                         "mixed in one run, arrivals continuous, metrics per phase (default sharegpt4o)")
+    w.add_argument("--shift-phases", metavar="PRESET[:F],...",
+                   help=f"with --workload {SHIFT}: its phases in order, each optionally with a factor on the request "
+                        "rate, e.g. image-heavy,text-heavy:3,mixed:2 (default image-heavy,text-heavy,mixed)")
     w.add_argument("--num-requests", type=int, help="requests per run")
     w.add_argument("--images-per-request", metavar="N|A-B", help="images per image request (uniform in A..B)")
     w.add_argument("--resolution-mix", metavar="RES:W,...", help="e.g. 360p:0.5,720p:0.3,1080p:0.2 (names or WxH)")
@@ -120,8 +123,24 @@ def workload_configs(args) -> list[WorkloadConfig]:
             changes.update(output_len_min=int(lo), output_len_max=int(hi))
         elif args.output_len is not None:
             changes.update(output_len_min=1, output_len_max=max(int(2 * args.output_len), 1))
-        out.append(shift_config(changes) if name == SHIFT else PRESETS[name].with_(**changes))
+        out.append(shift_config(changes, *parse_phases(args.shift_phases)) if name == SHIFT
+                   else PRESETS[name].with_(**changes))
     return out
+
+
+def parse_phases(spec: str | None) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """`--shift-phases` "image-heavy,text-heavy:3" -> (("image-heavy", "text-heavy"), (1.0, 3.0))."""
+    if not spec:
+        return DEFAULT_PHASES, ()
+    names, factors = [], []
+    for item in [x.strip() for x in spec.split(",") if x.strip()]:
+        name, _, f = item.partition(":")
+        try:
+            factors.append(float(f) if f else 1.0)
+        except ValueError:
+            raise SystemExit(f"--shift-phases: {item!r}: the factor after ':' must be a number") from None
+        names.append(name.strip())
+    return tuple(names), (tuple(factors) if any(f != 1.0 for f in factors) else ())
 
 
 def describe(cfg: WorkloadConfig | ShiftConfig) -> str:

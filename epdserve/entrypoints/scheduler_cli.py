@@ -64,6 +64,11 @@ def add_parser(subparsers):
                    help="after a switch, wait this long before the next decision (default 60)")
     c.add_argument("--controller-slo-ttft-ms", type=float, default=3000.0, help="TTFT SLO it counts against (3000)")
     c.add_argument("--controller-slo-tpot-ms", type=float, default=100.0, help="TPOT SLO it counts against (100)")
+    c.add_argument("--controller-couple-media-max", type=float, default=1.0,
+                   help="media items per request at or under which traffic counts as encode-light: a hot P then "
+                        "merges the prefiller and decode into one engine, and encode-heavy traffic splits them "
+                        "again (default 1.0; scheduler/coupling.py)")
+    c.add_argument("--controller-no-coupling", action="store_true", help="no merge / split moves")
     from epdserve.entrypoints.fronts import add_front_flags, add_security_flags
 
     add_front_flags(p)
@@ -95,7 +100,9 @@ def _controller_config(args):
 
     return ControllerConfig(tick_s=args.controller_tick_s, min_dwell_s=args.controller_dwell_s,
                             cooldown_s=args.controller_cooldown_s, ttft_slo_s=args.controller_slo_ttft_ms / 1e3,
-                            tpot_slo_s=args.controller_slo_tpot_ms / 1e3)
+                            tpot_slo_s=args.controller_slo_tpot_ms / 1e3,
+                            couple_media_max=args.controller_couple_media_max,
+                            coupling=not args.controller_no_coupling)
 
 
 async def serve(config, address_file: Path | None = None, signals=None, fronts=None) -> None:

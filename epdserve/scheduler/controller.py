@@ -27,6 +27,12 @@ One decision per tick, at most one move in flight:
    then the fewest stages taken, then the coolest donor, then the instance id. None left → hold
    (BLOCKED), with the refusals as the reason.
 
+Before the stage moves (step 5), when a stage is hot: the coupling moves of coupling.py. Merge
+(the one prefiller of a disaggregated roster takes decode too, the D instances park) when the
+window's traffic is encode-light (`couple_media_max` media items per request or fewer) and P is hot;
+split (the coupled instance gives decode back to a parked D) when the traffic is encode-heavy. The
+instance must have held its roles `min_dwell_s`; parked instances are left out of the load window.
+
 Not considered: moves of two instances at once (e.g. monolithic → E-PD needs EPD → E and EPD →
 PD together; one at a time, the first leaves an idle E, which `roster_problem` refuses).
 """
@@ -40,6 +46,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from epdserve.engine.roles import ROLES, encodes_inline
+from epdserve.scheduler.coupling import coupling_move, parked
 from epdserve.scheduler.pressure import STAGES, LoadPoint, LoadWindow, PressureConfig, StagePressure, stages_of
 
 log = logging.getLogger(__name__)
@@ -57,12 +64,14 @@ class ControllerConfig:
     tpot_slo_s: float = 0.100
     tick_s: float = 5.0  # ControllerLoop: seconds between decisions
     drain_timeout_s: float = 60.0  # passed to SwitchRoles
+    coupling: bool = True  # consider merge / split moves (coupling.py)
+    couple_media_max: float = 1.0  # media items per request at or under which traffic is encode-light
 
     def __post_init__(self):
         if not 0 < self.stay_pressure < self.enter_pressure:
             raise ValueError(f"need 0 < stay_pressure < enter_pressure, got {self.stay_pressure}, "
                              f"{self.enter_pressure}")
-        for name in ("min_dwell_s", "cooldown_s", "drain_timeout_s"):
+        for name in ("min_dwell_s", "cooldown_s", "drain_timeout_s", "couple_media_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("ttft_slo_s", "tpot_slo_s", "tick_s"):
@@ -151,12 +160,13 @@ class RoleController:
         self.last_switch_end: float | None = None
 
     # ------------------------------------------------------------------ inputs
-    def observe_request(self, now: float, ttft_s: float | None, tpot_s: float | None, ok: bool = True) -> None:
-        """A finished request (failed ones: ok=False, a miss of both SLOs). TPOT None (one output
-        token) meets its SLO, as bench serve's goodput counts it."""
+    def observe_request(self, now: float, ttft_s: float | None, tpot_s: float | None, ok: bool = True,
+                        media: int = 0) -> None:
+        """A finished request (failed ones: ok=False, a miss of both SLOs) with its media items.
+        TPOT None (one output token) meets its SLO, as bench serve's goodput counts it."""
         c = self.config
         self.window.add_request(now, ok and ttft_s is not None and ttft_s <= c.ttft_slo_s,
-                                ok and (tpot_s is None or tpot_s <= c.tpot_slo_s))
+                                ok and (tpot_s is None or tpot_s <= c.tpot_slo_s), media)
 
     def sample(self, now: float, records: Iterable) -> list[RosterEntry]:
         """One load sample of the roster (`InstanceRecord`s, or anything with instance_id, roles,
@@ -168,8 +178,10 @@ class RoleController:
         live = {e.instance_id for e in entries}
         for gone in [i for i in self.since if i not in live]:
             del self.since[gone]
-        self.window.add_sample(now, [LoadPoint.of(r.instance_id, r.roles, r.load) for r in records
-                                     if getattr(r, "routable", True) and not getattr(r, "draining", False)])
+        serving = [r for r in records if getattr(r, "routable", True) and not getattr(r, "draining", False)]
+        idle = parked([r.roles for r in serving])  # parked instances carry nothing: no load to judge
+        self.window.add_sample(now, [LoadPoint.of(r.instance_id, r.roles, r.load)
+                                     for r, p in zip(serving, idle) if not p])
         return entries
 
     def switch_started(self, move: Move, now: float) -> None:
@@ -218,6 +230,18 @@ class RoleController:
             return hold(Outcome.CALM, f"no stage hot (enter at {c.enter_pressure:g}, stay over "
                                       f"{c.stay_pressure:g}): {summary}")
         refusals: list[str] = []
+        if c.coupling:
+            live = [e for e in roster if e.routable and not e.draining]
+            cm = coupling_move(live, self.window.media_per_request(), self.hot, c.couple_media_max)
+            if cm is not None:
+                age = now - self.since.get(cm.instance_id, now)
+                if age >= c.min_dwell_s:
+                    move = Move(cm.instance_id, cm.from_roles, cm.to_roles)
+                    reason = f"{cm.why}; move {move}. {summary}"
+                    log.info("controller: %s", reason)
+                    return Decision(now, Outcome.MOVE, reason, move, values)
+                refusals.append(f"{cm.why.split(':')[0]} wanted but {cm.instance_id} holds its roles {age:.0f} s "
+                                f"(< dwell {c.min_dwell_s:g} s)")
         for stage in hot:
             best, why = self._best_move(now, stage, roster, pressures)
             if best is not None:
@@ -305,9 +329,9 @@ class ControllerLoop:
         self.decisions: list[Decision] = []
         self._task: asyncio.Task | None = None
 
-    def observe_request(self, ttft_s: float | None, tpot_s: float | None, ok: bool = True) -> None:
+    def observe_request(self, ttft_s: float | None, tpot_s: float | None, ok: bool = True, media: int = 0) -> None:
         """A finished public request, on the loop's clock (the scheduler's request path calls this)."""
-        self.controller.observe_request(self.clock(), ttft_s, tpot_s, ok)
+        self.controller.observe_request(self.clock(), ttft_s, tpot_s, ok, media)
 
     def tick(self) -> Decision:
         """One decision now; a MOVE starts its switch task (needs a running event loop)."""

@@ -115,15 +115,16 @@ class LoadWindow:
 
     cfg: PressureConfig = field(default_factory=PressureConfig)
     samples: deque = field(default_factory=deque)  # (t, {instance_id: LoadPoint})
-    finished: deque = field(default_factory=deque)  # (t, ttft_met, tpot_met)
+    finished: deque = field(default_factory=deque)  # (t, ttft_met, tpot_met, media items)
 
     def add_sample(self, t: float, points: list[LoadPoint]) -> None:
         self.samples.append((t, {p.instance_id: p for p in points}))
         self._trim(t)
 
-    def add_request(self, t: float, ttft_met: bool, tpot_met: bool) -> None:
-        """One finished request: did it meet the TTFT SLO, and the TPOT SLO (failures meet neither)."""
-        self.finished.append((t, bool(ttft_met), bool(tpot_met)))
+    def add_request(self, t: float, ttft_met: bool, tpot_met: bool, media: int = 0) -> None:
+        """One finished request: did it meet the TTFT SLO, and the TPOT SLO (failures meet neither),
+        and how many media items (images, videos) it carried."""
+        self.finished.append((t, bool(ttft_met), bool(tpot_met), int(media)))
         self._trim(t)
 
     def clear(self) -> None:
@@ -167,13 +168,20 @@ class LoadWindow:
                 per[s].append(share / self.cfg.busy_high)
         return {s: _mean(v) for s, v in per.items()}
 
+    def media_per_request(self) -> float | None:
+        """Mean media items per finished request in the window; None before `min_slo_requests`."""
+        n = len(self.finished)
+        if n < self.cfg.min_slo_requests:
+            return None
+        return sum(m for *_, m in self.finished) / n
+
     def _slo_terms(self) -> tuple[float, float]:
         n = len(self.finished)
         if n < self.cfg.min_slo_requests:
             return 0.0, 0.0
         allowed = 1.0 - self.cfg.slo_target  # > 0: validated
-        ttft_miss = sum(1 for _, ok, _ in self.finished if not ok) / n
-        tpot_miss = sum(1 for _, _, ok in self.finished if not ok) / n
+        ttft_miss = sum(1 for _, ok, _, _ in self.finished if not ok) / n
+        tpot_miss = sum(1 for _, _, ok, _ in self.finished if not ok) / n
         return ttft_miss / allowed, tpot_miss / allowed
 
 

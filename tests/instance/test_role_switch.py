@@ -149,3 +149,52 @@ def test_bad_switches_are_refused(qwen2_vl_tiny):
         assert host.roles == "PD"
     finally:
         host.stop()
+
+
+def test_merge_and_split_a_p_d_pair_under_load(qwen2_vl_tiny, redis, ref, caplog):
+    """The controller's coupling moves, done by hand: P+E -> EPD with requests in flight (the D
+    parks: the next wave never reaches it), then EPD -> P+E with requests in flight on the coupled
+    engine (they finish there; the parked D decodes again, over a KV pair the new P+E opens).
+    Nothing retried, every output equal to transformers'."""
+    caplog.set_level(logging.INFO)
+    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
+    sched.start()
+    p = d = None
+    try:
+        p, d = _host(qwen2_vl_tiny, "P+E", sched, redis), _host(qwen2_vl_tiny, "D", sched, redis)
+        wait_until(lambda: {p.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
+        waves = [_work(6, 200 + 100 * k) for k in range(4)]
+        refs = [[ref.generate(q, imgs, max_tokens=MAX_TOKENS) for q, imgs in w] for w in waves]
+        outs = []
+
+        def d_steps() -> int:
+            return d.workers[0].load.counts.engine_steps
+
+        with Client(sched.address, timeout=300) as c:
+            def wave_with_switch(work, roles):
+                results: dict = {}
+                t = threading.Thread(target=lambda: results.update(out=_run(c, work)))
+                t.start()
+                wait_until(lambda: any(w.handles for h in (p, d) for w in h.workers), timeout_s=60,
+                           what="requests in flight")
+                assert _switch(p, roles, "coupling move").instance.roles == roles
+                t.join(300)
+                return results["out"]
+
+            outs.append(wave_with_switch(waves[0], "EPD"))  # merge
+            before = d_steps()
+            outs.append(_run(c, waves[1]))  # merged: all on the coupled engine
+            assert d_steps() == before, "a parked D decoded"
+            assert roster(sched)[p.instance_id].roles == "EPD" and p.workers[0].load.counts.engine_steps > 0
+            outs.append(wave_with_switch(waves[2], "P+E"))  # split
+            before = d_steps()
+            outs.append(_run(c, waves[3]))
+            assert d_steps() > before, "the split pair did not decode on D"
+        assert [[list(o.token_ids) for o in w] for w in outs] == refs
+        assert not _retries(caplog)
+        assert roster(sched)[p.instance_id].roles == "P+E"
+    finally:
+        for h in (p, d):
+            if h is not None:
+                h.stop()
+        sched.stop()

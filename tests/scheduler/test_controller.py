@@ -216,7 +216,7 @@ def test_loop_runs_one_switch_at_a_time():
     async def main():
         loop = ControllerLoop(RoleController(CFG), reg.records, switch, clock=lambda: clock[0])
         loop.observe_request(ttft_s=0.1, tpot_s=0.01)
-        assert list(loop.controller.window.finished) == [(0.0, True, True)]
+        assert list(loop.controller.window.finished) == [(0.0, True, True, 0)]
         outcomes = []
         for _ in range(4):
             load(reg, e0={"queued_media": 12})

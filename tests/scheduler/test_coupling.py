@@ -1,0 +1,86 @@
+"""The controller's coupling moves (scheduler/coupling.py) on synthetic windows read from a real
+InstanceRegistry: merge a P-D roster when encode-light traffic makes P hot (D parks), split it
+again when encode-heavy traffic makes a stage hot, which instances are parked, and what holds."""
+import pytest
+
+from epdserve.scheduler.controller import ControllerConfig, Move, Outcome, RoleController
+from epdserve.scheduler.coupling import parked
+from epdserve.scheduler.pressure import PressureConfig
+
+from tests.scheduler.test_controller import decide_after, load, registry
+
+CFG = ControllerConfig(min_dwell_s=0.0, cooldown_s=30.0, min_samples=3, pressure=PressureConfig(window_s=30.0))
+
+
+def finished(ctrl: RoleController, n: int, media: int, ttft_s: float = 0.5, tpot_s: float = 0.02, t: float = 0.0):
+    for i in range(n):
+        ctrl.observe_request(t + i * 0.1, ttft_s=ttft_s, tpot_s=tpot_s, media=media)
+
+
+def test_parked_instances_are_those_routing_leaves_idle():
+    assert parked(["P+E", "D"]) == [False, False]
+    assert parked(["EPD", "D"]) == [False, True]
+    assert parked(["E", "PD", "D"]) == [False, False, True]  # PD sends its images to the E
+    assert parked(["E", "EPD"]) == [True, False]  # EPD encodes inline
+    assert parked(["EPD", "EPD"]) == [False, False]
+
+
+def test_encode_light_traffic_with_a_hot_prefiller_merges_p_d_into_one_engine():
+    reg = registry(("p0", "P+E"), ("d0", "D"))
+    load(reg, p0={"queued_tokens": 4096})  # P queue 2x its threshold
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=0)
+    d = decide_after(ctrl, reg, 0.0)
+    assert d.outcome is Outcome.MOVE and d.move == Move("p0", "P+E", "EPD")
+    assert "encode-light (0.00 media/request <= 1)" in d.reason and "park" in d.reason
+    reg = registry(("e0", "E"), ("p0", "P"), ("d0", "D"))  # E-P-D: P -> PD, the E keeps encoding for it
+    load(reg, p0={"queued_tokens": 4096})
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=1)
+    assert decide_after(ctrl, reg, 0.0).move == Move("p0", "P", "PD")
+
+
+def test_image_heavy_traffic_never_merges_and_two_prefillers_never_merge():
+    reg = registry(("p0", "P+E"), ("d0", "D"))
+    load(reg, p0={"queued_tokens": 4096})
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=3)
+    d = decide_after(ctrl, reg, 0.0)
+    assert d.outcome is Outcome.BLOCKED and "merge" not in d.reason  # the stage moves have nothing legal
+    reg = registry(("p0", "P+E"), ("p1", "P+E"), ("d0", "D"))
+    load(reg, p0={"queued_tokens": 4096}, p1={"queued_tokens": 4096})
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=0)
+    assert decide_after(ctrl, reg, 0.0).move != Move("p0", "P+E", "EPD")
+
+
+def test_encode_heavy_traffic_splits_the_coupled_engine_back_onto_the_parked_decoder():
+    reg = registry(("m0", "EPD"), ("d0", "D"))
+    load(reg)
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=3, tpot_s=0.3)  # every request over the TPOT SLO: D hot
+    d = decide_after(ctrl, reg, 0.0)
+    assert d.outcome is Outcome.MOVE and d.move == Move("m0", "EPD", "P+E")
+    assert "encode-heavy (3.00 media/request > 1)" in d.reason and "parked d0" in d.reason
+    assert d.pressures["D"] == pytest.approx(10.0)  # the miss share 1.0 over the allowed 0.1
+
+
+def test_a_merged_roster_stays_merged_on_encode_light_traffic_and_waits_out_its_dwell():
+    reg = registry(("m0", "EPD"), ("d0", "D"))
+    load(reg, d0={"running_requests": 40})  # a parked instance's load is not judged (it has none)
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=0, tpot_s=0.3)
+    d = decide_after(ctrl, reg, 0.0)
+    assert d.move is None and "split" not in d.reason
+    ctrl = RoleController(ControllerConfig(min_dwell_s=100.0, min_samples=3))
+    finished(ctrl, 10, media=3, tpot_s=0.3)
+    d = decide_after(ctrl, reg, 0.0)
+    assert d.outcome is Outcome.BLOCKED and "split wanted but m0 holds its roles" in d.reason
+
+
+def test_coupling_can_be_turned_off():
+    reg = registry(("m0", "EPD"), ("d0", "D"))
+    load(reg)
+    ctrl = RoleController(ControllerConfig(min_dwell_s=0.0, min_samples=3, coupling=False))
+    finished(ctrl, 10, media=3, tpot_s=0.3)
+    assert decide_after(ctrl, reg, 0.0).move is None
