@@ -29,8 +29,9 @@ One decision per tick, at most one move in flight:
 
 Before the stage moves (step 5), when a stage is hot: the coupling moves of coupling.py. Merge
 (the one prefiller of a disaggregated roster takes decode too, the D instances park) when the
-window's traffic is encode-light (`couple_media_max` media items per request or fewer) and P is hot;
-split (the coupled instance gives decode back to a parked D) when the traffic is encode-heavy. The
+window's traffic is encode-light (`couple_media_max` media items per request or fewer), P is hot and
+D calm (at most `stay_pressure`); split (the coupled instance gives decode back to a parked D) when
+D is hot or the traffic is encode-heavy. The
 instance must have held its roles `min_dwell_s`; parked instances are left out of the load window.
 
 Not considered: moves of two instances at once (e.g. monolithic → E-PD needs EPD → E and EPD →
@@ -232,7 +233,8 @@ class RoleController:
         refusals: list[str] = []
         if c.coupling:
             live = [e for e in roster if e.routable and not e.draining]
-            cm = coupling_move(live, self.window.media_per_request(), self.hot, c.couple_media_max)
+            cm = coupling_move(live, self.window.media_per_request(), self.hot, c.couple_media_max,
+                               values["D"], c.stay_pressure)
             if cm is not None:
                 age = now - self.since.get(cm.instance_id, now)
                 if age >= c.min_dwell_s:
@@ -338,6 +340,8 @@ class ControllerLoop:
         now = self.clock()
         entries = self.controller.sample(now, self.roster())
         d = self.controller.decide(now, entries)
+        if d.move is None and (not self.decisions or self.decisions[-1].outcome is not d.outcome):
+            log.info("controller: %s: %s", d.outcome.value, d.reason)  # holds: logged when the outcome changes
         self.decisions = [*self.decisions[-99:], d]
         if d.move is not None:
             self.controller.switch_started(d.move, now)

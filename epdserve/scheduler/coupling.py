@@ -9,7 +9,7 @@ Owns the two moves that change the *pipeline* rather than a stage's share of the
   instances share the cores, one process instead of two contending for them — measured on this
   CPU at 4 req/s text-heavy: TTFT p50 202 ms coupled against 699 ms P-D, output tok/s 1.04x.
 - split: the coupled instance gives decode back to a parked D (EPD -> P+E, PD -> P). Chosen when
-  the traffic is encode-heavy and a stage is hot: a coupled step loop runs long vision-encode
+  D is hot, or the traffic is encode-heavy and a stage is hot: a coupled step loop runs long vision-encode
   steps between decode steps, which is what breaks TPOT (monolithic at 1 req/s image-heavy:
   TPOT p99 264 ms, 85% in SLO, against 27 ms and 100% for P-D).
 
@@ -49,18 +49,23 @@ class CouplingMove:
     why: str
 
 
-def coupling_move(roster: list, media_per_request: float | None, hot: set[str], media_max: float) -> CouplingMove | None:
+def coupling_move(roster: list, media_per_request: float | None, hot: set[str], media_max: float,
+                  d_pressure: float = 0.0, stay: float = 0.5) -> CouplingMove | None:
     """The merge or split this roster and traffic call for, or None.
 
     `roster`: routable, non-draining entries (instance_id, roles); `media_per_request`: the window's
-    mean (None: too few finished requests to judge the traffic); `hot`: the hot stages."""
+    mean (None: too few finished requests to judge the traffic); `hot`: the hot stages;
+    `d_pressure` / `stay`: decode's pressure and the controller's stay level. A merge needs decode
+    calm (at most `stay`: a coupled loop must have TPOT to spare — at 5 req/s text-heavy on this
+    CPU it does not, TPOT p50 112 ms coupled against 75 ms P-D); a hot D splits again whatever the
+    traffic."""
     if media_per_request is None or not hot:
         return None
     roles = [e.roles for e in roster]
     coupled = [e for e in roster if is_coupled(e.roles)]
     if not coupled:
         prefillers = [e for e in roster if "P" in stages_of(e.roles)]
-        if media_per_request > media_max or "P" not in hot or len(prefillers) != 1:
+        if media_per_request > media_max or "P" not in hot or d_pressure > stay or len(prefillers) != 1:
             return None
         p = prefillers[0]
         target = MERGED.get(p.roles)
@@ -68,9 +73,10 @@ def coupling_move(roster: list, media_per_request: float | None, hot: set[str], 
             return None
         return CouplingMove(p.instance_id, p.roles, target,
                             f"merge: traffic is encode-light ({media_per_request:.2f} media/request <= "
-                            f"{media_max:g}) and P is hot: {p.instance_id} couples prefill and decode; "
+                            f"{media_max:g}), P is hot and D calm ({d_pressure:.2f} <= {stay:g}): {p.instance_id} "
+                            f"couples prefill and decode; "
                             f"the D instance(s) park")
-    if len(coupled) != 1 or media_per_request <= media_max:
+    if len(coupled) != 1 or (media_per_request <= media_max and "D" not in hot):
         return None
     c = coupled[0]
     target = SPLIT.get(c.roles)
@@ -79,6 +85,7 @@ def coupling_move(roster: list, media_per_request: float | None, hot: set[str], 
     if target is None or not spare_d:
         return None
     return CouplingMove(c.instance_id, c.roles, target,
-                        f"split: traffic is encode-heavy ({media_per_request:.2f} media/request > {media_max:g}) and "
-                        f"{'/'.join(sorted(hot))} hot: {c.instance_id} gives decode back to parked "
+                        f"split: {'D is hot' if 'D' in hot else 'traffic is encode-heavy'} ({media_per_request:.2f} "
+                        f"media/request, {media_max:g} at most for encode-light; {'/'.join(sorted(hot))} hot): "
+                        f"{c.instance_id} gives decode back to parked "
                         f"{spare_d[0].instance_id}")

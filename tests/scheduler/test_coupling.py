@@ -32,12 +32,32 @@ def test_encode_light_traffic_with_a_hot_prefiller_merges_p_d_into_one_engine():
     finished(ctrl, 10, media=0)
     d = decide_after(ctrl, reg, 0.0)
     assert d.outcome is Outcome.MOVE and d.move == Move("p0", "P+E", "EPD")
-    assert "encode-light (0.00 media/request <= 1)" in d.reason and "park" in d.reason
+    assert "encode-light (0.00 media/request <= 1), P is hot and D calm" in d.reason and "park" in d.reason
     reg = registry(("e0", "E"), ("p0", "P"), ("d0", "D"))  # E-P-D: P -> PD, the E keeps encoding for it
     load(reg, p0={"queued_tokens": 4096})
     ctrl = RoleController(CFG)
     finished(ctrl, 10, media=1)
     assert decide_after(ctrl, reg, 0.0).move == Move("p0", "P", "PD")
+
+
+def test_no_merge_while_decode_is_busy():
+    """A coupled loop needs TPOT to spare: with D over the stay level the merge would trade TTFT for TPOT
+    misses (text-heavy at 5 req/s on this CPU: 38% in SLO coupled, 54% P-D)."""
+    reg = registry(("p0", "P+E"), ("d0", "D"))
+    load(reg, p0={"queued_tokens": 4096}, d0={"running_requests": 12})  # D 0.75: calm enough to keep, not to merge
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=0)
+    d = decide_after(ctrl, reg, 0.0)
+    assert d.move is None and d.pressures["D"] == pytest.approx(0.75)
+
+
+def test_a_hot_decoder_splits_a_merged_roster_even_on_text_traffic():
+    reg = registry(("m0", "EPD"), ("d0", "D"))
+    load(reg)
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=0, tpot_s=0.3)
+    d = decide_after(ctrl, reg, 0.0)
+    assert d.move == Move("m0", "EPD", "P+E") and "split: D is hot" in d.reason
 
 
 def test_image_heavy_traffic_never_merges_and_two_prefillers_never_merge():
@@ -61,17 +81,19 @@ def test_encode_heavy_traffic_splits_the_coupled_engine_back_onto_the_parked_dec
     finished(ctrl, 10, media=3, tpot_s=0.3)  # every request over the TPOT SLO: D hot
     d = decide_after(ctrl, reg, 0.0)
     assert d.outcome is Outcome.MOVE and d.move == Move("m0", "EPD", "P+E")
-    assert "encode-heavy (3.00 media/request > 1)" in d.reason and "parked d0" in d.reason
+    assert "split: D is hot (3.00 media/request" in d.reason and "parked d0" in d.reason
     assert d.pressures["D"] == pytest.approx(10.0)  # the miss share 1.0 over the allowed 0.1
 
 
 def test_a_merged_roster_stays_merged_on_encode_light_traffic_and_waits_out_its_dwell():
     reg = registry(("m0", "EPD"), ("d0", "D"))
-    load(reg, d0={"running_requests": 40})  # a parked instance's load is not judged (it has none)
+    load(reg, m0={"queued_tokens": 4096}, d0={"running_requests": 40})  # a parked instance's load is not judged
     ctrl = RoleController(CFG)
-    finished(ctrl, 10, media=0, tpot_s=0.3)
+    finished(ctrl, 10, media=0)
     d = decide_after(ctrl, reg, 0.0)
-    assert d.move is None and "split" not in d.reason
+    assert d.pressures["D"] == 0.0 and "split" not in d.reason
+    # P hot: the stage moves may scale the coupled engine out (the parked D becomes a second EPD)
+    assert d.move == Move("d0", "D", "EPD")
     ctrl = RoleController(ControllerConfig(min_dwell_s=100.0, min_samples=3))
     finished(ctrl, 10, media=3, tpot_s=0.3)
     d = decide_after(ctrl, reg, 0.0)
