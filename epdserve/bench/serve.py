@@ -123,8 +123,13 @@ def workload_configs(args) -> list[WorkloadConfig]:
             changes.update(output_len_min=int(lo), output_len_max=int(hi))
         elif args.output_len is not None:
             changes.update(output_len_min=1, output_len_max=max(int(2 * args.output_len), 1))
-        out.append(shift_config(changes, *parse_phases(args.shift_phases)) if name == SHIFT
-                   else PRESETS[name].with_(**changes))
+        if name == SHIFT:
+            try:
+                out.append(shift_config(changes, *parse_phases(args.shift_phases)))
+            except ValueError as e:
+                raise SystemExit(f"--workload {SHIFT}: {e}") from None
+        else:
+            out.append(PRESETS[name].with_(**changes))
     return out
 
 

@@ -64,6 +64,7 @@ def _add_counters(counts: common_pb2.Load, stats: dict, kv, role: str) -> None:
     """The engine's step counters and the KV connector's transfer totals (P sends, D receives)."""
     counts.engine_steps = int(stats["steps"])
     counts.engine_step_seconds = stats["host_s"] + stats["forward_s"]
+    counts.vision_seconds = stats["vision_s"]
     counts.engine_step_requests = int(stats["batch_requests"])
     if kv is not None and role == "P":
         counts.kv_sent_bytes, counts.kv_send_failures = kv.bytes, kv.failures

@@ -56,6 +56,11 @@ class RosterCollector:
         for r in records:
             enc.add_metric([r.instance_id, r.roles], r.load.images_encoded)
         yield enc
+        vis = CounterMetricFamily(P + "instance_vision_seconds", "Wall time in vision encoders since start "
+                                  "(E workers, and engines that encode inline)", labels=labels)
+        for r in records:
+            vis.add_metric([r.instance_id, r.roles], r.load.vision_seconds)
+        yield vis
         yield from _kv_transfer(records)
         yield from _engine_steps(records)
 

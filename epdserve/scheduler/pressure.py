@@ -10,8 +10,9 @@ A pressure of 1.0 means "at the threshold". Per stage it is the largest of three
   `(KV blocks in use / all) / kv_used_high` and `running_requests / d_batch_high`. (D's
   `waiting_requests` are not used: on a D-only instance they are mostly requests whose KV is
   still being prefilled elsewhere, i.e. P's queue.)
-- busy: the instance's engine time (`engine_step_seconds`, a counter; vision encoding is not in
-  it) grown over the window / the window's span / `busy_high`, for its P and D stages;
+- busy: the instance's compute time (the counters `engine_step_seconds` + `vision_seconds`) grown
+  over the window / the window's span / its number of stage workers (EP, ED: two, each on its own
+  share of the device) / `busy_high`, for every stage it serves;
 - slo: finished requests' SLO misses as a share / (1 - `slo_target`): TTFT misses count against
   the front stage (E or P, whichever has the larger queue or busy term; P on a tie), TPOT misses
   against D. Used only once `min_slo_requests` requests finished in the window.
@@ -26,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from epdserve.engine.roles import engine_stages
+from epdserve.instance.roles import worker_roles
 
 STAGES = ("E", "P", "D")
 
@@ -69,17 +71,22 @@ class LoadPoint:
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     engine_step_seconds: float = 0.0
+    vision_seconds: float = 0.0
 
     @classmethod
     def of(cls, instance_id: str, roles: str, load) -> LoadPoint:
         """From a `common_pb2.Load` (or anything with its field names)."""
         return cls(instance_id, roles, *(getattr(load, f, 0) or 0 for f in (
             "queued_media", "queued_tokens", "running_requests", "waiting_requests", "free_kv_blocks",
-            "total_kv_blocks", "engine_step_seconds")))
+            "total_kv_blocks", "engine_step_seconds", "vision_seconds")))
 
     @property
     def stages(self) -> frozenset[str]:
         return stages_of(self.roles)
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.engine_step_seconds + self.vision_seconds
 
     def queue_term(self, stage: str, cfg: PressureConfig) -> float:
         if stage == "E":
@@ -155,16 +162,17 @@ class LoadWindow:
         return {s: StagePressure(s, queue[s], busy[s], slo[s], capacity[s]) for s in STAGES}
 
     def _busy(self, latest: dict[str, LoadPoint]) -> dict[str, float]:
-        """Per stage, the mean busy share of the latest roster's instances serving it (P and D only:
-        the step time leaves vision encoding out)."""
+        """Per stage, the mean busy share of the latest roster's instances serving it: compute
+        seconds (engine steps + vision encoding) per second of the window, per stage worker."""
         per: dict[str, list[float]] = {s: [] for s in STAGES}
         for iid, now_point in latest.items():
             first = next(((t, pts[iid]) for t, pts in self.samples if iid in pts), None)
             t_last = self.samples[-1][0]
-            if first is None or t_last <= first[0] or now_point.engine_step_seconds < first[1].engine_step_seconds:
-                continue  # one sample only, or the counter restarted
-            share = (now_point.engine_step_seconds - first[1].engine_step_seconds) / (t_last - first[0])
-            for s in now_point.stages & {"P", "D"}:
+            if first is None or t_last <= first[0] or now_point.busy_seconds < first[1].busy_seconds:
+                continue  # one sample only, or the counters restarted
+            share = (now_point.busy_seconds - first[1].busy_seconds) / (t_last - first[0])
+            share /= len(worker_roles(now_point.roles))
+            for s in now_point.stages:
                 per[s].append(share / self.cfg.busy_high)
         return {s: _mean(v) for s, v in per.items()}
 

@@ -36,6 +36,20 @@ def test_each_phase_takes_its_presets_shape():
     assert other.offsets != run.offsets and [r.images for r in other.requests] != [r.images for r in run.requests]
 
 
+def test_shift_phases_flag_orders_the_phases_and_scales_their_rates():
+    (cfg,) = workload_configs(_args(argv=["--workload", "shift", "--num-requests", "30",
+                                          "--shift-phases", "text-heavy:3,image-heavy"]))
+    assert [p.name for p in cfg.phases] == ["shift0-text-heavy", "shift1-image-heavy"] and cfg.factors == (3.0, 1.0)
+    run = build_shift(cfg, rate=1.0)
+    assert [ph.rate for ph in run.phases] == [3.0, 1.0]
+    (plain,) = workload_configs(_args(argv=["--workload", "shift", "--num-requests", "30"]))
+    assert plain.factors == (1.0, 1.0, 1.0)
+    with pytest.raises(SystemExit, match="must be a number"):
+        workload_configs(_args(argv=["--workload", "shift", "--shift-phases", "mixed:fast"]))
+    with pytest.raises(SystemExit, match="unknown phase preset"):
+        workload_configs(_args(argv=["--workload", "shift", "--shift-phases", "video-ish"]))
+
+
 def test_arrivals_are_one_continuous_process_with_phase_boundaries():
     cfg = shift_config({"num_requests": 30, **SMALL})
     run = build_shift(cfg, rate=2.0, burstiness=0.5)

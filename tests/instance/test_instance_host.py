@@ -76,6 +76,7 @@ def test_e_p_d_concurrent_requests_match_reference(hosts, stubs, ref):
     cases = [(f"Text only {i}", []) for i in range(2)] + [
         (f"One {PH} image", [image(1)]), (f"Two {PH} and {PH}", [image(2), image(3, 56, 56)])]
     runs_before = status(stubs["EP"]).load.images_encoded
+    vision_before = status(stubs["EP"]).load.vision_seconds
 
     def one(i):
         prompt, images = cases[i]
@@ -92,6 +93,7 @@ def test_e_p_d_concurrent_requests_match_reference(hosts, stubs, ref):
         if images:
             assert not any(m.already_stored for m in enc.media)
     assert status(stubs["EP"]).load.images_encoded - runs_before == 3
+    assert status(stubs["EP"]).load.vision_seconds > vision_before  # the controller's busy term for E
     assert wait_until(lambda: free_blocks(stubs["D"])[0] == free_blocks(stubs["D"])[1], what="D blocks freed")
 
 

@@ -72,11 +72,13 @@ def test_kv_transfer_and_engine_step_metrics(deployment):
     expected = -(-r.usage.prompt_tokens // spec.block_size) * spec.bytes_per_block()
 
     for _ in range(2):  # the figures come with heartbeats: wait for two sent after the request ended
-        fresh_heartbeats(sched, ("p0", "d0"))
+        fresh_heartbeats(sched, ("p0", "d0", "e0"))
     after = scrape(url)
     assert _get(after, "epdserve:instance_kv_transfer_bytes_total", **sent) == expected > 0
     assert _get(after, "epdserve:instance_kv_transfer_bytes_total", **received) == expected
     assert _get(after, "epdserve:instance_kv_transfer_failures_total", **sent) == 0
+    assert _get(after, "epdserve:instance_vision_seconds_total", instance="e0", roles="E") > 0  # it encoded the image
+    assert _get(after, "epdserve:instance_vision_seconds_total", instance="d0", roles="D") == 0
     assert _get(after, "epdserve:instance_kv_transfer_failures_total", **received) == 0
     assert _get(after, "epdserve:instance_kv_transfer_bytes_total", instance="e0", roles="E", direction="sent") is None
     for iid, roles in (("p0", "P"), ("d0", "D")):

@@ -90,6 +90,20 @@ def test_busy_share_from_the_engine_step_counter():
     assert w.num_samples == 1  # older samples left the 30 s window
 
 
+def test_busy_share_counts_vision_encoding_per_stage_worker():
+    """Vision time (E workers, inline encoders) counts as busy too, and an instance with two stage
+    workers on their own shares of the device (EP) is busy per worker."""
+    w = LoadWindow(PressureConfig(busy_high=1.0))
+    for t, k in ((0.0, 0.0), (10.0, 1.0)):
+        w.add_sample(t, [LoadPoint("e0", "E", vision_seconds=8.0 * k),  # 8 s encoding in 10 s
+                         LoadPoint("pe0", "P+E", engine_step_seconds=3.0 * k, vision_seconds=5.0 * k),
+                         LoadPoint("ep0", "EP", engine_step_seconds=4.0 * k, vision_seconds=6.0 * k),
+                         LoadPoint("d0", "D", engine_step_seconds=2.0 * k)])
+    p = w.pressures(10.0)
+    assert p["E"].busy == pytest.approx((0.8 + 0.8 + 0.5) / 3)  # e0, pe0 (3 + 5 s), ep0 ((4 + 6) / 2 workers)
+    assert p["P"].busy == pytest.approx((0.8 + 0.5) / 2) and p["D"].busy == pytest.approx(0.2)
+
+
 def test_hysteresis_enter_high_stay_until_low():
     reg = registry(("e0", "E"), ("p0", "P"), ("d0", "D"), ("d1", "D"))
     ctrl = RoleController(ControllerConfig(min_dwell_s=0.0, cooldown_s=0.0, min_samples=3))
