@@ -69,6 +69,9 @@ def add_parser(subparsers):
                         "merges the prefiller and decode into one engine, and encode-heavy traffic splits them "
                         "again (default 1.0; scheduler/coupling.py)")
     c.add_argument("--controller-no-coupling", action="store_true", help="no merge / split moves")
+    c.add_argument("--controller-window-s", type=float, default=30.0,
+                   help="sliding window of load samples and finished requests the pressures are judged over "
+                        "(default 30; shorter reacts faster to a change of traffic, and to noise)")
     from epdserve.entrypoints.fronts import add_front_flags, add_security_flags
 
     add_front_flags(p)
@@ -97,12 +100,14 @@ def _controller_config(args):
     if not getattr(args, "controller", False):
         return None
     from epdserve.scheduler.controller import ControllerConfig
+    from epdserve.scheduler.pressure import PressureConfig
 
     return ControllerConfig(tick_s=args.controller_tick_s, min_dwell_s=args.controller_dwell_s,
                             cooldown_s=args.controller_cooldown_s, ttft_slo_s=args.controller_slo_ttft_ms / 1e3,
                             tpot_slo_s=args.controller_slo_tpot_ms / 1e3,
                             couple_media_max=args.controller_couple_media_max,
-                            coupling=not args.controller_no_coupling)
+                            coupling=not args.controller_no_coupling,
+                            pressure=PressureConfig(window_s=args.controller_window_s))
 
 
 async def serve(config, address_file: Path | None = None, signals=None, fronts=None) -> None:

@@ -106,3 +106,18 @@ def test_coupling_can_be_turned_off():
     ctrl = RoleController(ControllerConfig(min_dwell_s=0.0, min_samples=3, coupling=False))
     finished(ctrl, 10, media=3, tpot_s=0.3)
     assert decide_after(ctrl, reg, 0.0).move is None
+
+
+def test_the_scheduler_flags_make_the_controller_config(tmp_path):
+    import argparse
+
+    from epdserve.entrypoints.scheduler_cli import add_parser, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers())
+    args = p.parse_args(["scheduler", "--model", str(tmp_path), "--controller", "--controller-window-s", "12",
+                         "--controller-couple-media-max", "0.5", "--controller-no-coupling"])
+    c = config_from_args(args).controller
+    assert c.pressure.window_s == 12.0 and c.couple_media_max == 0.5 and c.coupling is False
+    off = config_from_args(p.parse_args(["scheduler", "--model", str(tmp_path)])).controller
+    assert off is None
