@@ -31,8 +31,8 @@ Before the stage moves (step 5), when a stage is hot: the coupling moves of coup
 (the one prefiller of a disaggregated roster takes decode too, the D instances park) when the
 window's traffic is encode-light (`couple_media_max` media items per request or fewer), P is hot and
 D calm (at most `stay_pressure`); split (the coupled instance gives decode back to a parked D) when
-D is hot or the traffic is encode-heavy. The
-instance must have held its roles `min_dwell_s`; parked instances are left out of the load window.
+D is hot or the traffic is encode-heavy. The instance must have held its roles `min_dwell_s`;
+parked instances are left out of the load window.
 
 Not considered: moves of two instances at once (e.g. monolithic → E-PD needs EPD → E and EPD →
 PD together; one at a time, the first leaves an idle E, which `roster_problem` refuses).

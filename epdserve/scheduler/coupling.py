@@ -9,9 +9,9 @@ Owns the two moves that change the *pipeline* rather than a stage's share of the
   instances share the cores, one process instead of two contending for them — measured on this
   CPU at 4 req/s text-heavy: TTFT p50 202 ms coupled against 699 ms P-D, output tok/s 1.04x.
 - split: the coupled instance gives decode back to a parked D (EPD -> P+E, PD -> P). Chosen when
-  D is hot, or the traffic is encode-heavy and a stage is hot: a coupled step loop runs long vision-encode
-  steps between decode steps, which is what breaks TPOT (monolithic at 1 req/s image-heavy:
-  TPOT p99 264 ms, 85% in SLO, against 27 ms and 100% for P-D).
+  D is hot, or the traffic is encode-heavy and a stage is hot: a coupled step loop runs long
+  vision-encode steps between decode steps, which is what breaks TPOT (monolithic at 1 req/s
+  image-heavy: TPOT p99 264 ms, 85% in SLO, against 27 ms and 100% for P-D).
 
 `parked(roles)` says which instances of a roster routing leaves idle; `coupling_move(...)` returns
 the move (or None) for the controller, which checks dwell and logs the reason.
