@@ -81,12 +81,16 @@ class Attempt:
         self._encode_tasks: list[asyncio.Task] = []
         self._killed: InstanceError | None = None
         self._kill_signal: asyncio.Future | None = None  # resolved by kill(): every pending `_rpc` wakes
+        self._prefill_done = False  # P answered: the rest is D's (a P that goes now costs nothing)
+        self._encodes_by: dict[str, list[asyncio.Task]] = {}
         self._closed = False
 
     # ---------------------------------------------------------------- driving
     async def run(self) -> AsyncIterator[Piece]:
         for rec, items in self.plan.encodes:
-            self._encode_tasks.append(asyncio.create_task(self._encode(rec, items)))
+            task = asyncio.create_task(self._encode(rec, items))
+            self._encode_tasks.append(task)
+            self._encodes_by.setdefault(rec.instance_id, []).append(task)
         if self.plan.coupled is not None:
             async for piece in self._run_coupled(self.plan.coupled):
                 yield piece
@@ -137,6 +141,7 @@ class Attempt:
         )
         self._calls.append(prefill)
         resp = await self._rpc(p, "prefill", prefill)
+        self._prefill_done = True
         self.lease.done("P")
         merge_timings(self.report.timings, resp.timings)
         self.report.recomputed.update(resp.recomputed_keys)
@@ -188,13 +193,36 @@ class Attempt:
 
     # ---------------------------------------------------------------- failure and cleanup
     def kill(self, instance_id: str, reason: str) -> None:
-        """Abandon the attempt because `instance_id` is gone: live calls fail as InstanceError."""
-        if self._killed is None and any(r.instance_id == instance_id for r in self.plan.instances()):
-            self._killed = InstanceError(instance_id, "attempt", grpc.StatusCode.UNAVAILABLE, reason)
-            for call in self._calls:
-                call.cancel()
-            if self._kill_signal is not None and not self._kill_signal.done():
-                self._kill_signal.set_result(None)  # wakes an `_rpc` that call.cancel() does not (see there)
+        """`instance_id` is gone (down, or deregistered after a role switch): abandon the attempt if
+        it still owes the attempt work — live calls then fail as InstanceError and the request is
+        retried. An instance whose part is over costs nothing: an E only has its Encode cancelled
+        (P recomputes features that never came), a P whose Prefill answered leaves D decoding (D
+        fails the request itself if the KV did not all arrive)."""
+        if self._killed is not None or all(r.instance_id != instance_id for r in self.plan.instances()):
+            return
+        if not self._owes_work(instance_id):
+            for task in self._encodes_by.get(instance_id, []):
+                task.cancel()
+            log.debug("%s: %s left (%s) after its part; the attempt carries on", self.inputs.request_id,
+                      instance_id, reason)
+            return
+        self.cancel(InstanceError(instance_id, "attempt", grpc.StatusCode.UNAVAILABLE, reason))
+
+    def cancel(self, error: InstanceError) -> None:
+        """Abandon the attempt now (whatever its instances owe): live calls fail with `error`."""
+        if self._killed is not None:
+            return
+        self._killed = error
+        for call in self._calls:
+            call.cancel()
+        if self._kill_signal is not None and not self._kill_signal.done():
+            self._kill_signal.set_result(None)  # wakes an `_rpc` that call.cancel() does not (see there)
+
+    def _owes_work(self, instance_id: str) -> bool:
+        p = self.plan
+        if any(r is not None and r.instance_id == instance_id for r in (p.coupled, p.decode)):
+            return True
+        return p.prefill is not None and p.prefill.instance_id == instance_id and not self._prefill_done
 
     def close(self, abort: bool) -> None:
         """Cancel live calls; with `abort`, tell every instance to drop the attempt (background)."""

@@ -86,8 +86,7 @@ class RequestRun:
         self.aborted = True
         self._wake.set()
         if self.attempt is not None:
-            for rec in self.attempt.plan.instances():
-                self.attempt.kill(rec.instance_id, "aborted by the client")
+            self.attempt.cancel(InstanceError("client", "attempt", grpc.StatusCode.CANCELLED, "aborted by the client"))
 
     def instance_down(self, rec: InstanceRecord) -> None:
         if self.attempt is not None:

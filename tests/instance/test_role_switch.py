@@ -198,3 +198,45 @@ def test_merge_and_split_a_p_d_pair_under_load(qwen2_vl_tiny, redis, ref, caplog
             if h is not None:
                 h.stop()
         sched.stop()
+
+
+def test_an_encoder_switching_away_costs_its_requests_no_retry(qwen2_vl_tiny, redis, ref, caplog):
+    """E -> D while requests it encoded for are still prefilling or decoding elsewhere: its old id
+    leaves the roster, which must not abandon their attempts (it had done its part; a CI-sized
+    shift run retried 3 requests this way). Later images are recomputed by P (no E left)."""
+    caplog.set_level(logging.INFO)
+    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
+    sched.start()
+    hosts = []
+    try:
+        e, p, d = (_host(qwen2_vl_tiny, r, sched, redis) for r in ("E", "P", "D"))
+        hosts = [e, p, d]
+        wait_until(lambda: {h.instance_id for h in hosts} <= set(roster(sched)), what="registration")
+        # images whose 160-token greedy outputs stay exact against transformers (with this tiny random
+        # model some image prompts meet near-tied logits, 0.02-0.05 apart, within that length)
+        work = [(f"Request {800 + i}: {PH} describe.", [image(800 + i, 56 + 28 * (i % 2), 56)]) for i in (0, 1, 2, 3, 4, 7)]
+        long = 160  # decodes that outlast the E's drain and rebuild
+        refs = [ref.generate(q, imgs, max_tokens=long) for q, imgs in work]
+        old_e = e.instance_id
+        with Client(sched.address, timeout=300) as c:
+            results: dict = {}
+
+            def run():
+                with ThreadPoolExecutor(len(work)) as pool:
+                    results["out"] = list(pool.map(
+                        lambda w: c.generate(w[0], images=w[1], max_tokens=long, ignore_eos=True), work))
+
+            t = threading.Thread(target=run)
+            t.start()
+            wait_until(lambda: e.workers[0].load.counts.images_encoded >= 1 and any(w.handles for w in d.workers), timeout_s=60,
+                       what="requests past their encode")
+            assert _switch(e, "D", "an encoder moving away").instance.roles == "D"
+            assert t.is_alive(), "every request ended before the switch: the test proves nothing"
+            t.join(300)
+        assert [list(o.token_ids) for o in results["out"]] == refs
+        assert old_e not in roster(sched)
+        assert not _retries(caplog)
+    finally:
+        for h in hosts:
+            h.stop()
+        sched.stop()
