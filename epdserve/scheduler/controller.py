@@ -162,12 +162,15 @@ class RoleController:
 
     # ------------------------------------------------------------------ inputs
     def observe_request(self, now: float, ttft_s: float | None, tpot_s: float | None, ok: bool = True,
-                        media: int = 0) -> None:
-        """A finished request (failed ones: ok=False, a miss of both SLOs) with its media items.
-        TPOT None (one output token) meets its SLO, as bench serve's goodput counts it."""
+                        media: int = 0, age_s: float | None = None) -> None:
+        """A finished request (failed ones: ok=False, a miss of both SLOs) with its media items and
+        its age (seconds since it arrived). TPOT None (one output token) meets its SLO, as bench
+        serve's goodput counts it. A request that arrived before the last switch ended is not
+        judged: it was served (and queued) by the roster before it."""
         c = self.config
         self.window.add_request(now, ok and ttft_s is not None and ttft_s <= c.ttft_slo_s,
-                                ok and (tpot_s is None or tpot_s <= c.tpot_slo_s), media)
+                                ok and (tpot_s is None or tpot_s <= c.tpot_slo_s), media,
+                                None if age_s is None else now - age_s)
 
     def sample(self, now: float, records: Iterable) -> list[RosterEntry]:
         """One load sample of the roster (`InstanceRecord`s, or anything with instance_id, roles,
@@ -193,7 +196,7 @@ class RoleController:
         samples describe the roster before the switch."""
         seconds = now - (self._started_at if self._started_at is not None else now)
         self.in_flight, self._started_at, self.last_switch_end = None, None, now
-        self.window.clear()
+        self.window.clear(now)
         (log.info if ok else log.warning)("role switch %s %s after %.1f s%s", move, "done" if ok else "failed",
                                           seconds, f": {detail}" if detail else "")
         if self.observer is not None:
@@ -331,9 +334,10 @@ class ControllerLoop:
         self.decisions: list[Decision] = []
         self._task: asyncio.Task | None = None
 
-    def observe_request(self, ttft_s: float | None, tpot_s: float | None, ok: bool = True, media: int = 0) -> None:
+    def observe_request(self, ttft_s: float | None, tpot_s: float | None, ok: bool = True, media: int = 0,
+                        age_s: float | None = None) -> None:
         """A finished public request, on the loop's clock (the scheduler's request path calls this)."""
-        self.controller.observe_request(self.clock(), ttft_s, tpot_s, ok, media)
+        self.controller.observe_request(self.clock(), ttft_s, tpot_s, ok, media, age_s)
 
     def tick(self) -> Decision:
         """One decision now; a MOVE starts its switch task (needs a running event loop)."""

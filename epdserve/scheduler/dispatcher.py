@@ -249,7 +249,7 @@ class Dispatcher:
         self.stored = StoredKeys(config.stored_keys_size)
         preprocessor.index.capacity = config.media_index_size
         self.runs: dict[str, RequestRun] = {}
-        self.finished_listeners: list = []  # each finished request: listener(ttft_s, tpot_s, ok, media) (the role controller)
+        self.finished_listeners: list = []  # each finished request: listener(ttft_s, tpot_s, ok, media, age_s) (the role controller)
         self.background: set[asyncio.Task] = set()
         self._admitted = 0
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
@@ -293,15 +293,16 @@ class Dispatcher:
             self._admitted -= 1
 
     def _report_finished(self, run: RequestRun, ok: bool) -> None:
-        """Tell `finished_listeners(ttft_s, tpot_s, ok, media)` how a request went (scheduler's clock;
-        TPOT None with fewer than two tokens streamed; media: its images and videos)."""
+        """Tell `finished_listeners(ttft_s, tpot_s, ok, media, age_s)` how a request went (scheduler's
+        clock; TPOT None with fewer than two tokens streamed; media: its images and videos; age_s:
+        seconds since it arrived)."""
         if not self.finished_listeners:
             return
         ttft = run.first_at - run.timing.arrival if run.first_at is not None else None
         n = len(run.generated) - run.resumed
         tpot = (time.time() - run.first_at) / (n - 1) if run.first_at is not None and n > 1 else None
         for listener in self.finished_listeners:
-            listener(ttft, tpot, ok, len(run.prep.media))
+            listener(ttft, tpot, ok, len(run.prep.media), time.time() - run.timing.arrival)
 
     def _resumed(self, req: serve_pb2.GenerateRequest, prep: PreparedRequest) -> list[int]:
         """The output a resuming client already has (validated): the run continues after it."""

@@ -122,21 +122,29 @@ class LoadWindow:
 
     cfg: PressureConfig = field(default_factory=PressureConfig)
     samples: deque = field(default_factory=deque)  # (t, {instance_id: LoadPoint})
+    cleared_at: float | None = None  # requests that arrived before this are not judged (a switch ended)
     finished: deque = field(default_factory=deque)  # (t, ttft_met, tpot_met, media items)
 
     def add_sample(self, t: float, points: list[LoadPoint]) -> None:
         self.samples.append((t, {p.instance_id: p for p in points}))
         self._trim(t)
 
-    def add_request(self, t: float, ttft_met: bool, tpot_met: bool, media: int = 0) -> None:
+    def add_request(self, t: float, ttft_met: bool, tpot_met: bool, media: int = 0,
+                    arrived: float | None = None) -> None:
         """One finished request: did it meet the TTFT SLO, and the TPOT SLO (failures meet neither),
-        and how many media items (images, videos) it carried."""
+        how many media items (images, videos) it carried, and when it arrived. One that arrived
+        before the last `clear(now)` is left out: the roster that served it is gone."""
+        if arrived is not None and self.cleared_at is not None and arrived < self.cleared_at:
+            return
         self.finished.append((t, bool(ttft_met), bool(tpot_met), int(media)))
         self._trim(t)
 
-    def clear(self) -> None:
+    def clear(self, now: float | None = None) -> None:
+        """Forget everything; with `now`, also every request that arrives before it."""
         self.samples.clear()
         self.finished.clear()
+        if now is not None:
+            self.cleared_at = now
 
     def _trim(self, now: float) -> None:
         for q in (self.samples, self.finished):

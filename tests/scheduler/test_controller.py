@@ -246,3 +246,18 @@ def test_loop_runs_one_switch_at_a_time():
     assert [c[0] for c in calls] == [Move("d0", "D", "E")] and "E pressure" in calls[0][1]
     assert {r.instance_id: r.roles for r in reg.records()} == {"e0": "E", "p0": "P", "d0-1": "E", "d1": "D"}
     assert loop.controller.in_flight is None and all(d.reason for d in loop.decisions)
+
+
+def test_requests_that_arrived_before_a_switch_ended_are_not_judged():
+    """After a switch, SLO misses of requests queued under the old roster would blame the new one
+    (a live run with dwell 10 s thrashed through ten switches that way)."""
+    ctrl = RoleController(CFG)
+    move = Move("d0", "D", "E")
+    ctrl.switch_started(move, 10.0)
+    ctrl.switch_finished(move, 12.0, ok=True)
+    for i in range(10):  # finished after the switch, but arrived before its end: they missed under the old roster
+        ctrl.observe_request(13.0 + i * 0.1, ttft_s=9.0, tpot_s=0.5, age_s=5.0)
+    assert len(ctrl.window.finished) == 0
+    ctrl.observe_request(20.0, ttft_s=9.0, tpot_s=0.5, age_s=1.0)  # arrived at 19: judged
+    ctrl.observe_request(20.0, ttft_s=9.0, tpot_s=0.5)  # age unknown: judged
+    assert len(ctrl.window.finished) == 2
