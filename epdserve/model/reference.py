@@ -36,8 +36,8 @@ class ReferenceGenerator:
                 image_grid_thw=torch.stack([m.grid_thw for m in p.media]),
                 mm_token_type_ids=(ids == self.image_token_id).int(),
             )
-        if ignore_eos:
-            kw["min_new_tokens"] = max_tokens
+        if ignore_eos:  # vLLM's ignore_eos: EOS is no stop, but may still be generated (min_new_tokens would mask it)
+            kw.update(eos_token_id=None, pad_token_id=self.tokenizer.pad_token_id or 0)
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, **kw
         )

@@ -212,9 +212,7 @@ def test_an_encoder_switching_away_costs_its_requests_no_retry(qwen2_vl_tiny, re
         e, p, d = (_host(qwen2_vl_tiny, r, sched, redis) for r in ("E", "P", "D"))
         hosts = [e, p, d]
         wait_until(lambda: {h.instance_id for h in hosts} <= set(roster(sched)), what="registration")
-        # images whose 160-token greedy outputs stay exact against transformers (with this tiny random
-        # model some image prompts meet near-tied logits, 0.02-0.05 apart, within that length)
-        work = [(f"Request {800 + i}: {PH} describe.", [image(800 + i, 56 + 28 * (i % 2), 56)]) for i in (0, 1, 2, 3, 4, 7)]
+        work = [(f"Request {600 + i}: {PH} describe.", [image(600 + i, 56 + 28 * (i % 2), 56)]) for i in range(8)]
         long = 160  # decodes that outlast the E's drain and rebuild
         refs = [ref.generate(q, imgs, max_tokens=long) for q, imgs in work]
         old_e = e.instance_id
