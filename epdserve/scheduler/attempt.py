@@ -80,17 +80,14 @@ class Attempt:
         self._calls: list = []
         self._encode_tasks: list[asyncio.Task] = []
         self._killed: InstanceError | None = None
-        self._kill_signal: asyncio.Future | None = None  # resolved by kill(): every pending `_rpc` wakes
+        self._kill_signal: asyncio.Future | None = None  # resolved by kill(): wakes a pending `_send`
         self._prefill_done = False  # P answered: the rest is D's (a P that goes now costs nothing)
-        self._encodes_by: dict[str, list[asyncio.Task]] = {}
         self._closed = False
 
     # ---------------------------------------------------------------- driving
     async def run(self) -> AsyncIterator[Piece]:
-        for rec, items in self.plan.encodes:
-            task = asyncio.create_task(self._encode(rec, items))
-            self._encode_tasks.append(task)
-            self._encodes_by.setdefault(rec.instance_id, []).append(task)
+        for rec, items in self.plan.encodes:  # tasks in plan.encodes' order
+            self._encode_tasks.append(asyncio.create_task(self._encode(rec, items)))
         if self.plan.coupled is not None:
             async for piece in self._run_coupled(self.plan.coupled):
                 yield piece
@@ -129,7 +126,7 @@ class Attempt:
             num_vision_tokens=i.num_vision_tokens, prefill_instance_id=p.instance_id,
             prefill_kv_endpoint=p.kv_endpoint,
         )
-        await self._rpc(d, "decode", call.write(instance_pb2.DecodeInput(reserve=reserve)))
+        await self._send(d, "decode", call.write(instance_pb2.DecodeInput(reserve=reserve)))
         out = await self._rpc(d, "decode", call.read())
         if out is grpc.aio.EOF or not out.HasField("reserved"):
             raise InstanceError(d.instance_id, "decode", grpc.StatusCode.ABORTED, "no KV reservation from D")
@@ -151,8 +148,8 @@ class Attempt:
             self.close(abort=True)  # D frees its reservation, P its KV
             return
         start = instance_pb2.DecodeStart(first_token_id=resp.first_token_id, rope_delta=resp.rope_delta)
-        await self._rpc(d, "decode", call.write(instance_pb2.DecodeInput(start=start)))
-        await self._rpc(d, "decode", call.done_writing())
+        await self._send(d, "decode", call.write(instance_pb2.DecodeInput(start=start)))
+        await self._send(d, "decode", call.done_writing())
         while True:
             out = await self._rpc(d, "decode", call.read())
             if out is grpc.aio.EOF:
@@ -201,8 +198,9 @@ class Attempt:
         if self._killed is not None or all(r.instance_id != instance_id for r in self.plan.instances()):
             return
         if not self._owes_work(instance_id):
-            for task in self._encodes_by.get(instance_id, []):
-                task.cancel()
+            for (rec, _), task in zip(self.plan.encodes, self._encode_tasks):
+                if rec.instance_id == instance_id:
+                    task.cancel()
             log.debug("%s: %s left (%s) after its part; the attempt carries on", self.inputs.request_id,
                       instance_id, reason)
             return
@@ -216,7 +214,7 @@ class Attempt:
         for call in self._calls:
             call.cancel()
         if self._kill_signal is not None and not self._kill_signal.done():
-            self._kill_signal.set_result(None)  # wakes an `_rpc` that call.cancel() does not (see there)
+            self._kill_signal.set_result(None)  # wakes a `_send` that call.cancel() does not (see there)
 
     def _owes_work(self, instance_id: str) -> bool:
         p = self.plan
@@ -249,16 +247,37 @@ class Attempt:
 
     # ---------------------------------------------------------------- helpers
     async def _rpc(self, rec: InstanceRecord, stage: str, awaitable: Awaitable):
-        """Await one step of a call; InstanceError when it fails or the attempt is killed.
-
-        The step races `kill()`'s signal instead of relying on `call.cancel()` alone: grpc.aio's
-        stream `write()` waits for the call's initial metadata to be sent and never wakes when the
-        call is cancelled before that (a D that died while its Decode stream was being opened:
-        the write hung forever and its request with it)."""
         if self._killed is not None:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
             raise self._killed
+        try:
+            return await awaitable
+        except grpc.aio.AioRpcError as e:
+            if self._killed is not None:
+                raise self._killed from None
+            raise InstanceError.from_rpc(rec.instance_id, stage, e) from None
+        except asyncio.InvalidStateError as e:  # a write to a stream the dead peer already ended
+            if self._killed is not None:
+                raise self._killed from None
+            raise InstanceError(rec.instance_id, stage, grpc.StatusCode.UNAVAILABLE, f"stream ended: {e}") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._killed is not None and not (task and task.cancelling()):
+                raise self._killed from None
+            raise
+
+    async def _send(self, rec: InstanceRecord, stage: str, awaitable: Awaitable):
+        """`_rpc` for a write on a request stream (`write`, `done_writing`), raced against `kill()`:
+        grpc.aio's stream write waits for the call's initial metadata to be sent and never wakes when
+        the call is cancelled before that (a D that died while its Decode stream was being opened:
+        the write hung forever and its request with it). Reads wake on cancel, so only writes race."""
+        if self._killed is not None:
+            awaitable.close()
+            raise self._killed
+        return await self._rpc(rec, stage, self._until_killed(awaitable))
+
+    async def _until_killed(self, awaitable: Awaitable):
         if self._kill_signal is None:
             self._kill_signal = asyncio.get_running_loop().create_future()
         step = asyncio.ensure_future(awaitable)
@@ -270,20 +289,7 @@ class Attempt:
         if not step.done():
             step.cancel()
             raise self._killed
-        try:
-            return step.result()
-        except grpc.aio.AioRpcError as e:
-            if self._killed is not None:
-                raise self._killed from None
-            raise InstanceError.from_rpc(rec.instance_id, stage, e) from None
-        except asyncio.InvalidStateError as e:  # a write to a stream the dead peer already ended
-            if self._killed is not None:
-                raise self._killed from None
-            raise InstanceError(rec.instance_id, stage, grpc.StatusCode.UNAVAILABLE, f"stream ended: {e}") from None
-        except asyncio.CancelledError:  # the call was cancelled under the step (kill, close)
-            if self._killed is not None:
-                raise self._killed from None
-            raise
+        return step.result()
 
     def _piece(self, rec: InstanceRecord, stage: str, d: instance_pb2.TokenDelta) -> Piece:
         if d.finished and d.finish_reason not in ("stop", "length"):

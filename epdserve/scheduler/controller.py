@@ -47,7 +47,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from epdserve.engine.roles import ROLES, encodes_inline
-from epdserve.scheduler.coupling import coupling_move, parked
+from epdserve.scheduler.coupling import coupling_move, is_coupled, parked
 from epdserve.scheduler.pressure import STAGES, LoadPoint, LoadWindow, PressureConfig, StagePressure, stages_of
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def roster_problem(roles: Iterable[str]) -> str | None:
     """Why instances with these role sets could not serve every request, or would leave one
     idle (the router's rules: scheduler/routing.py); None when they are fine."""
     roles = list(roles)
-    coupled = [r for r in roles if {"P", "D"} <= stages_of(r)]
+    coupled = [r for r in roles if is_coupled(r)]
     p_side = [r for r in roles if "P" in stages_of(r) and "D" not in stages_of(r)]
     d_side = [r for r in roles if "D" in stages_of(r) and "P" not in stages_of(r)]
     encoders = [r for r in roles if "E" in r and not encodes_inline(r)]  # E, EP, ED: serve Encode calls

@@ -61,31 +61,36 @@ def coupling_move(roster: list, media_per_request: float | None, hot: set[str], 
     traffic."""
     if media_per_request is None or not hot:
         return None
-    roles = [e.roles for e in roster]
     coupled = [e for e in roster if is_coupled(e.roles)]
     if not coupled:
-        prefillers = [e for e in roster if "P" in stages_of(e.roles)]
-        if media_per_request > media_max or "P" not in hot or d_pressure > stay or len(prefillers) != 1:
-            return None
-        p = prefillers[0]
-        target = MERGED.get(p.roles)
-        if target is None:
-            return None
-        return CouplingMove(p.instance_id, p.roles, target,
-                            f"merge: traffic is encode-light ({media_per_request:.2f} media/request <= "
-                            f"{media_max:g}), P is hot and D calm ({d_pressure:.2f} <= {stay:g}): {p.instance_id} "
-                            f"couples prefill and decode; "
-                            f"the D instance(s) park")
+        return _merge(roster, media_per_request, hot, media_max, d_pressure, stay)
     if len(coupled) != 1 or (media_per_request <= media_max and "D" not in hot):
         return None
-    c = coupled[0]
+    return _split(roster, coupled[0], media_per_request, hot, media_max)
+
+
+def _merge(roster: list, media_per_request: float, hot: set[str], media_max: float, d_pressure: float,
+           stay: float) -> CouplingMove | None:
+    prefillers = [e for e in roster if "P" in stages_of(e.roles)]
+    if media_per_request > media_max or "P" not in hot or d_pressure > stay or len(prefillers) != 1:
+        return None
+    p = prefillers[0]
+    target = MERGED.get(p.roles)
+    if target is None:
+        return None
+    return CouplingMove(
+        p.instance_id, p.roles, target,
+        f"merge: traffic is encode-light ({media_per_request:.2f} media/request <= {media_max:g}), P is hot and "
+        f"D calm ({d_pressure:.2f} <= {stay:g}): {p.instance_id} couples prefill and decode; the D instance(s) park")
+
+
+def _split(roster: list, c, media_per_request: float, hot: set[str], media_max: float) -> CouplingMove | None:
     target = SPLIT.get(c.roles)
-    flags = parked(roles)
-    spare_d = [e for e, f in zip(roster, flags) if f and "D" in stages_of(e.roles) and "P" not in stages_of(e.roles)]
+    spare_d = [e for e, idle in zip(roster, parked([e.roles for e in roster])) if idle and "D" in stages_of(e.roles)]
     if target is None or not spare_d:
         return None
-    return CouplingMove(c.instance_id, c.roles, target,
-                        f"split: {'D is hot' if 'D' in hot else 'traffic is encode-heavy'} ({media_per_request:.2f} "
-                        f"media/request, {media_max:g} at most for encode-light; {'/'.join(sorted(hot))} hot): "
-                        f"{c.instance_id} gives decode back to parked "
-                        f"{spare_d[0].instance_id}")
+    return CouplingMove(
+        c.instance_id, c.roles, target,
+        f"split: {'D is hot' if 'D' in hot else 'traffic is encode-heavy'} ({media_per_request:.2f} media/request, "
+        f"{media_max:g} at most for encode-light; {'/'.join(sorted(hot))} hot): {c.instance_id} gives decode back "
+        f"to parked {spare_d[0].instance_id}")

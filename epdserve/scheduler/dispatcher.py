@@ -298,11 +298,12 @@ class Dispatcher:
         seconds since it arrived)."""
         if not self.finished_listeners:
             return
+        now = time.time()
         ttft = run.first_at - run.timing.arrival if run.first_at is not None else None
         n = len(run.generated) - run.resumed
-        tpot = (time.time() - run.first_at) / (n - 1) if run.first_at is not None and n > 1 else None
+        tpot = (now - run.first_at) / (n - 1) if run.first_at is not None and n > 1 else None
         for listener in self.finished_listeners:
-            listener(ttft, tpot, ok, len(run.prep.media), time.time() - run.timing.arrival)
+            listener(ttft, tpot, ok, len(run.prep.media), now - run.timing.arrival)
 
     def _resumed(self, req: serve_pb2.GenerateRequest, prep: PreparedRequest) -> list[int]:
         """The output a resuming client already has (validated): the run continues after it."""

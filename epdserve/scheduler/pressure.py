@@ -139,12 +139,11 @@ class LoadWindow:
         self.finished.append((t, bool(ttft_met), bool(tpot_met), int(media)))
         self._trim(t)
 
-    def clear(self, now: float | None = None) -> None:
-        """Forget everything; with `now`, also every request that arrives before it."""
+    def clear(self, now: float) -> None:
+        """Forget everything, and every request that arrived before `now` (a switch ended)."""
         self.samples.clear()
         self.finished.clear()
-        if now is not None:
-            self.cleared_at = now
+        self.cleared_at = now
 
     def _trim(self, now: float) -> None:
         for q in (self.samples, self.finished):

@@ -46,14 +46,32 @@ def _work(n: int, seed: int) -> list[tuple[str, list[bytes]]]:
     return out
 
 
-def _host(model, roles, sched, redis):
-    return InstanceHost(InstanceConfig(roles=roles, model=str(model), scheduler=sched.address, mm_store=redis.url,
-                                       kv_cache_bytes=4 << 20, feature_wait_s=5.0)).start()
+@pytest.fixture
+def sched(qwen2_vl_tiny):
+    s = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
+    s.start()
+    yield s
+    s.stop()
 
 
-def _run(client, work):
+@pytest.fixture
+def start(qwen2_vl_tiny, sched, redis):
+    """start(roles): an instance host registered with `sched`; all are stopped (before it) at teardown."""
+    hosts = []
+
+    def make(roles):
+        hosts.append(InstanceHost(InstanceConfig(roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.address,
+                                                 mm_store=redis.url, kv_cache_bytes=4 << 20, feature_wait_s=5.0)).start())
+        return hosts[-1]
+
+    yield make
+    for h in hosts:
+        h.stop()
+
+
+def _run(client, work, max_tokens=MAX_TOKENS):
     with ThreadPoolExecutor(len(work)) as pool:
-        return list(pool.map(lambda w: client.generate(w[0], images=w[1], max_tokens=MAX_TOKENS, ignore_eos=True),
+        return list(pool.map(lambda w: client.generate(w[0], images=w[1], max_tokens=max_tokens, ignore_eos=True),
                              work))
 
 
@@ -66,71 +84,54 @@ def _switch(host, roles, reason="test"):
         instance_pb2.SwitchRolesRequest(roles=roles, drain_timeout_s=60, reason=reason), timeout=120)
 
 
-def test_switch_with_requests_in_flight_loses_nothing(qwen2_vl_tiny, redis, ref, caplog):
+def test_switch_with_requests_in_flight_loses_nothing(sched, start, ref, caplog):
     caplog.set_level(logging.INFO)
-    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
-    sched.start()
-    a = d = None
-    try:
-        a, d = _host(qwen2_vl_tiny, "EP", sched, redis), _host(qwen2_vl_tiny, "D", sched, redis)
-        wait_until(lambda: {a.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
-        model_before, old_id = a.model, a.instance_id
-        first, second = _work(6, 0), _work(6, 50)
-        refs = [ref.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in first + second]
-        with Client(sched.address, timeout=300) as c:
-            results: dict = {}
-            t = threading.Thread(target=lambda: results.update(first=_run(c, first)))
-            t.start()
-            wait_until(lambda: any(w.handles for w in a.workers) or any(w.handles for w in d.workers),
-                       timeout_s=60, what="requests in flight")
-            resp = _switch(a, "PD", "prefill and decode here")
-            t.join(300)
-            assert resp.previous_instance_id == old_id and resp.instance.roles == "PD"
-            assert resp.instance.instance_id == a.instance_id != old_id and not resp.instance.draining
-            assert a.model is model_before  # the model it held: no reload
-            assert [w.role for w in a.workers] == ["PD"] and a.workers[0].engine.model is model_before
-            info = roster(sched)
-            assert old_id not in info and info[a.instance_id].roles == "PD"
-            results["second"] = _run(c, second)  # now coupled on the switched instance
-        outs = results["first"] + results["second"]
-        assert [list(o.token_ids) for o in outs] == refs
-        assert not _retries(caplog)
-        assert a.workers[0].load.counts.engine_steps > 0  # the second wave ran on the switched instance
-    finally:
-        for h in (a, d):
-            if h is not None:
-                h.stop()
-        sched.stop()
+    a, d = start("EP"), start("D")
+    wait_until(lambda: {a.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
+    model_before, old_id = a.model, a.instance_id
+    first, second = _work(6, 0), _work(6, 50)
+    refs = [ref.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in first + second]
+    with Client(sched.address, timeout=300) as c:
+        results: dict = {}
+        t = threading.Thread(target=lambda: results.update(first=_run(c, first)))
+        t.start()
+        wait_until(lambda: any(w.handles for w in a.workers) or any(w.handles for w in d.workers),
+                   timeout_s=60, what="requests in flight")
+        resp = _switch(a, "PD", "prefill and decode here")
+        t.join(300)
+        assert resp.previous_instance_id == old_id and resp.instance.roles == "PD"
+        assert resp.instance.instance_id == a.instance_id != old_id and not resp.instance.draining
+        assert a.model is model_before  # the model it held: no reload
+        assert [w.role for w in a.workers] == ["PD"] and a.workers[0].engine.model is model_before
+        info = roster(sched)
+        assert old_id not in info and info[a.instance_id].roles == "PD"
+        results["second"] = _run(c, second)  # now coupled on the switched instance
+    outs = results["first"] + results["second"]
+    assert [list(o.token_ids) for o in outs] == refs
+    assert not _retries(caplog)
+    assert a.workers[0].load.counts.engine_steps > 0  # the second wave ran on the switched instance
 
 
-def test_a_lone_instance_switching_makes_requests_wait_not_fail(qwen2_vl_tiny, redis, ref, caplog):
+def test_a_lone_instance_switching_makes_requests_wait_not_fail(sched, start, ref, caplog):
     caplog.set_level(logging.INFO)
-    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
-    sched.start()
-    a = None
-    try:
-        a = _host(qwen2_vl_tiny, "EPD", sched, redis)
-        wait_until(lambda: a.instance_id in roster(sched), what="registration")
-        work = _work(4, 100)
-        refs = [ref.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in work]
-        with Client(sched.address, timeout=300) as c:
-            a.draining = True  # what SwitchRoles announces first: the roster's only instance takes nothing new
-            a.announce()
-            wait_until(lambda: roster(sched)[a.instance_id].draining, what="draining on the roster")
-            results: dict = {}
-            t = threading.Thread(target=lambda: results.update(outs=_run(c, work)))
-            t.start()
-            time.sleep(0.5)  # the requests reach the scheduler and find no routable instance
-            a.draining = False
-            resp = _switch(a, "PD", "lone instance")  # the requests above wait for it
-            t.join(300)
-        assert resp.instance.roles == "PD"
-        assert [list(o.token_ids) for o in results["outs"]] == refs
-        assert not _retries(caplog)
-    finally:
-        if a is not None:
-            a.stop()
-        sched.stop()
+    a = start("EPD")
+    wait_until(lambda: a.instance_id in roster(sched), what="registration")
+    work = _work(4, 100)
+    refs = [ref.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in work]
+    with Client(sched.address, timeout=300) as c:
+        a.draining = True  # what SwitchRoles announces first: the roster's only instance takes nothing new
+        a.announce()
+        wait_until(lambda: roster(sched)[a.instance_id].draining, what="draining on the roster")
+        results: dict = {}
+        t = threading.Thread(target=lambda: results.update(outs=_run(c, work)))
+        t.start()
+        time.sleep(0.5)  # the requests reach the scheduler and find no routable instance
+        a.draining = False
+        resp = _switch(a, "PD", "lone instance")  # the requests above wait for it
+        t.join(300)
+    assert resp.instance.roles == "PD"
+    assert [list(o.token_ids) for o in results["outs"]] == refs
+    assert not _retries(caplog)
 
 
 def test_bad_switches_are_refused(qwen2_vl_tiny):
@@ -151,90 +152,67 @@ def test_bad_switches_are_refused(qwen2_vl_tiny):
         host.stop()
 
 
-def test_merge_and_split_a_p_d_pair_under_load(qwen2_vl_tiny, redis, ref, caplog):
+def test_merge_and_split_a_p_d_pair_under_load(sched, start, ref, caplog):
     """The controller's coupling moves, done by hand: P+E -> EPD with requests in flight (the D
     parks: the next wave never reaches it), then EPD -> P+E with requests in flight on the coupled
     engine (they finish there; the parked D decodes again, over a KV pair the new P+E opens).
     Nothing retried, every output equal to transformers'."""
     caplog.set_level(logging.INFO)
-    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
-    sched.start()
-    p = d = None
-    try:
-        p, d = _host(qwen2_vl_tiny, "P+E", sched, redis), _host(qwen2_vl_tiny, "D", sched, redis)
-        wait_until(lambda: {p.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
-        waves = [_work(6, 200 + 100 * k) for k in range(4)]
-        refs = [[ref.generate(q, imgs, max_tokens=MAX_TOKENS) for q, imgs in w] for w in waves]
-        outs = []
+    p, d = start("P+E"), start("D")
+    wait_until(lambda: {p.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
+    waves = [_work(6, 200 + 100 * k) for k in range(4)]
+    refs = [[ref.generate(q, imgs, max_tokens=MAX_TOKENS) for q, imgs in w] for w in waves]
+    outs = []
 
-        def d_steps() -> int:
-            return d.workers[0].load.counts.engine_steps
+    def d_steps() -> int:
+        return d.workers[0].load.counts.engine_steps
 
-        with Client(sched.address, timeout=300) as c:
-            def wave_with_switch(work, roles):
-                results: dict = {}
-                t = threading.Thread(target=lambda: results.update(out=_run(c, work)))
-                t.start()
-                wait_until(lambda: any(w.handles for h in (p, d) for w in h.workers), timeout_s=60,
-                           what="requests in flight")
-                assert _switch(p, roles, "coupling move").instance.roles == roles
-                t.join(300)
-                return results["out"]
+    with Client(sched.address, timeout=300) as c:
+        def wave_with_switch(work, roles):
+            results: dict = {}
+            t = threading.Thread(target=lambda: results.update(out=_run(c, work)))
+            t.start()
+            wait_until(lambda: any(w.handles for h in (p, d) for w in h.workers), timeout_s=60,
+                       what="requests in flight")
+            assert _switch(p, roles, "coupling move").instance.roles == roles
+            t.join(300)
+            return results["out"]
 
-            outs.append(wave_with_switch(waves[0], "EPD"))  # merge
-            before = d_steps()
-            outs.append(_run(c, waves[1]))  # merged: all on the coupled engine
-            assert d_steps() == before, "a parked D decoded"
-            assert roster(sched)[p.instance_id].roles == "EPD" and p.workers[0].load.counts.engine_steps > 0
-            outs.append(wave_with_switch(waves[2], "P+E"))  # split
-            before = d_steps()
-            outs.append(_run(c, waves[3]))
-            assert d_steps() > before, "the split pair did not decode on D"
-        assert [[list(o.token_ids) for o in w] for w in outs] == refs
-        assert not _retries(caplog)
-        assert roster(sched)[p.instance_id].roles == "P+E"
-    finally:
-        for h in (p, d):
-            if h is not None:
-                h.stop()
-        sched.stop()
+        outs.append(wave_with_switch(waves[0], "EPD"))  # merge
+        before = d_steps()
+        outs.append(_run(c, waves[1]))  # merged: all on the coupled engine
+        assert d_steps() == before, "a parked D decoded"
+        assert roster(sched)[p.instance_id].roles == "EPD" and p.workers[0].load.counts.engine_steps > 0
+        outs.append(wave_with_switch(waves[2], "P+E"))  # split
+        before = d_steps()
+        outs.append(_run(c, waves[3]))
+        assert d_steps() > before, "the split pair did not decode on D"
+    assert [[list(o.token_ids) for o in w] for w in outs] == refs
+    assert not _retries(caplog)
+    assert roster(sched)[p.instance_id].roles == "P+E"
 
 
-def test_an_encoder_switching_away_costs_its_requests_no_retry(qwen2_vl_tiny, redis, ref, caplog):
+def test_an_encoder_switching_away_costs_its_requests_no_retry(sched, start, ref, caplog):
     """E -> D while requests it encoded for are still prefilling or decoding elsewhere: its old id
     leaves the roster, which must not abandon their attempts (it had done its part; a CI-sized
     shift run retried 3 requests this way). Later images are recomputed by P (no E left)."""
     caplog.set_level(logging.INFO)
-    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2))
-    sched.start()
-    hosts = []
-    try:
-        e, p, d = (_host(qwen2_vl_tiny, r, sched, redis) for r in ("E", "P", "D"))
-        hosts = [e, p, d]
-        wait_until(lambda: {h.instance_id for h in hosts} <= set(roster(sched)), what="registration")
-        work = [(f"Request {600 + i}: {PH} describe.", [image(600 + i, 56 + 28 * (i % 2), 56)]) for i in range(8)]
-        long = 160  # decodes that outlast the E's drain and rebuild
-        refs = [ref.generate(q, imgs, max_tokens=long) for q, imgs in work]
-        old_e = e.instance_id
-        with Client(sched.address, timeout=300) as c:
-            results: dict = {}
-
-            def run():
-                with ThreadPoolExecutor(len(work)) as pool:
-                    results["out"] = list(pool.map(
-                        lambda w: c.generate(w[0], images=w[1], max_tokens=long, ignore_eos=True), work))
-
-            t = threading.Thread(target=run)
-            t.start()
-            wait_until(lambda: e.workers[0].load.counts.images_encoded >= 1 and any(w.handles for w in d.workers), timeout_s=60,
-                       what="requests past their encode")
-            assert _switch(e, "D", "an encoder moving away").instance.roles == "D"
-            assert t.is_alive(), "every request ended before the switch: the test proves nothing"
-            t.join(300)
-        assert [list(o.token_ids) for o in results["out"]] == refs
-        assert old_e not in roster(sched)
-        assert not _retries(caplog)
-    finally:
-        for h in hosts:
-            h.stop()
-        sched.stop()
+    e, p, d = (start(r) for r in ("E", "P", "D"))
+    hosts = [e, p, d]
+    wait_until(lambda: {h.instance_id for h in hosts} <= set(roster(sched)), what="registration")
+    work = [(f"Request {600 + i}: {PH} describe.", [image(600 + i, 56 + 28 * (i % 2), 56)]) for i in range(8)]
+    long = 160  # decodes that outlast the E's drain and rebuild
+    refs = [ref.generate(q, imgs, max_tokens=long) for q, imgs in work]
+    old_e = e.instance_id
+    with Client(sched.address, timeout=300) as c:
+        results: dict = {}
+        t = threading.Thread(target=lambda: results.update(out=_run(c, work, long)))
+        t.start()
+        wait_until(lambda: e.workers[0].load.counts.images_encoded >= 1 and any(w.handles for w in d.workers), timeout_s=60,
+                   what="requests past their encode")
+        assert _switch(e, "D", "an encoder moving away").instance.roles == "D"
+        assert t.is_alive(), "every request ended before the switch: the test proves nothing"
+        t.join(300)
+    assert [list(o.token_ids) for o in results["out"]] == refs
+    assert old_e not in roster(sched)
+    assert not _retries(caplog)
