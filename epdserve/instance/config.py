@@ -12,6 +12,8 @@ from epdserve.engine.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list
 from epdserve.instance.colocation import POLICIES, check_policy
 
+SWITCH_OVERLAP = ("auto", "on", "off")
+
 
 @dataclass
 class InstanceConfig:
@@ -43,6 +45,7 @@ class InstanceConfig:
     kv_connect_timeout_s: float = 60.0
     grpc_threads: int = 128
     feature_cache_bytes: int = 4 << 30  # P: image features kept in this process (LRU by bytes)
+    switch_overlap: str = "auto"  # role switch: new workers beside the draining old ones (instance/role_switch.py)
 
     def __post_init__(self):
         self.roles = normalize_roles(self.roles)
@@ -53,6 +56,8 @@ class InstanceConfig:
         if not 0.0 < self.encode_core_share < 1.0:
             raise ValueError(f"encode_core_share must be in (0, 1), got {self.encode_core_share}")
         check_policy(self.colocation)
+        if self.switch_overlap not in SWITCH_OVERLAP:
+            raise ValueError(f"switch_overlap must be one of {', '.join(SWITCH_OVERLAP)}, got {self.switch_overlap!r}")
         if self.slo_tpot_ms <= 0:
             raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
         if self.stream_interval_ms < 0:
@@ -128,6 +133,12 @@ def add_instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-threads", type=int, default=128, help="calls this instance serves at once (default 128)")
     p.add_argument("--feature-cache-mb", type=int, default=4096,
                    help="P: image features kept in this process, LRU (MiB, default 4096); the MM Store holds the rest")
+    p.add_argument("--switch-overlap", choices=SWITCH_OVERLAP, default="auto",
+                   help="role switches (SwitchRoles): on = start the new roles' workers beside the old ones, which "
+                        "finish what they hold while the new ones take new work (no gap for the stages kept, but two "
+                        "KV caches for the switch's duration); off = drain first, then rebuild (the stages wait out "
+                        "the drain); auto (default) = on for CPU instances, off on accelerators (device memory) and "
+                        "under --colocation slo (one core lease per instance)")
 
 
 def from_args(a: argparse.Namespace) -> InstanceConfig:
@@ -141,5 +152,5 @@ def from_args(a: argparse.Namespace) -> InstanceConfig:
         max_model_len=a.max_model_len, encode_token_budget=a.encode_token_budget, feature_wait_s=a.feature_wait_s,
         kv_timeout_s=a.kv_timeout_s,
         kv_connect_timeout_s=a.kv_connect_timeout_s, grpc_threads=a.grpc_threads,
-        feature_cache_bytes=a.feature_cache_mb << 20,
+        feature_cache_bytes=a.feature_cache_mb << 20, switch_overlap=a.switch_overlap,
     )

@@ -60,6 +60,8 @@ class InstanceHost:
         self.port = 0
         self.workers: list = []
         self._by_role: dict[str, object] = {}
+        self._retiring: list = []  # a role switch's old workers, finishing what they hold (build_beside)
+        self._retiring_by_role: dict[str, object] = {}
         self._store = None
         self._rendezvous: RendezvousServer | None = None
         self._server: grpc.Server | None = None
@@ -140,8 +142,10 @@ class InstanceHost:
 
     # ---------------------------------------------------------------- workers
     def _stop_workers(self) -> None:
-        """Stop every stage worker (their engines, KV connectors and feature providers go with them)."""
-        for w in self.workers:
+        """Stop every stage worker, retiring ones included (their engines, KV connectors and feature
+        providers go with them)."""
+        workers = self.workers + self._retiring
+        for w in workers:
             w.stop()
         for h in self._hooks:
             h.remove()
@@ -149,14 +153,16 @@ class InstanceHost:
         if self._arbiter is not None:
             self._arbiter.close()
             self._arbiter = None
-        for w in self.workers:
-            if w.engine is not None and w.engine.features is not None:
-                w.engine.features.close()
-        self.workers, self._by_role = [], {}
+        _close_features(workers)
+        self.workers, self._by_role, self._retiring, self._retiring_by_role = [], {}, [], {}
 
     def _start_workers(self, ready_timeout_s: float) -> None:
+        self.workers, self._by_role = self._build_workers(self.roles, self.instance_id, ready_timeout_s)
+
+    def _build_workers(self, roles_: str, instance_id: str, ready_timeout_s: float) -> tuple[list, dict]:
+        """The started stage workers of `roles_` (and them by served stage); none left running on failure."""
         cfg = self.config
-        roles = worker_roles(self.roles)
+        roles = worker_roles(roles_)
         core_sets: list[list[int] | None] = [cfg.cores] * len(roles)
         weights = [cfg.encode_core_share if r == "E" else 1.0 - cfg.encode_core_share for r in roles]
         cpu = cfg.device.startswith("cpu")
@@ -164,15 +170,16 @@ class InstanceHost:
             core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
         kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s)
         gates = self._gate_factory(len(roles))
-        for role, cores in zip(roles, core_sets):
-            factory = self._engine_factory(role)
+        workers, by_role = [], {}
+        for role, cores, weight in zip(roles, core_sets, weights):
+            factory = self._engine_factory(role, instance_id)
             name = f"{role}-worker"
             if role == "E":
                 w = EncodeWorker(name, factory, cores)
             elif role in ("P", FUSED_PREFILL):
                 w = PrefillWorker(name, factory, cores, kv_config=kv_config)
             elif role == "D":
-                w = DecodeWorker(name, factory, cores, instance_id=self.instance_id, kv_config=kv_config)
+                w = DecodeWorker(name, factory, cores, instance_id=instance_id, kv_config=kv_config)
             else:
                 w = CoupledWorker(name, factory, cores)
             w.low_priority = yields(cfg.colocation, role)
@@ -180,12 +187,19 @@ class InstanceHost:
                 w.gate_factory = gates(name)
             if not cpu and len(roles) > 1 and cfg.split_cores:
                 w.colocated = True
-                w.device_share = device_share(cfg.colocation, role, weights[len(self.workers)])
+                w.device_share = device_share(cfg.colocation, role, weight)
                 w.stream_priority = stream_priority(cfg.colocation, role)
-            self.workers.append(w)
-            self._by_role["PD" if role in ("PD", "EPD") else served_stages(role)] = w
-        for w in self.workers:  # one at a time: transformers' lazy imports are not thread-safe
-            w.start().wait_ready(ready_timeout_s)
+            workers.append(w)
+            by_role["PD" if role in ("PD", "EPD") else served_stages(role)] = w
+        try:
+            for w in workers:  # one at a time: transformers' lazy imports are not thread-safe
+                w.start().wait_ready(ready_timeout_s)
+        except BaseException:
+            for w in workers:
+                w.stop()
+            _close_features(workers)
+            raise
+        return workers, by_role
 
     def _gate_factory(self, num_workers: int):
         """`slo` on CPU: name → a factory of each worker's core-lease gate (on the launcher's arbiter,
@@ -217,18 +231,61 @@ class InstanceHost:
         self._start_workers(self._ready_timeout_s)
         self._sync_rendezvous()
 
+    def overlaps_switches(self) -> bool:
+        """Does a role switch start the new workers beside the old ones (`--switch-overlap`)? auto:
+        on CPU (memory for a second KV cache for the switch's length), and not under a core lease
+        (the lease's layer checkpoints and arbiter belong to one set of workers)."""
+        cfg = self.config
+        if cfg.switch_overlap == "off" or uses_core_lease(cfg.colocation, cfg.device):
+            return False
+        return cfg.switch_overlap == "on" or cfg.device.startswith("cpu")
+
+    def build_beside(self, roles: str, instance_id: str) -> common_pb2.InstanceStatus:
+        """Start the workers of `roles` beside the running ones and make them this instance
+        (`instance_id`, new work goes to them); the old workers retire: they keep what they hold
+        (and calls for the stages only they serve) until `retire()`. Returns the old identity's
+        status, marked draining. Nothing changes when the new workers cannot start (raises)."""
+        workers, by_role = self._build_workers(roles, instance_id, self._ready_timeout_s)
+        old = self.status()
+        old.draining = True
+        self._retiring, self._retiring_by_role = self.workers, self._by_role
+        self.workers, self._by_role = workers, by_role
+        self.roles = self.config.roles = roles
+        self.instance_id = instance_id
+        self._sync_rendezvous()
+        return old
+
+    @property
+    def retiring(self) -> list:
+        return list(self._retiring)
+
+    def retire(self) -> None:
+        """Stop the retiring workers (`build_beside`; the caller drained them)."""
+        workers, self._retiring, self._retiring_by_role = self._retiring, [], {}
+        for w in workers:
+            w.stop()
+        _close_features(workers)
+        self._sync_rendezvous()
+
+    def all_workers(self) -> list:
+        """Serving and retiring workers (a client's Abort may be for a request either holds)."""
+        return list(self.workers) + list(self._retiring)
+
     def _sync_rendezvous(self) -> None:
-        """A KV rendezvous server while a worker prefills for remote D instances, none otherwise."""
-        if "P" in self._by_role and self._rendezvous is None:
+        """A KV rendezvous server while a worker (serving or retiring) prefills for remote D
+        instances, none otherwise."""
+        prefills = "P" in self._by_role or "P" in self._retiring_by_role
+        if prefills and self._rendezvous is None:
             self._rendezvous = RendezvousServer(self.config.host, 0, timeout_s=self.config.kv_connect_timeout_s)
-        elif "P" not in self._by_role and self._rendezvous is not None:
+        elif not prefills and self._rendezvous is not None:
             self._rendezvous.close()
             self._rendezvous = None
 
-    def announce(self, previous_id: str | None = None) -> None:
-        """Tell every scheduler our status now (Register), then that `previous_id` is gone."""
+    def announce(self, previous_id: str | None = None, before: common_pb2.InstanceStatus | None = None) -> None:
+        """Tell every scheduler `before` (a retiring identity's status), then our status now
+        (Register), then that `previous_id` is gone."""
         for r in self._registrars:
-            r.announce(previous_id)
+            r.announce(previous_id, before=before)
 
     def switch_roles(self, roles: str, drain_timeout_s: float = 60.0, reason: str = ""):
         """Change roles in place (instance/role_switch.py); returns its SwitchResult."""
@@ -236,7 +293,7 @@ class InstanceHost:
 
         return switch_roles(self, roles, drain_timeout_s, reason)
 
-    def _engine_factory(self, role: str):
+    def _engine_factory(self, role: str, instance_id: str):
         cfg = self.config
 
         def build(connector):  # on the worker's own thread
@@ -251,21 +308,23 @@ class InstanceHost:
                 max_model_len=cfg.max_model_len, feature_wait_s=cfg.feature_wait_s,
                 encode_token_budget=cfg.encode_token_budget,
             )
-            return LLMEngine(ecfg, model=self.model, features=self._provider(role), kv_connector=connector)
+            return LLMEngine(ecfg, model=self.model, features=self._provider(role, instance_id), kv_connector=connector)
 
         return build
 
-    def _provider(self, role: str):
+    def _provider(self, role: str, instance_id: str):
         if role == "D" or self._store is None:
             return None  # the engine's in-process cache
         from epdserve.transfer.mm_store.provider import MMStoreFeatureProvider
 
         listens = "P" in role and not encodes_inline(role)  # someone else's E sends it events
-        return MMStoreFeatureProvider(self._store, engine_stages(role), instance_id=self.instance_id if listens else None,
+        return MMStoreFeatureProvider(self._store, engine_stages(role), instance_id=instance_id if listens else None,
                                       cache_bytes=self.config.feature_cache_bytes)
 
     def worker(self, role: str):
-        return self._by_role.get(role)
+        """The worker new calls for `role` go to: a serving one, else a retiring one (a call routed
+        by the roster from before a switch finishes where the old roles run)."""
+        return self._by_role.get(role) or self._retiring_by_role.get(role)
 
     # ---------------------------------------------------------------- status
     def status(self) -> common_pb2.InstanceStatus:
@@ -281,3 +340,9 @@ class InstanceHost:
             st.kv_endpoint.CopyFrom(common_pb2.KvEndpoint(
                 backend=self.model.platform.dist_backend, host=cfg.host, port=self._rendezvous.port))
         return st
+
+
+def _close_features(workers) -> None:
+    for w in workers:
+        if w.engine is not None and w.engine.features is not None:
+            w.engine.features.close()

@@ -84,8 +84,12 @@ class Registrar:
             log.warning("scheduler %s unreachable (%s); retrying", self.scheduler, attempt.outcome.exception().code())
             self._down_logged = True
 
-    def _register(self) -> None:
-        resp = self._stub.Register(instance_pb2.RegisterRequest(instance=self.status()), timeout=self.rpc_timeout_s)
+    def _register(self, status: common_pb2.InstanceStatus | None = None) -> None:
+        """Register our status now, or `status` (another identity of this process: see announce)."""
+        resp = self._stub.Register(instance_pb2.RegisterRequest(instance=status or self.status()),
+                                   timeout=self.rpc_timeout_s)
+        if status is not None:
+            return
         if resp.heartbeat_interval_s > 0:
             self.interval_s = resp.heartbeat_interval_s
         st = self.status()
@@ -100,10 +104,16 @@ class Registrar:
             log.info("scheduler %s does not know %s any more; registering again", self.scheduler, st.instance_id)
             self.registered.clear()
 
-    def announce(self, previous_id: str | None = None, attempts: int = 5) -> None:
-        """Register our status now (role switching: draining, or a new id and roles), then
-        Deregister `previous_id`; a few quick retries, raising grpc.RpcError if they all fail."""
+    def announce(self, previous_id: str | None = None, attempts: int = 5,
+                 before: common_pb2.InstanceStatus | None = None) -> None:
+        """Register `before` (an overlapped role switch: the old identity, draining, which this
+        process keeps serving under until its work is done; it gets no heartbeats, the scheduler's
+        health probes of our address keep it), then our status now (role switching: draining, or a
+        new id and roles), then Deregister `previous_id`; a few quick retries, raising
+        grpc.RpcError if they all fail."""
         def once() -> None:
+            if before is not None:
+                self._register(before)
             self._register()
             if previous_id and previous_id != self.status().instance_id:
                 self._stub.Deregister(instance_pb2.DeregisterRequest(instance_id=previous_id),

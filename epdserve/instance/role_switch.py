@@ -18,6 +18,19 @@
 A call for a stage the instance does not run while a switch is under way (its workers are being
 rebuilt, or it was routed by the roster from before) is answered ABORTED, which the scheduler
 retries elsewhere.
+
+Overlapped (`--switch-overlap`, auto: on CPU instances without a core lease), the stages the
+instance keeps or gains serve through the switch instead of waiting out the drain (a split of a
+lone coupled engine otherwise stalls every new request for its longest running decode):
+1. build — the new roles' workers start beside the old ones, on the same model (the old ones keep
+   taking work meanwhile; if the new ones cannot start, nothing changed);
+2. swap and announce — the new workers become the instance under a new id, which is registered
+   after the old id is registered again as draining: new work goes to the new workers, what the
+   old ones hold finishes on them, and a call routed by the roster from before still finds the
+   old worker of its stage (`InstanceHost.worker`);
+3. drain the old workers as above (the timeout aborts what is left), stop them, Deregister the old
+   id. The cost: two sets of workers — two KV caches — for the drain's length, which is why auto
+   is off on accelerators (the operator turns it on where device memory holds both).
 """
 from __future__ import annotations
 
@@ -98,6 +111,8 @@ def switch_roles(host, roles: str, drain_timeout_s: float, reason: str = "") -> 
     if not host.switch_lock.acquire(blocking=False):
         raise SwitchError(f"instance {host.instance_id} is already switching roles")
     try:
+        if host.overlaps_switches():
+            return _switch_overlapped(host, roles, drain_timeout_s, reason)
         return _switch(host, roles, drain_timeout_s, reason)
     finally:
         host.switch_lock.release()
@@ -128,6 +143,28 @@ def _switch(host, roles: str, drain_timeout_s: float, reason: str) -> SwitchResu
     log.info("switched %s (%s) -> %s (%s): drained in %.2f s, rebuilt in %.2f s", old_id, old_roles,
              host.instance_id, roles, drain_s, rebuild_s)
     return SwitchResult(old_id, host.instance_id, roles, drain_s, rebuild_s, aborted)
+
+
+def _switch_overlapped(host, roles: str, drain_timeout_s: float, reason: str) -> SwitchResult:
+    old_id, old_roles = host.instance_id, host.roles
+    new_id = new_instance_id(host, roles)
+    log.info("switching %s from %s to %s, new workers beside the old%s", old_id, old_roles, roles,
+             f" ({reason})" if reason else "")
+    t0 = time.monotonic()
+    try:
+        old = host.build_beside(roles, new_id)
+    except Exception as e:  # the old workers never stopped taking work: nothing changed
+        log.exception("starting %s workers beside %s failed; still %s", roles, old_id, old_roles)
+        raise SwitchError(f"could not switch to {roles}: {e}; still {old_roles}") from e
+    rebuild_s = time.monotonic() - t0
+    host.announce(before=old)  # the old id draining (its calls finish here), the new id taking work
+    drain_s, aborted = drain(host.retiring, drain_timeout_s)
+    host.retire()
+    gc.collect()  # the old engines' KV caches
+    host.announce(previous_id=old_id)
+    log.info("switched %s (%s) -> %s (%s): new workers serving after %.2f s, old ones drained in %.2f s beside "
+             "them", old_id, old_roles, new_id, roles, rebuild_s, drain_s)
+    return SwitchResult(old_id, new_id, roles, drain_s, rebuild_s, aborted)
 
 
 def _take_work_again(host) -> None:

@@ -199,7 +199,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
     # ---------------------------------------------------------------- control
     def Abort(self, request, context):
         found = False
-        for w in self.host.workers:
+        for w in self.host.all_workers():
             try:
                 found = bool(w.abort(request.request_id).result(timeout=10)) or found
             except Exception as e:  # a stopping worker

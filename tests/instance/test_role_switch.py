@@ -2,7 +2,9 @@
 with a real scheduler, a real MM Store and gloo KV pairs. An instance switches while requests are
 in flight on it; they finish there (no retry, outputs equal transformers'), the instance comes back
 under a new id with its new roles, on the model it already held (no reload), and serves the next
-requests in them. A lone instance switching leaves a gap: requests wait it out, none fails."""
+requests in them. Overlapped (`--switch-overlap`, on by default on CPU) the new roles serve while the
+old ones drain beside them; drained first (off), a lone instance switching leaves a gap: requests
+wait it out, none fails."""
 from __future__ import annotations
 
 import logging
@@ -59,9 +61,10 @@ def start(qwen2_vl_tiny, sched, redis):
     """start(roles): an instance host registered with `sched`; all are stopped (before it) at teardown."""
     hosts = []
 
-    def make(roles):
+    def make(roles, overlap="auto"):
         hosts.append(InstanceHost(InstanceConfig(roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.address,
-                                                 mm_store=redis.url, kv_cache_bytes=4 << 20, feature_wait_s=5.0)).start())
+                                                 mm_store=redis.url, kv_cache_bytes=4 << 20, feature_wait_s=5.0,
+                                                 switch_overlap=overlap)).start())
         return hosts[-1]
 
     yield make
@@ -84,9 +87,10 @@ def _switch(host, roles, reason="test"):
         instance_pb2.SwitchRolesRequest(roles=roles, drain_timeout_s=60, reason=reason), timeout=120)
 
 
-def test_switch_with_requests_in_flight_loses_nothing(sched, start, ref, caplog):
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_switch_with_requests_in_flight_loses_nothing(sched, start, ref, caplog, overlap):
     caplog.set_level(logging.INFO)
-    a, d = start("EP"), start("D")
+    a, d = start("EP", overlap), start("D")
     wait_until(lambda: {a.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
     model_before, old_id = a.model, a.instance_id
     first, second = _work(6, 0), _work(6, 50)
@@ -103,6 +107,7 @@ def test_switch_with_requests_in_flight_loses_nothing(sched, start, ref, caplog)
         assert resp.instance.instance_id == a.instance_id != old_id and not resp.instance.draining
         assert a.model is model_before  # the model it held: no reload
         assert [w.role for w in a.workers] == ["PD"] and a.workers[0].engine.model is model_before
+        assert not a.retiring  # the old workers are stopped when the switch answers
         info = roster(sched)
         assert old_id not in info and info[a.instance_id].roles == "PD"
         results["second"] = _run(c, second)  # now coupled on the switched instance
@@ -114,7 +119,7 @@ def test_switch_with_requests_in_flight_loses_nothing(sched, start, ref, caplog)
 
 def test_a_lone_instance_switching_makes_requests_wait_not_fail(sched, start, ref, caplog):
     caplog.set_level(logging.INFO)
-    a = start("EPD")
+    a = start("EPD", "off")
     wait_until(lambda: a.instance_id in roster(sched), what="registration")
     work = _work(4, 100)
     refs = [ref.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in work]
@@ -190,6 +195,67 @@ def test_merge_and_split_a_p_d_pair_under_load(sched, start, ref, caplog):
     assert [[list(o.token_ids) for o in w] for w in outs] == refs
     assert not _retries(caplog)
     assert roster(sched)[p.instance_id].roles == "P+E"
+
+
+def test_an_overlapped_split_serves_new_requests_while_the_coupled_decodes_drain(sched, start, ref, caplog):
+    """EPD (the D parked beside it) -> P+E with long decodes running on the coupled engine: the new
+    P+E workers start beside it and take the next requests at once (prefill here, decode on the D)
+    while the old engine finishes its decodes; drained first, those requests would wait for the
+    longest of them. Every output equal to transformers', nothing retried, the old id gone after."""
+    caplog.set_level(logging.INFO)
+    p, d = start("EPD", "on"), start("D")
+    wait_until(lambda: {p.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
+    old_id, model_before = p.instance_id, p.model
+    long_work, short_work = _work(3, 700), _work(4, 800)
+    long = 400  # the coupled engine's decodes: far longer than a short request's whole path
+    long_refs = [ref.generate(q, imgs, max_tokens=long) for q, imgs in long_work]
+    short_refs = [ref.generate(q, imgs, max_tokens=8) for q, imgs in short_work]
+    with Client(sched.address, timeout=300) as c:
+        results: dict = {}
+        t = threading.Thread(target=lambda: results.update(long=_run(c, long_work, long)))
+        t.start()
+        wait_until(lambda: len(p.workers[0].handles) == len(long_work), timeout_s=60, what="long decodes running")
+        old_worker = p.workers[0]
+        sw = threading.Thread(target=lambda: results.update(switch=_switch(p, "P+E", "split")))
+        sw.start()
+        wait_until(lambda: p.instance_id != old_id and p.instance_id in roster(sched), timeout_s=60,
+                   what="the new id registered")
+        assert roster(sched)[old_id].draining and p.retiring == [old_worker]
+        d_before = d.workers[0].load.counts.engine_steps
+        shorts = _run(c, short_work, 8)
+        assert old_worker.handles, "the long decodes ended before the short requests: the test proves nothing"
+        assert d.workers[0].load.counts.engine_steps > d_before  # the short ones decoded on the unparked D
+        sw.join(300)
+        t.join(300)
+    assert [list(o.token_ids) for o in results["long"]] == long_refs
+    assert [list(o.token_ids) for o in shorts] == short_refs
+    resp = results["switch"]
+    assert resp.previous_instance_id == old_id and resp.instance.roles == "P+E" and resp.drain_s > 0
+    assert p.model is model_before and not p.retiring
+    assert old_id not in roster(sched) and roster(sched)[p.instance_id].roles == "P+E"
+    assert not _retries(caplog)
+
+
+def test_an_overlapped_switch_whose_new_workers_cannot_start_changes_nothing(sched, start, ref, monkeypatch):
+    """The new workers fail to start: the switch is refused, the old ones never stopped taking work
+    (no drain happened) and the instance serves as before under its old id."""
+    a = start("PD", "on")
+    wait_until(lambda: a.instance_id in roster(sched), what="registration")
+    old_id, old_worker = a.instance_id, a.workers[0]
+
+    def broken(roles, instance_id, timeout_s):
+        raise RuntimeError("no memory for a second KV cache")
+
+    monkeypatch.setattr(a, "_build_workers", broken)
+    with pytest.raises(grpc.RpcError) as e:
+        _switch(a, "EPD")
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "still PD" in e.value.details()
+    assert a.instance_id == old_id and a.workers == [old_worker] and not a.retiring
+    assert not roster(sched)[old_id].draining
+    work = _work(2, 900)
+    with Client(sched.address, timeout=300) as c:
+        outs = _run(c, work, 8)
+    assert [list(o.token_ids) for o in outs] == [ref.generate(q, imgs, max_tokens=8) for q, imgs in work]
 
 
 def test_an_encoder_switching_away_costs_its_requests_no_retry(sched, start, ref, caplog):
