@@ -82,6 +82,30 @@ def parse_core_list(text: str) -> list[int]:
     return sorted(cores)
 
 
+def format_core_list(cores: list[int]) -> str:
+    """The taskset-style text of a core list: [0, 1, 2, 3, 6] → "0-3,6"."""
+    out, cores = [], sorted(set(cores))
+    i = 0
+    while i < len(cores):
+        j = i
+        while j + 1 < len(cores) and cores[j + 1] == cores[j] + 1:
+            j += 1
+        out.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def compute_id(device, cores: list[int] | None, hostname: str) -> str:
+    """What an instance's steps run on, as `InstanceStatus.compute` reports it: "cpu@HOST" (every
+    core the host lets it use), "cpu:0-3@HOST" (pinned), "npu:3@HOST" / "cuda:0@HOST"; equal
+    values share compute (the role controller does not start a second engine on compute that
+    already runs one)."""
+    kind, _, index = str(device).partition(":")
+    if kind == "cpu":
+        return f"cpu:{format_core_list(cores)}@{hostname}" if cores else f"cpu@{hostname}"
+    return f"{kind}:{index or 0}@{hostname}"
+
+
 def pin_worker_thread(cores: list[int] | None) -> list[int]:
     """Pin the calling thread to `cores` and size its torch intra-op team to match.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import threading
 from concurrent import futures
 
@@ -23,7 +24,7 @@ import grpc
 
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
-from epdserve.instance.affinity import available_cores
+from epdserve.instance.affinity import available_cores, compute_id
 from epdserve.instance.colocation import device_share, stream_priority, uses_core_lease, worker_core_sets, yields
 from epdserve.instance.core_lease import Checkpoints, open_gate
 from epdserve.instance.lease_arbiter import LeaseArbiter
@@ -333,6 +334,8 @@ class InstanceHost:
         st = common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
             load=load, pid=os.getpid(), draining=self.draining,
+            compute=compute_id(self.model.device if self.model is not None else cfg.device, cfg.cores,
+                               socket.gethostname()),
         )
         if self.model is not None:
             st.media_namespace = self.model.namespace

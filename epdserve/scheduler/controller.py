@@ -32,7 +32,10 @@ Before the stage moves (step 5), when a stage is hot: the coupling moves of coup
 window's traffic is encode-light (`couple_media_max` media items per request or fewer), P is hot and
 D calm (at most `stay_pressure`); split (the coupled instance gives decode back to a parked D) when
 D is hot or the traffic is encode-heavy. The instance must have held its roles `min_dwell_s`;
-parked instances are left out of the load window.
+parked instances are left out of the load window. A parked instance is not moved into a stage
+when it shares its compute (`InstanceStatus.compute`: the same CPU cores or device) with an
+instance that serves: a second engine there contends for the compute instead of adding any (on
+this project's 2-core host two P+E processes were no faster than one, two D processes starved P).
 
 Not considered: moves of two instances at once (e.g. monolithic → E-PD needs EPD → E and EPD →
 PD together; one at a time, the first leaves an idle E, which `roster_problem` refuses).
@@ -118,11 +121,12 @@ class RosterEntry:
     roles: str
     routable: bool = True
     draining: bool = False
+    compute: str = ""  # InstanceStatus.compute: equal values share their compute ("" unknown)
 
     @classmethod
     def of(cls, record) -> RosterEntry:
         return cls(record.instance_id, record.roles, bool(getattr(record, "routable", True)),
-                    bool(getattr(record, "draining", False)))
+                    bool(getattr(record, "draining", False)), getattr(record, "compute", "") or "")
 
 
 def roster_problem(roles: Iterable[str]) -> str | None:
@@ -265,10 +269,16 @@ class RoleController:
         live = [e for e in roster if e.routable and not e.draining]
         options = []
         refused: dict[tuple[str, str], list[str]] = {}  # (instance, why) -> the targets refused for it
-        for e in live:
+        idle = parked([x.roles for x in live])
+        for e, is_parked in zip(live, idle):
             have = stages_of(e.roles)
             held = 1.0 / len(have) if stage in have else 0.0  # its share of the instance now
             if held == 1.0:
+                continue
+            sharing = [x for x, p in zip(live, idle) if is_parked and e.compute and not p and x.compute == e.compute]
+            if sharing:
+                refused[(f"{e.instance_id} ({e.roles})", f"parked on the compute {sharing[0].instance_id} runs on "
+                         f"({e.compute}): an engine there would add a process, not compute")] = []
                 continue
             age = now - self.since.get(e.instance_id, now)
             if age < c.min_dwell_s:

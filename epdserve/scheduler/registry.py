@@ -51,6 +51,7 @@ class InstanceRecord:
     outstanding: dict[str, int] = field(default_factory=lambda: {"E": 0, "P": 0, "D": 0, "PD": 0})
     inflight: int = 0
     draining: bool = False  # switching roles: finishes what it holds, takes nothing new
+    compute: str = ""  # InstanceStatus.compute: equal values share their compute
 
     def has(self, role: str) -> bool:
         """Does it serve calls for stage `role` (E, P, D)? A "P+E" instance serves P only."""
@@ -75,7 +76,7 @@ class InstanceRecord:
         return common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=self.address, model=self.model,
             media_namespace=self.namespace, load=self.load, kv_endpoint=self.kv_endpoint, health=self.health,
-            last_seen=self.last_seen, pid=self.pid, draining=self.draining,
+            last_seen=self.last_seen, pid=self.pid, draining=self.draining, compute=self.compute,
         )
 
 
@@ -119,6 +120,7 @@ class InstanceRegistry:
         rec.kv_endpoint = common_pb2.KvEndpoint()
         rec.kv_endpoint.CopyFrom(status.kv_endpoint)
         rec.pid = status.pid
+        rec.compute = status.compute
         if status.draining != rec.draining:
             log.info("instance %s %s", rec.instance_id, "is draining (switching roles)" if status.draining
                      else "takes work again")

@@ -4,6 +4,7 @@ one warning per outage and a prompt stop however long the backoff has grown."""
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import grpc
@@ -38,6 +39,7 @@ def test_register_heartbeat_reregister_deregister(qwen2_vl_tiny):
         st = wait_until(lambda: roster(sched).get(host.instance_id), what="registration")
         assert st.roles == "PD" and st.address == f"127.0.0.1:{host.port}" and st.media_namespace
         assert st.load.total_kv_blocks > 0 and st.pid > 0
+        assert st.compute == f"cpu@{socket.gethostname()}"  # every core of this host: shared with its other instances
         sched.stop()  # a restarted scheduler knows nobody: the heartbeat says so and the instance registers again
         sched = SchedulerThread(SchedulerConfig(**cfg))
         sched.start()

@@ -76,3 +76,15 @@ def test_pinned_worker_threads_keep_their_torch_teams_on_their_cores():
         except OSError:
             continue  # exited meanwhile
         assert cores in sets
+
+
+def test_compute_id_names_what_an_instance_runs_on():
+    import torch
+
+    from epdserve.instance.affinity import compute_id, format_core_list
+
+    assert format_core_list([6, 0, 1, 2, 3, 9, 10]) == "0-3,6,9-10"
+    assert compute_id(torch.device("cpu"), None, "h") == "cpu@h"
+    assert compute_id("cpu", [0, 1, 2, 3, 6], "h") == "cpu:0-3,6@h"  # pinned (launch --pin-instances)
+    assert compute_id(torch.device("cuda", 1), None, "h") == "cuda:1@h"
+    assert compute_id("npu", None, "h") == "npu:0@h"

@@ -100,6 +100,28 @@ def test_a_merged_roster_stays_merged_on_encode_light_traffic_and_waits_out_its_
     assert d.outcome is Outcome.BLOCKED and "split wanted but m0 holds its roles" in d.reason
 
 
+def test_a_parked_instance_on_the_compute_of_the_coupled_engine_is_not_made_a_second_engine():
+    """The same hot coupled engine, but the parked D runs on the same CPU cores (InstanceStatus.compute,
+    from the registry): a second EPD there would contend for the cores, not add any; on other
+    compute (another device) it is still the move."""
+    from epdserve.rpc import common_pb2
+    from epdserve.scheduler.registry import InstanceRegistry
+
+    for d_compute, expect_move in (("cpu@h", False), ("npu:1@h", True)):
+        reg = InstanceRegistry()
+        for iid, roles, compute in (("m0", "EPD", "cpu@h"), ("d0", "D", d_compute)):
+            reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}", compute=compute))
+        assert reg.get("d0").compute == d_compute and reg.get("d0").to_proto().compute == d_compute
+        load(reg, m0={"queued_tokens": 4096})
+        ctrl = RoleController(CFG)
+        finished(ctrl, 10, media=0)
+        d = decide_after(ctrl, reg, 0.0)
+        if expect_move:
+            assert d.move == Move("d0", "D", "EPD")
+        else:  # the coupled engine takes the share itself instead (EPD -> EP, decode back on the D)
+            assert d.move == Move("m0", "EPD", "EP")
+
+
 def test_coupling_can_be_turned_off():
     reg = registry(("m0", "EPD"), ("d0", "D"))
     load(reg)
