@@ -10,6 +10,8 @@ port, the cluster token required on Instance calls when one is set → SERVING �
 the scheduler (presenting the token) and heartbeat.
 stop: NOT_SERVING → deregister → stop the server (short grace) → stop workers (closing their
 KV pairs and feature providers) → close the store.
+Role switches (instance/role_switch.py) either `rebuild` the workers after a drain, or start the
+new ones beside the old (`build_beside`), which retire once drained (`retire`).
 """
 from __future__ import annotations
 
