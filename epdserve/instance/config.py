@@ -137,8 +137,9 @@ def add_instance_args(p: argparse.ArgumentParser) -> None:
                    help="role switches (SwitchRoles): on = start the new roles' workers beside the old ones, which "
                         "finish what they hold while the new ones take new work (no gap for the stages kept, but two "
                         "KV caches for the switch's duration); off = drain first, then rebuild (the stages wait out "
-                        "the drain); auto (default) = on for CPU instances, off on accelerators (device memory) and "
-                        "under --colocation slo (one core lease per instance)")
+                        "the drain); auto (default) = on for CPU instances, on an accelerator when its spare memory "
+                        "holds 1.25x the new workers' KV caches; never under --colocation slo (one core lease per "
+                        "instance)")
 
 
 def from_args(a: argparse.Namespace) -> InstanceConfig:

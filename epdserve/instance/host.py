@@ -49,6 +49,7 @@ from epdserve.transfer.kv import KVTransferConfig, RendezvousServer
 log = logging.getLogger(__name__)
 
 _E_KV_BYTES = 8 << 20  # an encode-only engine never holds request KV
+OVERLAP_HEADROOM = 1.25  # an overlapped switch on an accelerator: spare device memory >= this x the new KV caches
 _MAX_MSG = 256 << 20
 
 
@@ -234,14 +235,26 @@ class InstanceHost:
         self._start_workers(self._ready_timeout_s)
         self._sync_rendezvous()
 
-    def overlaps_switches(self) -> bool:
-        """Does a role switch start the new workers beside the old ones (`--switch-overlap`)? auto:
-        on CPU (memory for a second KV cache for the switch's length), and not under a core lease
-        (the lease's layer checkpoints and arbiter belong to one set of workers)."""
+    def overlaps_switches(self, roles: str) -> bool:
+        """Does a switch to `roles` start the new workers beside the old ones (`--switch-overlap`)?
+        Never under a core lease (its layer checkpoints and arbiter belong to one set of workers);
+        auto: on CPU, and on an accelerator when the device has room for the new workers' KV
+        caches beside the old ones (`OVERLAP_HEADROOM` times them, for their activations)."""
         cfg = self.config
         if cfg.switch_overlap == "off" or uses_core_lease(cfg.colocation, cfg.device):
             return False
-        return cfg.switch_overlap == "on" or cfg.device.startswith("cpu")
+        if cfg.switch_overlap == "on" or cfg.device.startswith("cpu"):
+            return True
+        need = sum(_E_KV_BYTES if r == "E" else cfg.kv_cache_bytes for r in worker_roles(roles))
+        try:
+            spare = self.model.platform.spare_memory_bytes(self.model.device.index or 0)
+        except Exception as e:  # a runtime without the query: drain first, as before
+            log.warning("cannot read the device's free memory (%s); switching to %s drained first", e, roles)
+            return False
+        fits = spare is not None and spare >= OVERLAP_HEADROOM * need
+        log.info("switch to %s: %s MiB spare on the device for %s MiB of new KV caches: %s", roles,
+                 "?" if spare is None else spare >> 20, need >> 20, "overlapped" if fits else "drained first")
+        return fits
 
     def build_beside(self, roles: str, instance_id: str) -> common_pb2.InstanceStatus:
         """Start the workers of `roles` beside the running ones and make them this instance

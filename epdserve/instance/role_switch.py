@@ -30,7 +30,7 @@ lone coupled engine otherwise stalls every new request for its longest running d
    old worker of its stage (`InstanceHost.worker`);
 3. drain the old workers as above (the timeout aborts what is left), stop them, Deregister the old
    id. The cost: two sets of workers — two KV caches — for the drain's length, which is why auto
-   is off on accelerators (the operator turns it on where device memory holds both).
+   on an accelerator overlaps only when the device has that room (`InstanceHost.overlaps_switches`).
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def switch_roles(host, roles: str, drain_timeout_s: float, reason: str = "") -> 
     if not host.switch_lock.acquire(blocking=False):
         raise SwitchError(f"instance {host.instance_id} is already switching roles")
     try:
-        if host.overlaps_switches():
+        if host.overlaps_switches(roles):
             return _switch_overlapped(host, roles, drain_timeout_s, reason)
         return _switch(host, roles, drain_timeout_s, reason)
     finally:

@@ -47,6 +47,14 @@ class Platform(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 
+    def spare_memory_bytes(self, index: int = 0) -> int | None:
+        """Device memory this process could still allocate on device `index`: the runtime's free
+        memory (torch.cuda / torch.npu `mem_get_info`, where this process's cached blocks count as
+        used) plus what its caching allocator holds unallocated; None where not known (CPU)."""
+        mod = getattr(torch, self.name)
+        free, _ = mod.mem_get_info(index)
+        return int(free + mod.memory_reserved(index) - mod.memory_allocated(index))
+
     def new_stream(self, priority: int = 0):
         """A stream for one stage worker (lower `priority` = higher), or None where streams do not exist (CPU)."""
         return None

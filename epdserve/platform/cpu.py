@@ -31,6 +31,9 @@ class CpuPlatform(Platform):
     def set_thread_stream(self, stream) -> None:
         pass  # no streams on the host
 
+    def spare_memory_bytes(self, index: int = 0) -> int | None:
+        return None  # host memory: not the device's to count
+
     def wait_work(self, work, timeout_s: float) -> None:
         # Gloo's send/recv make progress only inside wait(): is_completed() stays False until
         # it is called, so the waiter blocks, with the same deadline as the device backends.

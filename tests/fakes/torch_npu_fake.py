@@ -28,6 +28,10 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   * a dead peer is not an error to HCCL until HCCL_EXEC_TIMEOUT (default 1836 s, PG
     `defaultExecTimeout`): the work just stays pending, as it does here.
 - `torch_npu/npu/utils.py` set_device / current_device / set_stream / current_stream: per thread.
+- `torch_npu/npu/__init__.py` mem_get_info(device=None) -> (free, total) from
+  `_npu_getDeviceMemories` (`csrc/npu/Module.cpp`: aclrtGetMemInfo(ACL_HBM_MEM)), "Invalid device
+  id" AssertionError outside 0..device_count-1; `torch_npu/npu/memory.py` memory_reserved /
+  memory_allocated(device=None): the caching allocator's bytes (`FakeTorchNpu.memory`).
 - `torch_npu/npu/npu_config.py` set_stream_limit: AssertionError for a stream that is not a
   torch_npu.npu.Stream; `csrc/core/npu/interface/AclInterface.cpp` AclrtSetStreamResLimit:
   TORCH_CHECK "Failed to find function aclrtSetStreamResLimit" (RuntimeError) where the CANN
@@ -64,6 +68,8 @@ class FakeTorchNpu:
         self.stream_limits = stream_limits
         self.devices = devices
         self.cores = cores
+        # per device: (runtime-free, reserved by this process's allocator, allocated of that, total) bytes
+        self.memory = {i: (48 << 30, 8 << 30, 6 << 30, 64 << 30) for i in range(devices)}
         self.events: list[tuple] = []
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -141,6 +147,19 @@ class FakeTorchNpu:
             raise TypeError(f"device must be an int, but got {type(device).__name__}")
         return {"cube_core_num": self.cores[0], "vector_core_num": self.cores[1]}
 
+    def _index(self, device) -> int:
+        index = self.current_device() if device is None else (
+            device if isinstance(device, int) else torch.device(device).index or 0)
+        if not 0 <= index < self.devices:
+            raise AssertionError("Invalid device id")
+        return index
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        """(free, total) bytes of the device as the runtime sees it (aclrtGetMemInfo(ACL_HBM_MEM)):
+        memory this process's caching allocator holds counts as used."""
+        free, _, _, total = self.memory[self._index(device)]
+        return free, total
+
     def async_error_handling(self) -> int:
         with self._lock:
             if self._async_error_handling is None:
@@ -169,6 +188,9 @@ class FakeTorchNpu:
         npu.set_stream_limit = self.set_stream_limit
         npu.get_device_limit = self.get_device_limit
         npu.config = types.SimpleNamespace(allow_internal_format=True)
+        npu.mem_get_info = self.mem_get_info
+        npu.memory_reserved = lambda device=None: self.memory[self._index(device)][1]
+        npu.memory_allocated = lambda device=None: self.memory[self._index(device)][2]
 
         class Options:
             def __init__(self):
