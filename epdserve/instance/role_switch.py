@@ -157,7 +157,10 @@ def _switch_overlapped(host, roles: str, drain_timeout_s: float, reason: str) ->
         log.exception("starting %s workers beside %s failed; still %s", roles, old_id, old_roles)
         raise SwitchError(f"could not switch to {roles}: {e}; still {old_roles}") from e
     rebuild_s = time.monotonic() - t0
-    host.announce(before=old)  # the old id draining (its calls finish here), the new id taking work
+    try:
+        host.announce(before=old)  # the old id draining (its calls finish here), the new id taking work
+    except Exception:  # the new workers serve either way; heartbeats register the new id once it answers
+        log.exception("could not announce %s (draining) and %s to the scheduler", old_id, new_id)
     drain_s, aborted = drain(host.retiring, drain_timeout_s)
     host.retire()
     gc.collect()  # the old engines' KV caches
