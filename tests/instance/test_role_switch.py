@@ -207,7 +207,7 @@ def test_an_overlapped_split_serves_new_requests_while_the_coupled_decodes_drain
     wait_until(lambda: {p.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
     old_id, model_before = p.instance_id, p.model
     long_work, short_work = _work(3, 700), _work(4, 800)
-    long = 400  # the coupled engine's decodes: far longer than a short request's whole path
+    long = 600  # the coupled engine's decodes: far longer than a short request's whole path
     long_refs = [ref.generate(q, imgs, max_tokens=long) for q, imgs in long_work]
     short_refs = [ref.generate(q, imgs, max_tokens=8) for q, imgs in short_work]
     with Client(sched.address, timeout=300) as c:
@@ -233,6 +233,40 @@ def test_an_overlapped_split_serves_new_requests_while_the_coupled_decodes_drain
     assert resp.previous_instance_id == old_id and resp.instance.roles == "P+E" and resp.drain_s > 0
     assert p.model is model_before and not p.retiring
     assert old_id not in roster(sched) and roster(sched)[p.instance_id].roles == "P+E"
+    assert not _retries(caplog)
+
+
+def test_an_overlapped_switch_that_keeps_a_stage_hands_new_calls_to_the_new_worker(sched, start, ref, caplog):
+    """D -> ED overlapped, decodes running: the old D worker finishes them over its KV pairs while
+    the new ED's D worker (new id, new pairs) takes the decodes of requests arriving meanwhile —
+    the one stage both role sets serve. Every output equal to transformers', nothing retried."""
+    caplog.set_level(logging.INFO)
+    e, p, d = start("E"), start("P"), start("D", "on")
+    wait_until(lambda: {h.instance_id for h in (e, p, d)} <= set(roster(sched)), what="registration")
+    old_id = d.instance_id
+    long_work, short_work = _work(3, 1000), _work(4, 1100)
+    long_refs = [ref.generate(q, imgs, max_tokens=500) for q, imgs in long_work]
+    short_refs = [ref.generate(q, imgs, max_tokens=8) for q, imgs in short_work]
+    with Client(sched.address, timeout=300) as c:
+        results: dict = {}
+        t = threading.Thread(target=lambda: results.update(long=_run(c, long_work, 500)))
+        t.start()
+        wait_until(lambda: len(d.workers[0].handles) == len(long_work), timeout_s=60, what="long decodes on D")
+        old_d = d.workers[0]
+        sw = threading.Thread(target=lambda: results.update(switch=_switch(d, "ED", "images pile up")))
+        sw.start()
+        wait_until(lambda: d.instance_id != old_id and d.instance_id in roster(sched), timeout_s=60,
+                   what="the new id registered")
+        new_d = d.worker("D")
+        assert new_d is not old_d and d.retiring == [old_d]
+        shorts = _run(c, short_work, 8)
+        assert old_d.handles, "the long decodes ended before the short requests: the test proves nothing"
+        assert new_d.load.counts.engine_steps > 0  # the short ones decoded on the new worker
+        sw.join(300)
+        t.join(300)
+    assert [list(o.token_ids) for o in results["long"]] == long_refs
+    assert [list(o.token_ids) for o in shorts] == short_refs
+    assert results["switch"].instance.roles == "ED" and old_id not in roster(sched)
     assert not _retries(caplog)
 
 
