@@ -197,6 +197,33 @@ def test_merge_and_split_a_p_d_pair_under_load(sched, start, ref, caplog):
     assert roster(sched)[p.instance_id].roles == "P+E"
 
 
+class _OverlappedSwitch:
+    """Long decodes running on `host`'s first worker, then its switch to `roles` (threads): the two
+    overlap tests' shared set-up. Entered once the new id is on the roster, with `old_worker`
+    retiring; `finish()` waits for both and returns (long outputs, SwitchRoles response)."""
+
+    def __init__(self, sched, client, host, work, max_tokens: int, roles: str):
+        self.sched, self.host, self.roles, self.old_id = sched, host, roles, host.instance_id
+        self.results: dict = {}
+        self._long = threading.Thread(target=lambda: self.results.update(long=_run(client, work, max_tokens)))
+        self._long.start()
+        wait_until(lambda: len(host.workers[0].handles) == len(work), timeout_s=60, what="long decodes running")
+        self.old_worker = host.workers[0]
+        self._switch = threading.Thread(target=lambda: self.results.update(switch=_switch(host, roles, "overlap")))
+        self._switch.start()
+        wait_until(lambda: host.instance_id != self.old_id and host.instance_id in roster(sched), timeout_s=60,
+                   what="the new id registered")
+        assert roster(sched)[self.old_id].draining and host.retiring == [self.old_worker]
+
+    def finish(self):
+        self._switch.join(300)
+        self._long.join(300)
+        resp = self.results["switch"]
+        assert resp.previous_instance_id == self.old_id and resp.instance.roles == self.roles
+        assert not self.host.retiring and self.old_id not in roster(self.sched)
+        return self.results["long"], resp
+
+
 def test_an_overlapped_split_serves_new_requests_while_the_coupled_decodes_drain(sched, start, ref, caplog):
     """EPD (the D parked beside it) -> P+E with long decodes running on the coupled engine: the new
     P+E workers start beside it and take the next requests at once (prefill here, decode on the D)
@@ -205,34 +232,22 @@ def test_an_overlapped_split_serves_new_requests_while_the_coupled_decodes_drain
     caplog.set_level(logging.INFO)
     p, d = start("EPD", "on"), start("D")
     wait_until(lambda: {p.instance_id, d.instance_id} <= set(roster(sched)), what="registration")
-    old_id, model_before = p.instance_id, p.model
+    model_before = p.model
     long_work, short_work = _work(3, 700), _work(4, 800)
     long = 600  # the coupled engine's decodes: far longer than a short request's whole path
     long_refs = [ref.generate(q, imgs, max_tokens=long) for q, imgs in long_work]
     short_refs = [ref.generate(q, imgs, max_tokens=8) for q, imgs in short_work]
     with Client(sched.address, timeout=300) as c:
-        results: dict = {}
-        t = threading.Thread(target=lambda: results.update(long=_run(c, long_work, long)))
-        t.start()
-        wait_until(lambda: len(p.workers[0].handles) == len(long_work), timeout_s=60, what="long decodes running")
-        old_worker = p.workers[0]
-        sw = threading.Thread(target=lambda: results.update(switch=_switch(p, "P+E", "split")))
-        sw.start()
-        wait_until(lambda: p.instance_id != old_id and p.instance_id in roster(sched), timeout_s=60,
-                   what="the new id registered")
-        assert roster(sched)[old_id].draining and p.retiring == [old_worker]
+        sw = _OverlappedSwitch(sched, c, p, long_work, long, "P+E")
         d_before = d.workers[0].load.counts.engine_steps
         shorts = _run(c, short_work, 8)
-        assert old_worker.handles, "the long decodes ended before the short requests: the test proves nothing"
+        assert sw.old_worker.handles, "the long decodes ended before the short requests: the test proves nothing"
         assert d.workers[0].load.counts.engine_steps > d_before  # the short ones decoded on the unparked D
-        sw.join(300)
-        t.join(300)
-    assert [list(o.token_ids) for o in results["long"]] == long_refs
+        longs, resp = sw.finish()
+    assert [list(o.token_ids) for o in longs] == long_refs
     assert [list(o.token_ids) for o in shorts] == short_refs
-    resp = results["switch"]
-    assert resp.previous_instance_id == old_id and resp.instance.roles == "P+E" and resp.drain_s > 0
-    assert p.model is model_before and not p.retiring
-    assert old_id not in roster(sched) and roster(sched)[p.instance_id].roles == "P+E"
+    assert resp.drain_s > 0 and p.model is model_before
+    assert roster(sched)[p.instance_id].roles == "P+E"
     assert not _retries(caplog)
 
 
@@ -243,30 +258,19 @@ def test_an_overlapped_switch_that_keeps_a_stage_hands_new_calls_to_the_new_work
     caplog.set_level(logging.INFO)
     e, p, d = start("E"), start("P"), start("D", "on")
     wait_until(lambda: {h.instance_id for h in (e, p, d)} <= set(roster(sched)), what="registration")
-    old_id = d.instance_id
     long_work, short_work = _work(3, 1000), _work(4, 1100)
     long_refs = [ref.generate(q, imgs, max_tokens=500) for q, imgs in long_work]
     short_refs = [ref.generate(q, imgs, max_tokens=8) for q, imgs in short_work]
     with Client(sched.address, timeout=300) as c:
-        results: dict = {}
-        t = threading.Thread(target=lambda: results.update(long=_run(c, long_work, 500)))
-        t.start()
-        wait_until(lambda: len(d.workers[0].handles) == len(long_work), timeout_s=60, what="long decodes on D")
-        old_d = d.workers[0]
-        sw = threading.Thread(target=lambda: results.update(switch=_switch(d, "ED", "images pile up")))
-        sw.start()
-        wait_until(lambda: d.instance_id != old_id and d.instance_id in roster(sched), timeout_s=60,
-                   what="the new id registered")
+        sw = _OverlappedSwitch(sched, c, d, long_work, 500, "ED")
         new_d = d.worker("D")
-        assert new_d is not old_d and d.retiring == [old_d]
+        assert new_d is not sw.old_worker
         shorts = _run(c, short_work, 8)
-        assert old_d.handles, "the long decodes ended before the short requests: the test proves nothing"
+        assert sw.old_worker.handles, "the long decodes ended before the short requests: the test proves nothing"
         assert new_d.load.counts.engine_steps > 0  # the short ones decoded on the new worker
-        sw.join(300)
-        t.join(300)
-    assert [list(o.token_ids) for o in results["long"]] == long_refs
+        longs, _ = sw.finish()
+    assert [list(o.token_ids) for o in longs] == long_refs
     assert [list(o.token_ids) for o in shorts] == short_refs
-    assert results["switch"].instance.roles == "ED" and old_id not in roster(sched)
     assert not _retries(caplog)
 
 
