@@ -35,7 +35,8 @@ def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplo
     caplog.set_level(logging.INFO)
     ctl = ControllerConfig(tick_s=0.3, min_dwell_s=0.0, cooldown_s=600.0, min_samples=2,
                            ttft_slo_s=0.001, tpot_slo_s=60.0,  # every first token is late: the front stage is hot
-                           pressure=PressureConfig(window_s=5.0, min_slo_requests=3))
+                           pressure=PressureConfig(window_s=5.0, min_slo_requests=3),
+                           stage_moves="on")  # the instances share this host's cores: auto would not move them
     sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2,
                                             controller=ctl))
     sched.start()

@@ -102,24 +102,54 @@ def test_a_merged_roster_stays_merged_on_encode_light_traffic_and_waits_out_its_
 
 def test_a_parked_instance_on_the_compute_of_the_coupled_engine_is_not_made_a_second_engine():
     """The same hot coupled engine, but the parked D runs on the same CPU cores (InstanceStatus.compute,
-    from the registry): a second EPD there would contend for the cores, not add any; on other
-    compute (another device) it is still the move."""
+    from the registry). Stage moves on (forced: auto turns them off on one compute, below): a second
+    EPD there would contend for the cores, not add any, so the coupled engine takes the share itself
+    instead; on other compute (another device) the parked D becomes the second engine."""
+    from dataclasses import replace
+
+    for d_compute, expect in (("cpu@h", Move("m0", "EPD", "EP")), ("npu:1@h", Move("d0", "D", "EPD"))):
+        reg = _with_compute(("m0", "EPD", "cpu@h"), ("d0", "D", d_compute))
+        assert reg.get("d0").compute == d_compute and reg.get("d0").to_proto().compute == d_compute
+        load(reg, m0={"queued_tokens": 4096})
+        ctrl = RoleController(replace(CFG, stage_moves="on"))
+        finished(ctrl, 10, media=0)
+        assert decide_after(ctrl, reg, 0.0).move == expect
+
+
+def test_stage_moves_are_off_by_default_where_every_instance_shares_one_compute():
+    """auto: E-P-D on one CPU host with E hot — no stage move (a share moved between processes on the
+    same cores adds no compute); the same roster on three devices moves D -> ED as before; `on`
+    forces it on one host too. Coupling moves are not affected."""
+    from dataclasses import replace
+
+    def decide(compute, **cfg):
+        reg = _with_compute(*((iid, roles, compute(iid)) for iid, roles in (("e0", "E"), ("p0", "P"), ("d0", "D"))))
+        load(reg, e0={"queued_media": 12})  # E 3x its threshold
+        return decide_after(RoleController(replace(CFG, **cfg)), reg, 0.0)
+
+    one_host = decide(lambda iid: "cpu@h")
+    assert one_host.outcome is Outcome.BLOCKED and one_host.move is None
+    assert "E hot but stage moves off: every instance runs on cpu@h" in one_host.reason
+    assert decide(lambda iid: f"npu:{'epd'.index(iid[0])}@h").move == Move("d0", "D", "ED")
+    assert decide(lambda iid: "cpu@h", stage_moves="on").move == Move("d0", "D", "ED")
+    assert "stage moves off" in decide(lambda iid: "npu:0@h", stage_moves="off").reason
+    reg = _with_compute(("p0", "P+E", "cpu@h"), ("d0", "D", "cpu@h"))  # a merge on one host still happens
+    load(reg, p0={"queued_tokens": 4096})
+    ctrl = RoleController(CFG)
+    finished(ctrl, 10, media=0)
+    assert decide_after(ctrl, reg, 0.0).move == Move("p0", "P+E", "EPD")
+    with pytest.raises(ValueError, match="stage_moves"):
+        ControllerConfig(stage_moves="sometimes")
+
+
+def _with_compute(*specs):
     from epdserve.rpc import common_pb2
     from epdserve.scheduler.registry import InstanceRegistry
 
-    for d_compute, expect_move in (("cpu@h", False), ("npu:1@h", True)):
-        reg = InstanceRegistry()
-        for iid, roles, compute in (("m0", "EPD", "cpu@h"), ("d0", "D", d_compute)):
-            reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}", compute=compute))
-        assert reg.get("d0").compute == d_compute and reg.get("d0").to_proto().compute == d_compute
-        load(reg, m0={"queued_tokens": 4096})
-        ctrl = RoleController(CFG)
-        finished(ctrl, 10, media=0)
-        d = decide_after(ctrl, reg, 0.0)
-        if expect_move:
-            assert d.move == Move("d0", "D", "EPD")
-        else:  # the coupled engine takes the share itself instead (EPD -> EP, decode back on the D)
-            assert d.move == Move("m0", "EPD", "EP")
+    reg = InstanceRegistry()
+    for iid, roles, compute in specs:
+        reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}", compute=compute))
+    return reg
 
 
 def test_coupling_can_be_turned_off():
@@ -138,8 +168,10 @@ def test_the_scheduler_flags_make_the_controller_config(tmp_path):
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())
     args = p.parse_args(["scheduler", "--model", str(tmp_path), "--controller", "--controller-window-s", "12",
-                         "--controller-couple-media-max", "0.5", "--controller-no-coupling"])
+                         "--controller-couple-media-max", "0.5", "--controller-no-coupling",
+                         "--controller-stage-moves", "on"])
     c = config_from_args(args).controller
     assert c.pressure.window_s == 12.0 and c.couple_media_max == 0.5 and c.coupling is False
+    assert c.stage_moves == "on"
     off = config_from_args(p.parse_args(["scheduler", "--model", str(tmp_path)])).controller
     assert off is None
