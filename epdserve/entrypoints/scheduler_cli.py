@@ -72,7 +72,7 @@ def add_parser(subparsers):
     c.add_argument("--controller-stage-moves", choices=("auto", "on", "off"), default="auto",
                    help="moves that give a hot stage a larger share of an instance (D -> ED, P -> EP, E -> D, ...): "
                         "auto (default) = off while every instance reports the same compute (one CPU host's cores: "
-                        "a share moved there adds no compute; measured 0.57-0.90x goodput on a 2-core host), on "
+                        "a share moved there adds no compute; measured 0.55-0.90x goodput on a 2-core host), on "
                         "where instances run on devices of their own")
     c.add_argument("--controller-window-s", type=float, default=30.0,
                    help="sliding window of load samples and finished requests the pressures are judged over "
