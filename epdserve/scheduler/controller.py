@@ -42,8 +42,9 @@ Stage moves (step 5) are off while every serving instance reports the same compu
 share every core, so moving a stage's share from one to another adds that stage no compute, and a
 co-located role set (EP, ED) pins each stage to a fixed half of the cores. Measured on this
 project's 2-core host, the same shifting traffic with stage moves against none, four runs: 0.57x,
-0.85x, 0.90x and 0.55x the goodput; with them off (no switch), 0.95x, within noise (README, "The controller at work"). Coupling moves stay on: they change the
-pipeline (one engine instead of two processes and a KV hop), which probes on that host favoured.
+0.85x, 0.90x and 0.55x the goodput; with them off (no switch), 0.95x, within noise (README, "The
+controller at work"). Coupling moves stay on: they change the pipeline (one engine instead of two
+processes and a KV hop), which probes on that host favoured.
 
 Not considered: moves of two instances at once (e.g. monolithic → E-PD needs EPD → E and EPD →
 PD together; one at a time, the first leaves an idle E, which `roster_problem` refuses).
