@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 
@@ -137,7 +138,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
         with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write(f"`{' '.join(['benchmarks/switch_gap.py'] + [f'--{k.replace(chr(95), chr(45))} {v}' for k, v in vars(args).items() if v is not None and k != 'out'])}`\n\n{text}\n")
+            f.write(f"`python {' '.join(sys.argv)}`\n\n{text}\n")
 
 
 if __name__ == "__main__":

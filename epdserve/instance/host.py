@@ -72,6 +72,7 @@ class InstanceHost:
         self._health = None
         self._registrars: list[Registrar] = []  # one per scheduler (--scheduler a:1,b:2 registers with both)
         self.model = None  # LoadedModel, shared by the workers
+        self._compute = ""  # InstanceStatus.compute, once the model's device is known
         self._arbiter: LeaseArbiter | None = None  # slo, co-located, no launcher's arbiter: our own
         self._hooks: list = []  # slo: the layer checkpoints' hook handles
         self.switch_lock = threading.Lock()  # one role switch at a time (instance/role_switch.py)
@@ -106,6 +107,7 @@ class InstanceHost:
             from epdserve.engine.loaded_model import load_model
 
             self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
+            self._compute = compute_id(self.model.device, cfg.cores, socket.gethostname())
             self._ready_timeout_s = ready_timeout_s
             self._start_workers(ready_timeout_s)
             self._sync_rendezvous()
@@ -349,8 +351,7 @@ class InstanceHost:
         st = common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
             load=load, pid=os.getpid(), draining=self.draining,
-            compute=compute_id(self.model.device if self.model is not None else cfg.device, cfg.cores,
-                               socket.gethostname()),
+            compute=self._compute,
         )
         if self.model is not None:
             st.media_namespace = self.model.namespace

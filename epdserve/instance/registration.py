@@ -84,17 +84,16 @@ class Registrar:
             log.warning("scheduler %s unreachable (%s); retrying", self.scheduler, attempt.outcome.exception().code())
             self._down_logged = True
 
-    def _register(self, status: common_pb2.InstanceStatus | None = None) -> None:
-        """Register our status now, or `status` (another identity of this process: see announce)."""
-        resp = self._stub.Register(instance_pb2.RegisterRequest(instance=status or self.status()),
-                                   timeout=self.rpc_timeout_s)
-        if status is not None:
-            return
+    def _register(self) -> None:
+        st = self.status()
+        resp = self._register_status(st)
         if resp.heartbeat_interval_s > 0:
             self.interval_s = resp.heartbeat_interval_s
-        st = self.status()
         log.info("registered %s (%s) at %s with scheduler %s", st.instance_id, st.roles, st.address, self.scheduler)
         self.registered.set()
+
+    def _register_status(self, status: common_pb2.InstanceStatus):
+        return self._stub.Register(instance_pb2.RegisterRequest(instance=status), timeout=self.rpc_timeout_s)
 
     def _heartbeat(self) -> None:
         st = self.status()
@@ -113,7 +112,7 @@ class Registrar:
         grpc.RpcError if they all fail."""
         def once() -> None:
             if before is not None:
-                self._register(before)
+                self._register_status(before)
             self._register()
             if previous_id and previous_id != self.status().instance_id:
                 self._stub.Deregister(instance_pb2.DeregisterRequest(instance_id=previous_id),
