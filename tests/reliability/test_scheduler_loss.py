@@ -91,12 +91,17 @@ def test_a_dead_scheduler_loses_no_request(qwen2_vl_tiny, reference, tmp_path):
         # async, unary: b dies mid-request; the result comes from a
         async def run():
             async with AsyncClient([addr_b, addr_a], timeout=300) as c:
-                task = asyncio.ensure_future(c.generate(PROMPT, images=[image(9, 84, 84)], max_tokens=MAX_TOKENS,
-                                                        ignore_eos=True))
-                await asyncio.to_thread(wait_until, lambda: _in_flight(addr_b), 60, "the request on b")
-                os.killpg(b.pid, signal.SIGKILL)
-                out = await task
-                return out, c.retried
+                for _ in range(3):
+                    task = asyncio.ensure_future(c.generate(PROMPT, images=[image(9, 84, 84)],
+                                                            max_tokens=MAX_TOKENS, ignore_eos=True))
+                    await asyncio.to_thread(wait_until, lambda: task.done() or _in_flight(addr_b), 60,
+                                            "the request on b")
+                    if not task.done():
+                        os.killpg(b.pid, signal.SIGKILL)
+                        return await task, c.retried
+                    # b served it whole before a poll saw it in flight (or failed it: result() raises that)
+                    assert task.result().token_ids == reference and c.retried == 0, _logs(tmp_path)
+                raise AssertionError("every request finished before b could be killed")
         out, retried = asyncio.run(run())
         assert out.token_ids == reference and out.finish_reason == "length"
         assert out.usage.output_tokens == MAX_TOKENS
@@ -113,6 +118,10 @@ def test_a_dead_scheduler_loses_no_request(qwen2_vl_tiny, reference, tmp_path):
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         _stop(*procs)
+
+
+def _logs(tmp: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp.glob("*.log")))
 
 
 def _in_flight(address: str) -> bool:
