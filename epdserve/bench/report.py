@@ -266,4 +266,7 @@ def _stages(ax, modes):
     rates = {_rate(_runs(modes[m])[-1]["rate"]) for m in names}
     ax.set_title(f"where TTFT goes at rate {'/'.join(sorted(rates))} req/s (server timestamps)")
     ax.tick_params(axis="x", labelsize=8)
-    ax.legend(fontsize=7)
+    if any(bottoms):
+        ax.legend(fontsize=7)
+    else:  # e.g. through the HTTP front, whose responses carry no stage timestamps
+        ax.text(0.5, 0.5, "no stage timings reported", ha="center", va="center", transform=ax.transAxes)
