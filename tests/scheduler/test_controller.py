@@ -18,9 +18,11 @@ CFG = ControllerConfig(min_dwell_s=0.0, cooldown_s=30.0, min_samples=3, pressure
 
 
 def registry(*specs) -> InstanceRegistry:
+    """Instances from (id, roles) or (id, roles, compute) specs."""
     reg = InstanceRegistry()
-    for iid, roles in specs:
-        reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}"))
+    for iid, roles, *compute in specs:
+        reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}",
+                                               compute=compute[0] if compute else ""))
     return reg
 
 

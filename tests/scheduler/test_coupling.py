@@ -1,6 +1,8 @@
 """The controller's coupling moves (scheduler/coupling.py) on synthetic windows read from a real
 InstanceRegistry: merge a P-D roster when encode-light traffic makes P hot (D parks), split it
 again when encode-heavy traffic makes a stage hot, which instances are parked, and what holds."""
+from dataclasses import replace
+
 import pytest
 
 from epdserve.scheduler.controller import ControllerConfig, Move, Outcome, RoleController
@@ -105,10 +107,8 @@ def test_a_parked_instance_on_the_compute_of_the_coupled_engine_is_not_made_a_se
     from the registry). Stage moves on (forced: auto turns them off on one compute, below): a second
     EPD there would contend for the cores, not add any, so the coupled engine takes the share itself
     instead; on other compute (another device) the parked D becomes the second engine."""
-    from dataclasses import replace
-
     for d_compute, expect in (("cpu@h", Move("m0", "EPD", "EP")), ("npu:1@h", Move("d0", "D", "EPD"))):
-        reg = _with_compute(("m0", "EPD", "cpu@h"), ("d0", "D", d_compute))
+        reg = registry(("m0", "EPD", "cpu@h"), ("d0", "D", d_compute))
         assert reg.get("d0").compute == d_compute and reg.get("d0").to_proto().compute == d_compute
         load(reg, m0={"queued_tokens": 4096})
         ctrl = RoleController(replace(CFG, stage_moves="on"))
@@ -120,10 +120,8 @@ def test_stage_moves_are_off_by_default_where_every_instance_shares_one_compute(
     """auto: E-P-D on one CPU host with E hot — no stage move (a share moved between processes on the
     same cores adds no compute); the same roster on three devices moves D -> ED as before; `on`
     forces it on one host too. Coupling moves are not affected."""
-    from dataclasses import replace
-
     def decide(compute, **cfg):
-        reg = _with_compute(*((iid, roles, compute(iid)) for iid, roles in (("e0", "E"), ("p0", "P"), ("d0", "D"))))
+        reg = registry(*((iid, roles, compute(iid)) for iid, roles in (("e0", "E"), ("p0", "P"), ("d0", "D"))))
         load(reg, e0={"queued_media": 12})  # E 3x its threshold
         return decide_after(RoleController(replace(CFG, **cfg)), reg, 0.0)
 
@@ -133,23 +131,13 @@ def test_stage_moves_are_off_by_default_where_every_instance_shares_one_compute(
     assert decide(lambda iid: f"npu:{'epd'.index(iid[0])}@h").move == Move("d0", "D", "ED")
     assert decide(lambda iid: "cpu@h", stage_moves="on").move == Move("d0", "D", "ED")
     assert "stage moves off" in decide(lambda iid: "npu:0@h", stage_moves="off").reason
-    reg = _with_compute(("p0", "P+E", "cpu@h"), ("d0", "D", "cpu@h"))  # a merge on one host still happens
+    reg = registry(("p0", "P+E", "cpu@h"), ("d0", "D", "cpu@h"))  # a merge on one host still happens
     load(reg, p0={"queued_tokens": 4096})
     ctrl = RoleController(CFG)
     finished(ctrl, 10, media=0)
     assert decide_after(ctrl, reg, 0.0).move == Move("p0", "P+E", "EPD")
     with pytest.raises(ValueError, match="stage_moves"):
         ControllerConfig(stage_moves="sometimes")
-
-
-def _with_compute(*specs):
-    from epdserve.rpc import common_pb2
-    from epdserve.scheduler.registry import InstanceRegistry
-
-    reg = InstanceRegistry()
-    for iid, roles, compute in specs:
-        reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}", compute=compute))
-    return reg
 
 
 def test_coupling_can_be_turned_off():
