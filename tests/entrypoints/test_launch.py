@@ -102,7 +102,8 @@ def deployment(request, qwen2_vl_tiny):
         else:
             dep.proc.send_signal(signal.SIGTERM)
             assert dep.proc.wait(120) == 0, "".join(dep.output[-40:])
-            assert not alive(), f"processes left behind: {[p.cmdline()[:6] for p in alive()]}"
+            left = alive()
+            assert not left, f"processes left behind: {[p.cmdline()[:6] for p in left]}"
     finally:
         if dep.proc.poll() is None:
             _kill(dep.proc)

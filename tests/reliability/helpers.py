@@ -28,11 +28,11 @@ class Launched:
         """The launcher's live children by kind: "scheduler", "mm_store", "instance:<roles>#<k>"."""
         out, k = {}, 0
         for p in psutil.Process(self.proc.pid).children():
-            try:
+            try:  # one child may exit (or be restarted) while this reads the others
                 cmd = " ".join(p.cmdline())
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
             except psutil.NoSuchProcess:
-                continue
-            if p.status() == psutil.STATUS_ZOMBIE:
                 continue
             if "scheduler_cli" in cmd:
                 out["scheduler"] = p

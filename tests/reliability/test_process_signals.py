@@ -133,15 +133,18 @@ def test_signals_under_load_restarts_and_a_killed_launcher(qwen2_vl_tiny, refere
         everyone += [kids["scheduler"], kids["mm_store"]]
         kids["scheduler"].kill()
         kids["mm_store"].kill()
-        wait_until(lambda: {"scheduler", "mm_store"} <= set(dep.children()) and
-                   dep.children()["scheduler"].pid != kids["scheduler"].pid, 30, "scheduler and store restarted")
+        def restarted() -> bool:
+            now = dep.children()  # one snapshot: the supervisor may be restarting either of them meanwhile
+            return "mm_store" in now and "scheduler" in now and now["scheduler"].pid != kids["scheduler"].pid
+
+        wait_until(restarted, 30, "scheduler and store restarted")
         wait_until(lambda: _healthy_roster(dep.address, 1), 120, "the instance to register again")
         _exact(dep.address, references)
         log = "".join(dep.output)  # the launcher's own log (its stderr) is in its output
         assert "the scheduler exited" in log and "the MM Store server started again" in log
         everyone = list({p.pid: p for p in [*everyone, *family(dep.proc.pid)]}.values())
-        ports.append(next(c.laddr for c in dep.children()[next(n for n in dep.children() if n.startswith("instance:"))]
-                          .net_connections("tcp") if c.status == psutil.CONN_LISTEN))
+        restarted_inst = next(p for name, p in dep.children().items() if name.startswith("instance:"))
+        ports.append(next(c.laddr for c in restarted_inst.net_connections("tcp") if c.status == psutil.CONN_LISTEN))
 
         # the MM Store dies again: a crash loop (--max-restarts 1), reported and not restarted
         store = dep.children()["mm_store"]

@@ -68,8 +68,10 @@ def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplo
             try:
                 wait_until(lambda: any(d.outcome is Outcome.MOVE for d in controller.decisions), timeout_s=120,
                            what="a move")
-                wait_until(lambda: sorted(s.roles for s in roster(sched).values()) != before
-                           and not any(s.draining for s in roster(sched).values()), timeout_s=120, what="the switch")
+                def switched(now) -> bool:  # one roster snapshot: roles and draining as of the same moment
+                    return sorted(s.roles for s in now.values()) != before and not any(s.draining for s in now.values())
+
+                wait_until(lambda: switched(roster(sched)), timeout_s=120, what="the switch")
                 time.sleep(1.0)  # requests on the new roster too
             finally:
                 stop.set()
