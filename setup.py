@@ -1,6 +1,6 @@
 """epdserve: Encode / Prefill / Decode disaggregated serving for vision-language models."""
+import importlib.util
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,16 +10,29 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 
 
-class BuildPyWithProtos(build_py):
-    """Generate epdserve/proto_gen from proto/ (grpc_tools.protoc) so wheels ship the gRPC modules,
-    and copy csrc/ into the package (the native operators are built from it on first use).
+def _load_codegen():
+    """epdserve/proto_gen/codegen.py by its path: it needs only grpc_tools, while importing it as part
+    of the package would run epdserve/__init__.py (and generate into a cache) in the build environment."""
+    spec = importlib.util.spec_from_file_location("epdserve_codegen", HERE / "epdserve" / "proto_gen" / "codegen.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    Editable installs generate them at first import instead (epdserve.rpc.codegen)."""
+
+class BuildPyWithProtos(build_py):
+    """Generate the gRPC modules from proto/ into the built package (epdserve/proto_gen, marked
+    `.shipped`) so wheels carry them, and copy csrc/ into the package (the native operators are
+    built from it on first use).
+
+    Nothing is written into the source tree: an editable install (a source checkout) generates them
+    on first import into a per-interpreter cache folder instead (epdserve.proto_gen.codegen)."""
 
     def run(self):
-        subprocess.check_call([sys.executable, str(HERE / "epdserve" / "rpc" / "codegen.py")], cwd=HERE)
-        self.packages = sorted(set(self.packages or []) | set(find_packages(include=["epdserve.proto_gen*"])))
         super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        codegen = _load_codegen()
+        codegen.generate(Path(self.build_lib) / "epdserve" / "proto_gen", HERE / "proto", shipped=True)
         # the C++ operators travel in the wheel; they are built on first use (epdserve.ops.native_build)
         shutil.copytree(HERE / "csrc", Path(self.build_lib) / "epdserve" / "csrc", dirs_exist_ok=True)
 

@@ -1,7 +1,8 @@
 """The wire: generated protobuf/gRPC modules of package `epdserve.v1`, and gRPC server helpers.
 
-Importing this package generates `epdserve/proto_gen/` from proto/ when it is missing or stale
-(see codegen.py). Use the modules from here, never from epdserve.proto_gen directly:
+Importing this package imports `epdserve.proto_gen`, which finds the generated modules (shipped in
+a wheel, or generated once per interpreter into a cache folder for a source checkout: its codegen).
+Use the modules from here, never from epdserve.proto_gen directly:
 
     from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc, instance_pb2, instance_pb2_grpc
 
@@ -11,11 +12,7 @@ Importing this package generates `epdserve/proto_gen/` from proto/ when it is mi
 - servers.py     health + reflection on a server and its serving status
 - sampling.py    common.SamplingParams ↔ the engine's SamplingParams (both sides of the wire)
 """
-from epdserve.rpc.codegen import ensure_generated
-
-ensure_generated()
-
-from epdserve.proto_gen.epdserve.v1 import (  # noqa: E402
+from epdserve.proto_gen.epdserve.v1 import (
     common_pb2,
     instance_pb2,
     instance_pb2_grpc,
