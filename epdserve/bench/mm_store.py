@@ -15,10 +15,6 @@ import statistics
 import time
 from pathlib import Path
 
-import redis
-import torch
-
-from epdserve.transfer.mm_store import LocalRedisServer, RedisMMStore
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,6 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.iters < 1 or args.warmup < 0 or any(t < 1 for t in args.tokens) or args.hidden < 1:
         raise SystemExit("--iters, --tokens and --hidden must be positive, --warmup >= 0")
+    from epdserve.transfer.mm_store import LocalRedisServer  # torch, redis: not imported for --help
+
     if args.url:
         rows = _bench_all(args.url, args)
     else:
@@ -51,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench_all(url: str, args: argparse.Namespace) -> list[dict]:
+    import redis
+
+    from epdserve.transfer.mm_store import RedisMMStore
+
     raw = redis.Redis.from_url(url)
     store = RedisMMStore(url, ttl_s=600, socket_timeout_s=10.0)
     rows = []
@@ -68,6 +70,8 @@ def _bench_all(url: str, args: argparse.Namespace) -> list[dict]:
 
 
 def _bench_size(raw: redis.Redis, store: RedisMMStore, tokens: int, hidden: int, iters: int, warmup: int):
+    import torch
+
     feature = torch.randn(tokens, hidden).bfloat16()
     payload = feature.view(torch.int16).numpy().tobytes()
     times: dict[tuple[str, str], list[float]] = {(s, op): [] for s in ("redis-py", "MMStore") for op in ("put", "get")}

@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 
-from epdserve.bench.offline_configs import LABELS
 from epdserve.bench.offline_report import markdown, summarize_workload
 from epdserve.bench.offline_workloads import DEFAULTS, WORKLOADS, WorkloadSpec
 from epdserve.deploy.procs import die_with_parent
@@ -84,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
                                 args.min_prompt_len, args.max_prompt_len, args.image_size)
             runs = _run_workload(tmp, spec, model_dir, args, engine_args)
             report["workloads"][name] = {"spec": spec.to_dict(), **summarize_workload(name, runs, spec.num_requests)}
+    from epdserve.bench.offline_configs import LABELS  # torch: not imported for --help
+
     text = markdown(report, LABELS)
     print(text)
     out = pathlib.Path(args.out)

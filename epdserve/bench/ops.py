@@ -18,11 +18,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from epdserve.ops.native import load_native_ops
-from epdserve.ops.portable import PortableOps
-
 SHAPES = {  # heads, kv_heads, head_dim
     "demo-small": (8, 2, 64),
     "qwen2-vl-7b": (28, 4, 128),
@@ -66,6 +61,11 @@ def _compare(native_fn, portable_fn, repeats: int, warmup: int) -> dict:
 
 
 def _cells(args, heads: int, kv_heads: int, head_dim: int):
+    import torch  # here and in run, not at the top: `epdserve bench ops --help` stays light
+
+    from epdserve.ops.native import load_native_ops
+    from epdserve.ops.portable import PortableOps
+
     native, portable = load_native_ops(), PortableOps()
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
@@ -107,6 +107,8 @@ def format_table(rows: list[dict]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.warmup < 0 or min(args.batches + args.contexts) < 1:
         raise SystemExit("--repeats, --batches and --contexts must be positive, --warmup >= 0")
+    import torch
+
     heads, kv_heads, head_dim = SHAPES[args.shape]
     rows = [{"op": op, "batch": b, "context": c, **r} for op, b, c, r in _cells(args, heads, kv_heads, head_dim)]
     print(format_table(rows))

@@ -14,7 +14,6 @@ not answer; each warn / fail row is followed by its fix in one line.
 from __future__ import annotations
 
 from epdserve.entrypoints.cli import add_command
-from epdserve.entrypoints.doctor_checks import Check, Status, run_checks
 from epdserve.instance.roles import MODES
 
 
@@ -28,6 +27,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from epdserve.entrypoints.doctor_checks import Status, run_checks  # torch: not imported for --help
+
     checks = run_checks(mode=args.mode, mm_store=args.mm_store, scheduler=args.scheduler, device=args.device,
                         timeout_s=args.timeout)
     print(format_table(checks))
@@ -42,7 +43,8 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
-def format_table(checks: list[Check]) -> str:
+def format_table(checks) -> str:
+    """`checks`: `doctor_checks.Check`s, as a table."""
     rows = [("check", "status", "detail")] + [(c.name, c.status.value, c.detail) for c in checks]
     w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
     lines = [f"{a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]

@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +116,8 @@ def pin_worker_thread(cores: list[int] | None) -> list[int]:
             os.sched_setaffinity(threading.get_native_id(), set(cores))
         except OSError as e:  # e.g. a core outside the cgroup's cpuset
             log.warning("cannot pin %s to cores %s (%s); sharing all cores", threading.current_thread().name, cores, e)
+    import torch  # here, not at the top: `epdserve launch|instance --help` read this module's constants
+
     now = sorted(os.sched_getaffinity(threading.get_native_id())) if hasattr(os, "sched_getaffinity") else []
     torch.set_num_threads(max(1, len(now) or torch.get_num_threads()))
     return now
