@@ -10,8 +10,8 @@ bound, as gRPC itself reports one) and `http_status` (400 / 413).
     check_message_bytes(len(body), limits)
     check_prompt_bytes([text], limits)         # every text of the request: prompt, chat parts
     check_image_count(len(images), limits)
-    for i, data in enumerate(images):
-        check_image(data, limits, index=i)     # the pixels its header declares
+    for n, data in enumerate(images, 1):
+        check_image(data, limits, index=n)     # the pixels its header declares ("image n", from 1)
 
 `check_generate_request(req, limits)` applies them all to a `GenerateRequest` (the scheduler's
 dispatcher does, for every front). `add_limit_args(parser)` / `limits_from_args(args)` give
@@ -97,10 +97,11 @@ def check_stop(n: int, limits: InputLimits) -> None:
         raise LimitError("max_stop", f"{n} stop strings / token ids are over the limit of {limits.max_stop}")
 
 
-def check_image(data: bytes, limits: InputLimits, index: int = 0) -> tuple[int, int] | None:
+def check_image(data: bytes, limits: InputLimits, index: int = 1) -> tuple[int, int] | None:
     """Check the dimensions one encoded image declares (PIL reads only the header here; nothing is
-    decoded; its bytes count towards `max_message_bytes`). Returns (width, height), or None when
-    PIL cannot identify the bytes (the decoder later refuses them with its own clear error)."""
+    decoded; its bytes count towards `max_message_bytes`); `index`: the image's number in errors
+    (from 1, as the decoder's errors count). Returns (width, height), or None when PIL cannot
+    identify the bytes (the decoder later refuses them with its own clear error)."""
     from PIL import Image
 
     try:
@@ -126,7 +127,7 @@ def check_generate_request(req, limits: InputLimits) -> None:
     check_stop(len(sp.stop) + len(sp.stop_token_ids), limits)
     kind = req.WhichOneof("input")
     pictures = [m for m in req.media if not _is_video(m)]  # videos have limits of their own (VideoSpec)
-    images = [m.data for m in pictures if m.WhichOneof("source") == "data"]
+    images = [(n, m.data) for n, m in enumerate(pictures, 1) if m.WhichOneof("source") == "data"]
     n_images = len(pictures)
     if kind == "prompt":
         check_prompt_bytes([req.prompt], limits)
@@ -144,11 +145,11 @@ def check_generate_request(req, limits: InputLimits) -> None:
                 elif which == "image" and not _is_video(part.image):
                     n_images += 1
                     if part.image.WhichOneof("source") == "data":
-                        images.append(part.image.data)
+                        images.append((n_images, part.image.data))
         check_prompt_bytes(texts, limits)
     check_image_count(n_images, limits)
-    for i, data in enumerate(images):
-        check_image(data, limits, index=i)
+    for n, data in images:  # n: the image's number among the request's images, from 1
+        check_image(data, limits, index=n)
 
 
 def _is_video(media) -> bool:

@@ -7,7 +7,9 @@ the image yields after the 2×2 merge. A video (`model.video`) is one
 `<|video_pad|>` placeholder, expanded to `<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>`
 per temporal patch (Qwen3-VL) or to its pad tokens (Qwen2 family); its key hashes its bytes and its
 sampling options. Media are listed in prompt order.
-Failures raise `InvalidRequestError` for this request only.
+Failures raise `InvalidRequestError` for this request only; a bad media item raises `MediaError`,
+whose text names it ("image 2 is not a readable image (12 bytes): ...", counted from 1 per kind)
+and says what PIL / PyAV found, never a Python object's repr (`model.errors.readable`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from epdserve.model.errors import InvalidRequestError
+from epdserve.model.errors import InvalidRequestError, MediaError, readable
 
 
 @dataclass
@@ -37,6 +39,15 @@ class ProcessedPrompt:
     media: list[MediaInput]
 
 
+def open_image(raw: bytes) -> Image.Image:
+    """PIL's lazy image of `raw` (its header read, no pixel decoded): a cheap check that the bytes
+    are an image at all. Raises `MediaError` ("the image is not a readable image ...")."""
+    try:
+        return Image.open(io.BytesIO(raw))
+    except Exception as e:  # PIL raises many types for bad data
+        raise MediaError(f"is not a readable image ({len(raw)} bytes): {readable(e)}") from None
+
+
 def decode_image(image) -> tuple[Image.Image, bytes]:
     """Return (RGB image, raw bytes to hash). Raw bytes are the encoded file when given one."""
     if isinstance(image, Image.Image):
@@ -45,13 +56,14 @@ def decode_image(image) -> tuple[Image.Image, bytes]:
         return img, raw
     if isinstance(image, (bytes, bytearray, memoryview)):
         raw = bytes(image)
+        img = open_image(raw)
         try:
-            img = Image.open(io.BytesIO(raw))
             img.load()
-        except Exception as e:  # PIL raises many types for bad data
-            raise InvalidRequestError(f"cannot decode image ({len(raw)} bytes): {e}") from None
-        return img.convert("RGB"), raw
-    raise InvalidRequestError(f"an image must be PIL.Image or bytes, got {type(image).__name__}")
+            return img.convert("RGB"), raw
+        except Exception as e:  # truncated or corrupt pixel data
+            raise MediaError(f"is not a readable image ({len(raw)} bytes, {img.format or 'unknown'} header): "
+                             f"{readable(e)}") from None
+    raise MediaError(f"must be a PIL.Image or bytes, not {type(image).__name__}")
 
 
 class MultimodalProcessor:
@@ -72,11 +84,11 @@ class MultimodalProcessor:
         img, raw = decode_image(image)
         w, h = img.size
         if min(w, h) < 1:
-            raise InvalidRequestError(f"image has no pixels ({w}x{h})")
+            raise MediaError(f"has no pixels ({w}x{h})")
         try:
             out = self.image_processor(images=[img], return_tensors="pt")
         except Exception as e:
-            raise InvalidRequestError(f"image preprocessing failed ({w}x{h}): {e}") from None
+            raise MediaError(f"cannot be preprocessed for this model ({w}x{h}): {readable(e)}") from None
         grid = out["image_grid_thw"][0]
         n = int(grid.prod()) // (self.merge_size**2)
         return MediaInput(raw=raw, pixel_values=out["pixel_values"], grid_thw=grid, num_tokens=n)
@@ -114,8 +126,18 @@ class MultimodalProcessor:
             return self._process_with_videos(prompt, images, videos, video_options)
         ids = self._ids(prompt)
         self.check_placeholders(ids, len(images))
-        media = [self.preprocess_image(im) for im in images]
+        media = [self._numbered("image", n, self.preprocess_image, im) for n, im in enumerate(images, 1)]
         return ProcessedPrompt(self.expand(ids, [m.num_tokens for m in media]), media)
+
+    @staticmethod
+    def _numbered(kind: str, n: int, preprocess, item, *args) -> MediaInput:
+        """`preprocess(item, *args)`; its error names the item (`kind` `n`: "image 2", "video 1")."""
+        try:
+            return preprocess(item, *args)
+        except MediaError as e:
+            raise e.naming(f"{kind} {n}") from None
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{kind} {n}: {e}") from None
 
     def _process_with_videos(self, prompt, images: list, videos: list, video_options: dict | None) -> ProcessedPrompt:
         if self.video is None:
@@ -123,7 +145,8 @@ class MultimodalProcessor:
         ids = self._ids(prompt)
         self.check_placeholders(ids, len(images))
         self.check_video_placeholders(ids, len(videos))
-        media = [self.preprocess_image(im) for im in images] + [self.preprocess_video(v, video_options) for v in videos]
+        media = ([self._numbered("image", n, self.preprocess_image, im) for n, im in enumerate(images, 1)]
+                 + [self._numbered("video", n, self.preprocess_video, v, video_options) for n, v in enumerate(videos, 1)])
         expanded, order = self.expand_media(ids, media)
         return ProcessedPrompt(expanded, [media[i] for i in order])
 

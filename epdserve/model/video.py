@@ -14,7 +14,8 @@ positions also take the seconds per temporal patch (`MediaInput.seconds_per_grid
 
 `VideoOptions` holds a request's sampling and pixel limits: defaults from the checkpoint's
 `video_preprocessor_config.json`, a request may lower but never raise them. They are part of
-the video's MM Store key (`VideoOptions.key_bytes`). Bad input raises `InvalidRequestError`.
+the video's MM Store key (`VideoOptions.key_bytes`). Bad input raises `InvalidRequestError`
+(`MediaError` for bytes that are no readable video, with PyAV's reason, no object reprs).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from epdserve.model.errors import InvalidRequestError
+from epdserve.model.errors import InvalidRequestError, MediaError, readable
 
 MAX_DECODED_FRAMES = 100_000  # a container claiming more is refused before decoding
 
@@ -144,7 +145,7 @@ def _decode_container(raw: bytes) -> tuple[list[np.ndarray], float]:
     import av
 
     if not raw:
-        raise InvalidRequestError("video is empty (0 bytes)")
+        raise MediaError("is empty (0 bytes)", "the video")
     try:
         with av.open(io.BytesIO(raw)) as container:
             if not container.streams.video:
@@ -161,7 +162,7 @@ def _decode_container(raw: bytes) -> tuple[list[np.ndarray], float]:
     except InvalidRequestError:
         raise
     except Exception as e:  # PyAV raises many types for corrupt data and unknown codecs
-        raise InvalidRequestError(f"cannot decode video ({len(raw)} bytes): {e}") from None
+        raise MediaError(f"is not a readable video ({len(raw)} bytes): {readable(e)}", "the video") from None
     if not frames:
         raise InvalidRequestError("video has no decodable frames")
     return frames, rate

@@ -5,7 +5,8 @@ the weights) and turns a public `GenerateRequest` into a `PreparedRequest`: expa
 token ids (one `<|image_pad|>` per vision token), one `PreparedMedia` per image (MM Store key,
 bytes, grid, token count) and validated sampling parameters. Every image sent as bytes is
 decoded and preprocessed here, so a corrupt image fails its request with INVALID_ARGUMENT
-before anything is routed; so is every video (`Media.video` set, or a chat's video part), whose placeholder
+before anything is routed, its message naming it ("image 2 is not a readable image (12 bytes):
+..."; images and videos counted from 1, each kind apart, in the order the request lists them); so is every video (`Media.video` set, or a chat's video part), whose placeholder
 expands to its per-temporal-patch timestamps and pad tokens (media then in prompt order). Media sent by key are looked up in `MediaIndex` (what this
 scheduler learned from earlier requests); an unknown key is INVALID_ARGUMENT.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.model.chat import chat_to_prompt
-from epdserve.model.errors import InvalidRequestError
+from epdserve.model.errors import InvalidRequestError, MediaError, readable
 from epdserve.model.loader import eos_token_ids
 from epdserve.model.loader import max_model_len as context_length
 from epdserve.model.processor import MultimodalProcessor
@@ -135,7 +136,7 @@ class RequestPreprocessor:
             raise RequestError.invalid(str(e)) from None
         if media and not namespace:
             raise RequestError.unavailable("no instance has reported its media namespace yet")
-        prepared = [self._media(i, m, namespace) for i, m in enumerate(media)]
+        prepared = [self._media(i, m, namespace, label) for i, (m, label) in enumerate(zip(media, media_labels(media)))]
         keys = [m.key for m in prepared]  # in the client's order
         try:
             expanded, order = self.processor.expand_media(ids, prepared)
@@ -183,38 +184,39 @@ class RequestPreprocessor:
         except InvalidRequestError as e:
             raise RequestError.invalid(str(e)) from None
         except Exception as e:  # the chat template may reject a conversation in many ways
-            raise RequestError.invalid(f"cannot render the chat: {e}") from None
+            raise RequestError.invalid(f"cannot render the chat: {readable(e)}") from None
         mm = rendered["multi_modal_data"]
         return rendered["prompt"], [*mm["image"], *mm.get("video", [])]  # each kind in prompt order
 
-    def _media(self, i: int, m: common_pb2.Media, namespace: str) -> PreparedMedia:
+    def _media(self, i: int, m: common_pb2.Media, namespace: str, label: str) -> PreparedMedia:
+        """Media item `i` of the request; `label` names it in errors ("image 2", "video 1")."""
         which = m.WhichOneof("source")
         if m.HasField("video"):
             if which != "data":
-                raise RequestError.invalid(f"media {i}: a video is sent as its bytes (no keys for videos)")
+                raise RequestError.invalid(f"{label}: a video is sent as its bytes (no keys for videos)")
             try:
                 mi = self.processor.preprocess_video(bytes(m.data), video_options_from_proto(m.video))
             except InvalidRequestError as e:
-                raise RequestError.invalid(f"video {i}: {e}") from None
+                raise RequestError.invalid(_about(label, e)) from None
             return PreparedMedia(media_key(mi.raw, namespace), bytes(m.data), [int(x) for x in mi.grid_thw.tolist()],
                                  mi.num_tokens, "video", mi.expansion, m.video)
         if which == "data":
             try:
                 mi = self.processor.preprocess_image(bytes(m.data))
             except InvalidRequestError as e:
-                raise RequestError.invalid(f"image {i}: {e}") from None
+                raise RequestError.invalid(_about(label, e)) from None
             key = media_key(mi.raw, namespace)
             grid = [int(x) for x in mi.grid_thw.tolist()]
             self.index.put(key, grid, mi.num_tokens)
             return PreparedMedia(key, bytes(m.data), grid, mi.num_tokens)
         if which == "key":
             if not m.key.startswith(namespace + ":"):
-                raise RequestError.invalid(f"image {i}: key {m.key!r} is not of this model's namespace {namespace!r}")
+                raise RequestError.invalid(f"{label}: key {m.key!r} is not of this model's namespace {namespace!r}")
             hit = self.index.get(m.key)
             if hit is None:
-                raise RequestError.invalid(f"image {i}: unknown media key {m.key!r}; send the image bytes")
+                raise RequestError.invalid(f"{label}: unknown media key {m.key!r}; send the image bytes")
             return PreparedMedia(m.key, b"", hit[0], hit[1])
-        raise RequestError.invalid(f"image {i} has neither data nor key")
+        raise RequestError.invalid(f"{label} has neither data nor key")
 
     def _eos_ids(self) -> list[int]:
         try:
@@ -224,6 +226,23 @@ class RequestPreprocessor:
         except Exception:  # no generation_config.json
             v = None
         return sorted(eos_token_ids(v, self.tokenizer))
+
+
+def media_labels(media) -> list[str]:
+    """How errors name each item of `media` (`Media` messages): "image N" / "video N", each kind
+    counted from 1 in the order given (a chat's: prompt order)."""
+    counts = {"image": 0, "video": 0}
+    labels = []
+    for m in media:
+        kind = "video" if m.HasField("video") else "image"
+        counts[kind] += 1
+        labels.append(f"{kind} {counts[kind]}")
+    return labels
+
+
+def _about(label: str, e: InvalidRequestError) -> str:
+    """`e`'s text about the media item `label`: "image 2 is not a readable image: ..."."""
+    return str(e.naming(label)) if isinstance(e, MediaError) else f"{label}: {e}"
 
 
 def _video_defaults(model_dir, model_type: str):

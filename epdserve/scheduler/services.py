@@ -1,7 +1,9 @@
 """The scheduler's gRPC servicers: public `EPDServe` (clients) and `Registry` (instances).
 
 Both run on the scheduler's asyncio event loop. A `RequestError` becomes its status code; an
-unexpected exception becomes INTERNAL for that request only (logged), never a crashed server.
+unexpected exception becomes INTERNAL for that request only (logged with its traceback; the client
+reads the error's type and the request id, `internal_error`), never a crashed server. The
+metrics observer on `generate` counts every one of them by status.
 """
 from __future__ import annotations
 
@@ -18,6 +20,15 @@ from epdserve.scheduler.preprocess import IMAGE_PLACEHOLDER
 from epdserve.scheduler.registry import InstanceRegistry, RegistryError
 
 log = logging.getLogger(__name__)
+
+
+def internal_error(request, e: BaseException) -> str:
+    """Log an unexpected failure of `request` (with its traceback) and say it to the client without
+    the exception's text (which may hold object reprs or internals): the error's type and where
+    the details are."""
+    rid = request.request_id or "(unnamed)"
+    log.exception("request %s failed", rid)
+    return f"internal error in the scheduler ({type(e).__name__}) serving request {rid}; its log has the details"
 
 
 def _deadline(context) -> float | None:
@@ -42,8 +53,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
         except Exception as e:
-            log.exception("request %s failed", request.request_id or "(unnamed)")
-            await context.abort(grpc.StatusCode.INTERNAL, f"scheduler error: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL, internal_error(request, e))
 
     async def Generate(self, request, context):
         out = serve_pb2.GenerateResponse()
@@ -60,8 +70,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
         except Exception as e:
-            log.exception("request %s failed", request.request_id or "(unnamed)")
-            await context.abort(grpc.StatusCode.INTERNAL, f"scheduler error: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL, internal_error(request, e))
         return out
 
     async def Abort(self, request, context):

@@ -101,7 +101,7 @@ def _audio_only() -> bytes:
 
 @pytest.mark.parametrize("video, options, match", [
     (b"", None, "empty"),
-    (b"\x00\x00\x00\x18ftypmp42" + b"garbage" * 20, None, "cannot decode video"),
+    (b"\x00\x00\x00\x18ftypmp42" + b"garbage" * 20, None, "is not a readable video"),
     ("AUDIO", None, "no video stream"),
     ("MP4", {"max_frames": 100000}, "max_frames"),
     ("MP4", {"max_pixels": 10**12}, "max_pixels"),

@@ -43,7 +43,7 @@ def test_corrupt_image_fails_only_its_request(scheduler):
         bad = pool.submit(c.generate, f"Broken {PH}", images=[image(0)[:40]], max_tokens=4)
         with pytest.raises(EPDServeError) as e:
             bad.result()
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "image 0" in e.value.details
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "image 1 is not a readable image" in e.value.details
         assert all(f.result().finish_reason == "length" for f in futs)
 
 

@@ -4,12 +4,16 @@ Every /v1 route checks the API key (when one is set) before reading the body, re
 `max_body_bytes` (413 beyond), validates it (400), converts it to `GenerateRequest`s (one per
 prompt: /v1/completions takes a list of prompts), checks the scheduler's input limits
 (`epdserve.limits`: 400, or 413 for a message too large) and runs them through
-`SchedulerServer.generate`, the path the gRPC API takes, concurrently. A generation request
-refused before that (400, 401, 404, 413) is counted in the metrics' requests by status (the
-scheduler counts the rest). Errors before the first token get their HTTP status (`errors`); a
-stream already answering 200 ends with an ``error`` event. A client that disconnects cancels
-its generations, which aborts them on every instance (the dispatcher's cancellation path); so
-does a failed prompt of a list its siblings. /health and /metrics need no key (as in vLLM).
+`SchedulerServer.generate`, the path the gRPC API takes, concurrently. A body pydantic refuses
+is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
+401, 404, 413) or failing there unexpectedly (500) is counted in the metrics' requests by status,
+under the gRPC code of the same outcome (the scheduler's observer counts the rest, 500s
+included). Errors before the first token get their HTTP status (`errors`); a stream already
+answering 200 ends with an ``error`` event. An unexpected exception anywhere is a JSON 500 in
+OpenAI's shape (its type only; the traceback goes to the log), never starlette's plain text. A
+client that disconnects cancels its generations, which aborts them on every instance (the
+dispatcher's cancellation path); so does a failed prompt of a list its siblings. /health and
+/metrics need no key (as in vLLM).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from epdserve.entrypoints.http.errors import ApiError
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.entrypoints.http.responses import Choice, Shape, sse, sum_usage
+from epdserve.entrypoints.http.validation import explain
 from epdserve.limits import LimitError, check_generate_request
 from epdserve.rpc import serve_pb2
 from epdserve.scheduler.errors import RequestError
@@ -53,10 +58,8 @@ def _parse(model: type[BaseModel], raw: bytes):
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise ApiError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")),
-                       param=where or None) from None
+        message, param = explain(e)
+        raise ApiError(400, message, param=param) from None
 
 
 async def _race_disconnect(request: Request, aw):
@@ -92,6 +95,11 @@ def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
     async def _api_error(request: Request, e: ApiError):
         return e.response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):  # the routes' own guards missed it: still JSON
+        log.error("HTTP %s failed", request.url.path, exc_info=e)
+        return ApiError.internal(f"serving {request.url.path}", e).response()
+
     def check(request: Request, body_model: str | None = None) -> None:
         if key is not None:
             auth = request.headers.get("authorization", "")
@@ -110,14 +118,22 @@ def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
     def max_len() -> int:
         return scheduler.dispatcher.preprocessor.max_model_len
 
+    def count(e: ApiError) -> None:
+        if metrics is not None:
+            metrics.refused(e.grpc_code.name)
+
     async def admitted(admit):
-        """Await `admit` (everything before the scheduler); a refusal is counted, then raised."""
+        """Await `admit` (everything before the scheduler); a refusal (or a 500) is counted, then raised."""
         try:
             return await admit
         except ApiError as e:
-            if metrics is not None:
-                metrics.refused(e.grpc_code.name)
+            count(e)
             raise
+        except Exception as e:
+            log.exception("HTTP request failed before it reached the scheduler")
+            err = ApiError.internal("reading the request", e)
+            count(err)
+            raise err from None
 
     def within_limits(reqs: list[serve_pb2.GenerateRequest]) -> list[serve_pb2.GenerateRequest]:
         # the dispatcher checks them too; here a message too large is 413, not the 429 of RESOURCE_EXHAUSTED
@@ -130,7 +146,13 @@ def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
 
     async def serve(request: Request, reqs: list[serve_pb2.GenerateRequest], shape: Shape, stream: bool,
                     include_usage: bool):
-        streams = [scheduler.generate(req, deadline()) for req in reqs]
+        try:
+            streams = [scheduler.generate(req, deadline()) for req in reqs]
+        except Exception as e:  # not started: no stream observed it
+            log.exception("HTTP request failed handing it to the scheduler")
+            err = ApiError.internal("handing the request to the scheduler", e)
+            count(err)
+            raise err from None
         try:
             firsts = await _race_disconnect(request, _all([_next(s) for s in streams]))
             if firsts is _DISCONNECTED:
@@ -215,11 +237,19 @@ async def _close(streams) -> None:
     await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
 
+def _failure(e: Exception) -> ApiError:
+    """What a generation's exception (counted by the scheduler's observer already) answers."""
+    if isinstance(e, RequestError):
+        return ApiError.from_grpc(e.code, e.message)
+    log.error("generation failed", exc_info=e)
+    return ApiError.internal("generating", e)
+
+
 async def _next(deltas: AsyncIterator[serve_pb2.GenerateDelta]):
     try:
         return await deltas.__anext__()
-    except RequestError as e:
-        raise ApiError.from_grpc(e.code, e.message) from None
+    except Exception as e:
+        raise _failure(e) from None
 
 
 async def _collect(first, deltas) -> tuple[Choice, object]:
@@ -230,8 +260,8 @@ async def _collect(first, deltas) -> tuple[Choice, object]:
             text += d.text
             ids.extend(d.token_ids)
             last = d
-    except RequestError as e:
-        raise ApiError.from_grpc(e.code, e.message) from None
+    except Exception as e:
+        raise _failure(e) from None
     return Choice(text, ids, last.finish_reason), last.usage
 
 
@@ -249,8 +279,8 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
                 d = await streams[i].__anext__()
         except StopAsyncIteration:
             pass
-        except RequestError as e:
-            await queue.put((i, e))
+        except Exception as e:
+            await queue.put((i, _failure(e)))
             return
         await queue.put((i, None))
 
@@ -264,8 +294,8 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
             i, d = await queue.get()
             if d is None:
                 running -= 1
-            elif isinstance(d, RequestError):
-                yield sse(ApiError.from_grpc(d.code, d.message).body())
+            elif isinstance(d, ApiError):
+                yield sse(d.body())
                 break
             else:
                 if d.text or d.token_ids:

@@ -3,15 +3,23 @@ so both fronts share validation, tokenization, routing and retries.
 
 Defaults follow OpenAI (and vLLM): temperature 1, max_tokens up to the context's end (the
 instances stop at max_model_len), top_k -1 = off, min_p 0 = off.
+
+Content parts: `text`, `image_url`, `video_url`; any other type is a 400 that names it ("audio
+input is not supported", "file input is not supported", "content part type 'x' is not
+supported; supported: ..."). Errors about media name the item as the scheduler's do ("image 2",
+from 1, each kind apart), where it came from and where it sits in the body: "image 2
+(image/jpeg data URL, messages[0].content[1]) is not a readable image (12 bytes): ...".
 """
 from __future__ import annotations
 
 import uuid
 
 from epdserve.entrypoints.http.errors import ApiError
-from epdserve.entrypoints.http.images import decode_data_url, image_bytes
+from epdserve.entrypoints.http.images import decode_data_url, image_bytes, source
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from epdserve.model.errors import MediaError
+from epdserve.model.processor import open_image
 from epdserve.rpc import common_pb2, serve_pb2
 
 
@@ -32,8 +40,15 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -
     return p
 
 
+# content part types OpenAI defines that epdserve does not take -> what the 400 says
+UNSUPPORTED_PARTS = {"input_audio": "audio input is not supported", "audio_url": "audio input is not supported",
+                     "file": "file input is not supported", "refusal": "refusal parts are not supported as input"}
+SUPPORTED_PARTS = ("text", "image_url", "video_url")
+
+
 async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int) -> serve_pb2.GenerateRequest:
     chat = serve_pb2.Chat(add_generation_prompt=body.add_generation_prompt)
+    images = videos = 0  # numbered from 1 in prompt order, as the scheduler's errors number them
     for i, msg in enumerate(body.messages):
         role = "system" if msg.role == "developer" else msg.role
         out = chat.messages.add(role=role)
@@ -41,27 +56,49 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
         if isinstance(content, str):
             out.content.add(text=content)
             continue
-        for part in content:
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
             if part.type == "text":
                 out.content.add(text=part.text or "")
             elif part.type == "video_url":
-                out.content.add(video=_video(part, i, opts))
-            elif part.image_url is None:
-                raise ApiError(400, f"messages[{i}]: an image_url part needs image_url.url", param="messages")
+                videos += 1
+                out.content.add(video=_video(part, where, f"video {videos}", opts))
+            elif part.type == "image_url":
+                images += 1
+                out.content.add(image=await _image(part, where, f"image {images}", opts))
             else:
-                out.content.add(image=common_pb2.Media(data=await image_bytes(part.image_url.url, opts)))
+                why = UNSUPPORTED_PARTS.get(part.type) or (f"content part type {part.type!r} is not supported; "
+                                                           f"supported: {', '.join(SUPPORTED_PARTS)}")
+                raise ApiError(400, f"{where}: {why}", param=f"{where}.type")
     return serve_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", chat=chat,
         sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens),
     )
 
 
-def _video(part, i: int, opts: HttpOptions) -> common_pb2.Media:
+async def _image(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
+    """An `image_url` part's bytes; refused (400, naming the image, where it is and where it came
+    from) when they are no image at all (the header alone is read here: the scheduler decodes it)."""
+    if part.image_url is None:
+        raise ApiError(400, f"{where}: an image_url part needs image_url.url", param=f"{where}.image_url")
+    url = part.image_url.url
+    name = f"{label} ({source(url)}, {where})"
+    data = await image_bytes(url, opts, name)
+    try:
+        open_image(data).close()
+    except MediaError as e:
+        raise ApiError(400, str(e.naming(name)), param=f"{where}.image_url") from None
+    return common_pb2.Media(data=data)
+
+
+def _video(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
     """A `video_url` part: only data: URLs (no fetching of videos), bounded by the body's size;
     sampled with the model's video defaults."""
     if part.video_url is None or not part.video_url.url.startswith("data:"):
-        raise ApiError(400, f"messages[{i}]: a video_url part needs a data: URL in video_url.url", param="messages")
-    return common_pb2.Media(data=decode_data_url(part.video_url.url, opts.max_body_bytes), video=common_pb2.VideoSpec())
+        raise ApiError(400, f"{where}: a video_url part needs a data: URL in video_url.url", param=f"{where}.video_url")
+    url = part.video_url.url
+    data = decode_data_url(url, opts.max_body_bytes, f"{label} ({source(url)}, {where})")
+    return common_pb2.Media(data=data, video=common_pb2.VideoSpec())
 
 
 def completion_requests(body: CompletionRequest, max_model_len: int) -> tuple[str, list[serve_pb2.GenerateRequest]]:

@@ -2,7 +2,9 @@
 
 Body shape (as OpenAI and vLLM answer): ``{"error": {"message", "type", "param", "code"}}``.
 400 bad input, 401 bad key, 404 unknown model/route, 413 body too large, 429 queues full,
-503 no instance can serve, 504 deadline.
+500 an unexpected failure (its type only; the traceback goes to the log), 503 no instance can
+serve, 504 deadline. `grpc_code`: the gRPC code of a status, the `status` label the metrics count
+it under (500 → INTERNAL).
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ _FROM_GRPC = {
 }
 
 
-# a status the front answers itself -> the gRPC code the same refusal gets on the gRPC API (the
+# a status the front answers itself -> the gRPC code the same outcome gets on the gRPC API (the
 # `status` label of epdserve:requests_total, so both fronts count alike; 413: limits.LimitError's)
 _TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-            404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED}
+            404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+            429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
+            500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class ApiError(Exception):
@@ -43,6 +47,12 @@ class ApiError(Exception):
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
         return cls(_FROM_GRPC.get(code, 500), message)
+
+    @classmethod
+    def internal(cls, what: str, e: BaseException) -> ApiError:
+        """A 500 for an unexpected exception while `what` (the caller logs the traceback): the
+        error's type, never its text or a traceback."""
+        return cls(500, f"internal error in the server while {what} ({type(e).__name__}); its log has the details")
 
     @property
     def grpc_code(self) -> grpc.StatusCode:

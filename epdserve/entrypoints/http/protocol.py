@@ -2,12 +2,18 @@
 vLLM's extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `seed`,
 `return_token_ids`). Unknown fields are ignored, as vLLM does; fields whose meaning epdserve
 cannot honour (n > 1, logprobs, echo, penalties, tools) are refused with 400 by `unsupported`.
+Integers are bounded to what the gRPC message holds (int32 token ids and counts, int64 seed), so
+an out-of-range number is a 400 here, not a failure later. A content part's `type` is any string
+here; `convert` refuses the ones epdserve does not take (`input_audio`, `file`, ...) by name.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -18,14 +24,14 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
@@ -59,7 +65,7 @@ class ImageUrl(BaseModel):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text", "image_url", "video_url"]
+    type: str  # text, image_url, video_url; others are refused by name in convert
     text: str | None = None
     image_url: ImageUrl | None = None
     video_url: ImageUrl | None = None  # a data: URL of a video's container bytes (mp4, webm, ...)
@@ -74,7 +80,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
 
@@ -85,7 +91,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a list of them (one choice each)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]  # one prompt, or a list of them (one choice each)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
