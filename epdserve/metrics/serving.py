@@ -1,8 +1,9 @@
 """`ServingMetrics`: the request-path metrics, observed on each public request's delta stream.
 
-Per request: in flight (gauge); requests by status (``ok`` or the gRPC code name; requests a
-front refused before they reached the scheduler, `refused`, under the code the gRPC API gives
-the same refusal) and, when they finish, by finish reason; TTFT, inter-token latency, TPOT and
+Per request: in flight (gauge); requests by status (``ok`` or the gRPC code name, INTERNAL for an
+unexpected exception; requests a front refused or failed on before they reached the scheduler,
+`refused`, under the code the gRPC API gives the same outcome: HTTP 400 INVALID_ARGUMENT, 500
+INTERNAL, ...) and, when they finish, by finish reason; TTFT, inter-token latency, TPOT and
 end-to-end latency (histograms, the scheduler's clock); each stage from the merged `StageTimings` (queue, encode, E→P, prefill,
 P→D, first decode; see common.proto for the definitions); prompt / generation / vision / cached
 vision tokens; MM Store outcomes in vision tokens (hit: served from the MM Store or an instance's
@@ -38,7 +39,7 @@ class ServingMetrics:
         r = self.registry
         self.in_flight = Gauge(P + "num_requests_running", "Public requests in flight at the scheduler", registry=r)
         self.requests = Counter(P + "requests", "Public requests ended, by status (ok or the gRPC code; those "
-                                "the HTTP front refused itself included)", ["status"], registry=r)
+                                "the HTTP front refused or failed on itself included, HTTP 500 as INTERNAL)", ["status"], registry=r)
         self.success = Counter(P + "request_success", "Requests finished, by finish reason", ["finished_reason"],
                                registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY,
