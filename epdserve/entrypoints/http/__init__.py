@@ -6,6 +6,7 @@
 `epdserve.scheduler` imports this package). Modules: `options` (what the operator sets),
 `protocol` (request bodies), `convert` (bodies -> `GenerateRequest`), `images` (image_url
 resolution), `responses` (response and SSE chunk bodies), `errors` (OpenAI-style JSON errors),
+`validation` (a refused body as one readable 400),
 `app` (the routes), `server` (uvicorn on a running loop; also `MetricsFront`, /metrics alone).
 """
 from epdserve.entrypoints.http.options import HttpOptions
