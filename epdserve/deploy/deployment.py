@@ -4,7 +4,9 @@ Start order: the MM Store (a private Redis-protocol server unless a URL is given
 scheduler (`epdserve scheduler`, its address read from --address-file) → every instance
 (`epdserve instance --scheduler ...`), all at once → wait until each instance is on the
 scheduler's roster and HEALTHY. Stop order is the reverse: instances (in parallel), scheduler,
-store. Children are `ChildProcess`es (own process group, die with the launcher) whose output
+store. The readiness probe (`readiness.RosterProbe`) uses the credentials the deployment
+hands out (public TLS, API key, cluster token) and, on timeout, says what it saw. Children are
+`ChildProcess`es (own process group, die with the launcher) whose output
 goes to one log file each under `log_dir`.
 
 Supervising (`watch()`, called from the launcher's main thread, so that PR_SET_PDEATHSIG holds
@@ -26,8 +28,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import grpc
 
 from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
@@ -79,6 +79,7 @@ class Deployment:
         self.scheduler: ChildProcess | None = None
         self.instances: list[ChildProcess] = []
         self._redis = None
+        self.mm_store_password_file: Path | None = None  # the private MM Store's password, for operators' tools
         self._arbiter = None  # slo on CPU: the machine's core-lease arbiter, on a thread of this process
         self._own_log_dir = spec.log_dir is None
         self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="epdserve-launch-"))
@@ -97,6 +98,7 @@ class Deployment:
             # a password even on loopback (other local users); instances get it from the environment
             self._redis = LocalRedisServer(maxmemory=s.mm_store_max_bytes, password=secrets.token_urlsafe(24)).start()
             self.mm_store_url = self._redis.address_url
+            self.mm_store_password_file = self._write_password(self._redis.password)
             log.info("MM Store: private server at %s", self.mm_store_url)
         addr_file = self.log_dir / "scheduler.address"
         addr_file.unlink(missing_ok=True)
@@ -124,6 +126,16 @@ class Deployment:
         for name in ["scheduler", *(c.name for c in self.instances), *(["mm_store"] if self._redis else [])]:
             self._schedules[name] = RestartSchedule(s.restart, now)
         return self.address
+
+    def _write_password(self, password: str) -> Path:
+        """The private MM Store's password in a 0600 file of the log directory (removed with it after a
+        clean stop), for tools an operator points at the store (`epdserve doctor --mm-store`)."""
+        path = self.log_dir / "mm_store.password"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        return path
 
     def _scheduler_child(self, port: int, addr_file: Path) -> ChildProcess:
         s = self.spec
@@ -154,14 +166,9 @@ class Deployment:
 
     def _instance_flag(self, name: str) -> str | None:
         """The value every instance gets for flag `name` (the last one in instance_args wins, as argparse does)."""
-        value = None
-        args = self.spec.instance_args
-        for i, a in enumerate(args):
-            if a == name and i + 1 < len(args):
-                value = args[i + 1]
-            elif a.startswith(name + "="):
-                value = a.split("=", 1)[1]
-        return value
+        from epdserve.deploy.readiness import last_flag
+
+        return last_flag(self.spec.instance_args, name)
 
     def _core_sets(self) -> list[list[int]] | None:
         """One core set per instance (in start order) when pinning CPU instances, else None."""
@@ -194,25 +201,27 @@ class Deployment:
         return ChildProcess(name, ["--log-level", self.spec.log_level, *argv], env=env, log_stream=stream, prefix="")
 
     def _wait_roster(self, deadline: float, should_stop) -> None:
-        from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
+        from epdserve.deploy.readiness import RosterProbe, last_flag
+        from epdserve.rpc import serve_pb2_grpc
 
-        from epdserve.security import channels
-
-        want = len(self.instances)
-        key, token = channels.from_env()  # the deployment's API key / cluster token, if any
-        with channels.channel(self.address, api_key=key, cluster_token=token) as ch:
+        # the credentials the deployment hands out: TLS when the scheduler serves its public port
+        # over TLS (--tls-cert, from launch's own flag or --scheduler-args: the last one wins)
+        probe = RosterProbe(self.address, len(self.instances), tls_ca=last_flag(self.spec.scheduler_args, "--tls-cert"))
+        with probe.channel() as ch:
             stub = serve_pb2_grpc.EPDServeStub(ch)
             while True:
                 self._check_alive(self.scheduler, "the scheduler")
                 for c in self.instances:
                     self._check_alive(c, f"instance {c.name}")
-                try:
-                    info = stub.GetServerInfo(serve_pb2.GetServerInfoRequest(), timeout=2.0)
-                    if sum(1 for i in info.instances if i.health == common_pb2.HEALTHY) >= want:
-                        return
-                except grpc.RpcError:
-                    pass
-                self._check_deadline(deadline, should_stop, f"{want} instances to register")
+                if probe.poll(stub):
+                    return
+                if should_stop():
+                    raise KeyboardInterrupt
+                if time.monotonic() > deadline:
+                    tails = "\n".join(self.tail(c, 5) for c in [self.scheduler, *self.instances])
+                    raise LaunchError(f"timed out after {self.spec.ready_timeout_s:.0f} s waiting for {probe.want} "
+                                      f"instances to be HEALTHY on the scheduler's roster: {probe.report()}; "
+                                      f"logs in {self.log_dir}, ending:\n{tails}")
                 time.sleep(0.2)  # polling the roster while the instances load their models
 
     def _check_alive(self, c: ChildProcess, what: str) -> None:

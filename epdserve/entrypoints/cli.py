@@ -11,6 +11,10 @@ other command is listed by its help line alone. So `epdserve --help` and `epdser
 import no command module but CMD's, and command modules keep heavy imports (torch, transformers,
 gRPC, numpy) inside their run functions: `--help` answers in well under a second
 (tests/entrypoints/test_cli_help.py checks that torch is never imported for it).
+
+`Parser` (every epdserve parser) lets a `FlagsArg` option take a value that starts with `-`:
+`epdserve launch --scheduler-args "--allow-remote-images"` (plain argparse reads the value as an
+unknown option and stops with "expected one argument").
 """
 from __future__ import annotations
 
@@ -45,6 +49,37 @@ COMMANDS = {
 }
 
 
+class FlagsArg(argparse.Action):
+    """An option whose one value is more flags for a child command, e.g. ``--scheduler-args "--x 1"``:
+    the word after it is its value even when that word starts with ``-`` (`Parser` sees to it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but the word after a `FlagsArg` option is always that option's value (it is glued
+    to it as ``--opt=VALUE`` before parsing; words after a bare ``--`` are left alone). Its
+    sub-command parsers are `Parser`s too (argparse makes them of the parent's class)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        takes_flags = {o for a in self._actions if isinstance(a, FlagsArg) for o in a.option_strings}
+        glued, i = [], 0
+        while i < len(args):
+            word = args[i]
+            if word == "--":
+                glued += args[i:]
+                break
+            if word in takes_flags and i + 1 < len(args):
+                glued.append(f"{word}={args[i + 1]}")
+                i += 2
+                continue
+            glued.append(word)
+            i += 1
+        return super().parse_known_args(glued, namespace)
+
+
 def add_command(subparsers, name: str, run, help: str, doc: str | None) -> argparse.ArgumentParser:
     """Register sub-command `name`: `help` is its line in the command list, `doc` (the module's
     docstring) its `--help` text, `run(args) -> int` what it does."""
@@ -72,7 +107,7 @@ def add_commands(subparsers, commands: dict[str, Command], argv: list[str] | Non
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser for `argv` (only its command built); None: every command built."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="epdserve",
         description="EPD-disaggregated serving for vision-language models (Encode / Prefill / Decode).",
     )
@@ -89,5 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m: run the imported module's main, whose classes command modules share
+    from epdserve.entrypoints.cli import main as _main
+
+    sys.exit(_main())

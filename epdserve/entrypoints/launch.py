@@ -5,7 +5,13 @@
 
 Prints one line to stdout when every instance is on the scheduler's roster:
 ``epdserve ready: grpc://HOST:PORT mode=EP-D instances=EPx2,Dx2 mm_store=redis://...`` (then
+``mm_store_password_file=PATH`` for the private MM Store — a 0600 file in the log directory
+holding its random password, for `EPDSERVE_MM_STORE_PASSWORD` —, ``tls=1`` with --tls-cert,
 ``http=URL`` with --http-port, ``internal=grpc://HOST:PORT`` with --internal-port).
+--tls-cert/--tls-key put the scheduler's public ports on TLS, and the launcher's readiness probe
+uses them too (as it uses EPDSERVE_API_KEY / EPDSERVE_CLUSTER_TOKEN); TLS flags passed through
+--scheduler-args are honoured the same way. The HTTP API's model id is --served-model-name,
+default --model as given.
 Ctrl-C / SIGTERM / SIGHUP stop every child (instances, then the scheduler, then the private MM
 Store) and exit 0, within --drain-timeout + STOP_MARGIN_S seconds, always (past that it exits 1;
 its children still go). Children also stop if the launcher is killed outright, SIGKILL included
@@ -19,6 +25,8 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+
+from epdserve.entrypoints.cli import FlagsArg
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,7 @@ _DEFAULTS = {
     "restart_backoff_s": 0.5, "restart_backoff_max_s": 10.0, "max_restarts": 5, "mm_store_max_mb": 4096,
     "internal_port": None, "internal_host": None, "internal_tls_cert": None, "internal_tls_key": None,
     "internal_tls_ca": None, "expected_workload": None, "expected_rate": None, "profile": None,
+    "tls_cert": None, "tls_key": None, "served_model_name": None,
 }
 # options passed on to every `epdserve instance` as the flag of the same name (max_model_len also
 # to the scheduler); left out, the instance's own default applies
@@ -100,13 +109,23 @@ def add_parser(subparsers):
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="gather a request's tokens after its first for up to this long into one stream message "
                         "(default 0: at once)")
-    p.add_argument("--instance-args", default=None, help="extra `epdserve instance` flags, one string")
-    p.add_argument("--scheduler-args", default=None, help="extra `epdserve scheduler` flags, one string")
+    p.add_argument("--instance-args", action=FlagsArg, default=None,
+                   help="extra `epdserve instance` flags, one string (may start with --)")
+    p.add_argument("--scheduler-args", action=FlagsArg, default=None,
+                   help="extra `epdserve scheduler` flags, one string (may start with --), e.g. "
+                        "--scheduler-args \"--allow-remote-images\"; they override launch's own")
     p.add_argument("--log-dir", default=None, help="where child logs go (kept); default: a temp dir")
     p.add_argument("--ready-timeout-s", type=float, default=None, help="give up starting after this long (600)")
     p.add_argument("--http-port", type=int, default=None,
                    help="the scheduler also serves the OpenAI-compatible HTTP API here (0: a free one, printed as "
                         "http=URL in the ready line); the API key, if any, comes from EPDSERVE_API_KEY")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id the HTTP API lists in /v1/models and accepts in requests (default: --model "
+                        "as given)")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate: the scheduler serves its public gRPC and HTTP ports over TLS; the "
+                        "launcher's readiness probe trusts it (self-signed, or a chain file ending with its CA)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     _add_internal_flags(p)
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="on stop, instances let calls in flight finish for up to this many seconds (default 10); "
@@ -168,6 +187,27 @@ def _internal(merged: dict, args) -> tuple[list[str], list[str], str | None]:
     return sched, inst, f"[{dial}]:{port}" if ":" in dial else f"{dial}:{port}"
 
 
+def _served_name(merged: dict) -> list[str]:
+    """--served-model-name for the scheduler: the model id of the HTTP API, by default --model as
+    given (the scheduler's own default is the path it is handed, which may be spelled otherwise)."""
+    name = str(merged["served_model_name"] or merged["model"])
+    return [] if name == str(Path(merged["model"]).expanduser()) else ["--served-model-name", name]
+
+
+def _tls(merged: dict) -> list[str]:
+    """The scheduler's public TLS flags (absolute paths: children start in another directory)."""
+    cert, key = merged["tls_cert"], merged["tls_key"]
+    if bool(cert) != bool(key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if not cert:
+        return []
+    cert, key = (str(Path(x).expanduser().resolve()) for x in (cert, key))
+    for what, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not Path(path).is_file():
+            raise ValueError(f"{what} {path}: no such file")
+    return ["--tls-cert", cert, "--tls-key", key]
+
+
 def load_config(path: Path | None) -> dict:
     if path is None:
         return {}
@@ -212,7 +252,8 @@ def spec_from_args(args):
     for key in _INSTANCE_FLAGS:
         if merged[key] is not None:
             inst += [f"--{key.replace('_', '-')}", str(merged[key])]
-    sched = _flags(merged["scheduler_args"])
+    # launch's own scheduler flags first: --scheduler-args come after them and win (argparse: the last one)
+    sched = [*_served_name(merged), *_tls(merged), *_flags(merged["scheduler_args"])]
     if merged["max_model_len"] is not None:
         sched += ["--max-model-len", str(merged["max_model_len"])]
     if merged["http_port"] is not None:  # resolved now: a restarted scheduler comes back on the same port
@@ -224,6 +265,11 @@ def spec_from_args(args):
     if merged["mode"] == "auto":
         merged, planned = _plan_auto(merged)
         sched += ["--controller"]
+    from epdserve.deploy.readiness import last_flag
+
+    if last_flag(sched, "--tls-cert") and merged["internal_port"] is None and last_flag(sched, "--internal-port") is None:
+        # public TLS: instances register on a plaintext Registry port of their own (loopback / --host)
+        merged["internal_port"] = 0
     internal_sched, internal_inst, registry = _internal(merged, args)
     sched += internal_sched
     inst += internal_inst
@@ -252,6 +298,26 @@ def _plan_auto(merged: dict) -> tuple[dict, str]:
             "decode": plan.decode}, plan.line()
 
 
+def ready_line(dep, address: str, http_port: int | None) -> str:
+    """``epdserve ready: ...``: where the deployment serves, and where the private MM Store's
+    password file is (the password itself never goes to stdout)."""
+    from epdserve.deploy.readiness import last_flag
+
+    spec = dep.spec
+    tls = last_flag(spec.scheduler_args, "--tls-cert") is not None
+    line = (f"epdserve ready: grpc://{address} mode={spec.mode}{' auto=1' if spec.planned else ''} "
+            f"instances={dep.summary()} mm_store={dep.mm_store_url}")
+    if dep.mm_store_password_file is not None:
+        line += f" mm_store_password_file={dep.mm_store_password_file}"
+    if tls:
+        line += " tls=1"
+    if http_port:
+        line += f" http={'https' if tls else 'http'}://{spec.host}:{http_port}"
+    if spec.registry:
+        line += f" internal=grpc://{spec.registry}"
+    return line
+
+
 def run(args) -> int:
     from epdserve.deploy.deployment import Deployment, LaunchError
 
@@ -271,11 +337,7 @@ def run(args) -> int:
             log.info("auto: %s", spec.planned)
         log.info("starting mode %s (%s); child logs in %s", spec.mode, dep.summary(), dep.log_dir)
         address = dep.start(should_stop=stop.is_set)
-        print(f"epdserve ready: grpc://{address} mode={spec.mode}{' auto=1' if spec.planned else ''} "
-              f"instances={dep.summary()} "
-              f"mm_store={dep.mm_store_url}" + (f" http=http://{spec.host}:{args.http_port}"
-                                                if getattr(args, "http_port", None) else "")
-              + (f" internal=grpc://{spec.registry}" if spec.registry else ""), flush=True)
+        print(ready_line(dep, address, getattr(args, "http_port", None)), flush=True)
         while not stop.wait(0.5):
             reason = dep.watch()
             if reason:
