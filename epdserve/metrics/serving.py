@@ -12,15 +12,25 @@ did not come; miss: the rest, encoded for this request); retries (attempts beyon
 
 Recomputes and retries are read from the dispatcher's `RequestRun` when the last
 delta arrives (read only: the run is still registered until the stream returns).
+
+Refusals that never reach the request path are counted too: on the gRPC front by
+`refusals.RefusalCounter` (`interceptor()`; the API key's UNAUTHENTICATED, ...), which learns
+whether a call reached `observe` through `tracked_call`; on the HTTP front by the app
+(`refused`). Every HTTP response besides, by route and HTTP status, in
+``epdserve:http_responses_total`` (`http_responses`: why a counter of its own).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextvars import ContextVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from epdserve.metrics.http_responses import http_responses_counter
+from epdserve.metrics.refusals import Reached, RefusalCounter
 from epdserve.rpc import serve_pb2
 
 P = "epdserve:"
@@ -39,7 +49,8 @@ class ServingMetrics:
         r = self.registry
         self.in_flight = Gauge(P + "num_requests_running", "Public requests in flight at the scheduler", registry=r)
         self.requests = Counter(P + "requests", "Public requests ended, by status (ok or the gRPC code; those "
-                                "the HTTP front refused or failed on itself included, HTTP 500 as INTERNAL)", ["status"], registry=r)
+                                "the HTTP front refused or failed on itself included, HTTP 500 as INTERNAL, and "
+                                "gRPC calls refused before the servicer)", ["status"], registry=r)
         self.success = Counter(P + "request_success", "Requests finished, by finish reason", ["finished_reason"],
                                registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY,
@@ -67,6 +78,9 @@ class ServingMetrics:
         for result in ("hit", "miss", "recompute"):
             self.mm_store.labels(result)
         self.requests.labels("ok")
+        self.http_responses = http_responses_counter(r)
+        # the gRPC call being served, in its own task's context (`tracked_call`): per call, not shared
+        self._call: ContextVar[Reached | None] = ContextVar(f"epdserve_call_{id(self):x}", default=None)
 
     def attach(self, scheduler) -> ServingMetrics:
         """Export the roster and instance-engine gauges of `scheduler` (a SchedulerServer)."""
@@ -79,6 +93,21 @@ class ServingMetrics:
         """A request a front refused before it reached the scheduler (`status`: a gRPC code name)."""
         self.requests.labels(status).inc()
 
+    def interceptor(self) -> RefusalCounter:
+        """For the public gRPC server, outermost: counts the generation calls refused before `observe`."""
+        return RefusalCounter(self)
+
+    @contextlib.contextmanager
+    def tracked_call(self) -> Iterator[Reached]:
+        """While a gRPC call is served inside: its mark, set when `observe` takes the request."""
+        mark = Reached()
+        token = self._call.set(mark)
+        try:
+            yield mark
+        finally:
+            with contextlib.suppress(ValueError):  # closed from another context (a finalized generator)
+                self._call.reset(token)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -88,6 +117,9 @@ class ServingMetrics:
         start = time.monotonic()
         first = last = None
         status = "ok"
+        mark = self._call.get()
+        if mark is not None:  # a gRPC call: counted here, not by the interceptor
+            mark.reached = True
         self.in_flight.inc()
         try:
             async for d in stream:

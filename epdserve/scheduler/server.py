@@ -39,7 +39,9 @@ VERSION = "0.1.0"
 
 class SchedulerServer:
     """`observer`: optional; `observer.observe(stream, server)` wraps every public request's delta
-    stream (the entrypoints pass the Prometheus metrics here; nothing in scheduler/ knows them).
+    stream (the entrypoints pass the Prometheus metrics here; nothing in scheduler/ knows them);
+    its `interceptor()`, when it has one, goes outermost on the public port, to see the calls
+    refused before the servicer (the API key's UNAUTHENTICATED).
     `security`: API key, cluster token, TLS and the internal port (`SchedulerSecurity`; default:
     none of them, everything on one plaintext port)."""
 
@@ -74,7 +76,8 @@ class SchedulerServer:
         sec = self.security
         # A request over the input limit is refused by gRPC as it arrives (RESOURCE_EXHAUSTED),
         # not buffered whole first; the public port only: registrations are small.
-        server = _aio_server(sec.public_rules(), max_receive=self.config.limits.max_message_bytes)
+        outer = self.observer.interceptor() if hasattr(self.observer, "interceptor") else None
+        server = _aio_server(sec.public_rules(), max_receive=self.config.limits.max_message_bytes, outer=outer)
         self.address = _bind(server, self.config.host, self.config.port, sec)
         info = {"scheduler_id": self.scheduler_id, "address": self.address, "started_at": time.time(),
                 "version": VERSION}
@@ -149,11 +152,13 @@ class SchedulerServer:
             await self._server.wait_for_termination()
 
 
-def _aio_server(rules, max_receive: int | None = None) -> grpc.aio.Server:
+def _aio_server(rules, max_receive: int | None = None, outer=None) -> grpc.aio.Server:
+    """`outer`: an interceptor run before the auth check (it sees the calls that check refuses)."""
     options = [o for o in CHANNEL_OPTIONS if max_receive is None or o[0] != "grpc.max_receive_message_length"]
     if max_receive is not None:
         options.append(("grpc.max_receive_message_length", max_receive))
-    return grpc.aio.server(options=options, interceptors=[AioAuthInterceptor(rules)] if rules else None)
+    interceptors = ([outer] if outer is not None else []) + ([AioAuthInterceptor(rules)] if rules else [])
+    return grpc.aio.server(options=options, interceptors=interceptors or None)
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: SchedulerSecurity | None = None,

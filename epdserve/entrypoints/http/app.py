@@ -13,7 +13,9 @@ answering 200 ends with an ``error`` event. An unexpected exception anywhere is 
 OpenAI's shape (its type only; the traceback goes to the log), never starlette's plain text. A
 client that disconnects cancels its generations, which aborts them on every instance (the
 dispatcher's cancellation path); so does a failed prompt of a list its siblings. /health and
-/metrics need no key (as in vLLM).
+/metrics need no key (as in vLLM). With metrics, every response of any route (a 401 on
+/v1/models, a 404 for an unknown path, a 405) is also counted by route and HTTP status
+(`epdserve.metrics.http_responses`).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from epdserve.entrypoints.http.protocol import ChatCompletionRequest, Completion
 from epdserve.entrypoints.http.responses import Choice, Shape, sse, sum_usage
 from epdserve.entrypoints.http.validation import explain
 from epdserve.limits import LimitError, check_generate_request
+from epdserve.metrics.http_responses import CountResponses
 from epdserve.rpc import serve_pb2
 from epdserve.scheduler.errors import RequestError
 
@@ -84,9 +87,12 @@ async def _race_disconnect(request: Request, aw):
 
 def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
     """`scheduler`: a started `SchedulerServer` (its dispatcher, config, registry). `metrics`: a
-    `ServingMetrics` (or anything with `render() -> (bytes, content_type)` and `refused(status)`)
-    served on /metrics and counting refused requests, or None."""
+    `ServingMetrics` (or anything with `render() -> (bytes, content_type)`, `refused(status)` and
+    an `http_responses` counter) served on /metrics, counting refused requests and every
+    response, or None."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    if metrics is not None:
+        app.add_middleware(CountResponses, counter=metrics.http_responses)
     model_name = opts.served_model_name or scheduler.config.model
     key = opts.api_key.encode() if opts.api_key else None
     created = int(time.time())
