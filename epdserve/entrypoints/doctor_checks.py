@@ -5,7 +5,9 @@ A check never builds, starts or installs anything: torch_npu is imported only wh
 installed (so a broken install shows its real import error), the native operators are looked up
 in their build cache, and servers named on the command line get one call with a short deadline.
 `fail` means the given mode cannot run here (or a named server does not answer); `warn` means it
-runs, but not as well as it could.
+runs, but not as well as it could. A server that refuses the credentials gets the fix that names
+them: a scheduler answering UNAUTHENTICATED → set EPDSERVE_API_KEY; an MM Store answering
+NOAUTH / WRONGPASS → EPDSERVE_MM_STORE_PASSWORD, and where launch's private store keeps it.
 """
 from __future__ import annotations
 
@@ -237,6 +239,10 @@ def _mm_store(url: str | None, mode: str | None, timeout_s: float) -> Check:
         return Check("MM Store", Status.FAIL, str(e), "pass --mm-store redis://host:port (or rediss://, unix://)")
     try:
         info = conn.client.info("server")
+    except (redis.AuthenticationError, redis.ResponseError) as e:
+        if not _auth_refused(e):
+            raise
+        return Check("MM Store", Status.FAIL, f"{redact(url)} refuses the password: {e}", _mm_store_password_fix(e))
     except (redis.RedisError, OSError) as e:
         return Check("MM Store", Status.FAIL, f"{redact(url)} does not answer: {e}",
                      f"start a Redis/Valkey server at {redact(url)}, or omit --mm-store (launch starts a private one)")
@@ -246,17 +252,42 @@ def _mm_store(url: str | None, mode: str | None, timeout_s: float) -> Check:
     return Check("MM Store", Status.OK, f"{redact(url)} answers (server {version})")
 
 
+def _auth_refused(e: Exception) -> bool:
+    """A Redis error that says the password is missing (NOAUTH, "Authentication required") or wrong
+    (WRONGPASS, "invalid password")."""
+    import redis
+
+    text = str(e).upper()
+    return isinstance(e, redis.AuthenticationError) or "NOAUTH" in text or "WRONGPASS" in text
+
+
+def _mm_store_password_fix(e: Exception) -> str:
+    from epdserve.transfer.mm_store.connection import PASSWORD_ENV
+
+    given = bool(os.environ.get(PASSWORD_ENV))
+    what = "a wrong password was given" if "WRONGPASS" in str(e).upper() or given else "it needs a password"
+    return (f"{what}: set {PASSWORD_ENV} (or put it in the URL); for `epdserve launch`'s private MM Store it is in "
+            f"the file its ready line names (mm_store_password_file=PATH): {PASSWORD_ENV}=$(cat PATH)")
+
+
 def _scheduler(address: str | None, mode: str | None, timeout_s: float) -> Check:
     if address is None:
         return Check("scheduler", Status.OK, "none named (launch starts one; --scheduler HOST:PORT checks one)")
+    import grpc
+
     from epdserve.entrypoints.client import Client, EPDServeError
     from epdserve.rpc import common_pb2
+    from epdserve.security.secrets import API_KEY_ENV
 
     address = address.removeprefix("grpc://")
     client = Client(address, timeout=timeout_s)
     try:
         info = client.server_info()
     except EPDServeError as e:
+        if e.code == grpc.StatusCode.UNAUTHENTICATED:
+            return Check("scheduler", Status.FAIL, f"{address} refuses the call: {e}",
+                         f"set {API_KEY_ENV} (the deployment's API key){' to the right key' if os.environ.get(API_KEY_ENV) else ''} "
+                         "and run doctor again")
         return Check("scheduler", Status.FAIL, f"{address} does not answer: {e}",
                      "start it (`epdserve scheduler` or `epdserve launch`) and pass the address its ready line prints")
     finally:

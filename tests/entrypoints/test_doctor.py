@@ -106,3 +106,35 @@ def test_mismatched_torch_npu_fails_through_the_command(tmp_path):
     assert f"fix torch_npu: pip install 'torch-npu=={release}.*'" in proc.stdout
     if cann_version() is None:  # torch_npu is installed, so CANN is needed
         assert " fail " in row(proc.stdout, "CANN")
+
+
+def test_mm_store_refusing_the_password_names_where_it_is(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("EPDSERVE_MM_STORE_PASSWORD", raising=False)
+    with LocalRedisServer(password="doctor-store-secret") as server:  # as launch's private store
+        rc, out = doctor(capsys, "--mm-store", server.address_url)  # the URL the ready line prints: no password
+        assert rc == 1 and " fail " in row(out, "MM Store") and "refuses the password" in row(out, "MM Store")
+        assert ("fix MM Store: it needs a password: set EPDSERVE_MM_STORE_PASSWORD (or put it in the URL); for "
+                "`epdserve launch`'s private MM Store it is in the file its ready line names") in out
+        monkeypatch.setenv("EPDSERVE_MM_STORE_PASSWORD", "not-the-password")
+        rc, out = doctor(capsys, "--mm-store", server.address_url)
+        assert rc == 1 and "fix MM Store: a wrong password was given: set EPDSERVE_MM_STORE_PASSWORD" in out
+        monkeypatch.setenv("EPDSERVE_MM_STORE_PASSWORD", "doctor-store-secret")
+        rc, out = doctor(capsys, "--mm-store", server.address_url)
+        assert rc == 0 and " ok " in row(out, "MM Store"), out
+    assert "doctor-store-secret" not in out
+
+
+def test_scheduler_answering_unauthenticated_says_set_the_api_key(capsys, monkeypatch, qwen2_vl_tiny):
+    from epdserve.security import Secret
+    from epdserve.security.options import SchedulerSecurity
+
+    monkeypatch.delenv("EPDSERVE_API_KEY", raising=False)
+    security = SchedulerSecurity(api_key=Secret("doctor-api-key"))
+    with SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), port=0), security=security) as sched:
+        rc, out = doctor(capsys, "--scheduler", sched.address)
+        assert rc == 1 and "UNAUTHENTICATED" in row(out, "scheduler")
+        assert "fix scheduler: set EPDSERVE_API_KEY (the deployment's API key) and run doctor again" in out
+        assert "start it" not in out
+        monkeypatch.setenv("EPDSERVE_API_KEY", "doctor-api-key")
+        rc, out = doctor(capsys, "--scheduler", sched.address)
+        assert rc == 0 and f"{sched.address} answers" in row(out, "scheduler"), out
