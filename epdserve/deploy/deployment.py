@@ -209,12 +209,17 @@ class Deployment:
         probe = RosterProbe(self.address, len(self.instances), tls_ca=last_flag(self.spec.scheduler_args, "--tls-cert"))
         with probe.channel() as ch:
             stub = serve_pb2_grpc.EPDServeStub(ch)
+            next_note = time.monotonic() + 10.0
             while True:
                 self._check_alive(self.scheduler, "the scheduler")
                 for c in self.instances:
                     self._check_alive(c, f"instance {c.name}")
                 if probe.poll(stub):
                     return
+                if time.monotonic() >= next_note:  # the instances' own output goes to their logs: say why we wait
+                    log.info("waiting for the instances (%s); a first start builds the native operators (~1 min) "
+                             "and every instance loads the model; child logs in %s", probe.report(), self.log_dir)
+                    next_note = time.monotonic() + 20.0
                 if should_stop():
                     raise KeyboardInterrupt
                 if time.monotonic() > deadline:

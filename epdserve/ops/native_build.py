@@ -6,10 +6,12 @@ for the CPU it is built on (`-march=native`: build where it runs, or in the imag
 with OpenMP so that `at::parallel_for` splits work over the calling thread's torch threads
 (torch's own libgomp is the one loaded). Loading it registers `torch.ops.epdserve.*`.
 Cache: `$EPDSERVE_OPS_CACHE`, else `~/.cache/epdserve/ops`, one folder per torch version and
-source hash, so a changed source or another torch never reuses a stale build.
+source hash, so a changed source or another torch never reuses a stale build. A build that is not
+cached says so on stderr while it runs (`build_progress.BuildProgress`); a cached one is silent.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -17,6 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from epdserve.ops.build_progress import BuildProgress
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 LDFLAGS = ("-fopenmp",)
@@ -77,6 +81,8 @@ def build_and_load(verbose: bool = False) -> Path:
     paths = sources()
     folder = build_dir(build_key(paths))
     folder.mkdir(parents=True, exist_ok=True)
-    load(name=folder.name, sources=[str(p) for p in paths], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-         build_directory=str(folder), is_python_module=False, verbose=verbose)
+    cached = any(folder.glob("*.so"))
+    with contextlib.nullcontext() if cached or verbose else BuildProgress(folder / "build.log"):
+        load(name=folder.name, sources=[str(p) for p in paths], extra_cflags=list(CFLAGS),
+             extra_ldflags=list(LDFLAGS), build_directory=str(folder), is_python_module=False, verbose=verbose)
     return folder
