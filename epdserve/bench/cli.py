@@ -10,7 +10,7 @@ BENCHMARKS = {
                                                  "(1 at a time, padded batches, generate_batch)"),
     "host": Command("epdserve.bench.host", "host (Python) time per decode step at short vs long outputs"),
     "mm-store": Command("epdserve.bench.mm_store", "MM Store put/get vs raw redis-py set/get"),
-    "kv-transfer": Command("epdserve.bench.kv_transfer", "layerwise vs after-prefill P->D KV transfer, and raw gloo"),
+    "kv-transfer": Command("epdserve.bench.kv_transfer_cli", "layerwise vs after-prefill P->D KV transfer, and raw gloo"),
     "serve": Command("epdserve.bench.serve",
                      "serving benchmark: TTFT/TPOT/ITL/E2EL, goodput under SLOs, modes side by side"),
     "ops": Command("epdserve.bench.ops", "paged operators: native (csrc/) vs portable torch"),

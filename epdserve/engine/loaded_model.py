@@ -10,7 +10,10 @@ engines on different threads may run forwards at once.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,6 +24,7 @@ from epdserve.platform import get_platform
 from epdserve.platform.base import Platform
 from epdserve.transfer.mm_store.keys import namespace_for
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -52,12 +56,18 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     platform = get_platform(device)
     platform.set_thread_device(_index(device) or 0)  # the loading thread's device
     tdtype = _DTYPES.get(dtype) or (torch.float32 if platform.name == "cpu" else torch.bfloat16)
+    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 0
+    size = f"{weights / 1e9:.1f} GB" if weights >= 1e9 else f"{weights / 1e6:.1f} MB"
+    log.info("loading model %s (%s of weights) on %s as %s ...", model, size, platform.device(),
+             str(tdtype).removeprefix("torch."))
+    started = time.monotonic()
     ckpt = load_checkpoint(model, platform.device(), tdtype)
     a = VLMAdapter(ckpt.model)
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
                                     a.text_config.vocab_size, video=ckpt.video)
     generation_eos = getattr(getattr(ckpt.model, "generation_config", None), "eos_token_id", None)
+    log.info("loaded model %s in %.1f s", model, time.monotonic() - started)
     return LoadedModel(
         model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a, processor=processor,
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),

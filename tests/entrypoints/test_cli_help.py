@@ -13,11 +13,8 @@ from epdserve.bench.cli import BENCHMARKS
 from epdserve.entrypoints.cli import COMMANDS
 
 HEAVY = ("torch", "transformers")
-# bench kv-transfer subclasses the KV connectors at module level (torch): its --help is the one
-# that still imports torch
-SLOW_HELP = {("bench", "kv-transfer")}
 CASES = [(), *((name,) for name in COMMANDS),
-         *(("bench", name) for name in BENCHMARKS if ("bench", name) not in SLOW_HELP)]
+         *(("bench", name) for name in BENCHMARKS)]
 
 
 def imported_modules(stderr: str) -> set[str]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from epdserve.bench import kv_transfer
+from epdserve.bench import kv_transfer, kv_transfer_cli
 
 
 def test_bench_runs_all_modes_and_checks_the_kv(qwen2_vl_tiny, tmp_path, capsys):
     parser = argparse.ArgumentParser()
-    kv_transfer.add_parser(parser.add_subparsers())
+    kv_transfer_cli.add_parser(parser.add_subparsers())
     out = tmp_path / "kv.json"
     args = parser.parse_args(["kv-transfer", "--shapes", "demo-small", "--tokens", "40", "--repeats", "1",
                               "--warmup", "0", "--layer-ms", "0.5", "--engine", str(qwen2_vl_tiny),
