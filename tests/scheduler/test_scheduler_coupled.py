@@ -116,7 +116,9 @@ def test_backpressure_and_unavailable(qwen2_vl_tiny, two_instances):
         sched.stop()
     empty = start_scheduler(qwen2_vl_tiny, [])
     try:
-        with Client(empty.address, timeout=30) as c:
+        # one quick retry instead of the default policy's ~23 s of backoff: the scheduler's answer is what
+        # is tested here (the client's retry policy is test_client's)
+        with Client(empty.address, timeout=30, retries=1, retry_backoff_s=0.05) as c:
             with pytest.raises(EPDServeError) as e:
                 c.generate("anyone?", max_tokens=2)
             assert e.value.code == grpc.StatusCode.UNAVAILABLE
