@@ -6,6 +6,11 @@ DeepStack features of a cut image are added on both sides of the cut; in E-P-D t
 (main + DeepStack, one MM Store value) reach P from E: P runs no vision encoder. Videos are
 served in every deployment too, equal to the golden tokens transformers made from its own video
 pipeline (tests/model/fixtures/video).
+
+Qwen3-VL E-P-D also runs with `--encode-token-budget 4` (below one temporal patch): every instance
+gets the flag, E encodes each video a temporal patch per step and stores its features (with
+DeepStack) whole, each video and image exactly once, and P uses them; outputs still equal the
+golden tokens. (Qwen3-VL-MoE E-P-D and Qwen3-VL E-PD keep the default budget.)
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ DEPLOYMENTS = [("qwen3_vl", m) for m in ("monolithic", "E-P-D", "EP-D", "ED-P", 
 CHUNK = 16
 MAX_TOKENS = 8
 VIDEO_FIXTURES = Path(__file__).parents[1] / "model" / "fixtures" / "video"
+ENCODE_BUDGET = {("qwen3_vl", "E-P-D"): "4"}  # a budget below one temporal patch: videos are encoded in slices
 
 
 def workload() -> list[tuple[str, list[bytes]]]:
@@ -56,8 +62,9 @@ def references(request):
 @pytest.fixture(scope="module", params=DEPLOYMENTS, ids=lambda p: "-".join(p))
 def deployment(request):
     arch, mode = request.param
+    budget = ("--encode-token-budget", ENCODE_BUDGET[arch, mode]) if (arch, mode) in ENCODE_BUDGET else ()
     dep = _launch(mode, request.getfixturevalue(f"{arch}_tiny"),
-                  ("--instance-args", f"--max-num-batched-tokens {CHUNK}"))
+                  ("--instance-args", f"--max-num-batched-tokens {CHUNK}", *budget))
     family = [psutil.Process(dep.proc.pid), *psutil.Process(dep.proc.pid).children(recursive=True)]
     try:
         yield arch, dep
@@ -100,6 +107,13 @@ def test_videos_match_transformers_golden_tokens(deployment):
         return c.generate(rec["prompt"], images=images, videos=[(VIDEO_FIXTURES / rec["video_file"]).read_bytes()],
                           video_options={"fps": rec["fps"]}, max_tokens=rec["max_new_tokens"], ignore_eos=True)
 
+    budget = ENCODE_BUDGET.get((arch, dep.mode))
+    if budget:  # every instance got the flag; E's count before this test's media (all new to the deployment)
+        argvs = [p.cmdline() for p in psutil.Process(dep.proc.pid).children(recursive=True)]
+        instances_argv = [a for a in argvs if "instance" in a]
+        assert len(instances_argv) >= 3  # E, P and D instances
+        assert all(a[a.index("--encode-token-budget") + 1] == budget for a in instances_argv)
+        encoded_before = _encoded_by_role(dep)["E"]
     with Client(dep.address, timeout=300) as c, ThreadPoolExecutor(4) as pool:
         results = list(pool.map(run, cases))
         bad = pool.submit(c.generate, "bad <|vision_start|><|video_pad|><|vision_end|>", videos=[b"\x00" * 64],
@@ -111,4 +125,7 @@ def test_videos_match_transformers_golden_tokens(deployment):
         assert r.token_ids == rec["greedy_tokens"], rec["video_file"]
         assert r.usage.prompt_tokens == len(rec["input_ids"])
     if dep.mode == "E-P-D":  # the videos' features came from E through the MM Store
-        assert _encoded_by_role(dep)["P"] == 0
+        encoded = _encoded_by_role(dep)
+        assert encoded["P"] == 0
+        if budget:  # sliced, yet each video and image encoded once, by E
+            assert encoded["E"] - encoded_before == sum(1 + len(rec["image_sizes"]) for rec in cases)
