@@ -21,11 +21,16 @@ def _workload():
     return workload()[:8]  # the launch tests' mixed prompts (1-3 images, some text-only)
 
 
-@pytest.mark.parametrize("mode", ["E-P-D", "EP-D"])
-def test_outputs_under_the_core_lease_match_transformers(mode, qwen2_vl_tiny):
-    work = _workload()
+@pytest.fixture(scope="module")
+def refs(qwen2_vl_tiny):
+    """transformers' greedy outputs of the workload (the same for both modes)."""
     gen = ReferenceGenerator(qwen2_vl_tiny)
-    refs = [gen.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in work]
+    return [gen.generate(p, imgs, max_tokens=MAX_TOKENS) for p, imgs in _workload()]
+
+
+@pytest.mark.parametrize("mode", ["E-P-D", "EP-D"])
+def test_outputs_under_the_core_lease_match_transformers(mode, qwen2_vl_tiny, refs):
+    work = _workload()
     dep = Deployment(DeploymentSpec(mode=mode, model=str(qwen2_vl_tiny),
                                     instance_args=["--colocation", "slo", "--slo-tpot-ms", "20", "--kv-cache-mb", "16",
                                                    "--feature-wait-s", "20"]))

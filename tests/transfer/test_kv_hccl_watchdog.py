@@ -42,13 +42,14 @@ def test_a_stalled_pair_outlives_the_hccl_watchdog(handling, monkeypatch):
         stalled_at = time.monotonic()
         ev = d.wait("finished", request_id="r", timeout_s=3 * TIMEOUT_S + 5)
         assert ev["state"] == "failed" and "Timed out" in ev["error"] and ev["pair"] == "broken"
-        time.sleep(max(0.0, stalled_at + CONNECT_S + TIMEOUT_S + 2.0 - time.monotonic()))  # past the watchdog
-        if handling is None:  # the decode process is alive and serving
+        past_watchdog = stalled_at + CONNECT_S + TIMEOUT_S + 2.0
+        if handling is None:  # the decode process is alive and serving, past the watchdog's deadline
+            time.sleep(max(0.0, past_watchdog - time.monotonic()))
             d.send(cmd="expect", request_id="after", num_tokens=8)
             assert d.wait("reserved", request_id="after", timeout_s=10)["blocks"]
             assert d.proc.poll() is None
-        else:  # TearDown: the watchdog's rethrow ended the process
-            assert d.proc.wait(10) == -signal.SIGABRT
+        else:  # TearDown: the watchdog's rethrow ended the process (waited for, not slept past)
+            assert d.proc.wait(max(0.0, past_watchdog - time.monotonic()) + 10) == -signal.SIGABRT
     finally:
         d.stop()
         p.kill()  # still asleep in its stall
