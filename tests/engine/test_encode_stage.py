@@ -39,14 +39,16 @@ def test_encode_only_then_prefill_side_uses_stored_features(qwen2_vl_tiny, ref):
     prompt = f"tell me about {PH} now"
     pd.add_request(pd.build_request("r", prompt, [img], SP))
     pd.step()  # waits (bounded) for the feature instead of recomputing
-    assert pd.load_report()["queued_media"] == 1 and pd.load_report()["encoder_runs"] == 0
+    r = pd.load_report()
+    assert r["queued_media"] == 1 and r["encoder_runs"] == 0
     media = e.build_request("r", prompt, [img]).media
     e.add_request(EngineRequest("r", [], media, feature_target="pd-0"))
     encoded = _drain(e)["r"]
     assert encoded.error is None and encoded.finish_reason is None  # handed to the prefill side
     assert encoded.encoded_keys == [m.key for m in media]
     out = _drain(pd)["r"]
-    assert pd.load_report()["encoder_runs"] == 0 and pd.load_report()["recomputes"] == 0
+    r = pd.load_report()
+    assert r["encoder_runs"] == 0 and r["recomputes"] == 0
     assert out.num_cached_vision_tokens == out.num_vision_tokens > 0
     assert out.token_ids == ref.generate(prompt, [img], 6)
 

@@ -116,7 +116,8 @@ def test_prefetched_feature_is_local_before_prefill_and_repeats_skip_the_encoder
     p = st.p_prov.stats()
     assert p.hits_local == 2 and p.hits_store == 0 and p.waits == 0 and p.misses == 0
     assert out1.num_cached_vision_tokens == out1.num_vision_tokens > 0
-    assert st.e_prov.stats().saves == 1 and st.e_prov.stats().events_published == 1
+    e = st.e_prov.stats()
+    assert e.saves == 1 and e.events_published == 1
 
 
 def test_key_deleted_between_encode_and_prefill_is_recomputed(qwen2_5_vl_tiny, reference):
