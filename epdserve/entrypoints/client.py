@@ -40,7 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.entrypoints.resume import RetryPolicy, collect, resumed, retryable
-from epdserve.model.chat import image_url_bytes
+from epdserve.model.chat import image_url_bytes, unsupported_part
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -205,7 +205,7 @@ def _part_proto(part) -> serve_pb2.ContentPart:
     if kind in ("video", "video_url"):  # container bytes or a path; or a data: URL
         video = part["video"] if kind == "video" else image_url_bytes(part["video_url"], "video_url")
         return serve_pb2.ContentPart(video=video_proto(video, part.get("video_options")))
-    raise ValueError(f"unsupported content part type {kind!r}")
+    raise ValueError(unsupported_part(kind, ("text", "image", "image_url", "video", "video_url")))
 
 
 def chat_proto(messages: list[dict], add_generation_prompt: bool = True) -> serve_pb2.Chat:

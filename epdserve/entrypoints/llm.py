@@ -74,10 +74,19 @@ class LLM:
         return [_to_generate_output(done[r], p) for r, p in zip(ids, prompts)]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True):
-        """OpenAI-style messages (or a list of conversations); image parts as `image_url` data URLs."""
+        """OpenAI-style messages (or a list of conversations); image parts as `image_url` data URLs.
+        A conversation that cannot be rendered (an unsupported content part, a bad data URL) comes
+        back with `.error` set, as a bad prompt to `generate` does; the others run."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [chat_to_prompt(self.engine.tokenizer, c, add_generation_prompt) for c in convs]
-        return self.generate(prompts, sampling_params)
+        prompts, failed = [], {}
+        for i, conv in enumerate(convs):
+            try:
+                prompts.append(chat_to_prompt(self.engine.tokenizer, conv, add_generation_prompt))
+            except InvalidRequestError as e:
+                rid = str(next(self._ids))
+                failed[i] = _to_generate_output(RequestOutput.failed(rid, str(e)), conv)
+        served = iter(self.generate(prompts, sampling_params) if prompts else [])
+        return [failed[i] if i in failed else next(served) for i in range(len(convs))]
 
 
 def _split_prompt(prompt):

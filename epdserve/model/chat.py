@@ -13,6 +13,16 @@ from urllib.parse import unquote_to_bytes
 
 from epdserve.model.errors import InvalidRequestError
 
+# content part types OpenAI defines that epdserve does not take -> what the refusal says
+UNSUPPORTED_PARTS = {"input_audio": "audio input is not supported", "audio_url": "audio input is not supported",
+                     "file": "file input is not supported", "refusal": "refusal parts are not supported as input"}
+OFFLINE_PARTS = ("text", "image", "image_url", "video", "video_url")  # what chat_to_prompt takes
+
+
+def unsupported_part(kind, supported: tuple[str, ...]) -> str:
+    """The one sentence both fronts give for a content part of type `kind` they do not take."""
+    return UNSUPPORTED_PARTS.get(kind) or f"content part type {kind!r} is not supported; supported: {', '.join(supported)}"
+
 
 def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> dict:
     """Render a conversation with the checkpoint's chat template; collect its images in order.
@@ -40,7 +50,7 @@ def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool 
                                   else image_url_bytes(part.get("video_url"), "video_url"))
                     parts.append({"type": "video"})
                 else:
-                    raise InvalidRequestError(f"unsupported content part type {kind!r}")
+                    raise InvalidRequestError(unsupported_part(kind, OFFLINE_PARTS))
             rendered.append({"role": msg["role"], "content": parts})
         else:
             rendered.append({"role": msg["role"], "content": content or ""})

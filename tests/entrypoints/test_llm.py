@@ -1,4 +1,5 @@
-"""The offline API: chat with OpenAI-style content parts (data: URLs) equals generate on the rendered prompt."""
+"""The offline API: chat with OpenAI-style content parts (data: URLs) equals generate on the rendered prompt;
+a conversation that cannot be rendered fails alone, with `.error`."""
 import base64
 
 from epdserve import LLM, SamplingParams
@@ -22,12 +23,15 @@ def test_chat_with_data_url_image(qwen2_vl_tiny):
     assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
 
 
-def test_chat_rejects_remote_urls(qwen2_vl_tiny):
+def test_a_conversation_that_cannot_render_fails_alone(qwen2_vl_tiny):
     llm = LLM(model=qwen2_vl_tiny, device="cpu")
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]
-    try:
-        llm.chat(messages)
-    except ValueError as e:
-        assert "data: URL" in str(e)
-    else:
-        raise AssertionError("remote image URL accepted")
+    remote = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                                          {"type": "text", "text": "what is this?"}]}]
+    good = [{"role": "user", "content": "hello"}]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = llm.chat([remote, good, audio], sp)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "length", "error"]
+    assert "data: URL" in outs[0].error and outs[2].error == "audio input is not supported"
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
+    assert outs[1].outputs[0].token_ids == llm.chat(good, sp)[0].outputs[0].token_ids

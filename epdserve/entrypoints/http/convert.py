@@ -18,9 +18,12 @@ from epdserve.entrypoints.http.errors import ApiError
 from epdserve.entrypoints.http.images import decode_data_url, image_bytes, source
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from epdserve.model.chat import unsupported_part
 from epdserve.model.errors import MediaError
 from epdserve.model.processor import open_image
 from epdserve.rpc import common_pb2, serve_pb2
+
+SUPPORTED_PARTS = ("text", "image_url", "video_url")  # content part types the HTTP front takes
 
 
 def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -> common_pb2.SamplingParams:
@@ -38,12 +41,6 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -
     if body.seed is not None:
         p.seed = body.seed
     return p
-
-
-# content part types OpenAI defines that epdserve does not take -> what the 400 says
-UNSUPPORTED_PARTS = {"input_audio": "audio input is not supported", "audio_url": "audio input is not supported",
-                     "file": "file input is not supported", "refusal": "refusal parts are not supported as input"}
-SUPPORTED_PARTS = ("text", "image_url", "video_url")
 
 
 async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int) -> serve_pb2.GenerateRequest:
@@ -67,8 +64,7 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
                 images += 1
                 out.content.add(image=await _image(part, where, f"image {images}", opts))
             else:
-                why = UNSUPPORTED_PARTS.get(part.type) or (f"content part type {part.type!r} is not supported; "
-                                                           f"supported: {', '.join(SUPPORTED_PARTS)}")
+                why = unsupported_part(part.type, SUPPORTED_PARTS)
                 raise ApiError(400, f"{where}: {why}", param=f"{where}.type")
     return serve_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", chat=chat,
