@@ -46,7 +46,7 @@ die() { echo "atlas_node.sh: $*" >&2; exit 1; }
 # ---- CANN environment. set_env.sh reads variables that may be unset (e.g. `$PYTHONPATH` on some
 # CANN versions), so it is sourced with `set -u` off. Paths: ascend-toolkit/set_env.sh (CANN
 # <= 8.x), cann/set_env.sh (newer layout); nnal/atb/set_env.sh adds the ATB ops
-# (_npu_paged_attention, _npu_reshape_and_cache). See /work/shared/NPU_NOTES.md.
+# (_npu_paged_attention, _npu_reshape_and_cache).
 load_ascend_env() {
   local f
   set +u

@@ -13,7 +13,8 @@ how vllm-ascend's attention backend makes them; every signature below was read f
   int32 as vllm_ascend/attention/attention_v1.py does). An Ascend C (AI Core) operator
   (hicann/ops-transformer attention/scatter_pa_kv_cache/op_host/scatter_pa_kv_cache_def.cpp), so
   it should stay within a stream's core limit (not measured: no NPU here). In torch_npu from the
-  7.2.0 releases (/work/shared/NPU_NOTES.md).
+  7.2.0 releases (CANN 8.3.RC1; the project's design notes, not yet re-checked against op-plugin's
+  7.2.0 branch: issue 26).
 - Older torch_npu: `torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache,
   slot_indices) -> ()` (op-plugin op_plugin/ops/atb/ReshapeAndCachAtb.cpp; ND layout, int32
   slots as in test/test_custom_ops/test_atb_reshape_and_cache.py). An ATB operator: it IGNORES
