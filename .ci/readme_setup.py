@@ -1,7 +1,8 @@
-"""Print the commands of README.md's "## Set up" code block, one per line, comments dropped.
+"""The commands of README.md's "## Set up" code block, one per line, comments dropped.
 
-`.ci/run` runs them in a fresh virtual environment, so CI does exactly what the README tells a
-newcomer to do; a test (tests/test_packaging.py) checks that the block holds both set-up commands.
+`readme_setup.py README.md` prints them; `readme_setup.py --check README.md CMD...` exits 1 unless
+they are exactly CMD... (`.ci/run` runs its own copy of them, so CI does what the README tells a
+newcomer to do and stops when the two drift apart; tests/test_packaging.py checks the same).
 """
 import re
 import sys
@@ -18,4 +19,10 @@ def setup_commands(readme: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(setup_commands(Path(sys.argv[1]).read_text())))
+    check = sys.argv[1] == "--check"
+    args = sys.argv[2:] if check else sys.argv[1:]
+    commands = setup_commands(Path(args[0]).read_text())
+    if not check:
+        print("\n".join(commands))
+    elif commands != args[1:]:
+        sys.exit(f"README.md's set-up commands {commands} are not the ones .ci/run runs {args[1:]}: make them agree")
