@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epdserve.deploy.argv import last_flag
 from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.deploy.supervisor import RestartPolicy, RestartSchedule
@@ -155,7 +156,7 @@ class Deployment:
         as the launcher, so restarted instances find it); the flag that names it."""
         from epdserve.instance.colocation import uses_core_lease
 
-        policy = self._instance_flag("--colocation")  # as the instances will read it (--colocation or YAML)
+        policy = last_flag(self.spec.instance_args, "--colocation")  # as the instances will read it
         if not policy or not uses_core_lease(policy, self.spec.device):
             return []
         from epdserve.instance.lease_arbiter import LeaseArbiter
@@ -163,12 +164,6 @@ class Deployment:
         self._arbiter = LeaseArbiter().start()
         log.info("core lease: arbiter at %s", self._arbiter.path)
         return ["--core-lease", self._arbiter.path]
-
-    def _instance_flag(self, name: str) -> str | None:
-        """The value every instance gets for flag `name` (the last one in instance_args wins, as argparse does)."""
-        from epdserve.deploy.readiness import last_flag
-
-        return last_flag(self.spec.instance_args, name)
 
     def _core_sets(self) -> list[list[int]] | None:
         """One core set per instance (in start order) when pinning CPU instances, else None."""
@@ -201,7 +196,7 @@ class Deployment:
         return ChildProcess(name, ["--log-level", self.spec.log_level, *argv], env=env, log_stream=stream, prefix="")
 
     def _wait_roster(self, deadline: float, should_stop) -> None:
-        from epdserve.deploy.readiness import RosterProbe, last_flag
+        from epdserve.deploy.readiness import RosterProbe
         from epdserve.rpc import serve_pb2_grpc
 
         # the credentials the deployment hands out: TLS when the scheduler serves its public port
@@ -220,25 +215,23 @@ class Deployment:
                     log.info("waiting for the instances (%s); a first start builds the native operators (~1 min) "
                              "and every instance loads the model; child logs in %s", probe.report(), self.log_dir)
                     next_note = time.monotonic() + 20.0
-                if should_stop():
-                    raise KeyboardInterrupt
-                if time.monotonic() > deadline:
-                    tails = "\n".join(self.tail(c, 5) for c in [self.scheduler, *self.instances])
-                    raise LaunchError(f"timed out after {self.spec.ready_timeout_s:.0f} s waiting for {probe.want} "
-                                      f"instances to be HEALTHY on the scheduler's roster: {probe.report()}; "
-                                      f"logs in {self.log_dir}, ending:\n{tails}")
+                self._check_deadline(
+                    deadline, should_stop, f"{probe.want} instances to be HEALTHY on the scheduler's roster",
+                    explain=lambda: f"{probe.report()}; logs in {self.log_dir}, ending:\n" + "\n".join(
+                        self.tail(c, 5) for c in [self.scheduler, *self.instances]))
                 time.sleep(0.2)  # polling the roster while the instances load their models
 
     def _check_alive(self, c: ChildProcess, what: str) -> None:
         if c.poll() is not None:
             raise LaunchError(f"{what} exited with code {c.poll()} while starting:\n{self.tail(c)}")
 
-    @staticmethod
-    def _check_deadline(deadline: float, should_stop, what: str) -> None:
+    def _check_deadline(self, deadline: float, should_stop, what: str, explain=None) -> None:
+        """Stop on a signal; past `deadline`, fail naming `what` was awaited and (`explain()`) what was seen."""
         if should_stop():
             raise KeyboardInterrupt
         if time.monotonic() > deadline:
-            raise LaunchError(f"timed out waiting for {what}")
+            seen = f": {explain()}" if explain else ""
+            raise LaunchError(f"timed out after {self.spec.ready_timeout_s:.0f} s waiting for {what}{seen}")
 
     # ---------------------------------------------------------------- run
     def watch(self) -> str | None:

@@ -26,6 +26,7 @@ import signal
 import sys
 from pathlib import Path
 
+from epdserve.deploy.argv import last_flag
 from epdserve.entrypoints.cli import FlagsArg
 
 log = logging.getLogger(__name__)
@@ -265,8 +266,6 @@ def spec_from_args(args):
     if merged["mode"] == "auto":
         merged, planned = _plan_auto(merged)
         sched += ["--controller"]
-    from epdserve.deploy.readiness import last_flag
-
     if last_flag(sched, "--tls-cert") and merged["internal_port"] is None and last_flag(sched, "--internal-port") is None:
         # public TLS: instances register on a plaintext Registry port of their own (loopback / --host)
         merged["internal_port"] = 0
@@ -301,8 +300,6 @@ def _plan_auto(merged: dict) -> tuple[dict, str]:
 def ready_line(dep, address: str, http_port: int | None) -> str:
     """``epdserve ready: ...``: where the deployment serves, and where the private MM Store's
     password file is (the password itself never goes to stdout)."""
-    from epdserve.deploy.readiness import last_flag
-
     spec = dep.spec
     tls = last_flag(spec.scheduler_args, "--tls-cert") is not None
     line = (f"epdserve ready: grpc://{address} mode={spec.mode}{' auto=1' if spec.planned else ''} "
