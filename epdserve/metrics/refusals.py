@@ -20,6 +20,7 @@ context; the handler is never called. Such calls are not counted (the client's e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 
 import grpc
@@ -50,6 +51,21 @@ def _status(context, error: BaseException | None) -> str:
     return "ok" if code == grpc.StatusCode.OK else code.name
 
 
+@contextlib.contextmanager
+def _counted(metrics, context):
+    """One call's body: counted with its status through `metrics.refused` unless the request path
+    marked it (then the observer counted it)."""
+    with metrics.tracked_call() as mark:
+        try:
+            yield
+        except BaseException as e:
+            if not mark.reached:
+                metrics.refused(_status(context, e))
+            raise
+        if not mark.reached:
+            metrics.refused(_status(context, None))
+
+
 class RefusalCounter(grpc.aio.ServerInterceptor):
     """Counts, through `metrics.refused(status)`, the generation calls `metrics` did not observe
     (`metrics`: a `ServingMetrics`)."""
@@ -71,44 +87,26 @@ class RefusalCounter(grpc.aio.ServerInterceptor):
                 metrics.refused("UNKNOWN")  # grpc ends the call so; no handler runs
                 raise
 
-        def settle(mark: Reached, context, error: BaseException | None) -> None:
-            if not mark.reached:
-                metrics.refused(_status(context, error))
-
         if handler.response_streaming:
             inner_stream = handler.unary_stream
 
             async def stream_behavior(request, context):
-                error = None
-                with metrics.tracked_call() as mark:
-                    try:
-                        responses = inner_stream(request, context)
-                        if hasattr(responses, "__aiter__"):
-                            async for item in responses:
-                                yield item
-                        elif inspect.isawaitable(responses):  # a handler that writes with context.write
-                            await responses
-                    except BaseException as e:
-                        error = e
-                        raise
-                    finally:
-                        settle(mark, context, error)
+                with _counted(metrics, context):
+                    responses = inner_stream(request, context)
+                    if hasattr(responses, "__aiter__"):
+                        async for item in responses:
+                            yield item
+                    elif inspect.isawaitable(responses):  # a handler that writes with context.write
+                        await responses
 
             return grpc.unary_stream_rpc_method_handler(stream_behavior, request_deserializer=parse,
                                                         response_serializer=handler.response_serializer)
         inner_unary = handler.unary_unary
 
         async def unary_behavior(request, context):
-            error = None
-            with metrics.tracked_call() as mark:
-                try:
-                    response = inner_unary(request, context)
-                    return await response if inspect.isawaitable(response) else response
-                except BaseException as e:
-                    error = e
-                    raise
-                finally:
-                    settle(mark, context, error)
+            with _counted(metrics, context):
+                response = inner_unary(request, context)
+                return await response if inspect.isawaitable(response) else response
 
         return grpc.unary_unary_rpc_method_handler(unary_behavior, request_deserializer=parse,
                                                    response_serializer=handler.response_serializer)
