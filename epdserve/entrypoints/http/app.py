@@ -128,6 +128,13 @@ def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
         if metrics is not None:
             metrics.refused(e.grpc_code.name)
 
+    def internal(what: str, e: Exception) -> ApiError:
+        """A 500 for an unexpected failure while `what` (before any stream observed it): logged, counted."""
+        log.error("HTTP request failed %s", what, exc_info=e)
+        err = ApiError.internal(what, e)
+        count(err)
+        return err
+
     async def admitted(admit):
         """Await `admit` (everything before the scheduler); a refusal (or a 500) is counted, then raised."""
         try:
@@ -136,10 +143,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
             count(e)
             raise
         except Exception as e:
-            log.exception("HTTP request failed before it reached the scheduler")
-            err = ApiError.internal("reading the request", e)
-            count(err)
-            raise err from None
+            raise internal("reading the request", e) from None
 
     def within_limits(reqs: list[serve_pb2.GenerateRequest]) -> list[serve_pb2.GenerateRequest]:
         # the dispatcher checks them too; here a message too large is 413, not the 429 of RESOURCE_EXHAUSTED
@@ -155,10 +159,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
         try:
             streams = [scheduler.generate(req, deadline()) for req in reqs]
         except Exception as e:  # not started: no stream observed it
-            log.exception("HTTP request failed handing it to the scheduler")
-            err = ApiError.internal("handing the request to the scheduler", e)
-            count(err)
-            raise err from None
+            raise internal("handing the request to the scheduler", e) from None
         try:
             firsts = await _race_disconnect(request, _all([_next(s) for s in streams]))
             if firsts is _DISCONNECTED:
