@@ -136,7 +136,7 @@ class RequestPreprocessor:
             raise RequestError.invalid(str(e)) from None
         if media and not namespace:
             raise RequestError.unavailable("no instance has reported its media namespace yet")
-        prepared = [self._media(i, m, namespace, label) for i, (m, label) in enumerate(zip(media, media_labels(media)))]
+        prepared = [self._media(m, namespace, label) for m, label in zip(media, media_labels(media))]
         keys = [m.key for m in prepared]  # in the client's order
         try:
             expanded, order = self.processor.expand_media(ids, prepared)
@@ -188,8 +188,8 @@ class RequestPreprocessor:
         mm = rendered["multi_modal_data"]
         return rendered["prompt"], [*mm["image"], *mm.get("video", [])]  # each kind in prompt order
 
-    def _media(self, i: int, m: common_pb2.Media, namespace: str, label: str) -> PreparedMedia:
-        """Media item `i` of the request; `label` names it in errors ("image 2", "video 1")."""
+    def _media(self, m: common_pb2.Media, namespace: str, label: str) -> PreparedMedia:
+        """One media item of the request; `label` names it in errors ("image 2", "video 1")."""
         which = m.WhichOneof("source")
         if m.HasField("video"):
             if which != "data":
