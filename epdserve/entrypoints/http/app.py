@@ -85,11 +85,11 @@ async def _race_disconnect(request: Request, aw):
     return task.result()
 
 
-def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
+def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = False) -> FastAPI:
     """`scheduler`: a started `SchedulerServer` (its dispatcher, config, registry). `metrics`: a
     `ServingMetrics` (or anything with `render() -> (bytes, content_type)`, `refused(status)` and
     an `http_responses` counter) served on /metrics, counting refused requests and every
-    response, or None."""
+    response, or None; `metrics_auth`: /metrics needs the API key too."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None, openapi_url=None)
     if metrics is not None:
         app.add_middleware(CountResponses, counter=metrics.http_responses)
@@ -219,7 +219,9 @@ def build_app(scheduler, opts: HttpOptions, metrics=None) -> FastAPI:
         return {"status": "ok", "instances_routable": healthy}
 
     @app.get("/metrics")
-    async def metrics_route():
+    async def metrics_route(request: Request):
+        if metrics_auth:
+            check(request)
         if metrics is None:
             raise ApiError(404, "metrics are not enabled on this server")
         data, content_type = metrics.render()

@@ -13,11 +13,13 @@ import logging
 import socket
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
 from epdserve.entrypoints.http.app import build_app
+from epdserve.entrypoints.http.errors import ApiError
 from epdserve.entrypoints.http.options import HttpOptions
+from epdserve.security.secrets import bearer
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +77,11 @@ class AppServer:
 
 class HttpFront(AppServer):
     """The OpenAI-compatible API of `scheduler` (a started SchedulerServer); /metrics when
-    `metrics` (a `ServingMetrics`) is given."""
+    `metrics` (a `ServingMetrics`) is given, behind the API key when `metrics_auth`."""
 
-    def __init__(self, scheduler, opts: HttpOptions, metrics=None):
-        super().__init__(build_app(scheduler, opts, metrics), opts.host, opts.port, opts.tls_cert, opts.tls_key)
+    def __init__(self, scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = False):
+        super().__init__(build_app(scheduler, opts, metrics, metrics_auth), opts.host, opts.port, opts.tls_cert,
+                         opts.tls_key)
         self.opts = opts
 
     async def start(self) -> str:
@@ -88,13 +91,19 @@ class HttpFront(AppServer):
 
 
 class MetricsFront(AppServer):
-    """GET /metrics alone, for deployments without the HTTP front (`--metrics-port`)."""
+    """GET /metrics alone, for deployments without the HTTP front (`--metrics-port`); with
+    `api_key` (a `Secret`), only for callers sending it as ``Authorization: Bearer``."""
 
-    def __init__(self, metrics, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None):
+    def __init__(self, metrics, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None,
+                 api_key=None):
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.get("/metrics")
-        async def _metrics():
+        async def _metrics(request: Request):
+            if api_key is not None and not api_key.matches(bearer(request.headers.get("authorization"))):
+                log.warning("HTTP /metrics from %s refused: missing or wrong API key",
+                            request.client.host if request.client else "?")
+                return ApiError(401, "missing or invalid API key").response()
             data, content_type = metrics.render()
             return PlainTextResponse(data, media_type=content_type)
 
