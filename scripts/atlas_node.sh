@@ -7,41 +7,119 @@
 #   scripts/atlas_node.sh instances P  0,1,2,3      # one P instance per NPU
 #   scripts/atlas_node.sh instances EP 4,5          # co-located E+P per NPU (stream core limits)
 #   scripts/atlas_node.sh instances D  6,7
+#   scripts/atlas_node.sh new-env                   # write a fresh env file (random token + API key)
+#   scripts/atlas_node.sh check-env [head]          # check the env file as `head` / `instances` do
 #
 # `instances` runs the preflight first and stops with one line saying what is missing.
 # Every process started here is stopped when this script gets Ctrl-C / SIGTERM / SIGHUP (the
 # ssh session closing), and `epdserve instance` deregisters on the way out.
 #
+# Secrets never ride a command line (`ps` shows every argv to every user of the server): they
+# live in an env file, mode 0600 and owned by you, that `head` and `instances` source (`set -a`)
+# before starting anything and refuse to run without:
+#   EPDSERVE_CLUSTER_TOKEN      instances present it to register, the scheduler to call them   [required]
+#   EPDSERVE_API_KEY            clients send it as `authorization: Bearer` to the scheduler    [required on the head]
+#   EPDSERVE_MM_STORE_PASSWORD  (and EPDSERVE_MM_STORE_USERNAME for an ACL user) of the MM Store's Redis
+# `new-env` writes one with a random token and key; atlas_cluster_example.sh copies it to every
+# server over ssh's stdin. The scheduler serves clients on NODE_IP:SCHED_PORT and the instance
+# registry on NODE_IP:REG_PORT; instances bind NODE_IP only. Open both ports, the instances' and
+# HCCL's only between the cluster's servers.
+#
 # Settings (environment; defaults in brackets):
 #   MODEL            checkpoint directory, same path on every server          [required]
 #   HEAD_IP          address of the scheduler's server                        [required for instances]
-#   MM_STORE         MM Store URL of a Redis the cluster already runs, e.g.
-#                    rediss://:PASSWORD@redis.example:6380/0 (TLS) or
-#                    redis://:PASSWORD@10.0.0.5:6379/0                        [required for instances]
-#   NODE_IP          this server's address on the HCCL / data network         [first address of `hostname -I`]
+#   MM_STORE         MM Store URL of a Redis the cluster already runs, WITHOUT a password, e.g.
+#                    rediss://redis.example:6380/0 (TLS) or redis://10.0.0.5:6379/0;
+#                    the password goes in the env file                        [required for instances]
+#   EPDSERVE_ENV_FILE  the env file above                                     [$HOME/.epdserve/env]
+#   INSECURE         1: a closed lab only: no env file needed, epdserve runs with --insecure (no API
+#                    key or cluster token checked); warns on every start       [0]
+#   DEVICE           npu, or cpu: a try-out on any machine (no preflight, no CANN environment,
+#                    `--device cpu`; each id in the NPU list starts one CPU instance), e.g. the
+#                    whole configuration on loopback with NODE_IP=HEAD_IP=127.0.0.1 NIC=lo    [npu]
+#   NODE_IP          this server's address on the cluster / HCCL network: every port binds it
+#                                                                             [first address of `hostname -I`]
 #   NIC              network interface of NODE_IP (HCCL/GLOO socket ifname)   [found from NODE_IP]
-#   SCHED_PORT       scheduler's public + registry port                      [50051]
+#   SCHED_PORT       scheduler's public port (clients)                        [50051]
+#   REG_PORT         scheduler's internal port (instance registry)            [50052]
 #   MODE             mode name reported by the scheduler                      [E-P-D]
-#   KV_CACHE_MB      KV cache per P/D worker                                  [16384]
+#   KV_CACHE_MB      KV cache per P/D worker                                  [16384; 256 with DEVICE=cpu]
 #   MIN_FREE_HBM_MB  preflight: free HBM each listed NPU must have            [KV_CACHE_MB + 20480]
 #   HCCL_HOST_SOCKET_PORT_RANGE  host ports HCCL may use (open them between servers) [60000-60099]
-#   EXTRA_ARGS       extra `epdserve instance` flags, split on spaces         []
+#   EXTRA_ARGS       extra `epdserve instance` flags, split on spaces; no secrets here  []
 #   ASCEND_ENV       CANN set_env.sh   [/usr/local/Ascend/ascend-toolkit/set_env.sh, else .../cann/set_env.sh]
 #   ASCEND_HOME      Ascend install root (driver/version.info)                [/usr/local/Ascend]
 #
 # The MM Store's Redis is NOT started here: point MM_STORE at the cluster's own Redis, which
-# should require a password or an ACL user (or TLS) and listen only on the cluster network. A
-# password inside the URL is visible in `ps` on this server as an `epdserve instance` argument:
-# export EPDSERVE_MM_STORE_PASSWORD (and EPDSERVE_MM_STORE_USERNAME for an ACL user) instead and
-# leave it out of MM_STORE. EPDSERVE_CLUSTER_TOKEN, when the scheduler has one, is passed on the
-# same way (the environment): instances present it to register.
+# should require a password or an ACL user (or TLS) and listen only on the cluster network.
 set -euo pipefail
 
-usage="usage: atlas_node.sh preflight NPU_LIST | head | instances ROLES NPU_LIST"
+usage="usage: atlas_node.sh preflight NPU_LIST | head | instances ROLES NPU_LIST | new-env | check-env [head]"
 what=${1:?$usage}
 ASCEND_HOME=${ASCEND_HOME:-/usr/local/Ascend}
+DEVICE=${DEVICE:-npu}
+ENV_FILE=${EPDSERVE_ENV_FILE:-$HOME/.epdserve/env}
 
 die() { echo "atlas_node.sh: $*" >&2; exit 1; }
+
+case "$DEVICE" in npu|cpu) ;; *) die "DEVICE must be npu or cpu, got '$DEVICE'" ;; esac
+
+# ---- Secrets: the env file. Checked as ssh checks a private key: a regular file, owned by this
+# user, no access for group or others; then sourced with `set -a` so epdserve inherits it.
+check_env_file() {
+  local owner mode
+  [[ -e "$ENV_FILE" ]] ||
+    die "no env file $ENV_FILE: write one with \`atlas_node.sh new-env\` (or set EPDSERVE_ENV_FILE); INSECURE=1 runs without, in a closed lab only"
+  [[ -f "$ENV_FILE" ]] || die "env file $ENV_FILE is not a regular file: point EPDSERVE_ENV_FILE at the file itself"
+  read -r owner mode < <(stat -L -c '%u %a' "$ENV_FILE")
+  [[ "$owner" == "$(id -u)" ]] ||
+    die "env file $ENV_FILE is not owned by $(id -un): copy it to a file of your own (\`install -m 600 SRC DEST\`) and set EPDSERVE_ENV_FILE"
+  (( (8#$mode & 8#077) == 0 )) ||
+    die "env file $ENV_FILE has mode $mode, readable or writable by others: chmod 600 $ENV_FILE (and replace the secrets in it if others may have read them)"
+}
+
+load_env_file() {  # load_env_file [head]: the secrets into the environment, or a one-line refusal
+  if [[ "${INSECURE:-0}" == 1 ]]; then
+    insecure=(--insecure)
+    echo "atlas_node.sh: WARNING: INSECURE=1: epdserve runs with --insecure, no API key or cluster token guards this server's ports: a closed lab network only" >&2
+    [[ -e "$ENV_FILE" ]] || return 0
+  fi
+  check_env_file
+  set -a
+  # shellcheck source=/dev/null
+  source "$ENV_FILE"
+  set +a
+  [[ "${INSECURE:-0}" == 1 ]] && return 0
+  [[ -n "${EPDSERVE_CLUSTER_TOKEN:-}" ]] ||
+    die "env file $ENV_FILE sets no EPDSERVE_CLUSTER_TOKEN: add one (the same on every server; \`atlas_node.sh new-env\` writes a random one)"
+  [[ "${1:-}" != head || -n "${EPDSERVE_API_KEY:-}" ]] ||
+    die "env file $ENV_FILE sets no EPDSERVE_API_KEY, which the head needs (clients send it): add one (\`atlas_node.sh new-env\` writes a random one)"
+  return 0
+}
+
+check_mm_store() {  # a password in MM_STORE would be an `epdserve instance` argument, seen in `ps`
+  local rest=${MM_STORE#*://} userinfo="" query='[?&]password='
+  rest=${rest%%[/?#]*}
+  if [[ "$rest" == *@* ]]; then userinfo=${rest%@*}; fi
+  if [[ "$userinfo" == *:?* || "$MM_STORE" =~ $query ]]; then
+    die "MM_STORE carries a password, which \`ps\` would show: put EPDSERVE_MM_STORE_PASSWORD=... (and EPDSERVE_MM_STORE_USERNAME=...) in $ENV_FILE and leave it out of the URL"
+  fi
+}
+
+new_env() {  # a fresh env file with a random cluster token and API key; never overwrites one
+  [[ ! -e "$ENV_FILE" ]] || die "$ENV_FILE exists: remove it first to replace its secrets (every server and client then needs the new file)"
+  mkdir -p "$(dirname "$ENV_FILE")"
+  ( umask 077; set -o noclobber
+    {
+      echo "# epdserve secrets: mode 0600, the same file on every server of the deployment"
+      echo "EPDSERVE_CLUSTER_TOKEN=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
+      echo "EPDSERVE_API_KEY=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
+      echo "# the MM Store Redis's password (and ACL user), if it has one:"
+      echo "#EPDSERVE_MM_STORE_PASSWORD="
+      echo "#EPDSERVE_MM_STORE_USERNAME="
+    } > "$ENV_FILE" )
+  echo "wrote $ENV_FILE (mode 0600): a random EPDSERVE_CLUSTER_TOKEN and EPDSERVE_API_KEY; clients send the API key"
+}
 
 # ---- CANN environment. set_env.sh reads variables that may be unset (e.g. `$PYTHONPATH` on some
 # CANN versions), so it is sourced with `set -u` off. Paths: ascend-toolkit/set_env.sh (CANN
@@ -142,6 +220,7 @@ network_env() {
 }
 
 pids=()
+insecure=()
 cleanup() {
   trap - EXIT INT TERM HUP
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
@@ -150,40 +229,61 @@ cleanup() {
 
 case "$what" in
   preflight)
+    if [[ "$DEVICE" == cpu ]]; then echo "preflight: DEVICE=cpu, nothing to check"; exit 0; fi
     load_ascend_env
     preflight "${2:-}"
     exit 0
     ;;
+  new-env)
+    new_env
+    exit 0
+    ;;
+  check-env)
+    load_env_file "${2:-}"
+    if [[ -e "$ENV_FILE" ]]; then echo "env file $ENV_FILE: ok"; else echo "no env file $ENV_FILE (INSECURE=1)"; fi
+    exit 0
+    ;;
   head)
     MODEL=${MODEL:?set MODEL to the checkpoint directory (same path on every server)}
+    load_env_file head
     network_env
     trap cleanup EXIT INT TERM HUP
-    epdserve scheduler --model "$MODEL" --host 0.0.0.0 --port "${SCHED_PORT:-50051}" --mode "${MODE:-E-P-D}" &
+    # Clients on SCHED_PORT (API key), the instance registry on REG_PORT (cluster token), both
+    # on the cluster interface only; the key and token come from the environment (the env file).
+    epdserve scheduler --model "$MODEL" --host "$NODE_IP" --port "${SCHED_PORT:-50051}" \
+      --internal-host "$NODE_IP" --internal-port "${REG_PORT:-50052}" --mode "${MODE:-E-P-D}" "${insecure[@]}" &
     pids+=($!)
-    echo "head: scheduler on $NODE_IP:${SCHED_PORT:-50051}"
+    echo "head: scheduler on $NODE_IP:${SCHED_PORT:-50051}, instance registry on $NODE_IP:${REG_PORT:-50052}"
     ;;
   instances)
     roles=${2:?instances needs ROLES (E, P, D, EP, ED, PD or EPD)}
     npus=${3:?instances needs a comma-separated NPU list, e.g. 0,1,2,3}
     MODEL=${MODEL:?set MODEL to the checkpoint directory (same path on every server)}
     HEAD_IP=${HEAD_IP:?set HEAD_IP to the scheduler server address}
-    MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://:PASSWORD@host:6379/0}
-    load_ascend_env
-    preflight "$npus"
+    MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://10.0.0.5:6379/0 (its password in the env file)}
+    check_mm_store
+    load_env_file
+    if [[ "$DEVICE" == npu ]]; then
+      load_ascend_env
+      preflight "$npus"
+    fi
     network_env
     extra=()
     if [[ -n "${EXTRA_ARGS:-}" ]]; then read -ra extra <<< "$EXTRA_ARGS"; fi
+    kv_default=16384
+    if [[ "$DEVICE" == cpu ]]; then kv_default=256; fi
     trap cleanup EXIT INT TERM HUP
     IFS=, read -ra devs <<< "$npus"
     for dev in "${devs[@]}"; do
       # One NPU per instance process: ASCEND_RT_VISIBLE_DEVICES takes logical ids (as
-      # `npu-smi info -m` lists them); the process then sees its NPU as npu:0.
-      ASCEND_RT_VISIBLE_DEVICES=$dev epdserve instance --roles "$roles" --model "$MODEL" --device npu \
-        --scheduler "$HEAD_IP:${SCHED_PORT:-50051}" --mm-store "$MM_STORE" --host "$NODE_IP" --bind-host 0.0.0.0 \
-        --kv-cache-mb "${KV_CACHE_MB:-16384}" "${extra[@]}" &
+      # `npu-smi info -m` lists them); the process then sees its NPU as npu:0. Each binds the
+      # cluster interface only and registers on the head's internal port with the cluster token.
+      ASCEND_RT_VISIBLE_DEVICES=$dev epdserve instance --roles "$roles" --model "$MODEL" --device "$DEVICE" \
+        --scheduler "$HEAD_IP:${REG_PORT:-50052}" --mm-store "$MM_STORE" --host "$NODE_IP" \
+        --kv-cache-mb "${KV_CACHE_MB:-$kv_default}" "${insecure[@]}" "${extra[@]}" &
       pids+=($!)
     done
-    echo "started ${#devs[@]} $roles instance(s) on NPUs $npus of $NODE_IP"
+    echo "started ${#devs[@]} $roles instance(s) on $NODE_IP ($DEVICE $npus)"
     ;;
   *)
     echo "$usage" >&2; exit 2 ;;

@@ -66,7 +66,11 @@ def test_preflight_without_npu_smi_fails_fast(tmp_path):
 
 
 def test_instances_stop_at_preflight_without_npu_smi(tmp_path):
-    env = dict(_bare_env(tmp_path, "/usr/bin:/bin"), MODEL="/m", HEAD_IP="10.0.0.1", MM_STORE="redis://:pw@10.0.0.5:6379/0")
+    env_file = tmp_path / "env"
+    env_file.write_text("EPDSERVE_CLUSTER_TOKEN=t\n")
+    env_file.chmod(0o600)
+    env = dict(_bare_env(tmp_path, "/usr/bin:/bin"), MODEL="/m", HEAD_IP="10.0.0.1", MM_STORE="redis://10.0.0.5:6379/0",
+               EPDSERVE_ENV_FILE=str(env_file))
     out, _ = _run(["instances", "P", "0"], env)
     assert out.returncode == 1 and "npu-smi not found" in out.stderr
 
