@@ -6,44 +6,69 @@
 #   NODE_E  (head): the scheduler + 8 E instances (NPU 0-7)
 #   NODE_PD:        4 P instances (NPU 0-3) + 4 D instances (NPU 4-7); the KV hop stays on
 #                   this server, the features come over the network through the MM Store
-#   MM Store:       the Redis the cluster already runs (MM_STORE), password-protected or TLS;
-#                   nothing here starts or opens a Redis.
+#   MM Store:       the Redis the cluster already runs (MM_STORE, no password in the URL),
+#                   password-protected or TLS; nothing here starts or opens a Redis.
 #
-#   MM_STORE='redis://:PASSWORD@10.0.0.5:6379/0' NODE_E=atlas-01 NODE_PD=atlas-02 \
+#   scripts/atlas_node.sh new-env       # once: ~/.epdserve/env, a random cluster token + API key;
+#                                       # add EPDSERVE_MM_STORE_PASSWORD=... for the Redis
+#   MM_STORE='redis://10.0.0.5:6379/0' NODE_E=atlas-01 NODE_PD=atlas-02 \
 #     scripts/atlas_cluster_example.sh
+#
+# Secrets: EPDSERVE_ENV_FILE (default ~/.epdserve/env, mode 0600) is copied to ~/.epdserve/env
+# on each server over ssh's stdin (created 0600 there; its content is never in any argv), and
+# atlas_node.sh sources it there. Only non-secret settings ride the ssh command line. INSECURE=1
+# (a closed lab only) runs without an env file and without API key or cluster token checks.
 #
 # Each server runs `atlas_node.sh ... preflight` first; a missing driver, CANN or free HBM stops
 # the whole launch with that server's message. Ctrl-C here stops everything: closing an ssh
 # session sends SIGHUP to its script, whose trap stops the processes it started.
 set -euo pipefail
 
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 NODE_E=${NODE_E:-atlas-01}
 NODE_PD=${NODE_PD:-atlas-02}
 HEAD_IP=${HEAD_IP:-$(getent hosts "$NODE_E" | awk '{print $1; exit}')}
 MODEL=${MODEL:-/data/models/Qwen2-VL-7B-Instruct}
 REPO=${REPO:-/opt/epdserve}   # where scripts/atlas_node.sh lives on the servers
-MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://:PASSWORD@10.0.0.5:6379/0}
+MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://10.0.0.5:6379/0 (its password in the env file)}
+SCHED_PORT=${SCHED_PORT:-50051}
+REG_PORT=${REG_PORT:-50052}
+ENV_FILE=${EPDSERVE_ENV_FILE:-$HOME/.epdserve/env}
 [[ -n "$HEAD_IP" ]] || { echo "cannot resolve $NODE_E: set HEAD_IP" >&2; exit 1; }
 
-# Settings travel as one env prefix on the remote command line, each value shell-quoted.
-common=$(printf '%q ' "MODEL=$MODEL" "HEAD_IP=$HEAD_IP" "MM_STORE=$MM_STORE" "MODE=E-P-D")
+# Refuse here what the servers would refuse (an unsafe env file, a password in MM_STORE), before
+# anything is copied or started: the head needs the API key, so check as the head does.
+DEVICE=cpu MM_STORE=$MM_STORE EPDSERVE_ENV_FILE=$ENV_FILE bash "$here/atlas_node.sh" check-env head >/dev/null
+
+# Settings travel as one env prefix on the remote command line, each value shell-quoted: none of
+# them is a secret.
+common=$(printf '%q ' "MODEL=$MODEL" "HEAD_IP=$HEAD_IP" "MM_STORE=$MM_STORE" "MODE=E-P-D" \
+  "SCHED_PORT=$SCHED_PORT" "REG_PORT=$REG_PORT" "INSECURE=${INSECURE:-0}")
+
+push_env() {  # push_env HOST: the env file to HOST:~/.epdserve/env, over ssh's stdin (mode 0600)
+  # shellcheck disable=SC2016  # $HOME and $t expand on the server
+  ssh "$1" 'umask 077 && mkdir -p "$HOME/.epdserve" && t=$(mktemp "$HOME/.epdserve/env.XXXXXX") &&
+            cat > "$t" && mv -f "$t" "$HOME/.epdserve/env"' < "$ENV_FILE"
+}
 
 on() {  # on HOST ARGS...: atlas_node.sh ARGS on HOST, in the foreground of an ssh session
   local host=$1; shift
-  ssh -tt "$host" "cd $(printf '%q' "$REPO") && env $common bash scripts/atlas_node.sh $*"
+  ssh -tt "$host" "cd $(printf '%q' "$REPO") && env $common ${ON_ENV:-} bash scripts/atlas_node.sh $*"
 }
 
+if [[ -e "$ENV_FILE" ]]; then push_env "$NODE_E"; push_env "$NODE_PD"; fi
 on "$NODE_E" preflight 0,1,2,3,4,5,6,7
 on "$NODE_PD" preflight 0,1,2,3,4,5,6,7
 
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; wait || true' EXIT INT TERM
-on "$NODE_E" head & pids+=($!)
+# The scheduler binds HEAD_IP, the address instances register at.
+ON_ENV=$(printf '%q' "NODE_IP=$HEAD_IP") on "$NODE_E" head & pids+=($!)
 sleep 20   # the scheduler loads the tokenizer and image processor; instances retry registration anyway
 on "$NODE_E" instances E 0,1,2,3,4,5,6,7 & pids+=($!)
 on "$NODE_PD" instances P 0,1,2,3 & pids+=($!)
 on "$NODE_PD" instances D 4,5,6,7 & pids+=($!)
 
-echo "serving at grpc://$HEAD_IP:50051 once the instances have registered; check with:"
-echo "  grpcurl -plaintext $HEAD_IP:50051 epdserve.v1.EPDServe/GetServerInfo"
+echo "serving at grpc://$HEAD_IP:$SCHED_PORT once the instances have registered (clients send EPDSERVE_API_KEY); check with:"
+echo "  (set -a; . $ENV_FILE; epdserve doctor --scheduler $HEAD_IP:$SCHED_PORT)"
 wait

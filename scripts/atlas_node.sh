@@ -8,7 +8,7 @@
 #   scripts/atlas_node.sh instances EP 4,5          # co-located E+P per NPU (stream core limits)
 #   scripts/atlas_node.sh instances D  6,7
 #   scripts/atlas_node.sh new-env                   # write a fresh env file (random token + API key)
-#   scripts/atlas_node.sh check-env [head]          # check the env file as `head` / `instances` do
+#   scripts/atlas_node.sh check-env [head]          # check the env file (and MM_STORE) as `head` / `instances` do
 #
 # `instances` runs the preflight first and stops with one line saying what is missing.
 # Every process started here is stopped when this script gets Ctrl-C / SIGTERM / SIGHUP (the
@@ -239,6 +239,7 @@ case "$what" in
     exit 0
     ;;
   check-env)
+    if [[ -n "${MM_STORE:-}" ]]; then check_mm_store; fi
     load_env_file "${2:-}"
     if [[ -e "$ENV_FILE" ]]; then echo "env file $ENV_FILE: ok"; else echo "no env file $ENV_FILE (INSECURE=1)"; fi
     exit 0
