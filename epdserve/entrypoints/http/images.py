@@ -1,18 +1,26 @@
 """`image_url` → image bytes: ``data:`` URLs always; ``http(s)://`` only when the operator allowed
-remote images, fetched (urllib, in a worker thread) with a byte cap and a time limit. Anything
-else, or a fetch that fails, is the request's fault: `ApiError` 400, naming the image and where it
-came from (`source`), a failed fetch by its reason ("Connection refused", "HTTP 404 Not Found")."""
+remote images, fetched in a worker thread by the SSRF-guarded `remote_media.fetch_remote` (checked
+addresses and redirects, `--allowed-media-domains`, a byte cap, one deadline for the whole fetch).
+Anything else is the request's fault: `ApiError` 400, naming the image and where it came from
+(`source`). Every failed fetch reads the same (`CANNOT_FETCH`), whatever the cause — refused address,
+DNS, refused or closed connection, TLS, HTTP status, timeout — so the server cannot be used as a
+port scanner; only a body over the cap says so. The cause goes to the DEBUG log, never a fetched byte.
+"""
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
-import urllib.error
-import urllib.request
+import logging
 
 from epdserve.entrypoints.http.errors import ApiError
+from epdserve.entrypoints.http.media_address import MediaDomains
 from epdserve.entrypoints.http.options import HttpOptions
-from epdserve.model.errors import readable
+from epdserve.entrypoints.http.remote_media import FetchFailed, FetchPolicy, TooLarge, fetch_remote
+
+log = logging.getLogger(__name__)
+
+CANNOT_FETCH = "cannot fetch the image"
 
 
 def source(url: str) -> str:
@@ -38,35 +46,28 @@ def decode_data_url(url: str, limit: int, name: str = "the image") -> bytes:
         raise ApiError(400, f"{name}: the data: URL is not valid base64") from None
 
 
-def _get(url: str, opts: HttpOptions) -> bytes:
-    req = urllib.request.Request(url, headers={"User-Agent": "epdserve"})
-    with urllib.request.urlopen(req, timeout=opts.image_fetch_timeout_s) as resp:
-        data = resp.read(opts.max_image_bytes + 1)
-    if len(data) > opts.max_image_bytes:
-        raise ApiError(400, f"the image at the URL is larger than {opts.max_image_bytes} bytes")
-    return data
-
-
-async def fetch(url: str, opts: HttpOptions) -> bytes:
-    """GET `url` in a worker thread: each socket wait and the whole fetch bounded by the timeout."""
+async def fetch(url: str, opts: HttpOptions, name: str = "the image") -> bytes:
+    """GET `url` in a worker thread (the fetcher's own deadline ends its sockets; the wait here also
+    bounds a DNS lookup that hangs); `name` says which image in errors."""
+    policy = FetchPolicy(MediaDomains(opts.allowed_media_domains), opts.max_image_bytes, opts.image_fetch_timeout_s)
     loop = asyncio.get_running_loop()
     try:
-        return await asyncio.wait_for(loop.run_in_executor(None, _get, url, opts), opts.image_fetch_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(400, f"fetching the image took longer than {opts.image_fetch_timeout_s} s") from None
-    except (OSError, ValueError) as e:  # URLError, HTTPError, socket errors
-        raise ApiError(400, f"cannot fetch the image: {_why(e)}") from None
+        return await asyncio.wait_for(loop.run_in_executor(None, fetch_remote, url, policy), opts.image_fetch_timeout_s)
+    except TooLarge as e:
+        log.debug("%s: %s", name, e.reason)
+        raise ApiError(400, f"{name} is larger than {opts.max_image_bytes} bytes (--max-image-bytes)") from None
+    except Exception as e:  # noqa: BLE001 - every cause reads the same to the client
+        log.debug("%s: %s: %s", name, CANNOT_FETCH, _cause(e, opts.image_fetch_timeout_s))
+        raise ApiError(400, f"{name}: {CANNOT_FETCH}") from None
 
 
-def _why(e: BaseException) -> str:
-    """A failed fetch in words: "HTTP 404 Not Found", "Connection refused" (urllib's str() of a
-    URLError is "<urlopen error ...>")."""
-    if isinstance(e, urllib.error.HTTPError):
-        return f"HTTP {e.code} {e.reason}"
-    reason = getattr(e, "reason", None)
-    if isinstance(reason, BaseException):
-        return readable(reason)
-    return reason if isinstance(reason, str) and reason else readable(e)
+def _cause(e: BaseException, timeout_s: float) -> str:
+    """Why a fetch failed, for the DEBUG log: the fetcher's reason (no fetched bytes in it), or the type."""
+    if isinstance(e, FetchFailed):
+        return e.reason
+    if isinstance(e, asyncio.TimeoutError):
+        return f"the fetch took longer than {timeout_s} s"
+    return type(e).__name__
 
 
 async def image_bytes(url: str, opts: HttpOptions, name: str = "the image") -> bytes:
@@ -77,8 +78,5 @@ async def image_bytes(url: str, opts: HttpOptions, name: str = "the image") -> b
         if not opts.allow_remote_images:
             raise ApiError(400, f"{name}: http(s) image URLs are disabled on this server (start it with "
                                 "--allow-remote-images); send a data: URL")
-        try:
-            return await fetch(url, opts)
-        except ApiError as e:
-            raise ApiError(e.status, f"{name}: {e.message}") from None
+        return await fetch(url, opts, name)
     raise ApiError(400, f"{name}: image_url must be a data: URL (or http(s) when the server allows it)")
