@@ -14,13 +14,18 @@ bound, as gRPC itself reports one) and `http_status` (400 / 413).
         check_image(data, limits, index=n)     # the pixels its header declares ("image n", from 1)
 
 `check_generate_request(req, limits)` applies them all to a `GenerateRequest` (the scheduler's
-dispatcher does, for every front). `add_limit_args(parser)` / `limits_from_args(args)` give
-every front the same flags.
+dispatcher does, for every front) and returns the pixels its media declare: every image's
+width x height and, for a video, every frame the decoder will hold (`video_header`: frame
+count, or duration x rate, and frame size, from the container's header; `model.video` decodes
+the whole clip before it samples frames). Their sum is bounded by `max_request_pixels`; the
+dispatcher also counts it against the scheduler's pixels in flight. `add_limit_args(parser)` /
+`limits_from_args(args)` give every front the same flags.
 """
 from __future__ import annotations
 
 import argparse
 import io
+import math
 import warnings
 from dataclasses import dataclass, fields
 
@@ -31,7 +36,12 @@ import grpc
 class InputLimits:
     max_message_bytes: int = 64 << 20  # one request as received (every image and text in it)
     max_images: int = 16  # images in one request
-    max_image_pixels: int = 40_000_000  # width x height one image declares (before it is decoded)
+    # width x height one image declares (before it is decoded): a 24 MP camera photo (6000x4000) fits; the
+    # models' image processors keep at most 12.8 MP (Qwen2/2.5-VL) or 16.8 MP (Qwen3-VL) of it anyway
+    max_image_pixels: int = 25_000_000
+    # all the images' pixels + every decoded video frame's, in one request (~3 bytes each once decoded):
+    # four 24 MP photos, or 16 1080p screenshots, or 10 s of 480p video at 30 fps
+    max_request_pixels: int = 100_000_000
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of all prompt / chat text, before tokenisation
     max_prompt_token_ids: int = 1 << 20  # a prompt sent as token ids
     max_chat_messages: int = 1024
@@ -119,16 +129,15 @@ def check_image(data: bytes, limits: InputLimits, index: int = 1) -> tuple[int, 
     return w, h
 
 
-def check_generate_request(req, limits: InputLimits) -> None:
+def check_generate_request(req, limits: InputLimits) -> int:
     """Every limit, on an `epdserve.v1.GenerateRequest` (what each front builds): sizes first,
-    then counts, then each image's header. Raises LimitError."""
+    then counts, then each image's header, then the pixels of all its media together. Raises
+    LimitError; returns the pixels its media declare (media sent by key: none, nothing is decoded)."""
     check_message_bytes(req.ByteSize(), limits)
     sp = req.sampling
     check_stop(len(sp.stop) + len(sp.stop_token_ids), limits)
     kind = req.WhichOneof("input")
-    pictures = [m for m in req.media if not _is_video(m)]  # videos have limits of their own (VideoSpec)
-    images = [(n, m.data) for n, m in enumerate(pictures, 1) if m.WhichOneof("source") == "data"]
-    n_images = len(pictures)
+    media = [(m, _is_video(m)) for m in req.media]  # (Media, is a video)
     if kind == "prompt":
         check_prompt_bytes([req.prompt], limits)
     elif kind == "prompt_token_ids":
@@ -142,14 +151,61 @@ def check_generate_request(req, limits: InputLimits) -> None:
                 which = part.WhichOneof("part")
                 if which == "text":
                     texts.append(part.text)
-                elif which == "image" and not _is_video(part.image):
-                    n_images += 1
-                    if part.image.WhichOneof("source") == "data":
-                        images.append((n_images, part.image.data))
+                elif which == "image":
+                    media.append((part.image, _is_video(part.image)))
+                elif which == "video":  # a video part is a video, its sampling options or not
+                    media.append((part.video, True))
         check_prompt_bytes(texts, limits)
-    check_image_count(n_images, limits)
-    for n, data in images:  # n: the image's number among the request's images, from 1
-        check_image(data, limits, index=n)
+    pictures = [m for m, video in media if not video]  # videos have limits of their own (VideoSpec)
+    check_image_count(len(pictures), limits)
+    images = [check_image(m.data, limits, index=n) for n, m in enumerate(pictures, 1)
+              if m.WhichOneof("source") == "data"]  # n: the image's number among the request's images, from 1
+    videos = [video_header(m.data) for m, video in media if video and m.WhichOneof("source") == "data"]
+    return check_request_pixels([w * h for w, h in filter(None, images)],
+                                [t * w * h for t, w, h in filter(None, videos)], limits)
+
+
+def check_request_pixels(images: list[int], videos: list[int], limits: InputLimits) -> int:
+    """The pixels of one request's `images` and `videos` (each video: all its decoded frames)
+    together, against `max_request_pixels`. Returns their sum."""
+    total = sum(images) + sum(videos)
+    if total > limits.max_request_pixels:
+        raise LimitError("max_request_pixels",
+                         f"the request's media declare {total} pixels in all ({len(images)} image(s): {sum(images)}, "
+                         f"{len(videos)} video(s): {sum(videos)} in their decoded frames), over the limit of "
+                         f"{limits.max_request_pixels} per request; send fewer or smaller media, or raise the "
+                         f"server's --max-request-pixels")
+    return total
+
+
+def video_header(data: bytes) -> tuple[int, int, int] | None:
+    """(frames, width, height) that a video's container header declares — the frames the decoder
+    will hold: its frame count, else its duration x frame rate (24 fps when none is declared), else
+    the decoder's cap (`model.video.MAX_DECODED_FRAMES`). Nothing is decoded. None when PyAV cannot
+    open the bytes or finds no video stream (the decoder later refuses them with its own clear error)."""
+    import av
+
+    from epdserve.model.video import MAX_DECODED_FRAMES
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                return None
+            stream = container.streams.video[0]
+            w, h = int(stream.codec_context.width), int(stream.codec_context.height)
+            frames = int(stream.frames or 0)
+            if frames <= 0:
+                rate = float(stream.average_rate or 0) or 24.0
+                if stream.duration and stream.time_base:
+                    seconds = float(stream.duration * stream.time_base)
+                elif container.duration:
+                    seconds = container.duration / av.time_base
+                else:
+                    seconds = MAX_DECODED_FRAMES / rate
+                frames = math.ceil(seconds * rate)
+    except Exception:  # not a container PyAV knows, or a truncated header
+        return None
+    return min(max(frames, 0), MAX_DECODED_FRAMES), w, h
 
 
 def _is_video(media) -> bool:
@@ -160,7 +216,13 @@ def _is_video(media) -> bool:
 _FLAGS = {  # field -> (flag, help)
     "max_message_bytes": ("--max-message-bytes", "largest request accepted, in bytes (RESOURCE_EXHAUSTED beyond)"),
     "max_images": ("--max-images", "images per request"),
-    "max_image_pixels": ("--max-image-pixels", "width x height one image may declare (checked before decoding)"),
+    "max_image_pixels": ("--max-image-pixels", "width x height one image may declare (checked before decoding; a "
+                         "24 MP photo fits, the models' image processors keep at most 12.8-16.8 MP of it)"),
+    "max_request_pixels": ("--max-request-pixels", "pixels of all of one request's images plus every frame of its "
+                           "videos that the decoder holds (the whole clip: frames x width x height), as their headers "
+                           "declare, checked before decoding; about 3 bytes each once decoded, at the scheduler and "
+                           "again at the encoding instance: four 24 MP photos, sixteen 1080p images or 10 s of 480p "
+                           "video at 30 fps fit"),
     "max_prompt_bytes": ("--max-prompt-bytes", "UTF-8 bytes of a request's prompt / chat text (before tokenisation)"),
     "max_prompt_token_ids": ("--max-prompt-token-ids", "length of a prompt sent as token ids"),
     "max_chat_messages": ("--max-chat-messages", "messages in one chat"),

@@ -39,6 +39,11 @@ def add_parser(subparsers):
     p.add_argument("--max-requests", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED (default 1024)")
     p.add_argument("--max-inflight-per-instance", type=int, default=256,
                    help="requests queued or running on one instance before it counts as full (default 256)")
+    p.add_argument("--max-pixels-in-flight", type=int, default=None, metavar="N",
+                   help="pixels that the media of the requests in flight declare (images, and every frame of a "
+                        "video the decoder holds), counted from admission to each request's first token, before "
+                        "RESOURCE_EXHAUSTED; about 3 bytes each while decoded (default 4 x --max-request-pixels: "
+                        "400000000)")
     p.add_argument("--max-attempts", type=int, default=4, help="attempts per request across instance failures")
     p.add_argument("--retry-backoff-s", type=float, default=0.05,
                    help="wait before attempt n+1 of a request: n times this (default 0.05)")
@@ -93,6 +98,7 @@ def config_from_args(args):
         max_model_len=args.max_model_len, probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,
         heartbeat_interval_s=args.heartbeat_interval, unhealthy_after=args.unhealthy_after,
         healthy_after=args.healthy_after, max_requests_in_flight=args.max_requests,
+        max_pixels_in_flight=args.max_pixels_in_flight,
         max_inflight_per_instance=args.max_inflight_per_instance, max_attempts=args.max_attempts,
         retry_backoff_s=args.retry_backoff_s, preprocess_threads=args.preprocess_threads,
         media_index_size=args.media_index_size, stored_keys_size=args.stored_keys_size, limits=limits_from_args(args),

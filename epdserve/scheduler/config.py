@@ -15,6 +15,9 @@ class SchedulerConfig:
     `healthy_after` consecutive good probes. DOWN instances are forgotten after `forget_after_s`.
     Backpressure: at most `max_requests_in_flight` public requests, and at most
     `max_inflight_per_instance` of them on any one instance; beyond either, RESOURCE_EXHAUSTED.
+    Pixels: at most `max_pixels_in_flight` declared pixels (`limits.check_generate_request`) of the
+    requests whose media are still being decoded (`pixel_budget.PixelBudget`; default 4 x
+    `limits.max_request_pixels`, ~3 bytes each once decoded); beyond, RESOURCE_EXHAUSTED.
     Bounds: `limits` (each request's input, checked before any work), `preprocess_threads`
     (tokenisation and image decode), `media_index_size` / `stored_keys_size` (media keys
     remembered), `max_attempts` (tries per request).
@@ -34,6 +37,7 @@ class SchedulerConfig:
     # admission and retries (dispatcher.py)
     max_requests_in_flight: int = 1024
     max_inflight_per_instance: int = 256
+    max_pixels_in_flight: int | None = None  # None: 4 x limits.max_request_pixels
     max_attempts: int = 4  # per public request, across instance failures
     retry_backoff_s: float = 0.05  # before attempt n+1: n times this
     controller: object | None = None  # --mode auto: a scheduler.controller.ControllerConfig (None: no role controller)
@@ -46,6 +50,8 @@ class SchedulerConfig:
     mode: str = ""  # as the launcher names it (reported by GetServerInfo)
 
     def __post_init__(self):
+        if self.max_pixels_in_flight is None:
+            self.max_pixels_in_flight = 4 * self.limits.max_request_pixels
         if not self.model:
             raise ValueError("model (a checkpoint directory) is required")
         if not 0 <= int(self.port) < 65536:
@@ -54,7 +60,8 @@ class SchedulerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("unhealthy_after", "healthy_after", "max_requests_in_flight", "max_inflight_per_instance",
-                     "max_attempts", "preprocess_threads", "media_index_size", "stored_keys_size"):
+                     "max_pixels_in_flight", "max_attempts", "preprocess_threads", "media_index_size",
+                     "stored_keys_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.switch_wait_s < 0:

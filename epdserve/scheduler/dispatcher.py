@@ -2,7 +2,9 @@
 
 Lifecycle of one request (`RequestRun.events`): checked against the input limits (`epdserve.limits`,
 sizes and image headers only: INVALID_ARGUMENT or RESOURCE_EXHAUSTED before any work) → admitted
-(or RESOURCE_EXHAUSTED past `max_requests_in_flight`) → prepared
+(or RESOURCE_EXHAUSTED past `max_requests_in_flight`, or past `max_pixels_in_flight`: its media's
+declared pixels beside those of the requests whose media are still being decoded, `PixelBudget`,
+held until its first token or its end) → prepared
 (tokenized, media decoded and keyed, in a worker thread) → attempt 1 on a routed plan → deltas
 stream to the client as instances produce them → the last delta carries finish reason, usage
 and timing.
@@ -40,6 +42,7 @@ from epdserve.scheduler.attempt import Attempt, AttemptInputs, merge_timings
 from epdserve.scheduler.channels import ChannelPool
 from epdserve.scheduler.config import SchedulerConfig
 from epdserve.scheduler.errors import Action, InstanceError, RequestError
+from epdserve.scheduler.pixel_budget import PixelBudget
 from epdserve.scheduler.preprocess import PreparedRequest, RequestPreprocessor
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 from epdserve.scheduler.routing import Router
@@ -252,6 +255,7 @@ class Dispatcher:
         self.finished_listeners: list = []  # each finished request: listener(ttft_s, tpot_s, ok, media, age_s) (the role controller)
         self.background: set[asyncio.Task] = set()
         self._admitted = 0
+        self.pixels = PixelBudget(config.max_pixels_in_flight)
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
         registry.on_down(self._instance_down)
 
@@ -259,15 +263,22 @@ class Dispatcher:
     def in_flight(self) -> int:
         return self._admitted
 
+    @property
+    def pixels_in_flight(self) -> int:
+        """Declared pixels of the admitted requests whose media are not done with yet (`PixelBudget`)."""
+        return self.pixels.used
+
     async def generate(self, req: serve_pb2.GenerateRequest, deadline: float | None = None
                        ) -> AsyncIterator[serve_pb2.GenerateDelta]:
         """The public stream of one request. Raises RequestError."""
         arrival = time.time()
         try:
-            check_generate_request(req, self.config.limits)
+            pixels = check_generate_request(req, self.config.limits)
         except LimitError as e:
             raise RequestError(e.grpc_code, e.message) from None
+        lease = self.pixels.take(pixels)  # INVALID_ARGUMENT first: a request that never fits is no "retry later"
         if self._admitted >= self.config.max_requests_in_flight:
+            lease.release()
             raise RequestError.exhausted(f"{self._admitted} requests in flight (limit {self.config.max_requests_in_flight})")
         self._admitted += 1
         try:
@@ -284,6 +295,7 @@ class Dispatcher:
             ok = False
             try:
                 async for delta in run.events():
+                    lease.release()  # its first output: every stage has read its media
                     yield delta
                 ok = True
             finally:
@@ -291,6 +303,7 @@ class Dispatcher:
                 self._report_finished(run, ok)
         finally:
             self._admitted -= 1
+            lease.release()
 
     def _report_finished(self, run: RequestRun, ok: bool) -> None:
         """Tell `finished_listeners(ttft_s, tpot_s, ok, media, age_s)` how a request went (scheduler's
