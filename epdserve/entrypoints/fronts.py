@@ -27,8 +27,15 @@ def add_front_flags(p) -> None:
     g.add_argument("--http-host", default=None, help="interface the HTTP front binds (default: --host)")
     g.add_argument("--served-model-name", default=None, help="model id /v1/models lists (default: --model)")
     g.add_argument("--allow-remote-images", action="store_true",
-                   help="fetch http(s):// image URLs (default: only data: URLs), size- and time-limited")
-    g.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds per remote image (default 10)")
+                   help="fetch http(s):// image URLs (default: only data: URLs), size- and time-limited; hosts "
+                        "that resolve to a loopback, private, link-local, reserved or cloud-metadata address are "
+                        "refused, and so is each of at most 3 redirects that leads to one")
+    g.add_argument("--allowed-media-domains", default=None, metavar="HOST[,HOST...]",
+                   help="with --allow-remote-images: fetch images only from these hosts, which may then be internal "
+                        "addresses (never cloud metadata); an entry matches the URL's host exactly, '.example.com' "
+                        "every name under example.com (default: any host whose addresses are all public)")
+    g.add_argument("--image-fetch-timeout", type=float, default=10.0,
+                   help="seconds for one remote image's whole fetch, redirects and body included (default 10)")
     g.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024, help="per image (default 20 MiB)")
     g.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024,
                    help="larger HTTP request bodies are refused with 413 (default 64 MiB)")
@@ -100,6 +107,7 @@ def http_options_from_args(args):
     return HttpOptions(
         host=args.http_host or args.host, port=args.http_port, api_key=api_key_from_args(args),
         allow_remote_images=args.allow_remote_images, image_fetch_timeout_s=args.image_fetch_timeout,
+        allowed_media_domains=args.allowed_media_domains or (),
         max_image_bytes=args.max_image_bytes, max_body_bytes=args.max_body_bytes,
         served_model_name=args.served_model_name, request_timeout_s=args.http_request_timeout,
         tls_cert=getattr(args, "tls_cert", None), tls_key=getattr(args, "tls_key", None),
