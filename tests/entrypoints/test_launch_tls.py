@@ -1,8 +1,9 @@
 """`epdserve launch --tls-cert/--tls-key` as real processes, with an API key from the environment
 and a self-signed certificate made here: the launcher's readiness probe speaks TLS with the key,
 so the deployment becomes ready; it serves gRPC and HTTPS (the ready line says https and
-tls=1), both refusing plaintext; `--scheduler-args "--allow-remote-images"` (a value that starts
-with --) reaches the scheduler; the HTTP model id is --model as given; the private MM Store's
+tls=1), both refusing plaintext; `--scheduler-args "--allow-remote-images --allowed-media-domains
+127.0.0.1"` (a value that starts with --) reaches the scheduler (a loopback image server is fetched
+only because it is allow-listed); the HTTP model id is --model as given; the private MM Store's
 password file named on the ready line holds the password the store asks for."""
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def image_server():
 def test_tls_launch_becomes_ready_and_serves_over_tls(qwen2_vl_tiny, tmp_path, monkeypatch):
     cert, key = self_signed(tmp_path)
     args = ["--mode", "monolithic", "--model", str(qwen2_vl_tiny), "--kv-cache-mb", "16", "--http-port", "0",
-            "--tls-cert", cert, "--tls-key", key, "--scheduler-args", "--allow-remote-images",
-            "--ready-timeout-s", "150"]
+            "--tls-cert", cert, "--tls-key", key, "--scheduler-args",
+            "--allow-remote-images --allowed-media-domains 127.0.0.1", "--ready-timeout-s", "150"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPDSERVE_")}
     with launched(args, dict(env, EPDSERVE_API_KEY=KEY), READY, secrets=(KEY,)) as (found, output):
         monkeypatch.delenv("EPDSERVE_API_KEY", raising=False)
