@@ -2,13 +2,15 @@
 
 The one conversion both sides of the wire use (the scheduler validating a public request, an
 instance reading an internal one). A field the sender left unset takes the engine's default;
-bad values raise `InvalidRequestError` (callers map it to INVALID_ARGUMENT).
+bad values raise `InvalidRequestError` (callers map it to INVALID_ARGUMENT): a number out of its
+range (`ranges.check_sampling`, the rules both fronts share) as `RangeError`, naming the field.
 """
 from __future__ import annotations
 
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import common_pb2
+from epdserve.rpc.ranges import check_sampling
 
 # proto3 `optional` scalars: copied only when the sender set them
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens",
@@ -16,6 +18,7 @@ _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos"
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    check_sampling(p)
     kw = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
     try:
         return SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), **kw)

@@ -1,7 +1,8 @@
 """Request fan-out: admission, attempts, retries, usage and timing for every public request.
 
 Lifecycle of one request (`RequestRun.events`): checked against the input limits (`epdserve.limits`,
-sizes and image headers only: INVALID_ARGUMENT or RESOURCE_EXHAUSTED before any work) → admitted
+sizes and image headers only: INVALID_ARGUMENT or RESOURCE_EXHAUSTED before any work) and every
+number against its range (`epdserve.rpc.ranges`: INVALID_ARGUMENT naming the field) → admitted
 (or RESOURCE_EXHAUSTED past `max_requests_in_flight`, or past `max_pixels_in_flight`: its media's
 declared pixels beside those of the requests whose media are still being decoded, `PixelBudget`,
 held until its first token or its end) → prepared
@@ -38,6 +39,7 @@ import grpc
 
 from epdserve.limits import LimitError, check_generate_request
 from epdserve.rpc import common_pb2, instance_pb2, serve_pb2
+from epdserve.rpc.ranges import RangeError, check_request
 from epdserve.scheduler.attempt import Attempt, AttemptInputs, merge_timings
 from epdserve.scheduler.channels import ChannelPool
 from epdserve.scheduler.config import SchedulerConfig
@@ -274,8 +276,11 @@ class Dispatcher:
         arrival = time.time()
         try:
             pixels = check_generate_request(req, self.config.limits)
+            check_request(req, self.preprocessor.vocab_size)
         except LimitError as e:
             raise RequestError(e.grpc_code, e.message) from None
+        except RangeError as e:
+            raise RequestError.invalid(e.message) from None
         lease = self.pixels.take(pixels)  # INVALID_ARGUMENT first: a request that never fits is no "retry later"
         if self._admitted >= self.config.max_requests_in_flight:
             lease.release()
@@ -319,14 +324,11 @@ class Dispatcher:
             listener(ttft, tpot, ok, len(run.prep.media), now - run.timing.arrival)
 
     def _resumed(self, req: serve_pb2.GenerateRequest, prep: PreparedRequest) -> list[int]:
-        """The output a resuming client already has (validated): the run continues after it."""
+        """The output a resuming client already has (its ids checked with the rest: `check_request`):
+        the run continues after it."""
         ids = list(req.resume_token_ids)
         if len(ids) >= prep.max_tokens:
             raise RequestError.invalid(f"{len(ids)} resume_token_ids leave nothing of max_tokens={prep.max_tokens}")
-        vocab = self.preprocessor.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError.invalid(f"resume_token_ids out of range [0, {vocab}): {bad[:5]}")
         return ids
 
     def abort(self, request_id: str) -> bool:

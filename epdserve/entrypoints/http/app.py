@@ -9,8 +9,9 @@ is a 400 in one sentence (`validation.explain`). A generation request refused be
 401, 404, 413) or failing there unexpectedly (500) is counted in the metrics' requests by status,
 under the gRPC code of the same outcome (the scheduler's observer counts the rest, 500s
 included). Errors before the first token get their HTTP status (`errors`); a stream already
-answering 200 ends with an ``error`` event. An unexpected exception anywhere is a JSON 500 in
-OpenAI's shape (its type only; the traceback goes to the log), never starlette's plain text. A
+answering 200 ends with an ``error`` event. Every error body is JSON in OpenAI's shape: Starlette's
+own 404 (no such route) and 405 (wrong method) too, and an unexpected exception anywhere is a 500
+(its type only; the traceback goes to the log, once: `errors.LastResort`), never plain text. A
 client that disconnects cancels its generations, which aborts them on every instance (the
 dispatcher's cancellation path); so does a failed prompt of a list its siblings. /health and
 /metrics need no key (as in vLLM). With metrics, every response of any route (a 401 on
@@ -28,9 +29,10 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from epdserve.entrypoints.http.convert import chat_request, completion_requests
-from epdserve.entrypoints.http.errors import ApiError
+from epdserve.entrypoints.http.errors import ApiError, LastResort
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.entrypoints.http.responses import Choice, Shape, sse, sum_usage
@@ -91,6 +93,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     an `http_responses` counter) served on /metrics, counting refused requests and every
     response, or None; `metrics_auth`: /metrics needs the API key too."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(LastResort, log=log)  # inside CountResponses: its 500 is counted as any response
     if metrics is not None:
         app.add_middleware(CountResponses, counter=metrics.http_responses)
     model_name = opts.served_model_name or scheduler.config.model
@@ -101,10 +104,18 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     async def _api_error(request: Request, e: ApiError):
         return e.response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):  # the routes' own guards missed it: still JSON
-        log.error("HTTP %s failed", request.url.path, exc_info=e)
-        return ApiError.internal(f"serving {request.url.path}", e).response()
+    @app.exception_handler(HTTPException)
+    async def _starlette(request: Request, e: HTTPException):  # no such route (404), wrong method (405)
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:
+            message = f"no route {where}; this server serves {', '.join(_paths(app))}"
+        elif e.status_code == 405:
+            message = f"{where} is not allowed; use {(e.headers or {}).get('Allow', 'another method')}"
+        else:
+            message = f"{where}: {e.detail}"
+        response = ApiError(e.status_code, message).response()
+        response.headers.update(e.headers or {})
+        return response
 
     def check(request: Request, body_model: str | None = None) -> None:
         if key is not None:
@@ -198,7 +209,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             check(request)
             body = _parse(CompletionRequest, await _read_body(request, opts.max_body_bytes))
             check(request, body.model)
-            rid, reqs = completion_requests(body, max_len())
+            rid, reqs = completion_requests(body, max_len(), scheduler.dispatcher.preprocessor.vocab_size)
             return body, rid, within_limits(reqs)
 
         body, rid, reqs = await admitted(admit())
@@ -228,6 +239,10 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
         return PlainTextResponse(data, media_type=content_type)
 
     return app
+
+
+def _paths(app: FastAPI) -> list[str]:
+    return [r.path for r in app.routes if getattr(r, "methods", None)]
 
 
 async def _all(coros):

@@ -4,6 +4,11 @@ so both fronts share validation, tokenization, routing and retries.
 Defaults follow OpenAI (and vLLM): temperature 1, max_tokens up to the context's end (the
 instances stop at max_model_len), top_k -1 = off, min_p 0 = off.
 
+Numbers: what was built is checked with the scheduler's own rules (`epdserve.rpc.ranges`) under
+the body's field names (`top_k`, `prompt[1][4]`: a prompt's token ids inside the model's
+vocabulary), and a value protobuf refuses to hold is a 400 too, so no number reaches the
+scheduler that it would refuse, and none is a 500.
+
 Content parts: `text`, `image_url`, `video_url`; any other type is a 400 that names it ("audio
 input is not supported", "file input is not supported", "content part type 'x' is not
 supported; supported: ..."). Errors about media name the item as the scheduler's do ("image 2",
@@ -22,6 +27,7 @@ from epdserve.model.chat import unsupported_part
 from epdserve.model.errors import MediaError
 from epdserve.model.processor import open_image
 from epdserve.rpc import common_pb2, serve_pb2
+from epdserve.rpc.ranges import RangeError, check_sampling, check_token_ids
 
 SUPPORTED_PARTS = ("text", "image_url", "video_url")  # content part types the HTTP front takes
 
@@ -29,17 +35,23 @@ SUPPORTED_PARTS = ("text", "image_url", "video_url")  # content part types the H
 def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -> common_pb2.SamplingParams:
     why = body.unsupported()
     if why:
-        raise ApiError(400, why)
+        raise ApiError(400, why[0], param=why[1])
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    p = common_pb2.SamplingParams(
-        max_tokens=max_tokens or max_model_len,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0), stop=stop, stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, min_p=body.min_p or 0.0,
-    )
-    if body.seed is not None:
-        p.seed = body.seed
+    try:
+        p = common_pb2.SamplingParams(
+            max_tokens=max_tokens or max_model_len,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0), stop=stop, stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, min_p=body.min_p or 0.0,
+        )
+        if body.seed is not None:
+            p.seed = body.seed
+        check_sampling(p, prefix="")
+    except RangeError as e:
+        raise ApiError(400, e.message, param=e.field) from None
+    except (ValueError, TypeError) as e:  # protobuf: a number its field cannot hold
+        raise ApiError(400, f"a sampling parameter is out of range: {e}") from None
     return p
 
 
@@ -97,10 +109,12 @@ def _video(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
     return common_pb2.Media(data=data, video=common_pb2.VideoSpec())
 
 
-def completion_requests(body: CompletionRequest, max_model_len: int) -> tuple[str, list[serve_pb2.GenerateRequest]]:
+def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size: int
+                        ) -> tuple[str, list[serve_pb2.GenerateRequest]]:
     """(the response id, one `GenerateRequest` per prompt, in the body's order). A prompt is a
-    string or a list of token ids; `prompt` may be one prompt or a list of them (as OpenAI
-    allows), each becoming its own request to the scheduler (id ``<response id>-<index>``)."""
+    string or a list of token ids (each in [0, vocab_size)); `prompt` may be one prompt or a list
+    of them (as OpenAI allows), each becoming its own request to the scheduler (id
+    ``<response id>-<index>``)."""
     prompt = body.prompt
     many = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
     prompts = list(prompt) if many else [prompt]
@@ -114,6 +128,17 @@ def completion_requests(body: CompletionRequest, max_model_len: int) -> tuple[st
         if isinstance(p, str):
             req.prompt = p
         else:
-            req.prompt_token_ids.ids.extend(p)
+            _token_ids(req, p, f"prompt[{i}]" if many else "prompt", vocab_size)
         reqs.append(req)
     return rid, reqs
+
+
+def _token_ids(req: serve_pb2.GenerateRequest, ids: list[int], name: str, vocab_size: int) -> None:
+    """`ids` as `req`'s prompt; each must be in the model's vocabulary (400 naming it, e.g. ``prompt[2]``)."""
+    try:
+        check_token_ids(name, ids, vocab_size)
+        req.prompt_token_ids.ids.extend(ids)
+    except RangeError as e:
+        raise ApiError(400, e.message, param=e.field) from None
+    except (ValueError, TypeError) as e:  # protobuf: a token id an int32 cannot hold
+        raise ApiError(400, f"{name}: a token id is out of range: {e}", param=name) from None

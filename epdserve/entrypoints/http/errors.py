@@ -1,18 +1,21 @@
-"""OpenAI-style errors: `ApiError` (status, message, type) and the gRPC-status → HTTP map.
+"""OpenAI-style errors: `ApiError` (status, message, type) and the gRPC-status → HTTP map, and
+`LastResort`, which makes an exception nothing else answered one of them.
 
 Body shape (as OpenAI and vLLM answer): ``{"error": {"message", "type", "param", "code"}}``.
-400 bad input, 401 bad key, 404 unknown model/route, 413 body too large, 429 queues full,
-500 an unexpected failure (its type only; the traceback goes to the log), 503 no instance can
-serve, 504 deadline. `grpc_code`: the gRPC code of a status, the `status` label the metrics count
-it under (500 → INTERNAL).
+400 bad input, 401 bad key, 404 unknown model/route, 405 wrong method, 413 body too large, 429
+queues full, 500 an unexpected failure (its type only; the traceback goes to the log), 503 no
+instance can serve, 504 deadline. `grpc_code`: the gRPC code of a status, the `status` label the
+metrics count it under (500 → INTERNAL).
 """
 from __future__ import annotations
+
+import logging
 
 import grpc
 from fastapi.responses import JSONResponse
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
-          429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError",
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          413: "BadRequestError", 429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError",
           504: "TimeoutError"}
 
 _FROM_GRPC = {
@@ -65,3 +68,32 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class LastResort:
+    """ASGI middleware: an exception no handler answered is a JSON 500 in OpenAI's shape (its type
+    only), logged once with its traceback on `log`. (Starlette's own last resort answers plain text
+    and re-raises, so the server logs the traceback a second time.) Once a response has started,
+    only the log says it: the client's connection is closed."""
+
+    def __init__(self, app, log: logging.Logger):
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_started(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception as e:
+            self.log.error("HTTP %s %s failed", scope.get("method", ""), scope.get("path", ""), exc_info=e)
+            if not started:
+                await ApiError.internal(f"serving {scope.get('path', '')}", e).response()(scope, receive, send)

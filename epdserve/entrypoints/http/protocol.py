@@ -1,10 +1,17 @@
 """Request bodies of /v1/chat/completions and /v1/completions (pydantic), OpenAI's fields plus
 vLLM's extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `seed`,
 `return_token_ids`). Unknown fields are ignored, as vLLM does; fields whose meaning epdserve
-cannot honour (n > 1, logprobs, echo, penalties, tools) are refused with 400 by `unsupported`.
-Integers are bounded to what the gRPC message holds (int32 token ids and counts, int64 seed), so
-an out-of-range number is a 400 here, not a failure later. A content part's `type` is any string
-here; `convert` refuses the ones epdserve does not take (`input_audio`, `file`, ...) by name.
+cannot honour (n > 1, logprobs, echo, penalties, logit_bias, tools) are refused with 400 by
+`unsupported`, naming the field.
+
+Every number has a range, so one out of it is a 400 naming the field here, never a failure later
+(protobuf refuses an int that overflows its field): the sampling fields the gRPC message carries
+take theirs from `epdserve.rpc.ranges` (the rules the scheduler checks for both fronts); top_k
+also takes vLLM's -1 (off, as 0 is); the fields only refused later have OpenAI's ranges (n and
+best_of 1..128, logprobs and top_logprobs 0..20, penalties -2..2, logit_bias -100..100 by token
+id); a float is finite (NaN and Infinity, which JSON parsers take, are refused). A content part's
+`type` is any string here; `convert` refuses the ones epdserve does not take (`input_audio`,
+`file`, ...) by name.
 """
 from __future__ import annotations
 
@@ -12,8 +19,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-INT32_MAX = 2**31 - 1
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+from epdserve.rpc import ranges as R
+
+TokenId = Annotated[int, Field(ge=R.TOKEN_ID.lo, le=R.TOKEN_ID.hi)]
+MaxTokens = Annotated[int, Field(ge=R.MAX_TOKENS.lo, le=R.MAX_TOKENS.hi)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+Choices = Annotated[int, Field(ge=1, le=128)]
+Logprobs = Annotated[int, Field(ge=0, le=20)]
 
 
 class StreamOptions(BaseModel):
@@ -24,12 +36,12 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    max_tokens: MaxTokens | None = None
+    temperature: float | None = Field(default=None, ge=R.TEMPERATURE.lo, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=R.TOP_P.lo, le=R.TOP_P.hi, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1, le=R.TOP_K.hi)  # -1 (vLLM's) or 0: off
+    min_p: float | None = Field(default=None, ge=R.MIN_P.lo, le=R.MIN_P.hi, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=R.SEED.lo, le=R.SEED.hi)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -37,23 +49,32 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    logprobs: Any = None
-    top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: Choices = 1
+    logprobs: Any = None  # each request's own type: chat's a bool, completions' a count
+    top_logprobs: Logprobs | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # vLLM's; 1 is off
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
 
-    def unsupported(self) -> str | None:
-        """Why this body asks for something epdserve does not do, or None."""
+    def unsupported(self) -> tuple[str, str] | None:
+        """(why, the field) when this body asks for something epdserve does not do, or None."""
         if self.n != 1:
-            return "n must be 1"
-        if self.logprobs not in (None, False) or self.top_logprobs:
-            return "logprobs are not supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
+            return "n must be 1", "n"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs are not supported", "logprobs"
+        if self.top_logprobs:
+            return "logprobs are not supported", "top_logprobs"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return f"{name} is not supported", name
+        if self.repetition_penalty not in (None, 1.0):
+            return "repetition_penalty is not supported", "repetition_penalty"
+        if self.logit_bias:
+            return "logit_bias is not supported", "logit_bias"
         if self.stream_options is not None and not self.stream:
-            return "stream_options is only allowed with stream=true"
+            return "stream_options is only allowed with stream=true", "stream_options"
         return None
 
 
@@ -80,27 +101,29 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
-            return "tools are not supported"
+            return "tools are not supported", "tools"
         return super().unsupported()
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]  # one prompt, or a list of them (one choice each)
+    logprobs: Logprobs | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Choices | None = None
     suffix: str | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
-            return "echo is not supported"
+            return "echo is not supported", "echo"
         if self.best_of not in (None, 1):
-            return "best_of must be 1"
+            return "best_of must be 1", "best_of"
         if self.suffix:
-            return "suffix is not supported"
+            return "suffix is not supported", "suffix"
         return super().unsupported()

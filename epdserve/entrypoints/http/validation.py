@@ -5,8 +5,9 @@ string`` for a content part it could not read); the user needs the branch they m
 a body that is not JSON (or not an object) says so; a path is written as the client wrote it
 (``messages[0].content[1].type``, union branches left out); of a union's branches, the one whose
 value had the right shape and got furthest is reported; when none had the right shape, the field's
-allowed shapes are named ("prompt must be a string, a list of token ids, ..."). One error is
-reported, with a count of the others.
+allowed shapes are named ("prompt must be a string, a list of token ids, ..."); a dict's key
+that is wrong says so (``logit_bias.x (the key): ...``). One error is reported, with a count of
+the others.
 """
 from __future__ import annotations
 
@@ -19,17 +20,18 @@ SHAPES = {
     "stop": "a string or a list of strings",
 }
 _BUILTIN_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "bytes"}
+_KEY = "[key]"  # pydantic's loc element after a dict key that failed validation
 
 
 def _is_tag(x) -> bool:
     """Whether a loc element names a union branch (pydantic: "str", "list[int]", "ContentPart")."""
-    return isinstance(x, str) and (x in _BUILTIN_TAGS or "[" in x or x[:1].isupper())
+    return isinstance(x, str) and x != _KEY and (x in _BUILTIN_TAGS or "[" in x or x[:1].isupper())
 
 
 def _path(loc) -> str:
     out = ""
     for x in loc:
-        if _is_tag(x):
+        if _is_tag(x) or x == _KEY:
             continue
         out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
     return out
@@ -43,7 +45,8 @@ def _sentence(err: dict) -> tuple[str, str | None]:
     path = _path(err["loc"])
     if err["type"] == "missing":
         return f"{path} is required", path
-    return (f"{path}: {err['msg']}" if path else err["msg"]), path or None
+    what = f"{path} (the key)" if err["loc"][-1:] == (_KEY,) else path
+    return (f"{what}: {err['msg']}" if path else err["msg"]), path or None
 
 
 def explain(e: ValidationError) -> tuple[str, str | None]:

@@ -1,0 +1,100 @@
+"""The numeric ranges of a public generation request: the one set of rules both fronts check.
+
+What each number of a `SamplingParams` and each token id of a `GenerateRequest` may be: what its
+proto field holds (int32 counts and token ids, int64 seed), narrowed to what the engine means by
+it (max_tokens >= 1; top_k >= 0, 0 off; top_p in (0, 1]; min_p in [0, 1]; temperature finite and
+>= 0; token ids >= 0 and, for a prompt, inside the model's vocabulary; NaN and infinity nowhere).
+
+`check_request(req, vocab_size)` raises `RangeError` naming the first field out of range
+("sampling.top_k must be an integer in [0, 2147483647] (0 turns it off), got -3"): the
+scheduler's dispatcher answers it INVALID_ARGUMENT before any work is spent on the request. The
+HTTP front takes its pydantic bounds from the same `Range`s (a body out of range is a 400 before a
+proto is built: protobuf refuses an int that overflows its field) and checks what it built with
+`check_sampling` / `check_token_ids` under its own field names. The engine's finer rule (a
+temperature between 0 and 1e-5 overflows float32) stays in `SamplingParams`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from epdserve.model.errors import InvalidRequestError
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """lo..hi (both included, unless `lo_open`); `integer` or a finite float; `note`: what a special
+    value means ("0 turns it off")."""
+
+    lo: float
+    hi: float
+    integer: bool = True
+    lo_open: bool = False
+    note: str = ""
+
+    def holds(self, v) -> bool:
+        if not self.integer and not math.isfinite(v):
+            return False
+        return (v > self.lo if self.lo_open else v >= self.lo) and v <= self.hi
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a finite number"
+        if self.hi == math.inf:
+            text = f"{kind} {'>' if self.lo_open else '>='} {self.lo:g}"
+        else:
+            lo, hi = (f"{self.lo:d}", f"{self.hi:d}") if self.integer else (f"{self.lo:g}", f"{self.hi:g}")
+            text = f"{kind} in {'(' if self.lo_open else '['}{lo}, {hi}]"
+        return f"{text} ({self.note})" if self.note else text
+
+
+MAX_TOKENS = Range(1, INT32_MAX)
+TOP_K = Range(0, INT32_MAX, note="0 turns it off")
+SEED = Range(INT64_MIN, INT64_MAX)
+TEMPERATURE = Range(0, math.inf, integer=False, note="0 is greedy")
+TOP_P = Range(0, 1, integer=False, lo_open=True)
+MIN_P = Range(0, 1, integer=False, note="0 turns it off")
+TOKEN_ID = Range(0, INT32_MAX)
+
+# SamplingParams' optional numbers (stop_token_ids: token ids)
+SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": SEED,
+            "min_p": MIN_P}
+
+
+class RangeError(InvalidRequestError):
+    """`field` (as the client wrote it: "sampling.top_k", "prompt_token_ids[3]") is out of range."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def check_sampling(p, prefix: str = "sampling.") -> None:
+    """Every number `p` (a common.SamplingParams) carries, named `prefix` + its field."""
+    for name, rule in SAMPLING.items():
+        if p.HasField(name) and not rule.holds(getattr(p, name)):
+            raise RangeError(prefix + name, f"{prefix}{name} must be {rule.describe()}, got {getattr(p, name)}")
+    check_token_ids(prefix + "stop_token_ids", p.stop_token_ids)
+
+
+def check_token_ids(field: str, ids, vocab_size: int | None = None) -> None:
+    """Token ids in [0, vocab_size) (the model's vocabulary), or any token id an int32 holds."""
+    if not len(ids):
+        return
+    hi = INT32_MAX if vocab_size is None else vocab_size - 1
+    if min(ids) >= 0 and max(ids) <= hi:  # C-speed scans: a prompt may hold a million ids
+        return
+    i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= hi)
+    where = f"[0, {vocab_size}) (the model's vocabulary)" if vocab_size is not None else f"[0, {INT32_MAX}]"
+    raise RangeError(f"{field}[{i}]", f"{field}[{i}] must be a token id in {where}, got {t}")
+
+
+def check_request(req, vocab_size: int) -> None:
+    """Every number of `req` (a serve.GenerateRequest): its sampling, prompt and resume token ids."""
+    check_sampling(req.sampling)
+    if req.WhichOneof("input") == "prompt_token_ids":
+        check_token_ids("prompt_token_ids", req.prompt_token_ids.ids, vocab_size)
+    check_token_ids("resume_token_ids", req.resume_token_ids, vocab_size)
