@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 # instance-metadata services: AWS (v4, v6, ECS task), GCP/Azure/OpenStack/DigitalOcean (the v4
-# link-local one), Alibaba Cloud, Oracle Cloud; refused even for an allow-listed host
+# link-local one), Alibaba Cloud, Oracle Cloud; refused even for an allow-listed host (`is_metadata`)
 METADATA = frozenset(ipaddress.ip_address(a) for a in (
     "169.254.169.254", "fd00:ec2::254", "169.254.170.2", "169.254.170.23", "fd00:ec2::23",
     "100.100.100.200", "192.0.0.192"))
@@ -26,16 +26,22 @@ _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _SITE_LOCAL = ipaddress.ip_network("fec0::/10")
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
-_KINDS = ("loopback", "private", "link_local", "multicast", "reserved", "unspecified")
+_KINDS = ("unspecified", "loopback", "link_local", "multicast", "reserved", "private")  # most specific first
+
+
+def is_metadata(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether `ip` is a cloud metadata address, or an IPv6 address carrying one (refused even for
+    an allow-listed host)."""
+    return ip in METADATA or (ip.version == 6 and _carried_ipv4(ip) in METADATA)
 
 
 def address_refusal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     """Why `ip` may not be fetched from ("a loopback address", ...), or None when it is global."""
-    if ip in METADATA:
+    if is_metadata(ip):
         return "a cloud metadata address"
     if ip.version == 6:
-        embedded = _embedded_ipv4(ip)
-        if embedded is not None:
+        embedded = _carried_ipv4(ip)
+        if embedded is not None and (not _is_nat64(ip) or address_refusal(embedded)):
             return f"an IPv6 address embedding the IPv4 address {embedded}"
         if ip in _SITE_LOCAL:
             return "a site-local address"
@@ -49,18 +55,19 @@ def address_refusal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | 
     return None
 
 
-def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv4-mapped (::ffff:a.b.c.d) or -compatible (::a.b.c.d) IPv6 address
-    carries (refused whatever it is: no public DNS name resolves to one), or a NAT64 address's
-    when that one is not global; None otherwise."""
+def _carried_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv4-mapped (::ffff:a.b.c.d), -compatible (::a.b.c.d) or NAT64 IPv6
+    address carries. A mapped or compatible one is refused whatever it carries (no public DNS name
+    resolves to one), a NAT64 one when what it carries is."""
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
-    if ip.packed[:12] == bytes(12) and int(ip) > 1:  # ::a.b.c.d (:: and ::1 are classified below)
+    if (ip.packed[:12] == bytes(12) and int(ip) > 1) or _is_nat64(ip):  # :: and ::1 are classified below
         return ipaddress.IPv4Address(ip.packed[12:])
-    if any(ip in net for net in _NAT64):
-        v4 = ipaddress.IPv4Address(ip.packed[12:])
-        return v4 if address_refusal(v4) else None
     return None
+
+
+def _is_nat64(ip: ipaddress.IPv6Address) -> bool:
+    return any(ip in net for net in _NAT64)
 
 
 def normal_host(host: str) -> str:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-from epdserve.entrypoints.http.media_address import METADATA, MediaDomains, address_refusal
+from epdserve.entrypoints.http.media_address import MediaDomains, address_refusal, is_metadata
 
 MAX_REDIRECTS = 3
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -110,7 +110,7 @@ def _resolve(target: _Target, domains: MediaDomains) -> list[tuple]:
     addrs = []
     for family, type_, proto, _, sockaddr in infos:
         ip = ipaddress.ip_address(str(sockaddr[0]).partition("%")[0])
-        why = "a cloud metadata address" if ip in METADATA else None if allowed else address_refusal(ip)
+        why = "a cloud metadata address" if is_metadata(ip) else None if allowed else address_refusal(ip)
         if why:
             raise FetchFailed(f"{target.host} resolves to {ip}, {why}")
         addrs.append((family, type_, proto, sockaddr))
