@@ -6,7 +6,10 @@ HTTP 400), and how a library's exception reads to the user who sent the input.
 same error about a named item (callers that know which item it was, and where it came from, say
 so: "image 2 (image/jpeg data URL)"; images and videos are counted from 1, each kind apart).
 `readable(exc)`: a third-party exception (PIL, PyAV, transformers) as a short text with no Python
-object repr (``<_io.BytesIO object at 0x…>``) and no errno noise.
+object repr (``<_io.BytesIO object at 0x…>``), no errno noise and nothing of the input itself: a
+bytes repr a decoder quoted (``chunk b'\\x00\\x01...'``) becomes ``<bytes>``, any character that is not
+printable ASCII ``?``, and the text stops at `MAX_READABLE` characters (a server answering an image URL
+with binary bytes must not get them into an error text or the log).
 """
 from __future__ import annotations
 
@@ -33,12 +36,17 @@ class MediaError(InvalidRequestError):
 _REPR = re.compile(r"""['"]?<[\w.]+ object at 0x[0-9a-fA-F]+>['"]?""")
 _ERRNO = re.compile(r"^\[Errno -?\d+\]\s*")
 _NO_NAME = re.compile(r""":?\s*['"]<none>['"]""")  # PyAV's file name for an in-memory file
+_BYTES = re.compile(r"""\bb(['"])(?:\\.|(?!\1).)*\1""")  # a bytes repr: what the input held
+MAX_READABLE = 200
 
 
 def readable(exc: BaseException) -> str:
     """`exc` as a user reads it: what went wrong, without object reprs or errno prefixes."""
     if type(exc).__name__ == "UnidentifiedImageError":  # PIL: "cannot identify image file <_io.BytesIO ...>"
         return "not in an image format the server reads (JPEG, PNG, WebP, GIF, BMP, TIFF, ...)"
-    text = _NO_NAME.sub("", _ERRNO.sub("", _REPR.sub("", str(exc))))
+    text = _BYTES.sub("<bytes>", _NO_NAME.sub("", _ERRNO.sub("", _REPR.sub("", str(exc)))))
+    text = "".join(c if (c.isascii() and c.isprintable()) or c.isspace() else "?" for c in text)
     text = re.sub(r"\s+", " ", text).strip(" :,;")
+    if len(text) > MAX_READABLE:
+        text = text[:MAX_READABLE - 3] + "..."
     return text or type(exc).__name__

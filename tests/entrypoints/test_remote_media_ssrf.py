@@ -21,6 +21,8 @@ from epdserve.entrypoints.http.images import CANNOT_FETCH, fetch
 from epdserve.entrypoints.http.media_address import MediaDomains
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.remote_media import FetchFailed, FetchPolicy, TooLarge, fetch_remote
+from epdserve.model.errors import MAX_READABLE, MediaError, readable
+from epdserve.model.processor import open_image
 from epdserve.net import free_port
 from tests.entrypoints.http_harness import RunningFront, metered_scheduler, post
 from tests.entrypoints.remote_media_sites import (GRPC_LIKE, Sites, close_at_once, drip, flood, grpc_like, hang,
@@ -241,3 +243,14 @@ def test_through_the_http_front(served, sites, caplog):
     assert len(site.requests) == 1  # no refused attempt reached it
     assert "\x00" not in caplog.text and "Traceback" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_decoder_error_never_quotes_the_input():
+    """What an image URL answered reaches a 400's text only as words (PIL's and the scheduler's path)."""
+    with pytest.raises(MediaError) as e:
+        open_image(GRPC_LIKE)
+    assert str(e.value).startswith(f"the image is not a readable image ({len(GRPC_LIKE)} bytes)")
+    quoted = readable(SyntaxError("broken PNG file (chunk b'\\x00\\x01\\xfe\\xff')"))
+    assert quoted == "broken PNG file (chunk <bytes>)"
+    raw = readable(ValueError("bad header " + GRPC_LIKE.decode("latin-1") + " " + "y" * 500))
+    assert raw.startswith("bad header ?") and raw.isascii() and raw.isprintable() and len(raw) <= MAX_READABLE
