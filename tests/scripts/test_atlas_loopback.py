@@ -4,15 +4,8 @@ env file, the MM Store a password-protected Redis started here. A request with t
 served (its image's features land in the Redis), one without is refused, every process listens
 on loopback only, and no secret (cluster token, API key, Redis password) is in any process's argv."""
 
-import ipaddress
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import grpc
 import psutil
@@ -24,54 +17,11 @@ from epdserve.entrypoints.client import EPDServeError
 from epdserve.net import free_port
 from epdserve.transfer.mm_store.server import LocalRedisServer
 from tests.scheduler.harness import PH, image
+from tests.scripts.atlas_harness import Node, loopback, script_env
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "atlas_node.sh"
 TOKEN, KEY, REDIS_PW = "atlas-token-5c9e07d2a1", "atlas-key-81b4fe63c0", "atlas-redis-pw-2d7a94"
-SECRET_ENV = ("EPDSERVE_CLUSTER_TOKEN", "EPDSERVE_API_KEY", "EPDSERVE_MM_STORE_PASSWORD", "EPDSERVE_MM_STORE_USERNAME")
-
-
-def _loopback(ip: str) -> bool:
-    addr = ipaddress.ip_address(ip)
-    return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback  # gRPC listens on ::ffff:127.0.0.1
-
-
-class Node:
-    """One `atlas_node.sh` run in its own session, its output collected line by line."""
-
-    def __init__(self, args, env):
-        self.proc = subprocess.Popen(["bash", str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_for(self, text: str, timeout_s: float = 240):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(text in line for line in self.lines):
-                return
-            assert self.proc.poll() is None, f"atlas_node.sh exited {self.proc.returncode}:\n{''.join(self.lines)}"
-            time.sleep(0.2)
-        raise AssertionError(f"no {text!r} within {timeout_s} s:\n{''.join(self.lines[-40:])}")
-
-    def processes(self) -> list[psutil.Process]:
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
-
-    def stop(self):
-        """SIGTERM, as the ssh session closing does: the script's trap stops what it started."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +32,7 @@ def cluster(qwen2_vl_tiny, tmp_path_factory):
     env_file.chmod(0o600)
     with LocalRedisServer(password=REDIS_PW, binary=shutil.which("redis-server")) as store:
         sched_port, reg_port = free_port(), free_port()
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-        env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}", DEVICE="cpu",
-                   NODE_IP="127.0.0.1", HEAD_IP="127.0.0.1", NIC="lo", MODEL=str(qwen2_vl_tiny),
-                   SCHED_PORT=str(sched_port), REG_PORT=str(reg_port), MM_STORE=store.address_url, KV_CACHE_MB="16",
-                   EPDSERVE_ENV_FILE=str(env_file), PYTHONUNBUFFERED="1")
+        env = script_env(qwen2_vl_tiny, sched_port, reg_port, store.address_url, EPDSERVE_ENV_FILE=str(env_file))
         nodes = [Node(["head"], env)]
         try:
             nodes[0].wait_for("epdserve scheduler ready")
@@ -129,7 +75,7 @@ def test_every_listener_is_on_loopback_and_the_registry_on_its_own_port(cluster)
             for c in p.net_connections("inet"):
                 if c.status == psutil.CONN_LISTEN:
                     listening[c.laddr] = p.cmdline()
-    assert listening and all(_loopback(addr.ip) for addr in listening), listening
+    assert listening and all(loopback(addr.ip) for addr in listening), listening
     assert {addr.port for addr in listening} >= set(cluster["ports"])
 
 
