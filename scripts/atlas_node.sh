@@ -108,8 +108,8 @@ check_mm_store() {  # a password in MM_STORE would be an `epdserve instance` arg
 
 new_env() {  # a fresh env file with a random cluster token and API key; never overwrites one
   [[ ! -e "$ENV_FILE" ]] || die "$ENV_FILE exists: remove it first to replace its secrets (every server and client then needs the new file)"
-  mkdir -p "$(dirname "$ENV_FILE")"
   ( umask 077; set -o noclobber
+    mkdir -p "$(dirname "$ENV_FILE")"
     {
       echo "# epdserve secrets: mode 0600, the same file on every server of the deployment"
       echo "EPDSERVE_CLUSTER_TOKEN=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
