@@ -86,7 +86,7 @@ def test_new_env_writes_a_private_file_it_then_accepts(env):
     out = _run(["new-env"], env)
     assert out.returncode == 0, out.stderr
     f = Path(env["EPDSERVE_ENV_FILE"])
-    assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and stat.S_IMODE(f.parent.stat().st_mode) == 0o700
     values = dict(line.split("=", 1) for line in f.read_text().splitlines() if line and not line.startswith("#"))
     assert set(values) == {"EPDSERVE_CLUSTER_TOKEN", "EPDSERVE_API_KEY"}
     assert all(len(v) == 64 for v in values.values()) and len(set(values.values())) == 2
