@@ -125,7 +125,8 @@ def check_image(data: bytes, limits: InputLimits, index: int = 1) -> tuple[int, 
         return None
     if w * h > limits.max_image_pixels:
         raise LimitError("max_image_pixels", f"image {index}: {w}x{h} = {w * h} pixels are over the limit of "
-                                             f"{limits.max_image_pixels}")
+                                             f"{limits.max_image_pixels} per image; send a smaller image, or raise "
+                                             f"the server's --max-image-pixels")
     return w, h
 
 
