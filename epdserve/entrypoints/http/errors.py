@@ -15,8 +15,8 @@ import grpc
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          413: "BadRequestError", 429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError",
-          504: "TimeoutError"}
+          413: "BadRequestError", 429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError",
+          503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 _FROM_GRPC = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
