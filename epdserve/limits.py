@@ -39,7 +39,8 @@ class InputLimits:
     # width x height one image declares (before it is decoded): a 24 MP camera photo (6000x4000) fits; the
     # models' image processors keep at most 12.8 MP (Qwen2/2.5-VL) or 16.8 MP (Qwen3-VL) of it anyway
     max_image_pixels: int = 25_000_000
-    # all the images' pixels + every decoded video frame's, in one request (~3 bytes each once decoded):
+    # all the images' pixels + every decoded video frame's, in one request (3 bytes each as RGB; measured at the
+    # scheduler's peak while an image is preprocessed, ~14):
     # four 24 MP photos, or 16 1080p screenshots, or 10 s of 480p video at 30 fps
     max_request_pixels: int = 100_000_000
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of all prompt / chat text, before tokenisation
@@ -221,9 +222,9 @@ _FLAGS = {  # field -> (flag, help)
                          "24 MP photo fits, the models' image processors keep at most 12.8-16.8 MP of it)"),
     "max_request_pixels": ("--max-request-pixels", "pixels of all of one request's images plus every frame of its "
                            "videos that the decoder holds (the whole clip: frames x width x height), as their headers "
-                           "declare, checked before decoding; about 3 bytes each once decoded, at the scheduler and "
-                           "again at the encoding instance: four 24 MP photos, sixteen 1080p images or 10 s of 480p "
-                           "video at 30 fps fit"),
+                           "declare, checked before decoding; each costs 3 bytes as RGB, ~14 at the scheduler's peak "
+                           "while an image is preprocessed (measured), and again at the encoding instance: four 24 MP "
+                           "photos, sixteen 1080p images or 10 s of 480p video at 30 fps fit"),
     "max_prompt_bytes": ("--max-prompt-bytes", "UTF-8 bytes of a request's prompt / chat text (before tokenisation)"),
     "max_prompt_token_ids": ("--max-prompt-token-ids", "length of a prompt sent as token ids"),
     "max_chat_messages": ("--max-chat-messages", "messages in one chat"),
