@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from epdserve.model.errors import InvalidRequestError
 
 INT32_MAX = 2**31 - 1
@@ -85,9 +87,16 @@ def check_token_ids(field: str, ids, vocab_size: int | None = None) -> None:
     if not len(ids):
         return
     hi = INT32_MAX if vocab_size is None else vocab_size - 1
-    if min(ids) >= 0 and max(ids) <= hi:  # C-speed scans: a prompt may hold a million ids
-        return
-    i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= hi)
+    try:
+        a = np.array(ids, dtype=np.int64)  # a prompt may hold a million ids: ~1 ms, not ~100 in Python
+    except OverflowError:  # a Python int past int64 (no proto holds one)
+        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= hi)
+    else:
+        out = (a < 0) | (a > hi)
+        if not out.any():
+            return
+        i = int(out.argmax())
+        t = int(a[i])
     where = f"[0, {vocab_size}) (the model's vocabulary)" if vocab_size is not None else f"[0, {INT32_MAX}]"
     raise RangeError(f"{field}[{i}]", f"{field}[{i}] must be a token id in {where}, got {t}")
 

@@ -18,6 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epdserve.entrypoints.http import HttpFront, HttpOptions
+from epdserve.entrypoints.http.convert import sampling
+from epdserve.entrypoints.http.errors import ApiError
+from epdserve.entrypoints.http.protocol import CompletionRequest
 from tests.entrypoints.http_harness import RunningFront, metered_scheduler, post
 from tests.entrypoints.test_http_errors import counted, grew
 from tests.scheduler.engine_instance import EngineInstance
@@ -143,6 +146,19 @@ def test_the_vocabulary_bound_says_what_it_is(served):
     _, front = served
     err = refused(front, COMPLETIONS, body_for(COMPLETIONS, prompt=[3, 10**6]))
     assert err["message"] == "prompt[1] must be a token id in [0, 2000) (the model's vocabulary), got 1000000", err
+
+
+@pytest.mark.parametrize("max_tokens, message", [
+    (2**40, "a sampling parameter is out of range: Value out of range: 1099511627776"),  # protobuf's refusal
+    (-5, "max_tokens must be an integer in [1, 2147483647], got -5"),  # the shared rules
+])
+def test_what_pydantic_let_through_is_still_a_400(max_tokens, message):
+    """The front checks what it built too: a body its models never bounded (built unvalidated here,
+    as a future field without bounds would be) is still a 400, never a 500."""
+    body = CompletionRequest.model_construct(prompt="hi", max_tokens=max_tokens)
+    with pytest.raises(ApiError) as e:
+        sampling(body, max_model_len=64, max_tokens=body.max_tokens)
+    assert e.value.status == 400 and e.value.message == message, e.value.message
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
