@@ -23,6 +23,7 @@ from epdserve.entrypoints.http.errors import ApiError
 from epdserve.entrypoints.http.protocol import CompletionRequest
 from tests.entrypoints.http_harness import RunningFront, metered_scheduler, post
 from tests.entrypoints.test_http_errors import counted, grew
+from tests.metrics.test_refusal_counts import http_responses
 from tests.scheduler.engine_instance import EngineInstance
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -212,6 +213,7 @@ def _raw(front: HttpFront, method: str, path: str, headers=None) -> tuple[int, d
 def test_every_error_body_is_json_and_an_unexpected_one_is_logged_once(served, broken, tracebacks):
     _, served_front = served
     front = served_front.front
+    before = http_responses(served_front)  # the broken front counts in the same registry
     answers = {
         404: _raw(front, "GET", "/v1/nothing-here"),
         405: _raw(front, "DELETE", "/v1/completions"),
@@ -229,3 +231,6 @@ def test_every_error_body_is_json_and_an_unexpected_one_is_logged_once(served, b
     still_serves(served_front)  # the server logs an exception it saw after answering: by now, it has
     logged = tracebacks()
     assert len(logged) == 1 and "RuntimeError" in repr(logged[0].exc_info[1]), logged  # once: not again by uvicorn
+    assert grew(before, http_responses(served_front)) == {
+        ("unmatched", "404"): 1, ("/v1/completions", "405"): 1, ("/v1/completions", "413"): 1, ("/health", "500"): 1,
+        ("/v1/completions", "200"): 1}
