@@ -281,9 +281,9 @@ class Dispatcher:
             raise RequestError(e.grpc_code, e.message) from None
         except RangeError as e:
             raise RequestError.invalid(e.message) from None
-        lease = self.pixels.take(pixels)  # INVALID_ARGUMENT first: a request that never fits is no "retry later"
+        held = self.pixels.take(pixels)  # INVALID_ARGUMENT first: a request that never fits is no "retry later"
         if self._admitted >= self.config.max_requests_in_flight:
-            lease.release()
+            held.release()
             raise RequestError.exhausted(f"{self._admitted} requests in flight (limit {self.config.max_requests_in_flight})")
         self._admitted += 1
         try:
@@ -300,7 +300,7 @@ class Dispatcher:
             ok = False
             try:
                 async for delta in run.events():
-                    lease.release()  # its first output: every stage has read its media
+                    held.release()  # its first output: every stage has read its media
                     yield delta
                 ok = True
             finally:
@@ -308,7 +308,7 @@ class Dispatcher:
                 self._report_finished(run, ok)
         finally:
             self._admitted -= 1
-            lease.release()
+            held.release()
 
     def _report_finished(self, run: RequestRun, ok: bool) -> None:
         """Tell `finished_listeners(ttft_s, tpot_s, ok, media, age_s)` how a request went (scheduler's
