@@ -62,9 +62,13 @@ def fetch_remote(url: str, policy: FetchPolicy) -> bytes:
     """The body of `url` (status 200, after at most `MAX_REDIRECTS` checked redirects)."""
     with _Deadline(policy.timeout_s) as deadline:
         for hop in range(MAX_REDIRECTS + 1):
-            target = _Target.parse(url)
-            addrs = _resolve(target, policy.domains)
-            status, location, body = _get(target, addrs, policy, deadline)
+            try:
+                target = _Target.parse(url)
+                status, location, body = _get(target, _resolve(target, policy.domains), policy, deadline)
+            except FetchFailed as e:
+                if hop:
+                    e.reason = f"redirect {hop}: {e.reason}"
+                raise
             if status == 200:
                 return body
             if status not in _REDIRECTS or not location:
