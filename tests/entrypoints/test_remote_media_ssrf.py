@@ -72,19 +72,16 @@ def test_ipv6_loopback_is_refused_before_connecting(sites):
 def test_cloud_metadata_is_refused_without_connecting_even_when_allow_listed(url):
     host = url.split("/")[2].strip("[]")
     for pol in (policy(), policy(host)):
-        start = time.monotonic()
-        reason = refused(url, pol)
-        assert time.monotonic() - start < 0.5  # no connect attempt (nothing answers there: it would hang)
-        assert "metadata" in reason or "embedding" in reason
+        reason = refused(url, pol)  # "... resolves to": refused by the address check, before any connect
+        assert reason.startswith(f"{host} resolves to ") and ("metadata" in reason or "embedding" in reason)
 
 
 @pytest.mark.parametrize("host,why", [
     ("10.1.2.3", "private"), ("192.168.1.1", "private"), ("100.64.0.1", "carrier"), ("[fe80::1]", "link-local"),
     ("224.0.0.1", "multicast"), ("0.0.0.0", "unspecified"), ("[fec0::1]", "site-local"), ("240.0.0.1", "reserved")])
 def test_internal_ranges_are_refused_before_connecting(host, why):
-    start = time.monotonic()
-    assert why in refused(f"http://{host}:9/x.png", policy())
-    assert time.monotonic() - start < 0.5
+    reason = refused(f"http://{host}:9/x.png", policy())
+    assert reason.startswith(f"{host.strip('[]')} resolves to ") and why in reason
 
 
 def test_allow_listed_localhost_is_fetched_for_real_and_nothing_else(sites):
@@ -135,14 +132,14 @@ def test_a_slow_drip_body_hits_the_whole_fetch_deadline(sites):
     start = time.monotonic()
     reason = refused(site.url("localhost"), policy("localhost", timeout_s=1.0))
     took = time.monotonic() - start
-    assert "took longer than 1.0 s" in reason and 0.9 < took < 1.6, (reason, took)
+    assert "took longer than 1.0 s" in reason and 0.9 < took < 3.0, (reason, took)  # the drip would take 500 s
 
 
 def test_a_silent_server_hits_the_deadline(sites):
     site = sites(hang)
     start = time.monotonic()
     assert "took longer than 1.0 s" in refused(site.url("localhost"), policy("localhost", timeout_s=1.0))
-    assert time.monotonic() - start < 1.6
+    assert time.monotonic() - start < 3.0
 
 
 def test_a_too_large_body_stops_at_the_cap(sites):
