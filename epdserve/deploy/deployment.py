@@ -5,7 +5,11 @@ scheduler (`epdserve scheduler`, its address read from --address-file) → every
 (`epdserve instance --scheduler ...`), all at once → wait until each instance is on the
 scheduler's roster and HEALTHY. Stop order is the reverse: instances (in parallel), scheduler,
 store. The readiness probe (`readiness.RosterProbe`) uses the credentials the deployment
-hands out (public TLS, API key, cluster token) and, on timeout, says what it saw. Children are
+hands out (public TLS, API key, cluster token) and, on timeout, says what it saw. Every
+deployment has a cluster token — EPDSERVE_CLUSTER_TOKEN when the launcher has one, else a random
+one made here — handed to each child in its environment (never its argv), so that the
+scheduler's internal port and every instance port refuse callers without it, even on loopback
+(other users of the machine). Children are
 `ChildProcess`es (own process group, die with the launcher) whose output
 goes to one log file each under `log_dir`.
 
@@ -34,6 +38,7 @@ from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.deploy.supervisor import RestartPolicy, RestartSchedule
 from epdserve.instance.roles import mode_pools
+from epdserve.security.secrets import CLUSTER_TOKEN_ENV
 from epdserve.transfer.mm_store.connection import PASSWORD_ENV
 
 log = logging.getLogger(__name__)
@@ -56,7 +61,7 @@ class DeploymentSpec:
     planned: str | None = None  # --mode auto: what the planner chose, and why (logged)
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
-    registry: str | None = None  # host:port instances register at (the scheduler's --internal-port); None: --port
+    registry: str | None = None  # host:port instances register at (the scheduler's internal port)
     log_dir: str | None = None  # None: a temporary directory, removed after a clean stop
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0
@@ -80,6 +85,9 @@ class Deployment:
         self.scheduler: ChildProcess | None = None
         self.instances: list[ChildProcess] = []
         self._redis = None
+        # the deployment's cluster token: the launcher's, else a random one (children get it in their environment)
+        self.cluster_token = os.environ.get(CLUSTER_TOKEN_ENV) or secrets.token_urlsafe(32)
+        self.cluster_token_file: Path | None = None  # where a token made here is kept (0600)
         self.mm_store_password_file: Path | None = None  # the private MM Store's password, for operators' tools
         self._arbiter = None  # slo on CPU: the machine's core-lease arbiter, on a thread of this process
         self._own_log_dir = spec.log_dir is None
@@ -99,8 +107,10 @@ class Deployment:
             # a password even on loopback (other local users); instances get it from the environment
             self._redis = LocalRedisServer(maxmemory=s.mm_store_max_bytes, password=secrets.token_urlsafe(24)).start()
             self.mm_store_url = self._redis.address_url
-            self.mm_store_password_file = self._write_password(self._redis.password)
+            self.mm_store_password_file = self._write_secret("mm_store.password", self._redis.password)
             log.info("MM Store: private server at %s", self.mm_store_url)
+        if CLUSTER_TOKEN_ENV not in os.environ:  # made here: kept where the operator can read it
+            self.cluster_token_file = self._write_secret("cluster.token", self.cluster_token)
         addr_file = self.log_dir / "scheduler.address"
         addr_file.unlink(missing_ok=True)
         self.scheduler = self._scheduler_child(s.port, addr_file).start()
@@ -128,14 +138,15 @@ class Deployment:
             self._schedules[name] = RestartSchedule(s.restart, now)
         return self.address
 
-    def _write_password(self, password: str) -> Path:
-        """The private MM Store's password in a 0600 file of the log directory (removed with it after a
-        clean stop), for tools an operator points at the store (`epdserve doctor --mm-store`)."""
-        path = self.log_dir / "mm_store.password"
+    def _write_secret(self, name: str, value: str) -> Path:
+        """A secret the deployment made (the private MM Store's password, its cluster token) in a
+        0600 file of the log directory (removed with it after a clean stop), for tools an operator
+        points at the deployment (`epdserve doctor --mm-store`, GetServerInfo with the token)."""
+        path = self.log_dir / name
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(password + "\n")
+            f.write(value + "\n")
         return path
 
     def _scheduler_child(self, port: int, addr_file: Path) -> ChildProcess:
@@ -143,7 +154,7 @@ class Deployment:
         return self._child("scheduler", [
             "--model", s.model, "--host", s.host, "--port", str(port), "--mode", s.mode,
             "--address-file", str(addr_file), *s.scheduler_args],
-            module="epdserve.entrypoints.scheduler_cli")
+            env={CLUSTER_TOKEN_ENV: self.cluster_token}, module="epdserve.entrypoints.scheduler_cli")
 
     def _instance_argv(self, roles: str) -> list[str]:
         s = self.spec
@@ -176,7 +187,9 @@ class Deployment:
         return split_cores(len(weights), weights=weights)
 
     def _env(self, k: int) -> dict[str, str]:
-        env = {} if self._redis is None else {PASSWORD_ENV: self._redis.password}  # the private MM Store's
+        env = {CLUSTER_TOKEN_ENV: self.cluster_token}
+        if self._redis is not None:
+            env[PASSWORD_ENV] = self._redis.password  # the private MM Store's
         return {**env, **self._device_env(k)}
 
     def _device_env(self, k: int) -> dict[str, str]:
@@ -201,7 +214,8 @@ class Deployment:
 
         # the credentials the deployment hands out: TLS when the scheduler serves its public port
         # over TLS (--tls-cert, from launch's own flag or --scheduler-args: the last one wins)
-        probe = RosterProbe(self.address, len(self.instances), tls_ca=last_flag(self.spec.scheduler_args, "--tls-cert"))
+        probe = RosterProbe(self.address, len(self.instances), tls_ca=last_flag(self.spec.scheduler_args, "--tls-cert"),
+                            cluster_token=self.cluster_token)
         with probe.channel() as ch:
             stub = serve_pb2_grpc.EPDServeStub(ch)
             next_note = time.monotonic() + 10.0

@@ -18,6 +18,7 @@ class RosterProbe:
     address: str  # the scheduler's public host:port
     want: int  # instances that must be HEALTHY
     tls_ca: str | None = None  # PEM roots to trust (the scheduler's --tls-cert); None: plaintext
+    cluster_token: str | None = None  # the deployment's (default: EPDSERVE_CLUSTER_TOKEN)
     last_error: str = ""  # the last failed call: "<STATUS>: <details>"
     roster: list[tuple[str, str]] = field(default_factory=list)  # (roles, health) of the last good answer
     answered: bool = False  # the scheduler answered at least once
@@ -25,7 +26,7 @@ class RosterProbe:
     def channel(self):
         from epdserve.security import channels
 
-        key, token = channels.from_env()  # the deployment's API key / cluster token, if any
+        key, token = channels.from_env(cluster_token=self.cluster_token)  # the deployment's API key / cluster token
         return channels.channel(self.address, api_key=key, cluster_token=token, tls_ca=self.tls_ca)
 
     def poll(self, stub, timeout_s: float = 2.0) -> bool:

@@ -15,6 +15,7 @@ import logging
 import os
 from pathlib import Path
 
+from epdserve.security.exposure import INSECURE_HELP, guard, is_loopback
 from epdserve.security.secrets import API_KEY_ENV, CLUSTER_TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ def add_front_flags(p) -> None:
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics alone on this port (0: a free one), for gRPC-only deployments "
                         "(HTTPS with --tls-cert/--tls-key); with --http-port they are also on the HTTP front's /metrics")
+    g.add_argument("--metrics-auth", choices=("auto", "on", "off"), default="auto",
+                   help="/metrics needs the API key ('authorization: Bearer KEY'; Prometheus: "
+                        "authorization.credentials_file): on, off, or auto (default) = on when the port serving "
+                        "/metrics is bound beyond loopback. Off beyond loopback is refused unless --insecure")
 
 
 def add_security_flags(p) -> None:
@@ -62,10 +67,15 @@ def add_security_flags(p) -> None:
                    help=f"file holding the deployment's cluster token (or set {CLUSTER_TOKEN_ENV}): instances "
                         "present it to register, the scheduler on every call to an instance, and only its holders "
                         "see instance addresses in GetServerInfo; default: no token")
-    g.add_argument("--internal-port", type=int, default=None,
-                   help="serve the instance Registry on this port instead of the public one (0: a free one)")
-    g.add_argument("--internal-host", default=None,
-                   help="interface of --internal-port, e.g. the cluster network's address (default: --host)")
+    g.add_argument("--internal-port", type=int, default=0,
+                   help="the instance Registry's own port, never the public one (default 0: a free one, printed "
+                        "as 'epdserve scheduler internal: grpc://HOST:PORT')")
+    g.add_argument("--internal-host", default="127.0.0.1",
+                   help="interface of the internal port (default 127.0.0.1); the cluster network's address when "
+                        "instances run on other servers, which needs a cluster token or mutual TLS")
+    g.add_argument("--internal-address-file", type=Path, default=None,
+                   help="write the internal port's host:port here once serving")
+    g.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     g.add_argument("--internal-tls-cert", default=None,
                    help="mutual TLS with instances (with --internal-port): this scheduler's PEM certificate, served "
                         "on the internal port and presented to instances")
@@ -84,7 +94,7 @@ def security_from_args(args):
         cluster_token=Secret.load(file=args.cluster_token_file, env=CLUSTER_TOKEN_ENV),
         tls_cert=args.tls_cert, tls_key=args.tls_key, internal_host=args.internal_host,
         internal_port=args.internal_port, internal_tls_cert=args.internal_tls_cert,
-        internal_tls_key=args.internal_tls_key, internal_tls_ca=args.internal_tls_ca)
+        internal_tls_key=args.internal_tls_key, internal_tls_ca=args.internal_tls_ca, insecure=args.insecure)
 
 
 def api_key_from_args(args) -> str | None:
@@ -119,11 +129,12 @@ class Fronts:
     `metrics` is the `SchedulerServer`'s observer: build the server with it, then `start`."""
 
     def __init__(self, http_opts=None, http_address_file: Path | None = None, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1", security=None):
+                 metrics_host: str = "127.0.0.1", security=None, metrics_auth: str = "auto"):
         from epdserve.metrics import ServingMetrics
 
         self.security = security  # SchedulerSecurity: the SchedulerServer's
         self.http_opts = http_opts
+        self.metrics_auth = metrics_auth  # "auto" | "on" | "off" (--metrics-auth)
         self.http_address_file = http_address_file
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.metrics = ServingMetrics()
@@ -132,25 +143,49 @@ class Fronts:
 
     @classmethod
     def from_args(cls, args) -> Fronts:
-        return cls(http_options_from_args(args), getattr(args, "http_address_file", None),
-                   getattr(args, "metrics_port", None), getattr(args, "http_host", None) or args.host,
-                   security_from_args(args))
+        fronts = cls(http_options_from_args(args), getattr(args, "http_address_file", None),
+                     getattr(args, "metrics_port", None), getattr(args, "http_host", None) or args.host,
+                     security_from_args(args), getattr(args, "metrics_auth", "auto"))
+        fronts.security.check_exposure(args.host)  # the gRPC ports (SchedulerServer.start checks again)
+        fronts.check_exposure()
+        return fronts
+
+    def _metrics_key(self, host: str):
+        """The API key /metrics on `host` requires (None: open), by --metrics-auth."""
+        key = self.security.api_key if self.security is not None else None
+        wanted = self.metrics_auth == "on" or (self.metrics_auth == "auto" and not is_loopback(host))
+        if wanted and key is None and self.metrics_auth == "on":
+            raise ValueError("--metrics-auth on needs an API key (EPDSERVE_API_KEY or --api-key-file)")
+        return key if wanted else None
+
+    def check_exposure(self) -> None:
+        """Refuse (ExposureError) an HTTP or metrics port beyond loopback that an unauthenticated
+        caller could use, before anything starts (unless --insecure)."""
+        insecure = self.security is not None and self.security.insecure
+        has_key = self.security is not None and self.security.api_key is not None
+        if self.http_opts is not None:
+            guard("the HTTP front", self.http_opts.host, has_key, "set EPDSERVE_API_KEY (or --api-key-file)", insecure)
+            guard("/metrics on the HTTP front", self.http_opts.host, self._metrics_key(self.http_opts.host) is not None,
+                  "keep --metrics-auth auto or on, with an API key", insecure)
+        if self.metrics_port is not None:
+            guard("the metrics port", self.metrics_host, self._metrics_key(self.metrics_host) is not None,
+                  "set EPDSERVE_API_KEY and keep --metrics-auth auto or on", insecure)
 
     async def start(self, scheduler) -> None:
         from epdserve.entrypoints.http import HttpFront, MetricsFront
 
         self.metrics.attach(scheduler)
-        if scheduler.internal_address != scheduler.address:
-            print(f"epdserve scheduler internal: grpc://{scheduler.internal_address}", flush=True)
         if self.http_opts is not None:
-            self.http = HttpFront(scheduler, self.http_opts, self.metrics)
+            self.http = HttpFront(scheduler, self.http_opts, self.metrics,
+                                  metrics_auth=self._metrics_key(self.http_opts.host) is not None)
             await self.http.start()
-            _write_atomic(self.http_address_file, self.http.address)
+            write_atomic(self.http_address_file, self.http.address)
             print(f"epdserve scheduler http: {self.http.url}", flush=True)
         if self.metrics_port is not None:
             tls = self.security if self.security is not None and self.security.tls_cert else None
             self.metrics_front = MetricsFront(self.metrics, self.metrics_host, self.metrics_port,
-                                              tls.tls_cert if tls else None, tls.tls_key if tls else None)
+                                              tls.tls_cert if tls else None, tls.tls_key if tls else None,
+                                              api_key=self._metrics_key(self.metrics_host))
             await self.metrics_front.start()
             print(f"epdserve scheduler metrics: {self.metrics_front.url}/metrics", flush=True)
 
@@ -160,7 +195,8 @@ class Fronts:
                 await front.stop()
 
 
-def _write_atomic(path: Path | None, text: str) -> None:
+def write_atomic(path: Path | None, text: str) -> None:
+    """Write `text` to `path` whole (a reader never sees half of it); None: nothing."""
     if path is None:
         return
     tmp = path.with_suffix(path.suffix + ".tmp")

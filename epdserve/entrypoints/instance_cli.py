@@ -53,6 +53,7 @@ def run(args) -> int:
 
     try:
         security = InstanceSecurity.from_args(args)
+        security.check_exposure(config.bind_host or config.host)  # before the model loads: refused at once
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return 2

@@ -6,12 +6,15 @@
 Prints one line to stdout when every instance is on the scheduler's roster:
 ``epdserve ready: grpc://HOST:PORT mode=EP-D instances=EPx2,Dx2 mm_store=redis://...`` (then
 ``mm_store_password_file=PATH`` for the private MM Store — a 0600 file in the log directory
-holding its random password, for `EPDSERVE_MM_STORE_PASSWORD` —, ``tls=1`` with --tls-cert,
-``http=URL`` with --http-port, ``internal=grpc://HOST:PORT`` with --internal-port).
+holding its random password, for `EPDSERVE_MM_STORE_PASSWORD` —, ``cluster_token_file=PATH``
+when launch made the cluster token, ``tls=1`` with --tls-cert,
+``http=URL`` with --http-port, and ``internal=grpc://HOST:PORT``: the scheduler's internal port).
 --tls-cert/--tls-key put the scheduler's public ports on TLS, and the launcher's readiness probe
 uses them too (as it uses EPDSERVE_API_KEY / EPDSERVE_CLUSTER_TOKEN); TLS flags passed through
 --scheduler-args are honoured the same way. The HTTP API's model id is --served-model-name,
-default --model as given.
+default --model as given. Every deployment has a cluster token (EPDSERVE_CLUSTER_TOKEN, else a
+random one) that each child gets in its environment; a port beyond loopback with no credential
+to refuse strangers stops the launch with the fix (--insecure: a lab, with a warning).
 Ctrl-C / SIGTERM / SIGHUP stop every child (instances, then the scheduler, then the private MM
 Store) and exit 0, within --drain-timeout + STOP_MARGIN_S seconds, always (past that it exits 1;
 its children still go). Children also stop if the launcher is killed outright, SIGKILL included
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from epdserve.deploy.argv import last_flag
 from epdserve.entrypoints.cli import FlagsArg
+from epdserve.security.exposure import INSECURE_HELP
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ _DEFAULTS = {
     "restart_backoff_s": 0.5, "restart_backoff_max_s": 10.0, "max_restarts": 5, "mm_store_max_mb": 4096,
     "internal_port": None, "internal_host": None, "internal_tls_cert": None, "internal_tls_key": None,
     "internal_tls_ca": None, "expected_workload": None, "expected_rate": None, "profile": None,
-    "tls_cert": None, "tls_key": None, "served_model_name": None,
+    "tls_cert": None, "tls_key": None, "served_model_name": None, "insecure": False,
 }
 # options passed on to every `epdserve instance` as the flag of the same name (max_model_len also
 # to the scheduler); left out, the instance's own default applies
@@ -145,39 +149,36 @@ def add_parser(subparsers):
 def _add_internal_flags(p) -> None:
     g = p.add_argument_group(
         "internal port (scheduler <-> instances)",
-        "The cluster token, if any, comes from EPDSERVE_CLUSTER_TOKEN (passed to every child): instances present "
-        "it to register and the scheduler on every call to them.")
+        "The Registry is never on the public --port. The cluster token comes from EPDSERVE_CLUSTER_TOKEN, else "
+        "launch makes a random one; every child gets it in its environment: instances present it to register "
+        "and the scheduler on every call to them.")
     g.add_argument("--internal-port", type=int, default=None,
-                   help="the scheduler serves the instance Registry on this port instead of --port (0: a free one); "
-                        "instances register there")
+                   help="the port of the scheduler's instance Registry (default: a free one); instances register "
+                        "there")
     g.add_argument("--internal-host", default=None,
                    help="interface of --internal-port, e.g. this machine's cluster-network address (default --host); "
                         "instances dial it (--host when it is 0.0.0.0 / ::)")
     g.add_argument("--internal-tls-cert", default=None,
-                   help="mutual TLS between scheduler and instances (needs --internal-port): the PEM certificate "
+                   help="mutual TLS between scheduler and instances: the PEM certificate "
                         "the scheduler and every instance present (its SAN must name --host)")
     g.add_argument("--internal-tls-key", default=None, help="PEM private key of --internal-tls-cert")
+    g.add_argument("--insecure", action="store_true", default=None, help=INSECURE_HELP)
     g.add_argument("--internal-tls-ca", default=None,
                    help="PEM CA both sides trust: the Registry and the instances' ports refuse a peer whose "
                         "certificate does not chain to it")
 
 
-def _internal(merged: dict, args) -> tuple[list[str], list[str], str | None]:
-    """(scheduler flags, instance flags, the Registry's host:port) of the internal-port options."""
+def _internal(merged: dict, args) -> tuple[list[str], list[str], str]:
+    """(scheduler flags, instance flags, the Registry's host:port): the Registry is always on an
+    internal port of its own (never the public one), --internal-port or a free one."""
     tls = [merged[k] for k in ("internal_tls_cert", "internal_tls_key", "internal_tls_ca")]
     if any(tls) and not all(tls):
         raise ValueError("--internal-tls-cert, --internal-tls-key and --internal-tls-ca go together")
-    if merged["internal_port"] is None:
-        if any(tls):
-            raise ValueError("mutual TLS with instances needs --internal-port (0: a free one)")
-        if merged["internal_host"]:
-            raise ValueError("--internal-host needs --internal-port")
-        return [], [], None
     from epdserve.net import free_port
 
     bind = merged["internal_host"] or merged["host"]
     # resolved now: a restarted scheduler comes back on the same port, where instances look for it
-    port = int(merged["internal_port"]) or free_port("0.0.0.0" if bind in ("0.0.0.0", "::") else bind)
+    port = int(merged["internal_port"] or 0) or free_port("0.0.0.0" if bind in ("0.0.0.0", "::") else bind)
     sched = ["--internal-port", str(port), "--internal-host", bind]
     inst = []
     if all(tls):
@@ -266,9 +267,9 @@ def spec_from_args(args):
     if merged["mode"] == "auto":
         merged, planned = _plan_auto(merged)
         sched += ["--controller"]
-    if last_flag(sched, "--tls-cert") and merged["internal_port"] is None and last_flag(sched, "--internal-port") is None:
-        # public TLS: instances register on a plaintext Registry port of their own (loopback / --host)
-        merged["internal_port"] = 0
+    if merged["insecure"]:
+        sched += ["--insecure"]
+        inst += ["--insecure"]
     internal_sched, internal_inst, registry = _internal(merged, args)
     sched += internal_sched
     inst += internal_inst
@@ -306,6 +307,8 @@ def ready_line(dep, address: str, http_port: int | None) -> str:
             f"instances={dep.summary()} mm_store={dep.mm_store_url}")
     if dep.mm_store_password_file is not None:
         line += f" mm_store_password_file={dep.mm_store_password_file}"
+    if dep.cluster_token_file is not None:
+        line += f" cluster_token_file={dep.cluster_token_file}"
     if tls:
         line += " tls=1"
     if http_port:

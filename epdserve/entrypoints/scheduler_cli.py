@@ -1,10 +1,13 @@
 """`epdserve scheduler`: run the global scheduler until signalled: the public EPDServe service, the
 instance Registry with health checks, and the routing of each request across E, P and D instances.
 
-Prints one line when it serves: ``epdserve scheduler ready: <id> grpc://<host>:<port>`` (and
-writes ``<host>:<port>`` to --address-file when given, for launchers that pass --port 0).
-Instances register themselves (`epdserve instance --scheduler HOST:PORT`) or are listed with
---instance. SIGTERM / SIGINT stop it: it stops taking requests, aborts those in flight and
+Prints ``epdserve scheduler internal: grpc://<host>:<port>`` (the instance Registry's own port,
+loopback unless --internal-host names the cluster network) and then, when it serves,
+``epdserve scheduler ready: <id> grpc://<host>:<port>`` (and writes them to
+--internal-address-file / --address-file when given, for launchers that pass port 0).
+Instances register themselves at the internal port (`epdserve instance --scheduler
+HOST:INTERNAL_PORT`) or are listed with --instance. A port beyond loopback that would serve
+unauthenticated callers is refused at start (see --insecure). SIGTERM / SIGINT stop it: it stops taking requests, aborts those in flight and
 exits within STOP_DEADLINE_S seconds, always. Started by `epdserve launch`, it also stops when
 the launcher dies.
 """
@@ -121,8 +124,11 @@ def _controller_config(args):
                             pressure=PressureConfig(window_s=args.controller_window_s))
 
 
-async def serve(config, address_file: Path | None = None, signals=None, fronts=None) -> None:
-    """Serve until `signals` (a `deploy.signals.StopSignals`; None: forever) asks to stop."""
+async def serve(config, address_file: Path | None = None, signals=None, fronts=None,
+                internal_file: Path | None = None) -> None:
+    """Serve until `signals` (a `deploy.signals.StopSignals`; None: forever) asks to stop;
+    `address_file` / `internal_file`: where to write the public / internal host:port."""
+    from epdserve.entrypoints.fronts import write_atomic
     from epdserve.scheduler import SchedulerServer
 
     controller_metrics = None
@@ -141,10 +147,9 @@ async def serve(config, address_file: Path | None = None, signals=None, fronts=N
     try:
         if fronts is not None:  # the HTTP front, on this loop (entrypoints.fronts)
             await fronts.start(server)
-        if address_file is not None:
-            tmp = address_file.with_suffix(address_file.suffix + ".tmp")
-            tmp.write_text(server.address)
-            tmp.replace(address_file)
+        write_atomic(internal_file, server.internal_address)
+        write_atomic(address_file, server.address)
+        print(f"epdserve scheduler internal: grpc://{server.internal_address}", flush=True)
         print(f"epdserve scheduler ready: {server.scheduler_id} grpc://{server.address}", flush=True)
         await stop.wait()
     finally:
@@ -166,7 +171,7 @@ def run(args) -> int:
 
     signals = StopSignals(deadline_s=STOP_DEADLINE_S, parent_pid=parent_pid_from_env(), name="scheduler").install()
     try:
-        asyncio.run(serve(config, args.address_file, signals, fronts))
+        asyncio.run(serve(config, args.address_file, signals, fronts, getattr(args, "internal_address_file", None)))
         return 0
     except Exception as e:
         log.error("scheduler failed: %s", e)

@@ -26,7 +26,7 @@ class InstanceConfig:
     host: str = "127.0.0.1"  # the address others reach this instance (and its KV rendezvous) at
     bind_host: str | None = None  # interface the gRPC server binds (default: host)
     port: int = 0  # 0: a free port
-    instance_id: str | None = None  # default: "<roles>-<host>:<port>-<random>"
+    instance_id: str | None = None  # default: opaque, "<roles>-<random>" (instance/identity.py)
     cores: list[int] | None = None  # CPU cores of this instance (default: all it may use)
     split_cores: bool = True  # co-located workers partition the device (CPU cores; NPU AI/Vector Cores)
     encode_core_share: float = 0.5  # E worker's share of the device when co-located
@@ -89,7 +89,9 @@ def add_instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N] | auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--host", default="127.0.0.1", help="address others reach this instance at")
-    p.add_argument("--bind-host", default=None, help="interface to bind (default: --host; 0.0.0.0 for all)")
+    p.add_argument("--bind-host", default=None,
+                   help="interface to bind (default: --host); beyond loopback it needs EPDSERVE_CLUSTER_TOKEN or "
+                        "mutual TLS, else the instance refuses to start (see --insecure)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free port)")
     p.add_argument("--instance-id", default=None)
     p.add_argument("--cores", default=None, help="CPU cores of this instance, e.g. 0-7,16 (default: all allowed)")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import threading
 from concurrent import futures
@@ -33,6 +32,7 @@ from epdserve.instance.lease_arbiter import LeaseArbiter
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.coupled_worker import CoupledWorker
 from epdserve.instance.decode_worker import DecodeWorker
+from epdserve.instance.identity import opaque_instance_id
 from epdserve.instance.encode_worker import EncodeWorker
 from epdserve.instance.prefill_worker import PrefillWorker
 from epdserve.instance.registration import Registrar
@@ -83,6 +83,7 @@ class InstanceHost:
     def start(self, ready_timeout_s: float = 600.0) -> "InstanceHost":
         cfg = self.config
         bind = cfg.bind_host or cfg.host
+        self.security.check_exposure(bind)
         rules = self.security.rules()  # the cluster token on every Instance call, when one is set
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.grpc_threads, thread_name_prefix="grpc"),
@@ -97,8 +98,8 @@ class InstanceHost:
             self.port = self._server.add_insecure_port(f"{bind}:{cfg.port}")
         if not self.port:
             raise OSError(f"cannot bind {bind}:{cfg.port}")
-        if not self.instance_id:
-            self.instance_id = f"{self.roles}-{cfg.host}:{self.port}-{secrets.token_hex(3)}"
+        if not self.instance_id:  # opaque: addresses only in views that need the cluster token
+            self.instance_id = opaque_instance_id(self.roles)
         try:
             if cfg.mm_store:
                 from epdserve.transfer.mm_store.store import RedisMMStore

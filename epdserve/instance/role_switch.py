@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 from epdserve.engine.roles import normalize_roles
+from epdserve.instance.identity import opaque_instance_id
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,11 @@ def drain(workers, timeout_s: float) -> tuple[float, int]:
 
 
 def new_instance_id(host, roles: str) -> str:
-    base = host.config.instance_id or f"{roles}-{host.config.host}:{host.port}"
-    return f"{base}-{secrets.token_hex(3)}"
+    """The identity after a switch: the operator's --instance-id with a fresh suffix, else a new
+    opaque id (no address in it)."""
+    if host.config.instance_id:
+        return f"{host.config.instance_id}-{secrets.token_hex(3)}"
+    return opaque_instance_id(roles)
 
 
 def switch_roles(host, roles: str, drain_timeout_s: float, reason: str = "") -> SwitchResult:

@@ -1,8 +1,10 @@
 """`SchedulerServer`: the scheduler process's gRPC server, and `SchedulerThread` to host one.
 
-One grpc.aio server on one event loop serves `EPDServe` (clients), `Registry` (instances),
-grpc.health.v1 and reflection; with an internal port (`SchedulerSecurity`), the `Registry` is
-served there instead, on a second server on the same loop. Keys, tokens and TLS:
+Two grpc.aio servers on one event loop: the public port serves `EPDServe` (clients),
+grpc.health.v1 and reflection; the internal port (`SchedulerSecurity.internal_host:
+internal_port`, loopback by default) serves the `Registry` (instances), health and reflection —
+an internal RPC is never served on the public port. Before binding, `check_exposure` refuses a
+port beyond loopback that would serve unauthenticated callers. Keys, tokens and TLS:
 `epdserve.security`. Starting it loads the tokenizer and image processor (not the
 model), binds (port 0 picks a free one; `address` says which), and starts the health prober.
 `SchedulerThread` runs a server on its own loop in a background thread (tests, embedding);
@@ -63,13 +65,14 @@ class SchedulerServer:
         self.prober = HealthProber(config, self.registry, self.channels)
         self.dispatcher: Dispatcher | None = None
         self.address = ""
-        self.internal_address = ""  # where instances register (the public address unless an internal port is set)
+        self.internal_address = ""  # where instances register: the internal port
         self._server: grpc.aio.Server | None = None
         self._internal: grpc.aio.Server | None = None
         self._health = None
         self._probe_task: asyncio.Task | None = None
 
     async def start(self) -> str:
+        self.security.check_exposure(self.config.host)  # before any work: a refusal is immediate
         loop = asyncio.get_running_loop()
         pre = await loop.run_in_executor(None, RequestPreprocessor, self.config.model, self.config.max_model_len)
         self.dispatcher = Dispatcher(self.config, self.registry, self.router, self.channels, pre)
@@ -83,19 +86,14 @@ class SchedulerServer:
                 "version": VERSION}
         serve_pb2_grpc.add_EPDServeServicer_to_server(
             EPDServeServicer(self.config, self.dispatcher, self.registry, info, self.generate, sec.holds_token), server)
-        registry = RegistryServicer(self.config, self.registry, self.scheduler_id)
-        if sec.internal_port is None:
-            instance_pb2_grpc.add_RegistryServicer_to_server(registry, server)
-            services = [SERVE_SERVICE, REGISTRY_SERVICE]
-            self.internal_address = self.address
-        else:  # the Registry alone on its own port (bind it to the cluster network)
-            self._internal = _aio_server(sec.internal_rules())
-            self.internal_address = _bind(self._internal, sec.internal_host or self.config.host, sec.internal_port,
-                                          sec, internal=True)
-            instance_pb2_grpc.add_RegistryServicer_to_server(registry, self._internal)
-            add_health_and_reflection(self._internal, [REGISTRY_SERVICE], aio=True)
-            await self._internal.start()
-            services = [SERVE_SERVICE]
+        # the Registry alone on its own port (loopback, or the cluster network with the token / mTLS)
+        self._internal = _aio_server(sec.internal_rules())
+        self.internal_address = _bind(self._internal, sec.internal_host, sec.internal_port, sec, internal=True)
+        instance_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(self.config, self.registry, self.scheduler_id), self._internal)
+        add_health_and_reflection(self._internal, [REGISTRY_SERVICE], aio=True)
+        await self._internal.start()
+        services = [SERVE_SERVICE]
         self._health = add_health_and_reflection(server, services, aio=True)
         await server.start()
         await set_serving_aio(self._health, services)
@@ -133,7 +131,7 @@ class SchedulerServer:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._server is None:
             return
-        await set_serving_aio(self._health, [SERVE_SERVICE, REGISTRY_SERVICE], serving=False)
+        await set_serving_aio(self._health, [SERVE_SERVICE], serving=False)
         if self._probe_task is not None:
             self._probe_task.cancel()
         if self._controller_task is not None:

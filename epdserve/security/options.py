@@ -1,14 +1,18 @@
 """`SchedulerSecurity` / `InstanceSecurity`: what one process checks and presents.
 
 Scheduler: the public port (EPDServe) needs the API key when one is set (the cluster token is
-accepted too: the launcher and operators' tools hold it); the Registry needs the cluster token
-when one is set, and moves to its own port (`internal_host:internal_port`, e.g. bound to the
-cluster network) when that is given; every call to an instance carries the token;
-GetServerInfo lists instance addresses only to callers holding the token. TLS on the public
+accepted too: the launcher and operators' tools hold it); the Registry, and every other
+internal RPC, is never on the public port: it has its own (`internal_host:internal_port`,
+loopback unless bound to the cluster network) and needs the cluster token when one is set;
+every call to an instance carries the token; GetServerInfo lists instance addresses only to
+callers holding the token (nobody, without one). `check_exposure` refuses a public port beyond
+loopback without an API key and an internal one without the token or mutual TLS
+(`security.exposure`; `insecure` lets them start with a warning). TLS on the public
 port with `tls_cert`/`tls_key`. Mutual TLS between scheduler and instances with
 `internal_tls_*`: the internal port requires client certificates signed by `internal_tls_ca`,
 and the scheduler dials instances over TLS, presenting its certificate and trusting that CA.
-Instance: every Instance-service call needs the cluster token; Register/Heartbeat carry it.
+Instance: every Instance-service call needs the cluster token; Register/Heartbeat carry it; its
+port beyond loopback needs the token or mutual TLS (`check_exposure`).
 With `tls_*`, its port is TLS-only and requires a client certificate signed by `tls_ca` (the
 scheduler's), and it registers over TLS, presenting its own certificate.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epdserve.security.exposure import INSECURE_HELP, guard
 from epdserve.security.interceptors import Rule
 from epdserve.security.secrets import (API_KEY_ENV, AUTHORIZATION, CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER,
                                        Secret)
@@ -31,11 +36,12 @@ class SchedulerSecurity:
     cluster_token: Secret | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    internal_host: str | None = None
-    internal_port: int | None = None  # None: the Registry is on the public port
+    internal_host: str = "127.0.0.1"  # the Registry's interface: loopback unless the cluster network is named
+    internal_port: int = 0  # the Registry's own port (0: a free one)
     internal_tls_cert: str | None = None  # mutual TLS with instances: this side's certificate ...
     internal_tls_key: str | None = None
     internal_tls_ca: str | None = None  # ... and the CA both sides' certificates chain to
+    insecure: bool = False  # --insecure: unauthenticated listeners beyond loopback start, with a warning
 
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -43,9 +49,9 @@ class SchedulerSecurity:
         internal = (self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca)
         if any(internal) and not all(internal):
             raise ValueError("--internal-tls-cert, --internal-tls-key and --internal-tls-ca go together")
-        if all(internal) and self.internal_port is None:
-            raise ValueError("mutual TLS with instances needs --internal-port (the Registry's own port)")
-        if self.internal_port is not None and not 0 <= int(self.internal_port) < 65536:
+        self.internal_host = self.internal_host or "127.0.0.1"
+        self.internal_port = int(self.internal_port or 0)
+        if not 0 <= self.internal_port < 65536:
             raise ValueError(f"internal port must be 0..65535, got {self.internal_port}")
 
     @property
@@ -65,8 +71,6 @@ class SchedulerSecurity:
             if self.cluster_token is not None:
                 accepts.append((CLUSTER_TOKEN_HEADER, self.cluster_token))
             rules.append(Rule(SERVE_PREFIX, accepts, "API key"))
-        if self.internal_port is None:
-            rules += self.internal_rules()
         return rules
 
     def internal_rules(self) -> list[Rule]:
@@ -74,10 +78,20 @@ class SchedulerSecurity:
             return []
         return [Rule(REGISTRY_PREFIX, [(CLUSTER_TOKEN_HEADER, self.cluster_token)], "cluster token")]
 
+    def check_exposure(self, public_host: str) -> None:
+        """Refuse (ExposureError) to serve the public port beyond loopback without an API key, or
+        the internal one without the cluster token or mutual TLS (unless `insecure`)."""
+        guard("the public gRPC port", public_host, self.api_key is not None,
+              "set EPDSERVE_API_KEY (or --api-key-file)", self.insecure)
+        guard("the instance Registry (internal port)", self.internal_host,
+              self.cluster_token is not None or self.mutual_tls,
+              "set EPDSERVE_CLUSTER_TOKEN (or --cluster-token-file), or mutual TLS (--internal-tls-*)", self.insecure)
+
     def holds_token(self, metadata) -> bool:
-        """May this caller see instance addresses? (Everyone, when no token is configured.)"""
+        """May this caller see instance addresses? Only a holder of the cluster token (nobody,
+        when the deployment has none)."""
         if self.cluster_token is None:
-            return True
+            return False
         md = {k: v for k, v in (metadata or ())}
         return self.cluster_token.matches(md.get(CLUSTER_TOKEN_HEADER))
 
@@ -88,6 +102,7 @@ class InstanceSecurity:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    insecure: bool = False  # --insecure: an unauthenticated port beyond loopback starts, with a warning
 
     def __post_init__(self):
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
@@ -95,17 +110,23 @@ class InstanceSecurity:
             raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
 
     @classmethod
-    def from_env(cls, **tls) -> InstanceSecurity:
-        return cls(Secret.load(env=CLUSTER_TOKEN_ENV), **tls)
+    def from_env(cls, **kw) -> InstanceSecurity:
+        return cls(Secret.load(env=CLUSTER_TOKEN_ENV), **kw)
 
     @classmethod
     def from_args(cls, args) -> InstanceSecurity:
         return cls.from_env(tls_cert=getattr(args, "tls_cert", None), tls_key=getattr(args, "tls_key", None),
-                            tls_ca=getattr(args, "tls_ca", None))
+                            tls_ca=getattr(args, "tls_ca", None), insecure=bool(getattr(args, "insecure", False)))
 
     @property
     def mutual_tls(self) -> bool:
         return bool(self.tls_cert)
+
+    def check_exposure(self, bind_host: str) -> None:
+        """Refuse (ExposureError) to serve the Instance port beyond loopback without the cluster
+        token or mutual TLS (unless `insecure`)."""
+        guard("the instance's gRPC port", bind_host, self.cluster_token is not None or self.mutual_tls,
+              "set EPDSERVE_CLUSTER_TOKEN, or mutual TLS (--tls-cert/--tls-key/--tls-ca)", self.insecure)
 
     def rules(self) -> list[Rule]:
         if self.cluster_token is None:
@@ -119,3 +140,4 @@ def add_instance_security_flags(p) -> None:
                                                     "TLS-only and registration goes over TLS)")
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g.add_argument("--tls-ca", default=None, help="PEM CA the scheduler's certificate (and ours) chains to")
+    g.add_argument("--insecure", action="store_true", help=INSECURE_HELP)

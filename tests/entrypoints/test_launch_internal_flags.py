@@ -1,7 +1,8 @@
 """`epdserve launch` internal-port options become the scheduler's and the instances' flags: the
-Registry's port (resolved at launch, so a restarted scheduler keeps it), its interface, mutual
-TLS files (scheduler: --internal-tls-*, instances: --tls-*), and the address instances register
-at; inconsistent combinations are refused before anything starts."""
+Registry's port (always its own, never the public one; resolved at launch, so a restarted
+scheduler keeps it), its interface, mutual TLS files (scheduler: --internal-tls-*, instances:
+--tls-*), and the address instances register at; inconsistent combinations are refused before
+anything starts."""
 from __future__ import annotations
 
 import pytest
@@ -28,17 +29,18 @@ def test_internal_port_and_mutual_tls_reach_the_children(tmp_path):
         assert s.instance_args[s.instance_args.index(flag) + 1] == str(files[name])
 
 
-def test_without_internal_port_instances_register_on_the_public_one():
+def test_without_internal_port_instances_register_on_a_free_internal_one():
     s = spec()
-    assert s.registry is None and "--internal-port" not in s.scheduler_args and "--tls-ca" not in s.instance_args
+    port = int(s.scheduler_args[s.scheduler_args.index("--internal-port") + 1])
+    assert port > 0 and s.registry == f"127.0.0.1:{port}" and "--tls-ca" not in s.instance_args
+    assert s.scheduler_args[s.scheduler_args.index("--internal-host") + 1] == "127.0.0.1"
     fixed = spec("--internal-port", "7123", "--internal-host", "127.0.0.2")
     assert fixed.registry == "127.0.0.2:7123" and "--tls-cert" not in fixed.instance_args
 
 
 @pytest.mark.parametrize("argv, why", [
-    (["--internal-tls-cert", "c", "--internal-tls-key", "k", "--internal-tls-ca", "a"], "needs --internal-port"),
     (["--internal-port", "0", "--internal-tls-cert", "c"], "go together"),
-    (["--internal-host", "127.0.0.1"], "needs --internal-port"),
+    (["--internal-tls-key", "k", "--internal-tls-ca", "a"], "go together"),
 ])
 def test_inconsistent_internal_options_are_refused(argv, why):
     with pytest.raises(ValueError, match=why):

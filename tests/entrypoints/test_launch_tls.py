@@ -30,7 +30,8 @@ from tests.security.certs import self_signed
 pytestmark = pytest.mark.slow
 
 READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) mode=monolithic instances=\S+ mm_store=(?P<mm>\S+) "
-                   r"mm_store_password_file=(?P<pwfile>\S+) tls=1 http=(?P<http>https://\S+) internal=grpc://\S+$")
+                   r"mm_store_password_file=(?P<pwfile>\S+) cluster_token_file=(?P<tokenfile>\S+) tls=1 "
+                   r"http=(?P<http>https://\S+) internal=grpc://\S+$")
 KEY = "launch-tls-api-key-0123"
 
 

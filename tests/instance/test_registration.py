@@ -16,32 +16,40 @@ from epdserve.rpc import common_pb2
 from epdserve.rpc import serve_pb2, serve_pb2_grpc
 from epdserve.rpc.servers import free_port
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
+from epdserve.security import Secret
+from epdserve.security.interceptors import cluster_metadata
+from epdserve.security.options import InstanceSecurity, SchedulerSecurity
 from tests.instance.harness import wait_until
+
+TOKEN = Secret("registration-test-token")
 
 
 def roster(sched) -> dict:
-    """instance id -> InstanceStatus, from the scheduler's public GetServerInfo."""
+    """instance id -> InstanceStatus, from the scheduler's public GetServerInfo (with the cluster
+    token: only its holders see addresses)."""
     with grpc.insecure_channel(sched.address) as ch:
-        info = serve_pb2_grpc.EPDServeStub(ch).GetServerInfo(serve_pb2.GetServerInfoRequest(), timeout=10)
+        info = serve_pb2_grpc.EPDServeStub(ch).GetServerInfo(serve_pb2.GetServerInfoRequest(), timeout=10,
+                                                            metadata=cluster_metadata(TOKEN))
     return {i.instance_id: i for i in info.instances}
 
 
 def test_register_heartbeat_reregister_deregister(qwen2_vl_tiny):
     port = free_port()
     cfg = dict(model=str(qwen2_vl_tiny), port=port, heartbeat_interval_s=0.2, probe_interval_s=0.2)
-    sched = SchedulerThread(SchedulerConfig(**cfg))
+    security = SchedulerSecurity(cluster_token=TOKEN, internal_port=free_port())  # the restart keeps both ports
+    sched = SchedulerThread(SchedulerConfig(**cfg), security=security)
     sched.start()
     host = None
     try:
-        host = InstanceHost(InstanceConfig(roles="PD", model=str(qwen2_vl_tiny), scheduler=sched.address,
-                                           kv_cache_bytes=2 << 20)).start()
+        host = InstanceHost(InstanceConfig(roles="PD", model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
+                                           kv_cache_bytes=2 << 20), InstanceSecurity(cluster_token=TOKEN)).start()
         assert host.wait_registered(30)
         st = wait_until(lambda: roster(sched).get(host.instance_id), what="registration")
         assert st.roles == "PD" and st.address == f"127.0.0.1:{host.port}" and st.media_namespace
         assert st.load.total_kv_blocks > 0 and st.pid > 0
         assert st.compute == f"cpu@{socket.gethostname()}"  # every core of this host: shared with its other instances
         sched.stop()  # a restarted scheduler knows nobody: the heartbeat says so and the instance registers again
-        sched = SchedulerThread(SchedulerConfig(**cfg))
+        sched = SchedulerThread(SchedulerConfig(**cfg), security=security)
         sched.start()
         wait_until(lambda: host.instance_id in roster(sched), what="registration with the new scheduler")
         host.stop()

@@ -62,7 +62,7 @@ def start(qwen2_vl_tiny, sched, redis):
     hosts = []
 
     def make(roles, overlap="auto"):
-        hosts.append(InstanceHost(InstanceConfig(roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.address,
+        hosts.append(InstanceHost(InstanceConfig(roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
                                                  mm_store=redis.url, kv_cache_bytes=4 << 20, feature_wait_s=5.0,
                                                  switch_overlap=overlap)).start())
         return hosts[-1]

@@ -29,7 +29,7 @@ def deployment(qwen2_vl_tiny):
     try:
         for roles in ("E", "P", "D"):
             hosts[roles] = InstanceHost(InstanceConfig(
-                roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.address, mm_store=store.url,
+                roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address, mm_store=store.url,
                 instance_id=f"{roles.lower()}0", kv_cache_bytes=4 << 20, feature_wait_s=10.0)).start()
         wait_until(lambda: len(sched.call(sched.server.registry.records)) == 3, 120, "three instances to register")
         asyncio.run_coroutine_threadsafe(front.start(), sched.loop).result(30)

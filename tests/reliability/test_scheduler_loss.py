@@ -31,14 +31,17 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _scheduler(model, tmp: Path, name: str, port: int = 0) -> tuple[subprocess.Popen, str]:
-    addr_file = tmp / f"{name}.address"
+def _scheduler(model, tmp: Path, name: str, port: int = 0, internal_port: int = 0
+               ) -> tuple[subprocess.Popen, str, str]:
+    """A scheduler process: (process, public host:port, internal host:port instances register at)."""
+    addr_file, internal_file = tmp / f"{name}.address", tmp / f"{name}.internal"
     addr_file.unlink(missing_ok=True)
     p = _spawn(["epdserve.entrypoints.scheduler_cli", "--model", str(model), "--port", str(port),
-                "--address-file", str(addr_file)], tmp / f"{name}.log")
+                "--internal-port", str(internal_port), "--address-file", str(addr_file),
+                "--internal-address-file", str(internal_file)], tmp / f"{name}.log")
     wait_until(lambda: addr_file.exists() or p.poll() is not None, 120, f"scheduler {name}")
     assert p.poll() is None, (tmp / f"{name}.log").read_text()
-    return p, addr_file.read_text().strip()
+    return p, addr_file.read_text().strip(), internal_file.read_text().strip()
 
 
 def _healthy(address: str) -> bool:
@@ -62,10 +65,10 @@ def reference(qwen2_vl_tiny):
 
 
 def test_a_dead_scheduler_loses_no_request(qwen2_vl_tiny, reference, tmp_path):
-    a, addr_a = _scheduler(qwen2_vl_tiny, tmp_path, "a")
-    b, addr_b = _scheduler(qwen2_vl_tiny, tmp_path, "b")
+    a, addr_a, reg_a = _scheduler(qwen2_vl_tiny, tmp_path, "a")
+    b, addr_b, reg_b = _scheduler(qwen2_vl_tiny, tmp_path, "b")
     inst = _spawn(["epdserve.entrypoints.cli", "instance", "--roles", "EPD", "--model", str(qwen2_vl_tiny),
-                   "--kv-cache-mb", "16", "--scheduler", f"{addr_a},{addr_b}"], tmp_path / "instance.log")
+                   "--kv-cache-mb", "16", "--scheduler", f"{reg_a},{reg_b}"], tmp_path / "instance.log")
     procs = [a, b, inst]
     try:
         wait_until(lambda: inst.poll() is not None or (_healthy(addr_a) and _healthy(addr_b)), 180,
@@ -84,7 +87,8 @@ def test_a_dead_scheduler_loses_no_request(qwen2_vl_tiny, reference, tmp_path):
             assert c.retried >= 1 and c.address == addr_b
 
         # a comes back on its port; the instance registers with it again
-        a, _ = _scheduler(qwen2_vl_tiny, tmp_path, "a", port=int(addr_a.rsplit(":", 1)[1]))
+        a, _, _ = _scheduler(qwen2_vl_tiny, tmp_path, "a", port=int(addr_a.rsplit(":", 1)[1]),
+                             internal_port=int(reg_a.rsplit(":", 1)[1]))
         procs.append(a)
         wait_until(lambda: _healthy(addr_a), 120, "the instance to register with the restarted scheduler")
 

@@ -45,7 +45,7 @@ def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplo
     try:
         with LocalRedisServer() as redis:
             for roles in ("EP", "D", "D"):
-                hosts.append(InstanceHost(InstanceConfig(roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.address,
+                hosts.append(InstanceHost(InstanceConfig(roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
                                                          mm_store=redis.url, kv_cache_bytes=4 << 20,
                                                          feature_wait_s=5.0)).start())
             wait_until(lambda: len(roster(sched)) == 3, what="registration")

@@ -20,7 +20,12 @@ def test_health_serving_and_reflection_lists_services(scheduler):
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
         resp = next(iter(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
     names = {s.name for s in resp.list_services_response.service}
-    assert {"epdserve.v1.EPDServe", "epdserve.v1.Registry", "grpc.health.v1.Health"} <= names
+    assert {"epdserve.v1.EPDServe", "grpc.health.v1.Health"} <= names
+    assert "epdserve.v1.Registry" not in names  # an internal service: only on the internal port
+    with grpc.insecure_channel(scheduler.server.internal_address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(iter(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
+    assert "epdserve.v1.Registry" in {s.name for s in resp.list_services_response.service}
 
 
 def test_16_concurrent_mixed_requests_match_offline_greedy(scheduler, two_instances, offline):

@@ -39,7 +39,7 @@ def deployment(qwen2_vl_tiny):
     for iid, roles in (("e0", "E"), ("p0", "P"), ("d0", "D"), ("d1", "D")):
         procs[iid] = subprocess.Popen(
             [sys.executable, "-c", _INSTANCE_MAIN, "--roles", roles, "--model", str(qwen2_vl_tiny), "--scheduler",
-             sched.address, "--mm-store", store.url, "--instance-id", iid, "--kv-cache-mb", "32", "--no-core-split"],
+             sched.server.internal_address, "--mm-store", store.url, "--instance-id", iid, "--kv-cache-mb", "32", "--no-core-split"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: len(sched.call(sched.server.registry.records)) == 4 or
