@@ -1,5 +1,7 @@
 """The runner of `epdserve bench kv-transfer` (its flags and what it measures: kv_transfer_cli.py):
 the prefill side in this process, the decode peer as `python -m epdserve.bench.kv_transfer --peer`.
+As in an instance, the prefill side uses its pair store in process and the peer reaches it over
+gRPC (`KvStore`, on a `RendezvousServer` here).
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import torch
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.platform import get_platform
 from epdserve.transfer.kv import (
-    KVReceiver, KVSender, KVTransferConfig, LayerwiseSendConnector, PairConnection, PairRendezvous, RecvRequest,
-    RendezvousServer, SendRequest, TransferState,
+    KVReceiver, KVSender, KVTransferConfig, LayerwiseSendConnector, PairConnection, PairNetwork, PairRendezvous,
+    PairStoreHost, RecvRequest, RendezvousServer, SendRequest, TransferState,
 )
 from epdserve.bench import kv_transfer_cli
 from epdserve.bench.kv_transfer_cli import MODES, SHAPES, add_args
@@ -194,22 +196,25 @@ def _wait_done(sender: KVSender, rid: str) -> float:
 
 
 def bench_shape(shape: str, args: argparse.Namespace) -> dict:
-    spec = _spec(shape, args.block_size)
-    row = _bench(_SimulatedPrefill(spec, args.tokens, args.layer_ms, _config(args)), args)
+    spec, store = _spec(shape, args.block_size), PairStoreHost()
+    row = _bench(_SimulatedPrefill(spec, args.tokens, args.layer_ms, _config(args, store)), args, store)
     return {"shape": shape, "compute": f"simulated {args.layer_ms} ms/layer", **row}
 
 
 def bench_engine(args: argparse.Namespace) -> dict:
-    prefill = _EnginePrefill(args.engine, args.tokens, args.block_size, args.image_px, _config(args))
-    row = _bench(prefill, args)
+    store = PairStoreHost()
+    prefill = _EnginePrefill(args.engine, args.tokens, args.block_size, args.image_px, _config(args, store))
+    row = _bench(prefill, args, store)
     return {"shape": f"engine:{Path(args.engine).name}", "compute": "real engine (EP role)", **row}
 
 
-def _config(args: argparse.Namespace) -> KVTransferConfig:
-    return KVTransferConfig(timeout_s=args.timeout_s, bootstrap_timeout_s=600.0, connect_timeout_s=60.0)
+def _config(args: argparse.Namespace, store: PairStoreHost) -> KVTransferConfig:
+    """The prefill side's: `store` is its pair store, in process."""
+    return KVTransferConfig(timeout_s=args.timeout_s, bootstrap_timeout_s=600.0, connect_timeout_s=60.0,
+                            network=PairNetwork(store=store))
 
 
-def _bench(prefill, args: argparse.Namespace) -> dict:
+def _bench(prefill, args: argparse.Namespace, store: PairStoreHost) -> dict:
     spec, tokens = prefill.spec, prefill.tokens
     nblocks = -(-tokens // spec.block_size)
     kv_bytes = spec.bytes_per_block() * nblocks
@@ -218,9 +223,9 @@ def _bench(prefill, args: argparse.Namespace) -> dict:
     # hash one request while the next one lands.
     order = [(m, f"{m}-{i}") for i in range(rounds) for m in (MODES if i % 2 == 0 else MODES[::-1])]
     dst = [tuple(range((k % 2) * nblocks, (k % 2 + 1) * nblocks)) for k in range(len(order))]
-    cfg = _config(args)
+    cfg = _config(args, store)
     cpu = get_platform("cpu")
-    server = RendezvousServer()
+    server = RendezvousServer(store=store)
     sender = prefill.sender
     peer_cfg = dict(spec=[spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, str(spec.dtype)[6:]],
                     num_blocks=nblocks, tokens=tokens,

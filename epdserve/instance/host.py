@@ -4,10 +4,11 @@ and scheduler registration, started and stopped in order.
 start: load the checkpoint once (`LoadedModel`, shared by every worker: co-located E+P or E+D
 keep one copy of the vision tower and LM) → build the stage workers for `roles` (each builds its
 engine — KV cache, scheduler, connector — on its own pinned thread, one after the other;
-co-located workers on CPU get disjoint core sets) → a KV `RendezvousServer` when a worker
-prefills for remote D instances → the gRPC server (Instance + health + reflection) on a free
-port, the cluster token required on Instance calls when one is set → SERVING → register with
-the scheduler (presenting the token) and heartbeat.
+co-located workers on CPU get disjoint core sets) → the KV pair store (`PairStoreHost`, in
+process) served through `Instance.KvStore` while a worker prefills for remote D instances → the
+gRPC server (Instance + health + reflection) on a free port, the cluster token required on
+Instance calls when one is set → SERVING → register with the scheduler (presenting the token)
+and heartbeat.
 stop: NOT_SERVING → deregister → stop the server (short grace) → stop workers (closing their
 KV pairs and feature providers) → close the store.
 Role switches (instance/role_switch.py) either `rebuild` the workers after a drain, or start the
@@ -44,7 +45,7 @@ from epdserve.rpc.servers import add_health_and_reflection, set_serving
 from epdserve.security.interceptors import AuthInterceptor, cluster_metadata, metadata_interceptors
 from epdserve.security.options import InstanceSecurity
 from epdserve.security.tls import channel_credentials, server_credentials
-from epdserve.transfer.kv import KVTransferConfig, RendezvousServer
+from epdserve.transfer.kv import KVTransferConfig, PairNetwork, PairStoreHost
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class InstanceHost:
         self._retiring: list = []  # a role switch's old workers, finishing what they hold (build_beside)
         self._retiring_by_role: dict[str, object] = {}
         self._store = None
-        self._rendezvous: RendezvousServer | None = None
+        self._pair_store = PairStoreHost()  # the KV pairs' store: in process, served by our own port
+        self._serves_pairs = False  # is it served (a worker prefills for remote D instances)?
         self._server: grpc.Server | None = None
         self._health = None
         self._registrars: list[Registrar] = []  # one per scheduler (--scheduler a:1,b:2 registers with both)
@@ -142,9 +144,8 @@ class InstanceHost:
         if self._store is not None:
             self._store.close()
             self._store = None
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
+        self._serves_pairs = False
+        self._pair_store.clear()
         log.info("instance %s stopped", self.instance_id)
 
     # ---------------------------------------------------------------- workers
@@ -175,7 +176,8 @@ class InstanceHost:
         cpu = cfg.device.startswith("cpu")
         if cpu and len(roles) > 1 and cfg.split_cores:
             core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
-        kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s)
+        kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s,
+                                     network=PairNetwork.for_instance(cfg.host, self.security, self._pair_store))
         gates = self._gate_factory(len(roles))
         workers, by_role = [], {}
         for role, cores, weight in zip(roles, core_sets, weights):
@@ -291,14 +293,17 @@ class InstanceHost:
         return list(self.workers) + list(self._retiring)
 
     def _sync_rendezvous(self) -> None:
-        """A KV rendezvous server while a worker (serving or retiring) prefills for remote D
-        instances, none otherwise."""
-        prefills = "P" in self._by_role or "P" in self._retiring_by_role
-        if prefills and self._rendezvous is None:
-            self._rendezvous = RendezvousServer(self.config.host, 0, timeout_s=self.config.kv_connect_timeout_s)
-        elif not prefills and self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
+        """The KV pair store is served (`Instance.KvStore`, on our own port, with its credentials)
+        and advertised while a worker (serving or retiring) prefills for remote D instances; not
+        otherwise, and emptied then."""
+        self._serves_pairs = "P" in self._by_role or "P" in self._retiring_by_role
+        if not self._serves_pairs:
+            self._pair_store.clear()
+
+    @property
+    def pair_store(self) -> PairStoreHost | None:
+        """The KV pair store `Instance.KvStore` serves, None while nothing here prefills for remote D."""
+        return self._pair_store if self._serves_pairs else None
 
     def announce(self, previous_id: str | None = None, before: common_pb2.InstanceStatus | None = None) -> None:
         """Tell every scheduler `before` (a retiring identity's status), then our status now
@@ -356,9 +361,9 @@ class InstanceHost:
         )
         if self.model is not None:
             st.media_namespace = self.model.namespace
-        if self._rendezvous is not None:
+        if self._serves_pairs:  # the pair store: our own port (KvStore), with its credentials
             st.kv_endpoint.CopyFrom(common_pb2.KvEndpoint(
-                backend=self.model.platform.dist_backend, host=cfg.host, port=self._rendezvous.port))
+                backend=self.model.platform.dist_backend, host=cfg.host, port=self.port))
         return st
 
 

@@ -1,6 +1,7 @@
 """The `Instance` gRPC service of one instance process: routes each RPC to its stage worker.
 
-RPC → worker: Encode → E, Prefill → P, Decode → D, Generate → the coupled (PD/EPD) worker.
+RPC → worker: Encode → E, Prefill → P, Decode → D, Generate → the coupled (PD/EPD) worker;
+KvStore → the host's KV pair store (decode peers rendezvous and read batch headers there).
 An RPC for a stage this instance does not run answers FAILED_PRECONDITION. Each handler waits
 on its request's handle; a cancelled or broken call aborts the request on the worker
 (`context.add_callback`). Failures map to status codes as errors.py says.
@@ -21,6 +22,7 @@ from epdserve.instance.worker import CALL_TIMEOUT_S
 from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
 from epdserve.transfer.kv import PairRendezvous
+from epdserve.transfer.kv.store_service import serve_kv_store
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +210,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
 
     def GetLoad(self, request, context):
         return self.host.status()
+
+    def KvStore(self, request, context):
+        return serve_kv_store(self.host.pair_store, request, context)
 
     def SwitchRoles(self, request, context):
         from epdserve.instance.role_switch import SwitchError

@@ -82,10 +82,14 @@ class Platform(ABC):
                 log.warning("%s=%s is set: the %s watchdog may take this process down when one KV pair "
                             "times out (epdserve would use %s)", name, current, self.dist_backend, value)
 
-    def make_pair_group(self, store, rank: int, world_size: int, timeout, group_name: str = ""):
+    def make_pair_group(self, store, rank: int, world_size: int, timeout, group_name: str = "",
+                        host: str | None = None):
         """Build a process group over `store` without a global world (stateless group).
 
-        `group_name` identifies the group where the backend needs it (HCCL's group_id)."""
+        `group_name` identifies the group where the backend needs it (HCCL's group_id). `host`:
+        the local address its sockets bind where the backend takes one per group (gloo); NCCL
+        and HCCL take theirs from the environment (NCCL_SOCKET_IFNAME, HCCL_IF_IP: see
+        transfer/kv/README.md)."""
         raise NotImplementedError(f"{self.name}: pairwise groups not implemented")
 
     def interrupt_pair_group(self, pg, peer_rank: int) -> None:

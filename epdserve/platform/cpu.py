@@ -1,4 +1,5 @@
-"""CPU platform: gloo pair groups for KV transfer, and how to interrupt one.
+"""CPU platform: gloo pair groups for KV transfer (their sockets on the host named), and how to
+interrupt one.
 
 Co-located stages share the CPU through disjoint core sets chosen by epdserve.instance.affinity,
 not here.
@@ -39,10 +40,17 @@ class CpuPlatform(Platform):
         # it is called, so the waiter blocks, with the same deadline as the device backends.
         work.wait(timedelta(seconds=timeout_s))
 
-    def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None):
         from torch.distributed import ProcessGroupGloo
 
-        return ProcessGroupGloo(store, rank, world_size, timeout)
+        if host is None:  # torch's default device: the hostname's address, or GLOO_SOCKET_IFNAME
+            return ProcessGroupGloo(store, rank, world_size, timeout)
+        # Gloo's listener and connections on `host` only (the instance's own address), as
+        # torch's own helper builds the options (distributed_c10d._new_process_group_helper).
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        return ProcessGroupGloo(store, rank, world_size, opts)
 
     def interrupt_pair_group(self, pg, peer_rank: int) -> None:
         # ProcessGroupGloo.abort() does not wake pending waits, but a timed-out wait does: gloo

@@ -29,7 +29,7 @@ class CudaPlatform(Platform):
     def set_thread_device(self, index: int = 0) -> None:
         torch.cuda.set_device(index)
 
-    def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None):
         from torch.distributed import ProcessGroupNCCL
 
         self.prepare_pair_groups()

@@ -108,7 +108,7 @@ class NpuPlatform(Platform):
         except Exception as e:  # must not raise: the pair is dead either way
             log.warning("abort_hccl_comm failed: %s", e)
 
-    def make_pair_group(self, store, rank, world_size, timeout, group_name=""):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None):
         # As torch_npu's registry/distributed.py and vllm-ascend's netloader_pg.py build it.
         self.prepare_pair_groups()
         torch_npu = self._torch_npu()

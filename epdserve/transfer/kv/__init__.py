@@ -1,7 +1,9 @@
 """Layerwise P→D KV transfer over torch.distributed (gloo on CPU, NCCL on CUDA, HCCL on NPU).
 
-Owns the prefill→decode hop: each P–D pair builds its own two-rank process group from a TCP
-rendezvous (`PairRendezvous`, `RendezvousServer`, `PairConnection`); the prefill side's
+Owns the prefill→decode hop: each P–D pair builds its own two-rank process group over the
+prefill side's pair store (`PairStoreHost`, in process; decode peers reach it through the
+prefill instance's authenticated `KvStore` RPC: `PairNetwork`, `PairRendezvous`,
+`PairConnection`; no listening store); the prefill side's
 `KVSender` sends each layer's KV of a batch while the next layer computes; the decode side's
 `KVReceiver` receives it straight into blocks it reserved beforehand. The engine drives them
 through its `KVConnector` seam: `LayerwiseSendConnector` (prefill role) and
@@ -18,7 +20,9 @@ Lifecycle of one request's transfer, on both sides:
 """
 from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous, RequestEntry
+from epdserve.transfer.kv.network import PairNetwork
 from epdserve.transfer.kv.pair import PairConnection
+from epdserve.transfer.kv.pair_store import PairStoreHost, StoreFull
 from epdserve.transfer.kv.receiver import KVReceiver, RecvRequest
 from epdserve.transfer.kv.recv_connector import LayerwiseRecvConnector
 from epdserve.transfer.kv.rendezvous import RendezvousServer
@@ -28,6 +32,6 @@ from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
 
 __all__ = [
     "BatchHeader", "KVReceiver", "KVSender", "KVTransferConfig", "LayerwiseRecvConnector", "LayerwiseSendConnector",
-    "PairConnection", "PairRendezvous", "PairState", "RecvRequest", "RendezvousServer", "RequestEntry", "SendRequest",
-    "StalePairError", "TransferState", "TransferStatus",
+    "PairConnection", "PairNetwork", "PairRendezvous", "PairState", "PairStoreHost", "RecvRequest", "RendezvousServer",
+    "RequestEntry", "SendRequest", "StalePairError", "StoreFull", "TransferState", "TransferStatus",
 ]

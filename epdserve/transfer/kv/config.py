@@ -1,7 +1,12 @@
-"""`KVTransferConfig`: the timeouts and polling period of the P→D KV hop, validated on construction."""
+"""`KVTransferConfig`: the timeouts and polling period of the P→D KV hop, validated on construction,
+and how its pairs are reached (`PairNetwork`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from epdserve.transfer.kv.network import PairNetwork
 
 
 @dataclass(frozen=True)
@@ -10,13 +15,18 @@ class KVTransferConfig:
     after this; it must exceed one layer's compute time on P).
     bootstrap_timeout_s: D side, from `expect()` to the batch header naming the request.
     connect_timeout_s: building a pair's process group (both sides must arrive within it).
-    poll_interval_s: D side, how often the header store is checked while a transfer is expected.
+    poll_interval_s: D side, how often the header store is checked while nothing is expected from
+    the peer (a header may still come, for a request D let go); while a transfer is expected, D
+    waits on the store for its header instead (one call returns as soon as it is there).
+    network: how pairs reach the pair store and which interface their sockets bind
+    (`PairNetwork`; None: plaintext to the store, the backend's default interface).
     """
 
     timeout_s: float = 30.0
     bootstrap_timeout_s: float = 120.0
     connect_timeout_s: float = 60.0
-    poll_interval_s: float = 0.001
+    poll_interval_s: float = 0.02
+    network: PairNetwork | None = None
 
     def __post_init__(self):
         for name in ("timeout_s", "bootstrap_timeout_s", "connect_timeout_s", "poll_interval_s"):

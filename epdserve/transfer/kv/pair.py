@@ -1,8 +1,10 @@
 """`PairConnection`: one side of a P–D pair's two-rank process group, and the pair's header store.
 
 The group is built in a background thread (both sides must arrive within
-`connect_timeout_s`) straight from the platform (ProcessGroupGloo / NCCL / HCCL over a
-PrefixStore on the prefill side's TCP store; no global world). State: CONNECTING → READY →
+`connect_timeout_s`) straight from the platform (ProcessGroupGloo / NCCL / HCCL over the pair's
+namespace of the prefill side's pair store — in process on P, through the prefill instance's
+authenticated `KvStore` RPC on D: `PairNetwork`; no global world, no listening store). Its data
+sockets bind the network's host. State: CONNECTING → READY →
 BROKEN (peer died, stalled or never came) or CLOSED (by us). A broken pair is never reused:
 the control plane rebuilds it under a new pair name.
 
@@ -36,11 +38,10 @@ import time
 from datetime import timedelta
 
 import torch
-from torch.distributed import PrefixStore, TCPStore
-
 from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.layout import as_bytes
 from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous
+from epdserve.transfer.kv.network import PairNetwork
 from epdserve.transfer.kv.state import PairState
 
 KV_TAG = 0  # every KV message; order alone pairs sends with receives (HCCL ignores tags)
@@ -64,6 +65,7 @@ class PairConnection:
         self._drain_deadline = 0.0  # set when the pair breaks or closes: the end of the drain budget
         self._pg = None
         self._store = None
+        self._held = ()  # (group, store) of a pair that ended: dropped together, with this object
         self._thread = threading.Thread(target=self._connect, name=f"kv-connect:{rdzv.pair_name}", daemon=True)
         self._thread.start()
 
@@ -100,14 +102,15 @@ class PairConnection:
 
     def _connect(self) -> None:
         r, cfg = self.rdzv, self.config
-        pg = None
+        net = cfg.network or PairNetwork()
+        pg = store = None
         try:
             self._select_device()  # the communicator is built in this thread, on this device
-            client = TCPStore(r.host, r.port, None, False, timeout=timedelta(seconds=cfg.connect_timeout_s))
-            store = PrefixStore(f"epdserve-kv/{r.pair_name}", client)
+            store = net.open_store(r, timedelta(seconds=cfg.connect_timeout_s))
             # The group's own timeout outlives ours, so our waits fire first.
             pg_timeout = timedelta(seconds=cfg.connect_timeout_s + cfg.timeout_s)
-            pg = self.platform.make_pair_group(store, r.rank, 2, pg_timeout, group_name=f"epdserve-kv/{r.pair_name}")
+            pg = self.platform.make_pair_group(store, r.rank, 2, pg_timeout, group_name=f"epdserve-kv/{r.pair_name}",
+                                               host=net.host)
             self._handshake(pg)
         except Exception as e:  # any failure to build is this pair's failure, reported in its state
             if pg is not None:
@@ -115,11 +118,25 @@ class PairConnection:
             self._set_broken(f"pair {r.pair_name!r}: could not build the process group "
                              f"({self.platform.dist_backend} via {r.host}:{r.port}): {e}")
             self._ready.set()
+            self._end_store(store, pg)
             return
+        self._held = (pg, store)
         with self._lock:
-            if self._state is PairState.CONNECTING:
+            ready = self._state is PairState.CONNECTING
+            if ready:
                 self._pg, self._store, self._state = pg, store, PairState.READY
         self._ready.set()
+        if not ready:  # closed while connecting
+            self.platform.interrupt_pair_group(pg, self.peer_rank)
+            self._end_store(store, pg)
+
+    def _end_store(self, store, pg) -> None:
+        """The pair is over: its store namespace goes. A group keeps only the C++ half of its
+        store, so both stay referenced here for as long as this connection lives."""
+        if store is None:
+            return
+        self._held = (pg, store)
+        store.end(release=True)
 
     def _handshake(self, pg) -> None:
         """One byte P→D in this thread: the backend builds its communicator (a blocking
@@ -174,24 +191,27 @@ class PairConnection:
     # ------------------------------------------------------------------ batch headers
     def publish_header(self, header: BatchHeader) -> None:
         try:
-            self._store.set(f"batch-header/{header.seq}", header.to_json())
+            self._live_store().set(f"batch-header/{header.seq}", header.to_json())
         except Exception as e:
             self.mark_broken(f"publishing batch header {header.seq}: {e}")
             raise PairBroken(self._error) from None
 
-    def poll_header(self, seq: int) -> BatchHeader | None:
-        """Batch header `seq` if the sender published it (removed from the store), else None.
-        Raises ValueError for a malformed header, PairBroken when the store is unreachable."""
-        key = f"batch-header/{seq}"
+    def poll_header(self, seq: int, wait_s: float = 0.0) -> BatchHeader | None:
+        """Batch header `seq` once the sender published it (removed from the store), waiting up to
+        `wait_s` for it; else None. Raises ValueError for a malformed header, PairBroken when the
+        store is unreachable."""
         try:
-            if not self._store.check([key]):
-                return None
-            text = self._store.get(key)
-            self._store.delete_key(key)
+            text = self._live_store().take(f"batch-header/{seq}", wait_s)
         except Exception as e:
             self.mark_broken(f"reading batch header {seq}: {e}")
             raise PairBroken(self._error) from None
-        return BatchHeader.from_json(text)
+        return None if text is None else BatchHeader.from_json(text)
+
+    def _live_store(self):
+        store = self._store
+        if store is None:
+            raise PairBroken(f"pair {self.rdzv.pair_name!r} is {self._state.value}")
+        return store
 
     # ------------------------------------------------------------------ teardown
     def mark_broken(self, reason: str) -> None:
@@ -223,5 +243,7 @@ class PairConnection:
         if was in (PairState.READY, PairState.BROKEN):
             self.interrupt()
         self._ready.set()
+        pg, store = self._pg, self._store
         self._pg = None
         self._store = None
+        self._end_store(store, pg)

@@ -8,7 +8,8 @@ Engine protocol:
                                    blocks; nothing of ours writes to them any more)
     cancel(request_id)             withdraw a request whose header has not arrived yet
 
-Per batch, the peer's thread reads the header (published by P in the pair's store), checks
+Per batch, the peer's thread reads the header (published by P in the pair's store: it waits
+on the store for it while a request is expected, and looks every `poll_interval_s` otherwise), checks
 each request against what was expected (shape, block ids, token count), posts every receive
 of the batch straight into the reserved blocks (rejected requests go to a scratch buffer, so
 the stream stays in step with P), waits on them in wire order and acknowledges to P with one
@@ -29,7 +30,8 @@ from epdserve.transfer.kv.messages import BatchHeader
 from epdserve.transfer.kv.pair import PairBroken, PairConnection
 from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
 
-_IDLE_POLL_S = 0.02  # header polling period while nothing is expected from a peer
+_IDLE_POLL_S = 0.02  # how often a connecting pair's state is looked at
+_HEADER_WAIT_S = 0.1  # one wait on the store for an expected header (it returns as soon as the header is in)
 
 
 @dataclass(frozen=True)
@@ -79,16 +81,18 @@ class _Channel:
                 continue
             if state is not PairState.READY:
                 break
+            expecting = rx._expects(self.peer)
             try:
-                header = self.pair.poll_header(seq)
+                header = self.pair.poll_header(seq, _HEADER_WAIT_S if expecting else 0.0)
             except PairBroken:
                 break
             except ValueError as e:
                 self.pair.mark_broken(f"malformed batch header {seq} from {self.peer}: {e}")
                 break
             if header is None:
-                self.wake.wait(cfg.poll_interval_s if rx._expects(self.peer) else _IDLE_POLL_S)
-                self.wake.clear()
+                if not expecting:
+                    self.wake.wait(cfg.poll_interval_s)
+                    self.wake.clear()
                 continue
             if header.seq != seq:
                 self.pair.mark_broken(f"batch header numbered {header.seq}, expected {seq}")
