@@ -18,6 +18,7 @@ from epdserve.transfer.kv.pair_store import MAX_WAIT_S
 
 Op = instance_pb2.KvStoreRequest
 _CALL_MARGIN_S = 10.0  # an RPC's deadline: its server-side wait plus this
+_RELEASE_S = 1.0  # release is best effort (the prefill side drops the pair too): never hold a closing pair up
 
 
 class PairStoreClient:
@@ -31,11 +32,12 @@ class PairStoreClient:
         self._channel = ch
         self._stub = instance_pb2_grpc.InstanceStub(grpc.intercept_channel(ch, *metadata_interceptors(metadata or [])))
 
-    def _call(self, op, pair: str, keys: list[str], wait_s: float = 0.0, **fields) -> instance_pb2.KvStoreResponse:
+    def _call(self, op, pair: str, keys: list[str], wait_s: float = 0.0, margin_s: float = _CALL_MARGIN_S,
+              **fields) -> instance_pb2.KvStoreResponse:
         wait_s = max(0.0, min(wait_s, MAX_WAIT_S))
         req = Op(op=op, pair_name=pair, keys=keys, wait_ms=int(wait_s * 1e3), **fields)
         try:
-            return self._stub.KvStore(req, timeout=wait_s + _CALL_MARGIN_S)
+            return self._stub.KvStore(req, timeout=wait_s + margin_s)
         except grpc.RpcError as e:
             raise DistStoreError(f"KV pair store at {self.address}: {Op.Op.Name(op)} {pair!r} failed: "
                                  f"{e.code().name}: {e.details()}") from None
@@ -70,7 +72,7 @@ class PairStoreClient:
         return r.value if r.found else None
 
     def release(self, pair: str) -> bool:
-        return self._call(Op.KV_RELEASE, pair, []).found
+        return self._call(Op.KV_RELEASE, pair, [], margin_s=_RELEASE_S).found
 
     def close(self) -> None:
         self._channel.close()
