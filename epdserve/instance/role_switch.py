@@ -10,8 +10,8 @@
    a retry; logged as such).
 3. rebuild — stop the workers (their engines' KV caches and encoder space go with them) and start
    those of the new roles on the model the process already holds (no reload): a P or D gets a KV
-   cache, an E only its small encoder-side cache; a KV rendezvous server exists while a worker
-   prefills for remote D instances.
+   cache, an E only its small encoder-side cache; the KV pair store is served (KvStore) while a
+   worker prefills for remote D instances.
 4. announce — a new instance id (KV pair names and the scheduler's per-instance bookkeeping start
    fresh), Register it, then Deregister the old id, on which nothing is in flight any more, so
    no request is retried; draining ends.

@@ -1,7 +1,7 @@
 """Ascend NPU platform: device, HCCL, streams and core limits. torch_npu is imported lazily, here,
 in ops/npu_ops.py (the paged kernels) and by `epdserve doctor` (to show a broken install's error).
 
-HCCL groups are built directly as ProcessGroupHCCL over a TCP store (no global world), as
+HCCL groups are built directly as ProcessGroupHCCL over the pair's store (no global world), as
 vllm-ascend's netloader does; stage co-location uses torch.npu stream resource limits
 (AI Core "cube" and Vector Core counts) where the installed torch_npu has them.
 """

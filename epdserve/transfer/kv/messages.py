@@ -30,7 +30,7 @@ def _is_int(v) -> bool:
 class PairRendezvous:
     """Where and as what one side of a P–D pair joins its two-rank group.
 
-    host/port: the TCP store (hosted by the prefill instance's `RendezvousServer`);
+    host/port: the prefill instance's gRPC address (its `KvStore` RPC serves the pair store);
     pair_name: the store prefix of this pair, unique per pair *and* per rebuild (a torn-down
     group is rebuilt under a new name, e.g. "p0-d1/g1"); rank: 0 = prefill (sender), 1 = decode.
     """
