@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from epdserve.bench import chaos_faults as faults
 from epdserve.bench.metrics import stats
-from epdserve.entrypoints.cli import add_command
+from epdserve.commands import add_command
 
 DEFAULT_FAULTS = "E,P,D,mm_store,scheduler"
 

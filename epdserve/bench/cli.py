@@ -1,9 +1,9 @@
 """`epdserve bench ...`: each benchmark is a module with `add_parser(subparsers)` + `run(args)`,
 listed in `BENCHMARKS` with its help line; only the one named on the command line is imported
-(`entrypoints.cli.add_commands`), so `epdserve bench --help` imports none of them."""
+(`epdserve.commands.add_commands`), so `epdserve bench --help` imports none of them."""
 from __future__ import annotations
 
-from epdserve.entrypoints.cli import Command, add_commands
+from epdserve.commands import Command, add_commands
 
 BENCHMARKS = {
     "offline": Command("epdserve.bench.offline", "offline throughput: epdserve engine vs transformers generate "

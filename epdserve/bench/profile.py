@@ -14,7 +14,7 @@ import pathlib
 import statistics
 import time
 
-from epdserve.entrypoints.cli import add_command
+from epdserve.commands import add_command
 
 RESOLUTIONS = {"240p": (426, 240), "360p": (640, 360), "480p": (854, 480), "720p": (1280, 720), "1080p": (1920, 1080)}
 DEFAULT_RESOLUTIONS = "224x224,360p,720p"

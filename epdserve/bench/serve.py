@@ -30,7 +30,7 @@ from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
 from epdserve.bench.shift import DEFAULT_PHASES, SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
 from epdserve.bench.workload import PRESET_RATES, PRESETS, WorkloadConfig, build_workload, parse_mix
-from epdserve.entrypoints.cli import add_command
+from epdserve.commands import add_command
 
 MODES = ("monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD", "auto")  # auto: the planner's start + the role controller
 

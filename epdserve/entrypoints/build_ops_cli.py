@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from epdserve.entrypoints.cli import add_command
+from epdserve.commands import add_command
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ not answer; each warn / fail row is followed by its fix in one line.
 """
 from __future__ import annotations
 
-from epdserve.entrypoints.cli import add_command
+from epdserve.commands import add_command
 from epdserve.instance.roles import MODES
 
 

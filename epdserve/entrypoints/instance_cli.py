@@ -14,8 +14,8 @@ import logging
 import os
 import sys
 
+from epdserve.commands import add_command
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
-from epdserve.entrypoints.cli import add_command
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import signal
 import sys
 from pathlib import Path
 
+from epdserve.commands import FlagsArg
 from epdserve.deploy.argv import last_flag
-from epdserve.entrypoints.cli import FlagsArg
 from epdserve.security.exposure import INSECURE_HELP
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from epdserve.entrypoints.cli import add_command
+from epdserve.commands import add_command
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import math
 import sys
 from pathlib import Path
 
-from epdserve.entrypoints.cli import add_command
+from epdserve.commands import add_command
 
 DEFAULT_DEVICES = 2
 
