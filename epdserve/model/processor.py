@@ -14,6 +14,7 @@ and says what PIL / PyAV found, never a Python object's repr (`model.errors.read
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +42,15 @@ class ProcessedPrompt:
 
 def open_image(raw: bytes) -> Image.Image:
     """PIL's lazy image of `raw` (its header read, no pixel decoded): a cheap check that the bytes
-    are an image at all. Raises `MediaError` ("the image is not a readable image ...")."""
+    are an image at all. Raises `MediaError` ("the image is not a readable image ...", or that it
+    declares more pixels than PIL decodes: the request's pixel limits, checked before any decode,
+    say how many it may have)."""
     try:
-        return Image.open(io.BytesIO(raw))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own pixel limits decide
+            return Image.open(io.BytesIO(raw))
+    except Image.DecompressionBombError as e:
+        raise MediaError(f"declares too many pixels ({len(raw)} bytes): {readable(e)}") from None
     except Exception as e:  # PIL raises many types for bad data
         raise MediaError(f"is not a readable image ({len(raw)} bytes): {readable(e)}") from None
 

@@ -69,3 +69,17 @@ def post(front: RunningFront, path: str, body, key: str | None = None, raw: byte
         return resp.status, json.loads(data)
     except ValueError:
         return resp.status, data
+
+
+def served_front(model_dir, instance_id: str, **front):
+    """A generator for a module fixture: (scheduler, front) over one real engine instance, all
+    stopped after; `front`: RunningFront options."""
+    from tests.scheduler.engine_instance import EngineInstance
+
+    inst = EngineInstance(model_dir, instance_id).start()
+    sched, metrics = metered_scheduler(model_dir, [inst])
+    running = RunningFront(sched, metrics, **front)
+    yield sched, running
+    running.stop()
+    sched.stop()
+    inst.stop()

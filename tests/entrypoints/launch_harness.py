@@ -13,7 +13,8 @@ import threading
 
 @contextlib.contextmanager
 def launched(args: list[str], env: dict[str, str], ready: re.Pattern, secrets: tuple[str, ...] = ()):
-    """Yield (the ready line's named groups, the output lines so far) of `epdserve launch ARGS`."""
+    """Yield (the ready line's named groups plus ``launcher_pid``, the output lines so far) of
+    `epdserve launch ARGS`."""
     argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=dict(env, PYTHONUNBUFFERED="1"))
@@ -34,6 +35,7 @@ def launched(args: list[str], env: dict[str, str], ready: re.Pattern, secrets: t
     try:
         if not seen.wait(600) or not found:
             raise AssertionError("launch never printed its ready line:\n" + "".join(output[-40:]))
+        found["launcher_pid"] = str(proc.pid)  # the root of the deployment's process tree
         yield found, output
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, "".join(output[-40:])

@@ -16,8 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epdserve import Client
 from epdserve.entrypoints.client import EPDServeError
 from epdserve.entrypoints.http import HttpFront, HttpOptions
-from tests.entrypoints.http_harness import RunningFront, data_url, metered_scheduler, post
-from tests.scheduler.engine_instance import EngineInstance
+from tests.entrypoints.http_harness import data_url, post, served_front
 from tests.scheduler.harness import PH, image
 
 FAIL_STREAM = "fail while generating"
@@ -26,13 +25,7 @@ FAIL_HANDOFF = "fail handing over"
 
 @pytest.fixture(scope="module")
 def served(qwen2_vl_tiny):
-    inst = EngineInstance(qwen2_vl_tiny, "epd-e").start()
-    sched, metrics = metered_scheduler(qwen2_vl_tiny, [inst])
-    front = RunningFront(sched, metrics, served_model_name="tiny-vl")
-    yield sched, front
-    front.stop()
-    sched.stop()
-    inst.stop()
+    yield from served_front(qwen2_vl_tiny, "epd-e", served_model_name="tiny-vl")
 
 
 def counted(front):

@@ -21,10 +21,9 @@ from epdserve.entrypoints.http import HttpFront, HttpOptions
 from epdserve.entrypoints.http.convert import sampling
 from epdserve.entrypoints.http.errors import ApiError
 from epdserve.entrypoints.http.protocol import CompletionRequest
-from tests.entrypoints.http_harness import RunningFront, metered_scheduler, post
+from tests.entrypoints.http_harness import post, served_front
 from tests.entrypoints.test_http_errors import counted, grew
 from tests.metrics.test_refusal_counts import http_responses
-from tests.scheduler.engine_instance import EngineInstance
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -33,13 +32,7 @@ NAN, INF = math.nan, math.inf  # json.dumps writes them as NaN / Infinity, which
 
 @pytest.fixture(scope="module")
 def served(qwen2_vl_tiny):
-    inst = EngineInstance(qwen2_vl_tiny, "epd-r").start()
-    sched, metrics = metered_scheduler(qwen2_vl_tiny, [inst])
-    front = RunningFront(sched, metrics, served_model_name="tiny-vl")
-    yield sched, front
-    front.stop()
-    sched.stop()
-    inst.stop()
+    yield from served_front(qwen2_vl_tiny, "epd-r", served_model_name="tiny-vl")
 
 
 class _Kept(logging.Handler):

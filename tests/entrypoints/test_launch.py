@@ -25,7 +25,7 @@ import pytest
 
 from epdserve.entrypoints.client import Client, EPDServeError
 from epdserve.model.reference import ReferenceGenerator
-from epdserve.rpc import common_pb2
+from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 from tests.instance.harness import PH, image, status, stub, wait_until
 
 pytestmark = pytest.mark.slow
@@ -35,6 +35,7 @@ EXTRA = {"E-P-D": ["--decode", "2"]}
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 READY = re.compile(r"^epdserve ready: grpc://(\S+) mode=(\S+)")
 MAX_TOKENS = 8
+TOKEN = "launch-test-cluster-token"  # the deployments' cluster token: instance addresses and calls need it
 
 
 @dataclass
@@ -45,8 +46,11 @@ class Deployed:
     output: list[str]
 
     def instances(self):
-        with Client(self.address, timeout=30) as c:
-            return list(c.server_info().instances)
+        """The roster as a holder of the cluster token sees it (addresses included)."""
+        with grpc.insecure_channel(self.address) as ch:
+            info = serve_pb2_grpc.EPDServeStub(ch).GetServerInfo(serve_pb2.GetServerInfoRequest(), timeout=30,
+                                                                metadata=[("epdserve-cluster-token", TOKEN)])
+        return list(info.instances)
 
     def kv_instances(self):
         return [i for i in self.instances() if "P" in i.roles or "D" in i.roles]
@@ -56,7 +60,7 @@ def _launch(mode: str, model: Path, extra: tuple[str, ...] = ()) -> Deployed:
     argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--config", str(CONFIGS / f"{mode}.yaml"),
             "--model", str(model), "--kv-cache-mb", "16", "--feature-wait-s", "20", *EXTRA.get(mode, []), *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1", EPDSERVE_CLUSTER_TOKEN=TOKEN))
     output: list[str] = []
     ready = threading.Event()
     found: dict[str, str] = {}
@@ -128,11 +132,11 @@ def references(qwen2_vl_tiny):
 
 
 def _images_encoded(dep: Deployed) -> int:
-    return sum(status(stub(i.address)).load.images_encoded for i in dep.instances())
+    return sum(status(stub(i.address, TOKEN)).load.images_encoded for i in dep.instances())
 
 
 def _all_blocks_free(dep: Deployed) -> bool:
-    loads = [status(stub(i.address)).load for i in dep.kv_instances()]
+    loads = [status(stub(i.address, TOKEN)).load for i in dep.kv_instances()]
     return all(x.free_kv_blocks == x.total_kv_blocks for x in loads)
 
 
@@ -188,7 +192,7 @@ def test_instances_answer_health_and_report_their_roles(deployment):
     assert roles == want
     for i in deployment.instances():
         assert i.health == common_pb2.HEALTHY
-        assert status(stub(i.address)).instance_id == i.instance_id
+        assert status(stub(i.address, TOKEN)).instance_id == i.instance_id
 
 
 def test_killing_one_of_two_decode_instances_loses_no_request(deployment, references):
@@ -199,7 +203,7 @@ def test_killing_one_of_two_decode_instances_loses_no_request(deployment, refere
     with Client(deployment.address, timeout=300) as c, ThreadPoolExecutor(16) as pool:
         futs = [pool.submit(c.generate, p, images=im, max_tokens=24, ignore_eos=True) for p, im in workload()]
         def holding(d) -> bool:  # requests reserved there (KV on its way) or decoding: 16 x 24 tokens end fast
-            load = status(stub(d.address)).load
+            load = status(stub(d.address, TOKEN)).load
             return load.running_requests + load.waiting_requests > 0
 
         victim = wait_until(lambda: next((d for d in decoders if holding(d)), None), timeout_s=120,

@@ -26,7 +26,7 @@ import pytest
 from epdserve.entrypoints.client import Client, EPDServeError
 from epdserve.model.demo_images import procedural_image
 from epdserve.model.reference import ReferenceGenerator
-from tests.entrypoints.test_launch import _kill, _launch
+from tests.entrypoints.test_launch import TOKEN, _kill, _launch
 from tests.instance.harness import PH, image, status, stub
 
 pytestmark = pytest.mark.slow
@@ -91,9 +91,8 @@ def test_concurrent_requests_match_transformers(deployment, references):
 
 
 def _encoded_by_role(dep) -> dict[str, int]:
-    with Client(dep.address, timeout=30) as c:
-        instances = list(c.server_info().instances)
-    return {i.roles: status(stub(i.address)).load.images_encoded for i in instances if i.roles in ("E", "P")}
+    return {i.roles: status(stub(i.address, TOKEN)).load.images_encoded for i in dep.instances()
+            if i.roles in ("E", "P")}
 
 
 def test_videos_match_transformers_golden_tokens(deployment):

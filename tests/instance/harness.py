@@ -9,7 +9,7 @@ import grpc
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc
-from epdserve.transfer.mm_store.keys import media_key
+from epdserve.seams.media_keys import media_key
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -18,8 +18,15 @@ def image(seed: int, w: int = 112, h: int = 84) -> bytes:
     return jpeg_bytes(procedural_image(w, h, seed=seed))
 
 
-def stub(address: str) -> instance_pb2_grpc.InstanceStub:
-    return instance_pb2_grpc.InstanceStub(grpc.insecure_channel(address))
+def stub(address: str, cluster_token: str | None = None) -> instance_pb2_grpc.InstanceStub:
+    """An Instance stub; `cluster_token`: sent on every call (a launched deployment's instances need it)."""
+    channel = grpc.insecure_channel(address)
+    if cluster_token is not None:
+        from epdserve.security import Secret
+        from epdserve.security.interceptors import cluster_metadata, metadata_interceptors
+
+        channel = grpc.intercept_channel(channel, *metadata_interceptors(cluster_metadata(Secret(cluster_token))))
+    return instance_pb2_grpc.InstanceStub(channel)
 
 
 def status(s) -> common_pb2.InstanceStatus:
