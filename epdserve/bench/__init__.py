@@ -1,1 +1,21 @@
-"""epdserve.bench."""
+"""The benchmarks: `epdserve bench ...` and `epdserve profile`, each measuring configurations side by side.
+
+Owns running workloads and measurements and reporting them; what a workload, a metric and a
+profile are is `epdserve.perf` (shared with the planner; bench never imports the planner).
+Modules:
+- `cli`: the `bench` command group (`BENCHMARKS`, only the named benchmark imported);
+- `serve`: `bench serve`, live deployments' modes side by side; `serve_launch` (start / stop one
+  mode), `serve_runner` (drive one workload, record the client's view), `openai_backend` (the
+  same through an OpenAI-compatible HTTP server), `roster_watch` (role changes during a run),
+  `shift` (the `shift` workload, traffic whose shape changes mid-run), `report` (rows, tables,
+  figures), `spread` (bootstrap spread of a ratio between runs);
+- `chaos`: `bench chaos`, faults under load; `chaos_faults` (find, kill, wait for recovery);
+- `offline`: `bench offline`, the engine against transformers; `offline_configs`,
+  `offline_workloads`, `offline_worker` (one configuration in its own process), `offline_report`;
+- `host`: `bench host`, host time per decode step;
+- `mm_store`: `bench mm-store`, the MM Store against raw redis-py;
+- `kv_transfer_cli`: `bench kv-transfer`'s flags; `kv_transfer`: its runner and decode peer;
+- `ops`: `bench ops`, native against portable paged operators;
+- `colocation`: `bench colocation`, co-located encode against decode, per policy;
+- `profile`: the `epdserve profile` command (the measurements: `perf.profiler`).
+"""

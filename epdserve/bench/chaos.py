@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from epdserve.bench import chaos_faults as faults
-from epdserve.bench.metrics import stats
 from epdserve.commands import add_command
+from epdserve.perf.serving_metrics import stats
 
 DEFAULT_FAULTS = "E,P,D,mm_store,scheduler"
 

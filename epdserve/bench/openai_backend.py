@@ -17,7 +17,7 @@ import base64
 from collections.abc import Iterator
 from types import SimpleNamespace
 
-from epdserve.bench.workload import PLACEHOLDER, VIDEO_PLACEHOLDER, BenchRequest
+from epdserve.perf.workload import PLACEHOLDER, VIDEO_PLACEHOLDER, BenchRequest
 
 
 def user_text(prompt: str) -> str:

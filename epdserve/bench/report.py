@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import pathlib
 
-from epdserve.bench.metrics import POST_STAGES, TTFT_STAGES, RequestRecord, max_rate_meeting_slo, ttft_segments
 from epdserve.bench.shift import phase_table, plot_timeline
 from epdserve.bench.spread import fmt_ratio, goodput_ratio_interval, median_ratio_interval
+from epdserve.perf.serving_metrics import POST_STAGES, TTFT_STAGES, RequestRecord, max_rate_meeting_slo, ttft_segments
 
 STAGE_ORDER = ["send", *(n for _, n in TTFT_STAGES), "return"]
 POST_ORDER = [n for _, _, n in POST_STAGES]

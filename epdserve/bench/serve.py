@@ -24,13 +24,14 @@ import sys
 import time
 from contextlib import nullcontext
 
-from epdserve.bench.metrics import SLO, compute_metrics
 from epdserve.bench.report import markdown, plot, request_rows
 from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
 from epdserve.bench.shift import DEFAULT_PHASES, SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
-from epdserve.bench.workload import PRESET_RATES, PRESETS, WorkloadConfig, build_workload, parse_mix
 from epdserve.commands import add_command
+from epdserve.perf.presets import PRESET_RATES, PRESETS
+from epdserve.perf.serving_metrics import SLO, compute_metrics
+from epdserve.perf.workload import WorkloadConfig, build_workload, parse_mix
 
 MODES = ("monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD", "auto")  # auto: the planner's start + the role controller
 

@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
 
-from epdserve.bench.metrics import RequestRecord
-from epdserve.bench.workload import BenchRequest, arrival_times
+from epdserve.perf.arrivals import arrival_times
+from epdserve.perf.serving_metrics import RequestRecord
+from epdserve.perf.workload import BenchRequest
 
 USAGE_FIELDS = ("prompt_tokens", "prompt_text_tokens", "vision_tokens", "cached_vision_tokens", "output_tokens")
 TIMING_FIELDS = ("arrival", "dispatched", "encode_start", "encode_end", "prefill_start", "first_token",

@@ -9,7 +9,7 @@ goodput on a time axis, with the phase boundaries and any recorded events, e.g. 
 
 Arrivals are one continuous gamma process over the whole run (shape = burstiness): the gap
 before a request is drawn at the run's rate and divided by its phase's rate factor, so with the
-default factors of 1 the offsets are exactly `workload.arrival_times(n, rate, burstiness, seed)`.
+default factors of 1 the offsets are exactly `perf.arrivals.arrival_times(n, rate, burstiness, seed)`.
 A phase starts at its first request's scheduled send offset and ends where the next one starts;
 the last one ends one mean gap after its last request. Per-phase goodput is the phase's requests
 that met every SLO per second of that window (its arrival window, so a phase whose requests
@@ -23,8 +23,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from epdserve.bench.metrics import SLO, RequestRecord, compute_metrics
-from epdserve.bench.workload import PRESETS, BenchRequest, WorkloadConfig, arrival_times, build_workload
+from epdserve.perf.arrivals import arrival_times
+from epdserve.perf.presets import PRESETS
+from epdserve.perf.serving_metrics import SLO, RequestRecord, compute_metrics
+from epdserve.perf.workload import BenchRequest, WorkloadConfig, build_workload
 
 SHIFT = "shift"
 DEFAULT_PHASES = ("image-heavy", "text-heavy", "mixed")

@@ -49,7 +49,7 @@ def ensure_profile(model: str, device: str, given: str | None) -> str:
         return given
     path = profile_path(model)
     if not path.exists():
-        from epdserve.bench.profile import run_profile
+        from epdserve.perf.profiler import run_profile
 
         log.info("auto: profiling %s once (cached in %s)", model, path)
         report = run_profile(model, device=device, resolutions=["160x90", "320x180", "480x270"],
@@ -62,8 +62,8 @@ def ensure_profile(model: str, device: str, given: str | None) -> str:
 def plan_start(model: str, device: str = "cpu", profile: str | None = None, workload: str = DEFAULT_WORKLOAD,
                rate: float | None = None, devices: int = 2, requests: int = 40) -> StartPlan:
     """Rank every deployment for the declared workload; the best one (see the module docstring)."""
-    from epdserve.bench.workload import PRESET_RATES, PRESETS
     from epdserve.instance.roles import MODES
+    from epdserve.perf.presets import PRESET_RATES, PRESETS
     from epdserve.planner import rank
     from epdserve.planner.costs import CostModel
     from epdserve.planner.shapes import shapes_from_preset

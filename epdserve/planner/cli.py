@@ -39,7 +39,7 @@ DEFAULT_DEVICES = 2
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from epdserve.bench.workload import PRESETS
+    from epdserve.perf.presets import PRESETS
     from epdserve.instance.roles import MODES
     from epdserve.planner.costs import DEFAULT_LINK_GBPS, DEFAULT_LINK_LATENCY_MS
 
@@ -92,7 +92,7 @@ class PlanError(ValueError):
 
 
 def _settings(args):
-    from epdserve.bench.metrics import SLO
+    from epdserve.perf.serving_metrics import SLO
     from epdserve.planner.workers import Limits
 
     for name in ("devices", "encode_token_budget", "max_num_batched_tokens", "max_num_seqs"):

@@ -1,15 +1,15 @@
 """Every candidate deployment simulated on one workload, scored and ranked.
 
-`Prediction` is one deployment's figures, computed by `bench.metrics.compute_metrics` from the
-simulated records (so goodput, "output tok/s under the SLO" and the percentiles mean exactly what
-`epdserve bench serve` reports). `rank` orders by goodput, then output tok/s under the SLO, then
+`Prediction` is one deployment's figures, computed by `perf.serving_metrics.compute_metrics` from
+the simulated records (so goodput, "output tok/s under the SLO" and the percentiles mean exactly
+what `epdserve bench serve` reports). `rank` orders by goodput, then output tok/s under the SLO, then
 TTFT p90 (lower first), then fewer instances. `table` is the markdown ranking.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.bench.metrics import SLO, compute_metrics
+from epdserve.perf.serving_metrics import SLO, compute_metrics
 from epdserve.instance.roles import MODES
 from epdserve.planner.costs import CostModel
 from epdserve.planner.deployment import Deployment, splits

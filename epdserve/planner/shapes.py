@@ -5,9 +5,10 @@ media item (image or clip), text tokens of the prompt, output tokens (the benchm
 ignore_eos, so max_tokens is the output length).
 
 - `shapes_from_preset(name, rate, ...)`: the same requests and arrival schedule `epdserve bench
-  serve --workload NAME --request-rate RATE` sends (`bench.workload.build_workload` +
-  `arrival_times`), counted with the scheduler's own preprocessor on a checkpoint (tokenizer +
-  image processor; no weights are loaded), so vision and text token counts are the server's.
+  serve --workload NAME --request-rate RATE` sends (`perf.workload.build_workload` +
+  `perf.arrivals.arrival_times`), counted with the scheduler's own preprocessor on a checkpoint
+  (tokenizer + image processor; no weights are loaded), so vision and text token counts are the
+  server's.
 - `shapes_from_trace(results, ...)`: one run of a `bench serve` results JSON: per-request prompt,
   vision and output tokens as the server reported them, arrivals from the run's rate, burstiness
   and seed (what `bench serve` sends on). A request's vision tokens are split evenly over its
@@ -20,7 +21,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from epdserve.bench.workload import PRESETS, arrival_times
+from epdserve.perf.arrivals import arrival_times
+from epdserve.perf.presets import PRESETS
 from epdserve.planner.reports import read_report
 
 
@@ -74,7 +76,7 @@ def count_tokens(requests, model_dir: str) -> list[tuple[tuple[int, ...], int]]:
 
 def shapes_from_preset(name: str, rate: float, model_dir: str, num_requests: int | None = None,
                        burstiness: float = 1.0, seed: int = 0) -> list[RequestShape]:
-    from epdserve.bench.workload import build_workload
+    from epdserve.perf.workload import build_workload
 
     cfg = preset_config(name, num_requests, seed)
     requests = build_workload(cfg)

@@ -14,7 +14,7 @@ Time is simulated seconds; stage costs come from the `CostModel` in ms. The piec
 - transfers and preprocessing are delays, not shared resources; KV cache capacity, the
   scheduler's own CPU time and the client's network are not modelled.
 
-`simulate(deployment, costs, shapes)` returns `bench.metrics.RequestRecord`s (token times as
+`simulate(deployment, costs, shapes)` returns `perf.serving_metrics.RequestRecord`s (token times as
 the client would see them), so every figure comes from the benchmarks' own metric functions.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from epdserve.bench.metrics import RequestRecord
+from epdserve.perf.serving_metrics import RequestRecord
 from epdserve.planner.costs import CostModel
 from epdserve.planner.deployment import Deployment
 from epdserve.planner.shapes import RequestShape

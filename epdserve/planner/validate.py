@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from epdserve.bench.metrics import SLO
+from epdserve.perf.serving_metrics import SLO
 from epdserve.instance.roles import MODES
 from epdserve.planner.costs import CostModel
 from epdserve.planner.deployment import from_pools, parse_summary

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from epdserve.bench.profile import interp, parse_resolution, run_profile
 from epdserve.entrypoints.cli import main
+from epdserve.perf.profile_report import interp
+from epdserve.perf.profiler import parse_resolution, run_profile
 
 
 def test_profile_reports_every_stage_with_consistent_bytes(qwen2_vl_tiny):

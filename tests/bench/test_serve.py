@@ -9,12 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from epdserve.bench.metrics import SLO
 from epdserve.bench.report import markdown, plot
 from epdserve.bench.serve import add_parser, parse_rates, run_target, workload_configs
 from epdserve.bench.serve_launch import LaunchError, launched, parse_ready
 from epdserve.bench.serve_runner import RunConfig, fields_of, run_requests, send_one
-from epdserve.bench.workload import WorkloadConfig, arrival_times, build_workload
+from epdserve.perf.arrivals import arrival_times
+from epdserve.perf.serving_metrics import SLO
+from epdserve.perf.workload import WorkloadConfig, build_workload
 
 TINY = WorkloadConfig(name="tiny", num_requests=6, resolution_scale=0.05, output_len_mean=3, output_len_std=0,
                       output_len_min=3, output_len_max=3, text_only_share=0.5, text_prompt_words_mean=5,

@@ -3,8 +3,9 @@ scheduler, real engine instance, the official `openai` client), and the request 
 import json
 
 from epdserve.bench.openai_backend import chat_body, user_text
-from epdserve.bench.workload import PRESETS, build_workload
 from epdserve.entrypoints.cli import main
+from epdserve.perf.presets import PRESETS
+from epdserve.perf.workload import build_workload
 from tests.entrypoints.http_harness import RunningFront, metered_scheduler
 from tests.scheduler.engine_instance import EngineInstance
 

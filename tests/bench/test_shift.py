@@ -5,12 +5,12 @@ import json
 import numpy as np
 import pytest
 
-from epdserve.bench.metrics import SLO
 from epdserve.bench.report import markdown, plot
 from epdserve.bench.serve import run_target, workload_configs
 from epdserve.bench.serve_runner import RunConfig, run_requests
 from epdserve.bench.shift import DEFAULT_PHASES, ShiftConfig, build_shift, events_of, shift_config
-from epdserve.bench.workload import arrival_times
+from epdserve.perf.arrivals import arrival_times
+from epdserve.perf.serving_metrics import SLO
 from tests.bench.test_serve import FakeBackend, _args
 
 SMALL = {"resolution_scale": 0.05}

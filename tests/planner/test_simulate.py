@@ -1,7 +1,7 @@
 """The simulator on cases small enough to compute by hand (round-number costs from conftest)."""
 import pytest
 
-from epdserve.bench.metrics import SLO, compute_metrics
+from epdserve.perf.serving_metrics import SLO, compute_metrics
 from epdserve.planner.deployment import Deployment
 from epdserve.planner.shapes import RequestShape
 from epdserve.planner.simulate import Simulation, simulate

@@ -6,7 +6,8 @@ import av
 import pytest
 
 from epdserve.bench.openai_backend import chat_body, user_text
-from epdserve.bench.workload import PLACEHOLDER, PRESETS, VIDEO_PLACEHOLDER, build_workload, resolution_size
+from epdserve.perf.presets import PRESETS
+from epdserve.perf.workload import PLACEHOLDER, VIDEO_PLACEHOLDER, build_workload, resolution_size
 
 VIDEO = PRESETS["video"]
 

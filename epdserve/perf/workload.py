@@ -1,25 +1,23 @@
-"""Seeded, offline serving workloads shaped like ShareGPT-4o, and their arrival schedules.
+"""Seeded, offline serving workloads shaped like ShareGPT-4o.
 
 Owns `WorkloadConfig` (the knobs), `BenchRequest` (one request as the client sends it),
-`build_workload` (config → the same requests on every call), the named presets used by
-`epdserve bench serve` (scaled for a 2-core CPU), and `arrival_times` (gamma inter-arrivals,
-shape = burstiness, 1 = Poisson). Nothing is downloaded.
+`build_workload` (config → the same requests on every call), the Qwen2-VL chat prompt around one
+turn (`chat_prompt`, `PLACEHOLDER`, `VIDEO_PLACEHOLDER`), `resolution_size` and `parse_mix` (a
+resolution mix as the command line writes it). The named presets are perf/presets.py, the
+arrival schedules perf/arrivals.py. Nothing is downloaded.
 
 A ShareGPT-4o row is one image, a short caption instruction and a long answer (~600±140 tokens).
 Here: procedural images (gradient + shapes + light noise, JPEG q85) drawn from a resolution mix,
 prompts rendered with the Qwen2-VL chat template (one placeholder per image, the offline API's
 convention), output lengths from a clipped normal, enforced with max_tokens + ignore_eos.
-A share `video_share` of requests carries one synthetic clip instead (bench/clips.py: MP4 made
+A share `video_share` of requests carries one synthetic clip instead (perf/clips.py: MP4 made
 with PyAV, seeded) of a length from `video_seconds` at a resolution from `video_mix`.
 """
 from __future__ import annotations
 
-import math
 import random
 import zlib
 from dataclasses import asdict, dataclass, field, replace
-
-import numpy as np
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -198,7 +196,7 @@ def build_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
 
 
 def _add_clip(req: BenchRequest, cfg: WorkloadConfig, rng: random.Random, seed: int) -> None:
-    from epdserve.bench.clips import synthetic_clip
+    from epdserve.perf.clips import synthetic_clip
 
     label = rng.choices([n for n, _ in cfg.video_mix], [w for _, w in cfg.video_mix])[0]
     seconds = rng.choice(cfg.video_seconds)
@@ -206,48 +204,3 @@ def _add_clip(req: BenchRequest, cfg: WorkloadConfig, rng: random.Random, seed: 
     req.videos.append(synthetic_clip(w, h, max(1, round(seconds * cfg.video_fps)), cfg.video_fps, seed))
     req.video_labels.append(f"{label}/{seconds:g}s")
     req.prompt = chat_prompt(rng.choice(VIDEO_INSTRUCTIONS), num_videos=1)
-
-
-def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Send offsets (s from the start) of n requests: gamma inter-arrivals with shape `burstiness`
-    and mean 1/rate (burstiness 1 = Poisson; < 1 burstier; > 1 more regular). The first request
-    goes at 0. rate = inf: all at once."""
-    if n < 1:
-        return []
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be > 0")
-    if math.isinf(rate):
-        return [0.0] * n
-    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
-
-
-# Presets scaled for a 2-core CPU and the small demo model (see `epdserve profile`): resolutions
-# at a quarter of their sides (360p → 160x90, 720p → 320x180, 1080p → 480x270: 18–170 vision
-# tokens instead of 300–1280) and outputs about a tenth of ShareGPT-4o's 600±140 tokens.
-_CPU = WorkloadConfig(num_requests=16, resolution_scale=0.25, output_len_mean=60, output_len_std=14,
-                      output_len_min=8, output_len_max=120, text_prompt_words_mean=60, text_prompt_words_std=20)
-PRESETS = {
-    "sharegpt4o": _CPU.with_(name="sharegpt4o"),
-    # (a) several images per request, short outputs: the encoder dominates
-    "image-heavy": _CPU.with_(name="image-heavy", num_requests=10, images_min=2, images_max=4, output_len_mean=12,
-                              output_len_std=3, output_len_min=4, output_len_max=24,
-                              resolution_mix=(("360p", 0.4), ("720p", 0.4), ("1080p", 0.2))),
-    # (b) mixed traffic: half the requests are text-only
-    "mixed": _CPU.with_(name="mixed", text_only_share=0.5, output_len_mean=24, output_len_std=6,
-                        output_len_min=4, output_len_max=48),
-    # (c) text-heavy with long outputs: few and small images, decode dominates
-    "text-heavy": _CPU.with_(name="text-heavy", num_requests=12, text_only_share=0.8, output_len_mean=96,
-                             output_len_std=24, output_len_min=32, output_len_max=160,
-                             resolution_mix=(("360p", 1.0),), text_prompt_words_mean=120, text_prompt_words_std=30),
-    # (d) video: one short clip per request (1, 2 or 4 s at 8 fps; 240p-480p at a quarter of their
-    # sides), short outputs: every sampled frame is encoded, the load EPD exists for
-    "video": _CPU.with_(name="video", num_requests=12, video_share=1.0, output_len_mean=12, output_len_std=3,
-                        output_len_min=4, output_len_max=24),
-}
-# The request-rate sweep of each preset (req/s) on that CPU: about 40% and 80% of what the
-# monolithic deployment sustains, measured with the presets above.
-PRESET_RATES = {"sharegpt4o": (0.25, 0.5), "image-heavy": (0.2, 0.4), "mixed": (0.5, 1.0), "text-heavy": (0.4, 0.8),
-                # bench/shift.py (image-heavy -> text-heavy -> mixed): not measured; the second rate is
-                # over image-heavy's sweep and under the others', so the first phase alone overloads
-                "shift": (0.3, 0.6)}

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from epdserve.bench.metrics import SLO, RequestRecord, compute_metrics, max_rate_meeting_slo, stage_breakdown, ttft_segments
+from epdserve.perf.serving_metrics import SLO, RequestRecord, compute_metrics, max_rate_meeting_slo, stage_breakdown, ttft_segments
 
 
 def _trace():

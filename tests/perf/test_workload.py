@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from epdserve.bench.workload import (PLACEHOLDER, PRESETS, WorkloadConfig, arrival_times, build_workload,
-                                     parse_mix, resolution_size)
+from epdserve.perf.arrivals import arrival_times
+from epdserve.perf.presets import PRESETS
+from epdserve.perf.workload import PLACEHOLDER, WorkloadConfig, build_workload, parse_mix, resolution_size
 
 SMALL = WorkloadConfig(name="t", num_requests=12, resolution_scale=0.1, output_len_mean=20, output_len_std=5,
                        output_len_min=10, output_len_max=25, text_prompt_words_mean=10, text_prompt_words_std=2)
