@@ -89,7 +89,7 @@ class _Rig:
         from epdserve.engine.loaded_model import load_model
         from epdserve.engine.sampling_params import SamplingParams
         from epdserve.instance.affinity import available_cores
-        from epdserve.transfer.feature_provider import LocalFeatureProvider
+        from epdserve.seams.feature_provider import LocalFeatureProvider
 
         self.args, self.cores = args, available_cores()
         torch.set_num_threads(len(self.cores))

@@ -117,7 +117,7 @@ class _EnginePrefill:
                 break
 
     def round(self, sender: KVSender, rid: str, dst: tuple[int, ...], layerwise: bool):
-        from epdserve.engine.kv_connector import RemoteDecode
+        from epdserve.seams.kv_connector import RemoteDecode
         from epdserve.engine.sampling_params import SamplingParams
 
         eng = self.eng

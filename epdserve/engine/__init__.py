@@ -1,14 +1,16 @@
 """epdserve.engine: one engine — request states, scheduler + block manager, model runner, sampler.
 
+It reaches other instances only through epdserve.seams (the `KVConnector` and the
+`FeatureProvider` it is given at construction); it never imports transfer/.
+
 - llm_engine.py      LLMEngine: the public API (build_request, add_request, step, abort, load_report)
 - engine_request.py  EngineRequest: the one intake type for every role
 - loaded_model.py    LoadedModel: a checkpoint loaded once per process, shared by its engines
 - scheduler.py       Scheduler: queues, request states, the block manager's only owner; schedule / update
-- kv_connector.py    KVConnector: the seam through which KV leaves for or arrives from other instances
 - encode_stage.py    EncodeStage: media features from the FeatureProvider or the vision tower
 - encode_plan.py     encode batching under a vision-token budget: round-robin, videos by temporal patches
 - model_runner.py    ModelRunner: one packed forward over a scheduled batch, then sampling
 - sequence.py        Sequence and RequestState: one request inside the engine
 - block_manager.py, kv_cache.py, sampler.py, stop_checker.py, outputs.py, stats.py, config.py,
-  sampling_params.py, roles.py: the parts those use
+  sampling_params.py, roles.py, compute_gate.py: the parts those use
 """

@@ -19,10 +19,10 @@ import time
 
 from epdserve.engine.compute_gate import NO_GATE
 from epdserve.engine.encode_plan import TEMPORAL_SLICING_EXACT, EncodeJob, Slice, pack
-from epdserve.transfer.feature_provider import FeatureProvider
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.model.adapter import VLMAdapter
+from epdserve.seams.feature_provider import FeatureProvider
 
 
 class EncodeStage:

@@ -26,7 +26,6 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.encode_stage import EncodeStage
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
-from epdserve.engine.kv_connector import KVConnector, RemotePrefill
 from epdserve.engine.loaded_model import LoadedModel, load_model
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.outputs import RequestOutput, make_output
@@ -38,8 +37,9 @@ from epdserve.engine.stop_checker import StopChecker
 from epdserve.model.errors import InvalidRequestError
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import paged_ops
-from epdserve.transfer.feature_provider import FeatureProvider, LocalFeatureProvider
-from epdserve.transfer.mm_store.keys import media_key
+from epdserve.seams.feature_provider import FeatureProvider, LocalFeatureProvider
+from epdserve.seams.kv_connector import KVConnector, RemotePrefill
+from epdserve.seams.media_keys import media_key
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoi
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.platform import get_platform
 from epdserve.platform.base import Platform
-from epdserve.transfer.mm_store.keys import namespace_for
+from epdserve.seams.media_keys import namespace_for
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

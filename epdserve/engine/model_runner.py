@@ -18,7 +18,6 @@ from array import array
 import torch
 
 from epdserve.engine.kv_cache import PagedKVCache
-from epdserve.engine.kv_connector import KVConnector
 from epdserve.engine.sampler import sample
 from epdserve.engine.scheduler import ScheduledSeq
 from epdserve.model.adapter import VLMAdapter
@@ -26,6 +25,7 @@ from epdserve.model.deepstack import chunk_deepstack
 from epdserve.ops import paged_attention
 from epdserve.ops.backend import PagedOps
 from epdserve.ops.attention_meta import AttentionMeta, PrefillSegment
+from epdserve.seams.kv_connector import KVConnector
 
 
 class ModelRunner:

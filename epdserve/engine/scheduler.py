@@ -21,9 +21,9 @@ from array import array
 from dataclasses import dataclass
 
 from epdserve.engine.block_manager import BlockManager
-from epdserve.engine.kv_connector import FinishedTransfer, KVConnector
 from epdserve.engine.sequence import RequestState, Sequence
 from epdserve.engine.stop_checker import StopChecker
+from epdserve.seams.kv_connector import FinishedTransfer, KVConnector
 
 S = RequestState
 

@@ -81,7 +81,7 @@ class Sequence:
     arrival: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     feature_target: str | None = None  # encode role: which prefill side gets the "feature stored" event
-    kv_transfer: object | None = None  # RemoteDecode / RemotePrefill (engine.kv_connector)
+    kv_transfer: object | None = None  # RemoteDecode / RemotePrefill (seams.kv_connector)
     kv_error: str | None = None  # the KV connector failed this request's transfer
     num_vision_tokens_hint: int = 0  # decode-only: vision tokens in the remote prompt (reporting)
 

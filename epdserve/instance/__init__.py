@@ -9,7 +9,8 @@ One sentence per module:
 - prefill_worker.py  P: pair bootstrap → engine request with RemoteDecode (layerwise send connector)
 - decode_worker.py   D: engine request with RemotePrefill (blocks reserved, receive connector) → stream
 - coupled_worker.py  PD / EPD: the whole request in one engine
-- convert.py         protobuf ↔ engine types (sampling params, media refs, deltas, timings)
+- convert.py         protobuf ↔ engine types (media refs, deltas, timings)
+- sampling_wire.py   common.SamplingParams ↔ the engine's SamplingParams (the scheduler's side of the wire too)
 - errors.py          failure → gRPC status (INVALID_ARGUMENT, ABORTED, RESOURCE_EXHAUSTED, UNAVAILABLE)
 - servicer.py        the Instance gRPC service: each RPC to its worker
 - registration.py    Register / Heartbeat / Deregister with the scheduler

@@ -1,6 +1,5 @@
 """Conversions between the internal protobuf messages and the engine's types (instance side).
 
-- `sampling_from_proto`: re-exported from epdserve.rpc.sampling (one conversion for both sides);
 - `media_items`: MediaRef list → engine MediaItems (bytes preprocessed here, so a corrupt image
   fails its request before it is queued);
 - `timings_to_proto`: an engine timings dict → StageTimings;
@@ -18,7 +17,6 @@ from epdserve.engine.outputs import RequestOutput
 from epdserve.engine.sequence import MediaItem
 from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import common_pb2, instance_pb2
-from epdserve.rpc.sampling import sampling_from_proto  # noqa: F401 (servicer.py uses it from here)
 from epdserve.rpc.video_spec import video_options_from_proto
 
 # engine timing key → StageTimings field

@@ -18,10 +18,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.engine.kv_connector import RemotePrefill
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.instance.errors import BusyError, TransientError
 from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
+from epdserve.seams.kv_connector import RemotePrefill
 from epdserve.transfer.kv import KVTransferConfig, LayerwiseRecvConnector, PairRendezvous
 
 

@@ -11,9 +11,9 @@ first token fails the request as retryable.
 from __future__ import annotations
 
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.engine.kv_connector import RemoteDecode
 from epdserve.instance.errors import TransientError
 from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
+from epdserve.seams.kv_connector import RemoteDecode
 from epdserve.transfer.kv import KVTransferConfig, LayerwiseSendConnector, PairRendezvous, PairState, StalePairError
 
 

@@ -15,12 +15,13 @@ import time
 import grpc
 
 from epdserve.instance import convert
-from epdserve.instance.errors import TransientError, status_for
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.engine.kv_connector import RemoteDecode
+from epdserve.instance.errors import TransientError, status_for
+from epdserve.instance.sampling_wire import sampling_from_proto
 from epdserve.instance.worker import CALL_TIMEOUT_S
 from epdserve.model.errors import InvalidRequestError
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
+from epdserve.seams.kv_connector import RemoteDecode
 from epdserve.transfer.kv import PairRendezvous
 from epdserve.transfer.kv.store_service import serve_kv_store
 
@@ -116,7 +117,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                 request_id=rid,
                 prompt_token_ids=list(request.prompt_token_ids),
                 media=convert.media_items(w.engine, request.media),
-                params=convert.sampling_from_proto(request.sampling),
+                params=sampling_from_proto(request.sampling),
                 kv_transfer=RemoteDecode(dec.decode_instance_id, tuple(dec.dst_block_ids)),
             )
 
@@ -149,7 +150,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Decode call starts with DecodeInput.reserve")
         r = first.reserve
         rid = r.request_id
-        params = self._guard(context, lambda: convert.sampling_from_proto(r.sampling))
+        params = self._guard(context, lambda: sampling_from_proto(r.sampling))
         ep = r.prefill_kv_endpoint
         if not r.prefill_instance_id or not ep.port:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -182,7 +183,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
 
         def submit():
             items = convert.media_items(w.engine, request.media)
-            params = convert.sampling_from_proto(request.sampling)
+            params = sampling_from_proto(request.sampling)
             return w.submit(EngineRequest(rid, list(request.prompt_token_ids), items, params))
 
         handle = self._guard(context, submit)

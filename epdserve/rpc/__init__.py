@@ -10,7 +10,11 @@ Use the modules from here, never from epdserve.proto_gen directly:
 - serve.proto    the public `EPDServe` service (clients -> scheduler)
 - instance.proto `Registry` (instances -> scheduler) and `Instance` (scheduler -> instances)
 - servers.py     health + reflection on a server and its serving status
-- sampling.py    common.SamplingParams ↔ the engine's SamplingParams (both sides of the wire)
+- ranges.py      the numeric ranges of a public generation request, the rules both fronts check
+- video_spec.py  a video's per-request sampling options ↔ the `VideoSpec` message
+
+Imports nothing of epdserve's engine or the layers above it (the conversion of sampling params
+to the engine's type is `epdserve.instance.sampling_wire`).
 """
 from epdserve.proto_gen.epdserve.v1 import (
     common_pb2,

@@ -1,7 +1,8 @@
-"""epdserve.transfer: what moves between stages, and the seams the engine sees it through.
+"""epdserve.transfer: what moves between stages — the implementations of epdserve.seams' interfaces.
 
-- feature_provider.py  the E→P seam: `FeatureProvider` (contract), `FeatureStats`, `LocalFeatureProvider`
-- byte_lru.py          `ByteLRU`: the byte-bounded LRU both feature caches keep their entries in
+Imports the seams, never the engine.
+
 - mm_store/            the MM Store: features in a Redis-protocol server, event-driven prefetch to P
-- kv/                  layerwise P→D KV transfer over two-rank process groups
+                       (`MMStoreFeatureProvider`, a `FeatureProvider`)
+- kv/                  layerwise P→D KV transfer over two-rank process groups (the `KVConnector`s)
 """

@@ -14,7 +14,7 @@ from epdserve.engine.llm_engine import LLMEngine
 from epdserve.engine.sequence import MediaItem, Sequence
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
-from epdserve.transfer.feature_provider import LocalFeatureProvider
+from epdserve.seams.feature_provider import LocalFeatureProvider
 
 FIXTURES = Path(__file__).parents[1] / "model" / "fixtures" / "video"
 PH = "<|vision_start|><|image_pad|><|vision_end|>"

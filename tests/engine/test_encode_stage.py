@@ -4,7 +4,7 @@ import pytest
 from epdserve import SamplingParams
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.transfer.feature_provider import LocalFeatureProvider
+from epdserve.seams.feature_provider import LocalFeatureProvider
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator

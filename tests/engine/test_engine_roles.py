@@ -10,7 +10,7 @@ import time
 from epdserve import SamplingParams
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.engine.kv_connector import RemoteDecode, RemotePrefill
+from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator

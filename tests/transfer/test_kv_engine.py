@@ -19,7 +19,7 @@ from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.engine.kv_connector import RemoteDecode, RemotePrefill
+from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
 from epdserve.transfer.kv import (
     LayerwiseRecvConnector, LayerwiseSendConnector, PairRendezvous, PairState, RendezvousServer,
 )

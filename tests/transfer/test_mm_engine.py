@@ -13,12 +13,12 @@ import pytest
 
 from epdserve import SamplingParams
 from epdserve.engine.config import EngineConfig
-from epdserve.transfer.feature_provider import FeatureProvider
+from epdserve.seams.feature_provider import FeatureProvider
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.transfer.mm_store import LocalRedisServer, RedisConnection, RedisMMStore
-from epdserve.transfer.mm_store.keys import media_key
+from epdserve.seams.media_keys import media_key
 from epdserve.transfer.mm_store.provider import MMStoreFeatureProvider
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"

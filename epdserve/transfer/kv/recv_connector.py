@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.engine.kv_connector import FinishedTransfer, KVConnector, RemotePrefill
+from epdserve.seams.kv_connector import FinishedTransfer, KVConnector, RemotePrefill
 from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.messages import PairRendezvous
 from epdserve.transfer.kv.pair_names import pair_name

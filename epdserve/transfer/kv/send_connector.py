@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from epdserve.engine.kv_connector import FinishedTransfer, KVConnector, RemoteDecode
+from epdserve.seams.kv_connector import FinishedTransfer, KVConnector, RemoteDecode
 from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.messages import PairRendezvous
 from epdserve.transfer.kv.pair_names import pair_generation

@@ -1,8 +1,8 @@
 """MM Store: the E->P hop. Hash-keyed media features in Redis, event-driven prefetch into a
-P-side local cache, and "recompute locally" when a feature cannot be had in time.
+P-side local cache, and "recompute locally" when a feature cannot be had in time. Features are
+keyed by media key (epdserve.seams.media_keys).
 
 One sentence per module:
-- keys.py        media keys (xxh3-128 of raw bytes) and model/processor namespaces
 - codec.py       binary value layout of a list of tensors (never pickle), CorruptFeatureError
 - server.py      LocalRedisServer: a private Redis-protocol server on a free loopback port
 - connection.py  redis-py client with short timeouts + ServerHealth (backoff, one warning per outage)
@@ -12,13 +12,13 @@ One sentence per module:
 - prefetch.py    PrefetchListener thread: events -> store -> local cache
 - fetcher.py     FeatureFetcher.get(key, timeout_s): cache, in-flight wait, store, or None
 - stats.py       thread-safe counters (the provider reports them as `FeatureStats`)
+- provider.py    MMStoreFeatureProvider: the `FeatureProvider` over the store, events, prefetch and cache
 """
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.codec import CorruptFeatureError
 from epdserve.transfer.mm_store.connection import RedisConnection, StoreUnavailableError
 from epdserve.transfer.mm_store.events import EventPublisher, FeatureEvent
 from epdserve.transfer.mm_store.fetcher import FeatureFetcher
-from epdserve.transfer.mm_store.keys import media_key, namespace_for
 from epdserve.transfer.mm_store.prefetch import PrefetchListener
 from epdserve.transfer.mm_store.server import LocalRedisServer
 from epdserve.transfer.mm_store.stats import feature_counters
@@ -38,6 +38,4 @@ __all__ = [
     "RedisMMStore",
     "StoreUnavailableError",
     "feature_counters",
-    "media_key",
-    "namespace_for",
 ]

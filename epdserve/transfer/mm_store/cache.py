@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from epdserve.transfer.byte_lru import ByteLRU
+from epdserve.seams.byte_lru import ByteLRU
 
 
 class LocalFeatureCache:

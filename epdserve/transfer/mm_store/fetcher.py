@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from epdserve.transfer.byte_lru import tensors_nbytes
+from epdserve.seams.byte_lru import tensors_nbytes
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.connection import StoreUnavailableError
 from epdserve.transfer.mm_store.stats import Counters, feature_counters

@@ -16,7 +16,7 @@ import threading
 
 import redis
 
-from epdserve.transfer.byte_lru import tensors_nbytes
+from epdserve.seams.byte_lru import tensors_nbytes
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.connection import StoreUnavailableError
 from epdserve.transfer.mm_store.events import FeatureEvent, stream_name

@@ -1,4 +1,4 @@
-"""`FeatureProvider` (the engine's E->P seam, epdserve/transfer/feature_provider.py) over the MM Store.
+"""`FeatureProvider` (the engine's E->P seam, epdserve/seams/feature_provider.py) over the MM Store.
 
 One class, used by an engine in the role(s) it runs (`roles`, as in `EngineConfig.roles`):
 
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from epdserve.transfer.byte_lru import tensors_nbytes
-from epdserve.transfer.feature_provider import FeatureProvider, FeatureStats
+from epdserve.seams.byte_lru import tensors_nbytes
+from epdserve.seams.feature_provider import FeatureProvider, FeatureStats
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.connection import StoreUnavailableError
 from epdserve.transfer.mm_store.events import EventPublisher, FeatureEvent

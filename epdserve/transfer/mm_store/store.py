@@ -4,7 +4,7 @@
 (redis://, rediss:// with TLS, passwords in the URL; redis-py picks hiredis up by itself).
 
 Contract of every store:
-- keys are media keys (`keys.media_key`); a value is the list of tensors of one media item;
+- keys are media keys (`epdserve.seams.media_keys.media_key`); a value is the list of tensors of one media item;
 - `put` overwrites (the same key always means the same features) and sets the TTL;
 - `get` returns None when the key is absent: never stored, expired, evicted or deleted;
 - calls raise `StoreUnavailableError` when the server cannot be reached (fast: short timeouts,

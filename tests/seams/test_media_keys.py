@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from epdserve.transfer.mm_store.keys import media_key, namespace_for
+from epdserve.seams.media_keys import media_key, namespace_for
 
 CONFIG = {"patch_size": 14, "merge_size": 2, "min_pixels": 3136, "image_mean": [0.48, 0.45, 0.40]}
 

@@ -1,9 +1,11 @@
 """Sampling parameters on the wire: common.SamplingParams ↔ the engine's `SamplingParams`.
 
 The one conversion both sides of the wire use (the scheduler validating a public request, an
-instance reading an internal one). A field the sender left unset takes the engine's default;
-bad values raise `InvalidRequestError` (callers map it to INVALID_ARGUMENT): a number out of its
-range (`ranges.check_sampling`, the rules both fronts share) as `RangeError`, naming the field.
+instance reading an internal one); it lives in instance/, the lowest layer that has both the
+engine's type and the wire (rpc/ imports nothing of the engine). A field the sender left unset
+takes the engine's default; bad values raise `InvalidRequestError` (callers map it to
+INVALID_ARGUMENT): a number out of its range (`epdserve.rpc.ranges.check_sampling`, the rules
+both fronts share) as `RangeError`, naming the field.
 """
 from __future__ import annotations
 

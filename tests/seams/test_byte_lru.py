@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from epdserve.transfer.byte_lru import ByteLRU, tensors_nbytes
-from epdserve.transfer.feature_provider import FeatureStats, LocalFeatureProvider
+from epdserve.seams.byte_lru import ByteLRU, tensors_nbytes
+from epdserve.seams.feature_provider import FeatureStats, LocalFeatureProvider
 
 
 def _feat(kib):

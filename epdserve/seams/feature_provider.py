@@ -7,9 +7,10 @@ their contracts. In short:
 - prefill side: `load(key, timeout_s)` returns the features, waiting at most `timeout_s`, or
   None, in which case the prefill stage recomputes them with its own vision encoder;
 - `stats()` returns one `FeatureStats` snapshot whatever the implementation.
-`LocalFeatureProvider` keeps features in this process (a `ByteLRU`); the MM Store
-implementation (`MMStoreFeatureProvider`) lives in epdserve.transfer.mm_store. The interface
-sits in transfer/ (below engine/) so that implementations subclass it.
+`LocalFeatureProvider` keeps features in this process (a `ByteLRU`): the engine's default when
+it is given none. The MM Store implementation (`MMStoreFeatureProvider`) lives in
+epdserve.transfer.mm_store; the interface sits in seams/ (below engine/ and transfer/) so that
+the engine calls it and implementations subclass it without either importing the other.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epdserve.transfer.byte_lru import ByteLRU
+from epdserve.seams.byte_lru import ByteLRU
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class FeatureStats:
 
 
 class FeatureProvider(ABC):
-    """Features of media items by media key (`mm_store.keys.media_key`), shared E -> P.
+    """Features of media items by media key (`seams.media_keys.media_key`), shared E -> P.
 
     The engine calls `contains`, `save` and `load` from its loop thread, one call at a time;
     `stats` may be called from any thread. No method raises because a store is unreachable:

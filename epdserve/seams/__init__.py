@@ -1,0 +1,12 @@
+"""epdserve.seams: the two connector interfaces between the engine and what moves between stages.
+
+Owns the contracts the engine calls and transfer/ implements, and what both sides share, so that
+neither imports the other (as vLLM keeps its KV and encoder-cache connector bases side by side).
+Implementations are built above both, in instance/ (InstanceHost picks a provider and connectors).
+Imports nothing of epdserve above it.
+
+- kv_connector.py      the P→D seam: `KVConnector` (contract), `RemoteDecode` / `RemotePrefill`, `FinishedTransfer`
+- feature_provider.py  the E→P seam: `FeatureProvider` (contract), `FeatureStats`, `LocalFeatureProvider`
+- media_keys.py        media identity: `media_key` (xxh3-128 of raw bytes) and `namespace_for` (model/processor)
+- byte_lru.py          `ByteLRU`: the byte-bounded LRU both feature caches keep their entries in
+"""
