@@ -34,9 +34,9 @@ from epdserve.engine.scheduler import Scheduler, SchedulerConfig
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.engine.stop_checker import StopChecker
-from epdserve.model.errors import InvalidRequestError
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import paged_ops
+from epdserve.request_errors import InvalidRequestError
 from epdserve.seams.feature_provider import FeatureProvider, LocalFeatureProvider
 from epdserve.seams.kv_connector import KVConnector, RemotePrefill
 from epdserve.seams.media_keys import media_key

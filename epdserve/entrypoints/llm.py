@@ -18,8 +18,8 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.engine.outputs import RequestOutput
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.model.errors import InvalidRequestError
 from epdserve.model.chat import chat_to_prompt
+from epdserve.request_errors import InvalidRequestError
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from epdserve.engine.outputs import RequestOutput
 from epdserve.engine.sequence import MediaItem
-from epdserve.model.errors import InvalidRequestError
+from epdserve.request_errors import InvalidRequestError
 from epdserve.rpc import common_pb2, instance_pb2
 from epdserve.rpc.video_spec import video_options_from_proto
 

@@ -1,6 +1,6 @@
 """Why a request failed on an instance, as the gRPC status the scheduler acts on.
 
-- `InvalidRequestError` (epdserve.model.errors) → INVALID_ARGUMENT: the scheduler fails it;
+- `InvalidRequestError` (epdserve.request_errors) → INVALID_ARGUMENT: the scheduler fails it;
 - `TransientError` → ABORTED: e.g. a broken KV pair; the scheduler retries elsewhere;
 - `BusyError` → RESOURCE_EXHAUSTED: queue or KV blocks full; the scheduler tries another one;
 - anything else → UNAVAILABLE (the worker is stopping, broken or too slow to take the call).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from epdserve.model.errors import InvalidRequestError
+from epdserve.request_errors import InvalidRequestError
 
 
 class TransientError(RuntimeError):

@@ -10,7 +10,7 @@ both fronts share) as `RangeError`, naming the field.
 from __future__ import annotations
 
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.model.errors import InvalidRequestError
+from epdserve.request_errors import InvalidRequestError
 from epdserve.rpc import common_pb2
 from epdserve.rpc.ranges import check_sampling
 

@@ -19,7 +19,7 @@ from epdserve.engine.engine_request import EngineRequest
 from epdserve.instance.errors import TransientError, status_for
 from epdserve.instance.sampling_wire import sampling_from_proto
 from epdserve.instance.worker import CALL_TIMEOUT_S
-from epdserve.model.errors import InvalidRequestError
+from epdserve.request_errors import InvalidRequestError
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
 from epdserve.seams.kv_connector import RemoteDecode
 from epdserve.transfer.kv import PairRendezvous

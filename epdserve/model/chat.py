@@ -11,7 +11,7 @@ import base64
 import binascii
 from urllib.parse import unquote_to_bytes
 
-from epdserve.model.errors import InvalidRequestError
+from epdserve.request_errors import InvalidRequestError
 
 # content part types OpenAI defines that epdserve does not take -> what the refusal says
 UNSUPPORTED_PARTS = {"input_audio": "audio input is not supported", "audio_url": "audio input is not supported",

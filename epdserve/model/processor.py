@@ -9,7 +9,7 @@ per temporal patch (Qwen3-VL) or to its pad tokens (Qwen2 family); its key hashe
 sampling options. Media are listed in prompt order.
 Failures raise `InvalidRequestError` for this request only; a bad media item raises `MediaError`,
 whose text names it ("image 2 is not a readable image (12 bytes): ...", counted from 1 per kind)
-and says what PIL / PyAV found, never a Python object's repr (`model.errors.readable`).
+and says what PIL / PyAV found, never a Python object's repr (`epdserve.request_errors.readable`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from epdserve.model.errors import InvalidRequestError, MediaError, readable
+from epdserve.request_errors import InvalidRequestError, MediaError, readable
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from epdserve.model.errors import InvalidRequestError, MediaError, readable
+from epdserve.request_errors import InvalidRequestError, MediaError, readable
 
 MAX_DECODED_FRAMES = 100_000  # a container claiming more is refused before decoding
 

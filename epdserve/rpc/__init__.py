@@ -13,8 +13,8 @@ Use the modules from here, never from epdserve.proto_gen directly:
 - ranges.py      the numeric ranges of a public generation request, the rules both fronts check
 - video_spec.py  a video's per-request sampling options ↔ the `VideoSpec` message
 
-Imports nothing of epdserve's engine or the layers above it (the conversion of sampling params
-to the engine's type is `epdserve.instance.sampling_wire`).
+Of epdserve it imports only proto_gen, net and request_errors: nothing of the engine or above (the
+conversion of sampling params to the engine's type is `epdserve.instance.sampling_wire`).
 """
 from epdserve.proto_gen.epdserve.v1 import (
     common_pb2,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from epdserve.model.errors import InvalidRequestError
+from epdserve.request_errors import InvalidRequestError
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

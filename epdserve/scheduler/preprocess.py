@@ -20,12 +20,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.model.chat import chat_to_prompt
 from epdserve.instance.sampling_wire import sampling_from_proto, sampling_to_proto
-from epdserve.model.errors import InvalidRequestError, MediaError, readable
+from epdserve.model.chat import chat_to_prompt
 from epdserve.model.loader import eos_token_ids
 from epdserve.model.loader import max_model_len as context_length
 from epdserve.model.processor import MultimodalProcessor
+from epdserve.request_errors import InvalidRequestError, MediaError, readable
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.rpc.video_spec import video_options_from_proto
 from epdserve.scheduler.errors import RequestError

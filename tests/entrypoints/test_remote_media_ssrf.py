@@ -21,9 +21,9 @@ from epdserve.entrypoints.http.images import CANNOT_FETCH, fetch
 from epdserve.entrypoints.http.media_address import MediaDomains
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.remote_media import FetchFailed, FetchPolicy, TooLarge, fetch_remote
-from epdserve.model.errors import MAX_READABLE, MediaError, readable
 from epdserve.model.processor import open_image
 from epdserve.net import free_port
+from epdserve.request_errors import MAX_READABLE, MediaError, readable
 from tests.entrypoints.http_harness import RunningFront, metered_scheduler, post
 from tests.entrypoints.remote_media_sites import (GRPC_LIKE, Sites, close_at_once, drip, flood, grpc_like, hang,
                                                   redirect, serve, status)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from epdserve.model.errors import InvalidRequestError
 from epdserve.model.loader import load_checkpoint
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.model.demo_images import procedural_image
 from epdserve.model.video import VideoOptions, decode_video, sample_indices
+from epdserve.request_errors import InvalidRequestError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "video"
 CASES = sorted(p.stem for p in FIXTURES.glob("*.json"))

@@ -24,8 +24,8 @@ from epdserve.entrypoints.http.images import decode_data_url, image_bytes, sourc
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from epdserve.model.chat import unsupported_part
-from epdserve.model.errors import MediaError
 from epdserve.model.processor import open_image
+from epdserve.request_errors import MediaError
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.rpc.ranges import RangeError, check_sampling, check_token_ids
 

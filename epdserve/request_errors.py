@@ -10,6 +10,9 @@ object repr (``<_io.BytesIO object at 0x…>``), no errno noise and nothing of t
 bytes repr a decoder quoted (``chunk b'\\x00\\x01...'``) becomes ``<bytes>``, any character that is not
 printable ASCII ``?``, and the text stops at `MAX_READABLE` characters (a server answering an image URL
 with binary bytes must not get them into an error text or the log).
+
+Imports nothing of epdserve: every layer raises or maps these (rpc/ranges.py, model/, the
+engine, instance/, scheduler/, the fronts).
 """
 from __future__ import annotations
 
