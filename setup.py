@@ -70,6 +70,7 @@ setup(
         "tenacity",  # retry loops: scheduler registration, the private MM Store server's start
         "cachetools",  # LRUCache(getsizeof=...) is the byte-bounded LRU of both feature caches
         "fastapi",  # the OpenAI-compatible HTTP front (epdserve.entrypoints.http), as vLLM and SGLang use
+        "starlette",  # fastapi's base: the front handles its HTTPException (router 404 / 405) by that class
         "uvicorn",  # serves it on the scheduler's own event loop
         "prometheus_client",  # /metrics (epdserve.metrics)
     ],

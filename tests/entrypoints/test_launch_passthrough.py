@@ -31,7 +31,7 @@ def test_a_flag_after_the_passed_value_is_still_launchs():
 
 
 def test_served_model_name_defaults_to_the_model_as_given_and_scheduler_args_win():
-    assert spec().scheduler_args == [] and spec().model == "demo-dir"  # the scheduler's own default: that path
+    assert last_flag(spec().scheduler_args, "--served-model-name") is None and spec().model == "demo-dir"  # its own default
     argv = ["launch", "--mode", "P-D", "--model", "./demo-dir/"]
     s = spec_from_args(build_parser(argv).parse_args(argv))
     assert last_flag(s.scheduler_args, "--served-model-name") == "./demo-dir/" and s.model == "demo-dir"
