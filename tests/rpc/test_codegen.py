@@ -100,7 +100,7 @@ def test_messages_cover_the_contract():
     assert set(serve_pb2.DESCRIPTOR.services_by_name["EPDServe"].methods_by_name) == {
         "Generate", "GenerateStream", "Abort", "GetModelInfo", "GetServerInfo"}
     assert set(instance_pb2.DESCRIPTOR.services_by_name["Instance"].methods_by_name) == {
-        "Encode", "Prefill", "Decode", "Generate", "Abort", "GetLoad", "SwitchRoles"}
+        "Encode", "Prefill", "Decode", "Generate", "Abort", "GetLoad", "SwitchRoles", "KvStore"}
     assert set(instance_pb2.DESCRIPTOR.services_by_name["Registry"].methods_by_name) == {
         "Register", "Heartbeat", "Deregister"}
 

@@ -47,7 +47,7 @@ def test_instances_register_heartbeat_and_deregister(qwen2_vl_tiny, instance):
     sched = start_scheduler(qwen2_vl_tiny, [])
     try:
         # one quick retry on UNAVAILABLE (the default policy backs off ~23 s): the scheduler's answer is tested here
-        with grpc.insecure_channel(sched.address) as ch, \
+        with grpc.insecure_channel(sched.server.internal_address) as ch, \
                 Client(sched.address, timeout=60, retries=1, retry_backoff_s=0.05) as c:
             reg = instance_pb2_grpc.RegistryStub(ch)
             resp = reg.Register(instance_pb2.RegisterRequest(instance=instance.status()))
