@@ -70,7 +70,8 @@ def add_parser(subparsers):
     p.add_argument("--mode", choices=(*MODES, "auto"), default=None,
                    help="deployment mode; auto: the planner picks the mode and E:P:D split for "
                         "--expected-workload from a profile of the model, and the scheduler's controller moves "
-                        "instances between roles as the traffic changes")
+                        "instances between roles as the traffic changes (experimental: on a 2-core CPU host it "
+                        "ties P-D and made no switch, README 'Traffic that shifts, and --mode auto')")
     p.add_argument("--expected-workload", default=None,
                    help="auto: the traffic to plan the start for, a `bench serve` preset (default mixed)")
     p.add_argument("--expected-rate", type=float, default=None,
@@ -107,7 +108,9 @@ def add_parser(subparsers):
     p.add_argument("--colocation", choices=POLICIES, default=None,
                    help="how stages share the cores: split (fixed shares inside an instance, the default), yield "
                         "(all cores, E at the lowest priority) or slo (all cores, one stage at a time in SLO order: "
-                        "on CPU the launcher runs one core-lease arbiter for every instance); see "
+                        "on CPU the launcher runs one core-lease arbiter for every instance; experimental: 0.31-0.37x "
+                        "monolithic's goodput for EP-D, E-P-D, ED-P on a 2-core CPU host, README 'Co-location "
+                        "policy'); see "
                         "`epdserve instance --help`")
     p.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="slo: the TPOT SLO decode steps are paced to keep (default 100 ms)")

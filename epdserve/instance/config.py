@@ -110,7 +110,8 @@ def add_instance_args(p: argparse.ArgumentParser) -> None:
                         "threads on CPU, a low-priority stream on NPU) so P/D steps take the cores back at once. "
                         "slo = every core for one stage at a time in SLO order (CPU: a lease on the machine's cores; "
                         "a decode step due by its TPOT pacing first, then prefill, then encode, which give way at "
-                        "the next layer; on NPU unlimited streams, P/D first). "
+                        "the next layer; on NPU unlimited streams, P/D first; experimental: 0.31-0.37x monolithic's "
+                        "goodput for EP-D, E-P-D, ED-P on a 2-core CPU host, README 'Co-location policy'). "
                         "Applies to co-located workers and to an E-only instance sharing its machine")
     p.add_argument("--core-lease", default=None, metavar="PATH",
                    help="slo on CPU: the Unix socket of the machine's core-lease arbiter (epdserve launch passes "

@@ -4,6 +4,7 @@ heavy imports in their run functions): each runs in a fresh interpreter under `-
 which lists every module the process imported."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -52,3 +53,27 @@ def test_top_level_help_lists_every_command_and_launch_help_its_flags():
                          capture_output=True, text=True, timeout=120).stdout
     assert "epdserve scheduler ready:" in out  # the module docstring is its --help text
     assert "--tls-cert" in out and "--served-model-name" in out
+
+
+def flag_help(out: str, flag: str) -> str:
+    """The help text of `flag` in an argparse `--help` output: its line and its continuation lines."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(flag + " ")
+                 or line.strip() == flag or line.lstrip().startswith(flag + ","))
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith(" " * 6):  # the next flag (indented 2) or group
+            break
+        block.append(line)
+    return " ".join(" ".join(block).split())
+
+
+@pytest.mark.parametrize("command,flag", [("instance", "--colocation"), ("launch", "--colocation"),
+                                          ("launch", "--mode"), ("scheduler", "--controller")])
+def test_experimental_features_say_so_in_their_help(command, flag):
+    """The `slo` co-location policy and the role controller (`--mode auto`) are experimental: their flags'
+    help says so, with the README figure that measured them."""
+    out = subprocess.run([sys.executable, "-m", "epdserve.entrypoints.cli", command, "--help"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "100"}).stdout
+    text = flag_help(out, flag)
+    assert "experimental" in text.lower() and "README" in text, text
