@@ -30,7 +30,7 @@ from epdserve.engine.loaded_model import LoadedModel, load_model
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.outputs import RequestOutput, make_output
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.engine.scheduler import Scheduler, SchedulerConfig
+from epdserve.engine.scheduler import Scheduler, StepSchedulerConfig
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.engine.stop_checker import StopChecker
@@ -59,7 +59,7 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_cache(self.kv_cache, self.platform)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            StepSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                             hands_off=not config.decodes),
             BlockManager(num_blocks, config.block_size),
             StopChecker(self.model.tokenizer, self.model.eos_token_ids, self.max_model_len), kv_connector,

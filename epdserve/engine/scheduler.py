@@ -51,7 +51,7 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class StepSchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     chunked_prefill: bool = True
@@ -59,7 +59,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, stop_checker: StopChecker,
+    def __init__(self, config: StepSchedulerConfig, blocks: BlockManager, stop_checker: StopChecker,
                  connector: KVConnector | None = None):
         self.config = config
         self._blocks = blocks

@@ -1,6 +1,6 @@
 """One candidate deployment: a mode, its instance pools, and where the instances run.
 
-`Deployment` holds the mode and the pools of `instance.roles.mode_pools` (the counts `epdserve
+`PlannedDeployment` holds the mode and the pools of `instance.roles.mode_pools` (the counts `epdserve
 launch` takes: `encode`, `prefill`, `decode`). Placement:
 - dedicated devices (default): each instance on a device of its own (an NPU, a GPU, a core group
   given to it alone); its co-located workers (EP, ED) share that device;
@@ -23,7 +23,7 @@ from epdserve.instance.roles import MODES, Pool, mode_pools
 
 
 @dataclass(frozen=True)
-class Deployment:
+class PlannedDeployment:
     mode: str
     encode: int
     prefill: int
@@ -65,7 +65,7 @@ class Deployment:
         return cfg
 
 
-def from_pools(mode: str, pools: dict[str, int], colocated_host: bool = False) -> Deployment:
+def from_pools(mode: str, pools: dict[str, int], colocated_host: bool = False) -> PlannedDeployment:
     """The deployment whose pools are `pools` ({roles: count}, as in a ready line's `instances=`)."""
     n = {r: int(pools.get(r, 0)) for r in ("E", "P", "D", "EP", "ED", "PD", "EPD", "P+E")}
     if mode == "monolithic":
@@ -82,7 +82,7 @@ def from_pools(mode: str, pools: dict[str, int], colocated_host: bool = False) -
         counts = (n["E"], n["PD"], 1)
     else:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    dep = Deployment(mode, *counts, colocated_host=colocated_host)
+    dep = PlannedDeployment(mode, *counts, colocated_host=colocated_host)
     if {p.roles: p.count for p in dep.pools} != {r: c for r, c in n.items() if c}:
         raise ValueError(f"instances {pools} are not a {mode} deployment")
     return dep
@@ -99,7 +99,7 @@ def parse_summary(text: str) -> dict[str, int]:
     return out
 
 
-def splits(mode: str, devices: int, colocated_host: bool = False) -> list[Deployment]:
+def splits(mode: str, devices: int, colocated_host: bool = False) -> list[PlannedDeployment]:
     """Every deployment of `mode` that fits `devices` (see the module docstring)."""
     if devices < 1:
         raise ValueError(f"--devices must be >= 1, got {devices}")
@@ -119,7 +119,7 @@ def splits(mode: str, devices: int, colocated_host: bool = False) -> list[Deploy
         cands = [(e, p, 1) for e in rng for p in rng]
     else:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    out = [Deployment(mode, *c, colocated_host=colocated_host) for c in cands]
+    out = [PlannedDeployment(mode, *c, colocated_host=colocated_host) for c in cands]
     if not colocated_host:
         out = [d for d in out if d.num_instances <= n]
     return out

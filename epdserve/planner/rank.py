@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from epdserve.perf.serving_metrics import SLO, compute_metrics
 from epdserve.instance.roles import MODES
 from epdserve.planner.costs import CostModel
-from epdserve.planner.deployment import Deployment, splits
+from epdserve.planner.deployment import PlannedDeployment, splits
 from epdserve.planner.shapes import RequestShape
 from epdserve.planner.simulate import simulate
 from epdserve.planner.workers import Limits
@@ -22,7 +22,7 @@ DEFAULT_SLO = SLO(ttft=3.0, tpot=0.100)  # as `epdserve bench serve`
 
 @dataclass(frozen=True)
 class Prediction:
-    deployment: Deployment
+    deployment: PlannedDeployment
     metrics: dict
 
     @property
@@ -41,7 +41,7 @@ class Prediction:
                 "tpot_p50_ms": m["tpot_ms"]["median"], "tpot_p90_ms": m["tpot_ms"]["p90"]}
 
 
-def predict(deployment: Deployment, costs: CostModel, shapes: list[RequestShape], slo: SLO = DEFAULT_SLO,
+def predict(deployment: PlannedDeployment, costs: CostModel, shapes: list[RequestShape], slo: SLO = DEFAULT_SLO,
             limits: Limits | None = None) -> Prediction:
     records = simulate(deployment, costs, shapes, tpot_pace_s=slo.tpot or 0.0, limits=limits)
     return Prediction(deployment, compute_metrics(records, slo, by_kind=False))

@@ -24,9 +24,9 @@ import itertools
 
 from epdserve.perf.serving_metrics import RequestRecord
 from epdserve.planner.costs import CostModel
-from epdserve.planner.deployment import Deployment
+from epdserve.planner.deployment import PlannedDeployment
 from epdserve.planner.shapes import RequestShape
-from epdserve.planner.workers import (CoupledWorker, DecodeWorker, EncodeWorker, Job, Limits, PrefillWorker,
+from epdserve.planner.workers import (Job, Limits, SimCoupledWorker, SimDecodeWorker, SimEncodeWorker, SimPrefillWorker,
                                       Worker)
 
 MAX_EVENTS_PER_REQUEST = 200_000
@@ -76,7 +76,7 @@ class Device:
 
 
 class Simulation:
-    def __init__(self, deployment: Deployment, costs: CostModel, tpot_pace_s: float = 0.1,
+    def __init__(self, deployment: PlannedDeployment, costs: CostModel, tpot_pace_s: float = 0.1,
                  limits: Limits | None = None):
         self.deployment, self.costs, self.tpot_pace_s = deployment, costs, tpot_pace_s
         self.limits = limits or Limits()
@@ -87,7 +87,7 @@ class Simulation:
         self.encoders: list[Worker] = []
         self.prefillers: list[Worker] = []
         self.decoders: list[Worker] = []
-        self.coupled: list[CoupledWorker] = []
+        self.coupled: list[SimCoupledWorker] = []
         for i, roles in enumerate(deployment.instance_roles()):
             dev = self.devices.setdefault(deployment.device_of(i), Device(self, deployment.device_of(i)))
             for w in self._workers(roles, dev, f"{roles}{i}"):
@@ -96,23 +96,23 @@ class Simulation:
 
     def _workers(self, roles: str, dev: Device, name: str) -> list[Worker]:
         if roles in ("EPD", "PD"):
-            w = CoupledWorker(self, dev, name, encodes=roles == "EPD")
+            w = SimCoupledWorker(self, dev, name, encodes=roles == "EPD")
             self.coupled.append(w)
             return [w]
         if roles == "P+E":
-            w = PrefillWorker(self, dev, name, inline_encode=True)
+            w = SimPrefillWorker(self, dev, name, inline_encode=True)
             self.prefillers.append(w)
             return [w]
         out: list[Worker] = []
         for r in roles:
             if r == "E":
-                out.append(EncodeWorker(self, dev, f"{name}.E"))
+                out.append(SimEncodeWorker(self, dev, f"{name}.E"))
                 self.encoders.append(out[-1])
             elif r == "P":
-                out.append(PrefillWorker(self, dev, f"{name}.P"))
+                out.append(SimPrefillWorker(self, dev, f"{name}.P"))
                 self.prefillers.append(out[-1])
             elif r == "D":
-                out.append(DecodeWorker(self, dev, f"{name}.D"))
+                out.append(SimDecodeWorker(self, dev, f"{name}.D"))
                 self.decoders.append(out[-1])
         return out
 
@@ -197,7 +197,7 @@ def to_record(job: Job) -> RequestRecord:
         vision_tokens=s.vision_tokens, output_tokens=len(job.token_times))
 
 
-def simulate(deployment: Deployment, costs: CostModel, shapes: list[RequestShape], tpot_pace_s: float = 0.1,
+def simulate(deployment: PlannedDeployment, costs: CostModel, shapes: list[RequestShape], tpot_pace_s: float = 0.1,
              limits: Limits | None = None) -> list[RequestRecord]:
     """Per-request records of `deployment` serving `shapes` (see the module docstring)."""
     sim = Simulation(deployment, costs, tpot_pace_s, limits)

@@ -5,13 +5,13 @@ workers at a time. Each worker offers `fifo_head()` (when its oldest queued enco
 became ready, None if none), `decoding()` (it has requests to decode) and `step(now) -> (ms,
 done)`: the step's cost from the `CostModel` and what happens when it ends (`done(t)`).
 
-- `EncodeWorker` (E): vision items FIFO, cut into chunks of at most `encode_token_budget` tokens;
+- `SimEncodeWorker` (E): vision items FIFO, cut into chunks of at most `encode_token_budget` tokens;
   one step encodes queued chunks up to the budget in one call (at least one chunk).
-- `PrefillWorker` (P, and P+E when `inline_encode`): one request per step; P+E encodes the
+- `SimPrefillWorker` (P, and P+E when `inline_encode`): one request per step; P+E encodes the
   request's media in the same step (EPD-Serve's PD baseline).
-- `DecodeWorker` (D): continuous batching; a step is one token for every running request (up to
+- `SimDecodeWorker` (D): continuous batching; a step is one token for every running request (up to
   `max_num_seqs`), at the profile's step time for that batch size; arrivals join at a step start.
-- `CoupledWorker` (PD, EPD): one engine step loop: an encode call under the budget (EPD), then
+- `SimCoupledWorker` (PD, EPD): one engine step loop: an encode call under the budget (EPD), then
   one forward with the admitted prefills (under `max_num_batched_tokens`) and the decode batch;
   a request whose media finish encoding in a step is prefilled in the same step.
 Routing bookkeeping (`work`) is the scheduler's: outstanding vision tokens (E), prompt tokens
@@ -73,7 +73,7 @@ def _chunks(tokens: int, budget: int) -> list[int]:
     return [min(budget, tokens - i) for i in range(0, tokens, budget)] or [0]
 
 
-class EncodeWorker(Worker):
+class SimEncodeWorker(Worker):
     kind = "E"
 
     def __init__(self, sim, device, name):
@@ -110,7 +110,7 @@ class EncodeWorker(Worker):
         return ms, done
 
 
-class PrefillWorker(Worker):
+class SimPrefillWorker(Worker):
     def __init__(self, sim, device, name, inline_encode: bool = False):
         super().__init__(sim, device, name)
         self.inline_encode = inline_encode
@@ -147,7 +147,7 @@ def decoded(worker, batch: list, t: float) -> None:
             worker.sim.finished(t, job)
 
 
-class DecodeWorker(Worker):
+class SimDecodeWorker(Worker):
     kind = "D"
 
     def __init__(self, sim, device, name):
@@ -177,7 +177,7 @@ class DecodeWorker(Worker):
         return ms, done
 
 
-class CoupledWorker(EncodeWorker):
+class SimCoupledWorker(SimEncodeWorker):
     """PD (no encoder: media come encoded from E) or EPD (encodes its own media)."""
 
     def __init__(self, sim, device, name, encodes: bool):

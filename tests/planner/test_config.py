@@ -4,7 +4,7 @@ import pytest
 from epdserve.entrypoints.cli import build_parser, main
 from epdserve.entrypoints.launch import load_config, spec_from_args
 from epdserve.instance.roles import MODES
-from epdserve.planner.deployment import Deployment, from_pools, parse_summary, splits
+from epdserve.planner.deployment import PlannedDeployment, from_pools, parse_summary, splits
 
 from .conftest import PROFILE, SERVE
 
@@ -22,7 +22,7 @@ def test_every_split_round_trips_through_launch(tmp_path, mode):
         path = tmp_path / f"{mode}-{dep.encode}{dep.prefill}{dep.decode}.yaml"
         path.write_text(yaml.safe_dump(dep.launch_config("cpu")))
         spec = _launch_spec(path)
-        back = Deployment(spec.mode, spec.encode, spec.prefill, spec.decode)
+        back = PlannedDeployment(spec.mode, spec.encode, spec.prefill, spec.decode)
         assert back.pools == dep.pools
         assert from_pools(mode, parse_summary(dep.summary)).pools == dep.pools
 
