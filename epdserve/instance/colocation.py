@@ -99,15 +99,6 @@ def set_idle_priority() -> bool:
             return False
 
 
-def thread_is_idle_priority() -> bool:
-    """Is the calling thread at SCHED_IDLE (or nice 19)?"""
-    tid = threading.get_native_id()
-    try:
-        return os.sched_getscheduler(tid) == os.SCHED_IDLE or os.getpriority(os.PRIO_PROCESS, tid) >= 19
-    except (AttributeError, OSError):
-        return False
-
-
 def check_policy(policy: str) -> str:
     if policy not in POLICIES:
         raise ValueError(f"co-location policy must be one of {', '.join(POLICIES)}, got {policy!r}")

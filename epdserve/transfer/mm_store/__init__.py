@@ -6,7 +6,7 @@ One sentence per module:
 - codec.py       binary value layout of a list of tensors (never pickle), CorruptFeatureError
 - server.py      LocalRedisServer: a private Redis-protocol server on a free loopback port
 - connection.py  redis-py client with short timeouts + ServerHealth (backoff, one warning per outage)
-- store.py       MMStore contract and RedisMMStore
+- store.py       RedisMMStore: put/get of features under media keys, its contract, MMStoreError
 - events.py      FeatureEvent and EventPublisher over Redis Streams (why Streams: see there)
 - cache.py       LocalFeatureCache: LRU by bytes, in-flight tracking, optional device placement
 - prefetch.py    PrefetchListener thread: events -> store -> local cache
@@ -22,7 +22,7 @@ from epdserve.transfer.mm_store.fetcher import FeatureFetcher
 from epdserve.transfer.mm_store.prefetch import PrefetchListener
 from epdserve.transfer.mm_store.server import LocalRedisServer
 from epdserve.transfer.mm_store.stats import feature_counters
-from epdserve.transfer.mm_store.store import MMStore, MMStoreError, RedisMMStore
+from epdserve.transfer.mm_store.store import MMStoreError, RedisMMStore
 
 __all__ = [
     "CorruptFeatureError",
@@ -31,7 +31,6 @@ __all__ = [
     "FeatureFetcher",
     "LocalFeatureCache",
     "LocalRedisServer",
-    "MMStore",
     "MMStoreError",
     "PrefetchListener",
     "RedisConnection",

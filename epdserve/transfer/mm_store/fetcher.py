@@ -19,11 +19,11 @@ from epdserve.seams.byte_lru import tensors_nbytes
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
 from epdserve.transfer.mm_store.connection import StoreUnavailableError
 from epdserve.transfer.mm_store.stats import Counters, feature_counters
-from epdserve.transfer.mm_store.store import MMStore
+from epdserve.transfer.mm_store.store import RedisMMStore
 
 
 class FeatureFetcher:
-    def __init__(self, store: MMStore, cache: LocalFeatureCache, counters: Counters | None = None,
+    def __init__(self, store: RedisMMStore, cache: LocalFeatureCache, counters: Counters | None = None,
                  inflight_wait_s: float = 0.05):
         if inflight_wait_s < 0:
             raise ValueError(f"inflight_wait_s must be >= 0, got {inflight_wait_s}")

@@ -1,9 +1,10 @@
 """The MM Store: hash-keyed media features (lists of tensors) in a key-value server.
 
-`MMStore` is the contract; `RedisMMStore` implements it over one Redis-protocol server
-(redis://, rediss:// with TLS, passwords in the URL; redis-py picks hiredis up by itself).
+`RedisMMStore` is the store, over one Redis-protocol server (redis://, rediss:// with TLS,
+passwords in the URL; redis-py picks hiredis up by itself), shared by encode (writer) and
+prefill (reader) instances.
 
-Contract of every store:
+Contract:
 - keys are media keys (`epdserve.seams.media_keys.media_key`); a value is the list of tensors of one media item;
 - `put` overwrites (the same key always means the same features) and sets the TTL;
 - `get` returns None when the key is absent: never stored, expired, evicted or deleted;
@@ -17,7 +18,6 @@ Contract of every store:
 """
 from __future__ import annotations
 
-import abc
 import logging
 from collections.abc import Sequence
 
@@ -33,48 +33,15 @@ logger = logging.getLogger(__name__)
 
 Feature = list[torch.Tensor]
 
-__all__ = ["MMStore", "RedisMMStore", "MMStoreError", "StoreUnavailableError", "CorruptFeatureError"]
+__all__ = ["RedisMMStore", "MMStoreError", "StoreUnavailableError", "CorruptFeatureError"]
 
 
 class MMStoreError(RuntimeError):
     """The server answered but refused the operation (e.g. out of memory with noeviction)."""
 
 
-class MMStore(abc.ABC):
-    """Hash-keyed feature storage shared by encode (writer) and prefill (reader) instances."""
-
-    @abc.abstractmethod
-    def put(self, key: str, tensors: Sequence[torch.Tensor], ttl_s: float | None = None) -> int:
-        """Store ``tensors`` under ``key``; returns the value's size in bytes."""
-
-    @abc.abstractmethod
-    def get_many(self, keys: Sequence[str], skip_corrupt: bool = False) -> list[Feature | None]:
-        """One round trip for all ``keys``; None where a key is absent."""
-
-    def get(self, key: str, skip_corrupt: bool = False) -> Feature | None:
-        return self.get_many([key], skip_corrupt=skip_corrupt)[0]
-
-    @abc.abstractmethod
-    def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is present now (it may still expire before it is read)."""
-
-    def exists(self, key: str) -> bool:
-        return self.exists_many([key])[0]
-
-    @abc.abstractmethod
-    def delete(self, key: str) -> bool:
-        """Remove ``key``; True if it was there."""
-
-    @abc.abstractmethod
-    def stats(self) -> dict[str, int | float | bool]:
-        """Client-side counters (no network round trip)."""
-
-    def close(self) -> None:  # noqa: B027 - optional for stores without resources
-        """Release connections."""
-
-
-class RedisMMStore(MMStore):
-    """`MMStore` over a Redis-protocol server. Thread-safe (redis-py's pool is)."""
+class RedisMMStore:
+    """Hash-keyed feature storage over a Redis-protocol server. Thread-safe (redis-py's pool is)."""
 
     def __init__(
         self,
@@ -109,6 +76,7 @@ class RedisMMStore(MMStore):
         return self._value_prefix + key
 
     def put(self, key: str, tensors: Sequence[torch.Tensor], ttl_s: float | None = None) -> int:
+        """Store ``tensors`` under ``key``; returns the value's size in bytes."""
         ttl = self.ttl_s if ttl_s is None else ttl_s
         _check_ttl(ttl)
         value = codec.encode(tensors, key)
@@ -123,6 +91,7 @@ class RedisMMStore(MMStore):
         return len(value)
 
     def get_many(self, keys: Sequence[str], skip_corrupt: bool = False) -> list[Feature | None]:
+        """One round trip for all ``keys``; None where a key is absent."""
         if not keys:
             return []
         rkeys = [self.redis_key(k) for k in keys]
@@ -146,22 +115,32 @@ class RedisMMStore(MMStore):
             self._counters.add("bytes_read", len(value))
         return out
 
+    def get(self, key: str, skip_corrupt: bool = False) -> Feature | None:
+        return self.get_many([key], skip_corrupt=skip_corrupt)[0]
+
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present now (it may still expire before it is read)."""
         if not keys:
             return []
         rkeys = [self.redis_key(k) for k in keys]
         return [bool(n) for n in self.connection.call(lambda c: _pipelined(c, "exists", rkeys))]
 
+    def exists(self, key: str) -> bool:
+        return self.exists_many([key])[0]
+
     def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it was there."""
         rkey = self.redis_key(key)
         self._counters.add("deletes")
         return bool(self.connection.call(lambda c: c.delete(rkey)))
 
     def stats(self) -> dict[str, int | float | bool]:
+        """Client-side counters (no network round trip)."""
         return {**self._counters.snapshot(), "server_up": self.connection.health.up,
                 "outages": self.connection.health.outages}
 
     def close(self) -> None:
+        """Release connections."""
         self.connection.close()
 
     def _drop_corrupt(self, key: str, error: CorruptFeatureError) -> None:
