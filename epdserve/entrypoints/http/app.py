@@ -21,7 +21,6 @@ dispatcher's cancellation path); so does a failed prompt of a list its siblings.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +40,7 @@ from epdserve.limits import LimitError, check_generate_request
 from epdserve.metrics.http_responses import CountResponses
 from epdserve.rpc import serve_pb2
 from epdserve.scheduler.errors import RequestError
+from epdserve.security.secrets import Secret, bearer
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     if metrics is not None:
         app.add_middleware(CountResponses, counter=metrics.http_responses)
     model_name = opts.served_model_name or scheduler.config.model
-    key = opts.api_key.encode() if opts.api_key else None
+    key = Secret(opts.api_key) if opts.api_key else None
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -119,9 +119,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
 
     def check(request: Request, body_model: str | None = None) -> None:
         if key is not None:
-            auth = request.headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+            if not key.matches(bearer(request.headers.get("authorization"))):
                 log.warning("HTTP %s from %s refused: missing or wrong API key", request.url.path,
                             request.client.host if request.client else "?")
                 raise ApiError(401, "missing or invalid API key")
