@@ -16,4 +16,10 @@ One sentence per module:
 - registration.py    Register / Heartbeat / Deregister with the scheduler
 - config.py          InstanceConfig and the `epdserve instance` flags
 - host.py            InstanceHost: one loaded model + workers + MM Store + KV rendezvous + gRPC server
+- identity.py        an instance's opaque roster id (``<roles>-<random>``)
+- role_switch.py     live role switching (`SwitchRoles`): new roles without a restart
+- colocation.py      the co-location policy: how co-located stages share one device (CPU and NPU)
+- stage_stream.py    a co-located stage's own device stream, limited to its share of the cores
+- lease_arbiter.py   `LeaseArbiter`: the `slo` policy's server side — which stage computes next on the cores
+- core_lease.py      the `slo` policy's worker side: a core lease per compute step, decode paced by its TPOT SLO
 """

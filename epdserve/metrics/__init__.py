@@ -6,7 +6,15 @@ HTTP fronts take); roster and instance-engine metrics are read from the schedule
 scrape time (`roster.RosterCollector`). Calls refused before that path are counted in the same
 ``epdserve:requests_total`` by `refusals.RefusalCounter` (a gRPC interceptor), and every HTTP
 response by route and status by `http_responses.CountResponses` (ASGI middleware). It is served
-on the HTTP front's /metrics and, for gRPC-only deployments, on `--metrics-port` (`MetricsFront`).
+on the HTTP front's /metrics and, for gRPC-only deployments, on `--metrics-port`
+(`entrypoints.http.server.MetricsFront`).
+
+One sentence per module:
+- serving.py         `ServingMetrics`: the registry and the request-path metrics
+- roster.py          `RosterCollector`: roster and instance-engine metrics, read at scrape time
+- refusals.py        `RefusalCounter`: gRPC calls refused before the request path
+- http_responses.py  `CountResponses`: every HTTP response by route and status
+- controller.py      `ControllerMetrics`: the `--mode auto` controller's decisions and switches
 """
 from epdserve.metrics.serving import ServingMetrics
 

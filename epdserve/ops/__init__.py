@@ -1,1 +1,13 @@
-"""epdserve.ops."""
+"""Paged-KV attention operators, one implementation per platform behind one interface.
+
+One sentence per module:
+- backend.py          `PagedOps`: the three paged-KV operators attention needs, the interface
+- select.py           `paged_ops(platform)`: which implementation an engine uses
+- portable.py         `PortableOps`: plain torch on any device (gather the blocks, then SDPA)
+- native.py           `NativeOps`: the csrc/ C++ operators (`torch.ops.epdserve.*`), built on first use
+- native_build.py     building csrc/: torch's C++-extension JIT, cached per torch version and source hash
+- build_progress.py   what a user waiting on the first native build sees on stderr
+- npu_ops.py          `NpuPagedOps`: the operators on Ascend NPUs over torch_npu's kernels
+- attention_meta.py   per-forward attention metadata of a packed, variable-length batch
+- paged_attention.py  paged attention for packed batches, registered with transformers' AttentionInterface
+"""

@@ -2,6 +2,12 @@
 
 Device-specific modules are imported lazily, so torch_npu is imported only when the npu
 platform is asked for (or probed by `device="auto"`).
+
+One sentence per module:
+- base.py   the `Platform` contract: device handle, dist backend and pair groups, streams, core limits
+- cpu.py    CPU: gloo pair groups for KV transfer, and how to interrupt one
+- cuda.py   CUDA: NCCL for KV transfer, one CUDA stream per co-located stage
+- npu.py    Ascend NPU: device, HCCL, streams and core limits (torch_npu imported lazily)
 """
 from __future__ import annotations
 

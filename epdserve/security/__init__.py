@@ -6,6 +6,9 @@ ones, and TLS.
 - `interceptors`: gRPC server interceptors that check them (asyncio and threaded servers) and
   client interceptors that send them.
 - `tls`: server and channel credentials from PEM files.
+- `channels`: client channels to a (possibly secured) server: TLS and the key / token as metadata.
+- `options`: `SchedulerSecurity` / `InstanceSecurity`, what one process checks and presents.
+- `exposure`: who can reach a listener, and the refusal to open one beyond loopback without a credential.
 
 Metadata: the API key as ``authorization: Bearer <key>`` (what OpenAI clients send over HTTP);
 the cluster token as ``epdserve-cluster-token: <token>``, which every instance presents to the

@@ -17,6 +17,26 @@ Lifecycle of one request's transfer, on both sides:
     DONE           D: every layer is in its blocks; P: D acknowledged that
     FAILED         peer died, stalled past the timeout, or rejected the request; the owner
                    frees the request's blocks (nothing of ours still reads or writes them)
+
+One sentence per module:
+- config.py          KVTransferConfig: timeouts, polling period, how pairs are reached
+- network.py         PairNetwork: how this process reaches its P–D pairs (pair store, data sockets)
+- pair_names.py      pair names "<P id>><D id>/g<n>", one per P–D pair and rebuild
+- pair.py            PairConnection: one side of a pair's two-rank process group and its header store
+- pair_store.py      PairStoreHost: the in-process key-value store a prefill instance keeps for its pairs
+- store_view.py      PairStore: one pair's namespace of a pair store, as a torch.distributed.Store
+- store_client.py    PairStoreClient: another process's view of a PairStoreHost, over the KvStore RPC
+- store_service.py   the KvStore RPC's server side: one request applied to a PairStoreHost
+- rendezvous.py      RendezvousServer: a pair store on a gRPC port of its own (tools, not instances)
+- messages.py        typed messages: the pair rendezvous and the per-batch header
+- layout.py          the wire order of a batch's KV and the tensor views that feed it
+- endpoint.py        PairEndpoint: what sender (rank 0) and receiver (rank 1) share, one channel per peer
+- sender.py          KVSender: the prefill side, each batch's KV layer by layer to its decode peers
+- receiver.py        KVReceiver: the decode side, a request's KV layer by layer into reserved blocks
+- send_connector.py  LayerwiseSendConnector: the prefill role of the engine's KV connector
+- recv_connector.py  LayerwiseRecvConnector: the decode role of the engine's KV connector
+- state.py           transfer and pair states the engine loop polls, and TransferCounters
+- checks.py          deterministic KV contents and digests, to check a transfer bit for bit
 """
 from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous, RequestEntry
