@@ -3,6 +3,30 @@
 Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped), and `Client` / `AsyncClient`
 for a running deployment's gRPC service. Everything else is the `epdserve` command
 (epdserve/entrypoints/cli.py): `launch`, `scheduler`, `instance`, `demo-model`, `bench`, `profile`.
+
+Package map, bottom to top (the layers of .importlinter's contract; docs/architecture.md draws them):
+- proto_gen/       protoc output (epdserve.v1 messages and services), generated, never edited
+- commands.py      command registration for every `epdserve` sub-command, importable from any layer
+- request_errors.py  errors a request fails with for what it asked (INVALID_ARGUMENT / HTTP 400)
+- net.py           `free_port`: local networking helpers, no gRPC or torch
+- platform/        cpu | cuda | npu: device handle, dist backend, streams, core limits
+- ops/             paged-KV attention operators, one implementation per platform
+- model/           a Hugging Face Qwen-VL checkpoint as the engine uses it, and its inputs
+- seams/           the two connector interfaces (KV, features) and media keys, below engine and transfer
+- limits.py        input limits of one request, checked before any work is spent on it
+- security/        API key, cluster token, TLS: who may call what
+- rpc/             the wire: the generated modules re-exported, and gRPC server helpers
+- engine/          one engine: request states, scheduler + block manager, model runner, sampler
+- transfer/        what moves between stages: the MM Store (E->P) and the layerwise KV hop (P->D)
+- instance/        one process hosting stage workers (E, P, D, co-located, coupled)
+- scheduler/       the global scheduler: public gRPC front, registry, routing, request fan-out
+- perf/            the vocabulary bench and planner share: workloads, SLO scoring, profiles
+- metrics/         the scheduler's Prometheus metrics
+- deploy/          one deployment mode's processes on this machine, started and stopped as a whole
+- planner/         `epdserve plan`: predict every mode's and split's SLO goodput, pick one
+- client/          `Client` / `AsyncClient`: the gRPC client library of a running deployment
+- entrypoints/     the `epdserve` command, the HTTP front and the offline `LLM`
+- bench/           `epdserve bench ...` and `epdserve profile`: configurations measured side by side
 """
 import os
 
