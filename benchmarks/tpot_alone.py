@@ -2,7 +2,7 @@
 engine's, in one run. `OMP_WAIT_POLICY=PASSIVE python benchmarks/tpot_alone.py MODEL_DIR [REPEATS] [MODES]`
 (the launcher passes the OpenMP policy of this environment on to its instances)."""
 import os, re, signal, statistics, subprocess, sys, time
-from epdserve.entrypoints.client import Client
+from epdserve.client import Client
 MODEL = sys.argv[1]; REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 PROMPTS = [f"Tell me a long story number {i} about a lighthouse keeper" for i in range(REPEATS)]
 

@@ -1,7 +1,7 @@
 """epdserve: Encode / Prefill / Decode disaggregated serving for vision-language models.
 
 Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped), and `Client` / `AsyncClient`
-for a running deployment's gRPC service. Everything else is the `epdserve` command
+(epdserve/client/) for a running deployment's gRPC service. Everything else is the `epdserve` command
 (epdserve/entrypoints/cli.py): `launch`, `scheduler`, `instance`, `demo-model`, `bench`, `profile`.
 
 Package map, bottom to top (the layers of .importlinter's contract; docs/architecture.md draws them):
@@ -49,7 +49,7 @@ def __getattr__(name):
 
         return LLM
     if name in ("Client", "AsyncClient"):
-        from epdserve.entrypoints import client
+        import epdserve.client
 
-        return getattr(client, name)
+        return getattr(epdserve.client, name)
     raise AttributeError(name)

@@ -127,7 +127,7 @@ class Load:
             t.join()
 
     def _loop(self, k: int) -> None:
-        from epdserve.entrypoints.client import Client, EPDServeError
+        from epdserve.client import Client, EPDServeError
 
         with Client(self.address, timeout=300, retries=self.args.client_retries) as c:
             i = k
@@ -153,7 +153,7 @@ def _latency(outcomes: list[Outcome], lo: float, hi: float) -> dict:
 
 
 def chaos(address: str, launcher_pid: int, args) -> tuple[Report, set[int], set]:
-    from epdserve.entrypoints.client import Client
+    from epdserve.client import Client
 
     work = workload(args.prompts)
     with Client(address, timeout=300) as c:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from epdserve.entrypoints.client import Client, EPDServeError
+from epdserve.client import Client, EPDServeError
 from epdserve.rpc import common_pb2
 
 

@@ -35,7 +35,7 @@ class ClientBackend:
     """`epdserve.Client` streaming with max_tokens + ignore_eos (greedy): every answer is full length."""
 
     def __init__(self, address: str, timeout_s: float | None = None):
-        from epdserve.entrypoints.client import Client
+        from epdserve.client import Client
 
         self.address = address
         self.client = Client(address)

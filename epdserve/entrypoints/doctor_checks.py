@@ -275,7 +275,7 @@ def _scheduler(address: str | None, mode: str | None, timeout_s: float) -> Check
         return Check("scheduler", Status.OK, "none named (launch starts one; --scheduler HOST:PORT checks one)")
     import grpc
 
-    from epdserve.entrypoints.client import Client, EPDServeError
+    from epdserve.client import Client, EPDServeError
     from epdserve.rpc import common_pb2
     from epdserve.security.secrets import API_KEY_ENV
 

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from epdserve.client import Client
 from epdserve.deploy.deployment import Deployment, DeploymentSpec
-from epdserve.entrypoints.client import Client
 from epdserve.model.reference import ReferenceGenerator
 from tests.entrypoints.test_launch import workload
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from epdserve import LLM, Client, SamplingParams
-from epdserve.entrypoints.client import EPDServeError
+from epdserve.client import EPDServeError
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost
 from epdserve.model.demo_images import jpeg_bytes, procedural_image

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from epdserve import AsyncClient, Client
-from epdserve.entrypoints.client import EPDServeError, MediaKey, Timing, build_request
+from epdserve.client import EPDServeError, MediaKey, Timing, build_request
 from tests.scheduler.engine_instance import EngineInstance
 from tests.scheduler.harness import PH, image, start_scheduler
 

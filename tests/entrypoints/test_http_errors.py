@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve import Client
-from epdserve.entrypoints.client import EPDServeError
+from epdserve.client import EPDServeError
 from epdserve.entrypoints.http import HttpFront, HttpOptions
 from tests.entrypoints.http_harness import data_url, post, served_front
 from tests.scheduler.harness import PH, image

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from epdserve.entrypoints.client import Client, EPDServeError
+from epdserve.client import Client, EPDServeError
 from epdserve.model.chat import chat_to_prompt
 from epdserve.model.reference import ReferenceGenerator
 from tests.entrypoints.http_harness import data_url

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve import Client
-from epdserve.entrypoints.client import EPDServeError
+from epdserve.client import EPDServeError
 from epdserve.entrypoints.http import MetricsFront
 from tests.entrypoints.http_harness import RunningFront, data_url, metered_scheduler
 from tests.scheduler.engine_instance import EngineInstance

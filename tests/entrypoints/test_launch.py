@@ -23,7 +23,7 @@ import grpc
 import psutil
 import pytest
 
-from epdserve.entrypoints.client import Client, EPDServeError
+from epdserve.client import Client, EPDServeError
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 from tests.instance.harness import PH, image, status, stub, wait_until

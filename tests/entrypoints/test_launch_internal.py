@@ -11,7 +11,7 @@ import re
 import grpc
 import pytest
 
-from epdserve.entrypoints.client import Client
+from epdserve.client import Client
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
 from epdserve.security.tls import channel_credentials

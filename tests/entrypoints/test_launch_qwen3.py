@@ -23,7 +23,7 @@ import grpc
 import psutil
 import pytest
 
-from epdserve.entrypoints.client import Client, EPDServeError
+from epdserve.client import Client, EPDServeError
 from epdserve.model.demo_images import procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from tests.entrypoints.test_launch import TOKEN, _kill, _launch

@@ -22,7 +22,7 @@ import grpc
 import pytest
 import redis
 
-from epdserve.entrypoints.client import Client, EPDServeError
+from epdserve.client import Client, EPDServeError
 from tests.entrypoints.launch_harness import launched
 from tests.instance.harness import image
 from tests.security.certs import self_signed

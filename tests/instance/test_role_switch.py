@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from epdserve.entrypoints.client import Client
+from epdserve.client import Client
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost
 from epdserve.model.reference import ReferenceGenerator

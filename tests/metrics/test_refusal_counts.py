@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve import Client
-from epdserve.entrypoints.client import EPDServeError, build_request
+from epdserve.client import EPDServeError, build_request
 from epdserve.entrypoints.fronts import add_security_flags, security_from_args
 from epdserve.entrypoints.http import HttpFront, HttpOptions
 from epdserve.limits import InputLimits

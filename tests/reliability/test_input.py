@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from epdserve.entrypoints.client import Client, EPDServeError
+from epdserve.client import Client, EPDServeError
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 from tests.instance.harness import PH, image

@@ -14,8 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from epdserve.entrypoints.async_client import AsyncClient
-from epdserve.entrypoints.client import Client, EPDServeError
+from epdserve.client import AsyncClient, Client, EPDServeError
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import serve_pb2, serve_pb2_grpc
 from tests.instance.harness import PH, image, wait_until

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from epdserve import Client
-from epdserve.entrypoints.client import EPDServeError
+from epdserve.client import EPDServeError
 from epdserve.rpc import SERVE_SERVICE, common_pb2, serve_pb2
 from tests.scheduler.engine_instance import EngineInstance
 from tests.scheduler.harness import start_scheduler

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 from epdserve import Client
-from epdserve.entrypoints.client import EPDServeError
+from epdserve.client import EPDServeError
 from epdserve.limits import InputLimits, LimitError, check_generate_request, video_header
 from epdserve.rpc import common_pb2, serve_pb2
 from tests.entrypoints.http_harness import RunningFront, post

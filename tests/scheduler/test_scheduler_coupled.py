@@ -6,7 +6,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from epdserve import Client, SamplingParams
-from epdserve.entrypoints.client import EPDServeError, MediaKey
+from epdserve.client import EPDServeError, MediaKey
 from tests.scheduler.harness import PH, image, mixed_prompts, start_scheduler, wait_until
 
 

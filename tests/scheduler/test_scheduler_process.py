@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from epdserve import Client
-from epdserve.entrypoints.client import EPDServeError
+from epdserve.client import EPDServeError
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc
 from tests.scheduler.harness import PH, image, start_scheduler, wait_until
 

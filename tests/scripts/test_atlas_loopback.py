@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from epdserve import Client
-from epdserve.entrypoints.client import EPDServeError
+from epdserve.client import EPDServeError
 from epdserve.net import free_port
 from epdserve.transfer.mm_store.server import LocalRedisServer
 from tests.scheduler.harness import PH, image

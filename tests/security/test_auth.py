@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from epdserve import AsyncClient, Client
-from epdserve.entrypoints.client import EPDServeError
+from epdserve.client import EPDServeError
 from epdserve.entrypoints.http import HttpFront, HttpOptions
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost

@@ -15,15 +15,9 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epdserve.entrypoints.client import (
-    Delta,
-    EPDServeError,
-    GenerateResult,
-    SchedulerConnection,
-    build_request,
-    delta_from,
-)
-from epdserve.entrypoints.resume import RetryPolicy, collect, resumed, retryable
+from epdserve.client.connection import SchedulerConnection
+from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
+from epdserve.client.resume import RetryPolicy, resumed, retryable
 from epdserve.rpc import serve_pb2
 
 

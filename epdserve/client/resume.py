@@ -14,14 +14,10 @@ Other codes are the caller's (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXC
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
 from epdserve.rpc import serve_pb2
-
-if TYPE_CHECKING:  # client.py imports this module
-    from epdserve.entrypoints.client import GenerateResult
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
@@ -53,18 +49,3 @@ def resumed(req: serve_pb2.GenerateRequest, received: list[int]) -> serve_pb2.Ge
     out.CopyFrom(req)
     out.resume_token_ids.extend(received)
     return out
-
-
-def collect(deltas) -> GenerateResult:
-    """One `GenerateResult` from a stream's deltas (what a unary Generate would have returned)."""
-    from epdserve.entrypoints.client import GenerateResult, Timing, Usage
-
-    ids, text, last = [], [], None
-    for d in deltas:
-        ids.extend(d.token_ids)
-        text.append(d.text)
-        last = d
-    if last is None or not last.finished:
-        raise RuntimeError("the stream ended without its final message")
-    return GenerateResult(last.request_id, "".join(text), ids, last.finish_reason, last.usage or Usage(),
-                          last.timing or Timing(), list(last.media_keys))

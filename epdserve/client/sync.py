@@ -1,0 +1,121 @@
+"""`Client`: the blocking client of a deployment's `EPDServe` service (see the package's docstring)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epdserve.client.connection import SchedulerConnection
+from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
+from epdserve.client.resume import RetryPolicy, resumed, retryable
+from epdserve.rpc import serve_pb2
+
+
+class Client(SchedulerConnection):
+    def __init__(self, address, timeout: float | None = None, *, api_key: str | None = None,
+                 tls_ca: str | None = None, tls: bool = False, retries: int = RetryPolicy.retries,
+                 retry_backoff_s: float = RetryPolicy.backoff_s):
+        """address: "host:port" of the scheduler, or a list of them (schedulers sharing the
+        instances); timeout: default deadline (s) of each call (a retried generation: of all its
+        attempts together). retries / retry_backoff_s: how often and after how long a generation
+        that lost its scheduler is resumed (0: never). api_key: sent as ``authorization: Bearer``
+        (default: EPDSERVE_API_KEY, if set); tls_ca: a PEM file of the roots to trust, for a TLS
+        port (`tls=True`: TLS with the system's roots)."""
+        from epdserve.security import channels
+
+        super().__init__(address, timeout, api_key, tls_ca, tls, retries, retry_backoff_s, channels.channel)
+
+    def generate(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
+                 **sampling) -> GenerateResult:
+        req = build_request(prompt, images, request_id=request_id, **sampling)
+        return collect(list(self._stream(req, timeout)))
+
+    def generate_stream(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
+                        **sampling) -> Iterator[Delta]:
+        return self._stream(build_request(prompt, images, request_id=request_id, **sampling), timeout)
+
+    def chat(self, messages: list[dict], *, add_generation_prompt: bool = True, request_id: str = "",
+             timeout: float | None = None, **sampling) -> GenerateResult:
+        req = build_request(chat=messages, add_generation_prompt=add_generation_prompt, request_id=request_id,
+                            **sampling)
+        return collect(list(self._stream(req, timeout)))
+
+    def chat_stream(self, messages: list[dict], *, add_generation_prompt: bool = True, request_id: str = "",
+                    timeout: float | None = None, **sampling) -> Iterator[Delta]:
+        req = build_request(chat=messages, add_generation_prompt=add_generation_prompt, request_id=request_id,
+                            **sampling)
+        return self._stream(req, timeout)
+
+    def abort(self, request_id: str) -> bool:
+        return self._call(self._stub.Abort, serve_pb2.AbortRequest(request_id=request_id), None).found
+
+    def model_info(self) -> serve_pb2.ModelInfo:
+        return self._call(self._stub.GetModelInfo, serve_pb2.GetModelInfoRequest(), None)
+
+    def server_info(self) -> serve_pb2.ServerInfo:
+        return self._call(self._stub.GetServerInfo, serve_pb2.GetServerInfoRequest(), None)
+
+    def health(self, service: str = "") -> str:
+        """The grpc.health.v1 status name ("SERVING", ...)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        resp = self._call(stub.Check, health_pb2.HealthCheckRequest(service=service), None)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the channel connects (raises EPDServeError UNAVAILABLE after `timeout`)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise EPDServeError(grpc.StatusCode.UNAVAILABLE, f"{self.address} not reachable in {timeout} s") from None
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method, req, timeout):
+        try:
+            return method(req, timeout=timeout if timeout is not None else self.timeout)
+        except grpc.RpcError as e:
+            raise EPDServeError.from_rpc(e) from None
+
+    def _stream(self, req, timeout) -> Iterator[Delta]:
+        """The request's deltas; on UNAVAILABLE, resumed on the next address (resume.py)."""
+        timeout = timeout if timeout is not None else self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        received: list[int] = []
+        for n in range(self.retry.retries + 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                for d in self._stream_once(resumed(req, received), left):
+                    received.extend(d.token_ids)
+                    yield d
+                return
+            except EPDServeError as e:
+                wait = self.retry.wait_s(n + 1)
+                if (not retryable(e.code) or n == self.retry.retries
+                        or (deadline is not None and time.monotonic() + wait >= deadline)):
+                    raise
+            self._current = (self._current + 1) % len(self.addresses)
+            self.retried += 1
+            time.sleep(wait)  # the backoff before resuming (a scheduler restarting takes seconds)
+
+    def _stream_once(self, req, timeout) -> Iterator[Delta]:
+        try:
+            call = self._stub.GenerateStream(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise EPDServeError.from_rpc(e) from None
+        try:
+            for d in call:
+                yield delta_from(d)
+        except grpc.RpcError as e:
+            raise EPDServeError.from_rpc(e) from None
+        finally:
+            call.cancel()  # no-op when the stream completed; aborts the request otherwise
