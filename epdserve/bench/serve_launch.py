@@ -7,25 +7,22 @@ a log file, waits for its ready line (`epdserve ready: grpc://HOST:PORT mode=...
 and yields a `LaunchedDeployment`; on exit it sends SIGTERM (launch stops its own children) and, if the
 process group is still there after a grace period, SIGKILL to that group. If the benchmark
 process dies first (even by SIGKILL), the launcher is told (PR_SET_PDEATHSIG) and stops its
-children. Nothing here is global.
+children. Starting, reading and stopping the process is `epdserve.deploy.launcher_process`'s.
+Nothing here is global.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 
-from epdserve.deploy.procs import die_with_parent
+from epdserve.deploy.launcher_process import READY_RE, LauncherProcess
+from epdserve.deploy.launcher_process import launch_argv as process_launch_argv
 from epdserve.net import free_port
 
-READY_RE = re.compile(r"^epdserve ready\b")
 ADDRESS_RE = re.compile(r"(?:grpc://)?((?:\d{1,3}\.){3}\d{1,3}|localhost|\[[0-9a-fA-F:]+\]|[\w.-]+):(\d{2,5})\b")
 
 
@@ -45,8 +42,7 @@ class LaunchedDeployment:
 
 
 def launch_argv(mode: str, model: str, port: int, extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--mode", mode, "--model", str(model),
-            "--port", str(port), *(extra or [])]
+    return process_launch_argv("--mode", mode, "--model", str(model), "--port", str(port), *(extra or []))
 
 
 def parse_ready(line: str, default_address: str) -> str | None:
@@ -58,14 +54,6 @@ def parse_ready(line: str, default_address: str) -> str | None:
         return default_address
     host = "127.0.0.1" if m.group(1) in ("0.0.0.0", "[::]") else m.group(1)
     return f"{host}:{m.group(2)}"
-
-
-def _tail(path: str, n: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
 
 
 @contextlib.contextmanager
@@ -82,55 +70,19 @@ def launched(mode: str, model: str, extra_args: list[str] | None = None, ready_t
     fd, log_path = tempfile.mkstemp(prefix=f"epdserve-launch-{mode}-", suffix=".log", dir=log_dir)
     os.close(fd)
     t0 = time.monotonic()
-    child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True, env=child_env, preexec_fn=die_with_parent())
-    ready = threading.Event()
-    found: dict[str, str] = {}
-
-    def drain():
-        with open(log_path, "a") as log:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                if not ready.is_set():
-                    addr = parse_ready(line, f"127.0.0.1:{port}")
-                    if addr:
-                        found.update(address=addr, line=line.strip())
-                        ready.set()
-
-    reader = threading.Thread(target=drain, name=f"launch-{mode}-log", daemon=True)
-    reader.start()
+    lp = LauncherProcess(cmd, env=dict(os.environ, **(env or {})), log_path=log_path, keep_output=False,
+                         tie_to_parent=True, name=f"launch-{mode}")
     try:
-        while not ready.wait(0.2):
-            if proc.poll() is not None:
-                reader.join(2)
-                if ready.is_set():
-                    break
-                raise LaunchError(f"launch --mode {mode} exited with {proc.returncode} before it was ready; "
-                                  f"last output:\n{_tail(log_path)}")
-            if time.monotonic() - t0 > ready_timeout_s:
-                raise LaunchError(f"launch --mode {mode} not ready after {ready_timeout_s:.0f} s; "
-                                  f"last output:\n{_tail(log_path)}")
-        if proc.poll() is not None:
-            raise LaunchError(f"launch --mode {mode} exited right after its ready line:\n{_tail(log_path)}")
-        yield LaunchedDeployment(mode, found["address"], proc.pid, time.monotonic() - t0, log_path,
-                                 found.get("line", ""))
+        m = lp.wait_ready(ready_timeout_s)
+        if m is None:
+            if lp.proc.poll() is not None:
+                raise LaunchError(f"launch --mode {mode} exited with {lp.proc.returncode} before it was ready; "
+                                  f"last output:\n{lp.tail(30)}")
+            raise LaunchError(f"launch --mode {mode} not ready after {ready_timeout_s:.0f} s; "
+                              f"last output:\n{lp.tail(30)}")
+        if lp.proc.poll() is not None:
+            raise LaunchError(f"launch --mode {mode} exited right after its ready line:\n{lp.tail(30)}")
+        yield LaunchedDeployment(mode, parse_ready(m.string, f"127.0.0.1:{port}"), lp.pid, time.monotonic() - t0,
+                                 log_path, m.string.strip())
     finally:
-        stop(proc, stop_timeout_s)
-        reader.join(5)
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGTERM the launcher, then SIGKILL its process group if anything of it is left."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the session we started: whatever of it is still there
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
+        lp.stop(stop_timeout_s)

@@ -1,46 +1,28 @@
 """`epdserve launch` as a real process group for a test: started, its ready line parsed, stopped
-with SIGTERM (which must exit 0), and killed if anything went wrong — with no secret in its output."""
+with SIGTERM (which must exit 0), and killed if anything went wrong — with no secret in its output.
+The process itself is `epdserve.deploy.launcher_process.LauncherProcess`."""
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
+
+from epdserve.deploy.launcher_process import LauncherProcess, launch_argv
 
 
 @contextlib.contextmanager
 def launched(args: list[str], env: dict[str, str], ready: re.Pattern, secrets: tuple[str, ...] = ()):
     """Yield (the ready line's named groups plus ``launcher_pid``, the output lines so far) of
     `epdserve launch ARGS`."""
-    argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=dict(env, PYTHONUNBUFFERED="1"))
-    output: list[str] = []
-    found: dict[str, str] = {}
-    seen = threading.Event()
-
-    def drain():
-        for line in proc.stdout:
-            output.append(line)
-            m = ready.match(line)
-            if m:
-                found.update(m.groupdict())
-                seen.set()
-        seen.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    lp = LauncherProcess(launch_argv(*args), env=env, ready=ready)
     try:
-        if not seen.wait(600) or not found:
-            raise AssertionError("launch never printed its ready line:\n" + "".join(output[-40:]))
-        found["launcher_pid"] = str(proc.pid)  # the root of the deployment's process tree
-        yield found, output
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0, "".join(output[-40:])
-        assert not any(s in "".join(output) for s in secrets)  # never logged
+        m = lp.wait_ready(600)
+        if m is None or not m.groupdict():
+            raise AssertionError("launch never printed its ready line:\n" + lp.tail(40))
+        found = m.groupdict()
+        found["launcher_pid"] = str(lp.pid)  # the root of the deployment's process tree
+        yield found, lp.output
+        assert lp.terminate(120) == 0, lp.tail(40)
+        assert not any(s in "".join(lp.output) for s in secrets)  # never logged
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if lp.proc.poll() is None:
+            lp.kill_group()

@@ -1,28 +1,32 @@
-"""Launched deployments for the reliability tests: start `epdserve launch` as a real process,
-read its ready line, find its children, and check that nothing of it is left."""
+"""Launched deployments for the reliability tests: start `epdserve launch` as a real process
+(`epdserve.deploy.launcher_process.LauncherProcess`), read its ready line, find its children, and
+check that nothing of it is left."""
 from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 
 import psutil
+
+from epdserve.deploy.launcher_process import LauncherProcess, kill_group, launch_argv
+
+__all__ = ["Launched", "alive", "family", "kill_group", "launch", "listening", "signal_storm", "wait_exit"]
 
 READY = re.compile(r"^epdserve ready: grpc://(\S+) mode=\S+ .* mm_store=redis://([\d.]+:\d+)")
 
 
-@dataclass
-class Launched:
-    proc: subprocess.Popen
-    address: str = ""
-    mm_store: str = ""
-    output: list[str] = field(default_factory=list)
+class Launched(LauncherProcess):
+    """The launcher (`proc`, `output`, `tail()`), and once ready its gRPC `address` and `mm_store`."""
+
+    @property
+    def address(self) -> str:
+        return self.ready_match.group(1) if self.ready_match else ""
+
+    @property
+    def mm_store(self) -> str:
+        return self.ready_match.group(2) if self.ready_match else ""
 
     def children(self) -> dict[str, psutil.Process]:
         """The launcher's live children by kind: "scheduler", "mm_store", "instance:<roles>#<k>"."""
@@ -44,40 +48,13 @@ class Launched:
                 k += 1
         return out
 
-    def tail(self, n: int = 40) -> str:
-        return "".join(self.output[-n:])
-
 
 def launch(model, *args: str, wait_ready: bool = True, timeout_s: float = 300) -> Launched:
-    argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--model", str(model), "--kv-cache-mb", "16",
-            *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    dep = Launched(proc)
-    ready = threading.Event()
-
-    def drain():
-        for line in proc.stdout:
-            dep.output.append(line)
-            m = READY.match(line)
-            if m:
-                dep.address, dep.mm_store = m.group(1), m.group(2)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    if wait_ready and (not ready.wait(timeout_s) or not dep.address):
-        kill_group(proc)
+    dep = Launched(launch_argv("--model", str(model), "--kv-cache-mb", "16", *args), ready=READY)
+    if wait_ready and not dep.wait_ready(timeout_s):
+        kill_group(dep.proc)
         raise AssertionError(f"launch never got ready:\n{dep.tail()}")
     return dep
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def family(pid: int) -> list[psutil.Process]:
