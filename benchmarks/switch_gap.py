@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import threading
@@ -27,19 +28,22 @@ import grpc
 from epdserve.bench.serve_launch import launched
 from epdserve.client import Client
 from epdserve.rpc import instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc
+from epdserve.security.secrets import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
 
 
-def _prefiller(address: str) -> str:
+def _prefiller(address: str, token: str) -> str:
+    """The P instance's address (shown only to holders of the deployment's cluster token)."""
     with grpc.insecure_channel(address) as ch:
-        info = serve_pb2_grpc.EPDServeStub(ch).GetServerInfo(serve_pb2.GetServerInfoRequest(), timeout=10)
+        info = serve_pb2_grpc.EPDServeStub(ch).GetServerInfo(serve_pb2.GetServerInfoRequest(), timeout=10,
+                                                            metadata=[(CLUSTER_TOKEN_HEADER, token)])
     return next(i.address for i in info.instances if "P" in i.roles and not i.draining)
 
 
-def _switch(instance: str, roles: str) -> instance_pb2.SwitchRolesResponse:
+def _switch(instance: str, roles: str, token: str) -> instance_pb2.SwitchRolesResponse:
     with grpc.insecure_channel(instance) as ch:
         return instance_pb2_grpc.InstanceStub(ch).SwitchRoles(
             instance_pb2.SwitchRolesRequest(roles=roles, drain_timeout_s=300, reason="switch_gap benchmark"),
-            timeout=600)
+            timeout=600, metadata=[(CLUSTER_TOKEN_HEADER, token)])
 
 
 def _ttft(client: Client, prompt: str, max_tokens: int) -> float:
@@ -51,7 +55,7 @@ def _ttft(client: Client, prompt: str, max_tokens: int) -> float:
     return first
 
 
-def _one(client: Client, instance: str, args, tag: str, switch: bool) -> dict:
+def _one(client: Client, instance: str, args, tag: str, switch: bool, token: str) -> dict:
     """Long decodes on the coupled engine, then (a split and) the short requests; their TTFTs."""
     longs = [threading.Thread(target=_ttft, args=(client, f"{tag} long {i}: tell a long story", args.long_tokens))
              for i in range(args.long)]
@@ -59,7 +63,7 @@ def _one(client: Client, instance: str, args, tag: str, switch: bool) -> dict:
         t.start()
     time.sleep(args.settle_s)  # the long requests are decoding
     result: dict = {}
-    sw = threading.Thread(target=lambda: result.update(resp=_switch(instance, "P+E"))) if switch else None
+    sw = threading.Thread(target=lambda: result.update(resp=_switch(instance, "P+E", token))) if switch else None
     if sw is not None:
         sw.start()
     ttfts: list[float] = []
@@ -73,7 +77,7 @@ def _one(client: Client, instance: str, args, tag: str, switch: bool) -> dict:
     out = {"ttft_s": ttfts}
     if switch:
         out.update(drain_s=result["resp"].drain_s, rebuild_s=result["resp"].rebuild_s)
-        _switch(instance, "EPD")  # merge again for the next repeat
+        _switch(instance, "EPD", token)  # merge again for the next repeat
     return out
 
 
@@ -91,16 +95,17 @@ def _summary(runs: list[dict]) -> dict:
 def run(args) -> dict:
     results = {}
     for overlap in ("off", "on"):
+        token = secrets.token_urlsafe(32)  # the deployment's cluster token: instance calls need it
         with launched("P-D", args.model, ["--kv-cache-mb", "64", "--instance-args", f"--switch-overlap {overlap}"],
-                      env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
-            instance = _prefiller(dep.address)
-            _switch(instance, "EPD")  # merged: the D parks
+                      env={"OMP_WAIT_POLICY": "PASSIVE", CLUSTER_TOKEN_ENV: token}) as dep:
+            instance = _prefiller(dep.address, token)
+            _switch(instance, "EPD", token)  # merged: the D parks
             with Client(dep.address, timeout=600) as c:
                 c.generate("warm up", max_tokens=4)
                 base, split = [], []
                 for r in range(args.repeats):
-                    base.append(_one(c, instance, args, f"{overlap}-{r}-base", switch=False))
-                    split.append(_one(c, instance, args, f"{overlap}-{r}", switch=True))
+                    base.append(_one(c, instance, args, f"{overlap}-{r}-base", switch=False, token=token))
+                    split.append(_one(c, instance, args, f"{overlap}-{r}", switch=True, token=token))
         results[overlap] = {"no switch": _summary(base), "split": _summary(split)}
     return results
 

@@ -18,6 +18,8 @@ mismatched, not back within `--back-timeout-s`, or left behind.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shlex
 import sys
 import threading
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from epdserve.bench import chaos_faults as faults
 from epdserve.commands import add_command
 from epdserve.perf.serving_metrics import stats
+from epdserve.security.secrets import CLUSTER_TOKEN_ENV
 
 DEFAULT_FAULTS = "E,P,D,mm_store,scheduler"
 
@@ -152,7 +155,7 @@ def _latency(outcomes: list[Outcome], lo: float, hi: float) -> dict:
     return {"count": s["count"], "p50": s["median"], "p99": s["p99"]}
 
 
-def chaos(address: str, launcher_pid: int, args) -> tuple[Report, set[int], set]:
+def chaos(address: str, launcher_pid: int, args, cluster_token: str) -> tuple[Report, set[int], set]:
     from epdserve.client import Client
 
     work = workload(args.prompts)
@@ -174,7 +177,8 @@ def chaos(address: str, launcher_pid: int, args) -> tuple[Report, set[int], set]
         t = time.monotonic()
         faults.kill(victim)
         f = Fault(target, victim.pid, t - load.t_start)
-        back = faults.wait_back(launcher_pid, address, kind, before, instances, t, args.back_timeout_s)
+        back = faults.wait_back(launcher_pid, address, cluster_token, kind, before, instances, t,
+                                args.back_timeout_s)
         if back is not None:
             f.process_s, f.roster_s = back.process_s, back.roster_s
         rep.faults.append(asdict(f))
@@ -232,8 +236,11 @@ def run(args) -> int:
         model = str(default_model("qwen2_vl"))
     n = str(args.per_role)
     extra = ["--encode", n, "--prefill", n, "--decode", n, *shlex.split(args.launch_args)]
-    with launched(args.mode, model, extra_args=extra, ready_timeout_s=600, stop_timeout_s=60) as dep:
-        rep, pids, ports = chaos(dep.address, dep.pid, args)
+    # the deployment's cluster token, known here: the roster's pids are shown only to its holders
+    token = os.environ.get(CLUSTER_TOKEN_ENV) or secrets.token_urlsafe(32)
+    with launched(args.mode, model, extra_args=extra, ready_timeout_s=600, stop_timeout_s=60,
+                  env={CLUSTER_TOKEN_ENV: token}) as dep:
+        rep, pids, ports = chaos(dep.address, dep.pid, args, token)
     rep.left_processes, rep.left_ports = faults.leftovers(pids, ports, within_s=10.0)
     with open(args.out, "w") as f:
         json.dump({**asdict(rep), "ok": rep.ok}, f, indent=2)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import psutil
 
-from epdserve.client import Client, EPDServeError
 from epdserve.rpc import common_pb2
 
 
@@ -59,12 +58,21 @@ def kill(p: psutil.Process) -> None:
         pass
 
 
-def healthy_pids(address: str) -> list[int] | None:
-    """The pids of the instances the scheduler sees HEALTHY (None: no scheduler answers)."""
+def healthy_pids(address: str, cluster_token: str) -> list[int] | None:
+    """The pids of the instances the scheduler sees HEALTHY (None: no scheduler answers); pids,
+    like addresses, are shown only to a holder of the deployment's cluster token."""
+    import grpc
+
+    from epdserve.rpc import serve_pb2, serve_pb2_grpc
+    from epdserve.security import Secret
+    from epdserve.security.interceptors import cluster_metadata
+
     try:
-        with Client(address, timeout=3, retries=0) as c:
-            return [i.pid for i in c.server_info().instances if i.health == common_pb2.HEALTHY]
-    except EPDServeError:
+        with grpc.insecure_channel(address) as ch:
+            info = serve_pb2_grpc.EPDServeStub(ch).GetServerInfo(
+                serve_pb2.GetServerInfoRequest(), timeout=3, metadata=cluster_metadata(Secret(cluster_token)))
+        return [i.pid for i in info.instances if i.health == common_pb2.HEALTHY]
+    except grpc.RpcError:
         return None
 
 
@@ -74,7 +82,8 @@ class Back:
     roster_s: float  # until the scheduler sees every instance HEALTHY again
 
 
-def wait_back(launcher_pid: int, address: str, kind: str, before: set[int], instances: int, t0: float,
+def wait_back(launcher_pid: int, address: str, cluster_token: str, kind: str, before: set[int], instances: int,
+              t0: float,
               timeout_s: float = 120.0) -> Back | None:
     """Wait until a new process of the killed `kind` runs (a pid not in `before`, the pids of that
     kind at the kill) and the roster is whole again — `instances` HEALTHY, the new one among them
@@ -86,7 +95,7 @@ def wait_back(launcher_pid: int, address: str, kind: str, before: set[int], inst
             if new is not None:
                 process_s = time.monotonic() - t0
         if new is not None:
-            pids = healthy_pids(address) or []
+            pids = healthy_pids(address, cluster_token) or []
             if len(pids) >= instances and (kind in ("scheduler", "mm_store") or new in pids):
                 return Back(process_s, time.monotonic() - t0)
         time.sleep(0.2)  # polling other processes' state

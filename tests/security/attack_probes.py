@@ -30,9 +30,14 @@ class Listener:
     port: int
 
     @property
-    def loopback(self) -> bool:
+    def address(self) -> str:
+        """The address bound, an IPv4-mapped one as its IPv4 (gRPC binds ::ffff:a.b.c.d)."""
         addr = ipaddress.ip_address(self.ip.split("%")[0])
-        return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback
+        return str(getattr(addr, "ipv4_mapped", None) or addr)
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.address).is_loopback
 
 
 def listening(processes: list[psutil.Process]) -> list[Listener]:

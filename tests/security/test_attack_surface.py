@@ -161,7 +161,7 @@ def test_atlas_scripts_configuration_on_the_cluster_network(qwen2_vl_tiny, refer
             _serve_one(f"{IP}:{sched_port}", reference)
             for node in nodes:
                 exposed = _assert_no_usable_listener(node.proc.pid)
-                assert all(s.ip == IP for s in exposed), exposed
+                assert all(s.address == IP for s in exposed), exposed
         finally:
             for node in reversed(nodes):
                 node.stop()
