@@ -61,7 +61,8 @@ class DeploymentSpec:
     planned: str | None = None  # --mode auto: what the planner chose, and why (logged)
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
-    registry: str | None = None  # host:port instances register at (the scheduler's internal port)
+    registry: str | None = None  # host:port instances register at (the scheduler's internal port, set in
+    # its scheduler_args); None: a free port of `host`, chosen once (a restarted scheduler comes back on it)
     log_dir: str | None = None  # None: a temporary directory, removed after a clean stop
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0
@@ -83,6 +84,7 @@ class Deployment:
         self.address = ""
         self.mm_store_url = spec.mm_store or ""
         self.scheduler: ChildProcess | None = None
+        self.registry, self._registry_args = self._registry(spec)
         self.instances: list[ChildProcess] = []
         self._redis = None
         # the deployment's cluster token: the launcher's, else a random one (children get it in their environment)
@@ -149,16 +151,26 @@ class Deployment:
             f.write(value + "\n")
         return path
 
+    @staticmethod
+    def _registry(spec: DeploymentSpec) -> tuple[str, list[str]]:
+        """(host:port instances register at, the scheduler flags that put its internal port there)."""
+        if spec.registry:
+            return spec.registry, []
+        from epdserve.net import free_port
+
+        port = free_port(spec.host)
+        return f"{spec.host}:{port}", ["--internal-host", spec.host, "--internal-port", str(port)]
+
     def _scheduler_child(self, port: int, addr_file: Path) -> ChildProcess:
         s = self.spec
         return self._child("scheduler", [
             "--model", s.model, "--host", s.host, "--port", str(port), "--mode", s.mode,
-            "--address-file", str(addr_file), *s.scheduler_args],
+            "--address-file", str(addr_file), *self._registry_args, *s.scheduler_args],
             env={CLUSTER_TOKEN_ENV: self.cluster_token}, module="epdserve.entrypoints.scheduler_cli")
 
     def _instance_argv(self, roles: str) -> list[str]:
         s = self.spec
-        return ["instance", "--roles", roles, "--model", s.model, "--scheduler", s.registry or self.address,
+        return ["instance", "--roles", roles, "--model", s.model, "--scheduler", self.registry,
                 "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host,
                 "--drain-timeout", str(s.drain_timeout_s), *s.instance_args]
 

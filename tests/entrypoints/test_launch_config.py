@@ -37,7 +37,8 @@ def test_flags_override_the_file_and_become_instance_flags(tmp_path):
     assert (s.mode, s.model, s.prefill, s.decode, s.mm_store) == ("EP-D", "/from/file", 2, 1, "redis://h:1/0")
     assert s.pools() == [Pool("EP", 2), Pool("D", 1)]
     assert s.instance_args == ["--encode-core-share", "0.25", "--kv-cache-mb", "64", "--max-model-len", "512"]
-    assert s.scheduler_args == ["--max-model-len", "512"] and s.devices == ["0", "1"] and s.pin_instances
+    assert s.scheduler_args[:2] == ["--max-model-len", "512"] and s.devices == ["0", "1"] and s.pin_instances
+    assert s.scheduler_args[2:4] == ["--internal-port", s.registry.rsplit(":", 1)[1]]  # the Registry's own port
 
 
 def test_bad_options_are_rejected(tmp_path):
