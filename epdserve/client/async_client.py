@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epdserve.client.connection import SchedulerConnection
 from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
-from epdserve.client.resume import RetryPolicy, resumed, retryable
+from epdserve.client.resume import RetryPolicy, resumed
 from epdserve.rpc import serve_pb2
 
 
@@ -96,10 +96,7 @@ class AsyncClient(SchedulerConnection):
                     yield d
                 return
             except EPDServeError as e:
-                wait = self.retry.wait_s(n + 1)
-                if (not retryable(e.code) or n == self.retry.retries
-                        or (deadline is not None and time.monotonic() + wait >= deadline)):
-                    raise
+                wait = self.retry.wait_after(e, n, deadline)
             finally:
                 await once.aclose()  # cancels its call at once (also when the caller leaves early)
             self._current = (self._current + 1) % len(self.addresses)

@@ -13,6 +13,7 @@ Other codes are the caller's (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXC
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -35,6 +36,16 @@ class RetryPolicy:
     def wait_s(self, retry: int) -> float:
         """The wait before retry number `retry` (1, 2, ...)."""
         return min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1))
+
+    def wait_after(self, error, attempt: int, deadline: float | None) -> float:
+        """The wait before retrying after `error` (an EPDServeError) ended attempt `attempt` (0,
+        1, ...); re-raises it when its code is not retryable, the retries are spent, or the wait
+        would pass `deadline` (time.monotonic)."""
+        wait = self.wait_s(attempt + 1)
+        if (not retryable(error.code) or attempt == self.retries
+                or (deadline is not None and time.monotonic() + wait >= deadline)):
+            raise error
+        return wait
 
 
 def retryable(code: grpc.StatusCode) -> bool:
