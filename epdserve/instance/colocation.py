@@ -7,10 +7,12 @@ process on the same device (on one machine every mode is co-located). Three poli
   limits (`instance/stage_stream.py`). A stage runs at its share's speed even while the other
   idles.
 - `yield` (work-conserving): every stage may use every core; encode runs at the lowest CPU
-  priority (Linux SCHED_IDLE for its thread and the OpenMP team it spawns; on NPU a
-  low-priority stream), so a P or D step that becomes runnable takes the cores from encode at
-  the kernel's next scheduling decision (within one operator's slice on CPU), and encode uses
-  every core while P and D idle.
+  priority (Linux SCHED_IDLE for its thread and the OpenMP team it spawns), so a P or D step
+  that becomes runnable takes the cores from encode at the kernel's next scheduling decision
+  (within one operator's slice on CPU), and encode uses every core while P and D idle. On NPU
+  there is no such precedence: each stage gets an unlimited stream of its own, but torch_npu's
+  streams carry no priority to the device (all created at ACL priority 0: NPUStream.cpp
+  initDeviceStreamState; docs/npu-colocation.md).
 - `slo` (work-conserving, SLO-driven): every stage may use every core, one compute step at a
   time, in the order the SLOs ask for. On CPU a lease on the cores (`instance/lease_arbiter.py`,
   `instance/core_lease.py`): a decode step that falls due (paced at a share of the TPOT SLO)
@@ -20,7 +22,7 @@ process on the same device (on one machine every mode is co-located). Three poli
   (TTFT) everything else, and no stage is starved the way SCHED_IDLE starves encode. One
   arbiter serves the whole machine (the launcher's; an instance with co-located workers and no
   `--core-lease` runs its own). On NPU, where steps are asynchronous, `slo` gives each worker
-  an unlimited stream, P/D ranked before E, as `yield` does.
+  an unlimited stream, as `yield` does (no ranking reaches an NPU).
 
 Why SCHED_IDLE: nice 19 still has weight 15 against 1024 and, measured by `epdserve bench
 colocation`, does not protect decode (busy/idle 1.47); SCHED_IDLE (weight 3, never preempts a
@@ -59,13 +61,14 @@ def yields(policy: str, role: str) -> bool:
 
 def device_share(policy: str, role: str, weight: float) -> float | None:
     """An accelerator worker's share of the device's cores: its weight under `split`, None (no
-    limit: its own stream, prioritized) under `yield` and `slo`."""
+    limit: its own stream; prioritized on CUDA only) under `yield` and `slo`."""
     return weight if check_policy(policy) == "split" else None
 
 
 def stream_priority(policy: str, role: str) -> int:
-    """Stream priority (lower = higher, as torch_npu's and CUDA's Stream take it): under `yield`
-    P/D streams outrank encode's under `yield` and `slo`; under `split` all are equal (0)."""
+    """Stream priority (lower = higher, as CUDA's Stream takes it): P/D streams outrank encode's
+    under `yield` and `slo`; under `split` all are equal (0). CUDA only: `NpuPlatform.new_stream`
+    ignores it (torch_npu's pool streams are all at ACL priority 0)."""
     return -1 if check_policy(policy) != "split" and role != "E" else 0
 
 

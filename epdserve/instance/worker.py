@@ -99,7 +99,7 @@ class StageWorker:
         self.cores = cores
         self.colocated = False  # shares an accelerator with another worker: runs on its own stream
         self.device_share: float | None = None  # ... limited to this share of its cores (None: unlimited)
-        self.stream_priority = 0  # ... at this priority (lower = higher)
+        self.stream_priority = 0  # ... at this priority (lower = higher; CUDA only: NPU streams have none)
         self.low_priority = False  # CPU: this worker's thread gives way to the others (SCHED_IDLE)
         self.stream = None
         self.gate_factory: Callable[[], object] | None = None  # CPU `slo` policy: the core lease gate (core_lease.py)
@@ -193,6 +193,8 @@ class StageWorker:
                 self.on_stop()
             except Exception:
                 log.exception("%s: shutdown failed", self.name)
+            if self.stream is not None:  # the platform may hand it to a later worker (NPU: npu_streams.py)
+                self.engine.platform.release_stream(self.stream)
 
     def _open_stream(self) -> None:
         """Co-located on an accelerator: run on an own stream, limited to `device_share` (NPU)."""

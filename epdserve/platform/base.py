@@ -56,7 +56,15 @@ class Platform(ABC):
         return int(free + mod.memory_reserved(index) - mod.memory_allocated(index))
 
     def new_stream(self, priority: int = 0):
-        """A stream for one stage worker (lower `priority` = higher), or None where streams do not exist (CPU)."""
+        """A stream for one stage worker or pair (lower `priority` = higher where the device has
+        stream priorities: CUDA; NPU has none), or None where streams do not exist (CPU)."""
+        return None
+
+    def release_stream(self, stream) -> None:
+        """Its holder is done with `stream` (from `new_stream`); a later one may reuse it."""
+
+    def pair_stream_conflict(self, pg, peer_rank: int) -> str | None:
+        """Why the backend's stream for this pair group is one of ours (None: it is not, or unknown)."""
         return None
 
     def stream_context(self, stream):

@@ -3,7 +3,11 @@ in ops/npu_ops.py (the paged kernels) and by `epdserve doctor` (to show a broken
 
 HCCL groups are built directly as ProcessGroupHCCL over the pair's store (no global world), as
 vllm-ascend's netloader does; stage co-location uses torch.npu stream resource limits
-(AI Core "cube" and Vector Core counts) where the installed torch_npu has them.
+(AI Core "cube" and Vector Core counts) where the installed torch_npu has them (which operators
+honour them: docs/npu-colocation.md). Streams come from `NpuStreamBook` (`npu_streams.py`):
+never one of HCCL's, never one another worker or pair holds. NPU streams have no priority that
+reaches the device (torch_npu creates every pool stream at ACL priority 0), so `new_stream`
+ignores `priority`.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import importlib.util
 import logging
 
 from epdserve.platform.base import Platform
+from epdserve.platform.npu_streams import NpuStreamBook
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,9 @@ class NpuPlatform(Platform):
     # npu_fused_infer_attention_score with a block table needs a multiple of 128 (<= 512) when a
     # query has more than one token; vllm-ascend's kernels support only 128 (ops/npu_ops.py).
     kv_block_size = 128
+
+    def __init__(self):
+        self.streams = NpuStreamBook()  # one per process, as torch_npu's stream pools are
 
     def _torch_npu(self):
         return importlib.import_module("torch_npu")
@@ -65,7 +73,33 @@ class NpuPlatform(Platform):
         self._torch_npu().npu.synchronize()
 
     def new_stream(self, priority: int = 0):
-        return self._torch_npu().npu.Stream(priority=priority)  # torch_npu/npu/streams.py: lower = higher
+        """A stream of our own (`NpuStreamBook.take`); `priority` does not reach an NPU: every
+        stream of torch_npu's pools is created at ACL priority 0 (NPUStream.cpp
+        initDeviceStreamState), and Stream.priority raises (Stream.cpp THNPStream_get_priority)."""
+        return self.streams.take(self._torch_npu().npu)
+
+    def release_stream(self, stream) -> None:
+        if self.streams.give_back(stream):  # the limit outlives its holder (op-plugin torch_npu-reset_stream_limit.md)
+            reset = getattr(self._torch_npu().npu, "reset_stream_limit", None)
+            try:
+                if reset is not None:
+                    reset(stream)
+            except Exception as e:
+                log.warning("reset_stream_limit failed (%s); a later holder of stream %s keeps its core limit", e,
+                            getattr(stream, "stream_id", "?"))
+
+    def pair_stream_conflict(self, pg, peer_rank: int) -> str | None:
+        """Is the pair's HCCL stream one of ours? `_get_stream_id(p2p, peer)` (Init.cpp, every
+        line; ProcessGroupHCCL::getStreamId: -1 before the communicator exists) after the handshake."""
+        get_id = getattr(pg, "_get_stream_id", None)
+        if get_id is None:
+            return None
+        sid = int(get_id(True, peer_rank))
+        device = int(self._torch_npu().npu.current_device())
+        if sid >= 0 and self.streams.holds(device, sid):
+            return (f"HCCL took stream {sid}, one of epdserve's (TORCH_HCCL_HIGH_PRIORITY set? HCCL then draws "
+                    "from the pool our streams come from)")
+        return None
 
     def stream_context(self, stream):
         return self._torch_npu().npu.stream(stream)
@@ -83,6 +117,7 @@ class NpuPlatform(Platform):
         try:
             npu.config.allow_internal_format = False
             npu.set_stream_limit(stream, cube, vector)
+            self.streams.mark_limited(stream)
         except Exception as e:  # RuntimeError from NPU_CHECK_ERROR / TORCH_CHECK, AssertionError on a bad stream
             log.warning("set_stream_limit(%d cube, %d vector) failed (%s: %s); co-located stages share cores unrestricted",
                         cube, vector, type(e).__name__, e)
@@ -97,12 +132,20 @@ class NpuPlatform(Platform):
     # its own thread and so ends the process when asyncErrorHandling_ is TearDown, the default
     # (OptionsManager::CheckUseHcclAsyncErrorHandleEnable: TORCH_HCCL_ASYNC_ERROR_HANDLING, default 1,
     # read once per process, in the first ProcessGroupHCCL's constructor).
-    pair_group_env = (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "0"),)
+    # TORCH_HCCL_HIGH_PRIORITY unset/0: HCCL's streams come from pool 0, ours from pool 1
+    # (ProcessGroupHCCL.cpp getNPUStreamByCurrentType; npu_streams.py).
+    pair_group_env = (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "0"), ("TORCH_HCCL_HIGH_PRIORITY", "0"))
 
     def interrupt_pair_group(self, pg, peer_rank: int) -> None:
         # Python's pg.abort() is c10d::Backend::abort(), a no-op: ProcessGroupHCCL's
         # abort(optional<string>) does not override it. The binding that destroys the
-        # communicators (failing the pair's pending ops) is abort_hccl_comm (Init.cpp).
+        # communicators is abort_hccl_comm (Init.cpp -> abortAndClearHcclComm -> destroyHcclComm).
+        # While an operation runs, HcclCommDestroy returns HCCL_E_AGAIN and destroys nothing (CANN
+        # hcclapiref HcclCommDestroy); torch_npu ignores the result, drops the handle and clears
+        # its map (HCCLUtils.cpp destroyHcclComm, every line), so no retry can reach it: the
+        # operation runs on until HCCL_EXEC_TIMEOUT, holding only HCCL's own stream (pool 0;
+        # ours are pool 1, npu_streams.py), and the pair's threads stop waiting within their
+        # drain budget. Only that pair fails.
         try:
             pg.abort_hccl_comm("epdserve: KV pair torn down")
         except Exception as e:  # must not raise: the pair is dead either way

@@ -13,7 +13,14 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
     tensors here are CPU tensors);
   * the constructor reads TORCH_HCCL_BLOCKING_WAIT per group, and the async error handling mode
     once per process (OptionsManager::CheckUseHcclAsyncErrorHandleEnable: a function-static of
-    TORCH_HCCL_ASYNC_ERROR_HANDLING, default 1 = TearDown);
+    TORCH_HCCL_ASYNC_ERROR_HANDLING, default 1 = TearDown); under blocking wait the group's mode is
+    NoHandling, and the watchdog starts all the same (`hcclCommWatchdogThread_ = std::thread(...)`
+    on v2.8.0-7.2.0 / v2.9.0-7.3.0, `watchdog_->start()` on v2.12.0-26.1.0 / master, after the
+    blocking-wait branch that only logs "NO watchdog thread is created");
+  * a communicator's stream: getNPUStreamByCurrentType (via getHcclNPUStream on 2.12 / master):
+    the sync-launch pool under a sync-launch current stream, else getStreamFromPool(
+    TORCH_HCCL_HIGH_PRIORITY) — the same pools `Stream()` draws from (tests/fakes/npu_stream_pool.py);
+    `_get_stream_id(p2p, peer)` (Init.cpp, getStreamId) its id, -1 before the communicator;
   * the watchdog (Watchdog::runLoop -> WorkHCCL::checkTimeout, handleException): a work pending
     longer than the group timeout gets "Watchdog caught collective operation timeout"; with
     SHOULD_TEAR_DOWN(mode) (mode 1 or 3) the exception is rethrown in the watchdog thread, which
@@ -22,12 +29,15 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
     `bool abort(c10::optional<std::string>)` does not override torch's `virtual void abort()`
     (torch Backend.hpp); the binding that destroys communicators is `abort_hccl_comm`
     (Init.cpp -> abortAndClearHcclComm -> HCCLComm::destroyHcclComm);
-  * after destroyHcclComm nothing sets the comm's async error (HCCLUtils.cpp), so whether a
-    pending work ever completes is not in the source: this fake takes the harder case — a work
-    pending when its communicator is destroyed never completes;
+  * HcclCommDestroy returns HCCL_E_AGAIN while an operation runs, which torch_npu ignores
+    (tests/fakes/hccl_destroy.py): a work pending at the destroy keeps its HCCL stream — and
+    every later work queued on that stream — until HCCL_EXEC_TIMEOUT (`exec_timeout_s`), then
+    fails; an idle communicator is destroyed;
   * a dead peer is not an error to HCCL until HCCL_EXEC_TIMEOUT (default 1836 s, PG
     `defaultExecTimeout`): the work just stays pending, as it does here.
 - `torch_npu/npu/utils.py` set_device / current_device / set_stream / current_stream: per thread.
+- `Stream()`: round-robin from pools of 32 per device and priority, all at ACL priority 0;
+  `Stream.priority` raises (tests/fakes/npu_stream_pool.py).
 - `torch_npu/npu/__init__.py` mem_get_info(device=None) -> (free, total) from
   `_npu_getDeviceMemories` (`csrc/npu/Module.cpp`: aclrtGetMemInfo(ACL_HBM_MEM)), "Invalid device
   id" AssertionError outside 0..device_count-1; `torch_npu/npu/memory.py` memory_reserved /
@@ -44,7 +54,6 @@ in posting order, as the device executes one HCCL stream. Tensors stay on the CP
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import sys
 import threading
@@ -54,6 +63,9 @@ from datetime import timedelta
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
+
+from tests.fakes.hccl_destroy import HCCL_E_AGAIN, HCCL_SUCCESS, StuckStreams
+from tests.fakes.npu_stream_pool import SYNCLAUNCH, DeviceStream, StreamPool, get_priority_unsupported
 
 PRIVATE_USE1 = 20  # c10::DeviceType::PrivateUse1, the device type torch_npu registers
 WATCHDOG_PERIOD_S = 0.1
@@ -73,8 +85,9 @@ class FakeTorchNpu:
         self.events: list[tuple] = []
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._stream_ids = itertools.count(1)
-        self._default_streams: dict[int, FakeStream] = {}
+        self.pool = StreamPool(devices)
+        self.stuck = StuckStreams()
+        self.exec_timeout_s = 1836.0  # HCCL_EXEC_TIMEOUT's default (PG defaultExecTimeout)
         self._async_error_handling: int | None = None  # read once, by the first group
         self.module = self._build_module()
 
@@ -111,8 +124,7 @@ class FakeTorchNpu:
     def current_stream(self) -> FakeStream:
         stream = getattr(self._local, "stream", None)
         if stream is None or stream.device_index != self.current_device():
-            with self._lock:
-                stream = self._default_streams.setdefault(self.current_device(), FakeStream(self, default=True))
+            stream = FakeStream(self.pool.default(self.current_device()))
         return stream
 
     def set_stream(self, stream: FakeStream) -> None:
@@ -172,8 +184,8 @@ class FakeTorchNpu:
 
         class Stream(FakeStream):
             def __init__(self, device=None, priority=0):
-                super().__init__(fake)
-                self.priority = priority  # torch_npu/npu/streams.py: lower numbers = higher priority
+                index = fake.current_device() if device is None else fake._index(device)
+                super().__init__(fake.pool.from_pool(index, priority))
 
         npu = types.ModuleType("torch_npu.npu")
         npu.set_device = self.set_device
@@ -212,14 +224,26 @@ class FakeTorchNpu:
 
 
 class FakeStream:
-    def __init__(self, fake: FakeTorchNpu, default: bool = False):
-        self.fake = fake
-        self.stream_id = 0 if default else next(fake._stream_ids)
-        self.device_index = fake.current_device()
-        self.device_type = PRIVATE_USE1
-        self.limits: tuple[int, int] | None = None
-        self.priority = 0
-        self.waits_on: list[FakeWork] = []  # works whose end event this stream was made to wait on
+    """A torch_npu.npu.Stream: a wrapper of one device stream (several wrappers may share it)."""
+
+    device_type = PRIVATE_USE1
+
+    def __init__(self, stream: DeviceStream):
+        self._stream = stream
+
+    stream_id = property(lambda self: self._stream.stream_id)
+    device_index = property(lambda self: self._stream.device_index)
+    npu_stream = property(lambda self: self._stream.npu_stream)
+    waits_on = property(lambda self: self._stream.waits_on)  # works whose end event it was made to wait on
+    limits = property(lambda self: self._stream.limits,
+                      lambda self, value: setattr(self._stream, "limits", value))
+    priority = property(lambda self: get_priority_unsupported())
+
+    def __eq__(self, other):
+        return isinstance(other, FakeStream) and other._stream is self._stream
+
+    def __hash__(self):
+        return hash((self.npu_stream, self.device_index))
 
 
 class FakeWork:
@@ -255,7 +279,8 @@ class FakeProcessGroupHCCL:
     def __init__(self, fake: FakeTorchNpu, store, rank: int, size: int, options):
         self.fake, self.store, self.rank, self.size, self.options = fake, store, rank, size, options
         self.blocking_wait = os.environ.get("TORCH_HCCL_BLOCKING_WAIT", "0") == "1"
-        self.error_handling = fake.async_error_handling()
+        self.error_handling = 0 if self.blocking_wait else fake.async_error_handling()  # NoHandling
+        self.hccl_stream: DeviceStream | None = None
         self._lock = threading.Lock()
         self._gloo: ProcessGroupGloo | None = None
         self._destroyed = False
@@ -265,8 +290,7 @@ class FakeProcessGroupHCCL:
         self._stopped = False
         fake.record("ProcessGroupHCCL", rank, size, options.group_id, options._timeout)
         threading.Thread(target=self._progress, name=f"hccl-progress-{rank}", daemon=True).start()
-        if not self.blocking_wait:  # "TORCH_HCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created."
-            threading.Thread(target=self._watchdog, name=f"hccl-watchdog-{rank}", daemon=True).start()
+        threading.Thread(target=self._watchdog, name=f"hccl-watchdog-{rank}", daemon=True).start()
 
     def _set_sequence_number_for_group(self) -> None:
         self.fake.record("_set_sequence_number_for_group", self.rank)
@@ -274,12 +298,27 @@ class FakeProcessGroupHCCL:
     def abort(self) -> None:  # c10d::Backend::abort(): a no-op
         self.fake.record("pg.abort")
 
+    def _get_stream_id(self, p2p: bool = False, peer: int = -1) -> int:
+        return -1 if self.hccl_stream is None else self.hccl_stream.stream_id
+
     def abort_hccl_comm(self, reason=None) -> None:
         self.fake.record("abort_hccl_comm", self.rank, reason)
         with self._lock:
+            if self._destroyed:  # abortAndClearHcclComm cleared devHCCLCommMap_: nothing to destroy
+                return
             self._destroyed = True
-            gloo, self._gloo = self._gloo, None
+            running = [w for w, _ in self._pending if not w.is_completed()]
+            gloo = None if running else self._gloo
+            if not running:
+                self._gloo = None
             self._has_work.notify_all()
+        if self.hccl_stream is not None:
+            self.fake.record("HcclCommDestroy", self.rank, HCCL_E_AGAIN if running else HCCL_SUCCESS)
+        if running:  # destroy returned HCCL_E_AGAIN, ignored: the operation runs on, holding its stream
+            self.fake.stuck.hold(self.hccl_stream.device_index, self.hccl_stream.stream_id, self.fake.exec_timeout_s)
+            timer = threading.Timer(self.fake.exec_timeout_s, self._exec_timeout, args=(running,))
+            timer.daemon = True
+            timer.start()
         if gloo is not None:  # stop the transport under it (its pending ops fail, ignored below)
             with contextlib.suppress(Exception):
                 gloo.recv([torch.zeros(1, dtype=torch.uint8)], 1 - self.rank, 0x7E9E).wait(timedelta(milliseconds=1))
@@ -294,6 +333,11 @@ class FakeProcessGroupHCCL:
         raise RuntimeError("HCCL does not support recv from any source")
 
     # ------------------------------------------------------------------ internals
+    def _exec_timeout(self, works) -> None:
+        for work in works:
+            if not work.is_completed():
+                work.error = RuntimeError(f"[Rank {self.rank}] device task exception: {work.op} past HCCL_EXEC_TIMEOUT")
+
     def _comm(self) -> ProcessGroupGloo:
         with self._lock:
             if self._destroyed:
@@ -302,9 +346,15 @@ class FakeProcessGroupHCCL:
                 return self._gloo
         # The blocking rendezvous of HcclCommInitRootInfo, in the calling thread.
         self.fake.record("comm_init", self.rank, self.fake.current_device())
+        device = self.fake.current_device()
+        if self.fake.current_stream().stream_id >> 5 == SYNCLAUNCH:
+            stream = self.fake.pool.from_sync_launch_pool(device)
+        else:
+            stream = self.fake.pool.from_pool(device, -1 if os.environ.get("TORCH_HCCL_HIGH_PRIORITY", "0") == "1" else 0)
         gloo = ProcessGroupGloo(PrefixStore("fake-hccl-comm", self.store), self.rank, self.size, self.options._timeout)
         with self._lock:
             self._gloo = self._gloo or gloo
+            self.hccl_stream = self.hccl_stream or stream
             return self._gloo
 
     def _post(self, op: str, tensors, peer: int, tag: int) -> FakeWork:
@@ -332,6 +382,8 @@ class FakeProcessGroupHCCL:
                 inner.wait()
             except Exception:  # a dead peer or a destroyed comm: HCCL reports nothing (see above)
                 return
+            # queued on its HCCL stream behind another group's stuck task, if there is one
+            self.fake.stuck.wait_free(self.hccl_stream.device_index, self.hccl_stream.stream_id, lambda: self._destroyed)
             work.done.set()
 
     def _watchdog(self) -> None:

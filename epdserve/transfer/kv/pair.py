@@ -13,9 +13,11 @@ NCCL / HCCL it polls `Work.is_completed()` (their `wait()` never blocks the host
 the calling thread's stream onto the work), so no stream of ours is ever made to wait on the
 peer; on gloo, whose works progress only inside `wait()`, it is a blocking wait.
 
-Threads: each thread of a pair selects the pair's device and runs on a side stream of its own
-(`enter_thread`), so a copy made by a pair thread (P reading D's acknowledgement) never queues
-behind the engine's compute. The backend's communicator is created, with its blocking
+Threads: each thread of a pair selects the pair's device and runs on the pair's own side stream
+(`enter_thread`; one per pair, from `Platform.new_stream`, given back by `close`), so a copy made
+by a pair thread (P reading D's acknowledgement) never queues behind the engine's compute. On NPU
+that stream is never HCCL's nor another pair's or worker's (`platform/npu_streams.py`), which the
+pair checks once its communicator exists (`Platform.pair_stream_conflict`). The backend's communicator is created, with its blocking
 rendezvous, by the first message of the pair; `_connect` sends that message itself (a 1-byte
 handshake), so the rendezvous never happens inside P's forward.
 
@@ -27,7 +29,9 @@ How failures surface (measured with gloo on torch 2.13):
   wait is final for the pair;
 - interrupting: `Platform.interrupt_pair_group`: on gloo (whose abort() does not wake pending
   waits) it times out a private recv, which closes the pair; on HCCL `abort_hccl_comm` (torch_npu's
-  `pg.abort()` is torch's no-op Backend::abort); on NCCL `abort()`. The backends' watchdogs are
+  `pg.abort()` is torch's no-op Backend::abort; its destroy may return HCCL_E_AGAIN and leave a
+  running operation on HCCL's own stream until HCCL_EXEC_TIMEOUT: see `NpuPlatform`); on NCCL
+  `abort()`. The backends' watchdogs are
   told not to take the process down (`Platform.prepare_pair_groups`), and the group's own
   timeout outlives ours, so one bad pair fails its transfers, never the instance.
 """
@@ -66,6 +70,8 @@ class PairConnection:
         self._pg = None
         self._store = None
         self._held = ()  # (group, store) of a pair that ended: dropped together, with this object
+        self._stream = None  # the pair's side stream, shared by its threads (None on CPU)
+        self._stream_taken = False
         self._thread = threading.Thread(target=self._connect, name=f"kv-connect:{rdzv.pair_name}", daemon=True)
         self._thread.start()
 
@@ -96,7 +102,10 @@ class PairConnection:
 
     def _select_device(self) -> None:
         self.platform.set_thread_device(self.device.index or 0)
-        stream = self.platform.new_stream()
+        with self._lock:
+            if not self._stream_taken:
+                self._stream, self._stream_taken = self.platform.new_stream(), True
+            stream = self._stream
         if stream is not None:
             self.platform.set_thread_stream(stream)
 
@@ -112,6 +121,9 @@ class PairConnection:
             pg = self.platform.make_pair_group(store, r.rank, 2, pg_timeout, group_name=f"epdserve-kv/{r.pair_name}",
                                                host=net.host)
             self._handshake(pg)
+            conflict = self.platform.pair_stream_conflict(pg, self.peer_rank)
+            if conflict:
+                raise RuntimeError(conflict)
         except Exception as e:  # any failure to build is this pair's failure, reported in its state
             if pg is not None:
                 self.platform.interrupt_pair_group(pg, self.peer_rank)
@@ -247,3 +259,6 @@ class PairConnection:
         self._pg = None
         self._store = None
         self._end_store(store, pg)
+        with self._lock:
+            stream, self._stream = self._stream, None
+        self.platform.release_stream(stream)
