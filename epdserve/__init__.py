@@ -7,6 +7,7 @@ Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped), and `Client` / `A
 Package map, bottom to top (the layers of .importlinter's contract; docs/architecture.md draws them):
 - proto_gen/       protoc output (epdserve.v1 messages and services), generated, never edited
 - commands.py      command registration for every `epdserve` sub-command, importable from any layer
+- settings.py      settings dataclasses whose fields make the command-line flags (engine, instance, launch)
 - request_errors.py  errors a request fails with for what it asked (INVALID_ARGUMENT / HTTP 400)
 - net.py           `free_port`: local networking helpers, no gRPC or torch
 - platform/        cpu | cuda | npu: device handle, dist backend, streams, core limits

@@ -29,11 +29,12 @@ from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
 from epdserve.bench.shift import DEFAULT_PHASES, SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
 from epdserve.commands import add_command
+from epdserve.instance.modes import MODES as DEPLOYMENT_MODES
 from epdserve.perf.presets import PRESET_RATES, PRESETS
 from epdserve.perf.serving_metrics import SLO, compute_metrics
 from epdserve.perf.workload import WorkloadConfig, build_workload, parse_mix
 
-MODES = ("monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD", "auto")  # auto: the planner's start + the role controller
+MODES = (*DEPLOYMENT_MODES, "auto")  # auto: the planner's start + the role controller
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

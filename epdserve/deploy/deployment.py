@@ -37,7 +37,7 @@ from epdserve.deploy.argv import last_flag
 from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.deploy.supervisor import RestartPolicy, RestartSchedule
-from epdserve.instance.roles import mode_pools
+from epdserve.instance.modes import mode_pools
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV
 from epdserve.transfer.mm_store.connection import PASSWORD_ENV
 

@@ -1,29 +1,40 @@
-"""`EngineConfig`: everything that shapes one engine, validated on construction."""
+"""`EngineConfig`: everything that shapes one engine, validated on construction.
+
+Its `setting(...)` fields are the engine's flags: the instance declares them `same_as` these
+(epdserve/settings.py), so each has one default, one help text and one unit conversion.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from epdserve.engine.roles import normalize_roles
+from epdserve.settings import setting
 
 
 @dataclass
 class EngineConfig:
     """roles: which stages this engine runs ("EPD" = the whole pipeline in one step loop)."""
 
-    model: str
-    device: str = "auto"
-    dtype: str = "auto"  # fp32 on CPU, bf16 elsewhere
+    model: str = setting(help="checkpoint directory", required=True)
+    device: str = setting("auto", help="cpu | cuda[:N] | npu[:N] | auto")
+    dtype: str = setting("auto", help="weights and activations; auto: fp32 on CPU, bf16 elsewhere",
+                         choices=("auto", "float32", "float16", "bfloat16"))
     roles: str = "EPD"
-    block_size: int | None = None  # None: the platform's kv_block_size (set by the engine)
-    kv_cache_memory_bytes: int = 1 << 30
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    # vision tokens (after the spatial merge) E encodes per engine step, across requests; a video
-    # over the budget is encoded a few temporal patches per step (engine/encode_plan.py)
-    encode_token_budget: int = 1024
+    block_size: int | None = setting(
+        None, help="tokens per KV block (default: the platform's: 16 on CPU/CUDA, 128 on NPU, as its kernels want)")
+    kv_cache_memory_bytes: int = setting(1 << 30, help="KV cache size per P/D worker (MiB)", flag="--kv-cache-mb",
+                                         to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20)
+    max_num_seqs: int = setting(128, help="requests one engine runs at once")
+    max_num_batched_tokens: int = setting(2048, help="tokens one engine step schedules, prefill chunks and decodes together")
+    max_model_len: int | None = setting(None, help="longest prompt + output (default: the model's)")
+    encode_token_budget: int = setting(
+        1024, help="E: vision tokens (after the spatial merge) encoded per engine step, across requests, least "
+                   "recently served request first, so a many-image request or a long video does not hold E while "
+                   "others wait; a video over it is encoded a few temporal patches per step (exact for Qwen2-VL / "
+                   "Qwen2.5-VL / Qwen3-VL; other models encode each item whole), an image alone over it in a step "
+                   "of its own (default 1024)")
     enable_chunked_prefill: bool = True
-    feature_wait_s: float = 0.0  # bounded wait for a feature before recomputing it
+    feature_wait_s: float = setting(0.0, help="P: wait this long for E's features, then recompute")
     seed: int = 0
     ops: str | None = None  # paged operators: native | portable; None: $EPDSERVE_OPS, else the platform's best
 

@@ -153,13 +153,13 @@ def _device(device: str):
 
 def _needs_kv_hop(mode: str) -> bool:
     """Whether `mode` moves KV from a P instance to a D instance (no instance hosts both)."""
-    from epdserve.instance.roles import mode_pools
+    from epdserve.instance.modes import mode_pools
 
     return any("P" in p.roles and "D" not in p.roles for p in mode_pools(mode))
 
 
 def _mode(mode: str, kv_hop: bool, plat) -> Check:
-    from epdserve.instance.roles import mode_pools
+    from epdserve.instance.modes import mode_pools
 
     pools = ", ".join(f"{p.roles}x{p.count}" for p in mode_pools(mode))
     hop = f"KV hop P->D over {plat.dist_backend}" if kv_hop and plat else ("KV hop P->D" if kv_hop else "no KV hop")

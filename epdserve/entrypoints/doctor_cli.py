@@ -14,7 +14,7 @@ not answer; each warn / fail row is followed by its fix in one line.
 from __future__ import annotations
 
 from epdserve.commands import add_command
-from epdserve.instance.roles import MODES
+from epdserve.instance.modes import MODES
 
 
 def add_parser(subparsers) -> None:

@@ -29,146 +29,22 @@ import signal
 import sys
 from pathlib import Path
 
-from epdserve.commands import FlagsArg
 from epdserve.deploy.argv import last_flag
-from epdserve.security.exposure import INSECURE_HELP
+from epdserve.entrypoints.launch_settings import (STOP_MARGIN_S, add_launch_flags, instance_argv, merged_options,
+                                                  option_defaults)
 
 log = logging.getLogger(__name__)
 
-STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), the scheduler (5), the MM Store (5)
-
-# Every launch option: its name (the argparse dest of `--<name with dashes>` and the YAML key,
-# either spelling in YAML) → its default. An argparse default of None means "not on the command
-# line": then the file's value, else this default, applies.
-_DEFAULTS = {
-    "mode": None, "model": None, "encode": 1, "prefill": 1, "decode": 1, "mm_store": None, "host": "127.0.0.1",
-    "port": 0, "device": "cpu", "devices": [], "kv_cache_mb": None, "max_num_seqs": None, "block_size": None,
-    "max_model_len": None, "feature_wait_s": None, "encode_token_budget": None, "colocation": None,
-    "stream_interval_ms": None, "slo_tpot_ms": None, "instance_args": [],
-    "scheduler_args": [], "log_dir": None,
-    "ready_timeout_s": 600.0, "pin_instances": False, "drain_timeout": 10.0, "http_port": None,
-    "restart_backoff_s": 0.5, "restart_backoff_max_s": 10.0, "max_restarts": 5, "mm_store_max_mb": 4096,
-    "internal_port": None, "internal_host": None, "internal_tls_cert": None, "internal_tls_key": None,
-    "internal_tls_ca": None, "expected_workload": None, "expected_rate": None, "profile": None,
-    "tls_cert": None, "tls_key": None, "served_model_name": None, "insecure": False,
-}
-# options passed on to every `epdserve instance` as the flag of the same name (max_model_len also
-# to the scheduler); left out, the instance's own default applies
-_INSTANCE_FLAGS = ("kv_cache_mb", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s",
-                   "encode_token_budget", "colocation", "stream_interval_ms", "slo_tpot_ms")
 
 
 def add_parser(subparsers):
-    from epdserve.instance.colocation import POLICIES
-    from epdserve.instance.roles import MODES
-
     p = subparsers.add_parser(
         "launch", help="launch a deployment mode (scheduler + instances) on this machine",
         description="Start the scheduler and the E/P/D instances of one deployment mode as child processes; "
                     "print where it serves; stop them all on Ctrl-C / SIGTERM.")
-    p.add_argument("--config", type=Path, default=None, help="YAML file (configs/<mode>.yaml); flags override it")
-    p.add_argument("--mode", choices=(*MODES, "auto"), default=None,
-                   help="deployment mode; auto: the planner picks the mode and E:P:D split for "
-                        "--expected-workload from a profile of the model, and the scheduler's controller moves "
-                        "instances between roles as the traffic changes (experimental: on a 2-core CPU host it "
-                        "ties P-D and made no switch, README 'Traffic that shifts, and --mode auto')")
-    p.add_argument("--expected-workload", default=None,
-                   help="auto: the traffic to plan the start for, a `bench serve` preset (default mixed)")
-    p.add_argument("--expected-rate", type=float, default=None,
-                   help="auto: its request rate (default: the preset's busier rate)")
-    p.add_argument("--profile", default=None,
-                   help="auto: an `epdserve profile` JSON of this model on this machine (default: measured once "
-                        "and cached in ~/.cache/epdserve/profiles)")
-    p.add_argument("--model", default=None, help="checkpoint directory")
-    p.add_argument("--encode", type=int, default=None,
-                   help="E workers (default 1): in EP-D / ED-P the co-located ones count and the rest are E-only "
-                        "instances; monolithic ignores it")
-    p.add_argument("--prefill", type=int, default=None, help="P instances (EP / PD / EPD instances in those modes)")
-    p.add_argument("--decode", type=int, default=None, help="D instances (ED instances in ED-P)")
-    p.add_argument("--mm-store", default=None, help="redis://host:port of the MM Store (default: a private local server)")
-    p.add_argument("--mm-store-max-mb", type=int, default=None,
-                   help="memory bound of the private MM Store server, least recently used features evicted "
-                        "(MiB, default 4096)")
-    p.add_argument("--host", default=None, help="address the scheduler binds and instances advertise (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="scheduler's public port (default 0: a free port)")
-    p.add_argument("--device", default=None, help="cpu | cuda | npu (default cpu)")
-    p.add_argument("--devices", default=None,
-                   help="accelerator ids handed to instances round-robin, e.g. 0,1,2,3 "
-                        "(default: every visible device, one per instance)")
-    p.add_argument("--pin-instances", action="store_true", default=None,
-                   help="CPU: give each instance a disjoint share of the cores (default: all share them)")
-    p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache per P/D worker (MiB)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--feature-wait-s", type=float, default=None, help="P: wait for E's features, then recompute")
-    p.add_argument("--encode-token-budget", type=int, default=None,
-                   help="E: vision tokens encoded per engine step, across requests (default 1024); a long video "
-                        "is encoded over several steps (see `epdserve instance --help`)")
-    p.add_argument("--colocation", choices=POLICIES, default=None,
-                   help="how stages share the cores: split (fixed shares inside an instance, the default), yield "
-                        "(all cores, E at the lowest priority) or slo (all cores, one stage at a time in SLO order: "
-                        "on CPU the launcher runs one core-lease arbiter for every instance; experimental: 0.31-0.37x "
-                        "monolithic's goodput for EP-D, E-P-D, ED-P on a 2-core CPU host, README 'Co-location "
-                        "policy'); see "
-                        "`epdserve instance --help`")
-    p.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="slo: the TPOT SLO decode steps are paced to keep (default 100 ms)")
-    p.add_argument("--stream-interval-ms", type=float, default=None,
-                   help="gather a request's tokens after its first for up to this long into one stream message "
-                        "(default 0: at once)")
-    p.add_argument("--instance-args", action=FlagsArg, default=None,
-                   help="extra `epdserve instance` flags, one string (may start with --)")
-    p.add_argument("--scheduler-args", action=FlagsArg, default=None,
-                   help="extra `epdserve scheduler` flags, one string (may start with --), e.g. "
-                        "--scheduler-args \"--allow-remote-images\"; they override launch's own")
-    p.add_argument("--log-dir", default=None, help="where child logs go (kept); default: a temp dir")
-    p.add_argument("--ready-timeout-s", type=float, default=None, help="give up starting after this long (600)")
-    p.add_argument("--http-port", type=int, default=None,
-                   help="the scheduler also serves the OpenAI-compatible HTTP API here (0: a free one, printed as "
-                        "http=URL in the ready line); the API key, if any, comes from EPDSERVE_API_KEY")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id the HTTP API lists in /v1/models and accepts in requests (default: --model "
-                        "as given)")
-    p.add_argument("--tls-cert", default=None,
-                   help="PEM certificate: the scheduler serves its public gRPC and HTTP ports over TLS; the "
-                        "launcher's readiness probe trusts it (self-signed, or a chain file ending with its CA)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    _add_internal_flags(p)
-    p.add_argument("--drain-timeout", type=float, default=None,
-                   help="on stop, instances let calls in flight finish for up to this many seconds (default 10); "
-                        f"the launcher exits within this + {STOP_MARGIN_S:.0f} s, always")
-    p.add_argument("--restart-backoff-s", type=float, default=None,
-                   help="a dead child (instance, scheduler, MM Store server) is started again after this "
-                        "(default 0.5), doubling with each exit in a row")
-    p.add_argument("--restart-backoff-max-s", type=float, default=None, help="cap of that backoff (default 10)")
-    p.add_argument("--max-restarts", type=int, default=None,
-                   help="exits in a row (each within 60 s of its start) before a child counts as crash-looping "
-                        "and is left dead (default 5; the scheduler's ends the deployment)")
+    add_launch_flags(p)
     p.set_defaults(func=run)
     return p
-
-
-def _add_internal_flags(p) -> None:
-    g = p.add_argument_group(
-        "internal port (scheduler <-> instances)",
-        "The Registry is never on the public --port. The cluster token comes from EPDSERVE_CLUSTER_TOKEN, else "
-        "launch makes a random one; every child gets it in its environment: instances present it to register "
-        "and the scheduler on every call to them.")
-    g.add_argument("--internal-port", type=int, default=None,
-                   help="the port of the scheduler's instance Registry (default: a free one); instances register "
-                        "there")
-    g.add_argument("--internal-host", default=None,
-                   help="interface of --internal-port, e.g. this machine's cluster-network address (default --host); "
-                        "instances dial it (--host when it is 0.0.0.0 / ::)")
-    g.add_argument("--internal-tls-cert", default=None,
-                   help="mutual TLS between scheduler and instances: the PEM certificate "
-                        "the scheduler and every instance present (its SAN must name --host)")
-    g.add_argument("--internal-tls-key", default=None, help="PEM private key of --internal-tls-cert")
-    g.add_argument("--insecure", action="store_true", default=None, help=INSECURE_HELP)
-    g.add_argument("--internal-tls-ca", default=None,
-                   help="PEM CA both sides trust: the Registry and the instances' ports refuse a peer whose "
-                        "certificate does not chain to it")
 
 
 def _internal(merged: dict, args) -> tuple[list[str], list[str], str]:
@@ -222,9 +98,10 @@ def load_config(path: Path | None) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of launch options")
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - set(_DEFAULTS))
+    known = option_defaults()
+    unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(_DEFAULTS))}")
+        raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     return data
 
 
@@ -244,19 +121,12 @@ def spec_from_args(args):
     from epdserve.deploy.deployment import DeploymentSpec
     from epdserve.deploy.supervisor import RestartPolicy
 
-    file = load_config(args.config)
-    merged = {}
-    for key, default in _DEFAULTS.items():
-        cli = getattr(args, key, None)
-        merged[key] = cli if cli is not None else file.get(key, default)
+    merged = merged_options(args, load_config(getattr(args, "config", None)))
     if not merged["mode"]:
         raise ValueError("--mode is required (or `mode:` in --config)")
     if not merged["model"]:
         raise ValueError("--model is required (or `model:` in --config)")
-    inst = _flags(merged["instance_args"])
-    for key in _INSTANCE_FLAGS:
-        if merged[key] is not None:
-            inst += [f"--{key.replace('_', '-')}", str(merged[key])]
+    inst = [*_flags(merged["instance_args"]), *instance_argv(merged)]
     # launch's own scheduler flags first: --scheduler-args come after them and win (argparse: the last one)
     sched = [*_served_name(merged), *_tls(merged), *_flags(merged["scheduler_args"])]
     if merged["max_model_len"] is not None:

@@ -1,7 +1,8 @@
 """Instances: one process hosting one or more stage workers (E, P, D); the launcher is epdserve.deploy.
 
 One sentence per module:
-- roles.py           roles → stage workers (coupled PD/EPD, co-located EP/ED), mode → instance pools
+- roles.py           roles → stage workers (coupled PD/EPD, co-located EP/ED)
+- modes.py           the deployment modes as one table: mode → instance pools, and back
 - affinity.py        disjoint CPU core sets for co-located workers; per-thread pinning of torch teams
 - worker.py          StageWorker: a loop thread owning one engine (over the process's shared model),
                      its call queue, request handles and load snapshot; submit / abort / outputs
@@ -14,7 +15,7 @@ One sentence per module:
 - errors.py          failure → gRPC status (INVALID_ARGUMENT, ABORTED, RESOURCE_EXHAUSTED, UNAVAILABLE)
 - servicer.py        the Instance gRPC service: each RPC to its worker
 - registration.py    Register / Heartbeat / Deregister with the scheduler
-- config.py          InstanceConfig and the `epdserve instance` flags
+- config.py          InstanceConfig: its fields are the `epdserve instance` flags
 - host.py            InstanceHost: one loaded model + workers + MM Store + KV rendezvous + gRPC server
 - identity.py        an instance's opaque roster id (``<roles>-<random>``)
 - role_switch.py     live role switching (`SwitchRoles`): new roles without a restart

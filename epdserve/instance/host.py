@@ -43,6 +43,7 @@ from epdserve.instance.servicer import InstanceServicer
 from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2_grpc
 from epdserve.rpc.servers import add_health_and_reflection, set_serving
 from epdserve.security.interceptors import AuthInterceptor, cluster_metadata, metadata_interceptors
+from epdserve.settings import shared_values
 from epdserve.security.options import InstanceSecurity
 from epdserve.security.tls import channel_credentials, server_credentials
 from epdserve.transfer.kv import KVTransferConfig, PairNetwork, PairStoreHost
@@ -325,13 +326,9 @@ class InstanceHost:
 
             self.model.platform.set_thread_device(self.model.device.index or 0)  # per thread on NPU
 
-            ecfg = EngineConfig(
-                model=cfg.model, device=cfg.device, dtype=cfg.dtype, roles=role, block_size=cfg.block_size,
-                kv_cache_memory_bytes=_E_KV_BYTES if role == "E" else cfg.kv_cache_bytes,
-                max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_model_len=cfg.max_model_len, feature_wait_s=cfg.feature_wait_s,
-                encode_token_budget=cfg.encode_token_budget,
-            )
+            ecfg = EngineConfig(**shared_values(cfg, EngineConfig), roles=role)
+            if role == "E":
+                ecfg.kv_cache_memory_bytes = _E_KV_BYTES
             return LLMEngine(ecfg, model=self.model, features=self._provider(role, instance_id), kv_connector=connector)
 
         return build

@@ -62,7 +62,7 @@ def ensure_profile(model: str, device: str, given: str | None) -> str:
 def plan_start(model: str, device: str = "cpu", profile: str | None = None, workload: str = DEFAULT_WORKLOAD,
                rate: float | None = None, devices: int = 2, requests: int = 40) -> StartPlan:
     """Rank every deployment for the declared workload; the best one (see the module docstring)."""
-    from epdserve.instance.roles import MODES
+    from epdserve.instance.modes import MODES
     from epdserve.perf.presets import PRESET_RATES, PRESETS
     from epdserve.planner import rank
     from epdserve.planner.costs import CostModel

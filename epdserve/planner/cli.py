@@ -40,7 +40,7 @@ DEFAULT_DEVICES = 2
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from epdserve.perf.presets import PRESETS
-    from epdserve.instance.roles import MODES
+    from epdserve.instance.modes import MODES
     from epdserve.planner.costs import DEFAULT_LINK_GBPS, DEFAULT_LINK_LATENCY_MS
 
     p = add_command(subparsers, "plan", run,
@@ -130,7 +130,7 @@ def _write_config(path: str, pred, launch_device: str, header: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from epdserve.instance.roles import MODES
+    from epdserve.instance.modes import MODES
     from epdserve.planner import rank, validate
     from epdserve.planner.costs import CostModel, ProfileError
     from epdserve.planner.shapes import WorkloadError

@@ -1,6 +1,6 @@
 """One candidate deployment: a mode, its instance pools, and where the instances run.
 
-`PlannedDeployment` holds the mode and the pools of `instance.roles.mode_pools` (the counts `epdserve
+`PlannedDeployment` holds the mode and the pools of `instance.modes.mode_pools` (the counts `epdserve
 launch` takes: `encode`, `prefill`, `decode`). Placement:
 - dedicated devices (default): each instance on a device of its own (an NPU, a GPU, a core group
   given to it alone); its co-located workers (EP, ED) share that device;
@@ -16,10 +16,9 @@ instances beyond the co-located ones at most `devices - 1`.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
-from epdserve.instance.roles import MODES, Pool, mode_pools
+from epdserve.instance.modes import Pool, candidate_counts, counts_of_pools, mode_pools
 
 
 @dataclass(frozen=True)
@@ -67,25 +66,7 @@ class PlannedDeployment:
 
 def from_pools(mode: str, pools: dict[str, int], colocated_host: bool = False) -> PlannedDeployment:
     """The deployment whose pools are `pools` ({roles: count}, as in a ready line's `instances=`)."""
-    n = {r: int(pools.get(r, 0)) for r in ("E", "P", "D", "EP", "ED", "PD", "EPD", "P+E")}
-    if mode == "monolithic":
-        counts = (1, n["EPD"], 1)
-    elif mode == "P-D":
-        counts = (1, n["P+E"], n["D"])
-    elif mode == "E-P-D":
-        counts = (n["E"], n["P"], n["D"])
-    elif mode == "EP-D":
-        counts = (n["EP"] + n["E"], n["EP"], n["D"])
-    elif mode == "ED-P":
-        counts = (n["ED"] + n["E"], n["P"], n["ED"])
-    elif mode == "E-PD":
-        counts = (n["E"], n["PD"], 1)
-    else:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    dep = PlannedDeployment(mode, *counts, colocated_host=colocated_host)
-    if {p.roles: p.count for p in dep.pools} != {r: c for r, c in n.items() if c}:
-        raise ValueError(f"instances {pools} are not a {mode} deployment")
-    return dep
+    return PlannedDeployment(mode, *counts_of_pools(mode, pools), colocated_host=colocated_host)
 
 
 def parse_summary(text: str) -> dict[str, int]:
@@ -103,23 +84,7 @@ def splits(mode: str, devices: int, colocated_host: bool = False) -> list[Planne
     """Every deployment of `mode` that fits `devices` (see the module docstring)."""
     if devices < 1:
         raise ValueError(f"--devices must be >= 1, got {devices}")
-    n = devices
-    rng = range(1, n + 1)
-    if mode == "monolithic":
-        cands = [(1, p, 1) for p in rng]
-    elif mode in ("P-D",):
-        cands = [(1, p, d) for p in rng for d in rng]
-    elif mode == "E-P-D":
-        cands = list(itertools.product(rng, rng, rng))
-    elif mode == "EP-D":
-        cands = [(p + extra, p, d) for p in rng for extra in range(n) for d in rng]
-    elif mode == "ED-P":
-        cands = [(d + extra, p, d) for d in rng for extra in range(n) for p in rng]
-    elif mode == "E-PD":
-        cands = [(e, p, 1) for e in rng for p in rng]
-    else:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    out = [PlannedDeployment(mode, *c, colocated_host=colocated_host) for c in cands]
+    out = [PlannedDeployment(mode, *c, colocated_host=colocated_host) for c in candidate_counts(mode, devices)]
     if not colocated_host:
-        out = [d for d in out if d.num_instances <= n]
+        out = [d for d in out if d.num_instances <= devices]
     return out

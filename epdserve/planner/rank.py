@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epdserve.perf.serving_metrics import SLO, compute_metrics
-from epdserve.instance.roles import MODES
+from epdserve.instance.modes import MODES
 from epdserve.planner.costs import CostModel
 from epdserve.planner.deployment import PlannedDeployment, splits
 from epdserve.planner.shapes import RequestShape

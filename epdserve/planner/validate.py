@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from epdserve.perf.serving_metrics import SLO
-from epdserve.instance.roles import MODES
+from epdserve.instance.modes import MODES
 from epdserve.planner.costs import CostModel
 from epdserve.planner.deployment import from_pools, parse_summary
 from epdserve.planner.rank import predict

@@ -12,6 +12,7 @@ import time
 
 import grpc
 
+from epdserve.instance.modes import mode_of_roles
 from epdserve.rpc import instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc
 from epdserve.scheduler.config import SchedulerConfig
 from epdserve.scheduler.dispatcher import Dispatcher
@@ -101,11 +102,10 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
         return st
 
     def _mode(self) -> str:
-        """The deployment mode the roster's roles add up to (e.g. "E-P-D", "EP-D", "monolithic")."""
-        roles = sorted({r.roles for r in self.registry.records()}, key=lambda x: ("EPD".index(x[0]), x))
-        if roles == ["EPD"]:
-            return "monolithic"
-        return "-".join(roles)
+        """The deployment mode the roster's roles add up to (instance/modes.py), else its role
+        sets joined, e.g. "E-P" while instances are still registering."""
+        roles = {r.roles for r in self.registry.records()}
+        return mode_of_roles(roles) or "-".join(sorted(roles, key=lambda x: ("EPD".index(x[0]), x)))
 
 
 class RegistryServicer(instance_pb2_grpc.RegistryServicer):

@@ -10,7 +10,7 @@ import pytest
 
 from epdserve.entrypoints.cli import build_parser
 from epdserve.entrypoints.launch import load_config, spec_from_args
-from epdserve.instance.roles import MODES, Pool
+from epdserve.instance.modes import MODES, Pool
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -7,7 +7,8 @@ import torch
 
 from epdserve.engine.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list, pin_worker_thread, split_cores, thread_cores
-from epdserve.instance.roles import Pool, mode_pools, worker_roles
+from epdserve.instance.modes import Pool, mode_pools
+from epdserve.instance.roles import worker_roles
 
 
 def test_worker_roles_coupled_and_colocated():

@@ -8,7 +8,7 @@ import pytest
 
 from epdserve.entrypoints.cli import build_parser
 from epdserve.entrypoints.launch import spec_from_args
-from epdserve.instance.roles import MODES
+from epdserve.instance.modes import MODES
 from epdserve.planner import auto
 
 

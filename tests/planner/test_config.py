@@ -3,7 +3,7 @@ import pytest
 
 from epdserve.entrypoints.cli import build_parser, main
 from epdserve.entrypoints.launch import load_config, spec_from_args
-from epdserve.instance.roles import MODES
+from epdserve.instance.modes import MODES
 from epdserve.planner.deployment import PlannedDeployment, from_pools, parse_summary, splits
 
 from .conftest import PROFILE, SERVE

@@ -1,7 +1,7 @@
 """Ranking: candidates that fit, order, and monotone in load on the real profile."""
 from dataclasses import replace
 
-from epdserve.instance.roles import MODES
+from epdserve.instance.modes import MODES
 from epdserve.planner.costs import CostModel
 from epdserve.planner.deployment import splits
 from epdserve.planner.rank import predict, rank

@@ -1,0 +1,60 @@
+"""Settings dataclasses make the flags (epdserve/settings.py): defaults, units and forwarding
+agree with the dataclasses, so a setting is declared once."""
+import argparse
+import dataclasses
+
+from epdserve.engine.config import EngineConfig
+from epdserve.entrypoints.launch_settings import FORWARDED, LaunchSettings, add_launch_flags, instance_argv, \
+    merged_options
+from epdserve.instance.config import InstanceConfig, add_instance_args, from_args
+from epdserve.settings import settings_of, shared_values
+
+
+def _instance(argv):
+    p = argparse.ArgumentParser()
+    add_instance_args(p)
+    return from_args(p.parse_args(["--roles", "PD", "--model", "/m", *argv]))
+
+
+def test_no_flags_give_the_dataclass_defaults():
+    assert _instance([]) == InstanceConfig(roles="PD", model="/m")
+
+
+def test_flags_in_their_units_reach_the_fields():
+    cfg = _instance(["--kv-cache-mb", "64", "--feature-cache-mb", "8", "--no-core-split", "--cores", "0-1",
+                     "--block-size", "32"])
+    assert cfg.kv_cache_bytes == 64 << 20 and cfg.feature_cache_bytes == 8 << 20
+    assert cfg.split_cores is False and cfg.cores == [0, 1] and cfg.block_size == 32
+
+
+def test_the_instance_hands_the_engine_its_own_settings():
+    cfg = _instance(["--max-num-seqs", "7", "--feature-wait-s", "1.5", "--dtype", "float32"])
+    engine = EngineConfig(**shared_values(cfg, EngineConfig), roles="PD")
+    assert (engine.max_num_seqs, engine.feature_wait_s, engine.dtype) == (7, 1.5, "float32")
+    assert engine.kv_cache_memory_bytes == cfg.kv_cache_bytes and engine.model == "/m"
+    shared = {f.name for f in dataclasses.fields(InstanceConfig) if "epdserve_same_as" in f.metadata}
+    assert len(shared_values(cfg, EngineConfig)) == len(shared) >= 8
+
+
+def test_an_engine_setting_has_one_help_text():
+    engine = {f.name: s for f, s in settings_of(EngineConfig)}
+    inst = {f.name: (f, s) for f, s in settings_of(InstanceConfig)}
+    for name, (f, s) in inst.items():
+        owner = f.metadata.get("epdserve_same_as")
+        if owner:
+            assert s is engine[owner[1]], name
+
+
+def test_launch_forwards_what_was_given_by_field():
+    p = argparse.ArgumentParser()
+    add_launch_flags(p)
+    args = p.parse_args(["--mode", "P-D", "--kv-cache-mb", "32", "--colocation", "yield"])
+    merged = merged_options(args, {"max_num_seqs": 4})
+    assert instance_argv(merged) == ["--kv-cache-mb", "32", "--max-num-seqs", "4", "--colocation", "yield"]
+    assert merged["port"] == LaunchSettings().port and merged["drain_timeout"] == 10.0
+    # every forwarded flag is one `epdserve instance` takes, and it reads back into the same field
+    argv = instance_argv({**merged, "block_size": 64, "max_model_len": 99, "feature_wait_s": 2.0,
+                          "encode_token_budget": 5, "stream_interval_ms": 1.0, "slo_tpot_ms": 80.0})
+    cfg = _instance(argv)
+    assert (cfg.kv_cache_bytes, cfg.block_size, cfg.max_model_len, cfg.slo_tpot_ms) == (32 << 20, 64, 99, 80.0)
+    assert len(argv) == 2 * len(FORWARDED)
