@@ -6,14 +6,14 @@ transformers' decoder layers with epdserve's paged attention, and the LM head on
 sample. The KV connector's worker side runs inside the loop: `start_load_kv` before it,
 `wait_for_layer_load(i)` before layer i, `save_kv_layer(i)` after it (the P→D transfer sends
 layer i while layer i+1 computes), `wait_for_save` at the end. Block tables come with the batch;
-the runner never sees the block manager. Qwen3-VL's DeepStack features of the visual tokens in
-a step's prompt chunks are added to the hidden states after the first LM layers, as
-transformers does (`model.deepstack`).
+the runner never sees the block manager. A step's attention metadata is built on the host and
+uploaded once (ops/attention_meta.py); the step reads one thing back, the sampled tokens.
+Qwen3-VL's DeepStack features of the visual tokens in a step's prompt chunks are added to the
+hidden states after the first LM layers, as transformers does (`model.deepstack`).
 """
 from __future__ import annotations
 
 import time
-from array import array
 
 import torch
 
@@ -23,8 +23,8 @@ from epdserve.engine.scheduler import ScheduledSeq
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.deepstack import chunk_deepstack
 from epdserve.ops import paged_attention
+from epdserve.ops.attention_meta import RequestSpan, build_attention_meta
 from epdserve.ops.backend import PagedOps
-from epdserve.ops.attention_meta import AttentionMeta, PrefillSegment
 from epdserve.seams.kv_connector import KVConnector
 
 
@@ -79,7 +79,7 @@ class ModelRunner:
 
     def _inputs(self, batch: list[ScheduledSeq]):
         bs = self.kv_cache.spec.block_size
-        ids, pos, slots, prefills, dec_idx, dec_tables, dec_ctx = [], [], [], [], [], [], []
+        ids, pos, slots, spans = [], [], [], []
         embed_rows: list[tuple[int, torch.Tensor]] = []
         offset = 0
         for item in batch:
@@ -89,13 +89,7 @@ class ModelRunner:
             slots.extend(item.slots(bs))
             if seq.prompt_embeds is not None and s < seq.prompt_len:
                 embed_rows.append((offset, seq.prompt_embeds[s : min(e, seq.prompt_len)]))
-            if item.num_tokens == 1 and s > 0:
-                dec_idx.append(offset)
-                dec_tables.append(item.block_ids)
-                dec_ctx.append(e)
-            else:
-                table = torch.tensor(list(item.block_ids), dtype=torch.long)
-                prefills.append(PrefillSegment(offset, item.num_tokens, e, table))
+            spans.append(RequestSpan(offset, item.num_tokens, e, item.block_ids))
             offset += item.num_tokens
         dev = self.device
         hidden = self.adapter.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
@@ -103,24 +97,7 @@ class ModelRunner:
             hidden[off : off + rows.shape[0]] = rows
         hidden = hidden.unsqueeze(0)
         position_ids = torch.cat(pos, dim=1).unsqueeze(1).to(dev)  # [3, 1, T]
-        if dec_tables:
-            width = max(map(len, dec_tables))
-            flat, pad = array("q"), array("q", bytes(8 * width))
-            for t in dec_tables:  # int64 arrays: padded rows are memcpys
-                flat.extend(t)
-                flat.extend(pad[: width - len(t)])
-            tables = torch.frombuffer(flat, dtype=torch.long).view(len(dec_tables), width)
-        else:
-            tables = torch.zeros(0, 1, dtype=torch.long)
-        meta = AttentionMeta(
-            kv_cache=self.kv_cache,
-            ops=self.ops,
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=[PrefillSegment(p.q_start, p.q_len, p.ctx_len, p.block_table.to(dev)) for p in prefills],
-            decode_token_idx=torch.tensor(dec_idx, dtype=torch.long, device=dev),
-            decode_block_tables=tables.to(dev),
-            decode_ctx_lens=torch.tensor(dec_ctx, dtype=torch.long, device=dev),
-        )
+        meta = build_attention_meta(spans, slots, self.kv_cache, self.ops, dev)
         return hidden, position_ids, meta
 
     def _deepstack(self, batch: list[ScheduledSeq], hidden: torch.Tensor):

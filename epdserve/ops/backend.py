@@ -11,6 +11,13 @@
   of one prompt ([q_len, heads, head_dim], its K/V already in the cache) against the request's
   `ctx_len` cached tokens, causally (query i sits at position ctx_len - q_len + i).
 
+Step-level contract: `index_dtype` is the dtype the engine uploads slots and block tables in,
+once per step (ops/attention_meta.py), so no operator casts them per layer. Ops with
+`attends_varlen` implement `varlen_attention(query, key_cache, value_cache, batch, scale)`: the
+whole packed batch ([T, heads, head_dim]; every request's K/V already in the cache) in one
+call, causally per request, from an `attention_meta.VarlenBatch` whose lengths are host ints;
+the engine then calls neither `decode_attention` nor `prefill_attention`.
+
 Implementations: `PortableOps` (torch: gather + SDPA; any device), `NativeOps` (csrc/ C++
 kernels registered as `torch.ops.epdserve.*`, reading the blocks where they lie), and the NPU
 one over torch_npu's kernels. `ops.select.paged_ops(platform)` picks one.
@@ -18,12 +25,22 @@ one over torch_npu's kernels. `ops.select.paged_ops(platform)` picks one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from epdserve.ops.attention_meta import VarlenBatch
 
 
 class PagedOps(ABC):
     name: str
+    index_dtype: torch.dtype = torch.long
+    attends_varlen: bool = False
+
+    def varlen_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         batch: VarlenBatch, scale: float) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} ops attend decode and prefill requests separately")
 
     @abstractmethod
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

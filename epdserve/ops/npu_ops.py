@@ -27,13 +27,29 @@ how vllm-ascend's attention backend makes them; every signature below was read f
   attention/fused_infer_attention_score), so it should honour stream core limits (not measured).
   query fp16/bf16 only (no fp32).
   With a block table ("PageAttention"): key/value are the caches viewed [num_blocks, block_size,
-  kv_heads * head_dim] ("BnBsH", as vllm-ascend `_get_fia_params` and `_forward_decode_dcp` view
-  them), block_table int32 [B, >= blocks needed], actual_seq_lengths_kv a list of per-request
-  lengths (required). We use input_layout "BSND": decode is query [B, 1, heads, D] (the S=1
-  "IncreFlashAttention" branch; sparse_mode and masks do not apply); a prefill chunk is one
-  request, query [1, q_len, heads, D], with sparse_mode=3 ("rightDownCausal": query i sees keys
-  j <= ctx_len - q_len + i) and the 2048x2048 int8 mask triu(ones, 1) (1 = masked) that
-  vllm-ascend's AttentionMaskBuilder.get_splitfuse_attn_mask builds.
+  kv_heads * head_dim] ("BnBsH", as vllm-ascend `_get_fia_params` views them), block_table int32
+  [B, >= blocks needed], actual_seq_lengths_kv a list of per-request lengths (required).
+  One call per layer per step, for every request of the step (decodes, prompt chunks, fresh
+  prompts, whose K/V the step has just written), as vllm-ascend makes it
+  (vllm_ascend/attention/attention_v1.py AscendAttentionBackendImpl.forward_fused_infer_attention,
+  the causal branch; forward_impl takes it for every state unless a decode-only paged-attention
+  graph shape is configured): input_layout "TND", query [T, heads, D];
+  actual_seq_lengths the CUMULATIVE query lengths (AscendAttentionMetadataBuilder.build:
+  `query_start_loc_cpu[1:].tolist()`; the doc: "when input_layout of query is TND this parameter
+  is required, its element count is the batch size, each element is the sum of the sequence
+  lengths of this batch and all previous ones" — docs/context/
+  torch_npu-npu_fused_infer_attention_score.md on op-plugin 7.2.0 and 7.3.0, docs/en/custom_APIs/
+  torch_npu/torch_npu-npu_fused_infer_attention_score.md on 26.0.0 / 26.1.0);
+  actual_seq_lengths_kv per request, not cumulative (`seq_lens_list`, as _get_fia_params passes
+  it with a block table); sparse_mode=3 ("rightDownCausal": query i of a request sees its keys
+  j <= kv_len - q_len + i, so a one-token decode sees all) with the 2048x2048 int8 mask
+  triu(ones, 1) (1 = masked) of vllm_ascend/attention/attention_mask.py
+  AttentionMaskBuilder.get_splitfuse_attn_mask. The schema these arguments come from is the same
+  on op-plugin 7.2.0, 7.3.0, 26.0.0 and 26.1.0 (op_plugin_functions.yaml,
+  `npu_fused_infer_attention_score(...)`). The doc's D = 128 rule for TND sits under the MLA
+  (query_rope/key_rope) constraints; not measured here (no NPU).
+  The lengths are host ints (SymInt[]), built once per step (ops/attention_meta.py): no call
+  reads a device tensor back.
 
 Block size: with a block table the documented rule is block_size in (0, 512] when each query has
 one token, a multiple of 128 in [128, 512] when it has more (prefill chunks; newer CANN relaxes
@@ -48,6 +64,7 @@ import logging
 
 import torch
 
+from epdserve.ops.attention_meta import VarlenBatch
 from epdserve.ops.backend import PagedOps
 
 log = logging.getLogger(__name__)
@@ -58,6 +75,8 @@ _CAUSAL_MASK_SIZE = 2048  # sparse_mode 2/3/4 take this fixed "optimized" mask
 
 class NpuPagedOps(PagedOps):
     name = "npu"
+    index_dtype = torch.int32  # block_table must be int32; slots int32 as vllm-ascend passes them
+    attends_varlen = True
 
     def __init__(self):
         self._npu = None  # the torch_npu module, imported on first use
@@ -86,27 +105,30 @@ class NpuPagedOps(PagedOps):
             npu._npu_reshape_and_cache(key=key.contiguous(), value=value.contiguous(), key_cache=key_cache,
                                        value_cache=value_cache, slot_indices=slots)
 
-    def decode_attention(self, query, key_cache, value_cache, block_tables, ctx_lens, scale):
+    def varlen_attention(self, query, key_cache, value_cache, batch, scale):
+        """query [T, heads, D] of every request in `batch` (a VarlenBatch) → [T, heads, D], one FIA call."""
         if query.shape[0] == 0:  # the kernel rejects an empty block table
             return query.new_empty(query.shape)
         _check_dtype(query)
+        if batch.q_ends[-1] > len(batch.q_ends):  # a request with more than one query token
+            _check_block_size(key_cache.shape[1])
         out, _ = self._torch_npu().npu_fused_infer_attention_score(
-            query.contiguous().unsqueeze(1), *_paged_kv(key_cache, value_cache),
-            block_table=block_tables.to(torch.int32).contiguous(),
-            actual_seq_lengths_kv=ctx_lens.tolist(),  # SymInt[]: host ints (a sync if ctx_lens is on device)
-            **_heads_and_layout(query, key_cache, scale))
-        return out.squeeze(1)
+            query.contiguous(), *_paged_kv(key_cache, value_cache),
+            atten_mask=self._causal_mask(query.device), sparse_mode=3,
+            block_table=batch.block_tables, actual_seq_lengths=list(batch.q_ends),
+            actual_seq_lengths_kv=list(batch.kv_lens), **_heads_and_layout(query, key_cache, scale))
+        return out
+
+    def decode_attention(self, query, key_cache, value_cache, block_tables, ctx_lens, scale):
+        """The PagedOps call for callers outside the engine (benchmarks, checks): reads `ctx_lens`
+        back to the host (the engine's steps use `varlen_attention` with host lengths instead)."""
+        b = query.shape[0]
+        return self.varlen_attention(query, key_cache, value_cache, VarlenBatch(
+            block_tables.to(torch.int32), tuple(range(1, b + 1)), tuple(ctx_lens.tolist())), scale)
 
     def prefill_attention(self, query, key_cache, value_cache, block_table, ctx_len, scale):
-        _check_dtype(query)
-        _check_block_size(key_cache.shape[1])
-        out, _ = self._torch_npu().npu_fused_infer_attention_score(
-            query.contiguous().unsqueeze(0), *_paged_kv(key_cache, value_cache),
-            atten_mask=self._causal_mask(query.device), sparse_mode=3,
-            block_table=block_table.to(torch.int32).reshape(1, -1),
-            actual_seq_lengths=[query.shape[0]], actual_seq_lengths_kv=[int(ctx_len)],
-            **_heads_and_layout(query, key_cache, scale))
-        return out[0]
+        return self.varlen_attention(query, key_cache, value_cache, VarlenBatch(
+            block_table.to(torch.int32).reshape(1, -1), (query.shape[0],), (int(ctx_len),)), scale)
 
     def _causal_mask(self, device: torch.device) -> torch.Tensor:
         mask = self._masks.get(device)
@@ -124,7 +146,7 @@ def _paged_kv(key_cache: torch.Tensor, value_cache: torch.Tensor):
 
 def _heads_and_layout(query: torch.Tensor, key_cache: torch.Tensor, scale: float) -> dict:
     return dict(num_heads=query.shape[1], num_key_value_heads=key_cache.shape[2], scale=float(scale),
-                input_layout="BSND", block_size=key_cache.shape[1])
+                input_layout="TND", block_size=key_cache.shape[1])
 
 
 def _check_dtype(t: torch.Tensor) -> None:

@@ -3,8 +3,9 @@
 transformers' own layers (projections, M-RoPE, MLP) run unchanged; only the attention call is
 ours: it writes the new K/V into the paged cache, then attends per prefill request (a fresh
 prompt: causal SDPA over its own K/V; a later chunk: against its cached blocks) and for all
-decode requests at once, through the engine's `PagedOps` (native csrc/ kernels, portable torch,
-or torch_npu's kernels; see ops/select.py).
+decode requests at once, through the engine's `PagedOps` (native csrc/ kernels or portable
+torch; see ops/select.py). Ops with `attends_varlen` (torch_npu's kernels) attend every request
+of the step in one call instead (`AttentionMeta.varlen`).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v = value[0].transpose(0, 1)
     kc, vc = meta.kv_cache.keys[layer], meta.kv_cache.values[layer]
     ops.reshape_and_cache(k, v, kc, vc, meta.slots)
+    if meta.varlen is not None:  # ops that attend the whole packed batch in one call (the NPU's)
+        return ops.varlen_attention(q, kc, vc, meta.varlen, scale).unsqueeze(0), None
     out = None if meta.decode_only else torch.empty_like(q)
     for seg in meta.prefills:
         qs = slice(seg.q_start, seg.q_start + seg.q_len)

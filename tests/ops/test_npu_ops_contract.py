@@ -8,12 +8,13 @@ ReshapeAndCachAtb.cpp): a misnamed or extra argument fails as it would on the de
 rejects what the sources say the kernels reject (fp32, int64 block tables, a non-128 block size
 for multi-token queries, non-contiguous inputs, a wrong causal mask) and does the documented
 math: npu_fused_infer_attention_score = softmax(scale * q k^T + mask) v over the blocks of a
-block table, sparse_mode 3 = right-down causal; npu_scatter_pa_kv_cache writes the ND layout with
+block table, sparse_mode 3 = right-down causal, layout TND with cumulative query lengths; npu_scatter_pa_kv_cache writes the ND layout with
 cache_mode "Norm" and the NZ layout of its golden test under the default "PA_NZ".
 """
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import sys
 import types
@@ -21,6 +22,7 @@ import types
 import pytest
 import torch
 
+from epdserve.ops.attention_meta import VarlenBatch
 from epdserve.ops.npu_ops import NpuPagedOps
 from epdserve.ops.portable import PortableOps
 
@@ -91,18 +93,36 @@ def _require(cond, msg):
 
 
 def _fia(a):
-    """npu_fused_infer_attention_score, PageAttention + BSND (the only case epdserve uses)."""
-    q, key, value, bt = a["query"], a["key"], a["value"], a["block_table"]
-    if a["input_layout"] != "BSND" or bt is None:
-        raise NotImplementedError("stand-in covers only paged BSND")
+    """npu_fused_infer_attention_score with a block table ("PageAttention"), layouts BSND and TND.
+
+    TND (the FIA doc's actual_seq_lengths: "required when input_layout is TND; its element count
+    is the batch size; each element is the sum of the lengths of this batch and all previous
+    ones"): query [T, N, D], actual_seq_lengths cumulative, actual_seq_lengths_kv per request."""
+    q, key, value, bt, layout = a["query"], a["key"], a["value"], a["block_table"], a["input_layout"]
+    if layout not in ("BSND", "TND") or bt is None:
+        raise NotImplementedError("stand-in covers only paged BSND and TND")
     _require(q.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == q.dtype, "dtype")
     _require(q.is_contiguous() and key.is_contiguous() and value.is_contiguous(), "non-contiguous input")
-    B, S, N, D = q.shape
+    N, D = q.shape[-2:]
     n2 = a["num_key_value_heads"] or a["num_heads"]
     _require(N == a["num_heads"] and N % n2 == 0 and N // n2 <= 64, "num_heads / num_key_value_heads")
     _require(D * q.element_size() % 16 == 0, "head_dim must be 16-byte aligned")
+    q_lens = a["actual_seq_lengths"]
+    if layout == "TND":
+        _require(q.dim() == 3, "TND query is [T, N, D]")
+        _require(isinstance(q_lens, list) and q_lens and all(type(n) is int for n in q_lens), "TND needs actual_seq_lengths")
+        _require(all(x <= y for x, y in zip([0] + q_lens, q_lens)) and q_lens[-1] == q.shape[0],
+                 "TND actual_seq_lengths: cumulative, ending at T")
+        B, starts = len(q_lens), [0] + q_lens[:-1]
+        q_lens = [e - s for s, e in zip(starts, q_lens)]
+        rows = [q[s:s + n] for s, n in zip(starts, q_lens)]
+    else:
+        B, S = q.shape[:2]
+        q_lens = q_lens or [S]
+        q_lens = q_lens * B if len(q_lens) == 1 else q_lens
+        rows = [q[b, :q_lens[b]] for b in range(B)]
     bs = a["block_size"]
-    _require(0 < bs <= 512 and (S == 1 or (bs >= 128 and bs % 128 == 0)), f"block_size {bs}")
+    _require(0 < bs <= 512 and (max(q_lens) == 1 or (bs >= 128 and bs % 128 == 0)), f"block_size {bs}")
     _require(bt.dtype == torch.int32 and bt.dim() == 2 and bt.numel() > 0 and bt.shape[0] == B, "block_table")
     _require(key.dim() == 3 and key.shape[1] == bs and key.shape[2] == n2 * D and value.shape == key.shape,
              "paged key/value must be [num_blocks, block_size, kv_heads * head_dim]")
@@ -112,10 +132,8 @@ def _fia(a):
     kv_lens = kv_lens * B if len(kv_lens) == 1 else kv_lens
     blocks = [-(-n // bs) for n in kv_lens]
     _require(bt.shape[1] >= max(blocks) and key.shape[0] >= sum(blocks), "block_table / num_blocks too small")
-    q_lens = a["actual_seq_lengths"] or [S]
-    q_lens = q_lens * B if len(q_lens) == 1 else q_lens
     causal = False
-    if S > 1:  # S == 1 takes the incremental branch, where sparse_mode does not apply
+    if layout == "TND" or max(q_lens) > 1:  # BSND with S == 1 takes the incremental branch: no sparse_mode
         _require(a["sparse_mode"] in (0, 3), "stand-in covers sparse_mode 0 and 3")
         if a["sparse_mode"] == 3:
             m = a["atten_mask"]
@@ -126,17 +144,22 @@ def _fia(a):
             causal = True
         else:
             _require(a["atten_mask"] is None, "stand-in covers sparse_mode 0 without a mask only")
-    out = torch.zeros_like(q)
+    outs = []
     for b in range(B):
         pos = torch.arange(kv_lens[b])
-        rows = bt[b].long()[pos // bs], pos % bs
-        k = key[rows].view(-1, n2, D).float().repeat_interleave(N // n2, dim=1)  # [kv, N, D]
-        v = value[rows].view(-1, n2, D).float().repeat_interleave(N // n2, dim=1)
+        idx = bt[b].long()[pos // bs], pos % bs
+        k = key[idx].view(-1, n2, D).float().repeat_interleave(N // n2, dim=1)  # [kv, N, D]
+        v = value[idx].view(-1, n2, D).float().repeat_interleave(N // n2, dim=1)
         ql = q_lens[b]
-        s = torch.einsum("qnd,knd->nqk", q[b, :ql].float(), k) * a["scale"]
+        s = torch.einsum("qnd,knd->nqk", rows[b].float(), k) * a["scale"]
         if causal:  # right-down causal: query i sees keys j <= kv_len - q_len + i
             s.masked_fill_(pos[None, :] > torch.arange(ql)[:, None] + kv_lens[b] - ql, float("-inf"))
-        out[b, :ql] = torch.einsum("nqk,knd->qnd", s.softmax(-1), v).to(q.dtype)
+        outs.append(torch.einsum("nqk,knd->qnd", s.softmax(-1), v).to(q.dtype))
+    if layout == "TND":
+        return torch.cat(outs), torch.zeros(1)
+    out = torch.zeros_like(q)
+    for b, o in enumerate(outs):
+        out[b, :q_lens[b]] = o
     return out, torch.zeros(1)
 
 
@@ -274,10 +297,11 @@ def test_decode_pins_the_paged_call_and_matches_portable(npu, dtype):
     assert out.shape == (5, HEADS, HEAD_DIM) and out.dtype == dtype
     torch.testing.assert_close(out, expected, **_tol(dtype))
     paged = (dtype, (num_blocks, BLOCK, KV_HEADS * HEAD_DIM), True)
-    assert npu == [("npu_fused_infer_attention_score", ((dtype, (5, 1, HEADS, HEAD_DIM), True), paged, paged), {
-        "block_table": (torch.int32, (5, 3), True), "actual_seq_lengths_kv": [1, 128, 129, 300, 77],
-        "num_heads": HEADS, "num_key_value_heads": KV_HEADS, "scale": SCALE, "input_layout": "BSND",
-        "block_size": BLOCK})]
+    assert npu == [("npu_fused_infer_attention_score", ((dtype, (5, HEADS, HEAD_DIM), True), paged, paged), {
+        "atten_mask": (torch.int8, (2048, 2048), True), "sparse_mode": 3,
+        "block_table": (torch.int32, (5, 3), True), "actual_seq_lengths": [1, 2, 3, 4, 5],
+        "actual_seq_lengths_kv": [1, 128, 129, 300, 77], "num_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "scale": SCALE, "input_layout": "TND", "block_size": BLOCK})]
 
 
 @pytest.mark.parametrize("ctx_len,q_len", [(300, 45), (257, 257), (129, 1), (1, 1)])
@@ -293,11 +317,32 @@ def test_prefill_chunk_pins_the_causal_paged_call_and_matches_portable(npu, ctx_
     assert out.shape == (q_len, HEADS, HEAD_DIM)
     torch.testing.assert_close(out, expected, **_tol(dtype))
     paged = (dtype, (num_blocks, BLOCK, KV_HEADS * HEAD_DIM), True)
-    assert npu == [("npu_fused_infer_attention_score", ((dtype, (1, q_len, HEADS, HEAD_DIM), True), paged, paged), {
+    assert npu == [("npu_fused_infer_attention_score", ((dtype, (q_len, HEADS, HEAD_DIM), True), paged, paged), {
         "atten_mask": (torch.int8, (2048, 2048), True), "sparse_mode": 3,
         "block_table": (torch.int32, (1, len(table)), True), "actual_seq_lengths": [q_len],
         "actual_seq_lengths_kv": [ctx_len], "num_heads": HEADS, "num_key_value_heads": KV_HEADS, "scale": SCALE,
-        "input_layout": "BSND", "block_size": BLOCK})]
+        "input_layout": "TND", "block_size": BLOCK})]
+
+
+def test_a_whole_step_is_one_call_with_cumulative_query_lengths(npu):
+    """Decodes, a later prompt chunk and a fresh prompt of one step: one TND call, each request's
+    rows equal to what PortableOps computes for it alone."""
+    dtype, num_blocks = torch.bfloat16, 16
+    kc, vc = _caches(num_blocks, dtype, seed=2)
+    q_lens, kv_lens = [1, 45, 1, 130, 1], [300, 300, 5, 130, 129]  # decode, chunk, decode, fresh prompt, decode
+    tables = _block_tables(kv_lens, num_blocks, seed=2)
+    query = torch.randn(sum(q_lens), HEADS, HEAD_DIM).to(dtype)
+    ends = list(itertools.accumulate(q_lens))
+    batch = VarlenBatch(tables.to(torch.int32), tuple(ends), tuple(kv_lens))
+
+    out = NpuPagedOps().varlen_attention(query, kc, vc, batch, SCALE)
+    portable = PortableOps()
+    for b, (end, n) in enumerate(zip(ends, q_lens)):
+        rows = slice(end - n, end)
+        want = portable.prefill_attention(query[rows], kc, vc, tables[b], kv_lens[b], SCALE)
+        torch.testing.assert_close(out[rows], want, **_tol(dtype))
+    assert [(c[0], c[2]["actual_seq_lengths"], c[2]["actual_seq_lengths_kv"], c[2]["input_layout"]) for c in npu] == [
+        ("npu_fused_infer_attention_score", [1, 46, 47, 177, 178], kv_lens, "TND")]
 
 
 def test_empty_batches_call_no_kernel(npu):
