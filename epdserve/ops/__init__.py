@@ -8,6 +8,7 @@ One sentence per module:
 - native_build.py     building csrc/: torch's C++-extension JIT, cached per torch version and source hash
 - build_progress.py   what a user waiting on the first native build sees on stderr
 - npu_ops.py          `NpuPagedOps`: the operators on Ascend NPUs over torch_npu's kernels
+- npu_schema.py       which KV-write call the installed torch_npu's operator schemas allow, probed once
 - attention_meta.py   per-forward attention metadata of a packed, variable-length batch
 - paged_attention.py  paged attention for packed batches, registered with transformers' AttentionInterface
 """

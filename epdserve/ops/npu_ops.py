@@ -3,22 +3,31 @@
 Only this module and platform/npu.py import torch_npu, lazily, inside methods. The calls follow
 how vllm-ascend's attention backend makes them; every signature below was read from source:
 
-- `torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
-  compress_lens=None, compress_seq_offsets=None, seq_lens=None, cache_mode='PA_NZ') -> ()`
-  (Ascend/op-plugin op_plugin/config/op_plugin_functions.yaml; docs/zh/custom_APIs/torch_npu/
-  torch_npu-npu_scatter_pa_kv_cache.md). The default 'PA_NZ' expects the NZ cache layout
-  [num_blocks, H*D/16, block_size, 16]; our ND layout needs cache_mode="Norm", as
-  vllm-ascend vllm_ascend/device/device_op.py BaseDeviceAdaptor.reshape_and_cache passes.
-  key/value fp16/bf16/int8 (no fp32 on A2/A3), contiguous; slot_mapping int32 or int64 (we pass
-  int32 as vllm_ascend/attention/attention_v1.py does). An Ascend C (AI Core) operator
-  (hicann/ops-transformer attention/scatter_pa_kv_cache/op_host/scatter_pa_kv_cache_def.cpp), so
-  it should stay within a stream's core limit (not measured: no NPU here). In torch_npu from the
-  7.2.0 releases (CANN 8.3.RC1; the project's design notes, not yet re-checked against op-plugin's
-  7.2.0 branch: issue 26).
-- Older torch_npu: `torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache,
-  slot_indices) -> ()` (op-plugin op_plugin/ops/atb/ReshapeAndCachAtb.cpp; ND layout, int32
-  slots as in test/test_custom_ops/test_atb_reshape_and_cache.py). An ATB operator: it IGNORES
-  stream core limits, so a co-located stage calling it is not confined to its share.
+- KV write, chosen once, at construction, by the installed operators' schemas
+  (ops/npu_schema.py `probe_npu_kernels`; the schema of each line the extras install is in
+  tests/fixtures/torch_npu/<version>.txt, extracted from the PyPI wheels):
+  * torch_npu 2.12.0 (op-plugin 26.1.0): `torch_npu.npu_scatter_pa_kv_cache(key, value,
+    key_cache, value_cache, slot_mapping, *, compress_lens=None, compress_seq_offsets=None,
+    seq_lens=None, cache_mode='PA_NZ') -> ()` (Ascend/op-plugin 26.1.0
+    op_plugin/config/op_plugin_functions.yaml; op_plugin/ops/opapi/ScatterPaKvCacheNpuOpApi.cpp
+    `npu_scatter_pa_kv_cache` passes cache_mode to aclnnScatterPaKvCache). The default 'PA_NZ'
+    expects the NZ layout [num_blocks, H*D/16, block_size, 16]; our ND layout needs
+    cache_mode="Norm", as vllm-ascend vllm_ascend/device/device_op.py
+    BaseDeviceAdaptor.reshape_and_cache passes. key/value fp16/bf16/int8 (no fp32 on A2/A3),
+    contiguous; slot_mapping int32 or int64 (we pass int32 as vllm_ascend/attention/
+    attention_v1.py does). An Ascend C (AI Core) operator (hicann/ops-transformer
+    attention/scatter_pa_kv_cache/op_host/scatter_pa_kv_cache_def.cpp), so it should stay within
+    a stream's core limit (not measured: no NPU here);
+  * torch_npu 2.8.0 (op-plugin 7.2.0) and 2.9.0 (op-plugin 7.3.0): npu_scatter_pa_kv_cache has no
+    cache_mode (op_plugin_functions.yaml on both branches; ScatterPaKvCacheNpuOpApi.cpp
+    `npu_scatter_pa_kv_cache` hard-codes `cache_mode = "PA_NZ"`), so it cannot write our layout.
+    These lines use the ATB `torch_npu._npu_reshape_and_cache(key, value, key_cache,
+    value_cache, slot_indices) -> ()` (op_plugin/ops/atb/ReshapeAndCachAtb.cpp
+    `_npu_reshape_and_cache`, the same on 7.2.0, 7.3.0 and 26.1.0; ND layout, int32 slots as in
+    test/test_custom_ops/test_atb_reshape_and_cache.py). An ATB operator: it IGNORES stream
+    core limits, so a co-located stage calling it is not confined to its share (logged once).
+  Where neither fits (an old line without NNAL's libop_plugin_atb.so), construction raises
+  `NpuKernelsUnsupported`, before the first KV write.
 - `torch_npu.npu_fused_infer_attention_score(query, key, value, *, ..., atten_mask=None,
   actual_seq_lengths=None, actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0,
   input_layout="BSH", num_key_value_heads=0, sparse_mode=0, block_size=0, ...) -> (out, lse)`
@@ -66,6 +75,7 @@ import torch
 
 from epdserve.ops.attention_meta import VarlenBatch
 from epdserve.ops.backend import PagedOps
+from epdserve.ops.npu_schema import ATB_ND, SCATTER_ND, probe_npu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -79,26 +89,26 @@ class NpuPagedOps(PagedOps):
     attends_varlen = True
 
     def __init__(self):
-        self._npu = None  # the torch_npu module, imported on first use
+        import torch_npu  # registers the npu:: and atb:: operators probed below
+
+        self._npu = torch_npu
+        self._kernels = probe_npu_kernels(torch_npu)  # once: the calls this torch_npu's schemas allow
         self._masks: dict[torch.device, torch.Tensor] = {}
+        if self._kernels.kv_write == ATB_ND:
+            log.warning("torch_npu %s's npu_scatter_pa_kv_cache cannot write the ND cache (no cache_mode before "
+                        "op-plugin 26.0): KV writes use the ATB _npu_reshape_and_cache, which ignores stream "
+                        "core limits", self._kernels.version)
 
     def _torch_npu(self):
-        if self._npu is None:
-            import torch_npu
-
-            if not hasattr(torch_npu, "npu_scatter_pa_kv_cache"):
-                log.warning("torch_npu has no npu_scatter_pa_kv_cache (needs the 7.2.0 releases): KV writes "
-                            "use the ATB _npu_reshape_and_cache, which ignores stream core limits")
-            self._npu = torch_npu
         return self._npu
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slots):
         if slots.numel() == 0:
             return
         _check_dtype(key)
-        npu = self._torch_npu()
+        npu = self._npu
         slots = slots.to(torch.int32).contiguous()
-        if hasattr(npu, "npu_scatter_pa_kv_cache"):
+        if self._kernels.kv_write == SCATTER_ND:
             npu.npu_scatter_pa_kv_cache(key=key.contiguous(), value=value.contiguous(), key_cache=key_cache,
                                         value_cache=value_cache, slot_mapping=slots, cache_mode="Norm")
         else:

@@ -46,6 +46,11 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   torch_npu.npu.Stream; `csrc/core/npu/interface/AclInterface.cpp` AclrtSetStreamResLimit:
   TORCH_CHECK "Failed to find function aclrtSetStreamResLimit" (RuntimeError) where the CANN
   runtime lacks it — `FakeTorchNpu(stream_limits=False)`.
+- `torch_npu.npu.config.allow_internal_format` (write-only; the option defaults to "disable") and
+  `get_device_limit`'s device argument, per line: tests/fakes/npu_config_fake.py.
+- the paged-KV operators: exactly the schemas of one torch_npu line (`FakeTorchNpu(line=...)`,
+  tests/fixtures/torch_npu/<line>.txt), `torch_npu.<op>` and `torch.ops.npu` / `torch.ops.atb`
+  as torch_npu binds them; calls land in `kernel_calls` (tests/fakes/npu_kernels_fake.py).
 
 Transport: a real ProcessGroupGloo on loopback under each fake ProcessGroupHCCL, built by the
 first operation (as HCCL builds its communicator); a progress thread per group completes works
@@ -64,6 +69,9 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
+from tests.fakes.npu_config_fake import NpuConfig, device_limit_index
+from tests.fakes.npu_kernels_fake import KV_WRITES, NEWEST, module_attributes, namespaces
+
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN, HCCL_SUCCESS, StuckStreams
 from tests.fakes.npu_stream_pool import SYNCLAUNCH, DeviceStream, StreamPool, get_priority_unsupported
 
@@ -76,7 +84,12 @@ class FakeTorchNpu:
     """One fake torch_npu: `install()` puts it in sys.modules (and torch.npu), `events` records
     what epdserve did with it: (thread name, event, details...)."""
 
-    def __init__(self, *, stream_limits: bool = True, devices: int = 1, cores: tuple[int, int] = (20, 40)):
+    def __init__(self, *, stream_limits: bool = True, devices: int = 1, cores: tuple[int, int] = (20, 40),
+                 line: str = NEWEST, kernels: dict | None = None, atb_loaded: bool = True):
+        self.line = line  # the torch_npu version whose operator schemas and npu_config this fake has
+        self.kernel_calls: list[tuple] = []  # (operator, args, kwargs) as passed, tensors described
+        self.options = {"ALLOW_INTERNAL_FORMAT": "disable"}  # npu_sys_ctrl.cpp SetDefaultAllowInternalFromatDisable
+        self.ops = namespaces(line, {**KV_WRITES, **(kernels or {})}, self._record_kernel, atb_loaded=atb_loaded)
         self.stream_limits = stream_limits
         self.devices = devices
         self.cores = cores
@@ -97,10 +110,18 @@ class FakeTorchNpu:
         if monkeypatch is not None:
             monkeypatch.setitem(sys.modules, "torch_npu", self.module)
             monkeypatch.setattr(torch, "npu", self.module.npu, raising=False)
+            for ns, table in self.ops.items():
+                monkeypatch.setattr(torch.ops, ns, table, raising=False)
         else:  # a subprocess of a test
             sys.modules["torch_npu"] = self.module
             torch.npu = self.module.npu
+            for ns, table in self.ops.items():
+                setattr(torch.ops, ns, table)
         return self
+
+    def _record_kernel(self, name: str, args: tuple, kwargs: dict) -> None:
+        with self._lock:
+            self.kernel_calls.append((name, args, kwargs))
 
     def record(self, event: str, *details) -> None:
         with self._lock:
@@ -152,11 +173,10 @@ class FakeTorchNpu:
             raise RuntimeError("Failed to find function aclrtSetStreamResLimit")
         stream.limits = (cube_num, vector_num)
         self.record("set_stream_limit", stream.stream_id, cube_num, vector_num,
-                    self.module.npu.config.allow_internal_format)
+                    self.options["ALLOW_INTERNAL_FORMAT"] == "enable")
 
     def get_device_limit(self, device) -> dict:
-        if isinstance(device, bool) or not isinstance(device, int):
-            raise TypeError(f"device must be an int, but got {type(device).__name__}")
+        device_limit_index(self.line, device, self.current_device(), self.devices)
         return {"cube_core_num": self.cores[0], "vector_core_num": self.cores[1]}
 
     def _index(self, device) -> int:
@@ -199,7 +219,7 @@ class FakeTorchNpu:
         npu.stream = self.stream
         npu.set_stream_limit = self.set_stream_limit
         npu.get_device_limit = self.get_device_limit
-        npu.config = types.SimpleNamespace(allow_internal_format=True)
+        npu.config = NpuConfig(self.options)
         npu.mem_get_info = self.mem_get_info
         npu.memory_reserved = lambda device=None: self.memory[self._index(device)][1]
         npu.memory_allocated = lambda device=None: self.memory[self._index(device)][2]
@@ -219,7 +239,9 @@ class FakeTorchNpu:
         mod = types.ModuleType("torch_npu")
         mod.npu = npu
         mod._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL))
-        mod.__version__ = "fake"
+        mod.__version__ = f"{self.line}+fake"
+        for name, op in module_attributes(self.ops).items():
+            setattr(mod, name, op)
         return mod
 
 

@@ -2,22 +2,22 @@
 kernel call and computes what the real kernel computes, so the NPU path's outputs can be checked
 against `PortableOps`.
 
-The stand-in's signatures are parsed from the schemas in Ascend/op-plugin
-op_plugin/config/op_plugin_functions.yaml (and the ATB schema in op_plugin/ops/atb/
-ReshapeAndCachAtb.cpp): a misnamed or extra argument fails as it would on the device. It
+The stand-in is the fake torch_npu (tests/fakes/torch_npu_fake.py) with the operator schemas of
+one torch_npu line (tests/fixtures/torch_npu/<line>.txt, from the wheels the extras install);
+every test taking `npu` runs once per line, so a keyword a line lacks fails as on the device. It
 rejects what the sources say the kernels reject (fp32, int64 block tables, a non-128 block size
 for multi-token queries, non-contiguous inputs, a wrong causal mask) and does the documented
 math: npu_fused_infer_attention_score = softmax(scale * q k^T + mask) v over the blocks of a
-block table, sparse_mode 3 = right-down causal, layout TND with cumulative query lengths; npu_scatter_pa_kv_cache writes the ND layout with
-cache_mode "Norm" and the NZ layout of its golden test under the default "PA_NZ".
+block table, sparse_mode 3 = right-down causal, layout TND with cumulative query lengths;
+npu_scatter_pa_kv_cache writes the ND layout with cache_mode "Norm" and the NZ layout of its
+golden test under "PA_NZ" (the default on 2.12.0, the only mode on 2.8.0 / 2.9.0, which therefore
+write through the ATB _npu_reshape_and_cache).
 """
 from __future__ import annotations
 
-import ast
 import itertools
 import math
 import sys
-import types
 
 import pytest
 import torch
@@ -25,66 +25,11 @@ import torch
 from epdserve.ops.attention_meta import VarlenBatch
 from epdserve.ops.npu_ops import NpuPagedOps
 from epdserve.ops.portable import PortableOps
-
-# Verbatim from op_plugin_functions.yaml / ReshapeAndCachAtb.cpp.
-FIA_SCHEMA = (
-    "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
-    "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
-    "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, "
-    "Tensor? quant_offset2=None, Tensor? antiquant_scale=None, Tensor? antiquant_offset=None, "
-    "Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
-    "Tensor? value_antiquant_offset=None, Tensor? block_table=None, Tensor? query_padding_size=None, "
-    "Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
-    "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? key_rope=None, "
-    "Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, int pre_tokens=2147483647, "
-    "int next_tokens=2147483647, str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
-    "int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
-    "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)")
-SCATTER_SCHEMA = (
-    "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-    "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, Tensor? seq_lens=None, "
-    "str? cache_mode='PA_NZ') -> ()")
-ATB_RESHAPE_SCHEMA = ("_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
-                      "Tensor(b!) value_cache, Tensor slot_indices) -> ()")
+from tests.fakes.npu_kernels_fake import LINES
+from tests.fakes.torch_npu_fake import FakeTorchNpu
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 128  # GQA 3:1; the NPU block size
 SCALE = 1 / math.sqrt(HEAD_DIM)
-
-
-def parse_schema(schema: str):
-    """(positional names, {keyword: default}) of an ATen schema string."""
-    params = schema[schema.index("(") + 1:schema.index(") ->")].split(", ")
-    positional, keywords, star = [], {}, False
-    for p in params:
-        if p == "*":
-            star = True
-            continue
-        name, _, default = p.split(" ")[-1].partition("=")
-        if star:
-            keywords[name] = None if default == "None" else ast.literal_eval(default)
-        else:
-            positional.append(name)
-    return positional, keywords
-
-
-def _bind(schema, args, kwargs):
-    """Bind a call like the ATen binding would: positional-or-keyword first, keyword-only after `*`."""
-    positional, keywords = parse_schema(schema)
-    if len(args) > len(positional):
-        raise TypeError(f"{schema.split('(')[0]}: too many positional arguments")
-    bound = dict(zip(positional, args))
-    for k, v in kwargs.items():
-        if k not in positional and k not in keywords or k in bound:
-            raise TypeError(f"{schema.split('(')[0]}: unexpected or repeated argument {k!r}")
-        bound[k] = v
-    missing = [p for p in positional if p not in bound]
-    if missing:
-        raise TypeError(f"missing {missing}")
-    return {**keywords, **bound}
-
-
-def _desc(v):
-    return (v.dtype, tuple(v.shape), v.is_contiguous()) if isinstance(v, torch.Tensor) else v
 
 
 def _require(cond, msg):
@@ -163,61 +108,19 @@ def _fia(a):
     return out, torch.zeros(1)
 
 
-def _scatter(a, slot_key, cache_mode):
-    key, value, kc, vc, slots = a["key"], a["value"], a["key_cache"], a["value_cache"], a[slot_key]
-    _require(key.dtype in (torch.float16, torch.bfloat16, torch.int8), "A2/A3 take fp16/bf16/int8")
-    _require(key.dtype == value.dtype == kc.dtype == vc.dtype, "dtypes must match")
-    _require(all(t.is_contiguous() for t in (key, value, kc, vc, slots)), "non-contiguous input")
-    _require(key.dim() == 3 and kc.dim() == 4, "stand-in covers 3-D key/value and 4-D caches")
-    T, n, d = key.shape
-    if cache_mode in (None, "Norm"):  # ND: [num_blocks, block_size, heads, head_dim]
-        _require(tuple(kc.shape[2:]) == (n, d) and vc.shape == kc.shape, "ND cache shape")
-        bs = kc.shape[1]
-        for i, s in enumerate(slots.tolist()):
-            if s >= 0:
-                kc[s // bs, s % bs] = key[i]
-                vc[s // bs, s % bs] = value[i]
-    elif cache_mode == "PA_NZ":  # NZ, as the op's golden: [num_blocks, heads * head_dim // last, block_size, last]
-        last = 32 // key.element_size()
-        _require(kc.shape[3] == last and kc.shape[1] == n * d // last, "NZ cache shape")
-        bs = kc.shape[2]
-        for i, s in enumerate(slots.tolist()):
-            if s >= 0:
-                kc[s // bs, :, s % bs] = key[i].reshape(-1, last)
-                vc[s // bs, :, s % bs] = value[i].reshape(-1, last)
-    else:
-        raise RuntimeError(f"cache_mode {cache_mode!r}")
-
-
-def fake_torch_npu(calls: list, with_scatter: bool = True):
-    def recorder(name, schema, impl):
-        def fn(*args, **kwargs):
-            calls.append((name, tuple(_desc(x) for x in args), {k: _desc(v) for k, v in kwargs.items()}))
-            return impl(_bind(schema, args, kwargs))
-        return fn
-
-    def scatter(a):
-        _require(a["slot_mapping"].dtype in (torch.int32, torch.int64), "slot_mapping int32/int64")
-        _require(a["compress_lens"] is None and a["seq_lens"] is None, "stand-in covers scenario one/two")
-        _scatter(a, "slot_mapping", a["cache_mode"])
-
-    def atb_reshape(a):
-        _require(a["slot_indices"].dtype == torch.int32, "ATB ReshapeAndCache takes int32 slots")
-        _scatter(a, "slot_indices", "Norm")
-
-    mod = types.ModuleType("torch_npu")
-    mod.npu_fused_infer_attention_score = recorder("npu_fused_infer_attention_score", FIA_SCHEMA, _fia)
-    mod._npu_reshape_and_cache = recorder("_npu_reshape_and_cache", ATB_RESHAPE_SCHEMA, atb_reshape)
-    if with_scatter:
-        mod.npu_scatter_pa_kv_cache = recorder("npu_scatter_pa_kv_cache", SCATTER_SCHEMA, scatter)
-    return mod
+@pytest.fixture(params=LINES)
+def line(request) -> str:
+    return request.param
 
 
 @pytest.fixture
-def npu(monkeypatch):
-    calls: list = []
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(calls))
-    return calls
+def fake(monkeypatch, line) -> FakeTorchNpu:
+    return FakeTorchNpu(line=line, kernels={"npu_fused_infer_attention_score": _fia}).install(monkeypatch)
+
+
+@pytest.fixture
+def npu(fake) -> list:
+    return fake.kernel_calls
 
 
 def _caches(num_blocks, dtype, seed=0):
@@ -242,7 +145,7 @@ def _tol(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_reshape_and_cache_pins_scatter_with_norm_mode_and_matches_portable(npu, dtype):
+def test_the_kv_write_each_line_offers_writes_our_layout(npu, line, dtype, caplog):
     kc, vc = _caches(6, dtype)
     key = torch.randn(HEAD_DIM, 7, KV_HEADS).to(dtype).permute(1, 2, 0)  # non-contiguous [7, kv_heads, D]
     value = torch.randn(7, KV_HEADS, HEAD_DIM).to(dtype)
@@ -253,35 +156,30 @@ def test_reshape_and_cache_pins_scatter_with_norm_mode_and_matches_portable(npu,
     NpuPagedOps().reshape_and_cache(key, value, kc, vc, slots)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
     cache = (dtype, (6, BLOCK, KV_HEADS, HEAD_DIM), True)
-    assert npu == [("npu_scatter_pa_kv_cache", (), {
-        "key": (dtype, (7, KV_HEADS, HEAD_DIM), True), "value": (dtype, (7, KV_HEADS, HEAD_DIM), True),
-        "key_cache": cache, "value_cache": cache, "slot_mapping": (torch.int32, (7,), True), "cache_mode": "Norm"})]
+    tensors = {"key": (dtype, (7, KV_HEADS, HEAD_DIM), True), "value": (dtype, (7, KV_HEADS, HEAD_DIM), True),
+               "key_cache": cache, "value_cache": cache}
+    if line == "2.12.0":  # op-plugin 26.1.0: npu_scatter_pa_kv_cache takes cache_mode (an Ascend C operator)
+        assert npu == [("npu_scatter_pa_kv_cache", (), {
+            **tensors, "slot_mapping": (torch.int32, (7,), True), "cache_mode": "Norm"})]
+        assert "ignores stream core limits" not in caplog.text
+    else:  # op-plugin 7.2.0 / 7.3.0: no cache_mode, so the ATB operator, said once
+        assert npu == [("_npu_reshape_and_cache", (), {**tensors, "slot_indices": (torch.int32, (7,), True)})]
+        assert "ignores stream core limits" in caplog.text
 
 
-def test_scatter_default_cache_mode_is_nz_and_does_not_fit_our_layout(npu):
-    # Why cache_mode is passed: torch_npu's default is 'PA_NZ' (the NZ layout), not our ND cache.
-    assert parse_schema(SCATTER_SCHEMA)[1]["cache_mode"] == "PA_NZ"
+def test_scatter_without_cache_mode_writes_nz_which_does_not_fit_our_layout(npu, line):
+    # Why cache_mode="Norm" is needed: 'PA_NZ' (the keyword's default on 2.12.0, hard-coded in
+    # ScatterPaKvCacheNpuOpApi.cpp on 2.8.0 / 2.9.0) is the NZ layout, not our ND cache.
+    scatter = sys.modules["torch_npu"].npu_scatter_pa_kv_cache
+    mode = {a.name: a.default_value for a in scatter.default._schema.arguments}.get("cache_mode")
+    assert mode == ("PA_NZ" if line == "2.12.0" else None)
     kc, vc = _caches(2, torch.bfloat16)
     key = torch.randn(3, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="NZ cache shape"):
-        sys.modules["torch_npu"].npu_scatter_pa_kv_cache(key, key, kc, vc, torch.tensor([0, 1, 2]))
-
-
-def test_reshape_and_cache_falls_back_to_atb_without_scatter(monkeypatch, caplog):
-    calls: list = []
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(calls, with_scatter=False))
-    kc, vc = _caches(3, torch.bfloat16)
-    key, value = (torch.randn(4, KV_HEADS, HEAD_DIM).to(torch.bfloat16) for _ in range(2))
-    slots = torch.tensor([300, 5, 128, 6])
-    ref_k, ref_v = kc.clone(), vc.clone()
-    PortableOps().reshape_and_cache(key, value, ref_k, ref_v, slots)
-
-    NpuPagedOps().reshape_and_cache(key, value, kc, vc, slots)
-    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
-    assert [(c[0], sorted(c[2]), c[2]["slot_indices"]) for c in calls] == [(
-        "_npu_reshape_and_cache", ["key", "key_cache", "slot_indices", "value", "value_cache"],
-        (torch.int32, (4,), True))]
-    assert "ignores stream core limits" in caplog.text
+        scatter(key, key, kc, vc, torch.tensor([0, 1, 2]))
+    if line != "2.12.0":  # what issue 26 found: the keyword itself is refused, as torch's binding refuses it
+        with pytest.raises(RuntimeError, match="Unknown keyword argument 'cache_mode'"):
+            scatter(key, key, kc, vc, torch.tensor([0, 1, 2]), cache_mode="Norm")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -368,10 +266,8 @@ def test_what_the_kernels_cannot_take_fails_clearly(npu):
     assert npu == []
 
 
-def test_torch_npu_is_imported_only_when_a_kernel_runs(monkeypatch):
+def test_torch_npu_is_imported_when_the_ops_are_made(monkeypatch):
+    # not when epdserve.ops.npu_ops is imported; at construction, to probe the operators once
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # importing it raises
-    ops = NpuPagedOps()
-    assert ops.name == "npu"
-    kc, vc = _caches(1, torch.bfloat16)
     with pytest.raises(ImportError):
-        ops.reshape_and_cache(kc[0, :1], vc[0, :1], kc, vc, torch.tensor([0]))
+        NpuPagedOps()
