@@ -1,6 +1,7 @@
 """Which paged operators an engine uses: `paged_ops(platform)`.
 
-`EPDSERVE_OPS=native|portable` chooses explicitly. Unset: the NPU uses torch_npu's kernels;
+`EPDSERVE_OPS=native|portable` chooses explicitly (native where there are no native operators,
+the NPU's included, is an error, not a silent fallback). Unset: the NPU uses torch_npu's kernels;
 the CPU uses the native csrc/ operators when they build, else the portable ones — saying so
 once, with the reason; with `CI=true` a native build that fails raises instead (CI must never
 go green on the fallback). CUDA has no native kernels yet: portable.
@@ -30,6 +31,9 @@ def paged_ops(platform, choice: str | None = None) -> PagedOps:
     if choice == "portable":
         return PortableOps()
     if platform.name == "npu":
+        if choice == "native":
+            raise NativeOpsUnavailable("EPDSERVE_OPS=native: no native operators for npu (csrc/ has CPU kernels "
+                                       "only); unset it to use torch_npu's kernels, or set it to portable")
         from epdserve.ops.npu_ops import NpuPagedOps
 
         return NpuPagedOps()

@@ -59,3 +59,13 @@ def test_failed_build_fails_under_ci_and_when_asked_for(tmp_path):
 def test_no_native_kernels_for_cuda_tensors():
     with pytest.raises(NativeOpsUnavailable, match="CPU kernels only"):
         paged_ops(CudaPlatform(), "native")  # the selection only reads its name: no GPU needed
+
+
+def test_native_on_npu_is_an_error_not_a_silent_switch(monkeypatch):
+    class Npu:  # the selection only reads the platform's name: no torch_npu needed
+        name = "npu"
+
+    monkeypatch.setenv("EPDSERVE_OPS", "native")
+    with pytest.raises(NativeOpsUnavailable, match="EPDSERVE_OPS=native: no native operators for npu"):
+        paged_ops(Npu())
+    assert paged_ops(Npu(), "portable").name == "portable"
