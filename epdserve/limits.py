@@ -39,8 +39,8 @@ class InputLimits:
     # width x height one image declares (before it is decoded): a 24 MP camera photo (6000x4000) fits; the
     # models' image processors keep at most 12.8 MP (Qwen2/2.5-VL) or 16.8 MP (Qwen3-VL) of it anyway
     max_image_pixels: int = 25_000_000
-    # all the images' pixels + every decoded video frame's, in one request (3 bytes each as RGB; measured at the
-    # scheduler's peak while an image is preprocessed, ~14):
+    # all the images' pixels + every decoded video frame's, in one request (3 bytes each as RGB, several times
+    # that at the scheduler's peak while an image is preprocessed: docs/measurements.md):
     # four 24 MP photos, or 16 1080p screenshots, or 10 s of 480p video at 30 fps
     max_request_pixels: int = 100_000_000
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of all prompt / chat text, before tokenisation

@@ -11,7 +11,7 @@ import random
 from dataclasses import asdict, dataclass, field
 
 WORKLOADS = ("text", "images")
-DEFAULTS = {  # (requests, output tokens) from the "Done when"
+DEFAULTS = {  # (requests, output tokens) per workload: the sizes of README 'Offline engine throughput'
     "text": (64, 128),
     "images": (32, 64),
 }

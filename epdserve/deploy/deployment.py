@@ -207,7 +207,8 @@ class Deployment:
     def _device_env(self, k: int) -> dict[str, str]:
         if self.spec.device.startswith("cpu"):
             # Several torch processes share the cores: OpenMP threads that spin while waiting
-            # steal them from the other processes (measured 5-20x slower decode on 2 cores).
+            # would steal them from the other processes, so PASSIVE unless the caller chose a policy
+            # (README 'The serving path's cost per token'; docs/measurements.md).
             return {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
         from epdserve.platform import get_platform
 

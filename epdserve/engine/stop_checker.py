@@ -77,9 +77,9 @@ class StopChecker:
 def _plain_decode(tokenizer):
     """`tokenizer.decode(ids, skip_special_tokens=skip)` as a function of (ids, skip).
 
-    A transformers fast tokenizer's `decode` checks its argument in Python (~5 µs a call, which
-    a step pays twice per request); its Rust backend gives the same text when transformers would
-    not clean up spaces afterwards.
+    A transformers fast tokenizer's `decode` checks its argument in Python on every call, which a
+    step pays twice per request (docs/measurements.md); its Rust backend gives the same text when
+    transformers would not clean up spaces afterwards.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):

@@ -24,13 +24,13 @@ process on the same device (on one machine every mode is co-located). Three poli
   `--core-lease` runs its own). On NPU, where steps are asynchronous, `slo` gives each worker
   an unlimited stream, as `yield` does (no ranking reaches an NPU).
 
-Why SCHED_IDLE: nice 19 still has weight 15 against 1024 and, measured by `epdserve bench
-colocation`, does not protect decode (busy/idle 1.47); SCHED_IDLE (weight 3, never preempts a
-normal thread) does (0.97). Threads inherit the policy of the thread that creates them, so the
-intra-op team an encode worker spawns at its first parallel op inherits it, as it inherits the
-core set under `split` (`instance/affinity.py`). An unprivileged thread may enter SCHED_IDLE but
+Why SCHED_IDLE: nice 19 still has weight 15 against 1024 and does not protect decode; SCHED_IDLE
+(weight 3, never preempts a normal thread) does (docs/measurements.md; the policies' current
+figures: README 'Co-location policy'). Threads inherit the policy of the thread that creates
+them, so the intra-op team an encode worker spawns at its first parallel op inherits it, as it
+inherits the core set under `split` (`instance/affinity.py`). An unprivileged thread may enter SCHED_IDLE but
 not leave it: each policy is set once, on a stage's own fresh thread. Served, `yield` starves
-encode while P/D/scheduler keep the cores busy (README, co-location benchmarks).
+encode while P/D/scheduler keep the cores busy (README 'Co-location policy').
 """
 from __future__ import annotations
 

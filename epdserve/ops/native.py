@@ -38,12 +38,11 @@ def _register_fakes() -> tuple:
 
 
 class NativeOps(PagedOps):
-    """Decode reads the blocks in place (the gather it replaces dominates at one query token).
-    A later prefill chunk uses the native kernel up to `prefill_native_max` query tokens; above
-    that, gathering the request's blocks once and running torch's flash SDPA is faster on CPU
-    (its cost grows with q_len x context, the gather's only with context): `epdserve bench ops
-    --batches 1 --contexts 1024 --chunk N` measured native / portable 2.4x at 1 token, 0.93x at
-    4, 0.39x at 16, 0.25x at 64 on the 2-core dev VM."""
+    """Decode reads the blocks in place, with no gather. A later prefill chunk of at most
+    `prefill_native_max` query tokens runs the native kernel; a longer one gathers the request's
+    blocks once and runs torch's SDPA, because the kernel's cost grows with q_len x context and
+    the gather's only with context (crossover: README 'Paged operators'; per-chunk figures:
+    docs/measurements.md)."""
 
     name = "native"
     prefill_native_max = 2

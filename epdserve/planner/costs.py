@@ -16,7 +16,7 @@ from pathlib import Path
 from epdserve.perf.profile_report import interp
 from epdserve.planner.reports import read_report
 
-DEFAULT_LINK_GBPS = 1.0  # loopback gloo / Redis on a CPU host moves ~1 GB/s (`epdserve bench kv-transfer`)
+DEFAULT_LINK_GBPS = 1.0  # loopback gloo / Redis on one CPU host (README 'Layerwise P→D KV transfer')
 DEFAULT_LINK_LATENCY_MS = 1.0
 
 

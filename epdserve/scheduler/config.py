@@ -17,7 +17,8 @@ class SchedulerConfig:
     `max_inflight_per_instance` of them on any one instance; beyond either, RESOURCE_EXHAUSTED.
     Pixels: at most `max_pixels_in_flight` declared pixels (`limits.check_generate_request`) of the
     requests whose media are still being decoded (`pixel_budget.PixelBudget`; default 4 x
-    `limits.max_request_pixels`; ~14 bytes each at the peak of preprocessing); beyond, RESOURCE_EXHAUSTED.
+    `limits.max_request_pixels`; what a pixel costs at the peak of preprocessing: docs/measurements.md);
+    beyond, RESOURCE_EXHAUSTED.
     Bounds: `limits` (each request's input, checked before any work), `preprocess_threads`
     (tokenisation and image decode), `media_index_size` / `stored_keys_size` (media keys
     remembered), `max_attempts` (tries per request).

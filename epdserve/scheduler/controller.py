@@ -34,17 +34,15 @@ D calm (at most `stay_pressure`); split (the coupled instance gives decode back 
 D is hot or the traffic is encode-heavy. The instance must have held its roles `min_dwell_s`;
 parked instances are left out of the load window. A parked instance is not moved into a stage
 when it shares its compute (`InstanceStatus.compute`: the same CPU cores or device) with an
-instance that serves: a second engine there contends for the compute instead of adding any (on
-this project's 2-core host two P+E processes were no faster than one, two D processes starved P).
+instance that serves: a second engine there contends for the compute instead of adding any
+(README 'Traffic that shifts, and `--mode auto`', probes A and B).
 
 Stage moves (step 5) are off while every serving instance reports the same compute
 (`stage_moves="auto"`; `InstanceStatus.compute`, e.g. one CPU host's cores): the instances already
 share every core, so moving a stage's share from one to another adds that stage no compute, and a
-co-located role set (EP, ED) pins each stage to a fixed half of the cores. Measured on this
-project's 2-core host, the same shifting traffic with stage moves against none, four runs: 0.57x,
-0.85x, 0.90x and 0.55x the goodput; with them off (no switch), 0.95x, within noise (README, "The
-controller at work"). Coupling moves stay on: they change the pipeline (one engine instead of two
-processes and a KV hop), which probes on that host favoured.
+co-located role set (EP, ED) pins each stage to a fixed half of the cores (`stage_moves="on"`
+forces them; figures: README 'Traffic that shifts, and `--mode auto`'). Coupling moves stay on:
+they change the pipeline (one engine instead of two processes and a KV hop), not a stage's share.
 
 Not considered: moves of two instances at once (e.g. monolithic → E-PD needs EPD → E and EPD →
 PD together; one at a time, the first leaves an idle E, which `roster_problem` refuses).

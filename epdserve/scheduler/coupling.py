@@ -6,12 +6,12 @@ Owns the two moves that change the *pipeline* rather than a stage's share of the
   instance takes the whole request), and the D instances *park*: they stay up, hold their model,
   and get nothing until a split. Chosen when the traffic is encode-light (few media items per
   request) and the front stage is hot: a coupled engine has no KV hop and, on a host whose
-  instances share the cores, one process instead of two contending for them — measured on this
-  CPU at 4 req/s text-heavy: TTFT p50 202 ms coupled against 699 ms P-D, output tok/s 1.04x.
+  instances share the cores, one process instead of two contending for them.
 - split: the coupled instance gives decode back to a parked D (EPD -> P+E, PD -> P). Chosen when
   D is hot, or the traffic is encode-heavy and a stage is hot: a coupled step loop runs long
-  vision-encode steps between decode steps, which is what breaks TPOT (monolithic at 1 req/s
-  image-heavy: TPOT p99 264 ms, 85% in SLO, against 27 ms and 100% for P-D).
+  vision-encode steps between decode steps, which is what breaks TPOT.
+The probes behind both rules (C: merge on text-heavy traffic; A: split on image-heavy; F: a
+merge breaks TPOT when decode is busy) are in README 'Traffic that shifts, and `--mode auto`'.
 
 `parked(roles)` says which instances of a roster routing leaves idle; `coupling_move(...)` returns
 the move (or None) for the controller, which checks dwell and logs the reason.
@@ -56,9 +56,8 @@ def coupling_move(roster: list, media_per_request: float | None, hot: set[str], 
     `roster`: routable, non-draining entries (instance_id, roles); `media_per_request`: the window's
     mean (None: too few finished requests to judge the traffic); `hot`: the hot stages;
     `d_pressure` / `stay`: decode's pressure and the controller's stay level. A merge needs decode
-    calm (at most `stay`: a coupled loop must have TPOT to spare — at 5 req/s text-heavy on this
-    CPU it does not, TPOT p50 112 ms coupled against 75 ms P-D); a hot D splits again whatever the
-    traffic."""
+    calm (at most `stay`: a coupled loop must have TPOT to spare; probe F in the module docstring);
+    a hot D splits again whatever the traffic."""
     if media_per_request is None or not hot:
         return None
     coupled = [e for e in roster if is_coupled(e.roles)]
