@@ -11,6 +11,15 @@ publisher, prefetch listener) shares one `ServerHealth`, so one outage gives one
 becomes a miss at once, the caller recomputes), it only decides whether the next call, from
 whichever thread, may touch the network. So it is not written with tenacity, which retries one
 call in place; epdserve's retry loops are (instance/registration.py, server.py's start).
+
+Topologies (urls.py, topology.py): one server, a Redis Cluster or a Sentinel-watched primary
+share one `ServerHealth`: a call that fails on any node (a master down, slots uncovered, no
+primary elected yet) backs the whole store off and requests recompute until it answers again.
+With replicas that is one failover (cluster-node-timeout, or Sentinel's down-after-milliseconds
+plus the election); a master lost for good with no replica keeps failing calls on its slots,
+so the store flaps between up and down: a failure within `quiet_s` of the last recovery is
+logged at DEBUG, not as a new warning, so a flapping store warns once. The cluster client is
+made on first use (redis-py's connects at construction, and the store may be down then).
 """
 from __future__ import annotations
 
@@ -20,42 +29,31 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+
+from epdserve.transfer.mm_store import topology
+from epdserve.transfer.mm_store.urls import parse, redact
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_SCHEMES = ("redis", "rediss", "unix")
 # The server's password / ACL user when the URL carries none: keeps the password out of command
 # lines (`ps`) and logs. `epdserve launch` sets it for its private server's instances.
 PASSWORD_ENV = "EPDSERVE_MM_STORE_PASSWORD"
 USERNAME_ENV = "EPDSERVE_MM_STORE_USERNAME"
-_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError, *topology.UNAVAILABLE_ERRORS)
 
 
 class StoreUnavailableError(ConnectionError):
     """The MM Store server cannot be reached now (down, or backing off after a failure)."""
 
 
-def redact(url: str) -> str:
-    """``url`` without its password, for logs and errors."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 class ServerHealth:
     """Up/down state of one server with exponential backoff; logs transitions only."""
 
     def __init__(self, name: str, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, quiet_s: float = 60.0):
         if backoff_s <= 0 or max_backoff_s < backoff_s:
             raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {backoff_s}, {max_backoff_s}")
         self.name = name
@@ -68,6 +66,9 @@ class ServerHealth:
         self._up_event.set()
         self._backoff = backoff_s
         self._retry_at = 0.0
+        self._quiet_s = quiet_s
+        self._recovered_at: float | None = None
+        self._flapping = False
         self.outages = 0
 
     @property
@@ -102,21 +103,29 @@ class ServerHealth:
             self._up = True
             self._up_event.set()
             self._backoff = self._base
-        logger.info("MM Store %s is reachable again; using it", self.name)
+            self._recovered_at = self._clock()
+            flapping = self._flapping
+        logger.log(logging.DEBUG if flapping else logging.INFO, "MM Store %s is reachable again; using it", self.name)
 
     def record_failure(self, error: BaseException) -> bool:
         """Returns True when this failure took the server from up to down."""
         with self._lock:
             was_up = self._up
+            now = self._clock()
             if was_up:
                 self._up = False
                 self._up_event.clear()
                 self._backoff = self._base
                 self.outages += 1
+                self._flapping = self._recovered_at is not None and now - self._recovered_at < self._quiet_s
             else:
                 self._backoff = min(self._backoff * 2, self._max)
-            self._retry_at = self._clock() + self._backoff
-        if was_up:
+            self._retry_at = now + self._backoff
+            flapping = self._flapping
+        if was_up and flapping:
+            logger.debug("MM Store %s failed again within %.0f s of recovering (%s: %s)", self.name,
+                         self._quiet_s, type(error).__name__, error)
+        elif was_up:
             logger.warning(
                 "MM Store %s is unreachable (%s: %s); features are recomputed locally until it is back",
                 self.name, type(error).__name__, error,
@@ -125,9 +134,10 @@ class ServerHealth:
 
 
 class RedisConnection:
-    """A redis-py client (hiredis parser when installed) plus its `ServerHealth`.
+    """A redis-py client (hiredis parser when installed) for one MM Store URL plus its `ServerHealth`.
 
     `call(fn)` runs ``fn(client)`` and turns connection failures into `StoreUnavailableError`.
+    ``url``: redis://, rediss://, unix://, or a cluster / Sentinel URL (urls.py).
     """
 
     def __init__(
@@ -140,37 +150,41 @@ class RedisConnection:
         max_backoff_s: float = 8.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        scheme = urlsplit(url).scheme
-        if scheme not in _SCHEMES:
-            raise ValueError(
-                f"MM Store URL must start with redis://, rediss:// or unix://, got {redact(url)!r}"
-            )
+        self.topology = parse(url)  # ValueError for an unknown scheme
         if socket_timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("socket and connect timeouts must be positive")
         self.url = url
         self.socket_timeout_s = socket_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.health = ServerHealth(redact(url), backoff_s, max_backoff_s, clock)
-        self.client = self._make_client(socket_timeout_s)
+        self._lock = threading.Lock()
+        self._client = None
 
-    def _make_client(self, socket_timeout_s: float) -> redis.Redis:
+    @property
+    def kind(self) -> str:
+        """"single", "cluster" or "sentinel" (urls.py)."""
+        return self.topology.kind
+
+    @property
+    def client(self):
+        """The shared client, made on first use (raises like a call when a cluster is unreachable)."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._make_client(self.socket_timeout_s)
+            return self._client
+
+    def _make_client(self, socket_timeout_s: float):
         auth = {}  # the URL's own user/password win (redis-py lets URL options override these)
         if os.environ.get(PASSWORD_ENV):
             auth["password"] = os.environ[PASSWORD_ENV]
         if os.environ.get(USERNAME_ENV):
             auth["username"] = os.environ[USERNAME_ENV]
-        return redis.Redis.from_url(
-            self.url,
-            **auth,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=self.connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # ServerHealth does the backing off
-            health_check_interval=0,
-            **_zero_copy_packer(),
-        )
+        return topology.make_client(self.topology, socket_timeout_s=socket_timeout_s,
+                                    connect_timeout_s=self.connect_timeout_s, auth=auth, extra=_zero_copy_packer())
 
-    def blocking_client(self, block_s: float) -> redis.Redis:
-        """A separate client for blocking reads (XREAD BLOCK): its timeout exceeds the block."""
+    def blocking_client(self, block_s: float):
+        """A separate client for blocking reads (XREAD BLOCK): its timeout exceeds the block.
+        Connects (a cluster's) when made: make it where connection errors are handled."""
         return self._make_client(block_s + self.socket_timeout_s)
 
     def call(self, fn: Callable[[redis.Redis], T]) -> T:
@@ -179,15 +193,18 @@ class RedisConnection:
                                         f"{self.health.retry_in():.2f} s)")
         try:
             result = fn(self.client)
-        except _CONNECTION_ERRORS as e:
-            if self.health.record_failure(e):
-                self.client.connection_pool.disconnect()  # no stale sockets once it is back
+        except CONNECTION_ERRORS as e:
+            if self.health.record_failure(e) and self._client is not None:
+                topology.reset(self._client)  # no stale sockets once it is back
             raise StoreUnavailableError(f"MM Store {self.health.name} is unreachable: {e}") from e
         self.health.record_success()
         return result
 
     def close(self) -> None:
-        self.client.close()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
 
 def _zero_copy_packer() -> dict:

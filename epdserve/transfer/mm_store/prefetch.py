@@ -7,7 +7,8 @@ mark the rest in flight -> one pipelined store read -> `put` each found feature 
 The listener shares the store's `ServerHealth`: while the server is down it waits out the
 backoff (without logging; the health object logs the outage once) and then resumes reading
 after the last event id it processed, so events sent during a short outage are replayed.
-See events.py for why this is a Stream.
+See events.py for why this is a Stream. On a Redis Cluster the stream is one key on one master;
+topology.py reads it from that node.
 """
 from __future__ import annotations
 
@@ -17,15 +18,14 @@ import threading
 import redis
 
 from epdserve.seams.byte_lru import tensors_nbytes
+from epdserve.transfer.mm_store import topology
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
-from epdserve.transfer.mm_store.connection import StoreUnavailableError
+from epdserve.transfer.mm_store.connection import CONNECTION_ERRORS, StoreUnavailableError
 from epdserve.transfer.mm_store.events import FeatureEvent, stream_name
 from epdserve.transfer.mm_store.stats import Counters, feature_counters
 from epdserve.transfer.mm_store.store import RedisMMStore
 
 logger = logging.getLogger(__name__)
-
-_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 class PrefetchListener:
@@ -52,7 +52,7 @@ class PrefetchListener:
         self.replay_s = replay_s
         self.last_id: str | None = None
         self._health = store.connection.health
-        self._client = store.connection.blocking_client(block_ms / 1000)
+        self._client = None  # made in the thread, where connection errors are handled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,7 +68,9 @@ class PrefetchListener:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def __enter__(self) -> "PrefetchListener":
         return self.start()
@@ -83,10 +85,12 @@ class PrefetchListener:
                 self._stop.wait(min(self._health.retry_in(), self.block_ms / 1000))
                 continue
             try:
+                if self._client is None:
+                    self._client = self.store.connection.blocking_client(self.block_ms / 1000)
                 if self.last_id is None:
                     self.last_id = self._start_id()
-                reply = self._client.xread({self.stream: self.last_id}, count=self.batch, block=self.block_ms)
-            except _CONNECTION_ERRORS as e:
+                reply = topology.read_stream(self._client, self.stream, self.last_id, self.batch, self.block_ms)
+            except CONNECTION_ERRORS as e:
                 self._health.record_failure(e)
                 continue
             except redis.RedisError:  # e.g. a wrong-type key: not an outage, but do not spin
@@ -98,9 +102,8 @@ class PrefetchListener:
                 self._handle(reply[0][1])
 
     def _start_id(self) -> str:
-        # The server's clock names stream ids, so ask it, not ours.
-        sec, usec = self._client.time()
-        ms = sec * 1000 + usec // 1000 - int(self.replay_s * 1000) - 1
+        # The server's clock names stream ids, so ask it (the stream's node), not ours.
+        ms = topology.server_time_ms(self._client, self.stream) - int(self.replay_s * 1000) - 1
         return f"{max(ms, 0)}-0"
 
     def _handle(self, entries: list) -> None:
