@@ -9,6 +9,7 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - scheduler.py       Scheduler: queues, request states, the block manager's only owner; schedule / update
 - encode_stage.py    EncodeStage: media features from the FeatureProvider or the vision tower
 - encode_plan.py     encode batching under a vision-token budget: round-robin, videos by temporal patches
+- step_budget.py     StepBudget: the prefill chunk and vision blocks a step may add beside its decodes (TPOT SLO)
 - model_runner.py    ModelRunner: one packed forward over a scheduled batch, then sampling
 - sequence.py        Sequence and RequestState: one request inside the engine
 - block_manager.py, kv_cache.py, sampler.py, stop_checker.py, outputs.py, stats.py, config.py,

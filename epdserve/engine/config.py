@@ -34,6 +34,14 @@ class EngineConfig:
                    "Qwen2.5-VL / Qwen3-VL; other models encode each item whole), an image alone over it in a step "
                    "of its own (default 1024)")
     enable_chunked_prefill: bool = True
+    slo_tpot_ms: float = setting(
+        100.0, help="the TPOT SLO: while requests decode, each engine step takes only the prefill chunk and the "
+                    "vision-encoder blocks that fit beside its decodes within it, from costs measured online "
+                    "(engine/step_budget.py); the slo co-location policy paces decode steps by it too (default 100 ms)")
+    step_budget: bool = setting(
+        True, negate="--no-step-budget",
+        help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "
+             "while requests decode (their TPOT then stalls behind them)")
     feature_wait_s: float = setting(0.0, help="P: wait this long for E's features, then recompute")
     seed: int = 0
     ops: str | None = None  # paged operators: native | portable; None: $EPDSERVE_OPS, else the platform's best
@@ -45,6 +53,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto|float32|float16|bfloat16, got {self.dtype!r}")
+        if self.slo_tpot_ms <= 0:
+            raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
         if self.ops not in (None, "native", "portable"):
             raise ValueError(f"ops must be native|portable, got {self.ops!r}")
 

@@ -9,7 +9,10 @@ Per media item, in order of preference:
    counted in `recomputes`. An item without raw media cannot be recomputed: that request fails.
 Encoding runs under a vision-token budget per engine step, across requests, round-robin; a
 video over the budget is encoded a few temporal patches per step (engine/encode_plan.py), and
-its features are stored once, whole, when its last slice is done.
+its features are stored once, whole, when its last slice is done. While requests decode, the
+engine's step-time budget may also cut one encoder call at its vision blocks: a `SlicedEncode`
+runs a few blocks per step, its hidden state carried (model/vision_stages.py, the same features
+bit for bit), and dropped when every request it encoded for is gone.
 An item's features are one list (the embedding, then Qwen3-VL's DeepStack features): a stored
 value with another number of tensors is treated as absent, so it is recomputed.
 """
@@ -17,17 +20,31 @@ from __future__ import annotations
 
 import time
 
+from dataclasses import dataclass
+from typing import Callable
+
 from epdserve.engine.compute_gate import NO_GATE
 from epdserve.engine.encode_plan import TEMPORAL_SLICING_EXACT, EncodeJob, Slice, pack
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
+from epdserve.engine.step_budget import StepBudget
 from epdserve.model.adapter import VLMAdapter
+from epdserve.model.vision_stages import VisionRun, sliceable
 from epdserve.seams.feature_provider import FeatureProvider
+
+
+@dataclass(eq=False)
+class SlicedEncode:
+    """An encoder call run a few vision blocks per step (the step-time budget's share)."""
+
+    run: VisionRun
+    slices: list[Slice]
+    seconds: float  # spent on it so far
 
 
 class EncodeStage:
     def __init__(self, adapter: VLMAdapter, features: FeatureProvider, *, encodes: bool, prefills: bool,
-                 wait_s: float, token_budget: int, stats: EngineStats):
+                 wait_s: float, token_budget: int, stats: EngineStats, budget: StepBudget | None = None):
         self.adapter = adapter
         self.features = features
         self.encodes = encodes
@@ -43,6 +60,8 @@ class EncodeStage:
         self.encoder_runs = 0  # media items encoded (whole, however many slices)
         self.encoder_calls = 0  # vision tower calls
         self.gate = NO_GATE  # the engine's compute gate (LLMEngine.set_gate)
+        self.budget = budget  # the engine's step-time budget: measured vision costs go to it
+        self._run: SlicedEncode | None = None  # an encoder call in flight across steps
 
     def add(self, seq: Sequence) -> None:
         seq.state = RequestState.WAITING_FOR_FEATURES
@@ -52,9 +71,22 @@ class EncodeStage:
         if seq in self.pending:
             self.pending.remove(seq)
             self._served.pop(seq.request_id, None)
+            self._prune(self.pending)
 
-    def step(self) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
-        """Advance every pending request; returns (ready requests, failed (request, message))."""
+    def _prune(self, live: list[Sequence]) -> None:
+        """Drop the encodes no `live` request waits for (failed or aborted), and with them an
+        encoder call in flight that no longer serves anyone (its carried state goes)."""
+        needed = {m.key for s in live for m in s.media if m.features is None}
+        for key in [k for k in self.jobs if k not in needed]:
+            del self.jobs[key]
+        if self._run is not None and not any(self.jobs.get(x.job.item.key) is x.job for x in self._run.slices):
+            self._run = None
+
+    def step(self, vision_blocks: Callable[[int], int | None] | None = None
+             ) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
+        """Advance every pending request; returns (ready requests, failed (request, message)).
+        `vision_blocks(patches)`: how many vision-tower blocks this step may run of an encode
+        over that many patches (None: all); without it every encode runs whole."""
         self._steps += 1
         now = time.monotonic()
         failed: list[tuple[Sequence, str]] = []
@@ -73,17 +105,18 @@ class EncodeStage:
                 self.jobs[m.key] = self._job(m)
         bad = {id(s) for s, _ in failed}
         live = [s for s in self.pending if id(s) not in bad]
-        needed = {m.key for s in live for m in s.media if m.features is None}
-        for key in [k for k in self.jobs if k not in needed]:  # its requests failed or were aborted
-            del self.jobs[key]
-        order = sorted(live, key=lambda s: self._served.get(s.request_id, -1))  # stable: then arrival
-        slices, served = pack([(s, [self.jobs[m.key] for m in s.media if m.key in self.jobs]) for s in order],
-                              self.token_budget)
-        for seq in served:
-            self._served[seq.request_id] = self._steps
-            seq.timings.setdefault("encode_start", time.time())
-        if slices:
-            self._encode(slices)
+        self._prune(live)
+        if self._run is not None:
+            self._advance(vision_blocks)
+        else:
+            order = sorted(live, key=lambda s: self._served.get(s.request_id, -1))  # stable: then arrival
+            slices, served = pack([(s, [self.jobs[m.key] for m in s.media if m.key in self.jobs]) for s in order],
+                                  self.token_budget)
+            for seq in served:
+                self._served[seq.request_id] = self._steps
+                seq.timings.setdefault("encode_start", time.time())
+            if slices:
+                self._start(slices, vision_blocks)
         ready = [s for s in live if all(m.features is not None for m in s.media)]
         for seq in ready + [s for s, _ in failed]:
             self.remove(seq)
@@ -107,18 +140,55 @@ class EncodeStage:
         m.features, m.from_store = feats, True
         return True
 
-    def _encode(self, slices: list[Slice]) -> None:
-        t0 = time.perf_counter()
+    def _start(self, slices: list[Slice], vision_blocks: Callable[[int], int | None] | None) -> None:
+        """One encoder call over `slices`: whole, or a `SlicedEncode` advanced block by block."""
         inputs = [s.job.slice_input(s.start, s.end) for s in slices]
+        patches = sum(int(pv.shape[0]) for pv, _ in inputs)
+        blocks = vision_blocks(patches) if vision_blocks is not None else None
+        if blocks is None or not sliceable(self.adapter.config.model_type):
+            t0 = time.perf_counter()
+            with self.gate.hold("E"):
+                feats = self.adapter.encode_images([pv for pv, _ in inputs], [g for _, g in inputs])
+                seconds = time.perf_counter() - t0
+            self._record_vision(patches, len(self.adapter.vision_tower.blocks), seconds)
+            self._finish(slices, feats, seconds)
+            return
+        t0 = time.perf_counter()
         with self.gate.hold("E"):
-            feats = self.adapter.encode_images([pv for pv, _ in inputs], [g for _, g in inputs])
+            run = VisionRun(self.adapter, [pv for pv, _ in inputs], [g for _, g in inputs])
+        self._run = SlicedEncode(run, slices, time.perf_counter() - t0)
+        self._advance(lambda _: blocks)
+
+    def _advance(self, vision_blocks: Callable[[int], int | None] | None) -> None:
+        """Run the in-flight encode's next blocks; finished, hand out its features."""
+        enc = self._run
+        blocks = vision_blocks(enc.run.num_patches) if vision_blocks is not None else None
+        t0 = time.perf_counter()
+        with self.gate.hold("E"):
+            ran = enc.run.run(blocks if blocks is not None else enc.run.num_blocks)
+            seconds = time.perf_counter() - t0
+            self._record_vision(enc.run.num_patches, ran, seconds)
+            feats = enc.run.finish() if enc.run.done else None
+        enc.seconds += time.perf_counter() - t0
+        if feats is not None:
+            self._run = None
+            self._finish(enc.slices, feats, enc.seconds)
+
+    def _record_vision(self, patches: int, blocks: int, seconds: float) -> None:
+        if self.budget is not None:
+            self.budget.record_vision(patches, blocks, seconds)
+
+    def _finish(self, slices: list[Slice], feats: list[list], seconds: float) -> None:
+        """One encoder call's features to their jobs (a job aborted meanwhile is skipped)."""
         self.encoder_calls += 1
         done = []
         for s, f in zip(slices, feats):
+            if self.jobs.get(s.job.item.key) is not s.job:
+                continue
             s.job.add_part(f, s.end - s.start)
             if s.job.complete:
                 done.append(s.job)
-        self.stats.record_vision(len(done), time.perf_counter() - t0)
+        self.stats.record_vision(len(done), seconds)
         self.encoder_runs += len(done)
         if not self.encodes:
             self.recomputes += len(done)

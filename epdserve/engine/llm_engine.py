@@ -7,7 +7,9 @@ Public API (the only way in for workers, transfer and benchmarks):
   first; a request with `kv_transfer=RemotePrefill` gets its blocks reserved now (MemoryError
   if there is no room) and waits for its KV; the rest wait to be scheduled;
 - `step()`: encode pending media, schedule, run one packed forward, update; returns
-  `RequestOutput`s (a request is `finished` once no more outputs come from this engine);
+  `RequestOutput`s (a request is `finished` once no more outputs come from this engine). While
+  requests decode, the step-time budget (engine/step_budget.py, `slo_tpot_ms`) sizes the step's
+  prefill chunk and how many vision blocks of an encode it runs, from costs measured online;
 - `abort(id)`, `has_unfinished()`, `has_pending_transfers()`, `load_report()`.
 Stages run: `EngineConfig.roles`. KV moves between instances only through the `KVConnector`,
 media features through the `FeatureProvider`, both given at construction.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -33,6 +36,7 @@ from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.scheduler import Scheduler, StepSchedulerConfig
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
+from epdserve.engine.step_budget import StepBudget, StepPlan
 from epdserve.engine.stop_checker import StopChecker
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import paged_ops
@@ -67,9 +71,11 @@ class LLMEngine:
         self.runner = ModelRunner(a, self.kv_cache, paged_ops(self.platform, config.ops), kv_connector)
         self.features = features or LocalFeatureProvider()
         self.stats = EngineStats()
+        # only an engine that decodes has inter-token gaps to protect
+        self.budget = StepBudget(config.slo_tpot_ms / 1000.0) if config.step_budget and config.decodes else None
         self.encoder = EncodeStage(
             a, self.features, encodes=config.encodes, prefills=config.prefills, wait_s=config.feature_wait_s,
-            token_budget=config.encode_token_budget, stats=self.stats,
+            token_budget=config.encode_token_budget, stats=self.stats, budget=self.budget,
         )
         self.gate: ComputeGate = NO_GATE
         self._seqs: dict[str, Sequence] = {}
@@ -156,16 +162,20 @@ class LLMEngine:
         t_start, encode_s = time.perf_counter(), 0.0
         for seq in self.scheduler.poll_connector():
             self._emit(seq)
+        plan = self._plan()
         if self.encoder.pending:
             t = time.perf_counter()
-            self._encode_step()
+            self._encode_step(plan)
             encode_s = time.perf_counter() - t
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(plan(0).prefill_tokens if plan else None)
         if batch:
             t0 = time.perf_counter()
             try:
                 with hold_step(self.gate, batch):
+                    t_in = time.perf_counter()
                     sampled = self.runner.execute(batch)
+                    if self.budget is not None:
+                        self.budget.record_step(sum(item.num_tokens for item in batch), time.perf_counter() - t_in)
             except Exception as e:  # the batch's requests fail (retryable); the engine goes on
                 log.exception("engine step failed")
                 self._fail_batch(batch, f"step failed: {e}")
@@ -187,8 +197,16 @@ class LLMEngine:
                 self.scheduler.fail(item.seq, message, retryable=True)
                 self._emit(item.seq)
 
-    def _encode_step(self) -> None:
-        ready, failed = self.encoder.step()
+    def _plan(self) -> Callable[[int], StepPlan] | None:
+        """This step's plan for `vision_patches` patches of encode in flight (engine/step_budget.py),
+        from the decodes and prefill waiting now; None without a budget."""
+        if self.budget is None:
+            return None
+        decodes, prefill = self.scheduler.num_decoding(), self.scheduler.prefill_tokens_waiting()
+        return lambda patches: self.budget.plan(decodes, prefill, patches)
+
+    def _encode_step(self, plan: Callable[[int], StepPlan] | None = None) -> None:
+        ready, failed = self.encoder.step((lambda patches: plan(patches).vision_blocks) if plan else None)
         for seq, message in failed:
             self.scheduler.fail(seq, message)
             self._emit(seq)

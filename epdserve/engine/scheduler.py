@@ -1,7 +1,7 @@
 """Continuous-batching scheduler: the one owner of the block manager and of request states.
 
-`schedule()` picks this step's work under a token budget (`max_num_batched_tokens`) and a
-request cap:
+`schedule()` picks this step's work under a token budget (`max_num_batched_tokens`, and the
+step-time budget's prefill tokens when given) and a request cap:
 1. every running request that is decoding gets one token (blocks grown as needed; if the free
    list runs dry the newest running request is preempted: its blocks are freed and it is
    recomputed later — nothing is lost);
@@ -135,7 +135,18 @@ class Scheduler:
         }
 
     # ---------------------------------------------------------------- the step
-    def schedule(self) -> list[ScheduledSeq]:
+    def num_decoding(self) -> int:
+        """Running requests past their prefill: each gets one token per step."""
+        return sum(1 for s in self.running if not s.in_prefill)
+
+    def prefill_tokens_waiting(self) -> int:
+        """Prompt tokens still to compute, running chunked prefills and waiting requests."""
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.running if s.in_prefill) + \
+            sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+
+    def schedule(self, prefill_budget: int | None = None) -> list[ScheduledSeq]:
+        """This step's work; `prefill_budget` caps the prefill tokens beside the decodes
+        (engine/step_budget.py), None: only `max_num_batched_tokens` does."""
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         # 1. decodes (oldest first, so preemption takes the newest)
@@ -154,6 +165,8 @@ class Scheduler:
             table = self._blocks.grow(seq.request_id, seq.num_tokens)
             out.append(ScheduledSeq(seq, seq.num_tokens - 1, 1, table[:]))
             budget -= 1
+        if prefill_budget is not None:
+            budget = min(budget, prefill_budget)
         # 2. chunked prefills in progress
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:

@@ -44,6 +44,9 @@ class GenerateOutput:
 
 class LLM:
     def __init__(self, model: str, device: str = "auto", **engine_kwargs):
+        """`engine_kwargs`: `EngineConfig` fields. Offline, nobody watches tokens arrive, so the
+        step-time budget is off unless `step_budget=True` (steps then run at full size)."""
+        engine_kwargs.setdefault("step_budget", False)
         self.engine = LLMEngine(EngineConfig(model=str(model), device=device, **engine_kwargs))
         self._ids = itertools.count()
 

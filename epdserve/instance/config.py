@@ -65,7 +65,8 @@ class InstanceConfig:
         None, metavar="PATH", help="slo on CPU: the Unix socket of the machine's core-lease arbiter (epdserve launch "
                                    "passes its own); omitted, an instance with co-located workers runs an arbiter "
                                    "for them alone")
-    slo_tpot_ms: float = setting(100.0, help="slo: the TPOT SLO decode steps are paced to keep (default 100 ms)")
+    slo_tpot_ms: float = same_as(EngineConfig, "slo_tpot_ms")
+    step_budget: bool = same_as(EngineConfig, "step_budget")
     kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_memory_bytes", default=256 << 20)
     block_size: int | None = same_as(EngineConfig, "block_size")
     max_num_seqs: int = same_as(EngineConfig, "max_num_seqs")

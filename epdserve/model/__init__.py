@@ -6,6 +6,7 @@ rendering, the demo checkpoints and the transformers reference. The errors its i
 
 - loader.py          a checkpoint directory, offline: model, tokenizer, image processor, context length
 - adapter.py         VLMAdapter: the vision encoder and the language model of one HF model
+- vision_stages.py   VisionRun: one vision-tower forward run a few blocks at a time (the same features)
 - deepstack.py       Qwen3-VL DeepStack: which rows of a prompt chunk get which visual features
 - processor.py       MultimodalProcessor: prompt + images (+ videos) → token ids with expanded placeholders
 - video.py           video input: decode (PyAV), sample frames, resize, normalize, patch

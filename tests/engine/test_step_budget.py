@@ -1,0 +1,101 @@
+"""The step-time budget (engine/step_budget.py): what it plans from measured costs, and that an
+engine under it — prefill in budget-sized chunks, an image's vision tower a block per step while
+others decode — still gives transformers' greedy tokens; an abort drops an encode in flight."""
+import pytest
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.llm_engine import LLMEngine
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.step_budget import HEADROOM, UNLIMITED, LinearCost, StepBudget
+from epdserve.model.demo_images import jpeg_bytes, procedural_image
+from epdserve.model.reference import ReferenceGenerator
+
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def test_linear_cost_fits_a_line_and_waits_for_two_sizes():
+    c = LinearCost()
+    c.add(4, 0.024)
+    assert c.fit() is None  # one size: nothing known yet
+    c.add(4, 0.024)
+    assert c.fit() is None
+    for x in (1, 8, 100, 300):
+        c.add(x, 0.02 + 0.001 * x)
+    a, b = c.fit()
+    assert a == pytest.approx(0.02, abs=1e-3) and b == pytest.approx(0.001, rel=0.05)
+
+
+def _budget(a=0.02, b=0.001, slo=0.1):
+    s = StepBudget(slo, min_prefill_tokens=16)
+    for x in (1, 2, 50, 200):
+        s.record_step(x, a + b * x)
+    return s
+
+
+def test_work_conserving_without_decodes_or_costs():
+    assert _budget().plan(0, 5000, 900) == UNLIMITED
+    assert StepBudget(0.1).plan(8, 5000, 900) == UNLIMITED  # costs not measured yet
+
+
+def test_prefill_and_vision_fill_what_the_decodes_leave():
+    s = _budget()
+    left = 0.1 * HEADROOM - (0.02 + 0.001 * 4)
+    plan = s.plan(4, 30, 0)
+    assert plan.prefill_tokens == int(left / 0.001) and plan.vision_blocks is None
+    assert s.plan(4, 30, 100).vision_blocks == 1  # vision cost not measured yet: one block to learn it
+    s.record_vision(100, 2, 0.002)  # 1e-5 s per patch-block
+    blocks = s.plan(4, 30, 100).vision_blocks
+    assert blocks == int((left - 30 * 0.001) / (1e-5 * 100))
+    heavy = _budget(a=0.2)  # decodes alone overrun the SLO: still some progress
+    assert heavy.plan(4, 30, 100).prefill_tokens == 16 and heavy.plan(4, 30, 100).vision_blocks == 1
+
+
+def _drain(eng):
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_sliced_steps_keep_greedy_tokens(request, arch):
+    """A 1 ms SLO: every step beside a decode takes 16 prompt tokens and one vision block."""
+    model_dir = request.getfixturevalue(f"{arch}_tiny")
+    ref = ReferenceGenerator(model_dir)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", slo_tpot_ms=1.0))
+    text = "a long text prompt " * 12
+    eng.add_request(eng.build_request("text", text, None, SamplingParams(max_tokens=40, ignore_eos=True)))
+    for _ in range(4):  # it decodes, and the budget has measured steps of two sizes
+        eng.step()
+    img = jpeg_bytes(procedural_image(112, 84, 3))
+    eng.add_request(eng.build_request("img", f"see {PH} and {text}", [img], sp))
+    blocks = len(eng.model.adapter.vision_tower.blocks)
+    sliced_steps = 0
+    done = {}
+    while eng.has_unfinished():
+        sliced_steps += eng.encoder._run is not None
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert sliced_steps >= blocks - 1  # the tower ran a block per step
+    assert done["img"].token_ids == ref.generate(f"see {PH} and {text}", [img], 6)
+    assert done["text"].token_ids == ref.generate(text, [], 40)
+
+
+def test_abort_drops_an_encode_in_flight(qwen2_vl_tiny):
+    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", slo_tpot_ms=1.0))
+    eng.add_request(eng.build_request("text", "hello " * 40, None, SamplingParams(max_tokens=30, ignore_eos=True)))
+    for _ in range(4):
+        eng.step()
+    eng.add_request(eng.build_request("img", f"see {PH}", [jpeg_bytes(procedural_image(112, 84, 4))],
+                                      SamplingParams(max_tokens=4)))
+    eng.step()
+    assert eng.encoder._run is not None and not eng.encoder._run.run.done
+    eng.abort("img")
+    eng.step()
+    assert eng.encoder._run is None and not eng.encoder.jobs
+    done = _drain(eng)
+    assert done["text"].finish_reason == "length"
