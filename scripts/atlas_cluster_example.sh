@@ -57,7 +57,7 @@ on() {  # on HOST ARGS...: atlas_node.sh ARGS on HOST, in the foreground of an s
 }
 
 if [[ -e "$ENV_FILE" ]]; then push_env "$NODE_E"; push_env "$NODE_PD"; fi
-on "$NODE_E" preflight 0,1,2,3,4,5,6,7
+ON_ENV=ROLES=E on "$NODE_E" preflight 0,1,2,3,4,5,6,7   # E holds no KV cache: sized for weights + margin
 on "$NODE_PD" preflight 0,1,2,3,4,5,6,7
 
 pids=()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start epdserve processes on ONE Atlas 800I A2 / A3 server (Ascend NPUs), in the foreground.
 #
-#   scripts/atlas_node.sh preflight 0,1,2,3         # check this server only (driver, CANN, free HBM)
+#   scripts/atlas_node.sh preflight 0,1,2,3         # check this server only (driver, CANN, HBM for MODEL)
 #   scripts/atlas_node.sh head                      # the scheduler (no NPU needed)
 #   scripts/atlas_node.sh instances E  0            # one E instance on NPU 0
 #   scripts/atlas_node.sh instances P  0,1,2,3      # one P instance per NPU
@@ -43,9 +43,15 @@
 #   SCHED_PORT       scheduler's public port (clients)                        [50051]
 #   REG_PORT         scheduler's internal port (instance registry)            [50052]
 #   MODE             mode name reported by the scheduler                      [E-P-D]
-#   KV_CACHE_MB      KV cache per P/D worker                                  [16384; 256 with DEVICE=cpu]
-#   MIN_FREE_HBM_MB  preflight: free HBM each listed NPU must have            [KV_CACHE_MB + 20480]
-#   HCCL_HOST_SOCKET_PORT_RANGE  host ports HCCL may use (open them between servers) [60000-60099]
+#   ROLES            `preflight` only: the roles to size HBM for (`instances` takes them as argument)  [P]
+#   KV_CACHE_MB      KV cache per P/D worker   [on NPU: what the preflight finds fits, at most 16384; 256 with DEVICE=cpu]
+#   HBM_MARGIN_MB    preflight: HBM each process needs beyond weights and KV cache (activations,
+#                    CANN/ATB workspaces, HCCL buffers, the runtime's context); an estimate, not a
+#                    measurement: raise it if an instance runs out of device memory   [4096]
+#   MIN_FREE_HBM_MB  preflight: a fixed free-HBM figure each NPU must have, instead of the sizing
+#                    below                                                    [unset]
+#   HCCL_HOST_SOCKET_PORT_RANGE  host ports HCCL may use (open them between servers); passed on
+#                    only if you set it: see "HCCL / Gloo network" below      [unset]
 #   EXTRA_ARGS       extra `epdserve instance` flags, split on spaces; no secrets here  []
 #   ASCEND_ENV       CANN set_env.sh   [/usr/local/Ascend/ascend-toolkit/set_env.sh, else .../cann/set_env.sh]
 #   ASCEND_HOME      Ascend install root (driver/version.info)                [/usr/local/Ascend]
@@ -144,7 +150,17 @@ load_ascend_env() {
 #            <toolkit> is $ASCEND_TOOLKIT_HOME / $ASCEND_HOME_PATH as set_env.sh exports them.
 #   HBM:     `npu-smi info -m` maps a logical device id (what ASCEND_RT_VISIBLE_DEVICES takes)
 #            to "NPU ID" + "Chip ID" (two chips per card on A3); `npu-smi info -t usages -i N
-#            -c C` gives "HBM Capacity(MB)" and "HBM Usage Rate(%)".
+#            -c C` gives "HBM Capacity(MB)" (the device's total) and "HBM Usage Rate(%)".
+#            Each instance process needs weights + KV cache + HBM_MARGIN_MB:
+#              weights: the sizes of MODEL's *.safetensors, scaled from the dtype config.json
+#                names to the one the instance loads (bf16 on an NPU unless EXTRA_ARGS says
+#                `--dtype float32`: epdserve/engine/loaded_model.py load_model); every role loads
+#                the whole checkpoint (one LoadedModel per process);
+#              KV cache: KV_CACHE_MB for every role but E (an E-only engine holds 8 MiB:
+#                epdserve/instance/host.py _E_KV_BYTES); unset, the largest that fits in the
+#                NPU's free HBM, at most 16384 MB, at least 1024 MB.
+#            The need must fit the device's total HBM (else the model does not fit this product,
+#            e.g. the Atlas 800I A2 32 GB variant) and its free HBM (else something else uses it).
 cann_version() {
   local root f
   for root in "${ASCEND_TOOLKIT_HOME:-}" "${ASCEND_HOME_PATH:-}"; do
@@ -167,9 +183,34 @@ free_hbm_mb() {  # free_hbm_mb LOGICAL_ID -> free MB on stdout, or nothing when 
     END {if (cap != "" && rate != "") printf "%d\n", cap * (100 - rate) / 100}'
 }
 
-preflight() {  # preflight NPU_LIST
-  local npus=${1:?preflight needs a comma-separated NPU list, e.g. 0,1,2,3} dev free drv cann
-  local need=${MIN_FREE_HBM_MB:-$(( ${KV_CACHE_MB:-16384} + 20480 ))}
+weights_mb() {  # weights_mb MODEL -> MB the checkpoint's weights take on the device (0 without MODEL)
+  local model=${1:-} bytes=0 f size disk=2 dev=2 dtype
+  [[ -n "$model" && -d "$model" ]] || { echo 0; return 0; }
+  for f in "$model"/*.safetensors; do
+    if [[ -f "$f" ]]; then size=$(stat -L -c %s "$f"); bytes=$(( bytes + size )); fi
+  done
+  dtype=$(grep -o '"\(torch_\)\{0,1\}dtype"[[:space:]]*:[[:space:]]*"[a-z0-9]*"' "$model/config.json" 2>/dev/null |
+    head -n1 | sed 's/.*"\([a-z0-9]*\)"$/\1/') || true
+  if [[ "$dtype" == float32 ]]; then disk=4; fi
+  if [[ "${EXTRA_ARGS:-}" =~ --dtype[=\ ]+float32 ]]; then dev=4; fi
+  echo $(( (bytes * dev / disk + 1048575) / 1048576 ))
+}
+
+hbm_mb() {  # hbm_mb LOGICAL_ID -> "TOTAL FREE" MB on stdout, or nothing when unknown
+  local logical=$1 npu chip
+  read -r npu chip < <(npu-smi info -m 2>/dev/null |
+    awk -v id="$logical" '$1 ~ /^[0-9]+$/ && $3 == id {print $1, $2; exit}') || true
+  [[ -n "${npu:-}" ]] || return 0
+  npu-smi info -t usages -i "$npu" -c "$chip" 2>/dev/null | awk -F: '
+    /HBM Capacity\(MB\)/   {gsub(/ /, "", $2); cap = $2}
+    /HBM Usage Rate\(%\)/  {gsub(/ /, "", $2); rate = $2}
+    END {if (cap != "" && rate != "") printf "%d %d\n", cap, cap * (100 - rate) / 100}'
+}
+
+kv_fit_mb=""   # set by preflight: the KV cache (MB) each listed NPU has room for, when KV_CACHE_MB is unset
+preflight() {  # preflight NPU_LIST [ROLES]
+  local npus=${1:?preflight needs a comma-separated NPU list, e.g. 0,1,2,3} roles=${2:-P} dev total free drv cann
+  local margin=${HBM_MARGIN_MB:-4096} weights kv room need floor
   command -v npu-smi >/dev/null 2>&1 ||
     die "preflight: npu-smi not found on PATH: this is not an Atlas server, or the Ascend driver is not installed (npu-smi ships with it)"
   npu-smi info >/dev/null 2>&1 ||
@@ -178,14 +219,31 @@ preflight() {  # preflight NPU_LIST
   [[ -n "$drv" ]] || die "preflight: no driver version in $ASCEND_HOME/driver/version.info (set ASCEND_HOME to the Ascend install root)"
   cann=$(cann_version) || die "preflight: CANN not found: source its set_env.sh or set ASCEND_ENV=/path/to/set_env.sh"
   echo "preflight: driver $drv, CANN $cann"
+  weights=$(weights_mb "${MODEL:-}")
+  if [[ -z "${MODEL:-}" ]]; then echo "preflight: MODEL unset: the HBM need counts KV cache and margin only" >&2; fi
   IFS=, read -ra devs <<< "$npus"
   for dev in "${devs[@]}"; do
     [[ "$dev" =~ ^[0-9]+$ ]] || die "preflight: NPU list must be comma-separated ids without spaces, got '$npus'"
-    free=$(free_hbm_mb "$dev")
-    [[ -n "$free" ]] || die "preflight: NPU $dev not found by \`npu-smi info -m\` (or no HBM figures): check the id with \`npu-smi info -m\`"
-    (( free >= need )) ||
-      die "preflight: NPU $dev has ${free} MB free HBM, needs ${need} MB (MIN_FREE_HBM_MB): stop what runs there (\`npu-smi info\` lists processes) or lower KV_CACHE_MB"
-    echo "preflight: NPU $dev ok, ${free} MB HBM free"
+    read -r total free < <(hbm_mb "$dev") || true
+    [[ -n "${free:-}" ]] || die "preflight: NPU $dev not found by \`npu-smi info -m\` (or no HBM figures): check the id with \`npu-smi info -m\`"
+    if [[ -n "${MIN_FREE_HBM_MB:-}" ]]; then
+      (( free >= MIN_FREE_HBM_MB )) ||
+        die "preflight: NPU $dev has ${free} MB free HBM, needs ${MIN_FREE_HBM_MB} MB (MIN_FREE_HBM_MB): stop what runs there (\`npu-smi info\` lists processes) or lower it"
+      echo "preflight: NPU $dev ok, ${free} MB HBM free"
+      continue
+    fi
+    room=$(( free - weights - margin ))
+    if [[ "$roles" == E ]]; then kv=0
+    elif [[ -n "${KV_CACHE_MB:-}" ]]; then kv=$KV_CACHE_MB
+    else kv=$(( room < 1024 ? 1024 : room < 16384 ? room : 16384 )); fi
+    need=$(( weights + kv + margin ))
+    floor=$(( kv < 1024 ? kv : 1024 ))   # the least KV cache a P/D instance starts with
+    (( weights + floor + margin <= total )) ||
+      die "preflight: NPU $dev has ${total} MB HBM in all; this instance needs at least $(( weights + floor + margin )) MB (${weights} weights + ${floor} KV cache + ${margin} margin): the model does not fit this device"
+    (( need <= free )) ||
+      die "preflight: NPU $dev has ${free} MB of ${total} MB HBM free; this instance needs ${need} MB (${weights} weights + ${kv} KV cache + ${margin} margin): $( (( room >= 1024 )) && [[ "$roles" != E ]] && echo "lower KV_CACHE_MB to at most ${room}, or " )stop what runs there (\`npu-smi info\` lists processes)"
+    if [[ "$roles" != E && -z "${KV_CACHE_MB:-}" ]] && [[ -z "$kv_fit_mb" || "$kv" -lt "$kv_fit_mb" ]]; then kv_fit_mb=$kv; fi
+    echo "preflight: NPU $dev ok, ${free} MB of ${total} MB HBM free; needs ${need} MB (${weights} weights + ${kv} KV cache + ${margin} margin)"
   done
 }
 
@@ -196,10 +254,13 @@ preflight() {  # preflight NPU_LIST
 #   HCCL_SOCKET_IFNAME "=NIC": exact interface name (a bare "NIC" is a prefix match).
 #   HCCL_HOST_SOCKET_PORT_RANGE: host ports HCCL listens on for root-info communicators ("auto"
 #     lets the OS pick); plan at least as many ports as HCCL processes per NPU and open the
-#     range between servers. HCCL_NPU_SOCKET_PORT_RANGE (device side, default 16666) is passed
-#     through if you set it; if set, it must be set on every server of a pair.
-#   CANN 8.x/9.0 docs list these variables for Atlas A3 and, among A2 machines, name 800T A2 /
-#   900 A2 PoD / 200T A2 Box16; setting them on an 800I A2 is harmless.
+#     range between servers. CANN documents it only for Atlas A3 and, among A2 machines, for the
+#     Atlas 800T A2, 900 A2 PoD and 200T A2 Box16 ("Supported models" on its page:
+#     CANN 9.0.0 HCCL user guide hcclenvref_07_0020, CANN env-var reference envref_07_0143) — not
+#     for the 800I A2 this script mostly runs on, nor with MC2 fused operators on A2. So it is
+#     opt-in: exported only when you set it (on a documented product); otherwise HCCL picks its
+#     host port as it does by default (HCCL_IF_BASE_PORT). HCCL_NPU_SOCKET_PORT_RANGE (device
+#     side) is likewise passed through only if you set it; if set, on every server of a pair.
 #   RANK_TABLE_FILE: unset, so torch_npu never takes its rank-table path
 #     (HCCLComm::createGlobalHcclComm -> HcclCommInitClusterInfoConfig) for a pair group.
 network_env() {
@@ -210,7 +271,10 @@ network_env() {
   export HCCL_IF_IP=$NODE_IP
   export HCCL_SOCKET_IFNAME="=$NIC"
   export GLOO_SOCKET_IFNAME=$NIC
-  export HCCL_HOST_SOCKET_PORT_RANGE=${HCCL_HOST_SOCKET_PORT_RANGE:-60000-60099}
+  if [[ -n "${HCCL_HOST_SOCKET_PORT_RANGE:-}" ]]; then
+    export HCCL_HOST_SOCKET_PORT_RANGE
+    echo "atlas_node.sh: HCCL_HOST_SOCKET_PORT_RANGE=$HCCL_HOST_SOCKET_PORT_RANGE (CANN documents it for Atlas A3, 800T A2, 900 A2 PoD and 200T A2 Box16 only)" >&2
+  fi
   export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-120}
   export HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-600}
   export P2P_HCCL_BUFFSIZE=${P2P_HCCL_BUFFSIZE:-20}   # MB per two-rank P2P communicator (one per P-D pair)
@@ -231,7 +295,7 @@ case "$what" in
   preflight)
     if [[ "$DEVICE" == cpu ]]; then echo "preflight: DEVICE=cpu, nothing to check"; exit 0; fi
     load_ascend_env
-    preflight "${2:-}"
+    preflight "${2:-}" "${ROLES:-P}"
     exit 0
     ;;
   new-env)
@@ -266,12 +330,12 @@ case "$what" in
     load_env_file
     if [[ "$DEVICE" == npu ]]; then
       load_ascend_env
-      preflight "$npus"
+      preflight "$npus" "$roles"
     fi
     network_env
     extra=()
     if [[ -n "${EXTRA_ARGS:-}" ]]; then read -ra extra <<< "$EXTRA_ARGS"; fi
-    kv_default=16384
+    kv_default=${kv_fit_mb:-16384}   # on NPU: what the preflight found fits every listed NPU
     if [[ "$DEVICE" == cpu ]]; then kv_default=256; fi
     trap cleanup EXIT INT TERM HUP
     IFS=, read -ra devs <<< "$npus"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from epdserve.entrypoints.npu_pins import npu_fix
 from epdserve.platform.npu import torch_npu_installed
 
 
@@ -87,8 +88,7 @@ def _torch_npu(installed: bool, device: str) -> Check:
 
 
 def _npu_fix() -> str:
-    return (f"pip install 'torch-npu=={_release(torch.__version__)}.*' (the README's install table pairs "
-            "torch, torch_npu and CANN)")
+    return npu_fix(_release(torch.__version__))
 
 
 def _release(version: str) -> str:

@@ -12,6 +12,7 @@ import torch
 
 from epdserve.entrypoints.cli import main
 from epdserve.entrypoints.doctor_checks import Status, cann_version, run_checks
+from epdserve.entrypoints.npu_pins import npu_fix
 from epdserve.net import free_port
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
 from epdserve.transfer.mm_store import LocalRedisServer
@@ -103,7 +104,7 @@ def test_mismatched_torch_npu_fails_through_the_command(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     release = ".".join(torch.__version__.split("+")[0].split(".")[:3])
     assert "1.0.0 does not match torch" in row(proc.stdout, "torch_npu")
-    assert f"fix torch_npu: pip install 'torch-npu=={release}.*'" in proc.stdout
+    assert f"fix torch_npu: {npu_fix(release)}" in proc.stdout and f"=={release}.*" not in proc.stdout
     if cann_version() is None:  # torch_npu is installed, so CANN is needed
         assert " fail " in row(proc.stdout, "CANN")
 

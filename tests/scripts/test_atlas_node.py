@@ -8,24 +8,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "atlas_node.sh"
+from tests.scripts.fake_atlas import bare_env, make_fake_atlas
 
-# `npu-smi info -m` and `npu-smi info -t usages` as an A3-style server prints them (two chips per
-# card; the Mcu row has no logical id).
-FAKE_NPU_SMI = r"""#!/bin/sh
-case "$*" in
-  "info") echo "+ npu-smi fake +" ;;
-  "info -m")
-    echo "        NPU ID    Chip ID    Chip Logic ID    Chip Name"
-    echo "        0         0          0                Ascend 910"
-    echo "        0         1          1                Ascend 910"
-    echo "        0         2          -                Mcu" ;;
-  "info -t usages -i 0 -c 0"|"info -t usages -i 0 -c 1")
-    echo "        HBM Capacity(MB)               : 65536"
-    echo "        HBM Usage Rate(%)              : 25" ;;
-  *) exit 1 ;;
-esac
-"""
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "atlas_node.sh"
 
 
 def _run(args, env, timeout=30):
@@ -34,32 +19,14 @@ def _run(args, env, timeout=30):
     return out, time.monotonic() - start
 
 
-def _bare_env(tmp_path, path):
-    # No PYTHONPATH: the fake set_env.sh reads it, as some CANN versions do.
-    return {"PATH": path, "HOME": str(tmp_path), "ASCEND_HOME": str(tmp_path / "Ascend")}
-
-
 @pytest.fixture
 def fake_atlas(tmp_path):
     """A fake Ascend install root and a bin/ with npu-smi; returns the env to run the script in."""
-    root = tmp_path / "Ascend"
-    toolkit = root / "ascend-toolkit" / "latest"
-    (toolkit / "aarch64-linux").mkdir(parents=True)
-    (toolkit / "aarch64-linux" / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.2.RC1\n")
-    (root / "ascend-toolkit" / "set_env.sh").write_text(
-        f"export ASCEND_TOOLKIT_HOME={toolkit}\nexport PYTHONPATH={toolkit}/python:$PYTHONPATH\n"
-    )
-    (root / "driver").mkdir()
-    (root / "driver" / "version.info").write_text("Version=25.0.rc1\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "npu-smi").write_text(FAKE_NPU_SMI)
-    (bin_dir / "npu-smi").chmod(0o755)
-    return _bare_env(tmp_path, f"{bin_dir}:/usr/bin:/bin")
+    return make_fake_atlas(tmp_path)
 
 
 def test_preflight_without_npu_smi_fails_fast(tmp_path):
-    out, took = _run(["preflight", "0"], _bare_env(tmp_path, "/usr/bin:/bin"))
+    out, took = _run(["preflight", "0"], bare_env(tmp_path, "/usr/bin:/bin"))
     assert out.returncode == 1
     assert "npu-smi not found" in out.stderr and "driver" in out.stderr
     assert took < 10
@@ -69,14 +36,14 @@ def test_instances_stop_at_preflight_without_npu_smi(tmp_path):
     env_file = tmp_path / "env"
     env_file.write_text("EPDSERVE_CLUSTER_TOKEN=t\n")
     env_file.chmod(0o600)
-    env = dict(_bare_env(tmp_path, "/usr/bin:/bin"), MODEL="/m", HEAD_IP="10.0.0.1", MM_STORE="redis://10.0.0.5:6379/0",
+    env = dict(bare_env(tmp_path, "/usr/bin:/bin"), MODEL="/m", HEAD_IP="10.0.0.1", MM_STORE="redis://10.0.0.5:6379/0",
                EPDSERVE_ENV_FILE=str(env_file))
     out, _ = _run(["instances", "P", "0"], env)
     assert out.returncode == 1 and "npu-smi not found" in out.stderr
 
 
 def test_instances_need_the_cluster_redis(tmp_path):
-    env = dict(_bare_env(tmp_path, "/usr/bin:/bin"), MODEL="/m", HEAD_IP="10.0.0.1")
+    env = dict(bare_env(tmp_path, "/usr/bin:/bin"), MODEL="/m", HEAD_IP="10.0.0.1")
     out, _ = _run(["instances", "P", "0"], env)
     assert out.returncode != 0 and "MM_STORE" in out.stderr
 

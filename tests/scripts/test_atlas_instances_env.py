@@ -1,0 +1,55 @@
+"""What scripts/atlas_node.sh `instances` hands epdserve on an NPU server (a fake `epdserve`
+records its environment and flags): HCCL_HOST_SOCKET_PORT_RANGE only when the operator sets it —
+CANN documents it for Atlas A3 and, among A2 machines, only the 800T A2, 900 A2 PoD and 200T A2
+Box16 (CANN 9.0.0 HCCL user guide, HCCL_HOST_SOCKET_PORT_RANGE, "Supported models"), not the
+800I A2 — and the KV cache the HBM preflight found fits."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from tests.scripts.fake_atlas import make_fake_atlas
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "atlas_node.sh"
+FAKE_EPDSERVE = """#!/bin/sh
+env > "$FAKE_OUT/env"
+echo "$@" > "$FAKE_OUT/args"
+"""
+
+
+def _instances(tmp_path, weights_mb=4000, **extra) -> tuple[subprocess.CompletedProcess, dict, str]:
+    env = make_fake_atlas(tmp_path)
+    (tmp_path / "bin" / "epdserve").write_text(FAKE_EPDSERVE)
+    (tmp_path / "bin" / "epdserve").chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    with open(model / "model.safetensors", "wb") as f:
+        os.truncate(f.fileno(), weights_mb << 20)
+    env.update(MODEL=str(model), HEAD_IP="127.0.0.1", NODE_IP="127.0.0.1", NIC="lo", INSECURE="1",
+               MM_STORE="redis://127.0.0.1:1/0", FAKE_OUT=str(tmp_path), **extra)
+    out = subprocess.run(["bash", str(SCRIPT), "instances", "P", "0"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    seen = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    return out, seen, (tmp_path / "args").read_text()
+
+
+def test_no_port_range_unless_the_operator_sets_one(tmp_path):
+    _, env, args = _instances(tmp_path)
+    assert "HCCL_HOST_SOCKET_PORT_RANGE" not in env
+    assert env["HCCL_IF_IP"] == "127.0.0.1" and env["HCCL_SOCKET_IFNAME"] == "=lo"
+    # 65536 MB at 25 % in use: 49152 free - 4000 weights - 4096 margin leaves room for the 16384 cap
+    assert "--kv-cache-mb 16384" in args
+
+
+def test_a_port_range_the_operator_sets_is_passed_on_with_the_documented_products(tmp_path):
+    out, env, _ = _instances(tmp_path, HCCL_HOST_SOCKET_PORT_RANGE="61000-61015")
+    assert env["HCCL_HOST_SOCKET_PORT_RANGE"] == "61000-61015"
+    assert "Atlas A3, 800T A2, 900 A2 PoD and 200T A2 Box16 only" in out.stderr
+
+
+def test_the_kv_cache_instances_start_with_is_what_the_preflight_found_fits(tmp_path):
+    _, _, args = _instances(tmp_path, weights_mb=15813, FAKE_HBM_MB="32768", FAKE_HBM_RATE="10")  # 800I A2 32 GB
+    assert f"--kv-cache-mb {29491 - 15813 - 4096}" in args
