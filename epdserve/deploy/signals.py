@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 PARENT_PID_ENV = "EPDSERVE_PARENT_PID"
 INSTANCE_STOP_MARGIN_S = 5.0  # an instance exits within its --drain-timeout + this (workers, store)
+SCHEDULER_STOP_DEADLINE_S = 10.0  # a scheduler exits within this of its first SIGTERM / SIGINT
 _PARENT_POLL_S = 0.5
 
 

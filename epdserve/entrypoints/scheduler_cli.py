@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 
 from epdserve.commands import add_command
+from epdserve.deploy.signals import SCHEDULER_STOP_DEADLINE_S
 
 log = logging.getLogger(__name__)
 
-STOP_DEADLINE_S = 10.0  # from the first SIGTERM / SIGINT to the process's exit, at most
+STOP_DEADLINE_S = SCHEDULER_STOP_DEADLINE_S  # from the first SIGTERM / SIGINT to the process's exit, at most
 
 
 def add_parser(subparsers):

@@ -1,0 +1,127 @@
+"""`KubeValues`: every choice a rendered deployment makes, validated once; its fields are the
+`epdserve k8s render` flags (epdserve/settings.py).
+
+The mode and its per-role counts are `epdserve launch`'s (`instance/modes.py` sizes the pools);
+the flavour picks the device, resource and image (`flavours.py`); the rest names the release,
+the model's volume, the MM Store, the secrets and the autoscaling.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, urlsplit
+
+from epdserve.instance.modes import MODES, Pool, mode_pools
+from epdserve.kube.flavours import FLAVOURS, Flavour, get_flavour
+from epdserve.kube.ports import Ports
+from epdserve.settings import setting
+
+SECRETS = ("external", "generate")
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass
+class KubeValues:
+    mode: str = setting("E-P-D", choices=MODES, help="deployment mode (instance/modes.py)")
+    encode: int = setting(1, help="E instances of the mode (as `epdserve launch --encode`)")
+    prefill: int = setting(1, help="P instances of the mode (as `epdserve launch --prefill`)")
+    decode: int = setting(1, help="D instances of the mode (as `epdserve launch --decode`)")
+    flavour: str = setting("cpu", choices=tuple(FLAVOURS), help="cpu (try-out), cuda or ascend")
+    release: str = setting("epdserve", help="release name: prefix of every object and the label that the "
+                                            "NetworkPolicy admits")
+    namespace: str = setting("epdserve", help="namespace of every object")
+    image: str | None = setting(None, help="container image (default: the flavour's, epdserve:<flavour>, built from "
+                                           "deploy/docker/); pin a digest (repo@sha256:...) in production")
+    image_pull_policy: str = setting("IfNotPresent", choices=("IfNotPresent", "Always", "Never"),
+                                     help="imagePullPolicy of every epdserve container")
+    model_pvc: str | None = setting(None, help="PersistentVolumeClaim holding the checkpoint, mounted read-only at "
+                                               "/models (default: a demo checkpoint written by an init container)")
+    model_path: str = setting("demo", help="the checkpoint's folder under /models")
+    demo_size: str = setting("tiny", choices=("tiny", "small"), help="without --model-pvc: the demo checkpoint's size")
+    mm_store: str | None = setting(None, help="MM Store URL of an external Redis, WITHOUT a password (its password "
+                                              "is the Secret's mm-store-password); default: a one-replica Redis "
+                                              "StatefulSet of the release, for trying out")
+    mm_store_image: str = setting("redis:7.4.2-alpine", help="image of the try-out Redis")
+    secrets: str = setting("external", choices=SECRETS,
+                           help="external: the Secret <release>-secrets is created apart (kubectl create secret, "
+                                "README); generate: render it with random values (first install only: a re-apply "
+                                "would change them)")
+    scheduler_replicas: int = setting(2, help="scheduler replicas (a StatefulSet; every instance registers with each)")
+    drain_timeout: float = setting(30.0, help="an instance's --drain-timeout (seconds): calls in flight finish on "
+                                              "SIGTERM; terminationGracePeriodSeconds covers it")
+    kv_cache_mb: int | None = setting(None, help="an instance's --kv-cache-mb (default: the flavour's)")
+    accelerator_resource: str | None = setting(
+        None, help="the device plugin's resource each instance requests (default: the flavour's: nvidia.com/gpu, "
+                   "huawei.com/Ascend910)")
+    startup_seconds: int = setting(900, help="how long an instance may take to load its model before the kubelet "
+                                             "restarts it (startupProbe)")
+    autoscale: bool = setting(True, negate="--no-autoscale", help="no KEDA ScaledObjects")
+    max_replicas: int = setting(4, help="KEDA: most replicas of one role")
+    scale_waiting: int = setting(4, help="KEDA: target epdserve:instance_waiting_requests per replica of a role")
+    prometheus_url: str = setting("http://prometheus-operated.monitoring.svc:9090",
+                                  help="KEDA's Prometheus (the server that scrapes the ServiceMonitor)")
+    service_monitor: bool = setting(True, negate="--no-service-monitor", help="no ServiceMonitor (no Prometheus "
+                                                                               "Operator)")
+    ports: Ports = field(default_factory=Ports)
+
+    def __post_init__(self):
+        for name in ("release", "namespace"):
+            if not _DNS_LABEL.match(getattr(self, name)) or len(getattr(self, name)) > 40:
+                raise ValueError(f"{name} must be a DNS label of at most 40 characters, got {getattr(self, name)!r}")
+        get_flavour(self.flavour)
+        self.pools  # ValueError for counts the mode cannot run
+        if self.scheduler_replicas < 1:
+            raise ValueError(f"scheduler_replicas must be >= 1, got {self.scheduler_replicas}")
+        if self.drain_timeout < 0 or self.startup_seconds < 10:
+            raise ValueError("drain_timeout must be >= 0 and startup_seconds >= 10")
+        if self.max_replicas < 1 or self.scale_waiting < 1:
+            raise ValueError("max_replicas and scale_waiting must be >= 1")
+        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
+            raise ValueError("kv_cache_mb must be >= 1")
+        if self.model_path.startswith("/") or ".." in self.model_path.split("/"):
+            raise ValueError(f"model_path is a folder under /models, got {self.model_path!r}")
+        if self.mm_store is not None:
+            check_mm_store_url(self.mm_store)
+
+    @property
+    def flavour_spec(self) -> Flavour:
+        return get_flavour(self.flavour)
+
+    @property
+    def pools(self) -> list[Pool]:
+        return mode_pools(self.mode, self.encode, self.prefill, self.decode)
+
+    @property
+    def model(self) -> str:
+        return f"/models/{self.model_path}"
+
+    @property
+    def demo_model(self) -> bool:
+        return self.model_pvc is None
+
+    @property
+    def secret_name(self) -> str:
+        return f"{self.release}-secrets"
+
+    @property
+    def image_ref(self) -> str:
+        return self.image or self.flavour_spec.image
+
+    @property
+    def kv_cache(self) -> int:
+        return self.kv_cache_mb or self.flavour_spec.kv_cache_mb
+
+    @property
+    def resource(self) -> str | None:
+        return self.accelerator_resource or self.flavour_spec.resource
+
+
+def check_mm_store_url(url: str) -> None:
+    """A password in the MM Store URL would be an argument that `ps` shows: refused, as
+    scripts/atlas_node.sh refuses it."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"mm_store must be a redis:// or rediss:// URL, got {url!r}")
+    if parts.password or "password" in parse_qs(parts.query):
+        raise ValueError("mm_store carries a password, which would be in the instances' arguments: leave it out of "
+                         "the URL; the Secret's mm-store-password becomes EPDSERVE_MM_STORE_PASSWORD")
