@@ -1,7 +1,7 @@
 """The MM Store on a 3-master Redis Cluster of real redis-server processes (password-protected):
 puts and gets over every master, events and prefetch from streams on different masters, then a
-master killed under load: reads become misses (recompute), nothing raises, nothing read is wrong;
-and an E engine and a P engine over the cluster still answer exactly as transformers does."""
+master killed under load: reads become misses (recompute), nothing raises, nothing read is wrong.
+Engines over the cluster: test_mm_cluster_engine.py."""
 import threading
 import time
 import uuid
@@ -136,3 +136,4 @@ def test_a_master_killed_under_load_only_turns_reads_into_misses():
     assert counters["misses"] > 0  # reads on the dead master's slots were misses
     assert hits_after[0] >= 20  # the live masters kept serving theirs
     assert store.stats()["outages"] >= 1
+

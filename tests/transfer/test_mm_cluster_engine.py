@@ -1,0 +1,39 @@
+"""An E engine and a P engine that exchange features only through a 3-master Redis Cluster of real
+redis-server processes (test_mm_engine.py's `Stages`): a master dies mid-run and every output
+still equals transformers' greedy generate; the features it held are recomputed by P."""
+import pytest
+
+from epdserve.model.reference import ReferenceGenerator
+from epdserve.transfer.mm_store import RedisConnection, RedisMMStore
+from tests.transfer.redis_topologies import RedisClusterProcesses, have_redis_tools
+from tests.transfer.test_mm_engine import PH, SP, Stages, _image
+
+pytestmark = pytest.mark.skipif(not have_redis_tools(), reason="needs redis-server and redis-cli")
+
+
+@pytest.mark.timeout(300)
+def test_engines_over_the_cluster_answer_exactly_with_a_master_killed(qwen2_5_vl_tiny):
+    """E and P engines exchange features only through the cluster; the master holding request
+    r2's feature dies between its encode and its prefill: P recomputes it, outputs stay exact."""
+    with RedisClusterProcesses(masters=3) as cluster:
+        store = RedisMMStore(cluster.url(), connection=RedisConnection(cluster.url(), backoff_s=0.1,
+                                                                       max_backoff_s=0.2))
+        st = Stages(qwen2_5_vl_tiny, store)
+        imgs = [_image(40 + i) for i in range(5)]
+        prompts = [f"picture {i}: {PH}" for i in range(5)]
+        outs = {}
+        try:
+            for i in range(5):
+                st.encode(f"r{i}", prompts[i], [imgs[i]])
+                if i == 2:  # kill the master that holds this feature, before P reads it
+                    node = store.connection.client.get_node_from_key(store.redis_key(st.key(imgs[i])))
+                    cluster.kill(cluster.ports.index(node.port))
+                outs[i] = st.prefill_decode(f"r{i}", prompts[i], [imgs[i]])
+        finally:
+            st.close()
+            store.close()
+    ref = ReferenceGenerator(qwen2_5_vl_tiny)
+    for i, out in outs.items():
+        assert out.token_ids == ref.generate(prompts[i], [imgs[i]], SP.max_tokens), i
+    assert st.p.encoder.recomputes >= 1  # at least r2's
+    assert st.p_prov.stats().hits_local + st.p_prov.stats().hits_store >= 2  # r0, r1 came from the cluster
