@@ -56,6 +56,10 @@ class InstanceConfig:
                                      "sets, or NPU stream core limits)")
     encode_core_share: float = setting(
         0.5, help="E worker's share of the cores (CPU) or AI/Vector Cores (NPU) when co-located")
+    device_core_share: float | None = setting(
+        None, help="NPU: this process's share of its device's AI Cores and Vector Cores (torch.npu.set_device_limit, "
+                   "once per process), e.g. 0.3 for an E process beside a P process at 0.7 on one NPU; not set where "
+                   "one of its operators ignores core limits (docs/npu-colocation.md). Default: the whole device")
     stream_interval_ms: float = setting(
         0.0, help="after a request's first token, gather its tokens for up to this long into one stream message "
                   "(fewer messages per token through scheduler and client; the first token is never held). "
@@ -90,6 +94,8 @@ class InstanceConfig:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if not 0.0 < self.encode_core_share < 1.0:
             raise ValueError(f"encode_core_share must be in (0, 1), got {self.encode_core_share}")
+        if self.device_core_share is not None and not 0.0 < self.device_core_share <= 1.0:
+            raise ValueError(f"device_core_share must be in (0, 1], got {self.device_core_share}")
         check_policy(self.colocation)
         if self.switch_overlap not in SWITCH_OVERLAP:
             raise ValueError(f"switch_overlap must be one of {', '.join(SWITCH_OVERLAP)}, got {self.switch_overlap!r}")

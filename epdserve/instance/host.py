@@ -33,6 +33,7 @@ from epdserve.instance.lease_arbiter import LeaseArbiter
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.coupled_worker import CoupledWorker
 from epdserve.instance.decode_worker import DecodeWorker
+from epdserve.instance.device_share import apply_device_share, npu_kv_write
 from epdserve.instance.identity import opaque_instance_id
 from epdserve.instance.encode_worker import EncodeWorker
 from epdserve.instance.prefill_worker import PrefillWorker
@@ -110,6 +111,7 @@ class InstanceHost:
                 self._store = RedisMMStore(cfg.mm_store)
             from epdserve.engine.loaded_model import load_model
 
+            self._limit_device()  # before the load's first operator (set_device_limit: once per process)
             self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
             self._compute = compute_id(self.model.device, cfg.cores, socket.gethostname())
             self._ready_timeout_s = ready_timeout_s
@@ -128,6 +130,19 @@ class InstanceHost:
                 cluster_metadata(sec.cluster_token))).start())
         log.info("instance %s (%s) serving on %s:%d", self.instance_id, self.roles, cfg.host, self.port)
         return self
+
+    def _limit_device(self) -> None:
+        """--device-core-share: this process's share of its NPU (instance/device_share.py)."""
+        cfg = self.config
+        if cfg.device_core_share is None:
+            return
+        from epdserve.platform import get_platform
+
+        platform = get_platform(cfg.device)
+        index = int(cfg.device.partition(":")[2] or 0)
+        platform.set_thread_device(index)
+        kv_write = npu_kv_write() if platform.name == "npu" else None
+        apply_device_share(platform, index, cfg.device_core_share, worker_roles(self.roles), kv_write)
 
     def wait_registered(self, timeout_s: float) -> bool:
         return all(r.registered.wait(timeout_s) for r in self._registrars)

@@ -3,21 +3,53 @@ share of the device's AI Cores and Vector Cores where the platform can (NPU `set
 
 Nothing here may stop a worker from starting: a platform without streams (CPU) gets None, and a
 device whose core limits cannot be read or set (an older torch_npu or CANN, a SoC without
-aclrtSetStreamResLimit) gets an unrestricted stream and a warning.
+aclrtSetStreamResLimit) gets an unrestricted stream and a warning. A limit is set only where no
+operator of the stage is known to ignore it (`operators`, ops/npu_core_limits.py: e.g. the ATB KV
+write of torch_npu 2.8 / 2.9): otherwise the stream stays unrestricted and the warning names the
+operator.
 """
 from __future__ import annotations
 
 import logging
 
+from epdserve.ops.npu_core_limits import StageOperator, ignoring, stage_operators, unverified
+
 log = logging.getLogger(__name__)
 
 
-def open_stage_stream(platform, share: float | None, name: str, priority: int = 0):
+def npu_stage_operators(platform, role: str, ops) -> list[StageOperator]:
+    """The operators a worker of `role` launches, on an NPU (`ops`: its engine's PagedOps); [] elsewhere."""
+    if getattr(platform, "name", "") != "npu":
+        return []
+    return stage_operators(role, getattr(ops, "kv_write", None))
+
+
+def limit_allowed(operators: list[StageOperator], name: str, what: str = "stream") -> bool:
+    """May a core limit cover `operators`? No where one ignores limits (warned, naming it); the
+    unverified ones are named once, for measuring (docs/npu-colocation.md)."""
+    blockers = ignoring(operators)
+    if blockers:
+        log.warning("%s: no %s core limit: %s ignore(s) core limits (op-plugin torch_npu-set_stream_limit.md: "
+                    "Ascend C operators only; other operators under limited streams may hang); sharing the device "
+                    "unrestricted", name, what, ", ".join(blockers))
+        return False
+    maybe = unverified(operators)
+    if maybe:
+        log.warning("%s: %s core limit set; not verified to bind %s (measure: docs/npu-colocation.md)", name, what,
+                    "; ".join(maybe))
+    return True
+
+
+def open_stage_stream(platform, share: float | None, name: str, priority: int = 0,
+                      operators: list[StageOperator] | None = None):
     """A new stream at `priority` for the calling stage thread, limited to `share` (0..1) of the
-    device's cores where supported (None: unlimited); None where the platform has no streams."""
+    device's cores where supported and every one of `operators` may run under a limit (None:
+    unlimited); None where the platform has no streams."""
     platform.synchronize()  # weights and KV blocks were initialised on the default stream
     stream = platform.new_stream(priority)
     if stream is None or share is None:
+        return stream
+    if not limit_allowed(operators or [], name):
         return stream
     limits = getattr(platform, "device_limit", None)
     try:

@@ -28,7 +28,7 @@ from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.outputs import RequestOutput
 from epdserve.instance.colocation import enter_stage_thread
 from epdserve.instance.errors import TransientError, output_error
-from epdserve.instance.stage_stream import open_stage_stream
+from epdserve.instance.stage_stream import npu_stage_operators, open_stage_stream
 from epdserve.rpc import common_pb2
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,9 @@ class StageWorker:
     def _open_stream(self) -> None:
         """Co-located on an accelerator: run on an own stream, limited to `device_share` (NPU)."""
         if self.colocated:
-            self.stream = open_stage_stream(self.engine.platform, self.device_share, self.name, self.stream_priority)
+            platform = self.engine.platform
+            operators = npu_stage_operators(platform, self.role, getattr(getattr(self.engine, "runner", None), "ops", None))
+            self.stream = open_stage_stream(platform, self.device_share, self.name, self.stream_priority, operators)
 
     def _wait_s(self) -> float | None:
         if self.has_engine_work():

@@ -9,6 +9,7 @@ One sentence per module:
 - build_progress.py   what a user waiting on the first native build sees on stderr
 - npu_ops.py          `NpuPagedOps`: the operators on Ascend NPUs over torch_npu's kernels
 - npu_schema.py       which KV-write call the installed torch_npu's operator schemas allow, probed once
+- npu_core_limits.py  which operators each NPU stage launches and whether a core limit binds them
 - attention_meta.py   per-forward attention metadata of a packed, variable-length batch
 - paged_attention.py  paged attention for packed batches, registered with transformers' AttentionInterface
 """

@@ -102,6 +102,12 @@ class NpuPagedOps(PagedOps):
     def _torch_npu(self):
         return self._npu
 
+    @property
+    def kv_write(self) -> str:
+        """The KV write chosen at construction (SCATTER_ND or ATB_ND: ops/npu_core_limits.py says
+        whether a core limit binds it)."""
+        return self._kernels.kv_write
+
     def reshape_and_cache(self, key, value, key_cache, value_cache, slots):
         if slots.numel() == 0:
             return

@@ -78,6 +78,11 @@ class Platform(ABC):
         """Restrict a stream to a share of the device's compute units; False if unsupported."""
         return False
 
+    def limit_device(self, index: int, cube: int, vector: int) -> bool:
+        """Restrict this whole process to `cube` / `vector` compute units of device `index`, once,
+        before its first operator; False if unsupported."""
+        return False
+
     # Env the backend reads when a group is built: its watchdog must not take the process down
     # when one pair fails (a stalled or dead peer fails that pair's transfers only).
     pair_group_env: tuple[tuple[str, str], ...] = ()

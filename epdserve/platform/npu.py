@@ -124,6 +124,27 @@ class NpuPlatform(Platform):
             return False
         return True
 
+    def limit_device(self, index: int, cube: int, vector: int) -> bool:
+        """`torch.npu.set_device_limit(index, cube, vector)` for this process. torch_npu/npu/
+        npu_config.py `set_device_limit` (v2.8.0-7.2.0, v2.9.0-7.3.0, v2.12.0-26.1.0): wrapped in
+        `_call_once_class` — a second call raises RuntimeError "...has already been called, You can
+        only set this interface once."; the device is an int (2.12.0 raises TypeError for anything
+        else; 2.8.0 / 2.9.0 also take "npu:N" / torch.device), AssertionError "Invalid device id"
+        out of range; it calls `_npu_set_device_res_limit(device, 0 = cube | 1 = vector, n)`, i.e.
+        aclrtSetDeviceResLimit, which CANN documents as "after set_device, before operators run"
+        (runtime API set_device_res_limit, aclpythondevg_01_1033). Never raises: False with a warning."""
+        npu = self._torch_npu().npu
+        if not hasattr(npu, "set_device_limit"):
+            log.warning("torch_npu has no set_device_limit (needs CANN 8.3.RC1+); this process uses the whole device")
+            return False
+        try:
+            npu.set_device_limit(int(index), cube, vector)
+        except Exception as e:  # RuntimeError (second call, ACL error), TypeError, AssertionError
+            log.warning("set_device_limit(%d, %d cube, %d vector) failed (%s: %s); this process uses the whole device",
+                        index, cube, vector, type(e).__name__, e)
+            return False
+        return True
+
     def device_limit(self):
         npu = self._torch_npu().npu
         return npu.get_device_limit(npu.current_device())

@@ -16,6 +16,13 @@ fa0f83fe (v2.12.0-26.1.0).
   current device; ValueError "Expected a npu device" for another type); 2.12.0 takes only an int
   (TypeError "device must be an int, but got <type>", bool rejected). All: AssertionError
   "Invalid device id" outside 0..device_count-1.
+- `set_device_limit(device, cube_num=-1, vector_num=-1)` (`SetDeviceLimitOnce`): wrapped in
+  `_call_once_class` on all three lines — a second call in the process raises RuntimeError
+  "Function 'set_device_limit' has already been called, You can only set this interface once."
+  (the first call counts even if it then raised); the device argument as `get_device_limit`'s on
+  that line; -1 leaves that core kind unset (`_npu_set_device_res_limit` is called only for a
+  value != -1). `get_device_limit` then returns the limit set (assumed: `_npu_get_device_res_limit`
+  reads aclrtGetDeviceResLimit, the value aclrtSetDeviceResLimit stored; not measured).
 """
 from __future__ import annotations
 
@@ -63,3 +70,22 @@ def _get_device_index(device, current: int) -> int:
     if kind != "npu":
         raise ValueError(f"Expected a npu device, but got: {device}")
     return current if index is None else index
+
+
+class SetDeviceLimitOnce:
+    """`torch_npu.npu.set_device_limit` as one process has it: one call, then RuntimeError."""
+
+    def __init__(self, line: str, current, count: int, cores: list[int]):
+        self.line, self._current, self._count, self.cores = line, current, count, cores
+        self.called = False
+
+    def __call__(self, device, cube_num=-1, vector_num=-1) -> None:
+        if self.called:
+            raise RuntimeError("Function 'set_device_limit' has already been called, You can only set this "
+                               "interface once.")
+        self.called = True
+        device_limit_index(self.line, device, self._current(), self._count)
+        if cube_num != -1:
+            self.cores[0] = cube_num
+        if vector_num != -1:
+            self.cores[1] = vector_num

@@ -46,8 +46,9 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   torch_npu.npu.Stream; `csrc/core/npu/interface/AclInterface.cpp` AclrtSetStreamResLimit:
   TORCH_CHECK "Failed to find function aclrtSetStreamResLimit" (RuntimeError) where the CANN
   runtime lacks it — `FakeTorchNpu(stream_limits=False)`.
-- `torch_npu.npu.config.allow_internal_format` (write-only; the option defaults to "disable") and
-  `get_device_limit`'s device argument, per line: tests/fakes/npu_config_fake.py.
+- `torch_npu.npu.config.allow_internal_format` (write-only; the option defaults to "disable"),
+  `get_device_limit`'s device argument and `set_device_limit` (once per process), per line:
+  tests/fakes/npu_config_fake.py.
 - the paged-KV operators: exactly the schemas of one torch_npu line (`FakeTorchNpu(line=...)`,
   tests/fixtures/torch_npu/<line>.txt), `torch_npu.<op>` and `torch.ops.npu` / `torch.ops.atb`
   as torch_npu binds them; calls land in `kernel_calls` (tests/fakes/npu_kernels_fake.py).
@@ -69,7 +70,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
-from tests.fakes.npu_config_fake import NpuConfig, device_limit_index
+from tests.fakes.npu_config_fake import NpuConfig, SetDeviceLimitOnce, device_limit_index
 from tests.fakes.npu_kernels_fake import KV_WRITES, NEWEST, module_attributes, namespaces
 
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN, HCCL_SUCCESS, StuckStreams
@@ -92,7 +93,7 @@ class FakeTorchNpu:
         self.ops = namespaces(line, {**KV_WRITES, **(kernels or {})}, self._record_kernel, atb_loaded=atb_loaded)
         self.stream_limits = stream_limits
         self.devices = devices
-        self.cores = cores
+        self.cores = list(cores)  # the device's (cube, vector) cores; set_device_limit lowers them
         # per device: (runtime-free, reserved by this process's allocator, allocated of that, total) bytes
         self.memory = {i: (48 << 30, 8 << 30, 6 << 30, 64 << 30) for i in range(devices)}
         self.events: list[tuple] = []
@@ -219,6 +220,7 @@ class FakeTorchNpu:
         npu.stream = self.stream
         npu.set_stream_limit = self.set_stream_limit
         npu.get_device_limit = self.get_device_limit
+        npu.set_device_limit = SetDeviceLimitOnce(self.line, self.current_device, self.devices, self.cores)
         npu.config = NpuConfig(self.options)
         npu.mem_get_info = self.mem_get_info
         npu.memory_reserved = lambda device=None: self.memory[self._index(device)][1]

@@ -1,0 +1,51 @@
+"""A core limit only where every operator of the stage may run under one (ops/npu_core_limits.py,
+docs/npu-colocation.md), on the fake torch_npu of each line: on 2.8.0 / 2.9.0 the KV write is the
+ATB `_npu_reshape_and_cache`, which ignores core limits (op-plugin torch_npu-set_stream_limit.md),
+so a P or D stage gets no stream limit and a warning naming it; E, and P / D on 2.12.0
+(`npu_scatter_pa_kv_cache`, Ascend C), are limited, the unclassified aten operators named."""
+import logging
+
+import pytest
+
+from epdserve.instance.stage_stream import npu_stage_operators, open_stage_stream
+from epdserve.ops.npu_ops import NpuPagedOps
+from epdserve.platform.cpu import CpuPlatform
+from epdserve.platform.npu import NpuPlatform
+from tests.fakes.torch_npu_fake import FakeTorchNpu
+
+
+def _open(role: str, share: float = 0.5):
+    npu = NpuPlatform()
+    npu.set_thread_device(0)
+    return open_stage_stream(npu, share, f"{role}-worker", operators=npu_stage_operators(npu, role, NpuPagedOps()))
+
+
+@pytest.mark.parametrize("line", ["2.8.0", "2.9.0"])
+@pytest.mark.parametrize("role", ["P", "D"])
+def test_the_atb_kv_write_keeps_p_and_d_unlimited_and_is_named(line, role, monkeypatch, caplog):
+    fake = FakeTorchNpu(line=line).install(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        stream = _open(role)
+    assert stream is not None and stream.limits is None and not fake.of("set_stream_limit")
+    assert f"{role}-worker: no stream core limit: _npu_reshape_and_cache ignore(s) core limits" in caplog.text
+
+
+@pytest.mark.parametrize("line", ["2.8.0", "2.12.0"])
+def test_e_is_limited_on_every_line_its_aten_operators_named_unverified(line, monkeypatch, caplog):
+    fake = FakeTorchNpu(line=line, cores=(20, 40)).install(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        stream = _open("E", 0.3)
+    assert stream.limits == (6, 12) and len(fake.of("set_stream_limit")) == 1
+    assert "E-worker: stream core limit set; not verified to bind the vision blocks' aten operators" in caplog.text
+
+
+def test_p_on_2_12_is_limited_its_kv_write_being_ascend_c(monkeypatch, caplog):
+    FakeTorchNpu(line="2.12.0", cores=(20, 40)).install(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        stream = _open("P", 0.7)
+    assert stream.limits == (14, 28)
+    assert "_npu_reshape_and_cache" not in caplog.text and "npu_scatter_pa_kv_cache" not in caplog.text
+
+
+def test_no_npu_operators_elsewhere():
+    assert npu_stage_operators(CpuPlatform(), "P", None) == []
