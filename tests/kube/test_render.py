@@ -209,3 +209,13 @@ def test_cli_renders_yaml(tmp_path):
     docs = list(yaml.safe_load_all(out.read_text()))
     assert docs == render(KubeValues(mode="EP-D", flavour="ascend"))
     assert "&id" not in to_yaml(docs)
+
+
+def test_the_committed_example_is_what_the_renderer_writes():
+    """deploy/kubernetes/E-P-D-cpu.yaml: `epdserve k8s render --mode E-P-D --flavour cpu`, kept
+    equal so that it can be applied without epdserve installed (regenerate with that command)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "E-P-D-cpu.yaml"
+    assert path.read_text() == to_yaml(render(KubeValues(mode="E-P-D", flavour="cpu"))), \
+        f"regenerate: epdserve k8s render --mode E-P-D --flavour cpu --out {path.relative_to(path.parents[2])}"
