@@ -78,6 +78,11 @@ class Platform(ABC):
         """Restrict a stream to a share of the device's compute units; False if unsupported."""
         return False
 
+    def stuck_work_bound_s(self) -> float | None:
+        """After a pair group's teardown, how long a receive that did not end may still write into
+        its buffer (None: teardown ends it, or its drain did: no bound to wait out)."""
+        return None
+
     def limit_device(self, index: int, cube: int, vector: int) -> bool:
         """Restrict this whole process to `cube` / `vector` compute units of device `index`, once,
         before its first operator; False if unsupported."""

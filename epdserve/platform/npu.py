@@ -157,6 +157,18 @@ class NpuPlatform(Platform):
     # (ProcessGroupHCCL.cpp getNPUStreamByCurrentType; npu_streams.py).
     pair_group_env = (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "0"), ("TORCH_HCCL_HIGH_PRIORITY", "0"))
 
+    def stuck_work_bound_s(self) -> float | None:
+        """HCCL_EXEC_TIMEOUT: a receive that survived `abort_hccl_comm` (HcclCommDestroy returned
+        HCCL_E_AGAIN, ignored by torch_npu: HCCLUtils.cpp destroyHcclComm) runs on, writing into
+        its buffer, until then (CANN HCCL_EXEC_TIMEOUT; 1836 s when unset: ProcessGroupHCCL.cpp
+        defaultExecTimeout), plus a margin for the device task exception to land."""
+        import os
+
+        try:
+            return float(os.environ.get("HCCL_EXEC_TIMEOUT", "1836")) + 30.0
+        except ValueError:
+            return 1836.0 + 30.0
+
     def interrupt_pair_group(self, pg, peer_rank: int) -> None:
         # Python's pg.abort() is c10d::Backend::abort(), a no-op: ProcessGroupHCCL's
         # abort(optional<string>) does not override it. The binding that destroys the

@@ -188,17 +188,21 @@ class PairConnection:
             self.mark_broken(f"{what}: {e}")
             raise PairBroken(self._error) from None
 
-    def drain(self, works) -> None:
+    def drain(self, works) -> list:
         """After the pair broke: wait, within one `timeout_s` from the break in all, for posted
-        messages to end (failed or done), so nothing writes into their buffers any more."""
+        messages to end (failed or done), so nothing writes into their buffers any more. Returns
+        the works that had not ended by then (their buffers may still be written)."""
+        works, left_over = list(works), []
         for work in works:
             left = self._drain_deadline - time.monotonic()
-            if left <= 0:
-                return
-            try:
-                self.platform.wait_work(work, left)
-            except Exception:  # the expected outcome on a broken pair
-                pass
+            if left > 0:
+                try:
+                    self.platform.wait_work(work, left)
+                except Exception:  # the expected outcome on a broken pair
+                    pass
+            if not work_ended(work):
+                left_over.append(work)
+        return left_over
 
     # ------------------------------------------------------------------ batch headers
     def publish_header(self, header: BatchHeader) -> None:
@@ -262,3 +266,12 @@ class PairConnection:
         with self._lock:
             stream, self._stream = self._stream, None
         self.platform.release_stream(stream)
+
+
+def work_ended(work) -> bool:
+    """Has a posted message ended (done or failed)? torch's Work.is_completed (ProcessGroupHCCL
+    WorkHCCL::isCompleted: an exception, or the end event fired)."""
+    try:
+        return bool(work.is_completed())
+    except Exception:  # a failed work may raise here: it has ended
+        return True

@@ -7,6 +7,9 @@ Engine protocol:
                                    the request may join the decode batch) or FAILED (free the
                                    blocks; nothing of ours writes to them any more)
     cancel(request_id)             withdraw a request whose header has not arrived yet
+    quarantined(id) / pop_released()  a FAILED request whose receives outlived the pair's
+                                   teardown (HCCL: destroy returned E_AGAIN): its blocks may still
+                                   be written until those end or HCCL_EXEC_TIMEOUT passes
 
 Per batch, the peer's thread reads the header (published by P in the pair's store: it waits
 on the store for it while a request is expected, and looks every `poll_interval_s` otherwise), checks
@@ -27,7 +30,7 @@ from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.endpoint import PairEndpoint
 from epdserve.transfer.kv.layout import layer_plan
 from epdserve.transfer.kv.messages import BatchHeader
-from epdserve.transfer.kv.pair import PairBroken, PairConnection
+from epdserve.transfer.kv.pair import PairBroken, PairConnection, work_ended
 from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
 
 _IDLE_POLL_S = 0.02  # how often a connecting pair's state is looked at
@@ -131,8 +134,8 @@ class _Channel:
                 if done is not None:
                     rx._progress(accepted, done)
         except PairBroken:  # drain: once these end, nothing writes into the blocks any more
-            pair.drain(w for w, _ in works[0 if posting else waited + 1 :])
-            rx._fail_accepted(accepted, pair.error or "pair broken")
+            stuck = pair.drain(w for w, _ in works[0 if posting else waited + 1 :])
+            rx._fail_accepted(accepted, pair.error or "pair broken", stuck)
             return False
         rx._progress(accepted, header.num_layers, done=True)
         ack = torch.tensor([0 if a is None else 1 for a in accepted], dtype=torch.uint8, device=rx.device)
@@ -149,6 +152,7 @@ class KVReceiver(PairEndpoint):
     def __init__(self, cache, platform, config: KVTransferConfig | None = None):
         super().__init__(cache, platform, config)
         self._expected: dict[str, _Expected] = {}
+        self._quarantine: dict[str, tuple[list, float]] = {}  # request id -> (stuck receives, monotonic bound)
 
     def _new_channel(self, peer: str, pair: PairConnection) -> _Channel:
         return _Channel(self, peer, pair)
@@ -238,11 +242,36 @@ class KVReceiver(PairEndpoint):
                     if done:
                         e.state = TransferState.DONE
 
-    def _fail_accepted(self, accepted: list[_Expected | None], reason: str) -> None:
+    def _fail_accepted(self, accepted: list[_Expected | None], reason: str, stuck: list | None = None) -> None:
+        """Fail a batch's requests. `stuck`: receives the drain left running — where the platform
+        bounds how long they may still write (HCCL: `stuck_work_bound_s`), every accepted request
+        of the batch is quarantined: its blocks stay out of the free list until they end or the
+        bound passes (`pop_released`)."""
+        bound = self.platform.stuck_work_bound_s() if stuck else None
+        until = time.monotonic() + bound if bound is not None else None
         with self._lock:
             for e in accepted:
                 if e is not None and not e.state.finished:
                     e.state, e.error = TransferState.FAILED, reason
+                    if until is not None:
+                        self._quarantine[e.req.request_id] = (list(stuck), until)
+
+    # ------------------------------------------------------------------ quarantine
+    def quarantined(self, request_id: str) -> bool:
+        """May a receive that outlived its pair still write into this request's blocks?"""
+        with self._lock:
+            return request_id in self._quarantine
+
+    def pop_released(self) -> list[str]:
+        """Quarantined requests whose stuck receives have ended, or whose bound has passed: their
+        blocks may be reused now (then forgotten)."""
+        now = time.monotonic()
+        with self._lock:
+            done = [rid for rid, (works, until) in self._quarantine.items()
+                    if now >= until or all(work_ended(w) for w in works)]
+            for rid in done:
+                del self._quarantine[rid]
+        return done
 
     def _fail_peer(self, peer: str, reason: str) -> None:
         with self._lock:

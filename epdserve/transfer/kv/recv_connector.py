@@ -8,7 +8,10 @@ delta arrive through the control plane: `set_first_token`. `get_finished` report
 received once both are in (or failed), and counts it in `counters` (bytes received: whole
 blocks, every layer's K and V; failures: receives that failed, not requests aborted here). An
 aborted request whose KV is still arriving is held (`request_finished` → True) until the
-receiver is done with its blocks.
+receiver is done with its blocks. A failed request whose receives outlived the pair's teardown
+(HCCL: HcclCommDestroy returned E_AGAIN; `KVReceiver.quarantined`) is failed at once but its
+blocks are held the same way, until those receives end or HCCL_EXEC_TIMEOUT passes
+(`KVReceiver.pop_released`): the engine frees them only then.
 Pairs: `pair_for(peer, host, port)` reuses the pair to a prefill peer, or builds the next
 generation when the old one broke or the peer moved.
 """
@@ -31,6 +34,7 @@ class _Incoming:
     first_token: int | None = None
     rope_delta: int = 0
     aborted: bool = False  # the engine let go; report it once the receiver is done with the blocks
+    quarantined: bool = False  # failed, but a receive that outlived its pair may still write the blocks
 
 
 class LayerwiseRecvConnector(KVConnector):
@@ -88,7 +92,7 @@ class LayerwiseRecvConnector(KVConnector):
         inc = self._incoming.get(seq.request_id)
         if inc is None:
             return False
-        if inc.kv_done or self.receiver.cancel(seq.request_id):
+        if not inc.quarantined and (inc.kv_done or self.receiver.cancel(seq.request_id)):
             del self._incoming[seq.request_id]
             return False
         inc.aborted = True  # KV may be arriving into the blocks
@@ -104,12 +108,21 @@ class LayerwiseRecvConnector(KVConnector):
             if inc is None:
                 continue
             if inc.aborted or st.error is not None or st.state is not TransferState.DONE:
-                del self._incoming[st.request_id]
                 self.counters.failures += not inc.aborted
+                if self.receiver.quarantined(st.request_id):  # fail the request now, hold its blocks
+                    inc.quarantined = True
+                    if not inc.aborted:
+                        done.append(FinishedTransfer(st.request_id, st.error or st.state.value))
+                    continue
+                del self._incoming[st.request_id]
                 done.append(FinishedTransfer(st.request_id, st.error or ("aborted" if inc.aborted else st.state.value)))
             else:
                 inc.kv_done = True
                 self.counters.bytes += len(inc.block_ids) * self._block_bytes
+        for rid in self.receiver.pop_released():  # the held blocks may go back to the free list
+            inc = self._incoming.pop(rid, None)
+            if inc is not None:
+                done.append(FinishedTransfer(rid, "stuck receive ended or timed out"))
         for rid, inc in list(self._incoming.items()):
             if inc.kv_done and inc.first_token is not None:
                 del self._incoming[rid]
