@@ -5,7 +5,7 @@ workload (text-only prompts and prompts with images; greedy), then keeps `--conc
 clients looping over the same workload while it SIGKILLs, one after the other
 (`--fault-interval-s` apart, each once the previous one is repaired), one instance of each role,
 the MM Store server and the scheduler (`--faults`); `epdserve launch` restarts each one.
-Clients resume requests whose scheduler died (`Client(retries=...)`).
+Clients resume requests whose scheduler died (`Client(retry_deadline_s=...)`).
 
 Reported (a Markdown table on stdout, everything in `--out` JSON): requests served, lost (an
 error reached the client) and resumed by the client; greedy outputs that differ from the calm
@@ -49,7 +49,9 @@ def add_parser(subparsers):
     p.add_argument("--fault-interval-s", type=float, default=5.0,
                    help="load between one fault's repair and the next fault (default 5)")
     p.add_argument("--back-timeout-s", type=float, default=60.0, help="a fault not repaired by then fails the run")
-    p.add_argument("--client-retries", type=int, default=12, help="client resumes of one request (default 12)")
+    p.add_argument("--client-retry-deadline-s", type=float, default=None,
+                   help="how long a client keeps resuming a request whose scheduler is lost, from the first "
+                        "failure in a row (default: the client's, RetryPolicy.deadline_s = 60)")
     p.add_argument("--launch-args", default="--kv-cache-mb 32 --drain-timeout 2 --restart-backoff-s 0.2",
                    help="extra `epdserve launch` flags (one string)")
     p.add_argument("--out", default="chaos.json", help="JSON report (default chaos.json)")
@@ -132,7 +134,8 @@ class Load:
     def _loop(self, k: int) -> None:
         from epdserve.client import Client, EPDServeError
 
-        with Client(self.address, timeout=300, retries=self.args.client_retries) as c:
+        deadline = self.args.client_retry_deadline_s
+        with Client(self.address, timeout=300, **({} if deadline is None else {"retry_deadline_s": deadline})) as c:
             i = k
             while not self._stop.is_set():
                 j = i % len(self.work)

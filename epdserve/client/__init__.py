@@ -19,16 +19,20 @@ temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, skip_s
 Failures raise `EPDServeError` carrying the gRPC status code. Leaving a `generate_stream` loop
 early (break, exception, close) cancels the call, which aborts the request on every instance.
 
-A lost scheduler loses no request: give one address or several (`Client(["host:a", "host:b"])`,
-schedulers that share the instances); a generation that fails with UNAVAILABLE is retried on
-the next address, resuming after the tokens already received (resume.py: `retries`,
-`retry_backoff_s`). Every call goes to the current address, which moves on at each retry.
+A lost scheduler loses no request: give one target or several — "host:port", a gRPC target that
+resolves to several schedulers ("dns:///scheduler.ns.svc:50051": a Kubernetes Service; calls are
+balanced round-robin over the connected ones), or a list (`Client(["host:a", "host:b"])`,
+schedulers that share the instances); a generation that fails with UNAVAILABLE is retried — on
+the next target, or the same one — resuming after the tokens already received, for up to
+`retry_deadline_s` (60 s) after the first failure in a row, with a capped exponential backoff
+between tries (resume.py: `retry_backoff_s`, `retry_max_backoff_s`). Every call goes to the
+current target, which moves on at each retry.
 
 Modules (each imports only those listed above it, and rpc / security / engine.sampling_params /
 model.chat below the package):
 - messages.py: `build_request`; the results `GenerateResult`, `Delta`, `Usage`, `Timing`; `EPDServeError`
 - resume.py: `RetryPolicy` and how a generation resumes after a lost scheduler
-- connection.py: `SchedulerConnection`, the addresses, channels and retry state both clients share
+- connection.py: `SchedulerConnection`, the targets, channels (round_robin) and retry state both clients share
 - sync.py: `Client`, blocking
 - async_client.py: `AsyncClient`, its asyncio twin
 """

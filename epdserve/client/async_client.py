@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epdserve.client.connection import SchedulerConnection
+from epdserve.client.connection import SchedulerConnection, retry_policy
 from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
 from epdserve.client.resume import RetryPolicy, resumed
 from epdserve.rpc import serve_pb2
@@ -23,13 +23,15 @@ from epdserve.rpc import serve_pb2
 
 class AsyncClient(SchedulerConnection):
     def __init__(self, address, timeout: float | None = None, *, api_key: str | None = None,
-                 tls_ca: str | None = None, tls: bool = False, retries: int = RetryPolicy.retries,
-                 retry_backoff_s: float = RetryPolicy.backoff_s):
-        """As `Client`: one address or several, retries / retry_backoff_s, api_key (default:
-        EPDSERVE_API_KEY), tls_ca / tls for a TLS port."""
+                 tls_ca: str | None = None, tls: bool = False,
+                 retry_deadline_s: float = RetryPolicy.deadline_s, retry_backoff_s: float = RetryPolicy.backoff_s,
+                 retry_max_backoff_s: float = RetryPolicy.max_backoff_s, retries: int | None = RetryPolicy.retries):
+        """As `Client`: one target or several, retry_deadline_s / retry_backoff_s /
+        retry_max_backoff_s / retries, api_key (default: EPDSERVE_API_KEY), tls_ca / tls for a TLS port."""
         from epdserve.security import channels
 
-        super().__init__(address, timeout, api_key, tls_ca, tls, retries, retry_backoff_s, channels.aio_channel)
+        super().__init__(address, timeout, api_key, tls_ca, tls,
+                         retry_policy(retry_deadline_s, retry_backoff_s, retry_max_backoff_s, retries), channels.aio_channel)
 
     async def generate(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
                        **sampling) -> GenerateResult:
@@ -87,8 +89,10 @@ class AsyncClient(SchedulerConnection):
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         received: list[int] = []
-        for n in range(self.retry.retries + 1):
+        failures, since = 0, 0.0  # failed attempts in a row, and when the first of them failed
+        while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            got = len(received)
             once = self._stream_once(resumed(req, received), left)
             try:
                 async for d in once:
@@ -96,11 +100,13 @@ class AsyncClient(SchedulerConnection):
                     yield d
                 return
             except EPDServeError as e:
-                wait = self.retry.wait_after(e, n, deadline)
+                if len(received) > got or failures == 0:  # progress (or a first failure): a new budget
+                    failures, since = 0, time.monotonic()
+                failures += 1
+                wait = self.retry.wait_after(e, failures, since, deadline)
             finally:
                 await once.aclose()  # cancels its call at once (also when the caller leaves early)
-            self._current = (self._current + 1) % len(self.addresses)
-            self.retried += 1
+            self._next()
             await asyncio.sleep(wait)
 
     async def _stream_once(self, req, timeout) -> AsyncIterator[Delta]:

@@ -2,8 +2,13 @@
 
 A generation call that fails with UNAVAILABLE (the scheduler died, restarts, or the connection
 broke: gRPC reports all of them so) is sent again — to the next of the client's scheduler
-addresses, or the same one when it has only one — after a capped exponential backoff, at most
-`RetryPolicy.retries` times. The new request carries the token ids already received in
+targets, or the same one when it has only one — after a capped exponential backoff
+(`backoff_s`, doubling, at most `max_backoff_s`), for as long as `RetryPolicy.deadline_s` lasts
+(60 s by default), counted from the first of the failures in a row: a budget of time, not of
+tries, since what it waits for (a scheduler's restart) takes time, and on a loaded machine more
+than the ~23 s that 8 doubling retries gave. The last try falls on the deadline itself. An attempt
+that delivered tokens starts a new budget. The call's own `timeout` still bounds everything.
+The new request carries the token ids already received in
 `resume_token_ids`: the scheduler continues after them (prompt + those ids, max_tokens reduced),
 so nothing is streamed twice and greedy output is unchanged. Token ids, never re-tokenised text:
 outputs stay exact. (As with the scheduler's own resume: a stop string spanning the resume point
@@ -25,25 +30,33 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    retries: int = 8  # attempts after the first, over all addresses (0: never retry)
-    backoff_s: float = 0.25  # before the first retry; doubles with each retry
-    max_backoff_s: float = 5.0  # 0.25 + 0.5 + ... capped: ~23 s in all, enough for a scheduler restart
+    deadline_s: float = 60.0  # how long to keep retrying after the first failure in a row (0: never retry)
+    backoff_s: float = 0.25  # before the first retry; doubles with each retry in a row
+    max_backoff_s: float = 5.0  # the cap on one wait
+    retries: int | None = None  # also stop after this many retries in a row (None: the deadline alone)
 
     def __post_init__(self):
-        if self.retries < 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
-            raise ValueError("retry policy: need retries >= 0 and 0 <= backoff_s <= max_backoff_s")
+        if self.deadline_s < 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("retry policy: need deadline_s >= 0 and 0 <= backoff_s <= max_backoff_s")
+        if self.retries is not None and self.retries < 0:
+            raise ValueError("retry policy: retries is None or >= 0")
 
     def wait_s(self, retry: int) -> float:
-        """The wait before retry number `retry` (1, 2, ...)."""
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1))
+        """The backoff before retry number `retry` (1, 2, ...) in a row."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** min(retry - 1, 64))
 
-    def wait_after(self, error, attempt: int, deadline: float | None) -> float:
-        """The wait before retrying after `error` (an EPDServeError) ended attempt `attempt` (0,
-        1, ...); re-raises it when its code is not retryable, the retries are spent, or the wait
-        would pass `deadline` (time.monotonic)."""
-        wait = self.wait_s(attempt + 1)
-        if (not retryable(error.code) or attempt == self.retries
-                or (deadline is not None and time.monotonic() + wait >= deadline)):
+    def wait_after(self, error, failures: int, since: float, deadline: float | None) -> float:
+        """The wait before retrying after `error` (an EPDServeError) ended the `failures`-th
+        failed attempt in a row (1, 2, ...), the first of which failed at `since`
+        (time.monotonic); re-raises it when its code is not retryable, the budget (`deadline_s`
+        after `since`, or `retries`) is spent, or the wait would pass the call's `deadline`."""
+        now = time.monotonic()
+        end = since + self.deadline_s
+        if (not retryable(error.code) or now >= end
+                or (self.retries is not None and failures > self.retries)):
+            raise error
+        wait = min(self.wait_s(failures), end - now)  # the last try falls on the deadline
+        if deadline is not None and now + wait >= deadline:
             raise error
         return wait
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epdserve.client.connection import SchedulerConnection
+from epdserve.client.connection import SchedulerConnection, retry_policy
 from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
 from epdserve.client.resume import RetryPolicy, resumed
 from epdserve.rpc import serve_pb2
@@ -15,17 +15,22 @@ from epdserve.rpc import serve_pb2
 
 class Client(SchedulerConnection):
     def __init__(self, address, timeout: float | None = None, *, api_key: str | None = None,
-                 tls_ca: str | None = None, tls: bool = False, retries: int = RetryPolicy.retries,
-                 retry_backoff_s: float = RetryPolicy.backoff_s):
-        """address: "host:port" of the scheduler, or a list of them (schedulers sharing the
-        instances); timeout: default deadline (s) of each call (a retried generation: of all its
-        attempts together). retries / retry_backoff_s: how often and after how long a generation
-        that lost its scheduler is resumed (0: never). api_key: sent as ``authorization: Bearer``
+                 tls_ca: str | None = None, tls: bool = False,
+                 retry_deadline_s: float = RetryPolicy.deadline_s, retry_backoff_s: float = RetryPolicy.backoff_s,
+                 retry_max_backoff_s: float = RetryPolicy.max_backoff_s, retries: int | None = RetryPolicy.retries):
+        """address: "host:port" of the scheduler, a gRPC target that resolves to several
+        ("dns:///scheduler.ns.svc:50051": a Kubernetes Service), or a list of them (schedulers
+        sharing the instances); timeout: default deadline (s) of each call (a retried generation:
+        of all its attempts together). A generation that lost its scheduler is resumed for up to
+        retry_deadline_s (60 s) after the first failure in a row, waiting retry_backoff_s (0.25 s)
+        doubling up to retry_max_backoff_s (5 s) between tries (resume.py; retry_deadline_s=0 or
+        retries=0: never; retries: also a cap on the tries in a row). api_key: sent as ``authorization: Bearer``
         (default: EPDSERVE_API_KEY, if set); tls_ca: a PEM file of the roots to trust, for a TLS
         port (`tls=True`: TLS with the system's roots)."""
         from epdserve.security import channels
 
-        super().__init__(address, timeout, api_key, tls_ca, tls, retries, retry_backoff_s, channels.channel)
+        super().__init__(address, timeout, api_key, tls_ca, tls,
+                         retry_policy(retry_deadline_s, retry_backoff_s, retry_max_backoff_s, retries), channels.channel)
 
     def generate(self, prompt=None, images=None, *, request_id: str = "", timeout: float | None = None,
                  **sampling) -> GenerateResult:
@@ -91,17 +96,21 @@ class Client(SchedulerConnection):
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         received: list[int] = []
-        for n in range(self.retry.retries + 1):
+        failures, since = 0, 0.0  # failed attempts in a row, and when the first of them failed
+        while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            got = len(received)
             try:
                 for d in self._stream_once(resumed(req, received), left):
                     received.extend(d.token_ids)
                     yield d
                 return
             except EPDServeError as e:
-                wait = self.retry.wait_after(e, n, deadline)
-            self._current = (self._current + 1) % len(self.addresses)
-            self.retried += 1
+                if len(received) > got or failures == 0:  # progress (or a first failure): a new budget
+                    failures, since = 0, time.monotonic()
+                failures += 1
+                wait = self.retry.wait_after(e, failures, since, deadline)
+            self._next()
             time.sleep(wait)  # the backoff before resuming (a scheduler restarting takes seconds)
 
     def _stream_once(self, req, timeout) -> Iterator[Delta]:

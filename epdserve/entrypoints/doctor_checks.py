@@ -236,14 +236,15 @@ def _mm_store(url: str | None, mode: str | None, timeout_s: float) -> Check:
     try:
         conn = RedisConnection(url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
     except ValueError as e:
-        return Check("MM Store", Status.FAIL, str(e), "pass --mm-store redis://host:port (or rediss://, unix://)")
+        return Check("MM Store", Status.FAIL, str(e),
+                     "pass --mm-store redis://host:port (or rediss://, unix://, redis+cluster://, redis+sentinel://)")
     try:
         info = conn.client.info("server")
     except (redis.AuthenticationError, redis.ResponseError) as e:
         if not _auth_refused(e):
             raise
         return Check("MM Store", Status.FAIL, f"{redact(url)} refuses the password: {e}", _mm_store_password_fix(e))
-    except (redis.RedisError, OSError) as e:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
         return Check("MM Store", Status.FAIL, f"{redact(url)} does not answer: {e}",
                      f"start a Redis/Valkey server at {redact(url)}, or omit --mm-store (launch starts a private one)")
     finally:

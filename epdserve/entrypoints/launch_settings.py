@@ -51,7 +51,8 @@ class LaunchSettings:
                                   "E-only instances; monolithic ignores it")
     prefill: int = setting(1, help="P instances (EP / PD / EPD instances in those modes)")
     decode: int = setting(1, help="D instances (ED instances in ED-P)")
-    mm_store: str | None = setting(None, help="redis://host:port of the MM Store (default: a private local server)")
+    mm_store: str | None = setting(None, help="MM Store URL: redis://host:port, redis+cluster://h:p,h:p,... or "
+                                              "redis+sentinel://h:p,.../service (default: a private local server)")
     mm_store_max_mb: int = setting(4096, help="memory bound of the private MM Store server, least recently used "
                                               "features evicted (MiB, default 4096)")
     host: str = setting("127.0.0.1", help="address the scheduler binds and instances advertise (default 127.0.0.1)")

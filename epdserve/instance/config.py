@@ -40,7 +40,8 @@ class InstanceConfig:
     scheduler: str | None = setting(
         None, help="the scheduler's internal address host:port to register with; several, comma-separated, to "
                    "serve them all (omit: standalone)")
-    mm_store: str | None = setting(None, help="MM Store URL, redis://host:port[/db] (omit: features stay in the process)")
+    mm_store: str | None = setting(None, help="MM Store URL: redis://host:port[/db], redis+cluster://h:p,h:p,... "
+                                              "or redis+sentinel://h:p,.../service (omit: features stay in the process)")
     device: str = same_as(EngineConfig, "device", default="cpu")
     dtype: str = same_as(EngineConfig, "dtype")
     host: str = setting("127.0.0.1", help="address others reach this instance (and its KV rendezvous) at")

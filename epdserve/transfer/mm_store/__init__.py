@@ -5,7 +5,9 @@ keyed by media key (epdserve.seams.media_keys).
 One sentence per module:
 - codec.py       binary value layout of a list of tensors (never pickle), CorruptFeatureError
 - server.py      LocalRedisServer: a private Redis-protocol server on a free loopback port
-- connection.py  redis-py client with short timeouts + ServerHealth (backoff, one warning per outage)
+- urls.py        MM Store URLs: redis://, rediss://, unix://, redis+cluster://, redis+sentinel://; redaction
+- topology.py    the redis-py client for a URL (Redis, RedisCluster, Sentinel.master_for); node-routed XREAD/TIME
+- connection.py  that client with short timeouts + ServerHealth (backoff, one warning per outage)
 - store.py       RedisMMStore: put/get of features under media keys, its contract, MMStoreError
 - events.py      FeatureEvent and EventPublisher over Redis Streams (why Streams: see there)
 - cache.py       LocalFeatureCache: LRU by bytes, in-flight tracking, optional device placement
