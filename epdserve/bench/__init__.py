@@ -9,6 +9,9 @@ Modules:
   same through an OpenAI-compatible HTTP server), `roster_watch` (role changes during a run),
   `shift` (the `shift` workload, traffic whose shape changes mid-run), `report` (rows, tables,
   figures), `spread` (bootstrap spread of a ratio between runs);
+- `vs_peer`: epdserve's modes against `transformers serve` on one workload, one command
+  (benchmarks/vs_transformers_serve.py); `peer` (the peer's venv and process), `peer_compare`
+  (its comparison and aim-ratio tables);
 - `chaos`: `bench chaos`, faults under load; `chaos_faults` (find, kill, wait for recovery);
 - `offline`: `bench offline`, the engine against transformers; `offline_configs`,
   `offline_workloads`, `offline_worker` (one configuration in its own process), `offline_report`;

@@ -1,9 +1,11 @@
 """Reports of `epdserve bench serve`: per-request rows, the Markdown tables, the PNG figures.
 
 Owns the report's presentation only (the numbers come from `metrics`): `request_rows` (the
-per-request latencies kept in the JSON, which the CDFs are drawn from), `markdown` (per
-workload: one row per mode and rate with ratios against the baseline mode, text vs image TTFT
-for mixed traffic, the TTFT stage split, the highest rate meeting the p99 SLOs) and `plot`
+per-request latencies kept in the JSON, which the CDFs are drawn from, with each request's longest
+inter-token gap), `latency_summary` (the one-line TPOT p50/p90/p99 and ITL p99 of a run's log
+line), `markdown` (per workload: one row per mode and rate: TTFT p50/p99, TPOT p50/p90/p99 over
+requests, ITL p50/p99 over all gaps, goodput, with ratios against the baseline mode, text vs image
+TTFT for mixed traffic, the TTFT stage split, the highest rate meeting the p99 SLOs) and `plot`
 (per workload, one PNG: TTFT CDF, TPOT CDF, goodput against rate, stage bars; matplotlib Agg). A run
 with phases (the shift workload) adds its per-phase table and a timeline PNG (bench/shift.py).
 """
@@ -27,11 +29,19 @@ def request_rows(records: list[RequestRecord]) -> list[dict]:
     rows = []
     for r in records:
         rows.append({"id": r.request_id, "kind": r.kind, "images": r.num_images, "ok": r.success, "error": r.error or None,
-                     "ttft_ms": ms(r.ttft), "tpot_ms": ms(r.tpot), "e2el_ms": ms(r.e2el), "output_tokens": r.n_out,
+                     "ttft_ms": ms(r.ttft), "tpot_ms": ms(r.tpot), "itl_max_ms": ms(r.itl_max), "e2el_ms": ms(r.e2el),
+                     "output_tokens": r.n_out,
                      "prompt_tokens": r.prompt_tokens, "vision_tokens": r.vision_tokens,
                      "cached_vision_tokens": r.cached_vision_tokens,
                      "stages_ms": {k: round(v * 1e3, 3) for k, v in ttft_segments(r).items()}})
     return rows
+
+
+def latency_summary(m: dict) -> str:
+    """'TPOT p50/p90/p99 31.0/35.2/61.4 ms, ITL p99 88.0 ms' from a run's metrics."""
+    t = m["tpot_ms"]
+    return (f"TPOT p50/p90/p99 {_f(t['median'])}/{_f(t['p90'])}/{_f(t['p99'])} ms, "
+            f"ITL p99 {_f(m['itl_ms']['p99'])} ms")
 
 
 def _rate(r) -> str:
@@ -111,11 +121,12 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
         base = _baseline(modes, baseline)
         out += ["", f"### {wname}: {w.get('summary', '')}".rstrip(": "), ""]
         out.append("| mode | rate | ok/fail | req/s | out tok/s | total tok/s | goodput req/s | out tok/s under SLO | SLO att. | "
-                   "TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | E2EL p50 | goodput vs base | TTFT p50 vs base | load |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                   "TTFT p50 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 | ITL p50 | ITL p99 | E2EL p50 | goodput vs base | "
+                   "TTFT p50 vs base | load |")
+        out.append("|---|" + "---:|" * 19)
         for mode, entry in modes.items():
             if entry.get("error") and not _runs(entry):
-                out.append(f"| {mode} | - | failed: {entry['error'][:80]} |" + " |" * 15)
+                out.append(f"| {mode} | - | failed: {entry['error'][:80]} |" + " |" * 17)
                 continue
             for run in _runs(entry):
                 m = run["metrics"]
@@ -124,8 +135,8 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
                     f"| {mode} | {_rate(run['rate'])} | {m['completed']}/{m['failed']} | {m['request_throughput']:.3f} | "
                     f"{m['output_throughput']:.1f} | {m['total_token_throughput']:.1f} | {m['goodput']:.3f} | "
                     f"{m.get('output_throughput_under_slo', 0.0):.1f} | {100 * m['slo_attainment']:.0f}% | {_f(m['ttft_ms']['median'], 0)} | {_f(m['ttft_ms']['p99'], 0)} | "
-                    f"{_f(m['tpot_ms']['median'])} | {_f(m['tpot_ms']['p99'])} | {_f(m['itl_ms']['median'])} | "
-                    f"{_f(m['e2el_ms']['median'], 0)} | {_goodput_vs(run, b, slo)} | {_ttft_vs(run, b)} | "
+                    f"{_f(m['tpot_ms']['median'])} | {_f(m['tpot_ms']['p90'])} | {_f(m['tpot_ms']['p99'])} | "
+                    f"{_f(m['itl_ms']['median'])} | {_f(m['itl_ms']['p99'])} | {_f(m['e2el_ms']['median'], 0)} | {_goodput_vs(run, b, slo)} | {_ttft_vs(run, b)} | "
                     f"{_f((run.get('load_avg_1m') or [None])[0])} |")
         out += _kind_table(modes, base)
         out += phase_table(modes)

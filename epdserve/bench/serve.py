@@ -6,8 +6,10 @@ monolithic,E-PD,... --model DIR` (each mode launched in turn with `epdserve laun
 after). Every target gets a warm-up, then the same seeded ShareGPT-4o-shaped workloads at the
 same arrival schedules (each rate of a sweep with its own fresh images, so no run is served from
 a previous run's cache). Reported: the metrics of vLLM's and SGLang's serving benchmarks
-(TTFT, TPOT, ITL, E2EL, goodput under SLOs) plus the TTFT split by stage, with ratios against
-the first target. Results: one JSON (written after every run, so a stopped benchmark keeps what it
+(TTFT, TPOT p50/p90/p99 over requests, ITL p50/p99 over all inter-token gaps, E2EL, goodput: the
+requests meeting both `--slo-ttft-ms` and `--slo-tpot-ms`, per second) plus the TTFT split by
+stage, with ratios against the first target; the log line of each run prints the same TPOT and ITL
+percentiles. Results: one JSON (written after every run, so a stopped benchmark keeps what it
 measured), a Markdown table (stdout and `<out>.md`) and one PNG per workload. `--workload shift`
 changes the traffic's shape mid-run (image-heavy -> text-heavy -> mixed) and adds per-phase
 figures and a timeline PNG (bench/shift.py).
@@ -24,7 +26,7 @@ import sys
 import time
 from contextlib import nullcontext
 
-from epdserve.bench.report import markdown, plot, request_rows
+from epdserve.bench.report import latency_summary, markdown, plot, request_rows
 from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
 from epdserve.bench.shift import DEFAULT_PHASES, SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
@@ -209,7 +211,7 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
             mode_entry["runs"].append(run_entry)
             _log(f"[{label}] {cfg.name} @ {rc.describe()}: {m['completed']}/{m['num_requests']} ok, "
                  f"goodput {m['goodput']:.3f} req/s, SLO {100 * m['slo_attainment']:.0f}%, "
-                 f"TTFT p50 {m['ttft_ms']['median'] or 0:.0f} ms, TPOT p50 {m['tpot_ms']['median'] or 0:.1f} ms")
+                 f"TTFT p50 {m['ttft_ms']['median'] or 0:.0f} ms, {latency_summary(m)}")
             save()
 
 

@@ -6,12 +6,14 @@ functions that turn a list of records into the report's numbers:
 - TTFT = first message carrying >= 1 output token - t0; E2EL = last message - t0;
 - TPOT = (E2EL - TTFT) / (N_out - 1), only when N_out > 1 (counts as 0 for goodput);
 - ITL = every gap between consecutive token-carrying messages, pooled over requests (a final
-  message with no tokens, only usage, adds no gap);
+  message with no tokens, only usage, adds no gap); a request's longest gap (`itl_max`, the worst
+  stall its stream saw) is also kept, one value per request;
 - duration = last completion - first dispatch; throughputs over it (input tokens = text + vision);
 - goodput = requests meeting every SLO / duration; SLO attainment = that count / all requests
   (failures are misses); output tok/s under the SLO = output tokens of those requests / duration
   (EPD-Serve's Table 2 figure);
-- mean, median, p90, p95, p99, max of each; failures; peak output tok/s over 1 s windows;
+- mean, median (also as p50), p90, p95, p99, max of each (numpy's linear percentile): TPOT's are
+  over requests, ITL's over all gaps; failures; peak output tok/s over 1 s windows;
 - the TTFT split by stage from the server's timestamps (`stage_breakdown`).
 """
 from __future__ import annotations
@@ -74,6 +76,11 @@ class RequestRecord:
             return []
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
+    @property
+    def itl_max(self) -> float | None:
+        """The longest gap between two of this request's token messages (None with fewer than two)."""
+        return max(self.itls, default=None)
+
 
 @dataclass(frozen=True)
 class SLO:
@@ -100,12 +107,13 @@ class SLO:
 
 
 def stats(values, scale: float = 1e3) -> dict:
-    """mean/median/p90/p95/p99/max (and count, std, min) of `values`, times `scale` (s → ms)."""
+    """mean/median/p50/p90/p95/p99/max (and count, std, min) of `values`, times `scale` (s → ms);
+    p50 is the median under its percentile name."""
     v = np.asarray([x for x in values if x is not None], dtype=float) * scale
     if v.size == 0:
-        return {"count": 0, **{k: None for k in ("mean", "std", "min", "median", "p90", "p95", "p99", "max")}}
+        return {"count": 0, **{k: None for k in ("mean", "std", "min", "median", "p50", "p90", "p95", "p99", "max")}}
     out = {"count": int(v.size), "mean": float(v.mean()), "std": float(v.std()), "min": float(v.min()),
-           "median": float(np.median(v))}
+           "median": float(np.median(v)), "p50": float(np.percentile(v, 50))}
     out.update({f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES})
     out["max"] = float(v.max())
     return out
@@ -155,7 +163,8 @@ def compute_metrics(records: list[RequestRecord], slo: SLO, by_kind: bool = True
         "output_throughput_under_slo": per_s(sum(r.n_out for r in records if slo.met(r))),
         "slo_attainment": good / len(records) if records else 0.0,
         "ttft_ms": stats(r.ttft for r in ok), "tpot_ms": stats(r.tpot for r in ok),
-        "itl_ms": stats(x for r in ok for x in r.itls), "e2el_ms": stats(r.e2el for r in ok),
+        "itl_ms": stats(x for r in ok for x in r.itls), "itl_max_ms": stats(r.itl_max for r in ok),
+        "e2el_ms": stats(r.e2el for r in ok),
         "stages_ms": stage_breakdown(ok),
     }
     if by_kind:

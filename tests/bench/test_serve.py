@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from epdserve.bench.report import markdown, plot
+from epdserve.bench.report import latency_summary, markdown, plot
 from epdserve.bench.serve import add_parser, parse_rates, run_target, workload_configs
 from epdserve.bench.serve_launch import LaunchError, launched, parse_ready
 from epdserve.bench.serve_runner import RunConfig, fields_of, run_requests, send_one
@@ -127,6 +127,18 @@ def test_run_target_report_markdown_and_plots(tmp_path):
     assert "| E-PD | inf | 6/0 |" in md and "text TTFT p50" in md and "Highest rate meeting" in md
     assert "| monolithic | inf |" in md and "1.00x" in md
     assert "E->P / P queue" in md  # stage split from the server timestamps
+    # TPOT p50/p90/p99 over requests and ITL p99 over all gaps, in the table as in the JSON
+    head = next(line for line in md.splitlines() if line.startswith("| mode | rate | ok/fail"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    row = next(line for line in md.splitlines() if line.startswith("| E-PD | inf |"))
+    cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+    m = run["metrics"]
+    for col, key, q in (("TPOT p50", "tpot_ms", "p50"), ("TPOT p90", "tpot_ms", "p90"), ("TPOT p99", "tpot_ms", "p99"),
+                        ("ITL p99", "itl_ms", "p99")):
+        assert cells[col] == f"{m[key][q]:.1f}"
+    assert all(r["itl_max_ms"] is not None for r in run["requests"])
+    assert latency_summary(m) == (f"TPOT p50/p90/p99 {m['tpot_ms']['p50']:.1f}/{m['tpot_ms']['p90']:.1f}/"
+                                  f"{m['tpot_ms']['p99']:.1f} ms, ITL p99 {m['itl_ms']['p99']:.1f} ms")
     json.dumps(report, default=str)  # JSON-ready
     paths = plot(report, tmp_path, "t")
     assert [p.name for p in paths] == ["t-mixed.png"] and paths[0].stat().st_size > 10_000

@@ -118,3 +118,55 @@ def test_max_rate_meeting_slo():
     sweep = [(0.5, m(900, 30)), (1.0, m(1900, 45)), (2.0, m(2500, 45)), (4.0, m(1000, 20, failed=1))]
     assert max_rate_meeting_slo(sweep) == 1.0
     assert max_rate_meeting_slo([(1.0, m(2500, 45))]) is None
+
+
+def _random_trace(n: int = 40, seed: int = 7) -> list[RequestRecord]:
+    """`n` requests with seeded random arrivals, TTFTs, token counts and gaps (some with a long stall)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        t0 = float(rng.uniform(0, 20))
+        times = [t0 + float(rng.uniform(0.2, 5.0))]
+        for _ in range(int(rng.integers(1, 33)) - 1):
+            gap = float(rng.exponential(0.04)) + (float(rng.uniform(0.2, 0.6)) if rng.random() < 0.05 else 0.0)
+            times.append(times[-1] + gap)
+        out.append(RequestRecord(f"r{i}", t0=t0, chunk_times=times, chunk_tokens=[1] * len(times), end=times[-1],
+                                 success=True, output_tokens=len(times)))
+    return out
+
+
+def test_tpot_itl_percentiles_and_goodput_match_numpy():
+    import numpy as np
+
+    recs = _random_trace()
+    m = compute_metrics(recs, SLO(ttft=3.0, tpot=0.100))
+    ttft = np.array([r.chunk_times[0] - r.t0 for r in recs])
+    tpot = np.array([(r.chunk_times[-1] - r.chunk_times[0]) / (len(r.chunk_times) - 1)
+                     for r in recs if len(r.chunk_times) > 1])
+    gaps = np.concatenate([np.diff(r.chunk_times) for r in recs])
+    worst = np.array([np.diff(r.chunk_times).max() for r in recs if len(r.chunk_times) > 1])
+    for q in (50, 90, 99):
+        assert m["tpot_ms"][f"p{q}"] == pytest.approx(1e3 * np.percentile(tpot, q))
+        assert m["itl_ms"][f"p{q}"] == pytest.approx(1e3 * np.percentile(gaps, q))
+    assert m["tpot_ms"]["median"] == m["tpot_ms"]["p50"] and m["tpot_ms"]["count"] == tpot.size
+    assert m["itl_ms"]["count"] == gaps.size == sum(len(r.chunk_times) - 1 for r in recs)
+    assert m["itl_max_ms"]["count"] == worst.size and m["itl_max_ms"]["p99"] == pytest.approx(1e3 * np.percentile(worst, 99))
+    # goodput: a request counts when TTFT <= 3 s and its TPOT <= 100 ms (a one-token answer's TPOT counts as 0)
+    tpot_all = np.array([(r.chunk_times[-1] - r.chunk_times[0]) / (len(r.chunk_times) - 1) if len(r.chunk_times) > 1
+                         else 0.0 for r in recs])
+    good = int(((ttft <= 3.0) & (tpot_all <= 0.100)).sum())
+    assert 0 < good < len(recs)  # the trace has both kinds, so the SLO is really checked
+    dur = max(r.end for r in recs) - min(r.t0 for r in recs)
+    assert m["good_requests"] == good and m["goodput"] == pytest.approx(good / dur)
+    assert m["slo_attainment"] == pytest.approx(good / len(recs))
+
+
+def test_itl_max_per_request():
+    r1, r2, r3, r4 = _trace()
+    assert r1.itl_max == pytest.approx(0.5) and r4.itl_max == pytest.approx(0.1)
+    assert r2.itl_max is None and r3.itl_max is None  # one token message; failed
+    m = compute_metrics([r1, r2, r3, r4], SLO())
+    assert m["itl_max_ms"]["count"] == 2 and m["itl_max_ms"]["max"] == pytest.approx(500)
+    assert compute_metrics([], SLO())["tpot_ms"]["p50"] is None

@@ -1,0 +1,167 @@
+"""epdserve against `transformers serve --continuous-batching` on issue 27's workload, in one command
+(`benchmarks/vs_transformers_serve.py`).
+
+Owns the run: the workload (24 chat requests, half of them with one JPEG of 320x180 to 640x360,
+Poisson arrivals, 32 output tokens, the small demo Qwen2-VL), the targets one after another,
+never two at once (the peer in its own venv, bench/peer.py; then each epdserve mode launched with
+its HTTP front), each target driven by `epdserve bench serve --backend openai` in a child process
+at every rate `--repeats` times (the rates interleaved: 0.5, 1.0, 0.5, 1.0, ...; repeat k of every
+target gets the same requests at the same times), and the report: the merged JSON, the bench
+tables, and the comparison and aim-ratio tables of bench/peer_compare.py, printed and written to
+`<out>.md`. The peer refuses vLLM's extra body fields, so no target gets them (no ignore_eos: an
+answer may end early at EOS; the comparison table's `ended early` counts those). SLO goodput: requests
+with TTFT <= 3 s and TPOT <= 100 ms, per second. A target that fails to start is reported and the
+run goes on. `--quick`: the tiny demo model, 4 requests of 4 tokens, one repeat (a test's run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+from epdserve.bench.peer import PEER_CMD, PeerError, default_venv, ensure_peer_venv, peer_argv, serving
+from epdserve.bench.peer_compare import comparison_table, merge_reports, ratio_rows, ratio_table
+
+PEER = "transformers-serve"
+WORKLOAD = ["--workload", "sharegpt4o", "--text-only-share", "0.5", "--images-per-request", "1",
+            "--resolution-mix", "320x180:0.5,480x270:0.3,640x360:0.2", "--resolution-scale", "1",
+            "--output-len-std", "0", "--seed", "0", "--no-progress", "--no-vllm-extras"]
+FULL = {"num_requests": 24, "output_len": 32, "warmup": 2, "repeats": 3, "size": "small"}
+QUICK = {"num_requests": 4, "output_len": 4, "warmup": 1, "repeats": 1, "size": "tiny"}
+HTTP_RE = re.compile(r"\bhttp=(https?://\S+)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="benchmarks/vs_transformers_serve.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint both servers load (default: the small demo Qwen2-VL, built once)")
+    ap.add_argument("--modes", default="monolithic,E-PD,P-D", help="epdserve modes, in order (default monolithic,E-PD,P-D)")
+    ap.add_argument("--rates", default="0.5,1.0", help="request rates, req/s (default 0.5,1.0)")
+    ap.add_argument("--repeats", type=int, help="runs of each rate per target (default 3; --quick 1)")
+    ap.add_argument("--num-requests", type=int, help="requests per run (default 24; --quick 4)")
+    ap.add_argument("--output-len", type=int, help="output tokens per request (default 32; --quick 4)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 4 requests of 4 tokens, one repeat")
+    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0, help="goodput's TTFT SLO (default 3000)")
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput's TPOT SLO (default 100)")
+    ap.add_argument("--tvenv", help="the peer's venv, built here if it has no bin/transformers "
+                                    "(default: $XDG_CACHE_HOME/epdserve/peer-transformers-serve)")
+    ap.add_argument("--peer-cmd", default=PEER_CMD, help="the peer's command; {venv}, {model}, {port} are filled in "
+                                                         f"(default: {PEER_CMD!r})")
+    ap.add_argument("--no-peer", action="store_true", help="epdserve's modes only")
+    ap.add_argument("--reference", metavar="JSON", help="an earlier run's merged JSON: its monolithic is "
+                                                        "'today's monolithic' of the goodput aim")
+    ap.add_argument("--launch-arg", default="", help="extra `epdserve launch` arguments for every mode")
+    ap.add_argument("--bench-arg", action="append", default=[], help="extra `bench serve` argument (repeatable)")
+    ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    ap.add_argument("--out", default="vs-transformers-serve.json", help="merged JSON; also <out>.md")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    size = QUICK if a.quick else FULL
+    repeats = a.repeats or size["repeats"]
+    rates = [float(r) for r in a.rates.split(",") if r.strip()]
+    model = a.model or str(_demo_model(size["size"]))
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bench = [*WORKLOAD, "--num-requests", str(a.num_requests or size["num_requests"]),
+             "--output-len", str(a.output_len or size["output_len"]), "--warmup", str(size["warmup"]),
+             "--request-rate", ",".join(f"{r:g}" for r in rates * repeats),
+             "--slo-ttft-ms", f"{a.slo_ttft_ms:g}", "--slo-tpot-ms", f"{a.slo_tpot_ms:g}",
+             "--slo-note", "issue 27: TTFT <= 3 s and TPOT <= 100 ms per request", *a.bench_arg]
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")  # the same for every target
+    t0, parts, failed = time.monotonic(), [], {}
+    if not a.no_peer:
+        try:
+            parts.append(_run_peer(a, model, out, bench, env))
+        except (PeerError, subprocess.CalledProcessError) as e:
+            failed[PEER] = str(e)
+            _log(f"[{PEER}] {e}")
+    for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+        try:
+            parts.append(_run_mode(mode, a, model, out, bench, env))
+        except Exception as e:  # a launch error or a failed bench: report it, go on with the next
+            failed[f"epdserve-{mode}"] = str(e)
+            _log(f"[epdserve-{mode}] {e}")
+    report = merge_reports([json.loads(p.read_text()) for p in parts])
+    report.update(model=model, repeats=repeats, peer_cmd=None if a.no_peer else a.peer_cmd, failed=failed,
+                  wall_s=round(time.monotonic() - t0, 1),
+                  command="python benchmarks/vs_transformers_serve.py " + " ".join(map(shlex.quote, argv or sys.argv[1:])))
+    reference = json.loads(pathlib.Path(a.reference).read_text()) if a.reference else None
+    rows = ratio_rows(report, PEER, reference)
+    report["ratios"] = rows
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    text = render(report, rows)
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {out}, {out.with_suffix('.md')} in {report['wall_s']:.0f} s")
+    return 0 if not failed else 1
+
+
+def render(report: dict, rows: list[dict]) -> str:
+    from epdserve.bench.report import markdown
+
+    w = next(iter(report.get("workloads", {}).values()), {})
+    lines = [f"## epdserve vs transformers serve: {w.get('summary', '')}", "",
+             f"model {report.get('model')}, {report.get('repeats')} run(s) of each rate per target, targets one after "
+             "another; each figure is the median over runs, (min-max) when there are several.", "",
+             comparison_table(report, PEER), "",
+             "Ratios (target / other; per-repeat: run k against run k):", "", ratio_table(rows)]
+    for label, err in (report.get("failed") or {}).items():
+        lines.append(f"\n{label} failed: {err.splitlines()[0] if err else ''}")
+    lines += ["", "<details><summary>bench serve's tables</summary>", "", markdown(report, baseline=PEER), "",
+              "</details>"]
+    return "\n".join(lines)
+
+
+def _run_peer(a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:
+    from epdserve.net import free_port
+
+    venv = pathlib.Path(a.tvenv) if a.tvenv else default_venv()
+    if "{venv}" in a.peer_cmd:
+        ensure_peer_venv(venv, log=_log)
+    port = free_port()
+    argv = peer_argv(a.peer_cmd, venv=venv, model=model, port=port)
+    url = f"http://127.0.0.1:{port}"
+    _log(f"[{PEER}] starting: {shlex.join(argv)}")
+    with serving(argv, url + "/health", name=PEER, ready_timeout_s=a.ready_timeout, env=env):
+        return _bench(url, PEER, out, bench, env)
+
+
+def _run_mode(mode: str, a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:
+    from epdserve.bench.serve_launch import LaunchError, launched
+
+    label = f"epdserve-{mode}"
+    _log(f"[{label}] launching ...")
+    extra = ["--http-port", "0", *shlex.split(a.launch_arg)]
+    with launched(mode, model, extra, ready_timeout_s=a.ready_timeout, env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
+        m = HTTP_RE.search(dep.ready_line)
+        if not m:
+            raise LaunchError(f"{mode}: the ready line names no http= URL: {dep.ready_line}")
+        return _bench(m.group(1).replace("//0.0.0.0:", "//127.0.0.1:"), label, out, bench, env)
+
+
+def _bench(url: str, label: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:
+    part = out.with_name(f"{out.stem}-{label}.json")
+    cmd = [sys.executable, "-m", "epdserve.entrypoints.cli", "--log-level", "WARNING", "bench", "serve",
+           "--backend", "openai", "--base-url", url, "--label", label, "--out", str(part), *bench]
+    _log(f"[{label}] {url}: bench serve ...")
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)  # its log lines (stderr) stay visible
+    return part
+
+
+def _demo_model(size: str) -> pathlib.Path:
+    from epdserve.bench.offline import default_model
+
+    return default_model("qwen2_vl", size)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
