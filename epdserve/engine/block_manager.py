@@ -1,26 +1,45 @@
-"""Block manager: the free list of KV blocks and each request's block table.
+"""Block manager: KV blocks, each request's block table, and the prefix cache over them.
 
-Invariant: a block is either on the free list or in exactly one request's table; `free(seq)`
-returns every block of that request. The scheduler is the only caller.
+Every block is in one of three places: the free list (no content worth keeping), the cached
+free list (unreferenced, but it holds the KV of a full block whose hash is known: reusable
+until evicted, least recently freed first), or one or more requests' tables (its reference
+count). A full block's hash (engine/prefix_hash.py) chains its tokens and media identity to
+everything before it, so a hash names one prefix; `lookup` finds the longest cached run of a
+request's hashes, `adopt` starts its table with those blocks, `cache` records hashes of blocks a
+request has computed. `free(request)` drops its references; a block that reaches zero goes to the
+cached free list if it has a hash, else to the free list. `grow` takes free blocks first, then
+evicts cached ones. With `prefix_caching=False` nothing is hashed and the cached list stays empty.
+The scheduler is the only caller.
 """
 from __future__ import annotations
 
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
+        self._cached_free: OrderedDict[int, int] = OrderedDict()  # block -> hash, oldest first
         self._tables: dict[str, array] = {}  # int64 block ids, copied in C
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}  # block -> hash of the prefix it holds
+        self._block_of: dict[int, int] = {}  # hash -> block
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks `grow` can hand out: free ones and cached ones it may evict."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -42,14 +61,81 @@ class BlockManager:
             raise MemoryError(f"need {need} KV blocks, {self.num_free} free")
         table = self._tables.setdefault(request_id, array("q"))
         for _ in range(need):
-            table.append(self._free.popleft())
+            table.append(self._take())
         return table
 
     def free(self, request_id: str) -> None:
-        for b in self._tables.pop(request_id, []):
-            self._free.append(b)
+        self.truncate(request_id, 0)
+
+    def truncate(self, request_id: str, keep_blocks: int) -> None:
+        """Drop the request's references to all but its first `keep_blocks` blocks (tail first,
+        so a prefix's first blocks are the last ones evicted)."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        for b in reversed(table[keep_blocks:]):
+            self._release(b)
+        if keep_blocks:
+            del table[keep_blocks:]
+        else:
+            del self._tables[request_id]
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat slot indices of token positions [start, end)."""
         table, bs = self._tables[request_id], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # ---------------------------------------------------------------- prefix cache
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (one hash per full block)."""
+        out = []
+        for h in hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def adopt(self, request_id: str, blocks: list[int]) -> None:
+        """Start `request_id`'s (empty) table with cached `blocks`."""
+        if self._tables.get(request_id):
+            raise ValueError(f"{request_id} already has blocks")
+        table = self._tables.setdefault(request_id, array("q"))
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._cached_free[b]
+            self._refs[b] += 1
+            table.append(b)
+
+    def cache(self, request_id: str, hashes: list[int]) -> None:
+        """Record the hashes of the request's first len(hashes) blocks, which hold computed KV
+        (a hash already held by another block stays with that one)."""
+        if not self.prefix_caching:
+            return
+        table = self._tables.get(request_id, ())
+        for b, h in zip(table, hashes):
+            if b in self._hash_of or h in self._block_of:
+                continue
+            self._hash_of[b] = h
+            self._block_of[h] = b
+
+    # ---------------------------------------------------------------- internals
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, h = self._cached_free.popitem(last=False)  # least recently freed
+            del self._hash_of[b], self._block_of[h]
+            self.evictions += 1
+        self._refs[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        self._refs[b] -= 1
+        if self._refs[b] > 0:
+            return
+        h = self._hash_of.get(b)
+        if h is None:
+            self._free.append(b)
+        else:
+            self._cached_free[b] = h

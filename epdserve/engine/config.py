@@ -34,6 +34,11 @@ class EngineConfig:
                    "Qwen2.5-VL / Qwen3-VL; other models encode each item whole), an image alone over it in a step "
                    "of its own (default 1024)")
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = setting(
+        True, negate="--no-prefix-caching",
+        help="no prefix cache: every prompt is prefilled from its first token (default: full KV blocks of "
+             "finished and running requests are kept, keyed by their tokens and media, and a prompt that starts "
+             "the same way reuses them; media wholly inside a reused prefix are neither encoded nor fetched)")
     slo_tpot_ms: float = setting(
         100.0, help="the TPOT SLO: while requests decode, each engine step takes only the prefill chunk and the "
                     "vision-encoder blocks that fit beside its decodes within it, from costs measured online "

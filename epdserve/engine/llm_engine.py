@@ -31,6 +31,7 @@ from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.engine.loaded_model import LoadedModel, load_model
 from epdserve.engine.model_runner import ModelRunner
+from epdserve.engine.prefix_hash import PrefixHasher
 from epdserve.engine.outputs import RequestOutput, make_output
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.scheduler import Scheduler, StepSchedulerConfig
@@ -65,8 +66,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             StepSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                             hands_off=not config.decodes),
-            BlockManager(num_blocks, config.block_size),
+            BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching),
             StopChecker(self.model.tokenizer, self.model.eos_token_ids, self.max_model_len), kv_connector,
+            PrefixHasher(config.block_size, (a.image_token_id, a.video_token_id)),
         )
         self.runner = ModelRunner(a, self.kv_cache, paged_ops(self.platform, config.ops), kv_connector)
         self.features = features or LocalFeatureProvider()
@@ -121,7 +123,9 @@ class LLMEngine:
             seq.positions, seq.rope_delta = self.model.adapter.rope_index(
                 seq.prompt_token_ids, [m.grid_thw for m in seq.media],
                 [m.input.seconds_per_grid if m.input is not None else None for m in seq.media])
-        if seq.media:
+        if seq.media and self.config.prefills and not isinstance(seq.kv_transfer, RemotePrefill):
+            self._skip_cached_media(seq)
+        if any(m.features is None for m in seq.media):
             self.encoder.add(seq)
         elif self.config.computes:
             self.scheduler.add(seq)  # may raise MemoryError (remote KV: no room for its blocks)
@@ -130,6 +134,23 @@ class LLMEngine:
             self._outputs.append(make_output(seq))
             return
         self._seqs[rid] = seq
+
+    def _skip_cached_media(self, seq: Sequence) -> None:
+        """Media wholly inside the prompt's cached prefix are neither encoded nor fetched: their
+        tokens' KV is reused, so their embeddings are never computed (zeros stand in for them).
+        That prefix is pinned: a preemption keeps its blocks, which nothing could recompute."""
+        if not self.scheduler.reuse_prefix(seq):
+            return
+        spans = seq.media_spans or []
+        hidden, depth = self.model.adapter.hidden_size, 1 + self.model.adapter.num_deepstack
+        zero = torch.zeros(1, hidden, dtype=self.model.dtype, device=self.model.device)
+        covered = 0
+        for m, (_, _, _, end) in zip(seq.media, spans):
+            if end > seq.num_cached_tokens:
+                break
+            m.features, m.from_store = [zero.expand(m.num_tokens, hidden)] * depth, True
+            covered = end
+        seq.pinned_tokens = seq.num_cached_tokens if covered else 0
 
     def _validate(self, seq: Sequence) -> None:
         visual = (self.model.adapter.image_token_id, self.model.adapter.video_token_id)

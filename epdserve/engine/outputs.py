@@ -27,6 +27,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_vision_tokens: int = 0
     num_cached_vision_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     encoded_keys: list[str] = field(default_factory=list)  # media this engine ran its vision encoder for
     rope_delta: int = 0  # M-RoPE delta (text position of token i = i + rope_delta); a D side needs it
     timings: dict[str, float] = field(default_factory=dict)
@@ -91,6 +92,7 @@ def make_output(seq: Sequence) -> RequestOutput:
         num_prompt_tokens=seq.prompt_len,
         num_vision_tokens=seq.num_vision_tokens,
         num_cached_vision_tokens=sum(m.num_tokens for m in seq.media if m.from_store),
+        num_cached_tokens=seq.num_cached_tokens,
         encoded_keys=[m.key for m in seq.media if m.features is not None and not m.from_store],
         rope_delta=seq.rope_delta,
         timings=dict(seq.timings),

@@ -8,6 +8,9 @@ step-time budget's prefill tokens when given) and a request cap:
 2. running requests in the middle of a chunked prefill continue;
 3. waiting requests are admitted in arrival order while budget, cap and blocks allow; a prompt
    longer than the remaining budget is chunked.
+With a prefix cache (`BlockManager(prefix_caching=True)` and a `PrefixHasher`), a request about
+to be admitted first takes the longest cached run of its prompt's full blocks
+(`reuse_prefix`), and every step records the hashes of the full blocks it computed.
 `update(batch, sampled)` is the step's postprocessing: computed counts, appended tokens, stop
 checks, finishing (blocks freed, or held while the KV connector still uses them).
 `poll_connector()` applies the connector's finished transfers: received KV starts a request's
@@ -21,6 +24,7 @@ from array import array
 from dataclasses import dataclass
 
 from epdserve.engine.block_manager import BlockManager
+from epdserve.engine.prefix_hash import PrefixHasher
 from epdserve.engine.sequence import RequestState, Sequence
 from epdserve.engine.stop_checker import StopChecker
 from epdserve.seams.kv_connector import FinishedTransfer, KVConnector
@@ -60,9 +64,12 @@ class StepSchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: StepSchedulerConfig, blocks: BlockManager, stop_checker: StopChecker,
-                 connector: KVConnector | None = None):
+                 connector: KVConnector | None = None, hasher: PrefixHasher | None = None):
         self.config = config
         self._blocks = blocks
+        self.hasher = hasher if blocks.prefix_caching else None
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens whose KV was reused
         self.stop_checker = stop_checker
         self.connector = connector
         self.waiting: deque[Sequence] = deque()
@@ -91,6 +98,22 @@ class Scheduler:
             raise
         seq.state = S.WAITING_FOR_REMOTE_KV
         self.remote[rid] = seq
+
+    def reuse_prefix(self, seq: Sequence) -> int:
+        """Start a request that holds no blocks yet on the longest cached prefix of its prompt
+        (whole blocks, at least one prompt token left to compute); returns the tokens reused."""
+        if self.hasher is None or self._blocks.table(seq.request_id) or seq.num_computed_tokens:
+            return 0
+        bs = self._blocks.block_size
+        hashes = self.hasher.hashes(seq, seq.num_tokens)
+        blocks = self._blocks.lookup(hashes)[:(seq.num_tokens - 1) // bs]
+        self.prefix_queried_tokens += seq.prompt_len
+        if not blocks:
+            return 0
+        self._blocks.adopt(seq.request_id, blocks)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * bs
+        self.prefix_hit_tokens += seq.num_cached_tokens
+        return seq.num_cached_tokens
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request wherever it is (blocks freed, or held while a transfer uses them)."""
@@ -181,6 +204,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not chunked and seq.num_tokens - seq.num_computed_tokens > budget and out:
                 break
+            self.reuse_prefix(seq)
             item = self._prefill_chunk(seq, budget if chunked else max(budget, seq.num_tokens))
             if item is None:
                 break  # not enough free blocks: wait for running requests to finish
@@ -200,6 +224,8 @@ class Scheduler:
         for item, tok in zip(batch, sampled):
             seq = item.seq
             seq.num_computed_tokens = item.end
+            if self.hasher is not None:  # full blocks computed so far may serve later prompts
+                self._blocks.cache(seq.request_id, self.hasher.hashes(seq, item.end))
             if tok is None or seq.state is not S.RUNNING:
                 continue
             seq.output_token_ids.append(tok)
@@ -269,9 +295,11 @@ class Scheduler:
         return max(cands, key=lambda s: s.arrival) if cands else None
 
     def _preempt(self, seq: Sequence) -> None:
+        """Back to waiting, recomputed later; a pinned prefix (its media never encoded here) keeps
+        its blocks, the rest may come back from the prefix cache."""
         self.running.remove(seq)
-        self._blocks.free(seq.request_id)
-        seq.num_computed_tokens = 0
+        self._blocks.truncate(seq.request_id, seq.pinned_tokens // self._blocks.block_size)
+        seq.num_computed_tokens = seq.pinned_tokens
         seq.state = S.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
