@@ -172,17 +172,6 @@ cann_version() {
   return 1
 }
 
-free_hbm_mb() {  # free_hbm_mb LOGICAL_ID -> free MB on stdout, or nothing when unknown
-  local logical=$1 npu chip
-  read -r npu chip < <(npu-smi info -m 2>/dev/null |
-    awk -v id="$logical" '$1 ~ /^[0-9]+$/ && $3 == id {print $1, $2; exit}') || true
-  [[ -n "${npu:-}" ]] || return 0
-  npu-smi info -t usages -i "$npu" -c "$chip" 2>/dev/null | awk -F: '
-    /HBM Capacity\(MB\)/   {gsub(/ /, "", $2); cap = $2}
-    /HBM Usage Rate\(%\)/  {gsub(/ /, "", $2); rate = $2}
-    END {if (cap != "" && rate != "") printf "%d\n", cap * (100 - rate) / 100}'
-}
-
 weights_mb() {  # weights_mb MODEL -> MB the checkpoint's weights take on the device (0 without MODEL)
   local model=${1:-} bytes=0 f size disk=2 dev=2 dtype
   [[ -n "$model" && -d "$model" ]] || { echo 0; return 0; }

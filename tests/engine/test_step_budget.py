@@ -9,6 +9,7 @@ from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.step_budget import HEADROOM, UNLIMITED, LinearCost, StepBudget
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
+from tests.engine.test_encode_stage import _drain
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -48,15 +49,6 @@ def test_prefill_and_vision_fill_what_the_decodes_leave():
     assert blocks == int((left - 30 * 0.001) / (1e-5 * 100))
     heavy = _budget(a=0.2)  # decodes alone overrun the SLO: still some progress
     assert heavy.plan(4, 30, 100).prefill_tokens == 16 and heavy.plan(4, 30, 100).vision_blocks == 1
-
-
-def _drain(eng):
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-    return done
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
