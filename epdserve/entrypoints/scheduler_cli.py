@@ -57,6 +57,13 @@ def add_parser(subparsers):
                    help="media keys remembered so that clients may resend an image by key (LRU, default 100000)")
     p.add_argument("--stored-keys-size", type=int, default=100_000,
                    help="media keys remembered as already in the MM Store (LRU, default 100000)")
+    p.add_argument("--routing", choices=("cache-aware", "least-load"), default="cache-aware",
+                   help="where a request prefills: cache-aware (default) = the coupled or P instance with the least "
+                        "outstanding work plus prompt tokens it would still have to prefill, counting the prefix this "
+                        "scheduler already sent it as cached; least-load = least outstanding work only")
+    p.add_argument("--prefix-index-size", type=int, default=131_072, metavar="N",
+                   help="cache-aware routing: prompt chunk hashes (16 tokens each) remembered per instance (LRU, "
+                        "default 131072)")
     from epdserve.limits import add_limit_args
 
     add_limit_args(p)
@@ -107,7 +114,7 @@ def config_from_args(args):
         max_inflight_per_instance=args.max_inflight_per_instance, max_attempts=args.max_attempts,
         retry_backoff_s=args.retry_backoff_s, preprocess_threads=args.preprocess_threads,
         media_index_size=args.media_index_size, stored_keys_size=args.stored_keys_size, limits=limits_from_args(args),
-        controller=_controller_config(args),
+        controller=_controller_config(args), routing=args.routing, prefix_index_size=args.prefix_index_size,
     )
 
 

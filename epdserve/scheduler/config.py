@@ -22,6 +22,9 @@ class SchedulerConfig:
     Bounds: `limits` (each request's input, checked before any work), `preprocess_threads`
     (tokenisation and image decode), `media_index_size` / `stored_keys_size` (media keys
     remembered), `max_attempts` (tries per request).
+    Routing: `routing` "cache-aware" (default: the prefilling instance most likely to hold the
+    prompt's longest prefix, weighed against load; routing.py) or "least-load";
+    `prefix_index_size`: prompt chunk hashes remembered per instance (prefix_index.py).
     """
 
     model: str
@@ -49,6 +52,8 @@ class SchedulerConfig:
     limits: InputLimits = field(default_factory=InputLimits)
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
     mode: str = ""  # as the launcher names it (reported by GetServerInfo)
+    routing: str = "cache-aware"  # or "least-load" (routing.POLICIES)
+    prefix_index_size: int = 131_072  # chunk hashes per instance (prefix_index.DEFAULT_CAPACITY)
 
     def __post_init__(self):
         if self.max_pixels_in_flight is None:
@@ -62,9 +67,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0")
         for name in ("unhealthy_after", "healthy_after", "max_requests_in_flight", "max_inflight_per_instance",
                      "max_pixels_in_flight", "max_attempts", "preprocess_threads", "media_index_size",
-                     "stored_keys_size"):
+                     "stored_keys_size", "prefix_index_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.routing not in ("cache-aware", "least-load"):
+            raise ValueError(f"routing must be cache-aware or least-load, got {self.routing!r}")
         if self.switch_wait_s < 0:
             raise ValueError("switch_wait_s must be >= 0")
         if self.retry_backoff_s < 0:

@@ -46,6 +46,7 @@ from epdserve.scheduler.config import SchedulerConfig
 from epdserve.scheduler.errors import Action, InstanceError, RequestError
 from epdserve.scheduler.pixel_budget import PixelBudget
 from epdserve.scheduler.preprocess import PreparedRequest, RequestPreprocessor
+from epdserve.scheduler.prompt_chunks import PromptChunker
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 from epdserve.scheduler.routing import Router
 
@@ -85,6 +86,7 @@ class RequestRun:
         self.first_at: float | None = None  # ... when it reached the scheduler (Unix seconds)
         self.resumed = 0  # output tokens the client already had (resume_token_ids)
         self.aborted = False
+        self.prefix: list[int] = []  # the prompt's chunk hashes, for cache-aware routing (prompt_chunks.py)
         self._wake = asyncio.Event()
 
     def abort(self) -> None:
@@ -169,7 +171,7 @@ class RequestRun:
             seen.add(m.key)
         prompt = prep.prompt_token_ids + self.generated
         remaining = prep.max_tokens - len(self.generated)
-        plan, lease = d.router.plan(len(prompt), remaining, media_tokens, encode, avoid)
+        plan, lease = d.router.plan(len(prompt), remaining, media_tokens, encode, avoid, prefix=self.prefix)
         encoding = {prep.media[i].key for _, items in plan.encodes for i in items}
         refs = [
             instance_pb2.MediaRef(key=m.key, data=m.data, grid_thw=m.grid_thw, num_tokens=m.num_tokens,
@@ -258,6 +260,8 @@ class Dispatcher:
         self.background: set[asyncio.Task] = set()
         self._admitted = 0
         self.pixels = PixelBudget(config.max_pixels_in_flight)
+        self.chunker = PromptChunker((preprocessor.image_token_id, preprocessor.processor.video_token_id)) \
+            if router.cache_aware else None
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
         registry.on_down(self._instance_down)
 
@@ -290,12 +294,13 @@ class Dispatcher:
             if req.request_id and req.request_id in self.runs:
                 raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
             loop = asyncio.get_running_loop()
-            prep = await loop.run_in_executor(self._pool, self.preprocessor.prepare, req, self.registry.namespace)
+            prep, prefix = await loop.run_in_executor(self._pool, self._prepare, req, self.registry.namespace)
             if prep.request_id in self.runs:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
             run = RequestRun(self, prep, arrival, deadline)
             run.generated = self._resumed(req, prep)
             run.resumed = len(run.generated)
+            run.prefix = prefix
             self.runs[prep.request_id] = run
             ok = False
             try:
@@ -309,6 +314,11 @@ class Dispatcher:
         finally:
             self._admitted -= 1
             held.release()
+
+    def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str) -> tuple[PreparedRequest, list[int]]:
+        """In a worker thread: the prepared request and, for cache-aware routing, its prompt's chunk hashes."""
+        prep = self.preprocessor.prepare(req, namespace)
+        return prep, self.chunker.hashes(prep.prompt_token_ids, prep.media) if self.chunker is not None else []
 
     def _report_finished(self, run: RequestRun, ok: bool) -> None:
         """Tell `finished_listeners(ttft_s, tpot_s, ok, media, age_s)` how a request went (scheduler's

@@ -1,4 +1,4 @@
-"""Routing: which instances run one request attempt, by least outstanding work.
+"""Routing: which instances run one request attempt, by least outstanding work and cached prefix.
 
 Pipelines: a coupled instance (roles PD or EPD, one engine) takes the whole request;
 otherwise a P instance prefills and a separate D instance decodes. Media that need encoding
@@ -14,15 +14,31 @@ order, so it survives instances joining and leaving (an index would jump).
 Backpressure: an instance already running `max_inflight_per_instance` attempts is skipped; a
 pool with instances but all of them full raises RESOURCE_EXHAUSTED, an empty pool UNAVAILABLE.
 Instances in `avoid` (they just failed this request) are used only when nothing else is left.
+
+Cache-aware routing (policy "cache-aware", the default; "least-load" turns it off): the
+instance that prefills (coupled, or P) is chosen by cost = its outstanding work + the prompt
+tokens it would have to prefill for this request, i.e. the prompt less the prefix it probably
+holds (`PrefixIndex.matched` chunks x `CHUNK_TOKENS`, from where this router sent earlier
+prompts); the lowest cost wins, ties to the longer prefix, then the id cursor. This is the cost
+Dynamo's KV router minimises (prefill blocks still to compute + load). Work is in the same
+token units as least-load, so a held prefix is worth exactly the prefill it saves: an instance
+holding a hot prefix takes its requests until its queue is longer than the others' by more than
+that prefix, then the next one goes elsewhere (and that instance holds the prefix from then on),
+so a hot prefix cannot starve the rest. The lease counts only the uncached part of the prompt.
+With no prefix held anywhere (or a prompt shorter than one chunk) it is least-load exactly. D
+instances and E are always least-load. The chosen instance is recorded in the index.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from epdserve.scheduler.errors import RequestError
+from epdserve.scheduler.prefix_index import DEFAULT_CAPACITY, PrefixIndex
+from epdserve.scheduler.prompt_chunks import CHUNK_TOKENS
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 
 _ROLE_NAMES = {"E": "encode (E)", "P": "prefill (P)", "D": "decode (D)", "PD": "prefill+decode"}
+POLICIES = ("cache-aware", "least-load")  # `epdserve scheduler --routing`
 
 
 class Cursor:
@@ -46,6 +62,7 @@ class Plan:
     prefill: InstanceRecord | None = None
     decode: InstanceRecord | None = None
     encodes: list[tuple[InstanceRecord, list[int]]] = field(default_factory=list)  # E -> media indices
+    prefix_tokens: int = 0  # prompt tokens the index expects the target to hold already
 
     @property
     def target(self) -> InstanceRecord:
@@ -91,22 +108,36 @@ class WorkLease:
 
 
 class Router:
-    def __init__(self, registry: InstanceRegistry, max_inflight_per_instance: int = 256):
+    """`policy`: one of POLICIES; `index_capacity`: chunk hashes remembered per instance."""
+
+    def __init__(self, registry: InstanceRegistry, max_inflight_per_instance: int = 256,
+                 policy: str = "cache-aware", index_capacity: int = DEFAULT_CAPACITY):
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.registry = registry
         self.max_inflight = max_inflight_per_instance
+        self.policy = policy
+        self.index = PrefixIndex(index_capacity)
         self._cursors: dict[str, Cursor] = {}
+        registry.on_down(lambda rec: self.index.forget(rec.instance_id))
+
+    @property
+    def cache_aware(self) -> bool:
+        """Does `plan` use prompt chunk hashes (`prefix=`)?"""
+        return self.policy == "cache-aware"
 
     def plan(self, prompt_tokens: int, max_tokens: int, media_tokens: list[int], encode: list[int],
-             avoid: set[str] = frozenset()) -> tuple[Plan, WorkLease]:
+             avoid: set[str] = frozenset(), prefix: list[int] | None = None) -> tuple[Plan, WorkLease]:
         """Choose instances for one attempt and lease their work.
 
-        media_tokens: vision tokens of every media item; encode: indices of the items that need E.
+        media_tokens: vision tokens of every media item; encode: indices of the items that need E;
+        prefix: the prompt's chunk hashes (`PromptChunker.hashes`), for cache-aware routing.
         """
         plan = Plan()
         if self.registry.candidates("PD"):
-            plan.coupled = self._pick("PD", avoid, {})
+            plan.coupled, plan.prefix_tokens = self._pick_prefill("PD", avoid, prefix, prompt_tokens)
         else:
-            plan.prefill = self._pick("P", avoid, {})
+            plan.prefill, plan.prefix_tokens = self._pick_prefill("P", avoid, prefix, prompt_tokens)
             plan.decode = self._pick("D", avoid, {})
         inline = plan.target.encodes_inline  # EPD, or P+E (mode P-D)
         if encode and not inline and self.registry.candidates("E"):
@@ -118,16 +149,41 @@ class Router:
                 groups.setdefault(rec.instance_id, (rec, []))[1].append(i)
             plan.encodes = list(groups.values())
         lease = WorkLease()
+        fresh = prompt_tokens - plan.prefix_tokens
         if plan.coupled is not None:
-            lease.add(plan.coupled, "PD", prompt_tokens + max_tokens)
+            lease.add(plan.coupled, "PD", fresh + max_tokens)
         else:
-            lease.add(plan.prefill, "P", prompt_tokens)
+            lease.add(plan.prefill, "P", fresh)
             lease.add(plan.decode, "D", max_tokens)
         for rec, items in plan.encodes:
             lease.add(rec, "E", sum(media_tokens[i] for i in items))
         return plan, lease
 
+    def _pick_prefill(self, role: str, avoid: set[str], prefix: list[int] | None,
+                      prompt_tokens: int) -> tuple[InstanceRecord, int]:
+        """The prefilling instance ("PD" or "P") and the prompt tokens it probably holds."""
+        if not self.cache_aware or not prefix:
+            return self._pick(role, avoid, {}), 0
+        open_ = self._open(role, avoid)
+        held = {r.instance_id: min(self.index.matched(r, prefix) * CHUNK_TOKENS, prompt_tokens) for r in open_}
+        cost = {r.instance_id: r.outstanding[role] + prompt_tokens - held[r.instance_id] for r in open_}
+        least = min(cost.values())
+        tied = [r for r in open_ if cost[r.instance_id] == least]
+        longest = max(held[r.instance_id] for r in tied)
+        pick = self._cursors.setdefault(role, Cursor()).choose([r for r in tied if held[r.instance_id] == longest])
+        self.index.record(pick, prefix)
+        return pick, held[pick.instance_id]
+
     def _pick(self, role: str, avoid: set[str], extra: dict[str, int]) -> InstanceRecord:
+        open_ = self._open(role, avoid)
+        work = {r.instance_id: r.outstanding[role] + extra.get(r.instance_id, 0) for r in open_}
+        least = min(work.values())
+        tied = [r for r in open_ if work[r.instance_id] == least]
+        return self._cursors.setdefault(role, Cursor()).choose(tied)
+
+    def _open(self, role: str, avoid: set[str]) -> list[InstanceRecord]:
+        """`role`'s routable instances not at their in-flight limit, those in `avoid` only if
+        nothing else is left. Raises UNAVAILABLE (none) or RESOURCE_EXHAUSTED (all full)."""
         pool = self.registry.candidates(role)
         if not pool:
             raise RequestError.unavailable(f"no healthy {_ROLE_NAMES[role]} instance")
@@ -137,7 +193,4 @@ class Router:
             raise RequestError.exhausted(
                 f"every {_ROLE_NAMES[role]} instance is at its limit of {self.max_inflight} requests in flight"
             )
-        work = {r.instance_id: r.outstanding[role] + extra.get(r.instance_id, 0) for r in open_}
-        least = min(work.values())
-        tied = [r for r in open_ if work[r.instance_id] == least]
-        return self._cursors.setdefault(role, Cursor()).choose(tied)
+        return open_

@@ -61,7 +61,7 @@ class SchedulerServer:
         self.channels = ChannelPool(aio_metadata_interceptors(cluster_metadata(sec.cluster_token)),
                                     channel_credentials(sec.internal_tls_ca, sec.internal_tls_cert,
                                                         sec.internal_tls_key) if sec.mutual_tls else None)
-        self.router = Router(self.registry, config.max_inflight_per_instance)
+        self.router = Router(self.registry, config.max_inflight_per_instance, config.routing, config.prefix_index_size)
         self.prober = HealthProber(config, self.registry, self.channels)
         self.dispatcher: Dispatcher | None = None
         self.address = ""
