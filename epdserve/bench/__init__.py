@@ -7,8 +7,12 @@ Modules:
 - `serve`: `bench serve`, live deployments' modes side by side; `serve_launch` (start / stop one
   mode), `serve_runner` (drive one workload, record the client's view), `openai_backend` (the
   same through an OpenAI-compatible HTTP server), `roster_watch` (role changes during a run),
-  `shift` (the `shift` workload, traffic whose shape changes mid-run), `report` (rows, tables,
-  figures), `spread` (bootstrap spread of a ratio between runs);
+  `shift` (the `shift` workload, traffic whose shape changes mid-run), `multiturn` (the
+  `multiturn` workload: conversations, TTFT per turn), `multiturn_runner` (closed loop per
+  conversation), `multiturn_report` (its per-turn tables), `report` (rows, tables, figures),
+  `spread` (bootstrap spread of a ratio between runs);
+- `multiturn_bench`: the prefix cache on / off and cache-aware / least-load routing on the
+  multiturn workload, one command (benchmarks/multiturn.py); `multiturn_compare` (its tables);
 - `vs_peer`: epdserve's modes against `transformers serve` on one workload, one command
   (benchmarks/vs_transformers_serve.py); `peer` (the peer's venv and process), `peer_compare`
   (its comparison and aim-ratio tables);

@@ -8,8 +8,11 @@ can drive either server. (One difference: the images come before the text, where
 prompts put them, so the HTTP and gRPC runs of a workload send the same tokens; vLLM's tool puts
 the text first.) Token counts per chunk come from ``choices[0].token_ids`` when the server returns
 them (``return_token_ids``, vLLM's extra, which epdserve honours), else one token per content
-chunk (what vLLM's benchmark assumes). The last delta carries usage (completion tokens, and
-``prompt_tokens_details.cached_tokens`` as cached vision tokens).
+chunk (what vLLM's benchmark assumes); each delta carries its text (a multi-turn history is built
+from it). A multi-turn request (``BenchRequest.chat``) goes as its messages, the media in the first
+user message. The last delta carries usage (completion tokens, and
+``prompt_tokens_details.cached_tokens``, the prompt tokens the server served from its KV prefix
+cache, as OpenAI and vLLM define it, when the server sends it).
 """
 from __future__ import annotations
 
@@ -41,8 +44,14 @@ def chat_body(request: BenchRequest) -> dict:
                for v in request.videos]  # the workload's prompts put videos first, then images
     content += [{"type": "image_url", "image_url": {"url": f"data:{_mime(im)};base64,{base64.b64encode(im).decode()}"}}
                 for im in request.images]
-    content.append({"type": "text", "text": user_text(request.prompt)})
-    return {"messages": [{"role": "user", "content": content}], "max_completion_tokens": request.max_tokens,
+    if request.chat:
+        (_, first), rest = request.chat[0], request.chat[1:]
+        content.append({"type": "text", "text": first})
+        messages = [{"role": "user", "content": content}] + [{"role": r, "content": t} for r, t in rest]
+    else:
+        content.append({"type": "text", "text": user_text(request.prompt)})
+        messages = [{"role": "user", "content": content}]
+    return {"messages": messages, "max_completion_tokens": request.max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
 
 
@@ -74,9 +83,10 @@ class OpenAIBackend:
                     continue
                 choice = chunk.choices[0]
                 ids = (choice.model_extra or {}).get("token_ids")
-                n = len(ids) if ids is not None else (1 if choice.delta and choice.delta.content else 0)
-                if n:
-                    yield SimpleNamespace(token_ids=list(ids) if ids is not None else [0] * n)
+                text = (choice.delta.content if choice.delta else None) or ""
+                n = len(ids) if ids is not None else (1 if text else 0)
+                if n or text:
+                    yield SimpleNamespace(token_ids=list(ids) if ids is not None else [0] * n, text=text)
                 if choice.finish_reason:
                     reason = choice.finish_reason
         finally:
@@ -92,5 +102,6 @@ def _usage(u) -> dict | None:
     if u is None:
         return None
     details = getattr(u, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None)
     return {"prompt_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-            "cached_vision_tokens": getattr(details, "cached_tokens", None) or 0}
+            **({"cached_tokens": cached} if cached is not None else {})}

@@ -7,13 +7,15 @@ line), `markdown` (per workload: one row per mode and rate: TTFT p50/p99, TPOT p
 requests, ITL p50/p99 over all gaps, goodput, with ratios against the baseline mode, text vs image
 TTFT for mixed traffic, the TTFT stage split, the highest rate meeting the p99 SLOs) and `plot`
 (per workload, one PNG: TTFT CDF, TPOT CDF, goodput against rate, stage bars; matplotlib Agg). A run
-with phases (the shift workload) adds its per-phase table and a timeline PNG (bench/shift.py).
+with phases (the shift workload) adds its per-phase table and a timeline PNG (bench/shift.py); a
+multi-turn run adds its per-turn tables (bench/multiturn_report.py), and its rows their turn.
 """
 from __future__ import annotations
 
 import math
 import pathlib
 
+from epdserve.bench.multiturn_report import turn_table
 from epdserve.bench.shift import phase_table, plot_timeline
 from epdserve.bench.spread import fmt_ratio, goodput_ratio_interval, median_ratio_interval
 from epdserve.perf.serving_metrics import POST_STAGES, TTFT_STAGES, RequestRecord, max_rate_meeting_slo, ttft_segments
@@ -34,6 +36,10 @@ def request_rows(records: list[RequestRecord]) -> list[dict]:
                      "prompt_tokens": r.prompt_tokens, "vision_tokens": r.vision_tokens,
                      "cached_vision_tokens": r.cached_vision_tokens,
                      "stages_ms": {k: round(v * 1e3, 3) for k, v in ttft_segments(r).items()}})
+        if r.turn is not None:
+            rows[-1]["turn"] = r.turn
+        if r.cached_tokens is not None:
+            rows[-1]["cached_tokens"] = r.cached_tokens
     return rows
 
 
@@ -140,6 +146,7 @@ def markdown(report: dict, baseline: str | None = "monolithic") -> str:
                     f"{_f((run.get('load_avg_1m') or [None])[0])} |")
         out += _kind_table(modes, base)
         out += phase_table(modes)
+        out += turn_table(modes)
         out += _stage_table(modes)
         out += _max_rate_lines(modes)
     return "\n".join(out)

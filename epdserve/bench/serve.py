@@ -12,7 +12,10 @@ stage, with ratios against the first target; the log line of each run prints the
 percentiles. Results: one JSON (written after every run, so a stopped benchmark keeps what it
 measured), a Markdown table (stdout and `<out>.md`) and one PNG per workload. `--workload shift`
 changes the traffic's shape mid-run (image-heavy -> text-heavy -> mixed) and adds per-phase
-figures and a timeline PNG (bench/shift.py).
+figures and a timeline PNG (bench/shift.py). `--workload multiturn` runs `--conversations`
+conversations of `--turns` turns over their images, each turn after the previous answer plus
+`--think-time-s`, conversations started at the request rate, and adds TTFT per turn
+(bench/multiturn.py).
 """
 from __future__ import annotations
 
@@ -26,12 +29,16 @@ import sys
 import time
 from contextlib import nullcontext
 
+from epdserve.bench.multiturn import add_arguments as add_multiturn_arguments
+from epdserve.bench.multiturn import multiturn_config, run_multiturn
+from epdserve.bench.multiturn_report import turn_summary
 from epdserve.bench.report import latency_summary, markdown, plot, request_rows
 from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
 from epdserve.bench.shift import DEFAULT_PHASES, SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
 from epdserve.commands import add_command
 from epdserve.instance.modes import MODES as DEPLOYMENT_MODES
+from epdserve.perf.multiturn import MULTITURN, MultiturnConfig
 from epdserve.perf.presets import PRESET_RATES, PRESETS
 from epdserve.perf.serving_metrics import SLO, compute_metrics
 from epdserve.perf.workload import WorkloadConfig, build_workload, parse_mix
@@ -70,7 +77,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w = p.add_argument_group("workload (a preset, with any knob overridden)")
     w.add_argument("--workload", default="sharegpt4o",
                    help=f"comma-separated presets: {','.join(PRESETS)}, or {SHIFT}: image-heavy -> text-heavy -> "
-                        "mixed in one run, arrivals continuous, metrics per phase (default sharegpt4o)")
+                        f"mixed in one run, arrivals continuous, metrics per phase, or {MULTITURN}: conversations "
+                        "over their images, TTFT per turn (the rate: conversations per second) (default sharegpt4o)")
     w.add_argument("--shift-phases", metavar="PRESET[:F],...",
                    help=f"with --workload {SHIFT}: its phases in order, each optionally with a factor on the request "
                         "rate, e.g. image-heavy,text-heavy:3,mixed:2 (default image-heavy,text-heavy,mixed)")
@@ -84,6 +92,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--text-only-share", type=float, help="share of text-only requests (mixed traffic)")
     w.add_argument("--repeated-image-share", type=float, help="share of image slots reusing an earlier image")
     w.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
+    add_multiturn_arguments(w)
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", default="preset", metavar="R[,R...]",
                    help="requests/s, a comma-separated sweep; inf = all at once; preset = each workload's own "
@@ -107,8 +116,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def workload_configs(args) -> list[WorkloadConfig]:
     out = []
     for name in [n.strip() for n in args.workload.split(",") if n.strip()]:
+        if name == MULTITURN:
+            out.append(multiturn_config(args))
+            continue
         if name not in PRESETS and name != SHIFT:
-            raise SystemExit(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}, {SHIFT}")
+            raise SystemExit(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}, {SHIFT}, {MULTITURN}")
         changes: dict = {"seed": args.seed}
         if args.num_requests:
             changes["num_requests"] = args.num_requests
@@ -152,8 +164,8 @@ def parse_phases(spec: str | None) -> tuple[tuple[str, ...], tuple[float, ...]]:
     return tuple(names), (tuple(factors) if any(f != 1.0 for f in factors) else ())
 
 
-def describe(cfg: WorkloadConfig | ShiftConfig) -> str:
-    if isinstance(cfg, ShiftConfig):
+def describe(cfg: WorkloadConfig | ShiftConfig | MultiturnConfig) -> str:
+    if isinstance(cfg, (ShiftConfig, MultiturnConfig)):
         return cfg.summary()
     img = f"{cfg.images_min}" if cfg.images_min == cfg.images_max else f"{cfg.images_min}-{cfg.images_max}"
     mix = "/".join(f"{n}:{w:g}" for n, w in cfg.resolution_mix)
@@ -192,18 +204,23 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
         mode_entry = entry["modes"].setdefault(label, {"runs": []})
         for i, rate in enumerate(parse_rates(rates, cfg.name)):
             run_cfg = cfg.with_(seed=cfg.seed + 1000 * i)  # fresh images per rate, same for every target
+            multiturn = isinstance(run_cfg, MultiturnConfig)
             shift = build_shift(run_cfg, rate, args.burstiness) if isinstance(run_cfg, ShiftConfig) else None
-            requests = shift.requests if shift else build_workload(run_cfg)
+            requests = shift.requests if shift else None if multiturn else build_workload(run_cfg)
             rc = RunConfig(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                            seed=run_cfg.seed, progress=not args.no_progress, label=f"{label} {cfg.name} {rate:g}/s")
             t0, load0 = time.time(), _load()
             watch = RosterWatch(backend.address) if shift and getattr(backend, "address", None) else nullcontext()
+            extra: dict = {}
             with watch:
-                records = run_requests(backend, requests, rc, offsets=shift.offsets if shift else None)
+                if multiturn:
+                    records, extra = run_multiturn(backend, run_cfg, rc, slo)
+                else:
+                    records = run_requests(backend, requests, rc, offsets=shift.offsets if shift else None)
             m = compute_metrics(records, slo)
             run_entry = {"rate": rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                          "seed": run_cfg.seed, "wall_s": round(time.time() - t0, 2), "load_avg_1m": [load0, _load()],
-                         "metrics": m, "requests": request_rows(records)}
+                         "metrics": m, "requests": request_rows(records), **extra}
             if shift:
                 run_entry.update(annotate_rows(run_entry["requests"], records, shift, slo),
                                  phases=phase_metrics(shift, records, slo),
@@ -211,7 +228,8 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
             mode_entry["runs"].append(run_entry)
             _log(f"[{label}] {cfg.name} @ {rc.describe()}: {m['completed']}/{m['num_requests']} ok, "
                  f"goodput {m['goodput']:.3f} req/s, SLO {100 * m['slo_attainment']:.0f}%, "
-                 f"TTFT p50 {m['ttft_ms']['median'] or 0:.0f} ms, {latency_summary(m)}")
+                 f"TTFT p50 {m['ttft_ms']['median'] or 0:.0f} ms, {latency_summary(m)}"
+                 + (f", {turn_summary(extra['turns'])}" if "turns" in extra else ""))
             save()
 
 

@@ -6,8 +6,10 @@ Owns `RunConfig` (arrivals: rate + burstiness, or closed loop at a max concurren
 from worker threads, times every streamed message on the monotonic clock and returns one
 `RequestRecord` per request, with a tqdm progress bar.
 
-A delta is read duck-typed: `token_ids`, `finished`, `finish_reason`, and on the last one
-`usage` / `timing` (protobuf messages, dataclasses, dicts or plain objects).
+A delta is read duck-typed: `token_ids`, `text` (kept: a multi-turn history is built from it),
+`finished`, `finish_reason`, and on the last one `usage` / `timing` (protobuf messages,
+dataclasses, dicts or plain objects); usage's `cached_tokens` (KV-cached prompt tokens) is
+recorded only when the server's usage has the field.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from epdserve.perf.arrivals import arrival_times
 from epdserve.perf.serving_metrics import RequestRecord
 from epdserve.perf.workload import BenchRequest
 
-USAGE_FIELDS = ("prompt_tokens", "prompt_text_tokens", "vision_tokens", "cached_vision_tokens", "output_tokens")
+USAGE_FIELDS = ("prompt_tokens", "prompt_text_tokens", "vision_tokens", "cached_vision_tokens", "output_tokens",
+                "cached_tokens")
 TIMING_FIELDS = ("arrival", "dispatched", "encode_start", "encode_end", "prefill_start", "first_token",
                  "kv_transfer_end", "first_decode", "finished")
 
@@ -91,7 +94,8 @@ def _error_text(e: BaseException) -> str:
 def send_one(backend: Backend, req: BenchRequest) -> RequestRecord:
     """One request through `backend`, timed message by message."""
     rec = RequestRecord(req.request_id, t0=0.0, kind=req.kind, num_images=len(req.images),
-                        expected_output_tokens=req.max_tokens)
+                        expected_output_tokens=req.max_tokens, turn=req.turn)
+    text: list[str] = []
     rec.t0_wall, rec.t0 = time.time(), time.monotonic()
     finished, reason = False, ""
     try:
@@ -102,6 +106,9 @@ def send_one(backend: Backend, req: BenchRequest) -> RequestRecord:
             if n:
                 rec.chunk_times.append(now)
                 rec.chunk_tokens.append(n)
+            piece = getattr(delta, "text", None)
+            if piece:
+                text.append(piece)
             if getattr(delta, "finished", False):
                 finished, reason = True, getattr(delta, "finish_reason", "") or ""
                 for k, v in fields_of(getattr(delta, "usage", None), USAGE_FIELDS).items():
@@ -110,6 +117,8 @@ def send_one(backend: Backend, req: BenchRequest) -> RequestRecord:
     except Exception as e:  # any failure of this request is recorded, never raised
         rec.end, rec.error = time.monotonic(), _error_text(e)
         return rec
+    finally:
+        rec.output_text = "".join(text)
     if rec.end is None:
         rec.end = time.monotonic()
     if not finished:

@@ -35,4 +35,7 @@ PRESETS = {
 PRESET_RATES = {"sharegpt4o": (0.25, 0.5), "image-heavy": (0.2, 0.4), "mixed": (0.5, 1.0), "text-heavy": (0.4, 0.8),
                 # bench/shift.py (image-heavy -> text-heavy -> mixed): not measured; the second rate is
                 # over image-heavy's sweep and under the others', so the first phase alone overloads
-                "shift": (0.3, 0.6)}
+                "shift": (0.3, 0.6),
+                # perf/multiturn.py: conversations started per second (each sends its turns one after
+                # another); not measured: about one conversation in flight at the lower rate
+                "multiturn": (0.1, 0.25)}

@@ -50,6 +50,9 @@ class RequestRecord:
     vision_tokens: int = 0
     cached_vision_tokens: int = 0
     output_tokens: int = 0  # from usage; falls back to the tokens counted in the stream
+    cached_tokens: int | None = None  # prompt tokens whose KV the server reused (None: not reported)
+    output_text: str = ""  # the streamed text (a multi-turn history is built from it)
+    turn: int | None = None  # multi-turn workloads: the request's turn, from 1
     timing: dict[str, float] = field(default_factory=dict)  # server stage timestamps (Unix s, 0 = absent)
 
     @property

@@ -143,6 +143,9 @@ class BenchRequest:
     max_tokens: int = 16
     videos: list[bytes] = field(default_factory=list)  # MP4 clips
     video_labels: list[str] = field(default_factory=list)  # "<resolution>/<seconds>s" of each clip
+    turn: int | None = None  # multi-turn workloads (perf/multiturn.py): this request's turn, from 1
+    # multi-turn: the (role, text) messages, media in the first user message; empty: the prompt's one turn
+    chat: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
