@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 import xxhash
 
 CHUNK_TOKENS = 16
+_PACK = struct.Struct("<Q").pack
 
 
 class PromptChunker:
@@ -38,19 +39,18 @@ class PromptChunker:
             return []
         raw = array("q", token_ids[:n * c]).tobytes()
         spans = self._spans(token_ids, media)
-        out, prev, s = [], 0, 0
+        out, prev, s, width = [], 0, 0, 8 * c
         for i in range(n):
             lo, hi = i * c, (i + 1) * c
-            h = xxhash.xxh3_64(struct.pack("<Q", prev))
-            h.update(raw[lo * 8:hi * 8])
+            data = _PACK(prev) + raw[i * width:(i + 1) * width]
             while s < len(spans) and spans[s][2] <= lo:  # spans wholly before this chunk
                 s += 1
             for ident, start, end in spans[s:]:
                 if start >= hi:
                     break
                 a, b = max(lo, start), min(hi, end)
-                h.update(f"{ident}|{a - start}|{b - a};".encode())
-            prev = h.intdigest()
+                data += f"{ident}|{a - start}|{b - a};".encode()
+            prev = xxhash.xxh3_64_intdigest(data)
             out.append(prev)
         return out
 
