@@ -4,7 +4,7 @@ Owns the run: one `epdserve bench serve --workload multiturn` child over six tar
 one after another, each pair back to back: monolithic with the prefix cache on, then off
 (`--cache-off-arg`, default --no-prefix-caching); P-D on, then off; P-D with 2 P instances
 (--prefill 2) with the scheduler's default cache-aware routing, then with least-load routing
-(`--least-load-arg`, default `--scheduler-args=--routing least-load`). Every target runs the same
+(`--least-load-arg`, default `--scheduler-args='--routing least-load'`). Every target runs the same
 conversations `--repeats` times (repeat k: the same seed, images and start times for every
 target, a seed no other repeat uses, so no run finds an earlier run's prefix in the cache); then
 the tables of bench/multiturn_compare.py (per target; per pair the turns >= 2 TTFT p50 and SLO
@@ -51,9 +51,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-off-arg", default="--no-prefix-caching",
                     help="`epdserve launch` arguments that turn the prefix cache off (default --no-prefix-caching)")
     ap.add_argument("--two-p-arg", default="--prefill 2", help="launch arguments of the 2-P targets (default --prefill 2)")
-    ap.add_argument("--least-load-arg", default="--scheduler-args=--routing least-load",
-                    help="launch arguments of the least-load target, added to --two-p-arg "
-                         "(default '--scheduler-args=--routing least-load')")
+    ap.add_argument("--least-load-arg", default="--scheduler-args='--routing least-load'",
+                    help="launch arguments of the least-load target, added to --two-p-arg, shell-quoted "
+                         "(default: --scheduler-args='--routing least-load')")
     ap.add_argument("--launch-arg", default="", help="extra `epdserve launch` arguments for every target")
     ap.add_argument("--bench-arg", action="append", default=[], help="extra `bench serve` argument (repeatable)")
     ap.add_argument("--launch-timeout", type=float, default=900.0, help="seconds a deployment may take to start")

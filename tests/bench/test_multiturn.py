@@ -1,6 +1,7 @@
 """bench serve --workload multiturn without a server: the closed loop per conversation, the per-turn
 report, the benchmark's targets and on/off ratios (a scripted backend and synthetic reports)."""
 import argparse
+import shlex
 import threading
 import time
 from types import SimpleNamespace
@@ -129,7 +130,7 @@ def test_pair_ratios_per_repeat_and_aims():
 
 
 def test_benchmark_targets_pairs_back_to_back_with_their_launch_args():
-    a = parser().parse_args(["--quick", "--least-load-arg", "--scheduler-args='--routing least-load'"])
+    a = parser().parse_args(["--quick"])
     modes, mode_args = targets(a, PAIRS)
     assert modes == ["monolithic", "monolithic#no-cache", "P-D", "P-D#no-cache", "P-D#2P", "P-D#2P-least-load"]
     assert "monolithic#no-cache=--no-prefix-caching" in mode_args and "P-D#2P=--prefill 2" in mode_args
@@ -139,6 +140,8 @@ def test_benchmark_targets_pairs_back_to_back_with_their_launch_args():
     assert argv[argv.index("--request-rate") + 1] == "1" and argv[argv.index("--turns") + 1] == "2"
     args = _args(argv[2:])  # bench serve accepts what the benchmark passes
     assert args.modes.split(",") == modes
+    ll = next(m for m in args.mode_arg if m.startswith("P-D#2P-least-load="))
+    assert shlex.split(ll.partition("=")[2]) == ["--prefill", "2", "--scheduler-args=--routing least-load"]
 
 
 def test_openai_body_sends_the_history_as_messages():
