@@ -22,6 +22,8 @@ Modules:
 - `host`: `bench host`, host time per decode step;
 - `mm_store`: `bench mm-store`, the MM Store against raw redis-py;
 - `kv_transfer_cli`: `bench kv-transfer`'s flags; `kv_transfer`: its runner and decode peer;
+- `kv_prefix_reuse`: KV bytes per turn over the P->D hop with D's prefix cache on / off
+  (benchmarks/kv_prefix_reuse_bench.py; `PDPair`, a P and a D engine over one gloo pair);
 - `ops`: `bench ops`, native against portable paged operators;
 - `colocation`: `bench colocation`, co-located encode against decode, per policy;
 - `profile`: the `epdserve profile` command (the measurements: `perf.profiler`).

@@ -113,7 +113,8 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in flight")
         seq = Sequence(rid, list(req.prompt_token_ids), req.params, media=list(req.media),
                        arrival=next(self._arrivals), feature_target=req.feature_target,
-                       kv_transfer=req.kv_transfer, num_vision_tokens_hint=req.num_vision_tokens)
+                       kv_transfer=req.kv_transfer, num_vision_tokens_hint=req.num_vision_tokens,
+                       media_identity=tuple(req.media_identity))
         self._validate(seq)
         seq.timings["arrival"] = time.time()
         if req.params.seed is not None:  # a decode side continues a remote sampler: another stream
@@ -253,6 +254,4 @@ class LLMEngine:
     def load_report(self) -> dict[str, int]:
         r, enc = self.scheduler.load(), self.encoder
         return {**r, "waiting": r["waiting"] + len(enc.pending), "queued_media": sum(len(s.media) for s in enc.pending),
-                "encoder_runs": enc.encoder_runs, "recomputes": enc.recomputes,
-                "prefix_queried_tokens": self.scheduler.prefix_queried_tokens,
-                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens}
+                "encoder_runs": enc.encoder_runs, "recomputes": enc.recomputes}

@@ -7,6 +7,10 @@ another image differs from that image's first block on (vLLM keys blocks by the 
 same way, `vllm/v1/core/kv_cache_utils.py` `generate_block_hash_extra_keys`). M-RoPE positions
 and DeepStack features depend on nothing past the tokens and media of the prefix, so the KV of
 a prefix is a function of its hash.
+
+A decode-only engine holds no media, only their identity (`Sequence.media_identity`, from the
+request): its imported KV is hashed the same way. A prompt whose placeholder tokens the media
+(or identities) do not account for is never hashed, so it can neither serve nor take a prefix.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ class PrefixHasher:
             return memo[:n]
         spans = seq.media_spans if seq.media_spans is not None else self._media_spans(seq)
         seq.media_spans = spans
+        if spans is UNHASHABLE:
+            return []
         prev = memo[-1] if memo else 0
         for i in range(len(memo), n):
             lo, hi = i * bs, (i + 1) * bs
@@ -45,17 +51,28 @@ class PrefixHasher:
             memo.append(prev)
         return memo[:n]
 
-    def _media_spans(self, seq: Sequence) -> list[tuple[str, str, int, int]]:
+    def _media_spans(self, seq: Sequence) -> list[tuple[str, str, int, int]] | tuple:
         """(key, grid and timing, first token, end) per media item, its placeholder tokens in
-        prompt order (a Qwen3-VL video's placeholder runs, text between, count as one span)."""
+        prompt order (a Qwen3-VL video's placeholder runs, text between, count as one span);
+        UNHASHABLE when the media do not account for every placeholder token."""
+        ids = [(m.key, media_extra(m.grid_thw.reshape(-1).tolist(),
+                                   getattr(m.input, "seconds_per_grid", None) if m.input is not None else None),
+                m.num_tokens) for m in seq.media] or list(seq.media_identity)
         positions = [i for i, t in enumerate(seq.prompt_token_ids) if t in self.visual]
+        if sum(n for _, _, n in ids) != len(positions):
+            return UNHASHABLE
         out, r = [], 0
-        for m in seq.media:
-            mine = positions[r:r + m.num_tokens]
-            r += m.num_tokens
-            if not mine:
-                break
-            grid = tuple(int(x) for x in m.grid_thw.reshape(-1).tolist())
-            spg = getattr(m.input, "seconds_per_grid", None) if m.input is not None else None
-            out.append((m.key, f"{grid}/{spg}", mine[0], mine[-1] + 1))
+        for key, extra, n in ids:
+            mine = positions[r:r + n]
+            r += n
+            if mine:
+                out.append((key, extra, mine[0], mine[-1] + 1))
         return out
+
+
+UNHASHABLE = ("unhashable",)  # a request's media_spans when its blocks must never be hashed (compared by identity)
+
+
+def media_extra(grid_thw, seconds_per_grid=None) -> str:
+    """The identity of one media item beside its key: its grid and (video) timing."""
+    return f"{tuple(int(x) for x in grid_thw)}/{seconds_per_grid}"

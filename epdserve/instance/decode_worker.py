@@ -3,9 +3,13 @@
 An adapter between the Decode RPC stream and the engine:
     reserve  the pair to the P peer built or reused (`LayerwiseRecvConnector.pair_for`: this
              side names it "<P id>><D id>/g<n>", n growing with every rebuild); the engine takes
-             the request with `RemotePrefill`, reserves blocks for prompt + max_tokens (so an
+             the request with `RemotePrefill` (and its media's identity, `media_identity`, so
+             that the KV it imports is cached under the same keys as P's), starts it on the
+             longest prefix of its prompt this engine's prefix cache holds (an earlier turn's
+             imported or decoded KV), reserves blocks for the rest of prompt + max_tokens (so an
              imported request is never preempted) and its connector expects the KV there; the
-             reservation (prompt blocks, block size, pair) goes back to the scheduler
+             reservation (prompt blocks, the cached tokens P need not send, block size, pair)
+             goes back to the scheduler
     begin    the first token and M-RoPE delta from P reach the connector; once the KV is in too,
              the engine decodes
     stream   every engine output to the handle; a failed transfer fails the request as
@@ -17,7 +21,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from google.protobuf.json_format import MessageToJson
+
 from epdserve.engine.engine_request import EngineRequest
+from epdserve.engine.prefix_hash import media_extra
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.instance.errors import BusyError, TransientError
 from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
@@ -30,6 +37,19 @@ class Reservation:
     block_ids: tuple[int, ...]
     block_size: int
     rdzv: PairRendezvous  # the P side's view (rank 0)
+    num_cached_tokens: int = 0  # the first tokens' KV is here already (whole blocks): P sends the rest
+
+
+def media_identity(refs) -> tuple[tuple[str, str, int], ...]:
+    """(key, extra, num_tokens) per `MediaRef` (data ignored) in prompt order: the prefix cache's
+    identity of each media item. An image's matches the one a prefilling engine hashes; a
+    video's carries its sampling spec in place of the seconds per grid that only decoding it
+    would tell (so the same video sampled otherwise never matches)."""
+    out = []
+    for r in refs:
+        timing = ("video " + MessageToJson(r.video, sort_keys=True, indent=None)) if r.HasField("video") else None
+        out.append((r.key, media_extra(r.grid_thw, timing), int(r.num_tokens)))
+    return tuple(out)
 
 
 class DecodeWorker(StageWorker):
@@ -45,7 +65,8 @@ class DecodeWorker(StageWorker):
 
     # ---------------------------------------------------------------- gRPC threads
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams, peer: str, kv_host: str,
-                kv_port: int, num_vision_tokens: int = 0) -> tuple[RequestHandle, Reservation]:
+                kv_port: int, num_vision_tokens: int = 0, media: tuple = ()) -> tuple[RequestHandle, Reservation]:
+        """`media`: `media_identity` of the request's media (empty: a prompt with media is not cached)."""
         handle = RequestHandle(request_id)
 
         def run() -> Reservation:
@@ -53,14 +74,14 @@ class DecodeWorker(StageWorker):
                 raise ValueError(f"request {request_id!r} is already in flight here")
             rdzv = self.connector.pair_for(peer, kv_host, kv_port)
             req = EngineRequest(request_id, list(prompt_ids), [], params, kv_transfer=RemotePrefill(peer),
-                                num_vision_tokens=num_vision_tokens)
+                                num_vision_tokens=num_vision_tokens, media_identity=tuple(media))
             try:
                 self.engine.add_request(req)
             except MemoryError as e:
                 raise BusyError(str(e)) from None
             self.handles[request_id] = handle
             return Reservation(self.connector.reserved_blocks(request_id), self.engine.config.block_size,
-                               rdzv.for_peer())
+                               rdzv.for_peer(), self.connector.cached_tokens(request_id))
 
         return handle, self.call(run).result(CALL_TIMEOUT_S)
 

@@ -15,6 +15,7 @@ import time
 import grpc
 
 from epdserve.instance import convert
+from epdserve.instance.decode_worker import media_identity
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.instance.errors import TransientError, status_for
 from epdserve.instance.sampling_wire import sampling_from_proto
@@ -118,7 +119,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                 prompt_token_ids=list(request.prompt_token_ids),
                 media=convert.media_items(w.engine, request.media),
                 params=sampling_from_proto(request.sampling),
-                kv_transfer=RemoteDecode(dec.decode_instance_id, tuple(dec.dst_block_ids)),
+                kv_transfer=RemoteDecode(dec.decode_instance_id, tuple(dec.dst_block_ids), dec.num_cached_tokens),
             )
 
         j = self._guard(context, job)
@@ -138,7 +139,6 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             num_prompt_tokens=out.num_prompt_tokens,
             num_vision_tokens=out.num_vision_tokens,
             num_cached_vision_tokens=out.num_cached_vision_tokens,
-            num_cached_tokens=out.num_cached_tokens,
             recomputed_keys=out.encoded_keys,
             timings=convert.timings_to_proto(t),
         )
@@ -157,12 +157,14 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "DecodeReserve needs prefill_instance_id and prefill_kv_endpoint")
         handle, res = self._guard(context, lambda: w.reserve(
-            rid, list(r.prompt_token_ids), params, r.prefill_instance_id, ep.host, int(ep.port), r.num_vision_tokens))
+            rid, list(r.prompt_token_ids), params, r.prefill_instance_id, ep.host, int(ep.port), r.num_vision_tokens,
+            media_identity(r.media)))
         context.add_callback(lambda: w.abort(rid))
         yield instance_pb2.DecodeOutput(reserved=instance_pb2.KvReservation(
             decode_instance_id=self.host.instance_id,
             dst_block_ids=list(res.block_ids),
             block_size=res.block_size,
+            num_cached_tokens=res.num_cached_tokens,
             pair=instance_pb2.KvPair(host=res.rdzv.host, port=res.rdzv.port, pair_name=res.rdzv.pair_name),
         ))
         nxt = next(request_iterator, None)

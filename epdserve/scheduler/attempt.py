@@ -59,7 +59,6 @@ class AttemptReport:
     already_stored: dict[str, bool] = field(default_factory=dict)  # E's answers: key -> found in store
     recomputed: set[str] = field(default_factory=set)  # P encoded these itself
     reported_cached_tokens: int = 0  # the prefilling instance's own count
-    kv_cached_tokens: int = 0  # prompt tokens whose KV the prefilling instance took from its prefix cache
 
 
 def merge_timings(into: common_pb2.StageTimings, new: common_pb2.StageTimings) -> None:
@@ -68,6 +67,14 @@ def merge_timings(into: common_pb2.StageTimings, new: common_pb2.StageTimings) -
         v = getattr(new, f.name)
         if v and not getattr(into, f.name):
             setattr(into, f.name, v)
+
+
+def _identity_only(m: instance_pb2.MediaRef) -> instance_pb2.MediaRef:
+    """A media reference without its bytes: what D's prefix cache keys imported KV by."""
+    out = instance_pb2.MediaRef()
+    out.CopyFrom(m)
+    out.ClearField("data")
+    return out
 
 
 class Attempt:
@@ -114,7 +121,6 @@ class Attempt:
             if d.finished or (first and d.token_ids):
                 first = False
                 self.report.reported_cached_tokens = d.num_cached_vision_tokens
-                self.report.kv_cached_tokens = d.num_cached_tokens
             yield self._piece(rec, "generate", d)
             if d.finished:
                 return
@@ -126,7 +132,7 @@ class Attempt:
         reserve = instance_pb2.DecodeReserve(
             request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, sampling=i.sampling,
             num_vision_tokens=i.num_vision_tokens, prefill_instance_id=p.instance_id,
-            prefill_kv_endpoint=p.kv_endpoint,
+            prefill_kv_endpoint=p.kv_endpoint, media=[_identity_only(m) for m in i.media],
         )
         await self._send(d, "decode", call.write(instance_pb2.DecodeInput(reserve=reserve)))
         out = await self._rpc(d, "decode", call.read())
@@ -145,7 +151,6 @@ class Attempt:
         merge_timings(self.report.timings, resp.timings)
         self.report.recomputed.update(resp.recomputed_keys)
         self.report.reported_cached_tokens = resp.num_cached_vision_tokens
-        self.report.kv_cached_tokens = resp.num_cached_tokens
         yield Piece([resp.first_token_id], resp.first_text, bool(resp.finish_reason), resp.finish_reason)
         if resp.finish_reason:
             self.close(abort=True)  # D frees its reservation, P its KV

@@ -24,10 +24,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RemoteDecode:
-    """Prefill role: send the prompt's KV to `peer`, into the blocks it reserved."""
+    """Prefill role: send the prompt's KV to `peer`, into the blocks it reserved
+    (`dst_block_ids`: one per prompt block, in order). The peer already holds the KV of the first
+    `num_cached_tokens` prompt tokens (whole blocks, its prefix cache): only the rest is sent."""
 
     peer: str
     dst_block_ids: tuple[int, ...]
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,16 @@ class KVConnector(ABC):
     # ------------------------------------------------------------------ scheduler side
     def num_remote_tokens(self, seq) -> int:
         """Prompt tokens of `seq` whose KV arrives from elsewhere instead of being computed here
-        (0: compute them). Asked once, when the request is added."""
+        (0: compute them), past the `seq.num_computed_tokens` this engine already holds. Asked
+        once, when the request is added (nothing held yet); the scheduler may then find a prefix
+        of the prompt in its own prefix cache, which `on_blocks_allocated` sees."""
         return 0
 
     def on_blocks_allocated(self, seq, block_ids: list[int]) -> None:
-        """The scheduler reserved `block_ids` for a request with remote tokens; the first
-        ceil(remote tokens / block size) of them receive the KV. Raise ValueError to refuse
-        (the scheduler then frees the blocks and the request is not added)."""
+        """The scheduler reserved `block_ids` (the whole table) for a request with remote tokens.
+        The first `seq.num_computed_tokens` tokens' blocks (whole blocks) already hold a cached
+        prefix; the blocks after them, up to ceil(prompt_len / block size), receive the KV. Raise
+        ValueError to refuse (the scheduler then frees the blocks and the request is not added)."""
 
     def build_step(self, batch) -> None:
         """Before a forward: `batch` (list of ScheduledSeq, each with its block ids) is what runs.

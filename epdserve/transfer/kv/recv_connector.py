@@ -3,10 +3,14 @@
 A request with `RemotePrefill` has all of its prompt's KV (and the first token) made elsewhere:
 `num_remote_tokens` says so, the scheduler reserves blocks for prompt + max_tokens, and
 `on_blocks_allocated` tells the receiver to expect the KV into the prompt's blocks (it is
-received by the pair's thread, straight into them). The prefill side's first token and M-RoPE
+received by the pair's thread, straight into them). When the scheduler found a prefix of the
+prompt in this engine's prefix cache (KV imported or decoded here for an earlier turn), those
+whole blocks are already in place: only the blocks after them are expected, and
+`cached_tokens` tells the prefill side (through the reservation) to send only those. The prefill side's first token and M-RoPE
 delta arrive through the control plane: `set_first_token`. `get_finished` reports a request as
 received once both are in (or failed), and counts it in `counters` (bytes received: whole
-blocks, every layer's K and V; failures: receives that failed, not requests aborted here). An
+blocks received, every layer's K and V; `bytes_skipped`: the cached blocks that did not travel;
+failures: receives that failed, not requests aborted here). An
 aborted request whose KV is still arriving is held (`request_finished` → True) until the
 receiver is done with its blocks. A failed request whose receives outlived the pair's teardown
 (HCCL: HcclCommDestroy returned E_AGAIN; `KVReceiver.quarantined`) is failed at once but its
@@ -29,7 +33,8 @@ from epdserve.transfer.kv.state import PairState, TransferCounters, TransferStat
 
 @dataclass
 class _Incoming:
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # every prompt block, the cached ones first
+    skip: int = 0  # leading blocks already cached here: not received
     kv_done: bool = False
     first_token: int | None = None
     rope_delta: int = 0
@@ -69,8 +74,13 @@ class LayerwiseRecvConnector(KVConnector):
         return rdzv
 
     def reserved_blocks(self, request_id: str) -> tuple[int, ...]:
-        """The blocks the request's prompt KV must be written into (for the prefill side)."""
+        """The blocks holding the request's prompt KV, in order (for the prefill side): the first
+        `cached_tokens(request_id) / block size` of them hold it already, the rest receive it."""
         return self._incoming[request_id].block_ids
+
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens whose KV this engine held already (whole blocks): not to be sent."""
+        return self._incoming[request_id].skip * self._block_size
 
     def set_first_token(self, request_id: str, token: int, rope_delta: int) -> None:
         """The prefill side's first token; KeyError if the request is not (any more) expected."""
@@ -81,12 +91,17 @@ class LayerwiseRecvConnector(KVConnector):
 
     # ------------------------------------------------------------------ scheduler side
     def num_remote_tokens(self, seq) -> int:
-        return seq.prompt_len if isinstance(seq.kv_transfer, RemotePrefill) else 0
+        return seq.prompt_len - seq.num_computed_tokens if isinstance(seq.kv_transfer, RemotePrefill) else 0
 
     def on_blocks_allocated(self, seq, block_ids: list[int]) -> None:
-        prompt_blocks = tuple(block_ids[: -(-seq.prompt_len // self._block_size)])
-        self.receiver.expect(RecvRequest(seq.request_id, seq.kv_transfer.peer, prompt_blocks, seq.prompt_len))
-        self._incoming[seq.request_id] = _Incoming(prompt_blocks)
+        bs, cached = self._block_size, seq.num_computed_tokens
+        if cached % bs or cached >= seq.prompt_len:
+            raise ValueError(f"{seq.request_id}: a cached prefix of {cached} tokens is not whole blocks "
+                             f"short of the {seq.prompt_len}-token prompt")
+        prompt_blocks, skip = tuple(block_ids[: -(-seq.prompt_len // bs)]), cached // bs
+        self.receiver.expect(RecvRequest(seq.request_id, seq.kv_transfer.peer, prompt_blocks[skip:],
+                                         seq.prompt_len - cached))
+        self._incoming[seq.request_id] = _Incoming(prompt_blocks, skip)
 
     def request_finished(self, seq) -> bool:
         inc = self._incoming.get(seq.request_id)
@@ -118,7 +133,8 @@ class LayerwiseRecvConnector(KVConnector):
                 done.append(FinishedTransfer(st.request_id, st.error or ("aborted" if inc.aborted else st.state.value)))
             else:
                 inc.kv_done = True
-                self.counters.bytes += len(inc.block_ids) * self._block_bytes
+                self.counters.bytes += (len(inc.block_ids) - inc.skip) * self._block_bytes
+                self.counters.bytes_skipped += inc.skip * self._block_bytes
         for rid in self.receiver.pop_released():  # the held blocks may go back to the free list
             inc = self._incoming.pop(rid, None)
             if inc is not None:

@@ -2,10 +2,12 @@
 
 Scheduler side: `build_step` opens one batch with every request whose prompt completes in the
 step and that carries a `RemoteDecode` (source blocks from the step's block tables, the prompt's
-blocks only); `request_finished` keeps a request's blocks while its transfer may still read
+blocks only, less the leading ones the decode side holds already: `RemoteDecode.num_cached_tokens`,
+its prefix cache); `request_finished` keeps a request's blocks while its transfer may still read
 them. Worker side: `save_kv_layer(i)` posts layer i (it travels while layer i+1 computes);
 `get_finished` reports sends that D acknowledged, failed, or could not begin, and counts them
-in `counters` (bytes of the acknowledged ones: whole blocks, every layer's K and V).
+in `counters` (bytes of the acknowledged ones: whole blocks, every layer's K and V; and the
+bytes the decode side's cache spared them).
 Pairs: `join(peer, rdzv)` builds (or keeps) the pair to a decode peer; a rendezvous older than
 the current pair's generation is refused (`StalePairError`).
 """
@@ -35,7 +37,7 @@ class LayerwiseSendConnector(KVConnector):
         self._block_bytes = 0  # one block, every layer's K and V
         self.counters = TransferCounters()
         self._pair_names: dict[str, str] = {}  # decode peer -> current pair name
-        self._inflight: dict[str, int] = {}  # sends begun, not yet reported finished -> their block count
+        self._inflight: dict[str, tuple[int, int]] = {}  # sends begun, not yet reported -> (blocks sent, skipped)
         self._refused: list[FinishedTransfer] = []
 
     def register_kv_cache(self, cache, platform) -> None:
@@ -64,14 +66,21 @@ class LayerwiseSendConnector(KVConnector):
 
     # ------------------------------------------------------------------ scheduler side
     def build_step(self, batch) -> None:
-        reqs = []
+        reqs, skipped = [], {}
         for item in batch:
             seq, dest = item.seq, item.seq.kv_transfer
             if not isinstance(dest, RemoteDecode) or item.end != seq.prompt_len:
                 continue
-            n = -(-seq.prompt_len // self._block_size)
-            reqs.append(SendRequest(seq.request_id, dest.peer, tuple(item.block_ids[:n]), dest.dst_block_ids,
-                                    seq.prompt_len))
+            n, cached = -(-seq.prompt_len // self._block_size), dest.num_cached_tokens
+            if cached % self._block_size or not 0 <= cached < seq.prompt_len or len(dest.dst_block_ids) != n:
+                self._refused.append(FinishedTransfer(
+                    seq.request_id, f"refused: the decode side's reservation ({len(dest.dst_block_ids)} blocks, "
+                                    f"{cached} cached tokens) does not fit a {seq.prompt_len}-token prompt"))
+                continue
+            skip = cached // self._block_size
+            reqs.append(SendRequest(seq.request_id, dest.peer, tuple(item.block_ids[skip:n]),
+                                    tuple(dest.dst_block_ids[skip:]), seq.prompt_len - cached))
+            skipped[seq.request_id] = skip
         if not reqs:
             return
         try:
@@ -80,7 +89,7 @@ class LayerwiseSendConnector(KVConnector):
             log.warning("KV transfer of %d request(s) refused: %s", len(reqs), e)
             self._refused.extend(FinishedTransfer(r.request_id, f"refused: {e}") for r in reqs)
             return
-        self._inflight.update((r.request_id, len(r.dst_block_ids)) for r in reqs)
+        self._inflight.update((r.request_id, (len(r.dst_block_ids), skipped[r.request_id])) for r in reqs)
 
     def request_finished(self, seq) -> bool:
         return seq.request_id in self._inflight
@@ -96,12 +105,13 @@ class LayerwiseSendConnector(KVConnector):
         sent, self._refused = self._refused, []
         self.counters.failures += len(sent)
         for st in self.sender.pop_finished():
-            blocks = self._inflight.pop(st.request_id, 0)
+            blocks, skip = self._inflight.pop(st.request_id, (0, 0))
             if st.error:
                 log.warning("KV transfer of %s to %s failed: %s", st.request_id, st.peer, st.error)
                 self.counters.failures += 1
             else:
                 self.counters.bytes += blocks * self._block_bytes
+                self.counters.bytes_skipped += skip * self._block_bytes
             sent.append(FinishedTransfer(st.request_id, st.error))
         return sent, []
 

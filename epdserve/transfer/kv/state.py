@@ -1,5 +1,5 @@
 """Transfer and pair states: the small enums the engine loop polls, one request's status, and a
-connector's running totals (`TransferCounters`)."""
+connector's running totals (`TransferCounters`: bytes moved, and bytes a prefix cache spared)."""
 from __future__ import annotations
 
 import enum
@@ -44,3 +44,4 @@ class TransferCounters:
 
     bytes: int = 0
     failures: int = 0
+    bytes_skipped: int = 0  # KV of prompt blocks the decode side held already (its prefix cache): not sent
