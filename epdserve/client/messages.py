@@ -43,6 +43,7 @@ class Usage:
     vision_tokens: int = 0
     cached_vision_tokens: int = 0  # served from the MM Store, not encoded for this request
     output_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens: KV reused from the prefilling instance's prefix cache
 
 
 class Timing:

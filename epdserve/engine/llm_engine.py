@@ -254,4 +254,6 @@ class LLMEngine:
     def load_report(self) -> dict[str, int]:
         r, enc = self.scheduler.load(), self.encoder
         return {**r, "waiting": r["waiting"] + len(enc.pending), "queued_media": sum(len(s.media) for s in enc.pending),
-                "encoder_runs": enc.encoder_runs, "recomputes": enc.recomputes}
+                "encoder_runs": enc.encoder_runs, "recomputes": enc.recomputes,
+                "prefix_queried_tokens": self.scheduler.prefix_queried_tokens,
+                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens}

@@ -92,6 +92,7 @@ class Scheduler:
         total = min(seq.prompt_len + seq.params.max_tokens, self.stop_checker.max_model_len)
         rid = seq.request_id
         self.reuse_prefix(seq)  # a prefix imported here before: only the rest arrives (on_blocks_allocated)
+        self._count_prefix(seq)
         if not self._blocks.can_grow(rid, total):
             self._blocks.free(rid)
             raise MemoryError(f"not enough free KV blocks for {total} tokens ({self._blocks.num_free} free)")
@@ -112,13 +113,19 @@ class Scheduler:
         bs = self._blocks.block_size
         hashes = self.hasher.hashes(seq, seq.num_tokens)
         blocks = self._blocks.lookup(hashes)[:(seq.num_tokens - 1) // bs]
-        self.prefix_queried_tokens += seq.prompt_len
         if not blocks:
             return 0
         self._blocks.adopt(seq.request_id, blocks)
         seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * bs
-        self.prefix_hit_tokens += seq.num_cached_tokens
         return seq.num_cached_tokens
+
+    def _count_prefix(self, seq: Sequence) -> None:
+        """A request's first admission: its prompt queried the prefix cache, its cached tokens hit
+        (once per request, however often it was looked up or preempted)."""
+        if self.hasher is not None and not seq.prefix_counted:
+            seq.prefix_counted = True
+            self.prefix_queried_tokens += seq.prompt_len
+            self.prefix_hit_tokens += seq.num_cached_tokens
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request wherever it is (blocks freed, or held while a transfer uses them)."""
@@ -214,6 +221,7 @@ class Scheduler:
             if item is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.popleft()
+            self._count_prefix(seq)
             seq.state = S.RUNNING
             self.running.append(seq)
             out.append(item)

@@ -85,6 +85,7 @@ class Sequence:
     kv_error: str | None = None  # the KV connector failed this request's transfer
     num_vision_tokens_hint: int = 0  # decode-only: vision tokens in the remote prompt (reporting)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix_counted: bool = False  # its first admission is in the scheduler's prefix-cache query/hit totals
     pinned_tokens: int = 0  # a cached prefix whose media were never encoded: kept through preemption
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full blocks so far
     media_spans: list | None = None  # (key, extra, first, end) per media item (engine/prefix_hash.py)

@@ -86,6 +86,7 @@ def token_delta(out: RequestOutput, request_id: str | None = None, **timing_extr
         num_prompt_tokens=out.num_prompt_tokens,
         num_vision_tokens=out.num_vision_tokens,
         num_cached_vision_tokens=out.num_cached_vision_tokens,
+        num_cached_tokens=out.num_cached_tokens,
     )
     if out.finished:
         d.timings.CopyFrom(timings_to_proto(out.timings, finished=time.time(), **timing_extra))

@@ -139,6 +139,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             num_prompt_tokens=out.num_prompt_tokens,
             num_vision_tokens=out.num_vision_tokens,
             num_cached_vision_tokens=out.num_cached_vision_tokens,
+            num_cached_tokens=out.num_cached_tokens,
             recomputed_keys=out.encoded_keys,
             timings=convert.timings_to_proto(t),
         )

@@ -50,13 +50,15 @@ class WorkerLoad:
 
 
 def sum_loads(loads: list[WorkerLoad]) -> common_pb2.Load:
-    """An instance's Load: every count summed over its workers; the hit rate over all lookups."""
+    """An instance's Load: every count summed over its workers; the hit rates over all lookups."""
     total = common_pb2.Load()
     for f in common_pb2.Load.DESCRIPTOR.fields:
-        if f.name != "mm_cache_hit_rate":
+        if f.name not in ("mm_cache_hit_rate", "prefix_cache_hit_rate"):
             setattr(total, f.name, sum(getattr(x.counts, f.name) for x in loads))
     lookups = sum(x.cache_lookups for x in loads)
     total.mm_cache_hit_rate = sum(x.cache_hits for x in loads) / lookups if lookups else 0.0
+    queried = total.prefix_queried_tokens
+    total.prefix_cache_hit_rate = total.prefix_hit_tokens / queried if queried else 0.0
     return total
 
 
@@ -254,6 +256,7 @@ class StageWorker:
             free_kv_blocks=r["free_kv_blocks"] if counts_kv else 0,
             total_kv_blocks=r["total_kv_blocks"] if counts_kv else 0,
             queued_media=r["queued_media"], images_encoded=r["encoder_runs"],
+            prefix_queried_tokens=r["prefix_queried_tokens"], prefix_hit_tokens=r["prefix_hit_tokens"],
         )
         _add_counters(counts, self.engine.stats.as_dict(), getattr(self.connector, "counters", None), self.role)
         return WorkerLoad(counts, hits, lookups, extra={

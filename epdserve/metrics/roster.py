@@ -2,11 +2,11 @@
 the scheduler's `InstanceRegistry` at scrape time.
 
 Instance-side metrics (batch, KV blocks in use, engine step time and batch size, P->D KV bytes
-and failed transfers) travel in the `Load` message of `GetLoad` / heartbeats, which the scheduler
-already collects for routing, rather than from a /metrics port per instance: one scrape target
-per deployment sees them all; no instance port is opened to the scraper (instances stay on the
-cluster network, behind the cluster token and mutual TLS); a new instance is scraped as soon as
-it registers, with no service discovery. The price: figures are as fresh as the last probe or
+and failed transfers, KV prefix cache queries and hits) travel in the `Load` message of
+`GetLoad` / heartbeats, which the scheduler already collects for routing, rather than from a
+/metrics port per instance: one scrape target per deployment sees them all; no instance port is
+opened to the scraper (instances stay on the cluster network, behind the cluster token and mutual
+TLS); a new instance is scraped as soon as it registers, with no service discovery. The price: figures are as fresh as the last probe or
 heartbeat (`--probe-interval`, `--heartbeat-interval`), and an instance's counters leave with it
 (Prometheus treats its return as a counter reset). They are labelled by instance and roles; the
 KV transfer metrics also by direction (P counts what it sent, D what it received).
@@ -63,6 +63,7 @@ class RosterCollector:
         yield vis
         yield from _kv_transfer(records)
         yield from _engine_steps(records)
+        yield from _prefix_cache(records)
 
 
 def _kv_transfer(records):
@@ -94,3 +95,17 @@ def _engine_steps(records):
         batch.add_metric([r.instance_id, r.roles], r.load.engine_steps, r.load.engine_step_requests)
     yield step
     yield batch
+
+
+def _prefix_cache(records):
+    """The KV prefix cache in tokens, as vLLM counts it (hit rate: hits / queries)."""
+    labels = ["instance", "roles"]
+    queries = CounterMetricFamily(P + "instance_prefix_cache_queries", "Prompt tokens looked up in the KV prefix "
+                                  "cache since start", labels=labels)
+    hits = CounterMetricFamily(P + "instance_prefix_cache_hits", "Prompt tokens whose KV came from the prefix "
+                               "cache since start", labels=labels)
+    for r in records:
+        queries.add_metric([r.instance_id, r.roles], r.load.prefix_queried_tokens)
+        hits.add_metric([r.instance_id, r.roles], r.load.prefix_hit_tokens)
+    yield queries
+    yield hits

@@ -59,6 +59,7 @@ class AttemptReport:
     already_stored: dict[str, bool] = field(default_factory=dict)  # E's answers: key -> found in store
     recomputed: set[str] = field(default_factory=set)  # P encoded these itself
     reported_cached_tokens: int = 0  # the prefilling instance's own count
+    kv_cached_tokens: int = 0  # prompt tokens whose KV the prefilling instance took from its prefix cache
 
 
 def merge_timings(into: common_pb2.StageTimings, new: common_pb2.StageTimings) -> None:
@@ -121,6 +122,7 @@ class Attempt:
             if d.finished or (first and d.token_ids):
                 first = False
                 self.report.reported_cached_tokens = d.num_cached_vision_tokens
+                self.report.kv_cached_tokens = d.num_cached_tokens
             yield self._piece(rec, "generate", d)
             if d.finished:
                 return
@@ -151,6 +153,7 @@ class Attempt:
         merge_timings(self.report.timings, resp.timings)
         self.report.recomputed.update(resp.recomputed_keys)
         self.report.reported_cached_tokens = resp.num_cached_vision_tokens
+        self.report.kv_cached_tokens = resp.num_cached_tokens
         yield Piece([resp.first_token_id], resp.first_text, bool(resp.finish_reason), resp.finish_reason)
         if resp.finish_reason:
             self.close(abort=True)  # D frees its reservation, P its KV

@@ -227,6 +227,7 @@ class RequestRun:
         return common_pb2.Usage(
             prompt_tokens=len(prep.prompt_token_ids), prompt_text_tokens=len(prep.prompt_token_ids) - vision,
             vision_tokens=vision, cached_vision_tokens=self._cached_vision_tokens(), output_tokens=len(self.generated),
+            cached_tokens=min(self.first.report.kv_cached_tokens, len(prep.prompt_token_ids)) if self.first else 0,
         )
 
     def _cached_vision_tokens(self) -> int:

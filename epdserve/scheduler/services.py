@@ -86,11 +86,14 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
         )
 
     async def GetServerInfo(self, request, context):
+        records = list(self.registry.records())
+        queried = sum(r.load.prefix_queried_tokens for r in records)
         return serve_pb2.ServerInfo(
             version=self.info["version"], scheduler_id=self.info["scheduler_id"], address=self.info["address"],
             started_at=self.info["started_at"], requests_in_flight=self.dispatcher.in_flight,
-            instances=[self._status(r, context) for r in self.registry.records()],
+            instances=[self._status(r, context) for r in records],
             mode=self.config.mode or self._mode(),
+            prefix_cache_hit_rate=sum(r.load.prefix_hit_tokens for r in records) / queried if queried else 0.0,
         )
 
     def _status(self, record, context):

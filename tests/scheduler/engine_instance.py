@@ -43,6 +43,7 @@ class _Servicer(instance_pb2_grpc.InstanceServicer):
                 request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
                 finish_reason=out.finish_reason or "" if out.finished else "", num_prompt_tokens=out.num_prompt_tokens,
                 num_vision_tokens=out.num_vision_tokens, num_cached_vision_tokens=out.num_cached_vision_tokens,
+                num_cached_tokens=out.num_cached_tokens,
             )
             for k in ("encode_start", "encode_end", "first_token"):
                 if out.timings.get(k):
@@ -87,7 +88,9 @@ class EngineInstance:
             instance_id=self.instance_id, roles="EPD", address=self.address, model=str(self.engine.config.model),
             media_namespace=self.engine.model.namespace,
             load=common_pb2.Load(running_requests=rep["running"], waiting_requests=rep["waiting"],
-                                 free_kv_blocks=rep["free_kv_blocks"], total_kv_blocks=rep["total_kv_blocks"]),
+                                 free_kv_blocks=rep["free_kv_blocks"], total_kv_blocks=rep["total_kv_blocks"],
+                                 prefix_queried_tokens=rep["prefix_queried_tokens"],
+                                 prefix_hit_tokens=rep["prefix_hit_tokens"]),
         )
 
     # ---------------------------------------------------------------- engine loop (one thread)

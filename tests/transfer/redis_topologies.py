@@ -85,7 +85,7 @@ class _Processes:
 
 
 class RedisClusterProcesses(_Processes):
-    def __init__(self, masters: int = 3, password: str = "cluster-secret", node_timeout_ms: int = 1000):
+    def __init__(self, masters: int = 3, password: str = "cluster-secret", node_timeout_ms: int = 5000):
         super().__init__(password)
         self.masters = masters
         self.node_timeout_ms = node_timeout_ms
@@ -104,12 +104,18 @@ class RedisClusterProcesses(_Processes):
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True,
                        env={**os.environ, "REDISCLI_AUTH": self.password}, timeout=60)
         for port in self.ports:
-            _wait(lambda p=port: self.cluster_state(p) == "ok", 30, f"cluster state ok on {port}")
+            _wait(lambda p=port: self._settled(p), 30, f"node {port} to see the whole cluster")
         return self
 
-    def cluster_state(self, port: int) -> str:
+    def cluster_info(self, port: int) -> dict[str, str]:
         info = self._client(port, password=self.password, decode_responses=True).execute_command("CLUSTER INFO")
-        return info["cluster_state"] if isinstance(info, dict) else info.split("cluster_state:")[1].split()[0]
+        return info if isinstance(info, dict) else dict(line.split(":", 1) for line in info.split() if ":" in line)
+
+    def _settled(self, port: int) -> bool:
+        """This node knows every master and sees all 16384 slots served (its CLUSTER INFO)."""
+        info = self.cluster_info(port)
+        return (info["cluster_state"] == "ok" and int(info["cluster_slots_ok"]) == 16384
+                and int(info["cluster_known_nodes"]) == self.masters)
 
     def url(self, with_password: bool = True) -> str:
         auth = f":{self.password}@" if with_password else ""
@@ -139,7 +145,7 @@ class RedisSentinelProcesses(_Processes):
         self._spawn("sentinel", self.sentinel, [
             f"sentinel monitor {self.service} {HOST} {self.primary} 1",
             f'sentinel auth-pass {self.service} "{self.password}"',
-            f"sentinel down-after-milliseconds {self.service} 500",
+            f"sentinel down-after-milliseconds {self.service} 2000",  # shorter: a loaded host fails over by itself
             f"sentinel failover-timeout {self.service} 5000"], sentinel=True)
         _wait(lambda: self.primary_port() == self.primary, 10, "the sentinel to see the primary")
         return self
@@ -152,7 +158,7 @@ class RedisSentinelProcesses(_Processes):
         auth = f":{self.password}@" if with_password else ""
         return f"redis+sentinel://{auth}{HOST}:{self.sentinel}/{self.service}"
 
-    def kill_primary(self, timeout_s: float = 30.0) -> None:
+    def kill_primary(self, timeout_s: float = 60.0) -> None:
         """SIGKILL the primary and wait until the sentinel names the replica instead."""
         self._kill(self.primary)
         _wait(lambda: self.primary_port() == self.replica, timeout_s, "the sentinel's failover")

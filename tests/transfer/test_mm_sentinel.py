@@ -22,9 +22,9 @@ def test_store_follows_a_sentinel_failover():
         try:
             assert conn.kind == "sentinel"
             store.put("ns:before", feature)
-            assert conn.call(lambda c: c.wait(1, 5000)) == 1  # the replica has it
+            assert conn.call(lambda c: c.wait(1, 10000)) == 1  # the replica has it
             topo.kill_primary()
-            got, deadline = None, time.monotonic() + 30
+            got, deadline = None, time.monotonic() + 60
             while got is None and time.monotonic() < deadline:
                 try:
                     got = store.get("ns:before")  # fails while the old primary is gone, then backs off

@@ -5,8 +5,8 @@
 request with a list of prompts has one choice per prompt, ``index`` its place in the list (a
 chunk carries the index of the prompt it continues); its usage is the prompts' sum. With
 `return_token_ids` (vLLM's extra) each choice carries ``token_ids``: all of them in a response,
-the new ones in each chunk. Usage puts the vision tokens served from the MM Store in
-``prompt_tokens_details.cached_tokens``.
+the new ones in each chunk. Usage puts the prompt tokens whose KV came from the prefilling
+instance's prefix cache in ``prompt_tokens_details.cached_tokens`` (as vLLM and OpenAI count them).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from epdserve.rpc import common_pb2
 def usage_dict(u: common_pb2.Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.output_tokens,
             "total_tokens": u.prompt_tokens + u.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_vision_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def sum_usage(usages) -> common_pb2.Usage:
