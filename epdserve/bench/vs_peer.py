@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
                                                         "'today's monolithic' of the goodput aim")
     ap.add_argument("--launch-arg", default="", help="extra `epdserve launch` arguments for every mode")
     ap.add_argument("--bench-arg", action="append", default=[], help="extra `bench serve` argument (repeatable)")
+    ap.add_argument("--mode-arg", action="append", default=[], metavar="MODE#NAME=ARGS",
+                    help="launch arguments of a variant named in --modes as MODE#NAME, e.g. "
+                         "'monolithic#no-budget=--no-step-budget' (repeatable)")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
     ap.add_argument("--out", default="vs-transformers-serve.json", help="merged JSON; also <out>.md")
     return ap
@@ -140,8 +143,9 @@ def _run_mode(mode: str, a, model: str, out: pathlib.Path, bench: list[str], env
 
     label = f"epdserve-{mode}"
     _log(f"[{label}] launching ...")
-    extra = ["--http-port", "0", *shlex.split(a.launch_arg)]
-    with launched(mode, model, extra, ready_timeout_s=a.ready_timeout, env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
+    variants = dict(v.split("=", 1) for v in a.mode_arg if "=" in v)
+    extra = ["--http-port", "0", *shlex.split(a.launch_arg), *shlex.split(variants.get(mode, ""))]
+    with launched(mode.split("#", 1)[0], model, extra, ready_timeout_s=a.ready_timeout, env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
         m = HTTP_RE.search(dep.ready_line)
         if not m:
             raise LaunchError(f"{mode}: the ready line names no http= URL: {dep.ready_line}")
