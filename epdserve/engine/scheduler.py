@@ -92,7 +92,6 @@ class Scheduler:
         total = min(seq.prompt_len + seq.params.max_tokens, self.stop_checker.max_model_len)
         rid = seq.request_id
         self.reuse_prefix(seq)  # a prefix imported here before: only the rest arrives (on_blocks_allocated)
-        self._count_prefix(seq)
         if not self._blocks.can_grow(rid, total):
             self._blocks.free(rid)
             raise MemoryError(f"not enough free KV blocks for {total} tokens ({self._blocks.num_free} free)")
