@@ -49,12 +49,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="rounds over the policies (default 3)")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="slo: the TPOT SLO decode is paced to keep (default 100)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "npu"), default="cpu",
+                   help="cpu: the policy comparison above; npu: the hardware check that each stage's kernels keep to "
+                        "its core limit (profiler kernel_details Block Dim; bench/colocation_npu.py)")
+    p.add_argument("--npu-share", type=float, default=0.5, help="npu: each stage stream's share of the cores (default 0.5)")
     p.add_argument("--out", default="bench-colocation.json", help="JSON report path (default: bench-colocation.json)")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device == "npu":
+        from epdserve.bench import colocation_npu
+
+        return colocation_npu.run(args)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     if not policies or any(x not in POLICIES for x in policies):
         raise SystemExit(f"--policies: choose from {','.join(POLICIES)}")
