@@ -26,5 +26,7 @@ Modules:
   (benchmarks/kv_prefix_reuse_bench.py; `PDPair`, a P and a D engine over one gloo pair);
 - `ops`: `bench ops`, native against portable paged operators;
 - `colocation`: `bench colocation`, co-located encode against decode, per policy;
+- `colocation_npu`: `bench colocation --device npu`, each stage's kernels under the profiler against its core limit;
+- `npu_kernel_details`: reads torch_npu's profiler kernel_details.csv, names kernels over their limit;
 - `profile`: the `epdserve profile` command (the measurements: `perf.profiler`).
 """

@@ -2,7 +2,8 @@
 docs/npu-colocation.md), on the fake torch_npu of each line: on 2.8.0 / 2.9.0 the KV write is the
 ATB `_npu_reshape_and_cache`, which ignores core limits (op-plugin torch_npu-set_stream_limit.md),
 so a P or D stage gets no stream limit and a warning naming it; E, and P / D on 2.12.0
-(`npu_scatter_pa_kv_cache`, Ascend C), are limited, the unclassified aten operators named."""
+(`npu_scatter_pa_kv_cache`, Ascend C), are limited, each aten operator named as not verified
+(ops/npu_aten_routes.py: aclnn route, kernel language not shown)."""
 import logging
 
 import pytest
@@ -36,7 +37,8 @@ def test_e_is_limited_on_every_line_its_aten_operators_named_unverified(line, mo
     with caplog.at_level(logging.WARNING):
         stream = _open("E", 0.3)
     assert stream.limits == (6, 12) and len(fake.of("set_stream_limit")) == 1
-    assert "E-worker: stream core limit set; not verified to bind the vision blocks' aten operators" in caplog.text
+    assert "E-worker: stream core limit set; not verified to bind aten::convolution (aclnnConvolution)" in caplog.text
+    assert "aten::mm (aclnnMm)" in caplog.text and "aten::embedding" not in caplog.text
 
 
 def test_p_on_2_12_is_limited_its_kv_write_being_ascend_c(monkeypatch, caplog):
@@ -49,3 +51,13 @@ def test_p_on_2_12_is_limited_its_kv_write_being_ascend_c(monkeypatch, caplog):
 
 def test_no_npu_operators_elsewhere():
     assert npu_stage_operators(CpuPlatform(), "P", None) == []
+
+
+def test_every_aten_operator_of_a_stage_is_classified_and_none_claims_to_honour_limits():
+    from epdserve.ops.npu_aten_routes import LANGUAGE, ROUTES, VISION
+    from epdserve.ops.npu_core_limits import UNVERIFIED, stage_operators
+
+    assert set(VISION) | set(LANGUAGE) <= set(ROUTES)
+    aten = [op for op in stage_operators("EPD", None) if op.name.startswith("aten::")]
+    assert aten and all(op.limit == UNVERIFIED and "aclnn" in op.name for op in aten)
+    assert len({op.name for op in aten}) == len(aten)  # each named once
