@@ -60,7 +60,7 @@ def test_mm_store_answers_and_closed_port_fails(capsys):
     assert f"fix MM Store: start a Redis/Valkey server at {url}" in out
 
     rc, out = doctor(capsys, "--mm-store", "http://127.0.0.1:1")
-    assert rc == 1 and "must start with redis://" in row(out, "MM Store")
+    assert rc == 1 and "must start with one of redis://" in row(out, "MM Store")
 
 
 def test_scheduler_answers_and_unreachable_fails(capsys, qwen2_vl_tiny):

@@ -68,10 +68,11 @@ def test_counters_follow_the_requests_sent(deployment):
     assert delta("epdserve:request_stage_seconds_count", stage="queue") == 3
     assert delta("epdserve:prompt_tokens_total") == sum(u[0] for u in usages)
     assert delta("epdserve:generation_tokens_total") == 5 + 5 + 3
-    cached = usages[1][2]
-    assert cached > 0 and delta("epdserve:mm_store_vision_tokens_total", result="hit") == cached
+    cached = usages[1][2]  # the second request's prompt KV reused from the prefix cache, whole blocks
+    assert cached > 0 and cached % 16 == 0
     # the same image twice: its vision tokens encoded once (miss), then served from the cache (hit)
-    assert delta("epdserve:mm_store_vision_tokens_total", result="miss") == cached
+    vision = delta("epdserve:mm_store_vision_tokens_total", result="miss")
+    assert vision > 0 and delta("epdserve:mm_store_vision_tokens_total", result="hit") == vision
     assert delta("epdserve:mm_store_vision_tokens_total", result="recompute") == 0
     assert after[("epdserve:num_requests_running", ())] == 0
     assert after[("epdserve:instances", (("health", "healthy"), ("roles", "EPD")))] == 1
