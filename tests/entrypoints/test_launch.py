@@ -162,6 +162,20 @@ def test_same_image_twice_is_served_from_the_mm_store(deployment):
     assert _images_encoded(deployment) - before == 1  # the encoder ran once, in whichever instance
 
 
+def test_second_turn_reuses_the_first_turns_kv_exactly(deployment, qwen2_vl_tiny):
+    """A conversation's next turn re-sends its history and image: the prefilling instance takes the
+    history's KV from its prefix cache, and the tokens are still transformers' greedy ones."""
+    img = image(7100 + MODES.index(deployment.mode), 112, 84)
+    turn1 = f"Turn one about {PH}, please describe what you see in some detail for the record."
+    with Client(deployment.address, timeout=120) as c:
+        first = c.generate(turn1, images=[img], max_tokens=MAX_TOKENS, ignore_eos=True)
+        turn2 = turn1 + first.text + " And what else is there?"
+        second = c.generate(turn2, images=[img], max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert first.usage.cached_tokens == 0 < second.usage.cached_tokens
+    assert second.usage.cached_tokens % 16 == 0 and second.usage.cached_tokens < second.usage.prompt_tokens
+    assert second.token_ids == ReferenceGenerator(qwen2_vl_tiny).generate(turn2, [img], max_tokens=MAX_TOKENS)
+
+
 def test_corrupt_image_fails_only_its_request(deployment):
     with Client(deployment.address, timeout=120) as c, ThreadPoolExecutor(4) as pool:
         good = [pool.submit(c.generate, f"Good {i} {PH}", images=[image(900 + i)], max_tokens=4) for i in range(3)]
