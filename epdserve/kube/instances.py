@@ -5,7 +5,8 @@ An instance advertises and binds its pod IP (`--host $(POD_IP)`): the scheduler 
 its D peers dial its KV rendezvous there, and its gloo pair sockets bind that address
 (transfer/kv/network.py), so GLOO_SOCKET_IFNAME is not needed and not set (the downward API gives
 an address, not an interface name). On Ascend, HCCL_IF_IP is the pod IP (downward API), which HCCL
-prefers over HCCL_SOCKET_IFNAME, and HCCL_HOST_SOCKET_PORT_RANGE is `Ports.hccl_host_range`.
+prefers over HCCL_SOCKET_IFNAME, and HCCL_HOST_SOCKET_PORT_RANGE is `Ports.hccl_host_range` where one is
+given (CANN documents it for some Atlas products only: ports.py).
 
 Stopping: SIGTERM is the drain (instance_cli: deregister from every scheduler, stop taking calls,
 let calls in flight finish for up to --drain-timeout, exit within it + INSTANCE_STOP_MARGIN_S);
@@ -37,8 +38,9 @@ def instance_args(v: KubeValues, roles: str) -> list[str]:
 def instance_env(v: KubeValues) -> list[dict]:
     env = [*pod.downward_env(), secret_env(v, CLUSTER_TOKEN), secret_env(v, MM_STORE_PASSWORD)]
     if v.flavour_spec.device == "npu":
-        env += [pod.field_env("HCCL_IF_IP", "status.podIP"),
-                {"name": "HCCL_HOST_SOCKET_PORT_RANGE", "value": v.ports.hccl_host_range}]
+        env.append(pod.field_env("HCCL_IF_IP", "status.podIP"))
+        if v.ports.hccl_host_range:
+            env.append({"name": "HCCL_HOST_SOCKET_PORT_RANGE", "value": v.ports.hccl_host_range})
     env += [{"name": k, "value": val} for k, val in v.flavour_spec.env.items()]
     return env
 

@@ -16,7 +16,10 @@ class Ports:
     http: int = 8000  # the OpenAI-compatible front and /metrics (API key)
     instance: int = 50061  # an instance's gRPC (Instance, KvStore): the scheduler and peer instances
     mm_store: int = 6379  # the try-out Redis of the MM Store
-    hccl_host_range: str = "60000-60099"  # HCCL_HOST_SOCKET_PORT_RANGE (Ascend P-D pairs), as scripts/atlas_node.sh
+    # HCCL_HOST_SOCKET_PORT_RANGE for Ascend P-D pairs, e.g. "60000-60099"; None: not set. CANN documents
+    # it for Atlas A3, 800T A2, 900 A2 PoD and 200T A2 Box16 only (HCCL user guide, hcclenvref_07_0020),
+    # so it is set only when asked for, as scripts/atlas_node.sh does
+    hccl_host_range: str | None = None
 
     def __post_init__(self):
         for name in ("scheduler", "internal", "http", "instance", "mm_store"):
