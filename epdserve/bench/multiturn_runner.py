@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from epdserve.bench.serve_runner import Backend, RunConfig, send_one
+from epdserve.bench.serve_runner import Backend, RunConfig, dispatch_at, send_one
 from epdserve.perf.arrivals import arrival_times
 from epdserve.perf.multiturn import Conversation
 from epdserve.perf.serving_metrics import RequestRecord
@@ -60,16 +59,7 @@ def run_conversations(backend: Backend, conversations: list[Conversation], cfg: 
             if limit:
                 limit.release()
 
-    workers = min(len(conversations), cfg.max_concurrency or len(conversations), 512) or 1
-    start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench-conv") as pool:
-        for i, offset in enumerate(starts):
-            delay = start + offset - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            if limit:
-                limit.acquire()
-            pool.submit(work, i)
+    dispatch_at(starts, work, limit, cfg, "bench-conv")
     if bar is not None:
         bar.close()
     return [r for conv in results for r in conv]

@@ -152,9 +152,19 @@ def run_requests(backend: Backend, requests: list[BenchRequest], cfg: RunConfig,
             if bar is not None:
                 bar.update(1)
 
-    workers = min(len(requests), cfg.max_concurrency or len(requests), 512) or 1
+    dispatch_at(offsets, work, limit, cfg, "bench-req")
+    if bar is not None:
+        bar.close()
+    return [r for r in records if r is not None]
+
+
+def dispatch_at(offsets: list[float], work, limit: threading.BoundedSemaphore | None, cfg: RunConfig,
+                name: str) -> None:
+    """Open loop: `work(i)` on a pool thread at `offsets[i]` seconds from now (after taking `limit`,
+    which `work` releases); returns when every call has ended."""
+    workers = min(len(offsets), cfg.max_concurrency or len(offsets), 512) or 1
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench-req") as pool:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) as pool:
         for i, offset in enumerate(offsets):
             delay = start + offset - time.monotonic()
             if delay > 0:
@@ -162,9 +172,6 @@ def run_requests(backend: Backend, requests: list[BenchRequest], cfg: RunConfig,
             if limit:
                 limit.acquire()
             pool.submit(work, i)
-    if bar is not None:
-        bar.close()
-    return [r for r in records if r is not None]
 
 
 def _progress(total: int, cfg: RunConfig):
