@@ -3,7 +3,7 @@ their core limits (docs/npu-colocation.md, "Verifying on hardware").
 
 Each stage's work (E: encoding images; P: a prefill step; D: decode steps) runs on its own
 thread and stage stream, opened as a co-located worker opens it (`open_stage_stream`: a limit
-only where no operator of the stage is known to ignore one), under `torch_npu.profiler.profile`
+only where no operator of the stage is known to ignore one), under torch_npu's profiler (`NpuPlatform.profile_kernels`)
 at Level0 with NPU activity — the lightest level that writes kernel_details.csv
 (torch_npu/profiler/analysis/_profiling_parser.py `run_parser`: every level but Level_none; the
 op-plugin torch_npu-set_stream_limit.md example uses Level2, which adds CANN's columns). The
@@ -77,9 +77,6 @@ class _NpuRig:
         return out[0]
 
     def _on_stage_thread(self, stage: str) -> dict:
-        import torch
-        import torch_npu
-
         from epdserve.instance.stage_stream import npu_stage_operators, open_stage_stream
 
         platform = self.model.platform
@@ -87,18 +84,13 @@ class _NpuRig:
         engine = self.encoder if stage == "E" else self.lm
         ops = npu_stage_operators(platform, stage, engine.runner.ops)
         stream = open_stage_stream(platform, self.args.npu_share, f"{stage}-verify", operators=ops)
-        device_limit = torch.npu.get_device_limit(torch.npu.current_device())
-        limit = torch.npu.get_stream_limit(stream) if stream is not None else device_limit
+        device_limit = platform.device_limit()
+        limit = platform.stream_limit(stream) if stream is not None else device_limit
         limited = limit != device_limit
-        cfg = torch_npu.profiler._ExperimentalConfig(profiler_level=torch_npu.profiler.ProfilerLevel.Level0,
-                                                     aic_metrics=torch_npu.profiler.AiCMetrics.AiCoreNone,
-                                                     export_type=torch_npu.profiler.ExportType.Text)
         with tempfile.TemporaryDirectory(prefix=f"epdserve-prof-{stage}-") as d:
             with platform.stream_context(stream) if stream is not None else contextlib.nullcontext():
                 self._warm(stage)
-                with torch_npu.profiler.profile(activities=[torch_npu.profiler.ProfilerActivity.NPU],
-                                                experimental_config=cfg,
-                                                on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(d)):
+                with platform.profile_kernels(d):
                     self._work(stage)
                     platform.synchronize()
             files = find_kernel_details(d)

@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch_all(args, workloads, rates, slo, report, save) -> None:
-    from epdserve.bench.serve_launch import LaunchError, launched
+    from epdserve.bench.serve_launch import LaunchError, launched, variant_args, variant_mode
 
     model = args.model
     if not model:
@@ -293,15 +293,12 @@ def _launch_all(args, workloads, rates, slo, report, save) -> None:
 
         model = str(default_model("qwen2_vl"))
     report["model"] = str(model)
-    per_mode = {}
-    for item in args.mode_arg:
-        mode, _, extra = item.partition("=")
-        per_mode.setdefault(mode.strip(), []).extend(shlex.split(extra))
+    per_mode = variant_args(args.mode_arg)
     common = [a for item in args.launch_arg for a in shlex.split(item)]
     env = dict(item.split("=", 1) for item in args.env)
     report["launch_env"] = env
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        base = mode.partition("#")[0]  # MODE#NAME: a variant, launched as MODE with its own --mode-arg
+        base = variant_mode(mode)
         if base not in MODES:
             raise SystemExit(f"unknown mode {base!r}; modes: {', '.join(MODES)}")
         extra = common + per_mode.get(mode, [])

@@ -8,6 +8,7 @@ and yields a `LaunchedDeployment`; on exit it sends SIGTERM (launch stops its ow
 process group is still there after a grace period, SIGKILL to that group. If the benchmark
 process dies first (even by SIGKILL), the launcher is told (PR_SET_PDEATHSIG) and stops its
 children. Starting, reading and stopping the process is `epdserve.deploy.launcher_process`'s.
+`variant_args` / `variant_mode` read the `MODE#NAME` variants benchmarks launch (`--mode-arg`).
 Nothing here is global.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -86,3 +88,18 @@ def launched(mode: str, model: str, extra_args: list[str] | None = None, ready_t
                                  log_path, m.string.strip())
     finally:
         lp.stop(stop_timeout_s)
+
+
+def variant_args(items: list[str]) -> dict[str, list[str]]:
+    """`--mode-arg MODE#NAME=ARGS` items → {MODE#NAME: launch arguments} (repeated items add up)."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        mode, _, extra = item.partition("=")
+        out.setdefault(mode.strip(), []).extend(shlex.split(extra))
+    return out
+
+
+def variant_mode(target: str) -> str:
+    """The mode a target names: MODE#NAME is a variant of MODE, launched with its own arguments."""
+    return target.partition("#")[0]
+

@@ -139,13 +139,12 @@ def _run_peer(a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> 
 
 
 def _run_mode(mode: str, a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:
-    from epdserve.bench.serve_launch import LaunchError, launched
+    from epdserve.bench.serve_launch import LaunchError, launched, variant_args, variant_mode
 
     label = f"epdserve-{mode}"
     _log(f"[{label}] launching ...")
-    variants = dict(v.split("=", 1) for v in a.mode_arg if "=" in v)
-    extra = ["--http-port", "0", *shlex.split(a.launch_arg), *shlex.split(variants.get(mode, ""))]
-    with launched(mode.split("#", 1)[0], model, extra, ready_timeout_s=a.ready_timeout, env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
+    extra = ["--http-port", "0", *shlex.split(a.launch_arg), *variant_args(a.mode_arg).get(mode, [])]
+    with launched(variant_mode(mode), model, extra, ready_timeout_s=a.ready_timeout, env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
         m = HTTP_RE.search(dep.ready_line)
         if not m:
             raise LaunchError(f"{mode}: the ready line names no http= URL: {dep.ready_line}")

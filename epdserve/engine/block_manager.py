@@ -27,6 +27,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_free: OrderedDict[int, int] = OrderedDict()  # block -> hash, oldest first
         self._tables: dict[str, array] = {}  # int64 block ids, copied in C
+        self._seen: dict[str, int] = {}  # request -> leading blocks of its table `cache` has been through
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}  # block -> hash of the prefix it holds
         self._block_of: dict[int, int] = {}  # hash -> block
@@ -77,8 +78,10 @@ class BlockManager:
             self._release(b)
         if keep_blocks:
             del table[keep_blocks:]
+            self._seen[request_id] = min(self._seen.get(request_id, 0), keep_blocks)
         else:
             del self._tables[request_id]
+            self._seen.pop(request_id, None)
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat slot indices of token positions [start, end)."""
@@ -106,18 +109,27 @@ class BlockManager:
                 del self._cached_free[b]
             self._refs[b] += 1
             table.append(b)
+        self._seen[request_id] = len(blocks)  # cached blocks: their hashes are known
+
+    def uncached_from(self, request_id: str) -> int:
+        """The first block of the request's table that `cache` has not been through."""
+        return self._seen.get(request_id, 0)
 
     def cache(self, request_id: str, hashes: list[int]) -> None:
         """Record the hashes of the request's first len(hashes) blocks, which hold computed KV
-        (a hash already held by another block stays with that one)."""
+        (a hash already held by another block stays with that one); blocks already gone through
+        are skipped, so a request's blocks are each looked at once."""
         if not self.prefix_caching:
             return
         table = self._tables.get(request_id, ())
-        for b, h in zip(table, hashes):
+        start = self._seen.get(request_id, 0)
+        for i in range(start, min(len(table), len(hashes))):
+            b, h = table[i], hashes[i]
             if b in self._hash_of or h in self._block_of:
                 continue
             self._hash_of[b] = h
             self._block_of[h] = b
+        self._seen[request_id] = max(start, min(len(table), len(hashes)))
 
     # ---------------------------------------------------------------- internals
     def _take(self) -> int:

@@ -236,8 +236,8 @@ class Scheduler:
         for item, tok in zip(batch, sampled):
             seq = item.seq
             seq.num_computed_tokens = item.end
-            if self.hasher is not None:  # full blocks computed so far may serve later prompts
-                self._blocks.cache(seq.request_id, self.hasher.hashes(seq, item.end))
+            if self.hasher is not None:  # a block that filled up may serve later prompts
+                self._cache_full_blocks(seq, item.end)
             if tok is None or seq.state is not S.RUNNING:
                 continue
             seq.output_token_ids.append(tok)
@@ -301,6 +301,12 @@ class Scheduler:
             return None
         table = self._blocks.grow(seq.request_id, start + n)
         return ScheduledSeq(seq, start, n, table[:])
+
+    def _cache_full_blocks(self, seq: Sequence, computed: int) -> None:
+        """Hash the request's full blocks among its `computed` tokens into the prefix cache, once a
+        new one has filled (each block's hash is taken once)."""
+        if computed // self._blocks.block_size > self._blocks.uncached_from(seq.request_id):
+            self._blocks.cache(seq.request_id, self.hasher.hashes(seq, computed))
 
     def _newest_running(self, exclude: Sequence) -> Sequence | None:
         cands = [s for s in self.running if s is not exclude]

@@ -35,12 +35,20 @@ class LinearCost:
 
     def __init__(self, window: int = 64):
         self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+        self._fitted = False  # _fit is the current window's (a step plans twice, fits once)
 
     def add(self, x: float, seconds: float) -> None:
         self.samples.append((float(x), float(seconds)))
+        self._fitted = False
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b), or None while the window holds fewer than two distinct x."""
+        if not self._fitted:
+            self._fit, self._fitted = self._least_squares(), True
+        return self._fit
+
+    def _least_squares(self) -> tuple[float, float] | None:
         n = len(self.samples)
         if n < 2:
             return None

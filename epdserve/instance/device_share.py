@@ -27,20 +27,6 @@ def process_operators(roles: list[str], kv_write: str | None) -> list[StageOpera
     return list(seen.values())
 
 
-def npu_kv_write() -> str | None:
-    """The KV write the installed torch_npu allows (ops/npu_schema.py, schemas only: no operator
-    runs); None where it cannot be probed."""
-    try:
-        import torch_npu
-
-        from epdserve.ops.npu_schema import probe_npu_kernels
-
-        return probe_npu_kernels(torch_npu).kv_write
-    except Exception as e:  # reported again, with its fix, when the engine builds its ops
-        log.debug("cannot probe torch_npu's KV write: %s", e)
-        return None
-
-
 def apply_device_share(platform, index: int, share: float | None, roles: list[str], kv_write: str | None) -> bool:
     """Limit this process to `share` of device `index`'s cores (None: the whole device). True
     when the limit was set; never raises."""

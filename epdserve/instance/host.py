@@ -33,7 +33,7 @@ from epdserve.instance.lease_arbiter import LeaseArbiter
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.coupled_worker import CoupledWorker
 from epdserve.instance.decode_worker import DecodeWorker
-from epdserve.instance.device_share import apply_device_share, npu_kv_write
+from epdserve.instance.device_share import apply_device_share
 from epdserve.instance.identity import opaque_instance_id
 from epdserve.instance.encode_worker import EncodeWorker
 from epdserve.instance.prefill_worker import PrefillWorker
@@ -41,6 +41,7 @@ from epdserve.instance.registration import Registrar
 from epdserve.instance.worker import sum_loads
 from epdserve.instance.roles import worker_roles
 from epdserve.instance.servicer import InstanceServicer
+from epdserve.ops.npu_schema import installed_kv_write
 from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2_grpc
 from epdserve.rpc.servers import add_health_and_reflection, set_serving
 from epdserve.security.interceptors import AuthInterceptor, cluster_metadata, metadata_interceptors
@@ -141,7 +142,7 @@ class InstanceHost:
         platform = get_platform(cfg.device)
         index = int(cfg.device.partition(":")[2] or 0)
         platform.set_thread_device(index)
-        kv_write = npu_kv_write() if platform.name == "npu" else None
+        kv_write = installed_kv_write() if platform.name == "npu" else None
         apply_device_share(platform, index, cfg.device_core_share, worker_roles(self.roles), kv_write)
 
     def wait_registered(self, timeout_s: float) -> bool:

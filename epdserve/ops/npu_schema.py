@@ -26,9 +26,12 @@ createStackForSchema), which this probe turns into a clear error at startup.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SCATTER = ("npu", "npu_scatter_pa_kv_cache")
 ATB_RESHAPE = ("atb", "_npu_reshape_and_cache")
@@ -80,3 +83,15 @@ def probe_npu_kernels(torch_npu) -> NpuKernels:
         f"torch_npu {version} cannot write the ND KV cache: {why}, and atb::_npu_reshape_and_cache is not "
         "registered (torch_npu could not load lib/libop_plugin_atb.so: install and source CANN's NNAL "
         "package, or install torch_npu 2.12.0, the [npu] extra)")
+
+
+def installed_kv_write() -> str | None:
+    """The KV write the installed torch_npu allows (schemas only: no operator runs); None where
+    it cannot be probed (reported again, with its fix, when an engine builds its ops)."""
+    try:
+        import torch_npu
+
+        return probe_npu_kernels(torch_npu).kv_write
+    except Exception as e:
+        log.debug("cannot probe torch_npu's KV write: %s", e)
+        return None

@@ -149,6 +149,20 @@ class NpuPlatform(Platform):
         npu = self._torch_npu().npu
         return npu.get_device_limit(npu.current_device())
 
+    def stream_limit(self, stream):
+        """{"cube_core_num", "vector_core_num"} a stream may use (npu_config.py `get_stream_limit`)."""
+        return self._torch_npu().npu.get_stream_limit(stream)
+
+    def profile_kernels(self, directory: str):
+        """A context whose NPU kernels the profiler writes to `directory`, kernel_details.csv
+        included: Level0, no AI Core metrics, text export (torch_npu/profiler experimental_config.py,
+        profiler.py `profile`, `tensorboard_trace_handler`; the CSV's columns: bench/npu_kernel_details.py)."""
+        prof = self._torch_npu().profiler
+        cfg = prof._ExperimentalConfig(profiler_level=prof.ProfilerLevel.Level0, aic_metrics=prof.AiCMetrics.AiCoreNone,
+                                       export_type=prof.ExportType.Text)
+        return prof.profile(activities=[prof.ProfilerActivity.NPU], experimental_config=cfg,
+                            on_trace_ready=prof.tensorboard_trace_handler(directory))
+
     # torch_npu's watchdog (ProcessGroupHCCL.cpp, checkHcclComms / WorkHCCL::handleException) rethrows in
     # its own thread and so ends the process when asyncErrorHandling_ is TearDown, the default
     # (OptionsManager::CheckUseHcclAsyncErrorHandleEnable: TORCH_HCCL_ASYNC_ERROR_HANDLING, default 1,

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from epdserve.instance.config import InstanceConfig
-from epdserve.instance.device_share import apply_device_share, npu_kv_write
+from epdserve.instance.device_share import apply_device_share
+from epdserve.ops.npu_schema import installed_kv_write
 from epdserve.platform.cpu import CpuPlatform
 from epdserve.platform.npu import NpuPlatform
 from tests.fakes.torch_npu_fake import FakeTorchNpu
@@ -18,10 +19,10 @@ def test_an_e_process_takes_its_share_once(line, monkeypatch, caplog):
     fake = FakeTorchNpu(line=line, cores=(24, 48)).install(monkeypatch)
     npu = NpuPlatform()
     npu.set_thread_device(0)
-    assert apply_device_share(npu, 0, 0.25, ["E"], npu_kv_write())
+    assert apply_device_share(npu, 0, 0.25, ["E"], installed_kv_write())
     assert npu.device_limit() == {"cube_core_num": 6, "vector_core_num": 12}
     with caplog.at_level(logging.WARNING):  # a second call in the process: torch_npu refuses it
-        assert not apply_device_share(npu, 0, 0.5, ["E"], npu_kv_write())
+        assert not apply_device_share(npu, 0, 0.5, ["E"], installed_kv_write())
     assert "already been called" in caplog.text and npu.device_limit()["cube_core_num"] == 6
     assert fake.line == line
 
@@ -30,7 +31,7 @@ def test_a_p_process_on_2_12_takes_its_share(monkeypatch):
     FakeTorchNpu(line="2.12.0", cores=(24, 48)).install(monkeypatch)
     npu = NpuPlatform()
     npu.set_thread_device(0)
-    assert apply_device_share(npu, 0, 0.75, ["P"], npu_kv_write())
+    assert apply_device_share(npu, 0, 0.75, ["P"], installed_kv_write())
     assert npu.device_limit() == {"cube_core_num": 18, "vector_core_num": 36}
 
 
@@ -40,7 +41,7 @@ def test_a_process_with_the_atb_kv_write_is_not_limited_and_the_warning_names_it
     npu = NpuPlatform()
     npu.set_thread_device(0)
     with caplog.at_level(logging.WARNING):
-        assert not apply_device_share(npu, 0, 0.75, ["E", "P"], npu_kv_write())
+        assert not apply_device_share(npu, 0, 0.75, ["E", "P"], installed_kv_write())
     assert "instance (E+P): no device core limit: _npu_reshape_and_cache ignore(s) core limits" in caplog.text
     assert npu.device_limit() == {"cube_core_num": 24, "vector_core_num": 48}
 
