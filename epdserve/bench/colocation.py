@@ -9,12 +9,8 @@ on the machine weighs on each alike):
 - `idle`: decode step time (median of `--window` steps) with encode idle;
 - `busy`: the same with encode encoding continuously beside it;
 - `encode`: images/s encoded alone (decode idle).
-Policies: `split` (disjoint core halves), `yield` (all cores, encode at SCHED_IDLE), `slo`
-(all cores, one stage at a time through the core lease, decode paced by `--slo-tpot-ms`), and
-`shared` (all cores at equal priority: no policy, for reference). Under `slo` a decode step's
-time is its time holding the cores plus how long it waited for them beyond its due time: the
-pacing wait it chose itself (to leave encode the cores while TPOT stays within the SLO) is not
-a slowdown; `interval_ms` (step to step, that wait included) is reported beside it.
+Policies: `split` (disjoint core halves), `yield` (all cores, encode at SCHED_IDLE), and
+`shared` (all cores at equal priority: no policy, for reference).
 Aims a policy is judged by: busy / idle <= `AIM_BUSY_RATIO` (the table says meets / misses), and
 an encode-alone rate ≈ the shared one (every core; "encode vs shared"), against split's (half of
 them). Each ratio is printed with its min-max over repeats; a difference smaller than the spread
@@ -30,7 +26,7 @@ import sys
 import threading
 import time
 
-POLICIES = ("split", "yield", "slo", "shared")
+POLICIES = ("split", "yield", "shared")
 IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"
 AIM_BUSY_RATIO = 1.2
 
@@ -47,7 +43,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=448, help="side of the square random images (default 448)")
     p.add_argument("--encode-s", type=float, default=4.0, help="seconds of encode-alone measurement (default 4)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the policies (default 3)")
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="slo: the TPOT SLO decode is paced to keep (default 100)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "npu"), default="cpu",
                    help="cpu: the policy comparison above; npu: the hardware check that each stage's kernels keep to "
@@ -112,43 +107,17 @@ class _Rig:
         self.params = SamplingParams(max_tokens=1500, ignore_eos=True)
         self._decoding: list[str] = []
         self._ids = iter(range(1 << 62))
-        self.model = model
-        self._arbiter = None  # slo: the core lease and the layer checkpoints, built on first use
-        self._checkpoints = None
-
-    def _gate(self, policy: str, engine, role: str):
-        """slo: a fresh lease gate for `engine` on this thread (set on the engine); else None."""
-        if policy != "slo":
-            return None
-        from epdserve.instance.core_lease import Checkpoints, open_gate
-        from epdserve.instance.lease_arbiter import LeaseArbiter
-
-        if self._arbiter is None:
-            self._arbiter = LeaseArbiter().start()
-            self._checkpoints = Checkpoints()
-            self._checkpoints.install(self.model.adapter)
-        gate = open_gate(self._arbiter.path, role, self._checkpoints, self.args.slo_tpot_ms / 1e3)
-        if gate is not None:
-            engine.set_gate(gate)
-        return gate
-
-    def _ungate(self, engine, gate) -> None:
-        from epdserve.engine.compute_gate import NO_GATE
-
-        if gate is not None:
-            engine.set_gate(NO_GATE)
-            gate.close()
 
     def measure(self, policy: str, seed: int) -> dict:
         self._fill_decode_batch(policy)
-        idle = self._decode_window(policy)[0]
+        idle = self._decode_window(policy)
         stop, encoded = threading.Event(), []
         e = self._start_encoder(policy, stop, encoded, seed)
         while not encoded:  # encode is under way before decode is timed
             if not e.is_alive():
                 raise RuntimeError("the encode thread ended before encoding one image (see its error above)")
             time.sleep(0.01)
-        busy, interval = self._decode_window(policy)
+        busy = self._decode_window(policy)
         stop.set()
         e.join()
         for rid in self._decoding:
@@ -162,13 +131,13 @@ class _Rig:
         stop.set()
         e.join()
         rate = (len(encoded) - 1) / (encoded[-1] - encoded[0]) if len(encoded) > 1 else 0.0
-        return {"idle_ms": idle * 1e3, "busy_ms": busy * 1e3, "interval_ms": interval * 1e3, "encode_ips": rate}
+        return {"idle_ms": idle * 1e3, "busy_ms": busy * 1e3, "encode_ips": rate}
 
     # ---------------------------------------------------------------- threads
     def _cores(self, policy: str, role: str):
         from epdserve.instance.colocation import worker_core_sets
 
-        if policy in ("shared", "slo"):
+        if policy == "shared":
             return None
         sets = worker_core_sets(policy, ["E", "D"], self.cores, [0.5, 0.5])
         return sets[0] if role == "E" else sets[1]
@@ -198,24 +167,16 @@ class _Rig:
         t, _ = self._on_thread(policy, "D", fill)
         t.join()
 
-    def _decode_window(self, policy: str) -> tuple[float, float]:
-        """Median decode step time (under slo: holding the cores + waiting beyond its due time) and
-        median step-to-step interval, over `--window` steps."""
+    def _decode_window(self, policy: str) -> float:
+        """Median decode step time over `--window` steps."""
         def window():
-            gate = self._gate(policy, self.decode, "D")
-            times, intervals, late = [], [], []
-            try:
-                for _ in range(self.args.window):
-                    t0 = time.perf_counter()
-                    self.decode.step()
-                    intervals.append(time.perf_counter() - t0)
-                    times.append(gate.last_hold_s + gate.last_late_s if gate is not None else intervals[-1])
-                    late.append(gate.last_late_s if gate is not None else 0.0)
-            finally:
-                self._ungate(self.decode, gate)
-            _log(f"  {policy}: decode step {statistics.median(times) * 1e3:.1f} ms of which late "
-                 f"{statistics.median(late) * 1e3:.1f} ms, interval {statistics.median(intervals) * 1e3:.1f} ms")
-            return statistics.median(times), statistics.median(intervals)
+            times = []
+            for _ in range(self.args.window):
+                t0 = time.perf_counter()
+                self.decode.step()
+                times.append(time.perf_counter() - t0)
+            _log(f"  {policy}: decode step {statistics.median(times) * 1e3:.1f} ms")
+            return statistics.median(times)
 
         t, out = self._on_thread(policy, "D", window)
         t.join()
@@ -229,17 +190,13 @@ class _Rig:
         side = self.args.image_size
 
         def loop():
-            gate = self._gate(policy, self.encode, "E")
-            try:
-                while not stop.is_set():
-                    img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
-                    rid = f"e{next(self._ids)}"
-                    self.encode.add_request(self.encode.build_request(rid, IMAGE_PROMPT, [img]))
-                    while self.encode.has_unfinished():
-                        self.encode.step()
-                    encoded.append(time.perf_counter())
-            finally:
-                self._ungate(self.encode, gate)
+            while not stop.is_set():
+                img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+                rid = f"e{next(self._ids)}"
+                self.encode.add_request(self.encode.build_request(rid, IMAGE_PROMPT, [img]))
+                while self.encode.has_unfinished():
+                    self.encode.step()
+                encoded.append(time.perf_counter())
 
         t, _ = self._on_thread(policy, "E", loop)
         return t
@@ -253,7 +210,6 @@ def summarize(runs: list[dict], policies: list[str]) -> dict:
         ratios = [r[p]["busy_ms"] / r[p]["idle_ms"] for r in runs]
         s = {"busy_over_idle": _spread(ratios), "idle_ms": _spread([r[p]["idle_ms"] for r in runs]),
              "busy_ms": _spread([r[p]["busy_ms"] for r in runs]),
-             "interval_ms": _spread([r[p].get("interval_ms", r[p]["busy_ms"]) for r in runs]),
              "encode_ips": _spread([r[p]["encode_ips"] for r in runs]),
              "meets_busy_aim": statistics.median(ratios) <= AIM_BUSY_RATIO}
         if shared_rates:
@@ -267,14 +223,14 @@ def _spread(xs: list[float]) -> dict:
 
 
 def table(summary: dict, policies: list[str]) -> str:
-    lines = ["policy  | decode busy/idle (min-max)   | decode idle ms | busy interval ms | encode alone img/s | encode vs shared",
-             "--------|------------------------------|----------------|------------------|--------------------|-----------------"]
+    lines = ["policy  | decode busy/idle (min-max)   | decode idle ms | decode busy ms | encode alone img/s | encode vs shared",
+             "--------|------------------------------|----------------|----------------|--------------------|-----------------"]
     for p in policies:
         s = summary[p]
         r, ev = s["busy_over_idle"], s.get("encode_vs_shared")
         aim = "meets <= 1.2" if s["meets_busy_aim"] else "misses 1.2"
         lines.append(f"{p:7} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) {aim:12} | {s['idle_ms']['median']:14.1f} | "
-                     f"{s['interval_ms']['median']:16.1f} | "
+                     f"{s['busy_ms']['median']:14.1f} | "
                      f"{s['encode_ips']['median']:18.2f} | "
                      + (f"{ev['median']:.2f} ({ev['min']:.2f}-{ev['max']:.2f})" if ev else "-"))
     return "\n".join(lines)

@@ -91,7 +91,6 @@ class Deployment:
         self.cluster_token = os.environ.get(CLUSTER_TOKEN_ENV) or secrets.token_urlsafe(32)
         self.cluster_token_file: Path | None = None  # where a token made here is kept (0600)
         self.mm_store_password_file: Path | None = None  # the private MM Store's password, for operators' tools
-        self._arbiter = None  # slo on CPU: the machine's core-lease arbiter, on a thread of this process
         self._own_log_dir = spec.log_dir is None
         self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="epdserve-launch-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -122,11 +121,10 @@ class Deployment:
             time.sleep(0.1)  # polling a child's address file; nothing to block on
         self.address = addr_file.read_text().strip()
         cores = self._core_sets()
-        lease = self._start_arbiter()
         k = 0
         for pool in self.pools:
             for i in range(pool.count):
-                argv = self._instance_argv(pool.roles) + lease
+                argv = self._instance_argv(pool.roles)
                 if cores:
                     argv += ["--cores", ",".join(map(str, cores[k]))]
                 self._instance_launches.append((f"{pool.roles}{i}", argv, self._env(k)))
@@ -173,20 +171,6 @@ class Deployment:
         return ["instance", "--roles", roles, "--model", s.model, "--scheduler", self.registry,
                 "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host,
                 "--drain-timeout", str(s.drain_timeout_s), *s.instance_args]
-
-    def _start_arbiter(self) -> list[str]:
-        """`slo` on CPU: one core-lease arbiter for every instance on this machine (it lives as long
-        as the launcher, so restarted instances find it); the flag that names it."""
-        from epdserve.instance.colocation import uses_core_lease
-
-        policy = last_flag(self.spec.instance_args, "--colocation")  # as the instances will read it
-        if not policy or not uses_core_lease(policy, self.spec.device):
-            return []
-        from epdserve.instance.lease_arbiter import LeaseArbiter
-
-        self._arbiter = LeaseArbiter().start()
-        log.info("core lease: arbiter at %s", self._arbiter.path)
-        return ["--core-lease", self._arbiter.path]
 
     def _core_sets(self) -> list[list[int]] | None:
         """One core set per instance (in start order) when pinning CPU instances, else None."""
@@ -358,10 +342,6 @@ class Deployment:
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
-        if self._arbiter is not None:
-            log.info("%s", self._arbiter.summary())
-            self._arbiter.close()
-            self._arbiter = None
         if clean and self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

@@ -42,7 +42,7 @@ class EngineConfig:
     slo_tpot_ms: float = setting(
         100.0, help="the TPOT SLO: while requests decode, each engine step takes only the prefill chunk and the "
                     "vision-encoder blocks that fit beside its decodes within it, from costs measured online "
-                    "(engine/step_budget.py); the slo co-location policy paces decode steps by it too (default 100 ms)")
+                    "(engine/step_budget.py; default 100 ms)")
     step_budget: bool = setting(
         True, negate="--no-step-budget",
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from epdserve.engine.compute_gate import NO_GATE
 from epdserve.engine.encode_plan import TEMPORAL_SLICING_EXACT, EncodeJob, Slice, pack
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
@@ -59,7 +58,6 @@ class EncodeStage:
         self.recomputes = 0
         self.encoder_runs = 0  # media items encoded (whole, however many slices)
         self.encoder_calls = 0  # vision tower calls
-        self.gate = NO_GATE  # the engine's compute gate (LLMEngine.set_gate)
         self.budget = budget  # the engine's step-time budget: measured vision costs go to it
         self._run: SlicedEncode | None = None  # an encoder call in flight across steps
 
@@ -147,15 +145,13 @@ class EncodeStage:
         blocks = vision_blocks(patches) if vision_blocks is not None else None
         if blocks is None or not sliceable(self.adapter.config.model_type):
             t0 = time.perf_counter()
-            with self.gate.hold("E"):
-                feats = self.adapter.encode_images([pv for pv, _ in inputs], [g for _, g in inputs])
-                seconds = time.perf_counter() - t0
+            feats = self.adapter.encode_images([pv for pv, _ in inputs], [g for _, g in inputs])
+            seconds = time.perf_counter() - t0
             self._record_vision(patches, len(self.adapter.vision_tower.blocks), seconds)
             self._finish(slices, feats, seconds)
             return
         t0 = time.perf_counter()
-        with self.gate.hold("E"):
-            run = VisionRun(self.adapter, [pv for pv, _ in inputs], [g for _, g in inputs])
+        run = VisionRun(self.adapter, [pv for pv, _ in inputs], [g for _, g in inputs])
         self._run = SlicedEncode(run, slices, time.perf_counter() - t0)
         self._advance(lambda _: blocks)
 
@@ -164,11 +160,10 @@ class EncodeStage:
         enc = self._run
         blocks = vision_blocks(enc.run.num_patches) if vision_blocks is not None else None
         t0 = time.perf_counter()
-        with self.gate.hold("E"):
-            ran = enc.run.run(blocks if blocks is not None else enc.run.num_blocks)
-            seconds = time.perf_counter() - t0
-            self._record_vision(enc.run.num_patches, ran, seconds)
-            feats = enc.run.finish() if enc.run.done else None
+        ran = enc.run.run(blocks if blocks is not None else enc.run.num_blocks)
+        seconds = time.perf_counter() - t0
+        self._record_vision(enc.run.num_patches, ran, seconds)
+        feats = enc.run.finish() if enc.run.done else None
         enc.seconds += time.perf_counter() - t0
         if feats is not None:
             self._run = None

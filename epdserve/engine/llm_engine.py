@@ -24,7 +24,6 @@ from typing import Callable
 import torch
 
 from epdserve.engine.block_manager import BlockManager
-from epdserve.engine.compute_gate import NO_GATE, ComputeGate, hold_step
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.encode_stage import EncodeStage
 from epdserve.engine.engine_request import EngineRequest
@@ -79,15 +78,9 @@ class LLMEngine:
             a, self.features, encodes=config.encodes, prefills=config.prefills, wait_s=config.feature_wait_s,
             token_budget=config.encode_token_budget, stats=self.stats, budget=self.budget,
         )
-        self.gate: ComputeGate = NO_GATE
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
-
-    def set_gate(self, gate: ComputeGate) -> None:
-        """Wrap every compute step (encode batch, model step) in `gate.hold(kind)` (engine/compute_gate.py)."""
-        self.gate = gate
-        self.encoder.gate = gate
 
     tokenizer = property(lambda self: self.model.tokenizer)
     processor = property(lambda self: self.model.processor)
@@ -193,11 +186,9 @@ class LLMEngine:
         if batch:
             t0 = time.perf_counter()
             try:
-                with hold_step(self.gate, batch):
-                    t_in = time.perf_counter()
-                    sampled = self.runner.execute(batch)
-                    if self.budget is not None:
-                        self.budget.record_step(sum(item.num_tokens for item in batch), time.perf_counter() - t_in)
+                sampled = self.runner.execute(batch)
+                if self.budget is not None:
+                    self.budget.record_step(sum(item.num_tokens for item in batch), time.perf_counter() - t0)
             except Exception as e:  # the batch's requests fail (retryable); the engine goes on
                 log.exception("engine step failed")
                 self._fail_batch(batch, f"step failed: {e}")

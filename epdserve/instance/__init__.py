@@ -22,6 +22,4 @@ One sentence per module:
 - colocation.py      the co-location policy: how co-located stages share one device (CPU and NPU)
 - stage_stream.py    a co-located stage's own device stream, limited to its share of the cores
 - device_share.py    the process's share of its NPU (--device-core-share: set_device_limit, once per process)
-- lease_arbiter.py   `LeaseArbiter`: the `slo` policy's server side — which stage computes next on the cores
-- core_lease.py      the `slo` policy's worker side: a core lease per compute step, decode paced by its TPOT SLO
 """

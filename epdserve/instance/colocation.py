@@ -1,7 +1,7 @@
 """How co-located stages share one device: the co-location policy, the same object on CPU and NPU.
 
 Co-located means E beside P or D in one instance (EP, ED), or an E process beside a P / PD / D
-process on the same device (on one machine every mode is co-located). Three policies:
+process on the same device (on one machine every mode is co-located). Two policies:
 
 - `split` (static): each stage gets a fixed share — disjoint CPU core sets, or NPU stream core
   limits (`instance/stage_stream.py`). A stage runs at its share's speed even while the other
@@ -13,16 +13,6 @@ process on the same device (on one machine every mode is co-located). Three poli
   there is no such precedence: each stage gets an unlimited stream of its own, but torch_npu's
   streams carry no priority to the device (all created at ACL priority 0: NPUStream.cpp
   initDeviceStreamState; docs/npu-colocation.md).
-- `slo` (work-conserving, SLO-driven): every stage may use every core, one compute step at a
-  time, in the order the SLOs ask for. On CPU a lease on the cores (`instance/lease_arbiter.py`,
-  `instance/core_lease.py`): a decode step that falls due (paced at a share of the TPOT SLO)
-  comes first, then prefill, then encode; encode and prefill hand the cores over at the next
-  vision block or LM layer when something more urgent waits; a decode step not yet due runs at
-  once if nothing else waits. So decode gets what keeps TPOT under its SLO, encode and prefill
-  (TTFT) everything else, and no stage is starved the way SCHED_IDLE starves encode. One
-  arbiter serves the whole machine (the launcher's; an instance with co-located workers and no
-  `--core-lease` runs its own). On NPU, where steps are asynchronous, `slo` gives each worker
-  an unlimited stream, as `yield` does (no ranking reaches an NPU).
 
 Why SCHED_IDLE: nice 19 still has weight 15 against 1024 and does not protect decode; SCHED_IDLE
 (weight 3, never preempts a normal thread) does (docs/measurements.md; the policies' current
@@ -42,7 +32,7 @@ from epdserve.instance.affinity import pin_worker_thread, split_cores
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("split", "yield", "slo")
+POLICIES = ("split", "yield")
 
 
 def worker_core_sets(policy: str, roles: list[str], cores: list[int], weights: list[float]) -> list[list[int] | None]:
@@ -61,20 +51,15 @@ def yields(policy: str, role: str) -> bool:
 
 def device_share(policy: str, role: str, weight: float) -> float | None:
     """An accelerator worker's share of the device's cores: its weight under `split`, None (no
-    limit: its own stream; prioritized on CUDA only) under `yield` and `slo`."""
+    limit: its own stream; prioritized on CUDA only) under `yield`."""
     return weight if check_policy(policy) == "split" else None
 
 
 def stream_priority(policy: str, role: str) -> int:
     """Stream priority (lower = higher, as CUDA's Stream takes it): P/D streams outrank encode's
-    under `yield` and `slo`; under `split` all are equal (0). CUDA only: `NpuPlatform.new_stream`
+    under `yield`; under `split` all are equal (0). CUDA only: `NpuPlatform.new_stream`
     ignores it (torch_npu's pool streams are all at ACL priority 0)."""
     return -1 if check_policy(policy) != "split" and role != "E" else 0
-
-
-def uses_core_lease(policy: str, device: str) -> bool:
-    """Do this policy's workers take the machine's core lease for every compute step? (`slo` on CPU.)"""
-    return check_policy(policy) == "slo" and device.startswith("cpu")
 
 
 def enter_stage_thread(cores: list[int] | None, low_priority: bool) -> list[int]:

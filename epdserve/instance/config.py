@@ -20,17 +20,12 @@ COLOCATION_HELP = (
     "how E shares the device with P/D: split = fixed shares (disjoint cores, NPU stream core limits); yield = every "
     "core for whoever has work, E at the lowest priority (SCHED_IDLE threads) so P/D steps take the CPU cores back "
     "at once; on NPU unlimited streams with no precedence (torch_npu streams carry no priority, "
-    "docs/npu-colocation.md). slo = every core for one stage at a time in SLO order (CPU: a lease "
-    "on the machine's cores; a decode step due by its TPOT pacing first, then prefill, then encode, which give way "
-    "at the next layer; on NPU unlimited streams, P/D first; experimental: 0.31-0.37x monolithic's goodput for "
-    "EP-D, E-P-D, ED-P on a 2-core CPU host, README 'Co-location policy'). Applies to co-located workers and to an "
-    "E-only instance sharing its machine")
+    "docs/npu-colocation.md). Applies to co-located workers and to an E-only instance sharing its machine")
 SWITCH_OVERLAP_HELP = (
     "role switches (SwitchRoles): on = start the new roles' workers beside the old ones, which finish what they hold "
     "while the new ones take new work (no gap for the stages kept, but two KV caches for the switch's duration); "
     "off = drain first, then rebuild (the stages wait out the drain); auto (default) = on for CPU instances, on an "
-    "accelerator when its spare memory holds 1.25x the new workers' KV caches; never under --colocation slo (one "
-    "core lease per instance)")
+    "accelerator when its spare memory holds 1.25x the new workers' KV caches")
 
 
 @dataclass
@@ -66,10 +61,6 @@ class InstanceConfig:
                   "(fewer messages per token through scheduler and client; the first token is never held). "
                   "0 (default): send at once, joining only tokens already queued")
     colocation: str = setting("split", choices=POLICIES, help=COLOCATION_HELP)
-    core_lease: str | None = setting(
-        None, metavar="PATH", help="slo on CPU: the Unix socket of the machine's core-lease arbiter (epdserve launch "
-                                   "passes its own); omitted, an instance with co-located workers runs an arbiter "
-                                   "for them alone")
     slo_tpot_ms: float = same_as(EngineConfig, "slo_tpot_ms")
     step_budget: bool = same_as(EngineConfig, "step_budget")
     enable_prefix_caching: bool = same_as(EngineConfig, "enable_prefix_caching")

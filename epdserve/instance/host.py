@@ -27,9 +27,7 @@ import grpc
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
 from epdserve.instance.affinity import available_cores, compute_id
-from epdserve.instance.colocation import device_share, stream_priority, uses_core_lease, worker_core_sets, yields
-from epdserve.instance.core_lease import Checkpoints, open_gate
-from epdserve.instance.lease_arbiter import LeaseArbiter
+from epdserve.instance.colocation import device_share, stream_priority, worker_core_sets, yields
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.coupled_worker import CoupledWorker
 from epdserve.instance.decode_worker import DecodeWorker
@@ -78,8 +76,6 @@ class InstanceHost:
         self._registrars: list[Registrar] = []  # one per scheduler (--scheduler a:1,b:2 registers with both)
         self.model = None  # LoadedModel, shared by the workers
         self._compute = ""  # InstanceStatus.compute, once the model's device is known
-        self._arbiter: LeaseArbiter | None = None  # slo, co-located, no launcher's arbiter: our own
-        self._hooks: list = []  # slo: the layer checkpoints' hook handles
         self.switch_lock = threading.Lock()  # one role switch at a time (instance/role_switch.py)
         self.draining = False  # switching roles: the scheduler routes us nothing new
         self._ready_timeout_s = 600.0  # start()'s: also how long a role switch's new workers may take
@@ -172,12 +168,6 @@ class InstanceHost:
         workers = self.workers + self._retiring
         for w in workers:
             w.stop()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._arbiter is not None:
-            self._arbiter.close()
-            self._arbiter = None
         _close_features(workers)
         self.workers, self._by_role, self._retiring, self._retiring_by_role = [], {}, [], {}
 
@@ -195,7 +185,6 @@ class InstanceHost:
             core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
         kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s,
                                      network=PairNetwork.for_instance(cfg.host, self.security, self._pair_store))
-        gates = self._gate_factory(len(roles))
         workers, by_role = [], {}
         for role, cores, weight in zip(roles, core_sets, weights):
             factory = self._engine_factory(role, instance_id)
@@ -209,8 +198,6 @@ class InstanceHost:
             else:
                 w = CoupledWorker(name, factory, cores)
             w.low_priority = yields(cfg.colocation, role)
-            if gates is not None:
-                w.gate_factory = gates(name)
             if not cpu and len(roles) > 1 and cfg.split_cores:
                 w.colocated = True
                 w.device_share = device_share(cfg.colocation, role, weight)
@@ -227,27 +214,6 @@ class InstanceHost:
             raise
         return workers, by_role
 
-    def _gate_factory(self, num_workers: int):
-        """`slo` on CPU: name → a factory of each worker's core-lease gate (on the launcher's arbiter,
-        or on our own when our workers are co-located), the layer checkpoints installed; else None."""
-        cfg = self.config
-        if not uses_core_lease(cfg.colocation, cfg.device):
-            return None
-        path = cfg.core_lease
-        if path is None and num_workers > 1:
-            self._arbiter = LeaseArbiter().start()
-            path = self._arbiter.path
-        if path is None:
-            log.info("slo: a lone worker and no --core-lease: nothing to share the cores with here")
-            return None
-        checkpoints = Checkpoints()
-        self._hooks = checkpoints.install(self.model.adapter)
-
-        def for_worker(name: str):  # the gate itself is opened on the worker's own thread
-            return lambda: open_gate(path, name, checkpoints, cfg.slo_tpot_ms / 1e3)
-
-        return for_worker
-
     def rebuild(self, roles: str, instance_id: str) -> None:
         """Stop the workers and start those of `roles` on the loaded model, under `instance_id`
         (role switching; the caller drained them first)."""
@@ -259,11 +225,10 @@ class InstanceHost:
 
     def overlaps_switches(self, roles: str) -> bool:
         """Does a switch to `roles` start the new workers beside the old ones (`--switch-overlap`)?
-        Never under a core lease (its layer checkpoints and arbiter belong to one set of workers);
-        auto: on CPU, and on an accelerator when the device has room for the new workers' KV
+        Auto: on CPU, and on an accelerator when the device has room for the new workers' KV
         caches beside the old ones (`OVERLAP_HEADROOM` times them, for their activations)."""
         cfg = self.config
-        if cfg.switch_overlap == "off" or uses_core_lease(cfg.colocation, cfg.device):
+        if cfg.switch_overlap == "off":
             return False
         if cfg.switch_overlap == "on" or cfg.device.startswith("cpu"):
             return True

@@ -19,9 +19,10 @@ A call for a stage the instance does not run while a switch is under way (its wo
 rebuilt, or it was routed by the roster from before) is answered ABORTED, which the scheduler
 retries elsewhere.
 
-Overlapped (`--switch-overlap`, auto: on CPU instances without a core lease), the stages the
-instance keeps or gains serve through the switch instead of waiting out the drain (a split of a
-lone coupled engine otherwise stalls every new request for its longest running decode):
+Overlapped (`--switch-overlap`, auto: on CPU instances, and on an accelerator with room for both
+sets of workers' KV caches), the stages the instance keeps or gains serve through the switch
+instead of waiting out the drain (a split of a lone coupled engine otherwise stalls every new
+request for its longest running decode):
 1. build — the new roles' workers start beside the old ones, on the same model (the old ones keep
    taking work meanwhile; if the new ones cannot start, nothing changed);
 2. swap and announce — the new workers become the instance under a new id, which is registered

@@ -6,8 +6,7 @@ read results from per-request `RequestHandle` queues the loop fills. Load is pub
 immutable snapshot after every loop iteration, so reading it never races the engine.
 
 Loop: pin the thread to the worker's cores → build the KV connector (`make_connector`, P and
-D) and the engine over the process's shared model (under the CPU `slo` policy with its compute
-gate: the core lease) → when co-located on an accelerator, open
+D) and the engine over the process's shared model → when co-located on an accelerator, open
 the worker's own stream (on NPU limited to `device_share` of the AI Cores and Vector Cores) →
 repeat { run queued calls; `tick()` (one engine step, its outputs to their handles; P first
 admits the requests whose KV pair became ready); publish load }, all under that stream. When there is no engine work the loop
@@ -104,8 +103,6 @@ class StageWorker:
         self.stream_priority = 0  # ... at this priority (lower = higher; CUDA only: NPU streams have none)
         self.low_priority = False  # CPU: this worker's thread gives way to the others (SCHED_IDLE)
         self.stream = None
-        self.gate_factory: Callable[[], object] | None = None  # CPU `slo` policy: the core lease gate (core_lease.py)
-        self.gate = None
         self.engine = None  # built on the loop thread: engine_factory(connector)
         self.connector = None
         self.bound_cores: list[int] = []
@@ -165,10 +162,6 @@ class StageWorker:
             self.bound_cores = enter_stage_thread(self.cores, self.low_priority)
             self.connector = self.make_connector()
             self.engine = self.engine_factory(self.connector)
-            if self.gate_factory is not None:
-                self.gate = self.gate_factory()  # None: the arbiter is unreachable (logged), unarbitrated
-                if self.gate is not None:
-                    self.engine.set_gate(self.gate)
             self._open_stream()
         except BaseException as e:  # reported through wait_ready
             log.exception("%s failed to start", self.name)
@@ -301,8 +294,6 @@ class StageWorker:
         self.handles.clear()
         if self.connector is not None:
             self.connector.close()
-        if self.gate is not None:
-            self.gate.close()
 
     def has_engine_work(self) -> bool:
         return self.engine.has_unfinished()

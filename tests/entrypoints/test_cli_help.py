@@ -68,11 +68,10 @@ def flag_help(out: str, flag: str) -> str:
     return " ".join(" ".join(block).split())
 
 
-@pytest.mark.parametrize("command,flag", [("instance", "--colocation"), ("launch", "--colocation"),
-                                          ("launch", "--mode"), ("scheduler", "--controller")])
+@pytest.mark.parametrize("command,flag", [("launch", "--mode"), ("scheduler", "--controller")])
 def test_experimental_features_say_so_in_their_help(command, flag):
-    """The `slo` co-location policy and the role controller (`--mode auto`) are experimental: their flags'
-    help says so, with the README figure that measured them."""
+    """The role controller (`--mode auto`) is experimental: its flags' help says so, with the README
+    figure that measured it."""
     out = subprocess.run([sys.executable, "-m", "epdserve.entrypoints.cli", command, "--help"], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "COLUMNS": "100"}).stdout
     text = flag_help(out, flag)

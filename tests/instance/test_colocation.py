@@ -1,6 +1,7 @@
 """The co-location policy (instance/colocation.py): what each policy gives a worker, that an
 encode thread under `yield` and the OpenMP team it spawns run at SCHED_IDLE on every core while
-a P/D thread's team stays normal, and that an instance applies it to its workers."""
+a P/D thread's team stays normal, that an instance applies it to its workers, and that the removed `slo`
+policy is refused."""
 from __future__ import annotations
 
 import os
@@ -9,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from epdserve.instance.colocation import (device_share, enter_stage_thread, stream_priority, uses_core_lease,
-                                          worker_core_sets, yields)
+from epdserve.entrypoints.cli import build_parser
+from epdserve.instance.colocation import device_share, enter_stage_thread, stream_priority, worker_core_sets, yields
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost
 
@@ -23,14 +24,21 @@ def test_what_each_policy_gives():
     assert yields("yield", "E") and not yields("yield", "P") and not yields("split", "E")
     assert device_share("split", "E", 0.3) == 0.3 and device_share("yield", "E", 0.3) is None
     assert stream_priority("yield", "D") < stream_priority("yield", "E") == stream_priority("split", "D") == 0
-    assert worker_core_sets("slo", ["E", "P"], cores, [0.5, 0.5]) == [cores, cores]
-    assert not yields("slo", "E") and device_share("slo", "E", 0.3) is None
-    assert stream_priority("slo", "P") < stream_priority("slo", "E")
-    assert uses_core_lease("slo", "cpu") and not uses_core_lease("slo", "npu:0") and not uses_core_lease("yield", "cpu")
-    with pytest.raises(ValueError, match="co-location policy"):
-        yields("greedy", "E")
-    with pytest.raises(ValueError, match="co-location policy"):
-        InstanceConfig(roles="EP", model="m", colocation="greedy")
+    for policy in ("greedy", "slo"):  # slo: removed (docs/measurements.md)
+        with pytest.raises(ValueError, match="co-location policy"):
+            yields(policy, "E")
+        with pytest.raises(ValueError, match="co-location policy"):
+            InstanceConfig(roles="EP", model="m", colocation=policy)
+
+
+@pytest.mark.parametrize("command", [["instance", "--roles", "EP"], ["launch", "--mode", "EP-D"]])
+def test_the_removed_slo_policy_is_refused_on_the_command_line(command, capsys):
+    argv = [*command, "--model", "/m", "--colocation", "slo"]
+    with pytest.raises(SystemExit) as stop:
+        build_parser(argv).parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--colocation: invalid choice: 'slo'" in err and "split" in err and "yield" in err, err
 
 
 def _thread_policies(low_priority: bool) -> tuple[int, set[int]]:
@@ -78,18 +86,3 @@ def test_an_ep_instance_under_yield(qwen2_vl_tiny):
         assert os.sched_getscheduler(p._thread.native_id) == os.SCHED_OTHER
     finally:
         host.stop()
-
-
-def test_an_ep_instance_under_slo_runs_its_own_core_lease(qwen2_vl_tiny):
-    host = InstanceHost(InstanceConfig(roles="EP", model=str(qwen2_vl_tiny), kv_cache_bytes=4 << 20,
-                                       colocation="slo")).start()
-    try:
-        e, p = host.workers
-        assert host._arbiter is not None and e.gate is not None and p.gate is not None
-        assert e.engine.gate is e.gate and p.engine.encoder.gate is p.gate
-        assert os.sched_getscheduler(e._thread.native_id) == os.SCHED_OTHER  # no SCHED_IDLE: the lease orders them
-        assert e.bound_cores == p.bound_cores == sorted(os.sched_getaffinity(0))
-        assert len(host._hooks) > 0
-    finally:
-        host.stop()
-    assert host._arbiter is None and not host._hooks

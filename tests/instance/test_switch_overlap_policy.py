@@ -1,7 +1,7 @@
 """When a role switch is overlapped (`--switch-overlap`, InstanceHost.overlaps_switches): always on
-CPU under auto, never under a core lease, and on an NPU (tests/fakes/torch_npu_fake.py, which
-answers torch.npu.mem_get_info / memory_reserved / memory_allocated as torch_npu does) only when the
-device's spare memory holds OVERLAP_HEADROOM times the new workers' KV caches."""
+CPU under auto, and on an NPU (tests/fakes/torch_npu_fake.py, which answers torch.npu.mem_get_info /
+memory_reserved / memory_allocated as torch_npu does) only when the device's spare memory holds
+OVERLAP_HEADROOM times the new workers' KV caches."""
 from types import SimpleNamespace
 
 import pytest
@@ -46,14 +46,12 @@ def test_auto_on_an_npu_overlaps_when_the_new_caches_fit(monkeypatch, spare_gib,
     assert host.overlaps_switches(roles) is expect
 
 
-def test_the_flag_and_the_core_lease_decide_before_memory(monkeypatch):
+def test_the_flag_decides_before_memory(monkeypatch):
     fake = FakeTorchNpu().install(monkeypatch)
     fake.memory[0] = (0, 0, 0, 64 * GIB)  # no room at all
     assert _host("npu", NpuPlatform(), switch_overlap="on").overlaps_switches("PD")
     assert not _host("npu", NpuPlatform()).overlaps_switches("PD")
     assert _host("cpu", CpuPlatform()).overlaps_switches("PD")  # auto on CPU
     assert not _host("cpu", CpuPlatform(), switch_overlap="off").overlaps_switches("PD")
-    assert not _host("cpu", CpuPlatform(), colocation="slo").overlaps_switches("PD")
-    assert not _host("cpu", CpuPlatform(), colocation="slo", switch_overlap="on").overlaps_switches("PD")
     with pytest.raises(ValueError, match="switch_overlap"):
         InstanceConfig(roles="PD", model="/unused", switch_overlap="sometimes")
