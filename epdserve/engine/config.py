@@ -41,8 +41,9 @@ class EngineConfig:
              "the same way reuses them; media wholly inside a reused prefix are neither encoded nor fetched)")
     slo_tpot_ms: float = setting(
         100.0, help="the TPOT SLO: while requests decode, each engine step takes only the prefill chunk and the "
-                    "vision-encoder blocks that fit beside its decodes within it, from costs measured online "
-                    "(engine/step_budget.py; default 100 ms)")
+                    "vision-encoder blocks that fit beside its decodes, from costs measured online, so that every "
+                    "decoding request keeps to 0.9x this per token on average (time a short step saves may be "
+                    "spent by a later one, up to 1.8x this in one step; engine/step_budget.py; default 100 ms)")
     step_budget: bool = setting(
         True, negate="--no-step-budget",
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "

@@ -61,6 +61,10 @@ class EncodeStage:
         self.budget = budget  # the engine's step-time budget: measured vision costs go to it
         self._run: SlicedEncode | None = None  # an encoder call in flight across steps
 
+    def oldest_arrival(self) -> float:
+        """Arrival order of the oldest request waiting for its media (inf: none)."""
+        return min((s.arrival for s in self.pending), default=float("inf"))
+
     def add(self, seq: Sequence) -> None:
         seq.state = RequestState.WAITING_FOR_FEATURES
         self.pending.append(seq)
@@ -159,6 +163,8 @@ class EncodeStage:
         """Run the in-flight encode's next blocks; finished, hand out its features."""
         enc = self._run
         blocks = vision_blocks(enc.run.num_patches) if vision_blocks is not None else None
+        if blocks == 0:  # the budget has no room this step
+            return
         t0 = time.perf_counter()
         ran = enc.run.run(blocks if blocks is not None else enc.run.num_blocks)
         seconds = time.perf_counter() - t0

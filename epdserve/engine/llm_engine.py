@@ -182,7 +182,7 @@ class LLMEngine:
             t = time.perf_counter()
             self._encode_step(plan)
             encode_s = time.perf_counter() - t
-        batch = self.scheduler.schedule(plan(0).prefill_tokens if plan else None)
+        batch = self.scheduler.schedule(plan(0, encode_s).prefill_tokens if plan else None)
         if batch:
             t0 = time.perf_counter()
             try:
@@ -210,13 +210,21 @@ class LLMEngine:
                 self.scheduler.fail(item.seq, message, retryable=True)
                 self._emit(item.seq)
 
-    def _plan(self) -> Callable[[int], StepPlan] | None:
-        """This step's plan for `vision_patches` patches of encode in flight (engine/step_budget.py),
-        from the decodes and prefill waiting now; None without a budget."""
+    def _plan(self) -> Callable[..., StepPlan] | None:
+        """This step's plan (engine/step_budget.py): `plan(patches, spent)` for `patches` of encode
+        in flight, `spent` seconds of the step already used; None without a budget."""
         if self.budget is None:
             return None
-        decodes, prefill = self.scheduler.num_decoding(), self.scheduler.prefill_tokens_waiting()
-        return lambda patches: self.budget.plan(decodes, prefill, patches)
+        now, decoding = time.perf_counter(), self.scheduler.decoding()
+        for seq in decoding:
+            if seq.decode_clock is None:
+                seq.decode_clock = (now, len(seq.output_token_ids))
+        target = self.budget.step_target([(s.decode_clock[0], len(s.output_token_ids) - s.decode_clock[1])
+                                          for s in decoding], now)
+        prefill = self.scheduler.prefill_tokens_waiting()
+        vision_first = self.encoder.oldest_arrival() < self.scheduler.oldest_prefill_arrival()
+        return lambda patches, spent=0.0: self.budget.plan(len(decoding), prefill, patches, target - spent,
+                                                           vision_first)
 
     def _encode_step(self, plan: Callable[[int], StepPlan] | None = None) -> None:
         ready, failed = self.encoder.step((lambda patches: plan(patches).vision_blocks) if plan else None)

@@ -169,9 +169,14 @@ class Scheduler:
         }
 
     # ---------------------------------------------------------------- the step
-    def num_decoding(self) -> int:
+    def decoding(self) -> list[Sequence]:
         """Running requests past their prefill: each gets one token per step."""
-        return sum(1 for s in self.running if not s.in_prefill)
+        return [s for s in self.running if not s.in_prefill]
+
+    def oldest_prefill_arrival(self) -> float:
+        """Arrival order of the oldest request with prompt tokens to compute (inf: none)."""
+        return min([s.arrival for s in self.running if s.in_prefill] + [s.arrival for s in self.waiting],
+                   default=float("inf"))
 
     def prefill_tokens_waiting(self) -> int:
         """Prompt tokens still to compute, running chunked prefills and waiting requests."""

@@ -9,9 +9,21 @@ blocks, each sized from costs this engine measures online:
   steps pin `a`, steps with prefill chunks pin `b`);
 - vision: seconds per (patch · block), a moving average over the blocks run so far.
 
+The step's time is each decoding request's slack, not a fixed share: a request's next token is
+due `target_s` (HEADROOM × the SLO) after its previous one was due, counted from when it started
+decoding here, so a request whose steps ran short (decode-only) has banked time a later step may
+spend, and one whose steps overran (an estimate that was low) gets shorter steps until it is back
+on schedule. The step may take the least slack of its decoding requests, at most `BANK` targets
+(so no decode waits much beyond the SLO for anything).
+
+Which of prefill and encode goes first in the step: the older request (arrival order), so an
+image's encode is not starved by prompts that arrived after it.
+
 Work-conserving: with nothing decoding there is no limit (prefill and encode at full size), and
-while the costs are not yet known (fewer than two distinct step sizes measured) neither. Each
-step still makes progress: at least `min_prefill_tokens` of prefill and one vision block.
+while the costs are not yet known (fewer than two distinct step sizes measured) neither. Progress:
+a step may add no prefill and no vision block while the decodes bank slack for one (a vision
+block can cost more than a whole target); once the bank is full, or the decodes alone take the
+target, a step adds at least `min_prefill_tokens` of prefill and one vision block.
 """
 from __future__ import annotations
 
@@ -19,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 HEADROOM = 0.9  # plan to this share of the TPOT SLO: the costs are estimates
+BANK = 2.0  # a step takes at most this many targets, however much slack its decodes have banked
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class StepBudget:
         if slo_tpot_s <= 0:
             raise ValueError(f"the TPOT SLO must be > 0, got {slo_tpot_s}")
         self.target_s = slo_tpot_s * HEADROOM
+        self.max_step_s = self.target_s * BANK
         self.min_prefill_tokens = min_prefill_tokens
         self.lm = LinearCost(window)
         self.vision_s_per_patch_block: float | None = None
@@ -85,20 +99,44 @@ class StepBudget:
         self.vision_s_per_patch_block = cost if old is None else 0.8 * old + 0.2 * cost
 
     # ---------------------------------------------------------------- planned
-    def plan(self, decodes: int, prefill_wanted: int, vision_patches: int) -> StepPlan:
-        """This step's prefill tokens and vision blocks beside `decodes` decoding requests;
-        `prefill_wanted`: prefill tokens waiting, `vision_patches`: patches of the encode in
-        flight (0: none)."""
+    def step_target(self, clocks: list[tuple[float, int]], now: float) -> float:
+        """Seconds this step may take beside decodes whose clocks are (when the request started
+        decoding here, tokens it has made since): the least slack to the next token's due time,
+        at most `max_step_s` (with nothing decoding: `target_s`). Negative when one is late."""
+        slack = min((t0 + (n + 1) * self.target_s - now for t0, n in clocks), default=self.target_s)
+        return min(slack, self.max_step_s)
+
+    def plan(self, decodes: int, prefill_wanted: int, vision_patches: int, target_s: float | None = None,
+             vision_first: bool = False) -> StepPlan:
+        """This step's prefill tokens and vision blocks beside `decodes` decoding requests within
+        `target_s` seconds (default: the SLO's share); `prefill_wanted`: prefill tokens waiting,
+        `vision_patches`: patches of the encode in flight (0: none); `vision_first`: the encode
+        takes its blocks before the prefill takes its tokens."""
         fit = self.lm.fit()
         if decodes == 0 or fit is None:
             return UNLIMITED
-        a, b = fit
-        left = self.target_s - (a + b * decodes)
-        prefill = max(self.min_prefill_tokens, int(max(left, 0.0) / b)) if b > 0 else None
-        if prefill is not None and prefill_wanted:
-            left -= b * min(prefill, prefill_wanted)
+        a, b = fit[0], max(fit[1], 1e-9)
+        target = self.target_s if target_s is None else target_s
+        left = target - (a + b * decodes)
+        # progress: nothing needs to fit while decode-only steps bank slack for it; at least the
+        # minimum once they cannot (the decodes alone take the target, or the bank is full)
+        must = a + b * decodes >= self.target_s or target >= self.max_step_s
         blocks = None
-        if vision_patches:  # one block to learn its cost, then what fits
-            cost = self.vision_s_per_patch_block
-            blocks = 1 if cost is None else max(1, int(max(left, 0.0) / (cost * vision_patches)))
+        if vision_first and vision_patches:
+            blocks, left = self._vision(left, vision_patches, must)
+        prefill = max(self.min_prefill_tokens if must else 0, int(max(left, 0.0) / b))
+        if prefill_wanted:
+            left -= b * min(prefill, prefill_wanted)
+        if vision_patches and not vision_first:
+            blocks, left = self._vision(left, vision_patches, must)
         return StepPlan(prefill, blocks)
+
+    def _vision(self, left: float, patches: int, must: bool) -> tuple[int, float]:
+        """Vision blocks that fit `left` seconds (one to learn the cost; one if `must`), and the
+        time left after."""
+        cost = self.vision_s_per_patch_block
+        if cost is None:
+            return 1, left
+        blocks = max(1 if must else 0, int(max(left, 0.0) / (cost * patches)))
+        return blocks, left - blocks * cost * patches
+

@@ -51,6 +51,29 @@ def test_prefill_and_vision_fill_what_the_decodes_leave():
     assert heavy.plan(4, 30, 100).prefill_tokens == 16 and heavy.plan(4, 30, 100).vision_blocks == 1
 
 
+def test_a_step_takes_the_least_slack_of_its_decodes():
+    s = _budget()
+    t = s.target_s
+    assert s.step_target([], 5.0) == t  # nothing decoding: the SLO's share
+    assert s.step_target([(0.0, 3)], 2 * t) == pytest.approx(2 * t)  # 4th token due at 4t
+    assert s.step_target([(0.0, 3), (t, 0)], 1.5 * t) == pytest.approx(0.5 * t)  # the newer one is due first
+    assert s.step_target([(0.0, 10)], t) == s.max_step_s  # much banked: at most BANK targets
+    assert s.step_target([(0.0, 0)], 2 * t) < 0  # late: its next token is overdue
+
+
+def test_a_vision_block_waits_until_the_decodes_have_banked_room_for_it():
+    s = _budget()  # the decodes' own step: 0.02 + 0.001 * 4 s
+    s.record_vision(1000, 1, 0.1)  # one block over 1000 patches: 0.1 s, more than the whole target
+    short = s.plan(4, 30, 1000, target_s=0.03)
+    assert 0 < short.prefill_tokens <= 6 and short.vision_blocks == 0  # ~6 ms of prefill, no block
+    late = s.plan(4, 30, 1000, target_s=-0.01)
+    assert late.prefill_tokens == 0 and late.vision_blocks == 0  # overdue: the decodes alone
+    full = s.plan(4, 30, 1000, target_s=s.max_step_s)  # the bank is full: progress, a block at least
+    assert full.prefill_tokens >= 30 and full.vision_blocks == 1
+    first = s.plan(4, 30, 1000, target_s=0.13, vision_first=True)  # the encode's request is older
+    assert first.vision_blocks == 1 and 0 < first.prefill_tokens <= 6  # the block first, prefill in what is left
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_sliced_steps_keep_greedy_tokens(request, arch):
     """A 1 ms SLO: every step beside a decode takes 16 prompt tokens and one vision block."""
