@@ -6,7 +6,7 @@ Owns `merge_reports` (one report from the targets' reports), `cells` (target -> 
 metrics of its runs in repeat order), `FIGURES` (TTFT p50, TPOT p50/p90/p99 over requests, ITL
 p99 over all gaps, SLO goodput), `comparison_table` (each figure the median over repeats, with
 min-max when there are several; also the requests in SLO and those that ended before their
-max_tokens), `AIMS` and `ratio_rows` / `ratio_table` (target over peer, the
+max_tokens, and which objective the others missed), `AIMS` and `ratio_rows` / `ratio_table` (target over peer, the
 ratio of the medians with the min-max of the per-repeat ratios; repeat k of a target is paired
 with repeat k of the peer: the same requests at the same times). An aim `against="reference"`
 compares with the monolithic target of an earlier run's merged report (`--reference`: "today's
@@ -64,8 +64,18 @@ def cells(report: dict, workload: str | None = None) -> dict[str, dict[float, li
     for label, entry in (workloads.get(name) or {}).get("modes", {}).items():
         by_rate = out.setdefault(label, {})
         for run in entry.get("runs") or []:
-            by_rate.setdefault(float(run["rate"]), []).append(run["metrics"])
+            m = run["metrics"]
+            if "slo_missed" not in m and "requests" in run:  # a report from before the count
+                m = {**m, "slo_missed": _missed(run["requests"], m.get("slo") or report.get("slo") or {})}
+            by_rate.setdefault(float(run["rate"]), []).append(m)
     return out
+
+
+def _missed(requests: list[dict], slo: dict) -> dict[str, int]:
+    """Per objective, the completed requests of a run's records that missed it."""
+    ok = [r for r in requests if r.get("ok")]
+    limit = {k: slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
+    return {k: sum(1 for r in ok if limit[k] is not None and (r.get(f"{k}_ms") or 0.0) > limit[k]) for k in limit}
 
 
 def figure_of(m: dict, column: str) -> float | None:
@@ -96,7 +106,8 @@ def comparison_table(report: dict, peer: str, workload: str | None = None) -> st
     order = ([peer] if peer in c else []) + [t for t in c if t != peer]
     rates = sorted({r for by_rate in c.values() for r in by_rate})
     head = " | ".join(col for col, *_ in FIGURES)
-    lines = [f"| rate | server | runs | {head} | in SLO | ended early |", "|---:|---|---:|" + "---:|" * (len(FIGURES) + 2)]
+    lines = [f"| rate | server | runs | {head} | in SLO | missed TTFT / TPOT | ended early |",
+             "|---:|---|---:|" + "---:|" * (len(FIGURES) + 3)]
     for rate in rates:
         for label in order:
             runs = _rate_of(c[label], rate)
@@ -107,8 +118,9 @@ def comparison_table(report: dict, peer: str, workload: str | None = None) -> st
             total = max((m.get("num_requests", 0) for m in runs), default=0)
             spread = f" ({min(good)}-{max(good)})" if min(good) != max(good) else ""
             in_slo = f"{statistics.median(good):g}/{total}{spread}"
+            missed = " / ".join(_spread([(m.get("slo_missed") or {}).get(k, 0) for m in runs], 0) for k in ("ttft", "tpot"))
             early = _spread([m.get("incomplete_outputs", 0) for m in runs], 0)  # fewer tokens than asked (EOS)
-            lines.append(f"| {rate:g}/s | {label} | {len(runs)} | {figs} | {in_slo} | {early} |")
+            lines.append(f"| {rate:g}/s | {label} | {len(runs)} | {figs} | {in_slo} | {missed} | {early} |")
     return "\n".join(lines)
 
 
@@ -129,6 +141,8 @@ def ratio_rows(report: dict, peer: str, reference: dict | None = None, aims=AIMS
     rows = []
     for label in (t for t in c if t != peer):
         for aim in aims:
+            if aim.against != "peer" and reference is report and label == ref_label:
+                continue  # this run's own 'today' target against itself
             other = c.get(peer, {}) if aim.against == "peer" else ref_cells.get(ref_label, {}) if ref_label else {}
             mine, theirs = _values(_rate_of(c[label], aim.rate), aim.figure), _values(_rate_of(other, aim.rate), aim.figure)
             if not mine or not theirs:

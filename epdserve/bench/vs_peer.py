@@ -56,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-peer", action="store_true", help="epdserve's modes only")
     ap.add_argument("--reference", metavar="JSON", help="an earlier run's merged JSON: its monolithic is "
                                                         "'today's monolithic' of the goodput aim")
+    ap.add_argument("--today", metavar="MODE", help="a target of this run as 'today's monolithic' of the goodput "
+                                                    "aim instead, e.g. monolithic#no-budget")
+    ap.add_argument("--render", metavar="JSON", help="run nothing: write the tables of an earlier run's merged "
+                                                     "JSON again (to its .md) with this version's report")
     ap.add_argument("--launch-arg", default="", help="extra `epdserve launch` arguments for every mode")
     ap.add_argument("--bench-arg", action="append", default=[], help="extra `bench serve` argument (repeatable)")
     ap.add_argument("--mode-arg", action="append", default=[], metavar="MODE#NAME=ARGS",
@@ -68,6 +72,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    if a.render:
+        report = json.loads(pathlib.Path(a.render).read_text())
+        rows = _rows(report, a)
+        pathlib.Path(a.render).with_suffix(".md").write_text(render(report, rows) + "\n")
+        print(render(report, rows))
+        return 0
     size = QUICK if a.quick else FULL
     repeats = a.repeats or size["repeats"]
     rates = [float(r) for r in a.rates.split(",") if r.strip()]
@@ -97,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(model=model, repeats=repeats, peer_cmd=None if a.no_peer else a.peer_cmd, failed=failed,
                   wall_s=round(time.monotonic() - t0, 1),
                   command="python benchmarks/vs_transformers_serve.py " + " ".join(map(shlex.quote, argv or sys.argv[1:])))
-    reference = json.loads(pathlib.Path(a.reference).read_text()) if a.reference else None
-    rows = ratio_rows(report, PEER, reference)
+    rows = _rows(report, a)
     report["ratios"] = rows
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     text = render(report, rows)
@@ -106,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"\nwrote {out}, {out.with_suffix('.md')} in {report['wall_s']:.0f} s")
     return 0 if not failed else 1
+
+
+def _rows(report: dict, a) -> list[dict]:
+    """The aim ratios; 'today's monolithic' is `--today`'s target of this run, else `--reference`'s."""
+    if a.today:
+        return ratio_rows(report, PEER, report, reference_label=f"epdserve-{a.today}")
+    return ratio_rows(report, PEER, json.loads(pathlib.Path(a.reference).read_text()) if a.reference else None)
 
 
 def render(report: dict, rows: list[dict]) -> str:

@@ -9,7 +9,8 @@ functions that turn a list of records into the report's numbers:
   message with no tokens, only usage, adds no gap); a request's longest gap (`itl_max`, the worst
   stall its stream saw) is also kept, one value per request;
 - duration = last completion - first dispatch; throughputs over it (input tokens = text + vision);
-- goodput = requests meeting every SLO / duration; SLO attainment = that count / all requests
+- goodput = requests meeting every SLO / duration; SLO attainment = that count / all requests;
+  slo_missed = how many completed requests missed each objective (one may miss two);
   (failures are misses); output tok/s under the SLO = output tokens of those requests / duration
   (EPD-Serve's Table 2 figure);
 - mean, median (also as p50), p90, p95, p99, max of each (numpy's linear percentile): TPOT's are
@@ -94,15 +95,18 @@ class SLO:
     e2el: float | None = None
 
     def met(self, r: RequestRecord) -> bool:
-        if not r.success:
-            return False
+        return r.success and not self.missed(r)
+
+    def missed(self, r: RequestRecord) -> list[str]:
+        """The objectives a completed request missed ("ttft", "tpot", "e2el")."""
+        out = []
         if self.ttft is not None and (r.ttft is None or r.ttft > self.ttft):
-            return False
+            out.append("ttft")
         if self.tpot is not None and (r.tpot or 0.0) > self.tpot:  # N_out <= 1: TPOT counts as 0
-            return False
+            out.append("tpot")
         if self.e2el is not None and r.e2el > self.e2el:
-            return False
-        return True
+            out.append("e2el")
+        return out
 
     def to_dict(self) -> dict:
         return {k: (None if v is None else v * 1e3) for k, v in
@@ -165,6 +169,7 @@ def compute_metrics(records: list[RequestRecord], slo: SLO, by_kind: bool = True
         "slo": slo.to_dict(), "good_requests": good, "goodput": per_s(good),
         "output_throughput_under_slo": per_s(sum(r.n_out for r in records if slo.met(r))),
         "slo_attainment": good / len(records) if records else 0.0,
+        "slo_missed": {k: sum(1 for r in ok if k in slo.missed(r)) for k in ("ttft", "tpot", "e2el")},
         "ttft_ms": stats(r.ttft for r in ok), "tpot_ms": stats(r.tpot for r in ok),
         "itl_ms": stats(x for r in ok for x in r.itls), "itl_max_ms": stats(r.itl_max for r in ok),
         "e2el_ms": stats(r.e2el for r in ok),

@@ -38,7 +38,19 @@ def test_comparison_table_medians_and_spread():
     rows = [r for r in md.splitlines() if r.startswith("| 0.5/s") or r.startswith("| 1/s")]
     assert rows[0].startswith("| 0.5/s | transformers-serve | 2 | 3,200 (3,000-3,400) | 37.5 (37.0-38.0) |")
     assert "| 1/s | epdserve-monolithic | 2 | 4,500 (1,400-7,600) | 75.0 (60.0-90.0) |" in md
-    assert "0.250 (0.200-0.300) | 12.5/24 (10-15) | 0 |" in md  # goodput, requests in SLO, ended early
+    assert "0.250 (0.200-0.300) | 12.5/24 (10-15) | 0 / 0 | 0 |" in md  # goodput, in SLO, missed, ended early
+
+
+def test_which_objective_the_others_missed():
+    """From the metrics' counts, or, in a report from before them, from its request records."""
+    counted = _part("epdserve-P-D", [(1.0, {**_m(900, 50, 90, 200, 0.4), "slo_missed": {"ttft": 3, "tpot": 1}}),
+                                     (1.0, {**_m(900, 50, 90, 200, 0.4), "slo_missed": {"ttft": 5, "tpot": 0}})])
+    assert "| 20/24 | 4 (3-5) / 0 (0-1) | 0 |" in comparison_table(merge_reports([counted]), "transformers-serve")
+    old = _part("epdserve-E-PD", [(1.0, _m(900, 50, 90, 200, 0.4))])
+    old["workloads"]["sharegpt4o"]["modes"]["epdserve-E-PD"]["runs"][0]["requests"] = [
+        {"ok": True, "ttft_ms": 3500, "tpot_ms": 40}, {"ok": True, "ttft_ms": 100, "tpot_ms": 120},
+        {"ok": True, "ttft_ms": 3100, "tpot_ms": 101}, {"ok": False, "ttft_ms": None, "tpot_ms": None}]
+    assert cells(merge_reports([old]))["epdserve-E-PD"][1.0][0]["slo_missed"] == {"ttft": 2, "tpot": 2, "e2el": 0}
 
 
 def test_ratios_paired_by_repeat_and_aims():
@@ -64,6 +76,16 @@ def test_reference_run_is_todays_monolithic():
     ref = next(r for r in rows if r["against"] == "reference epdserve-monolithic")
     assert ref["ratio"] == pytest.approx(0.38 / 0.25) and ref["met"] is True  # >= 1.3x
     assert (ref["min"], ref["max"]) == pytest.approx((0.40 / 0.30, 0.36 / 0.20))
+
+
+def test_todays_monolithic_from_the_same_run():
+    """--today: a target of this run is the reference; it is not compared with itself."""
+    today = _part("epdserve-monolithic#no-budget", [(1.0, _m(500, 70, 190, 1100, 0.20)), (1.0, _m(500, 70, 190, 1100, 0.25))])
+    rep = merge_reports([PEER, MONO, today])
+    rows = ratio_rows(rep, "transformers-serve", rep, reference_label="epdserve-monolithic#no-budget")
+    refs = [r for r in rows if r["against"].startswith("reference")]
+    assert [r["target"] for r in refs] == ["epdserve-monolithic"]
+    assert refs[0]["ratio"] == pytest.approx(0.25 / 0.225) and refs[0]["met"] is False
 
 
 def test_aim_edges():

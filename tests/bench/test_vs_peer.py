@@ -57,6 +57,10 @@ def test_quick_run_against_the_stand_in_peer(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| 4/s | transformers-serve | 2 |" in printed and "TPOT p99 ms | ITL p99 ms | SLO goodput" in printed
     assert out.with_suffix(".md").read_text().strip() in printed
+    out.with_suffix(".md").unlink()  # --render: the tables again from the JSON, nothing run
+    assert main(["--render", str(out)]) == 0
+    assert out.with_suffix(".md").read_text().strip() in capsys.readouterr().out
+    assert "| 4/s | transformers-serve | 2 |" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow  # one epdserve deployment starts (30-60 s on 2 cores)

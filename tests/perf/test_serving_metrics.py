@@ -53,6 +53,7 @@ def test_aggregates_hand_computed():
     assert m["peak_output_throughput"] == pytest.approx(6)
     # SLO TTFT <= 2 s, TPOT <= 200 ms: r1 misses TPOT, r2 misses TTFT, r3 failed: only r4 is good
     assert m["good_requests"] == 1 and m["goodput"] == pytest.approx(1 / 3.6) and m["slo_attainment"] == pytest.approx(0.25)
+    assert m["slo_missed"] == {"ttft": 1, "tpot": 1, "e2el": 0}  # of the completed requests (r3 failed)
     assert m["output_throughput_under_slo"] == pytest.approx(4 / 3.6)  # r4's 4 output tokens
     assert m["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 200.0, "e2el_ms": None}
     # mixed kinds: per-kind metrics; the text kind's TTFT is r2's alone
