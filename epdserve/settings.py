@@ -138,6 +138,11 @@ def flag_defaults(cls: type) -> dict[str, Any]:
     return out
 
 
+def flag_choices(cls: type) -> dict[str, tuple]:
+    """{dest: choices} of `cls`'s settings that have a fixed set of values."""
+    return {dest(f, s): tuple(s.choices) for f, s in settings_of(cls) if s.choices}
+
+
 def _field(cls: type, name: str) -> dataclasses.Field:
     for f in dataclasses.fields(cls):
         if f.name == name:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from epdserve.deploy.argv import last_flag
 from epdserve.entrypoints.launch_settings import (STOP_MARGIN_S, add_launch_flags, instance_argv, merged_options,
-                                                  option_defaults)
+                                                  option_choices, option_defaults)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,9 @@ def load_config(path: Path | None) -> dict:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for key, allowed in option_choices().items():
+        if key in data and data[key] is not None and data[key] not in allowed:
+            raise ValueError(f"{path}: {key}: {data[key]!r} is not one of {', '.join(map(str, allowed))}")
     return data
 
 

@@ -16,7 +16,7 @@ from epdserve.commands import FlagsArg
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.modes import MODES
 from epdserve.security.exposure import INSECURE_HELP
-from epdserve.settings import add_flags, dest, flag_defaults, forward_argv, setting, settings_of
+from epdserve.settings import add_flags, dest, flag_choices, flag_defaults, forward_argv, setting, settings_of
 
 STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), the scheduler (5), the MM Store (5)
 
@@ -119,6 +119,12 @@ def option_defaults() -> dict[str, Any]:
     instance setting's default is None: not passed on, the instance's own applies."""
     forwarded = {k: None for k in _forwarded_dests()}
     return {**flag_defaults(LaunchSettings), **forwarded}
+
+
+def option_choices() -> dict[str, tuple]:
+    """{option: its allowed values} of the launch options that have a fixed set (a file's too)."""
+    forwarded = set(_forwarded_dests())
+    return {**flag_choices(LaunchSettings), **{k: v for k, v in flag_choices(InstanceConfig).items() if k in forwarded}}
 
 
 def merged_options(args, file: dict) -> dict[str, Any]:

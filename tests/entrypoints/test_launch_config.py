@@ -52,6 +52,12 @@ def test_bad_options_are_rejected(tmp_path):
     bad.write_text("mode: E-P-D\nreplicas: 3\n")
     with pytest.raises(ValueError, match="unknown option"):
         load_config(bad)
+    bad.write_text("mode: EP-D\ncolocation: slo\n")  # a value outside a setting's choices: the removed policy
+    with pytest.raises(ValueError, match="colocation: 'slo' is not one of split, yield"):
+        load_config(bad)
+    bad.write_text("mode: X-Y\n")
+    with pytest.raises(ValueError, match="mode: 'X-Y' is not one of"):
+        load_config(bad)
 
 
 def test_a_launch_that_cannot_start_exits_nonzero_and_leaves_nothing(tmp_path):
