@@ -64,6 +64,8 @@ def test_a_scheduler_back_later_than_the_old_budget_loses_nothing():
 def test_async_client_resumes_the_same_way():
     prompt, n = "async", 30
 
+    restarters = []
+
     async def main(sched):
         async with AsyncClient(sched.address, timeout=60, retry_deadline_s=15, **BACKOFF) as c:
             ids = []
@@ -71,12 +73,14 @@ def test_async_client_resumes_the_same_way():
                 ids.extend(d.token_ids)
                 if len(ids) == 5 and sched.proc is not None:
                     sched.kill()
-                    _restart_later(sched, OLD_BUDGET_S + 1.0)
+                    restarters.append(_restart_later(sched, OLD_BUDGET_S + 1.0))
             return ids, c.retried
 
     with TokenScheduler(token_delay_s=0.02) as sched:
         ids, retried = asyncio.run(main(sched))
-    assert ids == tokens_for(prompt, n) and retried >= 9
+        for t in restarters:  # the client may resume before the restarter saw the server ready:
+            t.join()  # wait for it before the server is stopped under it
+    assert ids == tokens_for(prompt, n) and retried >= 9 and len(restarters) == 1
 
 
 def test_past_the_deadline_the_call_is_unavailable():
