@@ -73,6 +73,9 @@ class DeploymentSpec:
         return mode_pools(self.mode, self.encode, self.prefill, self.decode)
 
 
+BIND_RETRIES = 3  # new internal ports tried when the one picked was taken before the scheduler bound it
+
+
 class LaunchError(RuntimeError):
     pass
 
@@ -112,14 +115,7 @@ class Deployment:
             log.info("MM Store: private server at %s", self.mm_store_url)
         if CLUSTER_TOKEN_ENV not in os.environ:  # made here: kept where the operator can read it
             self.cluster_token_file = self._write_secret("cluster.token", self.cluster_token)
-        addr_file = self.log_dir / "scheduler.address"
-        addr_file.unlink(missing_ok=True)
-        self.scheduler = self._scheduler_child(s.port, addr_file).start()
-        while not addr_file.exists():
-            self._check_alive(self.scheduler, "the scheduler")
-            self._check_deadline(deadline, should_stop, "the scheduler to bind")
-            time.sleep(0.1)  # polling a child's address file; nothing to block on
-        self.address = addr_file.read_text().strip()
+        self.address = self._start_scheduler(deadline, should_stop)
         cores = self._core_sets()
         k = 0
         for pool in self.pools:
@@ -137,6 +133,29 @@ class Deployment:
         for name in ["scheduler", *(c.name for c in self.instances), *(["mm_store"] if self._redis else [])]:
             self._schedules[name] = RestartSchedule(s.restart, now)
         return self.address
+
+    def _start_scheduler(self, deadline: float, should_stop) -> str:
+        """Start the scheduler and wait for the address it bound. The internal port the launcher
+        picked for it (`_registry`) may be taken by another process before the scheduler binds it
+        (an outgoing connection's ephemeral port, say): then pick another, `BIND_RETRIES` times."""
+        addr_file = self.log_dir / "scheduler.address"
+        for attempt in range(BIND_RETRIES + 1):
+            addr_file.unlink(missing_ok=True)
+            self.scheduler = self._scheduler_child(self.spec.port, addr_file).start()
+            try:
+                while not addr_file.exists():
+                    self._check_alive(self.scheduler, "the scheduler")
+                    self._check_deadline(deadline, should_stop, "the scheduler to bind")
+                    time.sleep(0.1)  # polling a child's address file; nothing to block on
+                return addr_file.read_text().strip()
+            except LaunchError as e:
+                taken = f"{self.registry}'" in str(e) and "in use" in str(e)
+                if attempt == BIND_RETRIES or self.spec.registry or not taken:
+                    raise
+                log.warning("the scheduler's internal port %s was taken before it bound; trying another", self.registry)
+                self.scheduler.log_stream.close()
+                self.registry, self._registry_args = self._registry(self.spec)
+        raise AssertionError("unreachable")
 
     def _write_secret(self, name: str, value: str) -> Path:
         """A secret the deployment made (the private MM Store's password, its cluster token) in a
