@@ -18,6 +18,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from epdserve.perf.serving_metrics import SLO
+
 # (column, metrics key, statistic, decimals); key None: a top-level metric
 FIGURES = (("TTFT p50 ms", "ttft_ms", "median", 0), ("TPOT p50 ms", "tpot_ms", "median", 1),
            ("TPOT p90 ms", "tpot_ms", "p90", 1), ("TPOT p99 ms", "tpot_ms", "p99", 1),
@@ -72,10 +74,11 @@ def cells(report: dict, workload: str | None = None) -> dict[str, dict[float, li
 
 
 def _missed(requests: list[dict], slo: dict) -> dict[str, int]:
-    """Per objective, the completed requests of a run's records that missed it."""
-    ok = [r for r in requests if r.get("ok")]
-    limit = {k: slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
-    return {k: sum(1 for r in ok if limit[k] is not None and (r.get(f"{k}_ms") or 0.0) > limit[k]) for k in limit}
+    """Per objective, the completed requests of a run's records that missed it (`SLO.missed_times`)."""
+    objectives = SLO.from_dict(slo)
+    missed = [objectives.missed_times(*(None if r.get(k) is None else r[k] / 1e3 for k in ("ttft_ms", "tpot_ms", "e2el_ms")))
+              for r in requests if r.get("ok")]
+    return {k: sum(k in m for m in missed) for k in ("ttft", "tpot", "e2el")}
 
 
 def figure_of(m: dict, column: str) -> float | None:

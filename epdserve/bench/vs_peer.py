@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.render:
         report = json.loads(pathlib.Path(a.render).read_text())
-        rows = _rows(report, a)
-        pathlib.Path(a.render).with_suffix(".md").write_text(render(report, rows) + "\n")
-        print(render(report, rows))
+        text = render(report, _rows(report, a))
+        pathlib.Path(a.render).with_suffix(".md").write_text(text + "\n")
+        print(text)
         return 0
     size = QUICK if a.quick else FULL
     repeats = a.repeats or size["repeats"]

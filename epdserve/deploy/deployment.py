@@ -62,7 +62,7 @@ class DeploymentSpec:
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
     registry: str | None = None  # host:port instances register at (the scheduler's internal port, set in
-    # its scheduler_args); None: a free port of `host`, chosen once (a restarted scheduler comes back on it)
+    # its scheduler_args); None: a port of `host` the scheduler binds itself (a restarted one comes back on it)
     log_dir: str | None = None  # None: a temporary directory, removed after a clean stop
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0
@@ -71,9 +71,6 @@ class DeploymentSpec:
 
     def pools(self):
         return mode_pools(self.mode, self.encode, self.prefill, self.decode)
-
-
-BIND_RETRIES = 3  # new internal ports tried when the one picked was taken before the scheduler bound it
 
 
 class LaunchError(RuntimeError):
@@ -87,7 +84,8 @@ class Deployment:
         self.address = ""
         self.mm_store_url = spec.mm_store or ""
         self.scheduler: ChildProcess | None = None
-        self.registry, self._registry_args = self._registry(spec)
+        self.registry = spec.registry or ""  # host:port instances register at; unless given, once the scheduler bound it
+        self._internal_port = 0  # ours (no spec.registry): 0 until the scheduler binds one, then that one
         self.instances: list[ChildProcess] = []
         self._redis = None
         # the deployment's cluster token: the launcher's, else a random one (children get it in their environment)
@@ -135,27 +133,20 @@ class Deployment:
         return self.address
 
     def _start_scheduler(self, deadline: float, should_stop) -> str:
-        """Start the scheduler and wait for the address it bound. The internal port the launcher
-        picked for it (`_registry`) may be taken by another process before the scheduler binds it
-        (an outgoing connection's ephemeral port, say): then pick another, `BIND_RETRIES` times."""
+        """Start the scheduler and wait for the address it bound; its internal port, unless given,
+        is one it binds itself (port 0: no other process can take it between a pick and the bind),
+        read from its internal address file and kept for its restarts."""
         addr_file = self.log_dir / "scheduler.address"
-        for attempt in range(BIND_RETRIES + 1):
-            addr_file.unlink(missing_ok=True)
-            self.scheduler = self._scheduler_child(self.spec.port, addr_file).start()
-            try:
-                while not addr_file.exists():
-                    self._check_alive(self.scheduler, "the scheduler")
-                    self._check_deadline(deadline, should_stop, "the scheduler to bind")
-                    time.sleep(0.1)  # polling a child's address file; nothing to block on
-                return addr_file.read_text().strip()
-            except LaunchError as e:
-                taken = f"{self.registry}'" in str(e) and "in use" in str(e)
-                if attempt == BIND_RETRIES or self.spec.registry or not taken:
-                    raise
-                log.warning("the scheduler's internal port %s was taken before it bound; trying another", self.registry)
-                self.scheduler.log_stream.close()
-                self.registry, self._registry_args = self._registry(self.spec)
-        raise AssertionError("unreachable")
+        addr_file.unlink(missing_ok=True)
+        self.scheduler = self._scheduler_child(self.spec.port, addr_file).start()
+        while not addr_file.exists():
+            self._check_alive(self.scheduler, "the scheduler")
+            self._check_deadline(deadline, should_stop, "the scheduler to bind")
+            time.sleep(0.1)  # polling a child's address file; nothing to block on
+        if not self.spec.registry:  # written before the address file
+            self.registry = self._internal_file().read_text().strip()
+            self._internal_port = int(self.registry.rsplit(":", 1)[1])
+        return addr_file.read_text().strip()
 
     def _write_secret(self, name: str, value: str) -> Path:
         """A secret the deployment made (the private MM Store's password, its cluster token) in a
@@ -168,22 +159,23 @@ class Deployment:
             f.write(value + "\n")
         return path
 
-    @staticmethod
-    def _registry(spec: DeploymentSpec) -> tuple[str, list[str]]:
-        """(host:port instances register at, the scheduler flags that put its internal port there)."""
-        if spec.registry:
-            return spec.registry, []
-        from epdserve.net import free_port
-
-        port = free_port(spec.host)
-        return f"{spec.host}:{port}", ["--internal-host", spec.host, "--internal-port", str(port)]
+    def _internal_file(self) -> Path:
+        return self.log_dir / "scheduler.internal"
 
     def _scheduler_child(self, port: int, addr_file: Path) -> ChildProcess:
         s = self.spec
         return self._child("scheduler", [
             "--model", s.model, "--host", s.host, "--port", str(port), "--mode", s.mode,
-            "--address-file", str(addr_file), *self._registry_args, *s.scheduler_args],
+            "--address-file", str(addr_file), *self._internal_args(), *s.scheduler_args],
             env={CLUSTER_TOKEN_ENV: self.cluster_token}, module="epdserve.entrypoints.scheduler_cli")
+
+    def _internal_args(self) -> list[str]:
+        """The scheduler flags of its internal port when the deployment owns it (no spec.registry):
+        the one it bound first, so a restarted scheduler comes back where instances register."""
+        if self.spec.registry:
+            return []
+        return ["--internal-host", self.spec.host, "--internal-port", str(self._internal_port),
+                "--internal-address-file", str(self._internal_file())]
 
     def _instance_argv(self, roles: str) -> list[str]:
         s = self.spec

@@ -99,18 +99,27 @@ class SLO:
 
     def missed(self, r: RequestRecord) -> list[str]:
         """The objectives a completed request missed ("ttft", "tpot", "e2el")."""
+        return self.missed_times(r.ttft, r.tpot, r.e2el)
+
+    def missed_times(self, ttft: float | None, tpot: float | None, e2el: float | None) -> list[str]:
+        """The objectives these latencies (seconds) miss; no TTFT misses, no TPOT (N_out <= 1) counts as 0."""
         out = []
-        if self.ttft is not None and (r.ttft is None or r.ttft > self.ttft):
+        if self.ttft is not None and (ttft is None or ttft > self.ttft):
             out.append("ttft")
-        if self.tpot is not None and (r.tpot or 0.0) > self.tpot:  # N_out <= 1: TPOT counts as 0
+        if self.tpot is not None and (tpot or 0.0) > self.tpot:
             out.append("tpot")
-        if self.e2el is not None and r.e2el > self.e2el:
+        if self.e2el is not None and e2el is not None and e2el > self.e2el:
             out.append("e2el")
         return out
 
     def to_dict(self) -> dict:
         return {k: (None if v is None else v * 1e3) for k, v in
                 (("ttft_ms", self.ttft), ("tpot_ms", self.tpot), ("e2el_ms", self.e2el))}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SLO":
+        """The inverse of `to_dict` (a report's "slo")."""
+        return cls(*(None if d.get(k) is None else d[k] / 1e3 for k in ("ttft_ms", "tpot_ms", "e2el_ms")))
 
 
 def stats(values, scale: float = 1e3) -> dict:

@@ -1,7 +1,8 @@
-"""The launcher picks the scheduler's internal port itself (`Deployment._registry`), so another
-process can take it before the scheduler binds it (seen in a benchmark run: an outgoing
-connection's ephemeral port). Here a real socket holds the picked port: the launcher picks another
-and the real scheduler process comes up on it; a taken port the operator chose is not retried."""
+"""The scheduler's internal port (where instances register), when the launcher owns it: the
+scheduler binds a free one itself (port 0), so no other process can take it between a pick and
+the bind (seen in a benchmark run when the launcher picked it in advance); the launcher reads it
+back for the instances and a restarted scheduler comes back on it. A taken port the operator
+chose fails the launch. Real scheduler processes on the tiny model, real sockets."""
 from __future__ import annotations
 
 import socket
@@ -12,37 +13,40 @@ import pytest
 
 from epdserve.deploy.deployment import Deployment, DeploymentSpec, LaunchError
 
-pytestmark = pytest.mark.slow  # a scheduler process starts (and, below, fails to) on the tiny model
+pytestmark = pytest.mark.slow  # scheduler processes start (and, below, fail to) on the tiny model
 
 
-def _hold(address: str) -> socket.socket:
-    host, port = address.rsplit(":", 1)
-    s = socket.socket()
-    s.bind((host, int(port)))
-    s.listen()
-    return s
+def _ready(address: str) -> None:
+    with grpc.insecure_channel(address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=30)
 
 
-def test_a_taken_internal_port_is_picked_again(qwen2_vl_tiny, tmp_path):
+def test_the_internal_port_is_the_schedulers_own_and_survives_a_restart(qwen2_vl_tiny, tmp_path):
     dep = Deployment(DeploymentSpec(mode="monolithic", model=str(qwen2_vl_tiny), log_dir=str(tmp_path)))
-    picked = dep.registry
-    held = _hold(picked)
+    assert dep.registry == ""  # not picked in advance
     try:
-        address = dep._start_scheduler(time.monotonic() + 120, lambda: False)
-        assert dep.registry != picked and "--internal-port" in dep._registry_args
-        assert dep._registry_args[dep._registry_args.index("--internal-port") + 1] == dep.registry.rsplit(":", 1)[1]
-        with grpc.insecure_channel(address) as ch:
-            grpc.channel_ready_future(ch).result(timeout=30)  # the scheduler serves
-        assert "was taken" not in (tmp_path / "scheduler.log").read_text()  # the launcher logs it, not the child
+        address = dep.address = dep._start_scheduler(time.monotonic() + 120, lambda: False)  # as start() does
+        registry = dep.registry
+        assert registry == (tmp_path / "scheduler.internal").read_text().strip() and registry != address
+        assert f"--scheduler {registry}" in " ".join(dep._instance_argv("EPD"))
+        _ready(registry)
+        dep.scheduler.stop(5.0)
+        dep._restart_scheduler()
+        while not (tmp_path / "scheduler.address").exists():
+            time.sleep(0.1)
+        _ready(registry)  # back on the same internal port
+        assert dep.registry == registry
     finally:
-        held.close()
         dep.stop()
 
 
 def test_a_taken_port_the_operator_chose_fails_the_launch(qwen2_vl_tiny, tmp_path):
-    dep = Deployment(DeploymentSpec(mode="monolithic", model=str(qwen2_vl_tiny), log_dir=str(tmp_path)))
-    held = _hold(dep.registry)
-    dep.spec.registry = dep.registry  # as if given: --scheduler-args with its --internal-port
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    chosen = f"127.0.0.1:{held.getsockname()[1]}"
+    dep = Deployment(DeploymentSpec(mode="monolithic", model=str(qwen2_vl_tiny), log_dir=str(tmp_path), registry=chosen,
+                                    scheduler_args=["--internal-port", chosen.rsplit(":", 1)[1]]))
     try:
         with pytest.raises(LaunchError, match="in use"):
             dep._start_scheduler(time.monotonic() + 120, lambda: False)
