@@ -49,6 +49,9 @@ class EngineConfig:
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "
              "while requests decode (their TPOT then stalls behind them)")
     feature_wait_s: float = setting(0.0, help="P: wait this long for E's features, then recompute")
+    enforce_eager: bool = setting(
+        False, help="run every step eagerly: no captured decode graphs (CUDA captures one per batch-size bucket "
+                    "at start-up and replays it for each decode-only step; CPU and NPU always run eagerly)")
     seed: int = 0
     ops: str | None = None  # paged operators: native | portable; None: $EPDSERVE_OPS, else the platform's best
 

@@ -35,12 +35,16 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """Owns the block tensors; reads and writes token slots and whole blocks."""
+    """Owns the block tensors; reads and writes token slots and whole blocks.
+
+    Blocks 0 .. num_blocks-1 are the block manager's; one more, `pad_block`, is never handed
+    out: the padding rows of a captured decode graph write and read it (engine/graph_runner.py)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"):
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.pad_block = num_blocks
+        shape = (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.keys = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.values = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 

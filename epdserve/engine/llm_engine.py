@@ -39,7 +39,7 @@ from epdserve.engine.stats import EngineStats
 from epdserve.engine.step_budget import StepBudget, StepPlan
 from epdserve.engine.stop_checker import StopChecker
 from epdserve.model.processor import MediaInput
-from epdserve.ops.select import paged_ops
+from epdserve.ops.select import layer_ops, paged_ops
 from epdserve.request_errors import InvalidRequestError
 from epdserve.seams.feature_provider import FeatureProvider, LocalFeatureProvider
 from epdserve.seams.kv_connector import KVConnector, RemotePrefill
@@ -69,7 +69,13 @@ class LLMEngine:
             StopChecker(self.model.tokenizer, self.model.eos_token_ids, self.max_model_len), kv_connector,
             PrefixHasher(config.block_size, (a.image_token_id, a.video_token_id)),
         )
-        self.runner = ModelRunner(a, self.kv_cache, paged_ops(self.platform, config.ops), kv_connector)
+        self.runner = ModelRunner(a, self.model.lm, self.kv_cache, paged_ops(self.platform, config.ops),
+                                  layer_ops(self.platform, config.ops), self.platform, kv_connector,
+                                  max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
+        capture_s = self.runner.capture_graphs()
+        if capture_s:
+            log.info("captured decode graphs for batch sizes %s in %.2f s", self.runner.graphs.buckets, capture_s)
         self.features = features or LocalFeatureProvider()
         self.stats = EngineStats()
         # only an engine that decodes has inter-token gaps to protect

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from epdserve.engine.lm.forward import LeanLM
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoint, max_model_len
 from epdserve.model.processor import MultimodalProcessor
@@ -35,6 +36,7 @@ class LoadedModel:
     dtype: torch.dtype
     checkpoint: LoadedCheckpoint
     adapter: VLMAdapter
+    lm: LeanLM  # the fused LM the engines run (transformers' own LM layers are released)
     processor: MultimodalProcessor
     namespace: str  # MM Store key namespace: features of this vision tower + preprocessing
     eos_token_ids: set[int]
@@ -52,7 +54,7 @@ class LoadedModel:
 def load_model(model: str, device: str = "auto", dtype: str = "auto", context_len: int | None = None) -> LoadedModel:
     """Load `model` (a checkpoint directory) on the platform `device` names ("auto": npu, cuda, cpu).
 
-    dtype "auto" is fp32 on CPU (no fast bf16 there) and bf16 on accelerators."""
+    dtype "auto" is fp32 on CPU (the exactness oracle's dtype) and bf16 on accelerators."""
     platform = get_platform(device)
     platform.set_thread_device(_index(device) or 0)  # the loading thread's device
     tdtype = _DTYPES.get(dtype) or (torch.float32 if platform.name == "cpu" else torch.bfloat16)
@@ -69,7 +71,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     generation_eos = getattr(getattr(ckpt.model, "generation_config", None), "eos_token_id", None)
     log.info("loaded model %s in %.1f s", model, time.monotonic() - started)
     return LoadedModel(
-        model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a, processor=processor,
+        model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a,
+        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings)), processor=processor,
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
     )

@@ -1,42 +1,76 @@
 """Model runner: turns a scheduled batch into one packed forward pass and sampled tokens.
 
-Owns the device-side work of a step: building packed inputs (text embeddings, media features
-spliced in, M-RoPE positions per request), attention metadata, the layer loop over
-transformers' decoder layers with epdserve's paged attention, and the LM head on the rows that
-sample. The KV connector's worker side runs inside the loop: `start_load_kv` before it,
+Owns the device-side work of a step: packing its inputs (token ids, M-RoPE positions, rows that
+sample, the attention metadata) into one buffer uploaded with one copy (engine/step_buffers.py),
+text embeddings with media features spliced in, the lean LM forward (engine/lm/), the LM head on
+the rows that sample and the sampler. The step reads one thing back: the sampled tokens. The KV
+connector's worker side runs inside the forward: `start_load_kv` before it,
 `wait_for_layer_load(i)` before layer i, `save_kv_layer(i)` after it (the P→D transfer sends
 layer i while layer i+1 computes), `wait_for_save` at the end. Block tables come with the batch;
-the runner never sees the block manager. A step's attention metadata is built on the host and
-uploaded once (ops/attention_meta.py); the step reads one thing back, the sampled tokens.
-Qwen3-VL's DeepStack features of the visual tokens in a step's prompt chunks are added to the
-hidden states after the first LM layers, as transformers does (`model.deepstack`).
+the runner never sees the block manager. Qwen3-VL's DeepStack features of the visual tokens in
+a step's prompt chunks are added to the hidden states after the first LM layers, as transformers
+does. Decode-only steps replay a captured graph where the platform has graphs
+(engine/graph_runner.py); `enforce_eager` turns that off.
 """
 from __future__ import annotations
 
+import logging
 import time
+from array import array
 
 import torch
 
+from epdserve.engine.graph_runner import DecodeGraphs
 from epdserve.engine.kv_cache import PagedKVCache
+from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.sampler import sample
 from epdserve.engine.scheduler import ScheduledSeq
+from epdserve.engine.step_buffers import StepBuffers
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.deepstack import chunk_deepstack
-from epdserve.ops import paged_attention
-from epdserve.ops.attention_meta import RequestSpan, build_attention_meta
+from epdserve.ops.attention_meta import RequestSpan, StepPacker, plan_attention_meta
 from epdserve.ops.backend import PagedOps
+from epdserve.ops.layer_ops import LayerOps
 from epdserve.seams.kv_connector import KVConnector
+
+log = logging.getLogger(__name__)
+
+
+def _layerwise(connector: KVConnector | None) -> bool:
+    """Whether the connector does work inside the forward (P's layerwise sends or loads)."""
+    if connector is None:
+        return False
+    cls = type(connector)
+    return any(getattr(cls, name) is not getattr(KVConnector, name)
+               for name in ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"))
 
 
 class ModelRunner:
-    def __init__(self, adapter: VLMAdapter, kv_cache: PagedKVCache, ops: PagedOps,
-                 connector: KVConnector | None = None):
+    def __init__(self, adapter: VLMAdapter, lm: LeanLM, kv_cache: PagedKVCache, ops: PagedOps,
+                 layer_ops: LayerOps, platform, connector: KVConnector | None = None,
+                 max_batch: int = 128, max_model_len: int = 4096, enforce_eager: bool = False):
         self.adapter = adapter
+        self.lm = lm
         self.kv_cache = kv_cache
         self.ops = ops
+        self.layer_ops = layer_ops
         self.connector = connector
         self.device = adapter.device
-        adapter.text_config._attn_implementation = paged_attention.register()
+        self.buffers = StepBuffers(self.device, platform)
+        self.inputs_s = 0.0
+        self.graphs: DecodeGraphs | None = None
+        moe = any(w.moe is not None for w in lm.layers)
+        if platform.has_graphs and not enforce_eager and not moe and not _layerwise(connector):
+            bs = kv_cache.spec.block_size
+            self.graphs = DecodeGraphs(lm, kv_cache, ops, layer_ops, platform, self.buffers, max_batch,
+                                       -(-max_model_len // bs))
+
+    def capture_graphs(self, context_tokens: int = 256) -> float:
+        """Capture the decode graphs of every batch bucket for contexts up to `context_tokens`
+        (seconds taken; 0 where graphs are off)."""
+        if self.graphs is None:
+            return 0.0
+        return self.graphs.capture_startup(-(-context_tokens // self.kv_cache.spec.block_size))
 
     @torch.inference_mode()
     def build_prompt_embeds(self, token_ids: list[int], features: list[torch.Tensor]) -> torch.Tensor:
@@ -57,48 +91,85 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq]) -> list[int | None]:
         """Run one step; returns the sampled token per item (None where the item only prefilled a chunk)."""
         t0 = time.perf_counter()
-        hidden, position_ids, meta = self._inputs(batch)
-        deepstack = self._deepstack(batch, hidden) if self.adapter.num_deepstack else None
-        self.inputs_s = time.perf_counter() - t0  # host time of building this step's inputs (EngineStats)
-        conn = self.connector
-        cos_sin = self.adapter.rotary(hidden, position_ids)
-        if conn is not None:
-            conn.start_load_kv()
-        for i, layer in enumerate(self.adapter.layers):
-            if conn is not None:
-                conn.wait_for_layer_load(i)
-            hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin, epd_meta=meta)
-            if deepstack is not None and i < len(deepstack[1]):
-                rows = deepstack[0]
-                hidden[0, rows] = hidden[0, rows] + deepstack[1][i]
-            if conn is not None:
-                conn.save_kv_layer(i)
-        if conn is not None:
-            conn.wait_for_save()
-        return self._sample(batch, hidden)
+        if all(item.num_tokens == 1 and item.start >= item.seq.prompt_len and item.samples for item in batch):
+            return self._decode(batch, t0)
+        return self._mixed(batch, t0)
 
-    def _inputs(self, batch: list[ScheduledSeq]):
+    # ------------------------------------------------------------------ decode-only steps
+    def _decode(self, batch: list[ScheduledSeq], t0: float) -> list[int | None]:
         bs = self.kv_cache.spec.block_size
-        ids, pos, slots, spans = [], [], [], []
+        ids, slots, ctx, tables = array("q"), array("q"), array("q"), []
+        pos = array("q")
+        for item in batch:
+            seq, i = item.seq, item.start
+            t = item.block_ids
+            ids.append(seq.output_token_ids[i - seq.prompt_len])
+            pos.append(i + seq.rope_delta)
+            slots.append(t[i // bs] * bs + i % bs)
+            ctx.append(i + 1)
+            tables.append(t)
+        self._ensure_positions(max(pos) + 1)
+        key = self.graphs.key(batch) if self.graphs is not None else None
+        if key is not None:
+            self.inputs_s = time.perf_counter() - t0
+            logits = self.graphs.run(key, ids, (pos, pos, pos), slots, ctx, tables)
+            return self._sample_rows(batch, list(range(len(batch))), logits)
+        spans = [RequestSpan(k, 1, c, t) for k, (c, t) in enumerate(zip(ctx, tables))]
+        p = StepPacker()
+        i_ids = p.add(ids, torch.int64)
+        i_pos = p.add(pos * 3, torch.int64, (3, len(batch)))
+        build = plan_attention_meta(p, spans, slots, self.kv_cache, self.ops)
+        up = self.buffers.upload(p)
+        meta = build(up)
+        self.inputs_s = time.perf_counter() - t0
+        hidden = self.lm.embed(up[i_ids])
+        normed = self.lm.forward(hidden, up[i_pos], meta, self.layer_ops, self.connector)
+        return self._sample_rows(batch, list(range(len(batch))), self.lm.logits(normed).float())
+
+    # ------------------------------------------------------------------ steps with prompt chunks
+    def _mixed(self, batch: list[ScheduledSeq], t0: float) -> list[int | None]:
+        bs = self.kv_cache.spec.block_size
+        ids, slots, spans, sample_rows = array("q"), array("q"), [], []
+        pos: list[list[int]] = [[], [], []]
         embed_rows: list[tuple[int, torch.Tensor]] = []
-        offset = 0
+        offset, top = 0, 0
         for item in batch:
             seq, s, e = item.seq, item.start, item.end
             ids.extend(seq.token_at(i) for i in range(s, e))
-            pos.append(seq.position_slice(s, e))
+            p3 = seq.position_slice(s, e).tolist()
+            for r in range(3):
+                pos[r].extend(p3[r])
+            top = max(top, max(max(r) for r in p3))
             slots.extend(item.slots(bs))
             if seq.prompt_embeds is not None and s < seq.prompt_len:
                 embed_rows.append((offset, seq.prompt_embeds[s : min(e, seq.prompt_len)]))
             spans.append(RequestSpan(offset, item.num_tokens, e, item.block_ids))
             offset += item.num_tokens
-        dev = self.device
-        hidden = self.adapter.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
+            if item.samples:
+                sample_rows.append(offset - 1)
+        self._ensure_positions(top + 1)
+        p = StepPacker()
+        i_ids = p.add(ids, torch.int64)
+        i_pos = p.add(array("q", pos[0] + pos[1] + pos[2]), torch.int64, (3, offset))
+        i_rows = p.add(sample_rows, torch.int64)
+        build = plan_attention_meta(p, spans, slots, self.kv_cache, self.ops)
+        up = self.buffers.upload(p)
+        meta = build(up)
+        hidden = self.lm.embed(up[i_ids])
         for off, rows in embed_rows:
             hidden[off : off + rows.shape[0]] = rows
-        hidden = hidden.unsqueeze(0)
-        position_ids = torch.cat(pos, dim=1).unsqueeze(1).to(dev)  # [3, 1, T]
-        meta = build_attention_meta(spans, slots, self.kv_cache, self.ops, dev)
-        return hidden, position_ids, meta
+        deepstack = self._deepstack(batch, hidden) if self.adapter.num_deepstack else None
+        self.inputs_s = time.perf_counter() - t0  # host time of building this step's inputs (EngineStats)
+        normed = self.lm.forward(hidden, up[i_pos], meta, self.layer_ops, self.connector, deepstack)
+        if not sample_rows:
+            return [None] * len(batch)
+        logits = self.lm.logits(normed.index_select(0, up[i_rows])).float()
+        sampling = [k for k, item in enumerate(batch) if item.samples]
+        return self._sample_rows(batch, sampling, logits)
+
+    def _ensure_positions(self, length: int) -> None:
+        if self.lm.rotary.ensure(length) and self.graphs is not None:
+            self.graphs.reset()  # the graphs read the tables that were replaced
 
     def _deepstack(self, batch: list[ScheduledSeq], hidden: torch.Tensor):
         """(packed rows of the visual tokens in this step's prompt chunks, per deepstack layer their
@@ -121,19 +192,9 @@ class ModelRunner:
         layers = [torch.cat([f[i] for f in per_item]).to(dev, dtype) for i in range(len(per_item[0]))]
         return torch.tensor(rows, dtype=torch.long, device=dev), layers
 
-    def _sample(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> list[int | None]:
-        last_rows, sampling = [], []
-        offset = 0
-        for k, item in enumerate(batch):
-            offset += item.num_tokens
-            if item.samples:
-                last_rows.append(offset - 1)
-                sampling.append(k)
+    @staticmethod
+    def _sample_rows(batch: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor) -> list[int | None]:
         result: list[int | None] = [None] * len(batch)
-        if not sampling:
-            return result
-        h = self.adapter.norm(hidden[0, last_rows])
-        logits = self.adapter.lm_head(h).float()
         toks = sample(logits, [batch[k].seq.params for k in sampling], [batch[k].seq.generator for k in sampling])
         for k, t in zip(sampling, toks):
             result[k] = t

@@ -13,12 +13,12 @@ from epdserve.engine.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [N, V] (fp32) → N token ids."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = _sample_row(logits[i].float(), p, generators[i])
-    return out
+    """logits [N, V] (fp32) → N token ids, read back from the device once (no per-row sync)."""
+    picked = logits.argmax(dim=-1)
+    drawn = [(i, _sample_row(logits[i], p, generators[i])) for i, p in enumerate(params) if not p.greedy]
+    for i, t in drawn:  # device-side writes; nothing is uploaded or read back per row
+        picked[i : i + 1] = t
+    return picked.tolist()
 
 
 def filtered_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -34,11 +34,12 @@ def filtered_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_logits, idx = torch.sort(row, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest prefix reaching top_p
-        sorted_logits[drop] = float("-inf")
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))  # no boolean indexing: no sync
         row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
     return row
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    probs = torch.softmax(filtered_logits(row, p), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+    """The drawn token as a one-element device tensor (not read back here)."""
+    probs = torch.softmax(filtered_logits(row.float(), p), dim=-1)
+    return torch.multinomial(probs, 1, generator=gen)

@@ -63,6 +63,7 @@ class InstanceConfig:
     colocation: str = setting("split", choices=POLICIES, help=COLOCATION_HELP)
     slo_tpot_ms: float = same_as(EngineConfig, "slo_tpot_ms")
     step_budget: bool = same_as(EngineConfig, "step_budget")
+    enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
     enable_prefix_caching: bool = same_as(EngineConfig, "enable_prefix_caching")
     kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_memory_bytes", default=256 << 20)
     block_size: int | None = same_as(EngineConfig, "block_size")

@@ -1,29 +1,30 @@
 """Per-step attention metadata of a packed, variable-length batch over a paged KV cache.
 
-Contract: `build_attention_meta` is called once per step with the step's host-side lists (one
-`RequestSpan` per request, the flat slots); it packs every index the layers read (slots, block
-tables, decode rows and context lengths) into one host buffer of the engine's
-`PagedOps.index_dtype` and uploads it with ONE host→device copy; the tensors in `AttentionMeta`
-are views of that upload, so no layer casts or uploads anything. The host lists stay alongside
+Contract: the engine lays out a step's host-side lists (one `RequestSpan` per request, the flat
+slots) with `plan_attention_meta` into a `StepPacker` (every integer the step uploads, in one
+byte buffer), uploads that buffer with ONE host→device copy (engine/step_buffers.py), and then
+calls the returned builder with the uploaded views: the tensors in `AttentionMeta` are views of
+that upload, so no layer casts or uploads anything. Host copies stay alongside
 (`decode_ctx_lens_host`, `VarlenBatch.q_ends` / `kv_lens`) for operator arguments that are host
 ints (torch_npu's `SymInt[]` actual_seq_lengths*), so no layer reads a device tensor back.
 
 Ops with `attends_varlen` (the NPU's) get one `VarlenBatch` covering every request of the step
 and attend it in one call; the others get the decode / prefill split. The metadata is handed to
-every layer's attention call as a keyword argument (never stored on a module), so concurrent
-engines never share it.
+every layer's attention call as an argument (never stored on a module), so concurrent engines
+never share it.
 """
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from epdserve.ops.backend import PagedOps
 
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}
+_ALIGN = 8  # bytes: every part starts where an int64 view of it is legal
 
 
 @dataclass(frozen=True)
@@ -64,48 +65,55 @@ class AttentionMeta:
     slots: torch.Tensor  # [T] flat slot of every packed token
     prefills: list[PrefillSegment]
     decode_token_idx: torch.Tensor  # [B] packed index of each decode token
-    decode_block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
+    decode_block_tables: torch.Tensor  # [B, max_blocks] (padded)
     decode_ctx_lens: torch.Tensor  # [B] on the device
     decode_ctx_lens_host: tuple[int, ...] = ()  # the same lengths on the host
     varlen: VarlenBatch | None = None  # set for ops with `attends_varlen`: the only field they read
     decode_only: bool = False  # every packed token is a decode token, in order (no scatter needed)
 
-    def __post_init__(self):
-        n = self.decode_token_idx.numel()
-        self.decode_only = bool(n) and not self.prefills and n == self.slots.numel()
 
+class StepPacker:
+    """Host integer parts laid end to end in one byte buffer, each 8-byte aligned; after the
+    upload, `views(device_bytes)` slices each part back out with its dtype and shape."""
 
-class _Packer:
-    """Host int arrays laid end to end in one buffer; `views` slices the uploaded copy."""
+    def __init__(self):
+        self.buf = bytearray()
+        self.parts: list[tuple[int, torch.dtype, tuple[int, ...]]] = []  # (byte offset, dtype, shape)
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.buf = array(_TYPECODES[dtype])
-        self.parts: list[tuple[int, tuple[int, ...]]] = []  # (offset, shape) per part
-
-    def add(self, values: Sequence[int], shape: tuple[int, ...] | None = None) -> int:
-        self.parts.append((len(self.buf), shape if shape is not None else (len(values),)))
-        _extend(self.buf, values)
+    def add(self, values: Sequence[int] | array, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> int:
+        arr = values if isinstance(values, array) and values.typecode == _TYPECODES[dtype] \
+            else array(_TYPECODES[dtype], values.tolist() if isinstance(values, array) else values)
+        self.buf.extend(bytes(-len(self.buf) % _ALIGN))
+        self.parts.append((len(self.buf), dtype, shape if shape is not None else (len(arr),)))
+        self.buf.extend(arr.tobytes())
         return len(self.parts) - 1
 
-    def add_table(self, tables: list[Sequence[int]]) -> int:
-        """Rows padded with block 0 to the widest (at least 1 column: the kernels reject width 0)."""
-        width = max(map(len, tables), default=1) or 1
-        flat, pad = array(self.buf.typecode), array(self.buf.typecode, [0]) * width
-        for t in tables:  # padded rows are memcpys
-            _extend(flat, t)
-            flat.extend(pad[: width - len(t)])
-        return self.add(flat, (len(tables), width))
+    def add_table(self, tables: list[Sequence[int]], dtype: torch.dtype, pad: int = 0,
+                  width: int | None = None) -> int:
+        """Rows padded with block `pad` to `width` (default the widest; at least 1 column: the
+        kernels reject width 0)."""
+        width = width or max(map(len, tables), default=1) or 1
+        code = _TYPECODES[dtype]
+        flat, fill = array(code), array(code, [pad]) * width
+        for t in tables:
+            flat.extend(t if isinstance(t, array) and t.typecode == code else array(code, t))
+            flat.extend(fill[: width - len(t)])
+        return self.add(flat, dtype, (len(tables), width))
 
-    def upload(self, device) -> list[torch.Tensor]:
-        host = torch.frombuffer(self.buf, dtype=self.dtype) if self.buf else torch.empty(0, dtype=self.dtype)
-        dev = host.to(device)  # the step's one host→device copy of its indices
-        return [dev[o : o + _numel(s)].view(s) for o, s in self.parts]
+    @property
+    def nbytes(self) -> int:
+        return len(self.buf)
+
+    def views(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """The parts as tensors over `data` (uint8, the uploaded copy of `buf`)."""
+        out = []
+        for off, dtype, shape in self.parts:
+            n = _numel(shape) * _ITEM[dtype]
+            out.append(data[off : off + n].view(dtype).view(shape))
+        return out
 
 
-def _extend(buf: array, values: Sequence[int]) -> None:
-    """`buf.extend`, which takes an array only of its own kind (block tables come as int64 arrays)."""
-    buf.extend(values.tolist() if isinstance(values, array) and values.typecode != buf.typecode else values)
+_ITEM = {torch.int64: 8, torch.int32: 4}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -115,30 +123,36 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def build_attention_meta(spans: list[RequestSpan], slots: Sequence[int], kv_cache, ops: PagedOps,
-                         device) -> AttentionMeta:
-    """The step's metadata from its host lists, uploaded in one copy (see the module docstring)."""
-    p = _Packer(ops.index_dtype)
-    i_slots = p.add(slots)
+def plan_attention_meta(p: StepPacker, spans: list[RequestSpan], slots: Sequence[int], kv_cache,
+                        ops: PagedOps) -> Callable[[list[torch.Tensor]], AttentionMeta]:
+    """Add the step's attention indices to `p`; returns the builder of `AttentionMeta` from the
+    uploaded views (see the module docstring)."""
+    idt = ops.index_dtype
+    i_slots = p.add(slots, idt)
     if ops.attends_varlen:
-        i_tables = p.add_table([s.block_ids for s in spans])
-        up = p.upload(device)
+        i_tables = p.add_table([s.block_ids for s in spans], idt)
         q_ends, end = [], 0
         for s in spans:
             end += s.q_len
             q_ends.append(end)
-        varlen = VarlenBatch(up[i_tables], tuple(q_ends), tuple(s.ctx_len for s in spans))
-        empty = up[i_slots][:0]
-        return AttentionMeta(kv_cache, ops, up[i_slots], [], empty, empty.view(0, 1), empty,
-                             varlen=varlen)
+        kv_lens = tuple(s.ctx_len for s in spans)
+
+        def varlen(up: list[torch.Tensor]) -> AttentionMeta:
+            empty = up[i_slots][:0]
+            return AttentionMeta(kv_cache, ops, up[i_slots], [], empty, empty.view(0, 1), empty,
+                                 varlen=VarlenBatch(up[i_tables], tuple(q_ends), kv_lens))
+        return varlen
     dec = [s for s in spans if s.is_decode]
     pre = [s for s in spans if not s.is_decode]
-    i_idx = p.add([s.q_start for s in dec])
+    decode_only = bool(dec) and not pre
+    i_idx = p.add([] if decode_only else [s.q_start for s in dec], torch.int64)
     ctx_host = tuple(s.ctx_len for s in dec)
-    i_ctx = p.add(ctx_host)
-    i_dec = p.add_table([s.block_ids for s in dec])
-    i_pre = [p.add(s.block_ids) for s in pre]
-    up = p.upload(device)
-    prefills = [PrefillSegment(s.q_start, s.q_len, s.ctx_len, up[i]) for s, i in zip(pre, i_pre)]
-    return AttentionMeta(kv_cache, ops, up[i_slots], prefills, up[i_idx], up[i_dec], up[i_ctx],
-                         decode_ctx_lens_host=ctx_host)
+    i_ctx = p.add(ctx_host, idt)
+    i_dec = p.add_table([s.block_ids for s in dec], idt)
+    i_pre = [p.add(s.block_ids, idt) for s in pre]
+
+    def split(up: list[torch.Tensor]) -> AttentionMeta:
+        prefills = [PrefillSegment(s.q_start, s.q_len, s.ctx_len, up[i]) for s, i in zip(pre, i_pre)]
+        return AttentionMeta(kv_cache, ops, up[i_slots], prefills, up[i_idx], up[i_dec], up[i_ctx],
+                             decode_ctx_lens_host=ctx_host, decode_only=decode_only)
+    return split

@@ -1,6 +1,6 @@
 """`LayerOps`: the fused element-wise operators of one LM layer, behind one interface per platform.
 
-The lean LM forward (model/lm/) calls only these between its matmuls and the paged attention:
+The lean LM forward (engine/lm/) calls only these between its matmuls and the paged attention:
 - `add_rms_norm(x, residual, weight, eps) -> (normed, summed)`: `summed = residual + x` (in x's
   dtype, rounded as transformers rounds `residual + hidden_states`), `normed` = transformers'
   Qwen2RMSNorm of `summed` (variance in fp32, `weight * normed.to(dtype)`); `residual=None`

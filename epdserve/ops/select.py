@@ -59,3 +59,11 @@ def _native():
         log.warning("native paged operators unavailable (%s: %s); using the portable torch ones. "
                     "Run `epdserve build-ops` to see the build log.", type(e).__name__, e)
         return None, f"{type(e).__name__}: {e}"
+
+
+def layer_ops(platform, choice: str | None = None):
+    """The fused layer operators (ops/layer_ops.py) of this platform (portable until the native
+    and NPU ones land)."""
+    from epdserve.ops.layer_ops import PortableLayerOps
+
+    return PortableLayerOps()

@@ -47,6 +47,28 @@ class Platform(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 
+    def record_event(self):
+        """An event recorded on the current stream now (its `synchronize()` waits for the work
+        queued before it); None on the CPU, where work is done when the call returns."""
+        event = getattr(torch, self.name).Event()
+        event.record()
+        return event
+
+    # Graph capture of decode steps (engine/graph_runner.py). Where `has_graphs` is False every
+    # step runs eagerly; the three methods below are called only where it is True.
+    has_graphs: bool = False
+
+    def graph_pool(self):
+        """A memory-pool handle the captured graphs share."""
+        raise NotImplementedError(f"{self.name} has no graph capture")
+
+    def new_graph(self):
+        raise NotImplementedError(f"{self.name} has no graph capture")
+
+    def graph_capture(self, graph, pool):
+        """Context manager: the work queued inside it is captured into `graph` (not run)."""
+        raise NotImplementedError(f"{self.name} has no graph capture")
+
     def spare_memory_bytes(self, index: int = 0) -> int | None:
         """Device memory this process could still allocate on device `index`: the runtime's free
         memory (torch.cuda / torch.npu `mem_get_info`, where this process's cached blocks count as

@@ -1,4 +1,5 @@
-"""CUDA platform: NCCL for KV transfer; co-located stages get one CUDA stream each."""
+"""CUDA platform: NCCL for KV transfer; co-located stages get one CUDA stream each; decode steps
+replay CUDA graphs (torch.cuda.CUDAGraph, captured with `torch.cuda.graph`)."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,17 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    has_graphs = True
+
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def new_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def graph_capture(self, graph, pool):
+        return torch.cuda.graph(graph, pool=pool)
 
     def new_stream(self, priority: int = 0):
         return torch.cuda.Stream(priority=priority)

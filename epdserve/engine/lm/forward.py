@@ -1,0 +1,96 @@
+"""`LeanLM`: the language model's forward over one step's packed tokens.
+
+Per layer (T packed tokens, no batch dimension):
+    x, residual = add_rms_norm(h, residual)          # one fused operator (LayerOps)
+    qkv = x @ W_qkv (+ b)                             # one GEMM
+    q, k = rotary(q_norm(q), k_norm(k), cos, sin)     # Qwen3's per-head norms; one fused rotary
+    o = paged_attend(q, k, v)                         # cache write + attention (PagedOps)
+    h = o @ W_o
+    x, residual = add_rms_norm(h, residual)
+    h = silu_and_mul(x @ W_gate_up) @ W_down          # or transformers' sparse MoE block
+The residual add is deferred into the next norm, as transformers rounds it (`residual + h` in the
+model's dtype). DeepStack layers (Qwen3-VL prompt chunks) materialize the sum, add the visual
+features to their rows, and continue, as transformers' `_deepstack_process` does. The KV
+connector's hooks bracket each layer (`wait_for_layer_load(i)` before, `save_kv_layer(i)`
+after). Nothing in the loop reads the device or branches on tensor values, so a decode step can
+be captured as a graph (engine/graph_runner.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from epdserve.engine.lm.rotary import RotaryTable
+from epdserve.engine.lm.weights import LeanLayerWeights, drop_hf_layers, layer_weights
+from epdserve.ops.attention_meta import AttentionMeta
+from epdserve.ops.layer_ops import LayerOps
+from epdserve.ops.paged_attention import paged_attend
+
+
+def _proj(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+class LeanLM:
+    """The fused weights of the LM (built once per process from the loaded model) and its forward;
+    stateless across calls, so engines on several threads may share it."""
+
+    def __init__(self, adapter, max_positions: int):
+        tc = adapter.text_config
+        lm = adapter.base.language_model
+        self.layers: list[LeanLayerWeights] = [layer_weights(layer) for layer in lm.layers]
+        drop_hf_layers(lm)
+        self.embed_weight = adapter.embed.weight.detach()
+        self.norm_weight = adapter.norm.weight.detach()
+        self.lm_head_t = adapter.lm_head.weight.detach().t()
+        self.eps = float(tc.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = adapter.num_heads, adapter.num_kv_heads, adapter.head_dim
+        self.q_width = self.num_heads * self.head_dim
+        self.kv_width = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.rotary = RotaryTable(adapter.rotary, self.head_dim, max_positions, adapter.dtype, adapter.device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(token_ids, self.embed_weight)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta, ops: LayerOps,
+                connector=None, deepstack=None) -> torch.Tensor:
+        """hidden [T, hidden] (embeddings), positions [3, T] → the last layer's output, normed [T, hidden].
+
+        `deepstack`: (rows [n] on the device, one [n, hidden] feature per deepstack layer) or None."""
+        cos, sin = self.rotary.gather(positions)
+        T = hidden.shape[0]
+        h, residual = hidden, None
+        qw, kvw, H, KVH, d = self.q_width, self.kv_width, self.num_heads, self.num_kv_heads, self.head_dim
+        if connector is not None:
+            connector.start_load_kv()
+        for i, w in enumerate(self.layers):
+            if connector is not None:
+                connector.wait_for_layer_load(i)
+            x, residual = ops.add_rms_norm(h, residual, w.input_norm, self.eps)
+            qkv = _proj(x, w.qkv_t, w.qkv_bias)
+            q = qkv[:, :qw].view(T, H, d)
+            k = qkv[:, qw : qw + kvw].view(T, KVH, d)
+            v = qkv[:, qw + kvw :].view(T, KVH, d)
+            if w.q_norm is not None:
+                q, k = ops.rms_norm(q, w.q_norm, self.eps), ops.rms_norm(k, w.k_norm, self.eps)
+            q, k = ops.rotary(q, k, cos, sin)
+            o = paged_attend(q, k, v, i, meta, self.scale)
+            h = _proj(o.reshape(T, qw), w.o_t, w.o_bias)
+            x, residual = ops.add_rms_norm(h, residual, w.post_norm, self.eps)
+            if w.moe is None:
+                h = torch.mm(ops.silu_and_mul(torch.mm(x, w.gate_up_t)), w.down_t)
+            else:
+                h = w.moe(x.unsqueeze(0))[0]
+            if deepstack is not None and i < len(deepstack[1]):
+                rows = deepstack[0]
+                h = residual + h
+                h[rows] = h[rows] + deepstack[1][i]
+                residual = None
+            if connector is not None:
+                connector.save_kv_layer(i)
+        if connector is not None:
+            connector.wait_for_save()
+        return ops.add_rms_norm(h, residual, self.norm_weight, self.eps)[0]
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return torch.mm(normed, self.lm_head_t)
