@@ -113,9 +113,7 @@ class DecodeGraphs:
             self._body(bp, w)
             self.platform.synchronize()
             self.pool = self.platform.graph_pool()
-        graph = self.platform.new_graph()
-        with self.platform.graph_capture(graph, self.pool):
-            logits = self._body(bp, w)
+        graph, logits = self.platform.capture_graph(lambda: self._body(bp, w), self.pool)
         self.platform.synchronize()
         self.graphs[key] = (graph, logits)
         self.capture_s += time.perf_counter() - t0

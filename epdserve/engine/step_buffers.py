@@ -14,6 +14,7 @@ graph reads its inputs where they were uploaded, with no second copy.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from epdserve.ops.attention_meta import StepPacker
@@ -44,6 +45,9 @@ class StepBuffers:
         n = packer.nbytes
         if self.on_host:
             data = torch.frombuffer(packer.buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            if dest is not None:  # a buffer a captured graph reads: the bytes must land in it
+                dest[:n].copy_(data)
+                data = dest
             return packer.views(data)
         if n > self.capacity:
             self._grow(n)
@@ -51,7 +55,7 @@ class StepBuffers:
         host, event = self._host[turn], self._events[turn]
         if event is not None:
             event.synchronize()  # the copy that last read this host buffer is done (normally long ago)
-        host.numpy()[:n] = memoryview(packer.buf)
+        host.numpy()[:n] = np.frombuffer(packer.buf, dtype=np.uint8)
         target = dest if dest is not None else self._dev
         target[:n].copy_(host[:n], non_blocking=True)
         self._events[turn] = self.platform.record_event()

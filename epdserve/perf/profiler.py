@@ -171,7 +171,8 @@ def run_profile(model: str, device: str = "auto", resolutions: list[str] | None 
         "dtype": str(a.dtype).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
         "model_info": {"layers": a.num_layers, "hidden": a.hidden_size, "kv_heads": a.num_kv_heads,
                        "head_dim": a.head_dim, "vision_params": sum(p.numel() for p in a.vision_tower.parameters()),
-                       "total_params": sum(p.numel() for p in a.hf.parameters())},
+                       "total_params": sum(p.numel() for p in a.vision_tower.parameters())
+                       + engine.model.lm.num_parameters()},
         "repeats": repeats, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)),
         "seconds": round(time.time() - t0, 2),
         "vision": vision, "prefill": prefill, "decode": decode,

@@ -55,18 +55,17 @@ class Platform(ABC):
         return event
 
     # Graph capture of decode steps (engine/graph_runner.py). Where `has_graphs` is False every
-    # step runs eagerly; the three methods below are called only where it is True.
+    # step runs eagerly; the two methods below are called only where it is True.
     has_graphs: bool = False
 
     def graph_pool(self):
         """A memory-pool handle the captured graphs share."""
         raise NotImplementedError(f"{self.name} has no graph capture")
 
-    def new_graph(self):
-        raise NotImplementedError(f"{self.name} has no graph capture")
-
-    def graph_capture(self, graph, pool):
-        """Context manager: the work queued inside it is captured into `graph` (not run)."""
+    def capture_graph(self, fn, pool):
+        """Capture the device work of `fn()` into a graph: (graph, fn's output tensor). Each
+        `graph.replay()` reruns that work on whatever its input buffers then hold, rewriting the
+        output tensor in place."""
         raise NotImplementedError(f"{self.name} has no graph capture")
 
     def spare_memory_bytes(self, index: int = 0) -> int | None:

@@ -23,11 +23,11 @@ class CudaPlatform(Platform):
     def graph_pool(self):
         return torch.cuda.graph_pool_handle()
 
-    def new_graph(self):
-        return torch.cuda.CUDAGraph()
-
-    def graph_capture(self, graph, pool):
-        return torch.cuda.graph(graph, pool=pool)
+    def capture_graph(self, fn, pool):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
 
     def new_stream(self, priority: int = 0):
         return torch.cuda.Stream(priority=priority)

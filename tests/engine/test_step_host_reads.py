@@ -13,6 +13,7 @@ import transformers.models.qwen2_vl.modeling_qwen2_vl  # noqa: F401  before the 
 from transformers import AutoModelForImageTextToText  # transformers' import probes find_spec("torch_npu")
 
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
+from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.scheduler import ScheduledSeq
@@ -20,7 +21,9 @@ from epdserve.engine.sequence import Sequence
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.demo import PRESETS, demo_config
 from epdserve.ops.npu_ops import NpuPagedOps
+from epdserve.ops.layer_ops import PortableLayerOps
 from epdserve.ops.portable import PortableOps
+from epdserve.platform import get_platform
 from tests.fakes.host_reads import HostReads
 from tests.fakes.npu_kernels_fake import NEWEST
 from tests.fakes.torch_npu_fake import FakeTorchNpu
@@ -38,8 +41,9 @@ def _runner(layers: int, ops) -> ModelRunner:
     model = AutoModelForImageTextToText.from_config(demo_config("qwen2_vl", size, _IDS, vocab=2000),
                                                     dtype=torch.bfloat16).eval()
     a = VLMAdapter(model)
+    lm = LeanLM(a, 4096)
     kv = PagedKVCache(KVCacheSpec(layers, a.num_kv_heads, a.head_dim, BLOCK, torch.bfloat16), num_blocks=6)
-    return ModelRunner(a, kv, ops)
+    return ModelRunner(a, lm, kv, ops, PortableLayerOps(), get_platform("cpu"))
 
 
 def _seq(i: int, n: int) -> Sequence:
@@ -57,7 +61,7 @@ def _step(runner, items, reads: HostReads | None = None):
 
 def _counted(runner, npu_calls, items) -> tuple[list, list]:
     reads = HostReads()
-    reads.mark(*runner.adapter.hf.parameters(), *runner.adapter.hf.buffers(), *runner.kv_cache.keys,
+    reads.mark(*runner.adapter.hf.parameters(), *runner.adapter.hf.buffers(), *runner.lm.tensors(), *runner.kv_cache.keys,
                *runner.kv_cache.values)
     mod = sys.modules.get("torch_npu")
     if mod is not None:  # the stand-in's kernels run as device work

@@ -46,8 +46,29 @@ class LeanLM:
         self.num_heads, self.num_kv_heads, self.head_dim = adapter.num_heads, adapter.num_kv_heads, adapter.head_dim
         self.q_width = self.num_heads * self.head_dim
         self.kv_width = self.num_kv_heads * self.head_dim
+        self.qkv_split = (self.q_width, self.kv_width, self.kv_width)
         self.scale = self.head_dim ** -0.5
         self.rotary = RotaryTable(adapter.rotary, self.head_dim, max_positions, adapter.dtype, adapter.device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the forward reads (weights, rotary tables), each once."""
+        out = [self.embed_weight, self.norm_weight, self.lm_head_t, self.rotary.cos, self.rotary.sin,
+               self.rotary.axis, self.rotary.cols]
+        for w in self.layers:
+            out += [t for t in vars(w).values() if isinstance(t, torch.Tensor)]
+            if w.moe is not None:
+                out += list(w.moe.parameters())
+        return out
+
+    def num_parameters(self) -> int:
+        """Parameters of the LM (embedding, layers, final norm, LM head; a tied head counted once)."""
+        seen, n = set(), 0
+        for t in [self.embed_weight, self.norm_weight, self.lm_head_t, *self.tensors()[7:]]:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+            if key not in seen:
+                seen.add(key)
+                n += t.numel()
+        return n
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(token_ids, self.embed_weight)
@@ -60,7 +81,7 @@ class LeanLM:
         cos, sin = self.rotary.gather(positions)
         T = hidden.shape[0]
         h, residual = hidden, None
-        qw, kvw, H, KVH, d = self.q_width, self.kv_width, self.num_heads, self.num_kv_heads, self.head_dim
+        qw, H, KVH, d = self.q_width, self.num_heads, self.num_kv_heads, self.head_dim
         if connector is not None:
             connector.start_load_kv()
         for i, w in enumerate(self.layers):
@@ -68,9 +89,8 @@ class LeanLM:
                 connector.wait_for_layer_load(i)
             x, residual = ops.add_rms_norm(h, residual, w.input_norm, self.eps)
             qkv = _proj(x, w.qkv_t, w.qkv_bias)
-            q = qkv[:, :qw].view(T, H, d)
-            k = qkv[:, qw : qw + kvw].view(T, KVH, d)
-            v = qkv[:, qw + kvw :].view(T, KVH, d)
+            q, k, v = qkv.split(self.qkv_split, dim=1)
+            q, k, v = q.view(T, H, d), k.view(T, KVH, d), v.view(T, KVH, d)
             if w.q_norm is not None:
                 q, k = ops.rms_norm(q, w.q_norm, self.eps), ops.rms_norm(k, w.k_norm, self.eps)
             q, k = ops.rotary(q, k, cos, sin)

@@ -1,0 +1,49 @@
+"""Decode steps replayed from graphs (engine/graph_runner.py) stay exact: batches padded to their
+bucket, tables to their width, padding rows confined to the KV cache's padding block. Run on the
+CPU with graphs that replay by rerunning the captured body (tests/fakes/replay_graphs.py); on CUDA
+the same runner captures real CUDA graphs (checked by `epdserve bench device`)."""
+import pytest
+
+from epdserve import LLM, SamplingParams
+from epdserve.engine.graph_runner import DecodeGraphs, batch_buckets
+from epdserve.model.reference import ReferenceGenerator
+from tests.engine.blocks import all_blocks_free
+from tests.fakes.replay_graphs import ReplayGraphsPlatform
+
+
+@pytest.fixture(scope="module")
+def setup(qwen2_vl_tiny):
+    llm = LLM(model=qwen2_vl_tiny, device="cpu", max_num_seqs=8)
+    r = llm.engine.runner
+    assert r.graphs is None  # the CPU runs eagerly
+    platform = ReplayGraphsPlatform()
+    r.graphs = DecodeGraphs(r.lm, r.kv_cache, r.ops, r.layer_ops, platform, r.buffers, max_batch=8,
+                            max_blocks=64)
+    return llm, ReferenceGenerator(qwen2_vl_tiny), platform
+
+
+def test_buckets():
+    assert batch_buckets(128)[:6] == [1, 2, 4, 8, 16, 24] and batch_buckets(128)[-1] == 128
+    assert batch_buckets(3) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_padded_batches_equal_transformers(setup, n):
+    llm, ref, platform = setup
+    # lengths spread so the tables span width buckets 8 and 16 (16-token blocks)
+    prompts = [" ".join(["word"] * (4 + 40 * i)) + f" number {i}" for i in range(n)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.error is None
+        assert o.outputs[0].token_ids == ref.generate(p, [], 8), p
+    graphs = llm.engine.runner.graphs.graphs
+    assert any(k[0] >= n for k in graphs), graphs.keys()
+    assert sum(g.replays for g in platform.captured) > 0
+    assert all_blocks_free(llm.engine)
+
+
+def test_capture_startup_covers_every_bucket(setup):
+    llm, _, _ = setup
+    r = llm.engine.runner
+    r.graphs.capture_startup(7)  # blocks: the narrowest width bucket
+    assert {(b, 8) for b in r.graphs.buckets} <= set(r.graphs.graphs)
