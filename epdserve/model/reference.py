@@ -12,10 +12,10 @@ from epdserve.model.processor import MultimodalProcessor
 
 
 class ReferenceGenerator:
-    def __init__(self, model_dir, device: str = "cpu"):
+    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32):
         from epdserve.model.loader import load_checkpoint
 
-        ckpt = load_checkpoint(model_dir, device, torch.float32)
+        ckpt = load_checkpoint(model_dir, device, dtype)
         self.model = ckpt.model
         self.tokenizer = ckpt.tokenizer
         cfg = ckpt.model.config
