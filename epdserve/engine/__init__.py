@@ -11,6 +11,9 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - encode_plan.py     encode batching under a vision-token budget: round-robin, videos by temporal patches
 - step_budget.py     StepBudget: the prefill chunk and vision blocks a step may add beside its decodes (TPOT SLO)
 - model_runner.py    ModelRunner: one packed forward over a scheduled batch, then sampling
+- lm/                LeanLM: the fused LM forward (weights, rotary tables, the layer loop)
+- step_buffers.py    StepBuffers: pinned host / device buffers, one upload a step
+- graph_runner.py    DecodeGraphs: decode steps replayed from captured graphs (CUDA)
 - sequence.py        Sequence and RequestState: one request inside the engine
 - prefix_hash.py     PrefixHasher: chained hashes of full KV blocks keyed by tokens and media identity
 - block_manager.py, kv_cache.py, sampler.py, stop_checker.py, outputs.py, stats.py, config.py,

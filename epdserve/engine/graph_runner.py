@@ -105,6 +105,7 @@ class DecodeGraphs:
         normed = self.lm.forward(self.lm.embed(ids), positions, meta, self.layer_ops)
         return self.lm.logits(normed).float()
 
+    @torch.inference_mode()
     def _capture(self, key) -> None:
         bp, w = key
         t0 = time.perf_counter()

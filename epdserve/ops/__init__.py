@@ -1,4 +1,4 @@
-"""Paged-KV attention operators, one implementation per platform behind one interface.
+"""Paged-KV attention and fused layer operators, one implementation per platform behind each interface.
 
 One sentence per module:
 - backend.py          `PagedOps`: the three paged-KV operators attention needs, the interface
@@ -11,6 +11,7 @@ One sentence per module:
 - npu_schema.py       which KV-write call the installed torch_npu's operator schemas allow, probed once
 - npu_core_limits.py  which operators each NPU stage launches and whether a core limit binds them
 - npu_aten_routes.py  the aten operators our models launch on an NPU: op-plugin's route (aclnn) and what is known of the kernel
-- attention_meta.py   per-forward attention metadata of a packed, variable-length batch
-- paged_attention.py  paged attention for packed batches, registered with transformers' AttentionInterface
+- attention_meta.py   per-step attention metadata of a packed, variable-length batch; `StepPacker`, the one upload's layout
+- paged_attention.py  `paged_attend`: one layer's cache write + attention for a packed batch
+- layer_ops.py        `LayerOps`: add + RMSNorm, RMSNorm, rotary, SiLU-and-mul; `PortableLayerOps` (plain torch)
 """

@@ -25,7 +25,9 @@ class CudaPlatform(Platform):
 
     def capture_graph(self, fn, pool):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: another thread's CUDA calls (KV receivers, a co-located engine) during a
+        # capture are not errors; only this thread's unsafe calls would be
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
         return graph, out
 
