@@ -250,6 +250,12 @@ preflight() {  # preflight NPU_LIST [ROLES]
 #     opt-in: exported only when you set it (on a documented product); otherwise HCCL picks its
 #     host port as it does by default (HCCL_IF_BASE_PORT). HCCL_NPU_SOCKET_PORT_RANGE (device
 #     side) is likewise passed through only if you set it; if set, on every server of a pair.
+#   HCCL_EXEC_TIMEOUT: 600 s unless set, and refused unless a positive whole number. After a
+#     stalled pair's teardown a receive may run on (HcclCommDestroy returns E_AGAIN, ignored by
+#     torch_npu) until this timeout, so the decode side holds its blocks until then + 30 s; 0 is
+#     "never time out" (torch_npu ProcessGroupHCCL.cpp; strtol reads "0.5" or "abc" as 0), which
+#     would hold them for ever. 600 s bounds that at 10.5 min instead of the default 1836 s, and is
+#     still far above any one KV transfer (its own deadline is KVTransferConfig.timeout_s).
 #   RANK_TABLE_FILE: unset, so torch_npu never takes its rank-table path
 #     (HCCLComm::createGlobalHcclComm -> HcclCommInitClusterInfoConfig) for a pair group.
 network_env() {
@@ -266,6 +272,8 @@ network_env() {
   fi
   export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-120}
   export HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-600}
+  [[ "$HCCL_EXEC_TIMEOUT" =~ ^[0-9]+$ && "$HCCL_EXEC_TIMEOUT" -gt 0 ]] ||
+    die "HCCL_EXEC_TIMEOUT=$HCCL_EXEC_TIMEOUT: HCCL would never time out a stuck KV receive, whose blocks epdserve then never reuses; set a positive whole number of seconds (default 600)"
   export P2P_HCCL_BUFFSIZE=${P2P_HCCL_BUFFSIZE:-20}   # MB per two-rank P2P communicator (one per P-D pair)
   export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
   export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-1}

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import math
+import os
 
 from epdserve.platform.base import Platform
 from epdserve.platform.npu_streams import NpuStreamBook
@@ -27,6 +29,31 @@ def torch_npu_installed() -> bool:
         return importlib.util.find_spec("torch_npu") is not None
     except ValueError:  # already in sys.modules without a spec (imported, or a test's stand-in)
         return True
+
+
+HCCL_EXEC_TIMEOUT_DEFAULT_S = 1836.0  # ProcessGroupHCCL.cpp defaultExecTimeout: HCCL's own when unset
+STUCK_MARGIN_S = 30.0  # for the device task exception to land after HCCL_EXEC_TIMEOUT
+
+
+def exec_timeout_bound_s(value: str | None) -> float:
+    """How long a receive left running by a torn-down pair may still write: HCCL_EXEC_TIMEOUT (s)
+    plus a margin; `math.inf` where it may never time out. torch_npu reads the variable with
+    strtol (OptionsManager.cpp GetHCCLExecTimeout, v2.8.0-7.2.0 / v2.9.0-7.3.0 / v2.12.0-26.1.0)
+    and treats 0 as "never timeout" (ProcessGroupHCCL.cpp, the HCCL_EVENT_TIMEOUT warning), so 0,
+    a negative value, and anything that is not a plain integer ("0.5" and "abc" are 0 to strtol)
+    give no bound we can trust."""
+    if value is None or not value.strip():
+        return HCCL_EXEC_TIMEOUT_DEFAULT_S + STUCK_MARGIN_S
+    try:
+        seconds = int(value.strip())
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        log.warning("HCCL_EXEC_TIMEOUT=%r: HCCL may never time out, so a KV receive stuck after its pair's teardown "
+                    "keeps its blocks for ever (never reused); export a finite whole number of seconds, e.g. 600",
+                    value)
+        return math.inf
+    return seconds + STUCK_MARGIN_S
 
 
 class NpuPlatform(Platform):
@@ -175,13 +202,14 @@ class NpuPlatform(Platform):
         """HCCL_EXEC_TIMEOUT: a receive that survived `abort_hccl_comm` (HcclCommDestroy returned
         HCCL_E_AGAIN, ignored by torch_npu: HCCLUtils.cpp destroyHcclComm) runs on, writing into
         its buffer, until then (CANN HCCL_EXEC_TIMEOUT; 1836 s when unset: ProcessGroupHCCL.cpp
-        defaultExecTimeout), plus a margin for the device task exception to land."""
-        import os
+        defaultExecTimeout), plus a margin for the device task exception to land.
 
-        try:
-            return float(os.environ.get("HCCL_EXEC_TIMEOUT", "1836")) + 30.0
-        except ValueError:
-            return 1836.0 + 30.0
+        `HCCL_EXEC_TIMEOUT=0` means "never time out" to CANN, and a value HCCL cannot parse gives no
+        bound we can know: then the bound is `math.inf` — the request's blocks are never reused
+        (KVReceiver keeps them quarantined until its receives end), never a guess after which a
+        receive still running could write into blocks another request holds. The Atlas scripts
+        and the Kubernetes renderer export 600 (scripts/atlas_node.sh `network_env`)."""
+        return exec_timeout_bound_s(os.environ.get("HCCL_EXEC_TIMEOUT"))
 
     def interrupt_pair_group(self, pg, peer_rank: int) -> None:
         # Python's pg.abort() is c10d::Backend::abort(), a no-op: ProcessGroupHCCL's

@@ -66,3 +66,13 @@ def test_preflight_without_cann_says_so(fake_atlas, tmp_path):
     shutil.rmtree(tmp_path / "Ascend" / "ascend-toolkit")
     out, _ = _run(["preflight", "0"], fake_atlas)
     assert out.returncode == 1 and "CANN not found" in out.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "0.5"])
+def test_a_never_timing_out_hccl_exec_timeout_is_refused(tmp_path, value):
+    """HCCL_EXEC_TIMEOUT=0 is "never" (torch_npu ProcessGroupHCCL.cpp; strtol reads "abc" / "0.5"
+    as 0): a stuck receive's blocks would be held for ever, so the script stops before starting."""
+    env = dict(bare_env(tmp_path, "/usr/bin:/bin"), INSECURE="1", NODE_IP="127.0.0.1", NIC="lo", MODEL="/m",
+               HCCL_EXEC_TIMEOUT=value)
+    out, _ = _run(["head"], env)
+    assert out.returncode == 1 and f"HCCL_EXEC_TIMEOUT={value}: HCCL would never time out" in out.stderr
