@@ -66,6 +66,7 @@ class NpuPlatform(Platform):
 
     def __init__(self):
         self.streams = NpuStreamBook()  # one per process, as torch_npu's stream pools are
+        self.device_limited = False  # set_device_limit succeeded in this process (stream limits need it first)
 
     def _torch_npu(self):
         return importlib.import_module("torch_npu")
@@ -141,6 +142,10 @@ class NpuPlatform(Platform):
         if not hasattr(npu, "set_stream_limit"):
             log.warning("torch_npu has no set_stream_limit (needs CANN 8.3.RC1+); co-located stages share cores unrestricted")
             return False
+        if not self.device_limited:  # op-plugin 7.2.0 / 7.3.0 / 26.0.0 torch_npu-set_stream_limit.md: after set_device_limit
+            log.warning("set_stream_limit before set_device_limit (torch_npu-set_stream_limit.md asks for the device "
+                        "limit first, before operators run); co-located stages share cores unrestricted")
+            return False
         try:
             npu.config.allow_internal_format = False
             npu.set_stream_limit(stream, cube, vector)
@@ -166,6 +171,7 @@ class NpuPlatform(Platform):
             return False
         try:
             npu.set_device_limit(int(index), cube, vector)
+            self.device_limited = True
         except Exception as e:  # RuntimeError (second call, ACL error), TypeError, AssertionError
             log.warning("set_device_limit(%d, %d cube, %d vector) failed (%s: %s); this process uses the whole device",
                         index, cube, vector, type(e).__name__, e)
