@@ -14,10 +14,11 @@ Those two are checked from the model's KV spec, without a kernel call.
 
 What the source cannot say is whether the installed CANN's kernel takes TND with a paged KV at
 all: vllm-ascend issue #4373 ("When layout is TND, not support Page Attention", vllm-ascend
-0.11.0rc1, whose README asks for CANN 8.3.RC1 and torch-npu 2.7.1/2.8.0) and issue #8045
-(torch-npu 2.8.0: "When layout is TND, queryD(128) or keyD(128) must be 192") report it refused
-on the CANN 8.3 line, which is why vllm-ascend v0.11.0 attended decode-only steps with the ATB
-`_npu_paged_attention` (vllm_ascend/attention/attention_v1.py `_forward_decode_only`). So the
+0.11.0rc1, whose README asks for CANN 8.3.RC1) and issue #8045 (torch-npu 2.8.0, the 8.3.RC1
+build: "When layout is TND, queryD(128) or keyD(128) must be 192") report it refused; vllm-ascend
+v0.11.0 attended decode-only steps with the ATB `_npu_paged_attention` (vllm_ascend/attention/
+attention_v1.py `_forward_decode_only`), while v0.13.0 (README: CANN 8.3.rc2, torch-npu 2.8.0)
+makes our call for every step (`forward_fused_infer_attention`). So the
 check then makes one tiny call of exactly our shape — a decode row and a two-token prompt chunk
 of one block each, with the causal mask — and compares it with the same attention computed in
 float32 on the device; a refusal (the aclnn error, e.g. 561002) or a wrong answer stops the
@@ -33,7 +34,8 @@ from epdserve.ops.npu_schema import NpuKernelsUnsupported
 TND_DTYPE = torch.bfloat16
 TND_HEAD_DIMS = (64, 128, 192)
 EXTRAS_FIX = ("install the [npu] extra (torch_npu 2.12.0, CANN 9.1.0) or [npu-cann85] (torch_npu 2.9.0, "
-              "CANN 8.5.0) with its CANN; the README's Ascend table says what each extra supports")
+              "CANN 8.5.0) with its CANN ([npu-cann83] needs CANN 8.3.RC2 or later of that line); the README's "
+              "Ascend table says what each extra supports")
 
 
 def cann_version(torch_npu) -> str:
@@ -84,7 +86,7 @@ def check_npu_attention(ops, spec, num_heads: int, device: torch.device) -> None
     except Exception as e:  # the aclnn error (e.g. 561002) the kernel's tiling raised
         raise NpuKernelsUnsupported(
             f"this CANN ({cann}) refuses npu_fused_infer_attention_score with input_layout TND and a paged KV "
-            f"cache (as vllm-ascend issues #4373 / #8045 report for CANN 8.3): {type(e).__name__}: {e}. "
+            f"cache (as vllm-ascend issues #4373 / #8045 report for CANN 8.3.RC1): {type(e).__name__}: {e}. "
             f"Fix: {EXTRAS_FIX}") from e
     want = _reference(q, kc, vc, scale)
     err = (out.float() - want).abs().max().item()  # start-up only: one read

@@ -38,10 +38,13 @@ def line_cann(line: str) -> str:
 
 
 def refuses_tnd_paged(cann: str) -> bool:
-    """Does this CANN's FIA refuse input_layout TND with a block table? Reported for the 8.3 line:
+    """Does this CANN's FIA refuse input_layout TND with a block table? Reported for CANN 8.3.RC1:
     vllm-ascend issue #4373 ("When layout is TND, not support Page Attention", vllm-ascend
-    0.11.0rc1, CANN 8.3) and #8045 (torch-npu 2.8.0). Not readable from a source here: a report."""
-    return cann.startswith("8.3")
+    0.11.0rc1, whose README asks for CANN 8.3.RC1) and #8045 (torch-npu 2.8.0, built for 8.3.RC1:
+    Ascend/pytorch COMPATIBILITY.en.md). vllm-ascend v0.13.0 (README: CANN 8.3.rc2, torch-npu
+    2.8.0) makes this call for every step (attention_v1.py forward_fused_infer_attention), so
+    8.3.RC2 takes it. A report, not a source: the engine's start-up check is what decides."""
+    return cann.upper() == "8.3.RC1"
 
 
 def tnd_paged_refused(impl):

@@ -53,7 +53,7 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   tests/fixtures/torch_npu/<line>.txt), `torch_npu.<op>` and `torch.ops.npu` / `torch.ops.atb`
   as torch_npu binds them; calls land in `kernel_calls` (tests/fakes/npu_kernels_fake.py). The
   line's CANN (`cann=`, default the fixture's) decides whether FIA takes TND with a block table
-  (`refuses_tnd_paged`: refused on 8.3, as vllm-ascend issues #4373 / #8045 report);
+  (`refuses_tnd_paged`: refused on 8.3.RC1, as vllm-ascend issues #4373 / #8045 report);
 - `torch_npu/npu/utils.py` get_cann_version(module="CANN") (re-exported as
   torch_npu.utils.get_cann_version on 2.8.0, 2.9.0, 2.12.0): the CANN, or `driver=` for "DRIVER";
   "" for an unknown module (GetCANNInfo.cpp GetCANNVersion).

@@ -2,7 +2,7 @@
 what PFA's TND tiling refuses (prompt_flash_attention_tiling.cpp CheckInputShapeWhenLayoutIsTND:
 bf16 only; head_dim 64 / 128 / 192, 192 without GQA) is refused from the KV spec without a kernel
 call; a CANN whose FIA refuses TND with a paged KV (the 8.3 line: vllm-ascend issues #4373 /
-#8045) or answers wrongly stops the engine with the CANN and the extras that work."""
+#8045 on 8.3.RC1) or answers wrongly stops the engine with the CANN and the extras that work."""
 from __future__ import annotations
 
 import pytest
@@ -27,7 +27,7 @@ def _spec(dtype=torch.bfloat16, head_dim=128, kv_heads=2):
 def test_each_lines_own_cann_decides(monkeypatch, line):
     fake = FakeTorchNpu(line=line, kernels={FIA: _fia}).install(monkeypatch)
     ops = NpuPagedOps()
-    if line_cann(line).startswith("8.3"):  # torch_npu 2.8.0, the npu-cann83 line
+    if line_cann(line) == "8.3.RC1":  # torch_npu 2.8.0, the npu-cann83 line, on the CANN it is built for
         with pytest.raises(NpuKernelsUnsupported, match=r"CANN \(8\.3\.RC1\) refuses .*561002.*\[npu\] extra"):
             ops.check_kv_spec(_spec(), 4, CPU)
     else:
@@ -35,6 +35,12 @@ def test_each_lines_own_cann_decides(monkeypatch, line):
     (call,) = fake.kernel_calls  # one tiny call: a decode row and a 2-token chunk
     assert call[0] == FIA and call[2]["input_layout"] == "TND" and call[2]["actual_seq_lengths"] == [1, 3]
     assert call[2]["actual_seq_lengths_kv"] == [5, 3] and call[2]["sparse_mode"] == 3
+
+
+def test_cann_8_3_rc2_takes_it_as_vllm_ascend_0_13_runs_it(monkeypatch):
+    """vllm-ascend v0.13.0 (CANN 8.3.rc2, torch-npu 2.8.0) makes this call for every step."""
+    FakeTorchNpu(line="2.8.0", kernels={FIA: _fia}, cann="8.3.RC2").install(monkeypatch)
+    NpuPagedOps().check_kv_spec(_spec(), 4, CPU)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 192])
