@@ -196,6 +196,25 @@ hbm_mb() {  # hbm_mb LOGICAL_ID -> "TOTAL FREE" MB on stdout, or nothing when un
     END {if (cap != "" && rate != "") printf "%d %d\n", cap, cap * (100 - rate) / 100}'
 }
 
+# Versions: torch_npu against CANN and the driver, by the table of epdserve/platform/npu_versions.py
+# (Ascend/pytorch COMPATIBILITY.en.md; torch_npu's own driver gates), with the python that runs
+# epdserve (PYTHON, default python3). A failure stops the preflight with the fix in one line.
+check_versions() {  # check_versions DRIVER CANN
+  local py=${PYTHON:-python3} tnpu out line
+  if ! "$py" -c 'import epdserve.platform.npu_versions' >/dev/null 2>&1; then
+    echo "preflight: $py cannot import epdserve: torch_npu not checked against CANN (set PYTHON)" >&2
+    return 0
+  fi
+  tnpu=$("$py" -c 'import importlib.metadata as m; print(m.version("torch_npu"))' 2>/dev/null) || tnpu=""
+  [[ -n "$tnpu" ]] || echo "preflight: torch_npu not installed for $py (pip install epdserve[npu]; README's Ascend table)" >&2
+  if ! out=$("$py" -m epdserve.platform.npu_versions --torch-npu "$tnpu" --cann "$2" --driver "$1"); then
+    die "preflight: $(grep '^fail: ' <<< "$out" | head -n1)"
+  fi
+  while IFS= read -r line; do
+    if [[ -n "$line" ]]; then echo "preflight: $line"; fi
+  done <<< "$out"
+}
+
 kv_fit_mb=""   # set by preflight: the KV cache (MB) each listed NPU has room for, when KV_CACHE_MB is unset
 preflight() {  # preflight NPU_LIST [ROLES]
   local npus=${1:?preflight needs a comma-separated NPU list, e.g. 0,1,2,3} roles=${2:-P} dev total free drv cann
@@ -208,6 +227,7 @@ preflight() {  # preflight NPU_LIST [ROLES]
   [[ -n "$drv" ]] || die "preflight: no driver version in $ASCEND_HOME/driver/version.info (set ASCEND_HOME to the Ascend install root)"
   cann=$(cann_version) || die "preflight: CANN not found: source its set_env.sh or set ASCEND_ENV=/path/to/set_env.sh"
   echo "preflight: driver $drv, CANN $cann"
+  check_versions "$drv" "$cann"
   weights=$(weights_mb "${MODEL:-}")
   if [[ -z "${MODEL:-}" ]]; then echo "preflight: MODEL unset: the HBM need counts KV cache and margin only" >&2; fi
   IFS=, read -ra devs <<< "$npus"
