@@ -12,6 +12,7 @@ One sentence per module:
 - npu_attention_check.py  at start-up: whether this CANN's attention kernel takes the model (bf16, head_dim) and our call
 - npu_core_limits.py  which operators each NPU stage launches and whether a core limit binds them
 - npu_aten_routes.py  the aten operators our models launch on an NPU: op-plugin's route (aclnn) and what is known of the kernel
+- npu_layer_ops.py    `NpuLayerOps`: the LayerOps contract over torch_npu's fused kernels (add_rms_norm, rms_norm, rotary_mul, swiglu)
 - layer_ops.py        `LayerOps`: the LM layer's fused operators (add+RMSNorm, RMSNorm, rotary, SiLU-and-mul) and their torch reference
 - attention_meta.py   per-forward attention metadata of a packed, variable-length batch
 - paged_attention.py  paged attention for packed batches, registered with transformers' AttentionInterface

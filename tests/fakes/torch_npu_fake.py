@@ -51,7 +51,8 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   tests/fakes/npu_config_fake.py.
 - the paged-KV operators: exactly the schemas of one torch_npu line (`FakeTorchNpu(line=...)`,
   tests/fixtures/torch_npu/<line>.txt), `torch_npu.<op>` and `torch.ops.npu` / `torch.ops.atb`
-  as torch_npu binds them; calls land in `kernel_calls` (tests/fakes/npu_kernels_fake.py). The
+  as torch_npu binds them; calls land in `kernel_calls` (tests/fakes/npu_kernels_fake.py; the
+  fused layer kernels: tests/fakes/npu_layer_kernels_fake.py). The
   line's CANN (`cann=`, default the fixture's) decides whether FIA takes TND with a block table
   (`refuses_tnd_paged`: refused on 8.3.RC1, as vllm-ascend issues #4373 / #8045 report);
 - `torch_npu/npu/utils.py` get_cann_version(module="CANN") (re-exported as
@@ -79,6 +80,7 @@ from tests.fakes.npu_config_fake import NpuConfig, SetDeviceLimitOnce, device_li
 from tests.fakes.npu_kernels_fake import (KV_WRITES, NEWEST, line_cann, module_attributes, namespaces,
                                           refuses_tnd_paged, tnd_paged_refused)
 
+from tests.fakes.npu_layer_kernels_fake import layer_kernels
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN, HCCL_SUCCESS, StuckStreams
 from tests.fakes.npu_stream_pool import SYNCLAUNCH, DeviceStream, StreamPool, get_priority_unsupported
 
@@ -99,7 +101,7 @@ class FakeTorchNpu:
         self.driver = driver
         self.kernel_calls: list[tuple] = []  # (operator, args, kwargs) as passed, tensors described
         self.options = {"ALLOW_INTERNAL_FORMAT": "disable"}  # npu_sys_ctrl.cpp SetDefaultAllowInternalFromatDisable
-        impls = {**KV_WRITES, **(kernels or {})}
+        impls = {**KV_WRITES, **layer_kernels(line), **(kernels or {})}
         fia = "npu_fused_infer_attention_score"
         if fia in impls and refuses_tnd_paged(self.cann):
             impls[fia] = tnd_paged_refused(impls[fia])
