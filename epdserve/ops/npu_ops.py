@@ -36,7 +36,7 @@ how vllm-ascend's attention backend makes them; every signature below was read f
   attention/fused_infer_attention_score), so it should honour stream core limits (not measured).
   query bf16 only in the TND layout with a block table (PFA's tiling refuses fp16 there, and
   head_dim other than 64 / 128 / 192: ops/npu_attention_check.py, which also runs one tiny call
-  at start-up because vllm-ascend issues #4373 / #8045 report CANN 8.3 refusing TND + paged).
+  at start-up because vllm-ascend issues #4373 / #8045 report CANN 8.3.RC1 refusing TND + paged).
   With a block table ("PageAttention"): key/value are the caches viewed [num_blocks, block_size,
   kv_heads * head_dim] ("BnBsH", as vllm-ascend `_get_fia_params` views them), block_table int32
   [B, >= blocks needed], actual_seq_lengths_kv a list of per-request lengths (required).
