@@ -89,3 +89,24 @@ def test_portable_ops_take_any_spec():
     from epdserve.ops.portable import PortableOps
 
     PortableOps().check_kv_spec(_spec(torch.float16, 80), 4, CPU)
+
+
+def test_the_engine_asks_before_it_allocates_the_kv_cache(monkeypatch, qwen2_vl_tiny):
+    """LLMEngine calls PagedOps.check_kv_spec with the model's spec and heads, before PagedKVCache:
+    a refusal stops the engine at start-up, no KV cache allocated."""
+    from epdserve.engine import llm_engine
+    from epdserve.engine.config import EngineConfig
+    from epdserve.ops.portable import PortableOps
+
+    asked, allocated = [], []
+
+    class Refusing(PortableOps):
+        def check_kv_spec(self, spec, num_heads, device):
+            asked.append((spec.dtype, spec.head_dim, num_heads, str(device)))
+            raise NpuKernelsUnsupported("refused at start-up")
+
+    monkeypatch.setattr(llm_engine, "paged_ops", lambda platform, choice=None: Refusing())
+    monkeypatch.setattr(llm_engine, "PagedKVCache", lambda *a, **k: allocated.append(a))
+    with pytest.raises(NpuKernelsUnsupported, match="refused at start-up"):
+        llm_engine.LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu"))
+    assert asked == [(torch.float32, 16, 4, "cpu")] and allocated == []
