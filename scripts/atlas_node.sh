@@ -196,6 +196,25 @@ hbm_mb() {  # hbm_mb LOGICAL_ID -> "TOTAL FREE" MB on stdout, or nothing when un
     END {if (cap != "" && rate != "") printf "%d %d\n", cap, cap * (100 - rate) / 100}'
 }
 
+# Versions: torch_npu against CANN and the driver, by the table of epdserve/platform/npu_versions.py
+# (Ascend/pytorch COMPATIBILITY.en.md; torch_npu's own driver gates), with the python that runs
+# epdserve (PYTHON, default python3). A failure stops the preflight with the fix in one line.
+check_versions() {  # check_versions DRIVER CANN
+  local py=${PYTHON:-python3} tnpu out line
+  if ! "$py" -c 'import epdserve.platform.npu_versions' >/dev/null 2>&1; then
+    echo "preflight: $py cannot import epdserve: torch_npu not checked against CANN (set PYTHON)" >&2
+    return 0
+  fi
+  tnpu=$("$py" -c 'import importlib.metadata as m; print(m.version("torch_npu"))' 2>/dev/null) || tnpu=""
+  [[ -n "$tnpu" ]] || echo "preflight: torch_npu not installed for $py (pip install epdserve[npu]; README's Ascend table)" >&2
+  if ! out=$("$py" -m epdserve.platform.npu_versions --torch-npu "$tnpu" --cann "$2" --driver "$1"); then
+    die "preflight: $(grep '^fail: ' <<< "$out" | head -n1)"
+  fi
+  while IFS= read -r line; do
+    if [[ -n "$line" ]]; then echo "preflight: $line"; fi
+  done <<< "$out"
+}
+
 kv_fit_mb=""   # set by preflight: the KV cache (MB) each listed NPU has room for, when KV_CACHE_MB is unset
 preflight() {  # preflight NPU_LIST [ROLES]
   local npus=${1:?preflight needs a comma-separated NPU list, e.g. 0,1,2,3} roles=${2:-P} dev total free drv cann
@@ -208,6 +227,7 @@ preflight() {  # preflight NPU_LIST [ROLES]
   [[ -n "$drv" ]] || die "preflight: no driver version in $ASCEND_HOME/driver/version.info (set ASCEND_HOME to the Ascend install root)"
   cann=$(cann_version) || die "preflight: CANN not found: source its set_env.sh or set ASCEND_ENV=/path/to/set_env.sh"
   echo "preflight: driver $drv, CANN $cann"
+  check_versions "$drv" "$cann"
   weights=$(weights_mb "${MODEL:-}")
   if [[ -z "${MODEL:-}" ]]; then echo "preflight: MODEL unset: the HBM need counts KV cache and margin only" >&2; fi
   IFS=, read -ra devs <<< "$npus"
@@ -250,6 +270,12 @@ preflight() {  # preflight NPU_LIST [ROLES]
 #     opt-in: exported only when you set it (on a documented product); otherwise HCCL picks its
 #     host port as it does by default (HCCL_IF_BASE_PORT). HCCL_NPU_SOCKET_PORT_RANGE (device
 #     side) is likewise passed through only if you set it; if set, on every server of a pair.
+#   HCCL_EXEC_TIMEOUT: 600 s unless set, and refused unless a positive whole number. After a
+#     stalled pair's teardown a receive may run on (HcclCommDestroy returns E_AGAIN, ignored by
+#     torch_npu) until this timeout, so the decode side holds its blocks until then + 30 s; 0 is
+#     "never time out" (torch_npu ProcessGroupHCCL.cpp; strtol reads "0.5" or "abc" as 0), which
+#     would hold them for ever. 600 s bounds that at 10.5 min instead of the default 1836 s, and is
+#     still far above any one KV transfer (its own deadline is KVTransferConfig.timeout_s).
 #   RANK_TABLE_FILE: unset, so torch_npu never takes its rank-table path
 #     (HCCLComm::createGlobalHcclComm -> HcclCommInitClusterInfoConfig) for a pair group.
 network_env() {
@@ -266,6 +292,8 @@ network_env() {
   fi
   export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-120}
   export HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-600}
+  [[ "$HCCL_EXEC_TIMEOUT" =~ ^[0-9]+$ && "$HCCL_EXEC_TIMEOUT" -gt 0 ]] ||
+    die "HCCL_EXEC_TIMEOUT=$HCCL_EXEC_TIMEOUT: HCCL would never time out a stuck KV receive, whose blocks epdserve then never reuses; set a positive whole number of seconds (default 600)"
   export P2P_HCCL_BUFFSIZE=${P2P_HCCL_BUFFSIZE:-20}   # MB per two-rank P2P communicator (one per P-D pair)
   export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
   export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-1}

@@ -31,7 +31,8 @@ LINES = {
     "2.9.0": ("7.3.0", "8.5.0"),
     "2.12.0": ("26.1.0", "9.1.0"),
 }
-NPU_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score")
+NPU_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score",
+           "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_apply_rotary_pos_emb", "npu_swiglu")  # + ops/npu_layer_ops.py
 ATB_OPS = ("_npu_reshape_and_cache",)
 CODEGEN_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 ATB_LIB = "torch_npu/lib/libop_plugin_atb.so"

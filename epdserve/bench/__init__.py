@@ -27,6 +27,8 @@ Modules:
 - `ops`: `bench ops`, native against portable paged operators;
 - `colocation`: `bench colocation`, co-located encode against decode, per policy;
 - `colocation_npu`: `bench colocation --device npu`, each stage's kernels under the profiler against its core limit;
+- `npu_first_run`: the steps of scripts/npu_first_run.sh (versions, schema probe, kernel matrix, HCCL pair
+  with a peer killed, core limits, PD against transformers), one table row each;
 - `npu_kernel_details`: reads torch_npu's profiler kernel_details.csv, names kernels over their limit;
 - `profile`: the `epdserve profile` command (the measurements: `perf.profiler`).
 """

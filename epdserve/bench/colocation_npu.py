@@ -59,6 +59,7 @@ class _NpuRig:
         self.args = args
         self.model_dir = pathlib.Path(args.model) if args.model else default_model(args.arch, size=args.size)
         c = EngineConfig(model=str(self.model_dir), device="npu")
+        self._limit_whole_device()  # before the load's first operator: stream limits need it first
         self.model = load_model(c.model, c.device, c.dtype, c.max_model_len)
         self.lm = LLMEngine(EngineConfig(model=str(self.model_dir), device="npu", max_num_seqs=args.batch_size),
                             model=self.model)
@@ -66,6 +67,16 @@ class _NpuRig:
                                  features=LocalFeatureProvider(max_bytes=64 << 20))
         self.params = SamplingParams(max_tokens=64, ignore_eos=True)
         self._ids = iter(range(1 << 62))
+
+    def _limit_whole_device(self) -> None:
+        """set_device_limit to the whole device, once, before any operator: set_stream_limit must
+        come after it (op-plugin torch_npu-set_stream_limit.md, 7.2.0 / 7.3.0 / 26.0.0)."""
+        from epdserve.platform import get_platform
+
+        platform = get_platform("npu")
+        platform.set_thread_device(0)
+        total = platform.device_limit()
+        platform.limit_device(0, total["cube_core_num"], total["vector_core_num"])
 
     def verify(self, stage: str) -> dict:
         out: list = []
@@ -83,7 +94,8 @@ class _NpuRig:
         platform.set_thread_device(0)
         engine = self.encoder if stage == "E" else self.lm
         ops = npu_stage_operators(platform, stage, engine.runner.ops)
-        stream = open_stage_stream(platform, self.args.npu_share, f"{stage}-verify", operators=ops)
+        # the measurement itself: limits on, unverified operators included (what it verifies)
+        stream = open_stage_stream(platform, self.args.npu_share, f"{stage}-verify", operators=ops, opted_in=True)
         device_limit = platform.device_limit()
         limit = platform.stream_limit(stream) if stream is not None else device_limit
         limited = limit != device_limit

@@ -58,6 +58,8 @@ class LLMEngine:
         config.block_size = config.block_size or self.platform.kv_block_size  # NPU kernels want 128
         spec = KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, config.block_size, self.model.dtype)
         num_blocks = spec.blocks_for_budget(config.kv_cache_memory_bytes)
+        ops = paged_ops(self.platform, config.ops)
+        ops.check_kv_spec(spec, a.num_heads, self.model.device)  # refuse at start-up what the kernels refuse
         self.kv_cache = PagedKVCache(spec, num_blocks, self.model.device)
         self.kv_connector = kv_connector
         if kv_connector is not None:
@@ -69,7 +71,7 @@ class LLMEngine:
             StopChecker(self.model.tokenizer, self.model.eos_token_ids, self.max_model_len), kv_connector,
             PrefixHasher(config.block_size, (a.image_token_id, a.video_token_id)),
         )
-        self.runner = ModelRunner(a, self.model.lm, self.kv_cache, paged_ops(self.platform, config.ops),
+        self.runner = ModelRunner(a, self.model.lm, self.kv_cache, ops,
                                   layer_ops(self.platform, config.ops), self.platform, kv_connector,
                                   max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager)

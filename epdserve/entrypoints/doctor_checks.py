@@ -56,6 +56,10 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
         _cann(npu_installed or device == "npu"),
         _cuda(),
     ]
+    if npu_installed or device == "npu":
+        from epdserve.entrypoints.doctor_npu import core_limits_row, versions_row
+
+        checks += [versions_row(Check, Status, cann_version), core_limits_row(Check, Status)]
     plat, dev = _device(device)
     checks.append(dev)
     kv_hop = _needs_kv_hop(mode) if mode else False

@@ -56,6 +56,11 @@ class InstanceConfig:
         None, help="NPU: this process's share of its device's AI Cores and Vector Cores (torch.npu.set_device_limit, "
                    "once per process), e.g. 0.3 for an E process beside a P process at 0.7 on one NPU; not set where "
                    "one of its operators ignores core limits (docs/npu-colocation.md). Default: the whole device")
+    npu_core_limits: bool = setting(
+        False, help="NPU: set core limits (set_device_limit, then set_stream_limit) although the stages' aten "
+                    "operators are not verified to keep to them; op-plugin documents the API for Atlas A2/A3 training "
+                    "products and warns that limited streams running non-Ascend C operators may hang. Opt in only "
+                    "after `epdserve bench colocation --device npu` passes on this hardware. Default: off")
     stream_interval_ms: float = setting(
         0.0, help="after a request's first token, gather its tokens for up to this long into one stream message "
                   "(fewer messages per token through scheduler and client; the first token is never held). "

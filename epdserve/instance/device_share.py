@@ -27,16 +27,19 @@ def process_operators(roles: list[str], kv_write: str | None) -> list[StageOpera
     return list(seen.values())
 
 
-def apply_device_share(platform, index: int, share: float | None, roles: list[str], kv_write: str | None) -> bool:
+def apply_device_share(platform, index: int, share: float | None, roles: list[str], kv_write: str | None,
+                       opted_in: bool = False) -> bool:
     """Limit this process to `share` of device `index`'s cores (None: the whole device). True
-    when the limit was set; never raises."""
+    when the limit was set; never raises. Off by default where an operator is unverified
+    (`limit_allowed`, instance/stage_stream.py); `opted_in`: --npu-core-limits."""
     if share is None:
         return False
     if getattr(platform, "name", "") != "npu":
         log.warning("--device-core-share applies to NPUs only (torch.npu.set_device_limit); ignored on %s",
                     getattr(platform, "name", "?"))
         return False
-    if not limit_allowed(process_operators(roles, kv_write), f"instance ({'+'.join(roles)})", what="device"):
+    if not limit_allowed(process_operators(roles, kv_write), f"instance ({'+'.join(roles)})", what="device",
+                         opted_in=opted_in):
         return False
     try:
         total = platform.device_limit()

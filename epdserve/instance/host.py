@@ -129,9 +129,15 @@ class InstanceHost:
         return self
 
     def _limit_device(self) -> None:
-        """--device-core-share: this process's share of its NPU (instance/device_share.py)."""
+        """--device-core-share: this process's share of its NPU (instance/device_share.py). With
+        --npu-core-limits and co-located stages whose streams will be limited, the whole device is
+        set as the process's limit when no share is given: set_device_limit must come before
+        set_stream_limit (op-plugin torch_npu-set_stream_limit.md, 7.2.0 / 7.3.0 / 26.0.0)."""
         cfg = self.config
-        if cfg.device_core_share is None:
+        share = cfg.device_core_share
+        if share is None and cfg.npu_core_limits and cfg.split_cores and len(worker_roles(self.roles)) > 1:
+            share = 1.0
+        if share is None:
             return
         from epdserve.platform import get_platform
 
@@ -139,7 +145,7 @@ class InstanceHost:
         index = int(cfg.device.partition(":")[2] or 0)
         platform.set_thread_device(index)
         kv_write = installed_kv_write() if platform.name == "npu" else None
-        apply_device_share(platform, index, cfg.device_core_share, worker_roles(self.roles), kv_write)
+        apply_device_share(platform, index, share, worker_roles(self.roles), kv_write, opted_in=cfg.npu_core_limits)
 
     def wait_registered(self, timeout_s: float) -> bool:
         return all(r.registered.wait(timeout_s) for r in self._registrars)
@@ -202,6 +208,7 @@ class InstanceHost:
                 w.colocated = True
                 w.device_share = device_share(cfg.colocation, role, weight)
                 w.stream_priority = stream_priority(cfg.colocation, role)
+                w.core_limits_opted_in = cfg.npu_core_limits
             workers.append(w)
             by_role["PD" if role in ("PD", "EPD") else served_stages(role)] = w
         try:

@@ -7,6 +7,12 @@ aclrtSetStreamResLimit) gets an unrestricted stream and a warning. A limit is se
 operator of the stage is known to ignore it (`operators`, ops/npu_core_limits.py: e.g. the ATB KV
 write of torch_npu 2.8 / 2.9): otherwise the stream stays unrestricted and the warning names the
 operator.
+
+Off by default on NPU (`opted_in=False`): op-plugin's torch_npu-set_stream_limit.md (7.2.0, 7.3.0,
+26.0.0, 26.1.0) binds only Ascend C operators and warns that limited streams running others may
+hang, and no aten operator of a stage is verified to be Ascend C (ops/npu_aten_routes.py). An
+operator asks for limits (`--npu-core-limits`) once `epdserve bench colocation --device npu` has
+shown, on that hardware, every kernel's Block Dim within its limit and no hang.
 """
 from __future__ import annotations
 
@@ -24,9 +30,10 @@ def npu_stage_operators(platform, role: str, ops) -> list[StageOperator]:
     return stage_operators(role, getattr(ops, "kv_write", None))
 
 
-def limit_allowed(operators: list[StageOperator], name: str, what: str = "stream") -> bool:
-    """May a core limit cover `operators`? No where one ignores limits (warned, naming it); the
-    unverified ones are named once, for measuring (docs/npu-colocation.md)."""
+def limit_allowed(operators: list[StageOperator], name: str, what: str = "stream", opted_in: bool = False) -> bool:
+    """May a core limit cover `operators`? No where one ignores limits (warned, naming it); where
+    some are unverified, only when the operator opted in (`opted_in`), naming them for measuring
+    (docs/npu-colocation.md)."""
     blockers = ignoring(operators)
     if blockers:
         log.warning("%s: no %s core limit: %s ignore(s) core limits (op-plugin torch_npu-set_stream_limit.md: "
@@ -34,6 +41,12 @@ def limit_allowed(operators: list[StageOperator], name: str, what: str = "stream
                     "unrestricted", name, what, ", ".join(blockers))
         return False
     maybe = unverified(operators)
+    if maybe and not opted_in:
+        log.warning("%s: no %s core limit (off by default on NPU): not verified to run within one: %s. A limited "
+                    "stream running non-Ascend C operators may hang (op-plugin torch_npu-set_stream_limit.md); opt in "
+                    "with --npu-core-limits once `epdserve bench colocation --device npu` passes on this hardware",
+                    name, what, "; ".join(maybe))
+        return False
     if maybe:
         log.warning("%s: %s core limit set; not verified to bind %s (measure: docs/npu-colocation.md)", name, what,
                     "; ".join(maybe))
@@ -41,15 +54,15 @@ def limit_allowed(operators: list[StageOperator], name: str, what: str = "stream
 
 
 def open_stage_stream(platform, share: float | None, name: str, priority: int = 0,
-                      operators: list[StageOperator] | None = None):
+                      operators: list[StageOperator] | None = None, opted_in: bool = False):
     """A new stream at `priority` for the calling stage thread, limited to `share` (0..1) of the
-    device's cores where supported and every one of `operators` may run under a limit (None:
-    unlimited); None where the platform has no streams."""
+    device's cores where supported and every one of `operators` may run under a limit
+    (`limit_allowed`; None: unlimited); None where the platform has no streams."""
     platform.synchronize()  # weights and KV blocks were initialised on the default stream
     stream = platform.new_stream(priority)
     if stream is None or share is None:
         return stream
-    if not limit_allowed(operators or [], name):
+    if not limit_allowed(operators or [], name, opted_in=opted_in):
         return stream
     limits = getattr(platform, "device_limit", None)
     try:

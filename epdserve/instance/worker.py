@@ -101,6 +101,7 @@ class StageWorker:
         self.colocated = False  # shares an accelerator with another worker: runs on its own stream
         self.device_share: float | None = None  # ... limited to this share of its cores (None: unlimited)
         self.stream_priority = 0  # ... at this priority (lower = higher; CUDA only: NPU streams have none)
+        self.core_limits_opted_in = False  # NPU: limit although operators are unverified (--npu-core-limits)
         self.low_priority = False  # CPU: this worker's thread gives way to the others (SCHED_IDLE)
         self.stream = None
         self.engine = None  # built on the loop thread: engine_factory(connector)
@@ -196,7 +197,8 @@ class StageWorker:
         if self.colocated:
             platform = self.engine.platform
             operators = npu_stage_operators(platform, self.role, getattr(getattr(self.engine, "runner", None), "ops", None))
-            self.stream = open_stage_stream(platform, self.device_share, self.name, self.stream_priority, operators)
+            self.stream = open_stage_stream(platform, self.device_share, self.name, self.stream_priority, operators,
+                                            opted_in=self.core_limits_opted_in)
 
     def _wait_s(self) -> float | None:
         if self.has_engine_work():

@@ -35,6 +35,8 @@ class Flavour:
 
 # CANN's HCCL settings for P-D pairs, as scripts/atlas_node.sh sets them (see its comments); the
 # interface comes from HCCL_IF_IP (the pod IP, downward API), the port range from Ports.
+# HCCL_EXEC_TIMEOUT 600 s, finite: a receive left running by a torn-down pair holds its blocks
+# until then + 30 s (NpuPlatform.stuck_work_bound_s); 0 would be "never" (held for ever).
 _HCCL_ENV = {"HCCL_CONNECT_TIMEOUT": "120", "HCCL_EXEC_TIMEOUT": "600", "P2P_HCCL_BUFFSIZE": "20",
              "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True", "TASK_QUEUE_ENABLE": "1"}
 

@@ -9,9 +9,11 @@ One sentence per module:
 - build_progress.py   what a user waiting on the first native build sees on stderr
 - npu_ops.py          `NpuPagedOps`: the operators on Ascend NPUs over torch_npu's kernels
 - npu_schema.py       which KV-write call the installed torch_npu's operator schemas allow, probed once
+- npu_attention_check.py  at start-up: whether this CANN's attention kernel takes the model (bf16, head_dim) and our call
 - npu_core_limits.py  which operators each NPU stage launches and whether a core limit binds them
 - npu_aten_routes.py  the aten operators our models launch on an NPU: op-plugin's route (aclnn) and what is known of the kernel
 - attention_meta.py   per-step attention metadata of a packed, variable-length batch; `StepPacker`, the one upload's layout
 - paged_attention.py  `paged_attend`: one layer's cache write + attention for a packed batch
 - layer_ops.py        `LayerOps`: add + RMSNorm, RMSNorm, rotary, SiLU-and-mul; `PortableLayerOps` (plain torch)
+- npu_layer_ops.py    `NpuLayerOps`: the LayerOps contract over torch_npu's fused kernels (add_rms_norm, rms_norm, rotary_mul, swiglu)
 """

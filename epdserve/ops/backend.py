@@ -42,6 +42,11 @@ class PagedOps(ABC):
                          batch: VarlenBatch, scale: float) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} ops attend decode and prefill requests separately")
 
+    def check_kv_spec(self, spec, num_heads: int, device: torch.device) -> None:
+        """Raise, with the fix, when these operators cannot attend a model whose KV cache is `spec`
+        (a KVCacheSpec) with `num_heads` query heads on `device`. Called once at engine start-up,
+        before the KV cache is allocated. Default: anything goes."""
+
     @abstractmethod
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, slots: torch.Tensor) -> None: ...

@@ -34,7 +34,9 @@ how vllm-ascend's attention backend makes them; every signature below was read f
   (op_plugin_functions.yaml; docs/zh/custom_APIs/torch_npu/
   torch_npu-npu_fused_infer_attention_score.md). An Ascend C operator (ops-transformer
   attention/fused_infer_attention_score), so it should honour stream core limits (not measured).
-  query fp16/bf16 only (no fp32).
+  query bf16 only in the TND layout with a block table (PFA's tiling refuses fp16 there, and
+  head_dim other than 64 / 128 / 192: ops/npu_attention_check.py, which also runs one tiny call
+  at start-up because vllm-ascend issues #4373 / #8045 report CANN 8.3.RC1 refusing TND + paged).
   With a block table ("PageAttention"): key/value are the caches viewed [num_blocks, block_size,
   kv_heads * head_dim] ("BnBsH", as vllm-ascend `_get_fia_params` views them), block_table int32
   [B, >= blocks needed], actual_seq_lengths_kv a list of per-request lengths (required).
@@ -79,7 +81,8 @@ from epdserve.ops.npu_schema import ATB_ND, SCATTER_ND, probe_npu_kernels
 
 log = logging.getLogger(__name__)
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the KV writes
+_ATTENTION_DTYPES = (torch.bfloat16,)  # FIA TND + paged: PFA's tiling, "inputDataType should be bf16"
 _CAUSAL_MASK_SIZE = 2048  # sparse_mode 2/3/4 take this fixed "optimized" mask
 
 
@@ -108,6 +111,13 @@ class NpuPagedOps(PagedOps):
         whether a core limit binds it)."""
         return self._kernels.kv_write
 
+    def check_kv_spec(self, spec, num_heads, device):
+        """bf16, head_dim 64/128/192, and one tiny call the installed CANN must answer rightly
+        (ops/npu_attention_check.py); NpuKernelsUnsupported otherwise, at start-up."""
+        from epdserve.ops.npu_attention_check import check_npu_attention
+
+        check_npu_attention(self, spec, num_heads, device)
+
     def reshape_and_cache(self, key, value, key_cache, value_cache, slots):
         if slots.numel() == 0:
             return
@@ -125,7 +135,7 @@ class NpuPagedOps(PagedOps):
         """query [T, heads, D] of every request in `batch` (a VarlenBatch) → [T, heads, D], one FIA call."""
         if query.shape[0] == 0:  # the kernel rejects an empty block table
             return query.new_empty(query.shape)
-        _check_dtype(query)
+        _check_dtype(query, _ATTENTION_DTYPES)
         if batch.q_ends[-1] > len(batch.q_ends):  # a request with more than one query token
             _check_block_size(key_cache.shape[1])
         out, _ = self._torch_npu().npu_fused_infer_attention_score(
@@ -165,9 +175,10 @@ def _heads_and_layout(query: torch.Tensor, key_cache: torch.Tensor, scale: float
                 input_layout="TND", block_size=key_cache.shape[1])
 
 
-def _check_dtype(t: torch.Tensor) -> None:
-    if t.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"torch_npu's paged-KV kernels take float16/bfloat16, not {t.dtype}: "
+def _check_dtype(t: torch.Tensor, allowed=_KERNEL_DTYPES) -> None:
+    if t.dtype not in allowed:
+        names = "/".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"torch_npu's paged-KV kernels take {names} here, not {t.dtype}: "
                         "run the model in bfloat16 on NPU")
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import math
+import os
 
 from epdserve.platform.base import Platform
 from epdserve.platform.npu_streams import NpuStreamBook
@@ -29,6 +31,31 @@ def torch_npu_installed() -> bool:
         return True
 
 
+HCCL_EXEC_TIMEOUT_DEFAULT_S = 1836.0  # ProcessGroupHCCL.cpp defaultExecTimeout: HCCL's own when unset
+STUCK_MARGIN_S = 30.0  # for the device task exception to land after HCCL_EXEC_TIMEOUT
+
+
+def exec_timeout_bound_s(value: str | None) -> float:
+    """How long a receive left running by a torn-down pair may still write: HCCL_EXEC_TIMEOUT (s)
+    plus a margin; `math.inf` where it may never time out. torch_npu reads the variable with
+    strtol (OptionsManager.cpp GetHCCLExecTimeout, v2.8.0-7.2.0 / v2.9.0-7.3.0 / v2.12.0-26.1.0)
+    and treats 0 as "never timeout" (ProcessGroupHCCL.cpp, the HCCL_EVENT_TIMEOUT warning), so 0,
+    a negative value, and anything that is not a plain integer ("0.5" and "abc" are 0 to strtol)
+    give no bound we can trust."""
+    if value is None or not value.strip():
+        return HCCL_EXEC_TIMEOUT_DEFAULT_S + STUCK_MARGIN_S
+    try:
+        seconds = int(value.strip())
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        log.warning("HCCL_EXEC_TIMEOUT=%r: HCCL may never time out, so a KV receive stuck after its pair's teardown "
+                    "keeps its blocks for ever (never reused); export a finite whole number of seconds, e.g. 600",
+                    value)
+        return math.inf
+    return seconds + STUCK_MARGIN_S
+
+
 class NpuPlatform(Platform):
     name = "npu"
     dist_backend = "hccl"
@@ -39,6 +66,7 @@ class NpuPlatform(Platform):
 
     def __init__(self):
         self.streams = NpuStreamBook()  # one per process, as torch_npu's stream pools are
+        self.device_limited = False  # set_device_limit succeeded in this process (stream limits need it first)
 
     def _torch_npu(self):
         return importlib.import_module("torch_npu")
@@ -114,6 +142,10 @@ class NpuPlatform(Platform):
         if not hasattr(npu, "set_stream_limit"):
             log.warning("torch_npu has no set_stream_limit (needs CANN 8.3.RC1+); co-located stages share cores unrestricted")
             return False
+        if not self.device_limited:  # op-plugin 7.2.0 / 7.3.0 / 26.0.0 torch_npu-set_stream_limit.md: after set_device_limit
+            log.warning("set_stream_limit before set_device_limit (torch_npu-set_stream_limit.md asks for the device "
+                        "limit first, before operators run); co-located stages share cores unrestricted")
+            return False
         try:
             npu.config.allow_internal_format = False
             npu.set_stream_limit(stream, cube, vector)
@@ -139,6 +171,7 @@ class NpuPlatform(Platform):
             return False
         try:
             npu.set_device_limit(int(index), cube, vector)
+            self.device_limited = True
         except Exception as e:  # RuntimeError (second call, ACL error), TypeError, AssertionError
             log.warning("set_device_limit(%d, %d cube, %d vector) failed (%s: %s); this process uses the whole device",
                         index, cube, vector, type(e).__name__, e)
@@ -175,13 +208,14 @@ class NpuPlatform(Platform):
         """HCCL_EXEC_TIMEOUT: a receive that survived `abort_hccl_comm` (HcclCommDestroy returned
         HCCL_E_AGAIN, ignored by torch_npu: HCCLUtils.cpp destroyHcclComm) runs on, writing into
         its buffer, until then (CANN HCCL_EXEC_TIMEOUT; 1836 s when unset: ProcessGroupHCCL.cpp
-        defaultExecTimeout), plus a margin for the device task exception to land."""
-        import os
+        defaultExecTimeout), plus a margin for the device task exception to land.
 
-        try:
-            return float(os.environ.get("HCCL_EXEC_TIMEOUT", "1836")) + 30.0
-        except ValueError:
-            return 1836.0 + 30.0
+        `HCCL_EXEC_TIMEOUT=0` means "never time out" to CANN, and a value HCCL cannot parse gives no
+        bound we can know: then the bound is `math.inf` — the request's blocks are never reused
+        (KVReceiver keeps them quarantined until its receives end), never a guess after which a
+        receive still running could write into blocks another request holds. The Atlas scripts
+        and the Kubernetes renderer export 600 (scripts/atlas_node.sh `network_env`)."""
+        return exec_timeout_bound_s(os.environ.get("HCCL_EXEC_TIMEOUT"))
 
     def interrupt_pair_group(self, pg, peer_rank: int) -> None:
         # Python's pg.abort() is c10d::Backend::abort(), a no-op: ProcessGroupHCCL's

@@ -36,7 +36,8 @@ FIA = "npu_fused_infer_attention_score"
 
 
 def _runner(layers: int, ops) -> ModelRunner:
-    size = dataclasses.replace(PRESETS["tiny"], layers=layers)
+    # head_dim 64: a head_dim FIA's TND layout takes (prompt_flash_attention_tiling.cpp)
+    size = dataclasses.replace(PRESETS["tiny"], layers=layers, hidden=256, mrope_section=(8, 12, 12))
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(demo_config("qwen2_vl", size, _IDS, vocab=2000),
                                                     dtype=torch.bfloat16).eval()

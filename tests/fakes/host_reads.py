@@ -1,4 +1,5 @@
-"""`HostReads`: counts device→host reads (syncs) of code that runs on the CPU in place of a device.
+"""`HostReads`: counts device→host reads, host→device copies and the stream synchronizations they
+cost, for code that runs on the CPU in place of a device.
 
 Tests only. Every tensor here lives in host memory, so which tensors are "on the device" is
 tracked, by a TorchFunctionMode that sees every torch call: a tensor is device-resident when
@@ -13,10 +14,32 @@ copy data back:
   resident repeats and no `output_size`.
 Code run through `kernel(fn)` is not counted (a stand-in kernel computes on the host what the
 device computes on the device); its results are resident.
+
+Copies, as torch_npu makes them (Ascend/pytorch torch_npu/csrc/aten/ops/op_api/CopyKernelOpApi.cpp
+`copy_between_host_and_device_opapi`, the same on v2.8.0-7.2.0, v2.9.0-7.3.0 and v2.12.0-26.1.0):
+- a host→device copy (`h2d`) is a call that moves host data to the device: `.to(device)` /
+  `.cuda` / `.npu` of a host tensor, `copy_` of a host tensor into a resident one, and a
+  data-bearing factory given a device (`tensor`, `as_tensor`, `asarray`: torch builds the data on
+  the host, then copies it with non_blocking=False, torch/csrc/utils/tensor_new.cpp
+  internal_new_from_data). Factories without data (`empty`, `zeros`, `arange` with `device=`)
+  copy nothing;
+- a copy with non_blocking=False calls `aclrtSynchronizeStream(stream)` before the memcpy: a sync;
+- a non_blocking copy from host memory that torch_npu's pinned host allocator did not allocate
+  (pageable memory) is turned synchronous too: `process_non_blocking_copy` ->
+  `process_unregistered_mem_location_type` -> AclrtSynchronizeStreamWithTimeout (2.9 / 2.12;
+  CachingHostAllocator.cpp `recordEvent`, "Sync when host memory is allocated by malloc", on 2.8):
+  a sync;
+- a non_blocking copy from pinned memory only records an event on the stream: no sync. Pinned
+  tensors are those made by `pin_memory()` or a factory's `pin_memory=True` (on this CPU-only torch
+  neither can allocate pinned memory, so here they return host memory, marked pinned);
+- every host read above is a device→host copy (`d2h`) made blocking (`.cpu()` / `.item()` run
+  `copy_` with non_blocking=False): a sync.
+`counts()` gives {"h2d", "d2h", "syncs"}; `clear()` starts the next step's count.
 """
 from __future__ import annotations
 
 import traceback
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -25,14 +48,46 @@ from torch.utils._pytree import tree_leaves
 _VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy",
                 "__array__", "__repr__", "__format__", "equal", "allclose", "is_nonzero"}
 _SHAPE_READS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
+_DATA_FACTORIES = {"tensor", "as_tensor", "asarray"}  # build on the host, then copy (non_blocking=False)
+_MOVES = {"to", "cuda", "npu"}
+
+
+@dataclass(frozen=True)
+class Copy:
+    direction: str  # "h2d" or "d2h"
+    call: str
+    pinned: bool
+    non_blocking: bool
+    where: str
+
+    @property
+    def syncs(self) -> bool:
+        """CopyKernelOpApi.cpp: blocking -> aclrtSynchronizeStream; non_blocking from pageable
+        memory -> AclrtSynchronizeStreamWithTimeout; non_blocking from pinned memory -> no sync."""
+        return not (self.non_blocking and self.pinned)
 
 
 class HostReads(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.reads: list[tuple[str, str]] = []  # (call, where in epdserve / the test it came from)
+        self.copies: list[Copy] = []  # host<->device copies, in order
         self._resident: dict[int, torch.Tensor] = {}  # id -> tensor (held, so ids are not reused)
+        self._pinned: dict[int, torch.Tensor] = {}  # id -> host tensor in (fake) pinned memory
         self._paused = 0
+
+    def counts(self) -> dict[str, int]:
+        """{"h2d", "d2h", "syncs"} since the start (or the last `clear`)."""
+        return {"h2d": sum(c.direction == "h2d" for c in self.copies),
+                "d2h": sum(c.direction == "d2h" for c in self.copies),
+                "syncs": sum(c.syncs for c in self.copies)}
+
+    def clear(self) -> None:
+        self.reads.clear()
+        self.copies.clear()
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return id(t) in self._pinned
 
     def mark(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -58,13 +113,38 @@ class HostReads(TorchFunctionMode):
         if self._paused:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name == "pin_memory" or kwargs.get("pin_memory"):  # no pinned allocator here: host memory, marked
+            out = args[0].clone() if name == "pin_memory" else func(*args, **{**kwargs, "pin_memory": False})
+            self._pinned[id(out)] = out
+            return out
         hot = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and self.is_resident(t)]
         if hot and self._reads(name, args, kwargs):
             self.reads.append((name, _caller()))
+            if name in _VALUE_READS:  # the value comes back through a blocking copy
+                self.copies.append(Copy("d2h", name, False, False, _caller()))
+        self._copies_in(name, args, kwargs, hot)
         out = func(*args, **kwargs)
         if hot or _to_device(name, args, kwargs):
             self.mark(*(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
         return out
+
+    def _copies_in(self, name: str, args, kwargs, hot: list) -> None:
+        """Record the host->device copy (if any) the call makes, before it runs."""
+        non_blocking = bool(kwargs.get("non_blocking", False))
+        if name in _DATA_FACTORIES and kwargs.get("device") is not None:
+            src = args[0] if args else kwargs.get("data")
+            pinned = isinstance(src, torch.Tensor) and self.is_pinned(src)
+            self.copies.append(Copy("h2d", name, pinned, False, _caller()))  # non_blocking=False: tensor_new.cpp
+        elif name in _MOVES and not hot and _to_device(name, args, kwargs):
+            src = args[0]
+            if name == "to" and len(args) > 2 and isinstance(args[2], bool):  # to(device, dtype, non_blocking)
+                non_blocking = args[2]
+            self.copies.append(Copy("h2d", name, self.is_pinned(src), non_blocking, _caller()))
+        elif name == "copy_" and len(args) > 1 and self.is_resident(args[0]) and not self.is_resident(args[1]):
+            non_blocking = bool(args[2]) if len(args) > 2 else non_blocking
+            self.copies.append(Copy("h2d", name, self.is_pinned(args[1]), non_blocking, _caller()))
+        elif name == "cpu" and hot:
+            self.copies.append(Copy("d2h", name, False, non_blocking, _caller()))
 
     def _reads(self, name: str, args, kwargs) -> bool:
         if name in _VALUE_READS or name in _SHAPE_READS:
@@ -83,7 +163,7 @@ def _to_device(name: str, args, kwargs) -> bool:
     """A call that puts its result on a device: a factory or `.to` given a device."""
     if kwargs.get("device") is not None:
         return True
-    return name in ("to", "cuda") and any(isinstance(a, (torch.device, str)) for a in args[1:])
+    return name in _MOVES and (name != "to" or any(isinstance(a, (torch.device, str)) for a in args[1:]))
 
 
 def _caller() -> str:

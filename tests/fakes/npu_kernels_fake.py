@@ -30,6 +30,33 @@ LINES = tuple(sorted((p.stem for p in FIXTURES.glob("*.txt")), key=lambda v: tup
 NEWEST = LINES[-1]
 
 
+def line_cann(line: str) -> str:
+    """The CANN a line's wheel is built for, from its fixture's first line ("# torch_npu 2.8.0:
+    op-plugin 7.2.0, CANN 8.3.RC1"; Ascend/pytorch COMPATIBILITY.en.md)."""
+    head = (FIXTURES / f"{line}.txt").read_text().splitlines()[0]
+    return head.rsplit("CANN", 1)[1].strip()
+
+
+def refuses_tnd_paged(cann: str) -> bool:
+    """Does this CANN's FIA refuse input_layout TND with a block table? Reported for CANN 8.3.RC1:
+    vllm-ascend issue #4373 ("When layout is TND, not support Page Attention", vllm-ascend
+    0.11.0rc1, whose README asks for CANN 8.3.RC1) and #8045 (torch-npu 2.8.0, built for 8.3.RC1:
+    Ascend/pytorch COMPATIBILITY.en.md). vllm-ascend v0.13.0 (README: CANN 8.3.rc2, torch-npu
+    2.8.0) makes this call for every step (attention_v1.py forward_fused_infer_attention), so
+    8.3.RC2 takes it. A report, not a source: the engine's start-up check is what decides."""
+    return cann.upper() == "8.3.RC1"
+
+
+def tnd_paged_refused(impl):
+    """FIA as a CANN that refuses TND + paged answers it: the aclnn call fails (error 561002)."""
+    def refuse(a):
+        if a["input_layout"] == "TND" and a["block_table"] is not None:
+            raise RuntimeError("call aclnnFusedInferAttentionScoreV3 failed, error code is 561002: "
+                               "When layout is TND, not support Page Attention")
+        return impl(a)
+    return refuse
+
+
 def line_schemas(line: str) -> dict[str, torch._C.FunctionSchema]:
     """{"ns::name": schema} of the operators the line's wheel ships (comment lines skipped)."""
     text = (FIXTURES / f"{line}.txt").read_text()

@@ -51,7 +51,13 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   tests/fakes/npu_config_fake.py.
 - the paged-KV operators: exactly the schemas of one torch_npu line (`FakeTorchNpu(line=...)`,
   tests/fixtures/torch_npu/<line>.txt), `torch_npu.<op>` and `torch.ops.npu` / `torch.ops.atb`
-  as torch_npu binds them; calls land in `kernel_calls` (tests/fakes/npu_kernels_fake.py).
+  as torch_npu binds them; calls land in `kernel_calls` (tests/fakes/npu_kernels_fake.py; the
+  fused layer kernels: tests/fakes/npu_layer_kernels_fake.py). The
+  line's CANN (`cann=`, default the fixture's) decides whether FIA takes TND with a block table
+  (`refuses_tnd_paged`: refused on 8.3.RC1, as vllm-ascend issues #4373 / #8045 report);
+- `torch_npu/npu/utils.py` get_cann_version(module="CANN") (re-exported as
+  torch_npu.utils.get_cann_version on 2.8.0, 2.9.0, 2.12.0): the CANN, or `driver=` for "DRIVER";
+  "" for an unknown module (GetCANNInfo.cpp GetCANNVersion).
 
 Transport: a real ProcessGroupGloo on loopback under each fake ProcessGroupHCCL, built by the
 first operation (as HCCL builds its communicator); a progress thread per group completes works
@@ -71,8 +77,10 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from tests.fakes.npu_config_fake import NpuConfig, SetDeviceLimitOnce, device_limit_index
-from tests.fakes.npu_kernels_fake import KV_WRITES, NEWEST, module_attributes, namespaces
+from tests.fakes.npu_kernels_fake import (KV_WRITES, NEWEST, line_cann, module_attributes, namespaces,
+                                          refuses_tnd_paged, tnd_paged_refused)
 
+from tests.fakes.npu_layer_kernels_fake import layer_kernels
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN, HCCL_SUCCESS, StuckStreams
 from tests.fakes.npu_stream_pool import SYNCLAUNCH, DeviceStream, StreamPool, get_priority_unsupported
 
@@ -86,11 +94,18 @@ class FakeTorchNpu:
     what epdserve did with it: (thread name, event, details...)."""
 
     def __init__(self, *, stream_limits: bool = True, devices: int = 1, cores: tuple[int, int] = (20, 40),
-                 line: str = NEWEST, kernels: dict | None = None, atb_loaded: bool = True):
+                 line: str = NEWEST, kernels: dict | None = None, atb_loaded: bool = True, cann: str | None = None,
+                 driver: str = "25.5.0"):
         self.line = line  # the torch_npu version whose operator schemas and npu_config this fake has
+        self.cann = cann or line_cann(line)
+        self.driver = driver
         self.kernel_calls: list[tuple] = []  # (operator, args, kwargs) as passed, tensors described
         self.options = {"ALLOW_INTERNAL_FORMAT": "disable"}  # npu_sys_ctrl.cpp SetDefaultAllowInternalFromatDisable
-        self.ops = namespaces(line, {**KV_WRITES, **(kernels or {})}, self._record_kernel, atb_loaded=atb_loaded)
+        impls = {**KV_WRITES, **layer_kernels(line), **(kernels or {})}
+        fia = "npu_fused_infer_attention_score"
+        if fia in impls and refuses_tnd_paged(self.cann):
+            impls[fia] = tnd_paged_refused(impls[fia])
+        self.ops = namespaces(line, impls, self._record_kernel, atb_loaded=atb_loaded)
         self.stream_limits = stream_limits
         self.devices = devices
         self.cores = list(cores)  # the device's (cube, vector) cores; set_device_limit lowers them
@@ -242,6 +257,8 @@ class FakeTorchNpu:
         mod.npu = npu
         mod._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(ProcessGroupHCCL=ProcessGroupHCCL))
         mod.__version__ = f"{self.line}+fake"
+        versions = {"CANN": self.cann, "DRIVER": self.driver}
+        mod.utils = types.SimpleNamespace(get_cann_version=lambda module="CANN": versions.get(module, ""))
         for name, op in module_attributes(self.ops).items():
             setattr(mod, name, op)
         return mod

@@ -1,9 +1,11 @@
 """A core limit only where every operator of the stage may run under one (ops/npu_core_limits.py,
 docs/npu-colocation.md), on the fake torch_npu of each line: on 2.8.0 / 2.9.0 the KV write is the
 ATB `_npu_reshape_and_cache`, which ignores core limits (op-plugin torch_npu-set_stream_limit.md),
-so a P or D stage gets no stream limit and a warning naming it; E, and P / D on 2.12.0
-(`npu_scatter_pa_kv_cache`, Ascend C), are limited, each aten operator named as not verified
-(ops/npu_aten_routes.py: aclnn route, kernel language not shown)."""
+so a P or D stage gets no stream limit and a warning naming it. E, and P / D on 2.12.0
+(`npu_scatter_pa_kv_cache`, Ascend C), run aten operators not verified to keep to a limit
+(ops/npu_aten_routes.py: aclnn route, kernel language not shown): no limit by default (issue 37
+item 5: a limited stream running non-Ascend C operators may hang), limited with --npu-core-limits,
+each named."""
 import logging
 
 import pytest
@@ -15,10 +17,13 @@ from epdserve.platform.npu import NpuPlatform
 from tests.fakes.torch_npu_fake import FakeTorchNpu
 
 
-def _open(role: str, share: float = 0.5):
+def _open(role: str, share: float = 0.5, opted_in: bool = True):
     npu = NpuPlatform()
     npu.set_thread_device(0)
-    return open_stage_stream(npu, share, f"{role}-worker", operators=npu_stage_operators(npu, role, NpuPagedOps()))
+    total = npu.device_limit()
+    npu.limit_device(0, total["cube_core_num"], total["vector_core_num"])  # set_device_limit first (its doc)
+    return open_stage_stream(npu, share, f"{role}-worker", operators=npu_stage_operators(npu, role, NpuPagedOps()),
+                             opted_in=opted_in)
 
 
 @pytest.mark.parametrize("line", ["2.8.0", "2.9.0"])
@@ -47,6 +52,16 @@ def test_p_on_2_12_is_limited_its_kv_write_being_ascend_c(monkeypatch, caplog):
         stream = _open("P", 0.7)
     assert stream.limits == (14, 28)
     assert "_npu_reshape_and_cache" not in caplog.text and "npu_scatter_pa_kv_cache" not in caplog.text
+
+
+@pytest.mark.parametrize("role", ["E", "P"])
+def test_without_the_opt_in_unverified_operators_keep_the_stream_unlimited(role, monkeypatch, caplog):
+    fake = FakeTorchNpu(line="2.12.0", cores=(20, 40)).install(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        stream = _open(role, 0.3, opted_in=False)
+    assert stream.limits is None and not fake.of("set_stream_limit")
+    assert f"{role}-worker: no stream core limit (off by default on NPU)" in caplog.text
+    assert "--npu-core-limits" in caplog.text and "aten::mm (aclnnMm)" in caplog.text
 
 
 def test_no_npu_operators_elsewhere():

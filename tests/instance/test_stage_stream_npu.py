@@ -14,6 +14,9 @@ from tests.fakes.torch_npu_fake import FakeTorchNpu
 
 def _open_in_threads(shares: dict[str, float]) -> dict:
     npu, out = NpuPlatform(), {}
+    npu.set_thread_device(0)
+    total = npu.device_limit() if hasattr(torch.npu, "get_device_limit") else {"cube_core_num": 20, "vector_core_num": 40}
+    npu.limit_device(0, total["cube_core_num"], total["vector_core_num"])  # set_device_limit first (its doc)
 
     def stage(name, share):
         npu.set_thread_device(0)
@@ -62,3 +65,13 @@ def test_yield_gives_unlimited_streams_of_their_own_without_priorities(monkeypat
 
 def test_no_streams_on_cpu():
     assert open_stage_stream(CpuPlatform(), 0.5, "E-worker") is None
+
+
+def test_a_stream_limit_before_the_device_limit_is_refused(monkeypatch, caplog):
+    """op-plugin torch_npu-set_stream_limit.md (7.2.0, 7.3.0, 26.0.0): "must be called after
+    torch.npu.set_device_limit"; without it the stream stays unrestricted, said once."""
+    fake = FakeTorchNpu().install(monkeypatch)
+    npu = NpuPlatform()
+    npu.set_thread_device(0)
+    assert open_stage_stream(npu, 0.5, "E-worker").limits is None
+    assert "set_stream_limit before set_device_limit" in caplog.text and not fake.of("set_stream_limit")

@@ -19,7 +19,8 @@ def test_the_fixtures_are_the_three_lines_the_extras_install():
     assert LINES == ("2.8.0", "2.9.0", "2.12.0")
     for line in LINES:
         assert set(line_schemas(line)) == {"npu::npu_scatter_pa_kv_cache", "npu::npu_fused_infer_attention_score",
-                                           "atb::_npu_reshape_and_cache"}
+                                           "atb::_npu_reshape_and_cache", "npu::npu_add_rms_norm", "npu::npu_rms_norm",
+                                           "npu::npu_rotary_mul", "npu::npu_apply_rotary_pos_emb", "npu::npu_swiglu"}
     fia = {str(line_schemas(line)["npu::npu_fused_infer_attention_score"]) for line in LINES}
     assert len(fia) == 1  # the attention call's keywords do not differ between lines
 

@@ -28,7 +28,7 @@ from epdserve.ops.portable import PortableOps
 from tests.fakes.npu_kernels_fake import LINES
 from tests.fakes.torch_npu_fake import FakeTorchNpu
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 128  # GQA 3:1; the NPU block size
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 128  # GQA 3:1; a head_dim TND takes; the NPU block size
 SCALE = 1 / math.sqrt(HEAD_DIM)
 
 
@@ -53,7 +53,10 @@ def _fia(a):
     _require(N == a["num_heads"] and N % n2 == 0 and N // n2 <= 64, "num_heads / num_key_value_heads")
     _require(D * q.element_size() % 16 == 0, "head_dim must be 16-byte aligned")
     q_lens = a["actual_seq_lengths"]
-    if layout == "TND":
+    if layout == "TND":  # prompt_flash_attention_tiling.cpp CheckInputShapeWhenLayoutIsTND
+        _require(q.dtype == torch.bfloat16, "When layout is TND, inputDataType should be bf16")
+        _require(D in (64, 128) or (D == 192 and N == n2), "When layout is TND, queryD, keyD and valueD must be "
+                 "same equal 192/128/64 (192: G must be 1)")
         _require(q.dim() == 3, "TND query is [T, N, D]")
         _require(isinstance(q_lens, list) and q_lens and all(type(n) is int for n in q_lens), "TND needs actual_seq_lengths")
         _require(all(x <= y for x, y in zip([0] + q_lens, q_lens)) and q_lens[-1] == q.shape[0],
@@ -115,7 +118,9 @@ def line(request) -> str:
 
 @pytest.fixture
 def fake(monkeypatch, line) -> FakeTorchNpu:
-    return FakeTorchNpu(line=line, kernels={"npu_fused_infer_attention_score": _fia}).install(monkeypatch)
+    # each line's schema with a CANN that takes TND + paged (8.5.0): whether the line's own CANN
+    # takes it is tests/ops/test_npu_attention_check.py's business
+    return FakeTorchNpu(line=line, kernels={"npu_fused_infer_attention_score": _fia}, cann="8.5.0").install(monkeypatch)
 
 
 @pytest.fixture
@@ -182,7 +187,7 @@ def test_scatter_without_cache_mode_writes_nz_which_does_not_fit_our_layout(npu,
             scatter(key, key, kc, vc, torch.tensor([0, 1, 2]), cache_mode="Norm")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp16: refused (test_npu_attention_check.py)
 def test_decode_pins_the_paged_call_and_matches_portable(npu, dtype):
     ctx_lens = torch.tensor([1, 128, 129, 300, 77])  # one token, a full block, odd lengths
     num_blocks = 12
@@ -256,7 +261,7 @@ def test_empty_batches_call_no_kernel(npu):
 def test_what_the_kernels_cannot_take_fails_clearly(npu):
     ops = NpuPagedOps()
     kc, vc = _caches(2, torch.float32)
-    with pytest.raises(TypeError, match="float16/bfloat16"):
+    with pytest.raises(TypeError, match="bfloat16 here, not torch.float32"):
         ops.decode_attention(torch.randn(1, HEADS, HEAD_DIM), kc, vc, torch.zeros(1, 1, dtype=torch.long),
                              torch.tensor([3]), SCALE)
     small = torch.zeros(4, 16, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)  # the CPU block size

@@ -49,8 +49,10 @@ def fake_npu(monkeypatch):
     return FakeTorchNpu().install(monkeypatch)
 
 
-def test_npu_contract(fake_npu):
+def test_npu_contract(fake_npu, monkeypatch):
     from epdserve.platform.npu import PLATFORM as npu
+
+    monkeypatch.setattr(npu, "device_limited", True)  # set_device_limit came first (the process's, once)
 
     assert npu.is_available()
     npu.set_thread_device(0)
@@ -94,6 +96,7 @@ def test_npu_stream_limits_never_stop_a_worker(how, monkeypatch, caplog):
     if how == "missing_api":
         monkeypatch.delattr(torch.npu, "set_stream_limit")
     stream = "S" if how == "not_a_stream" else npu.new_stream()
+    monkeypatch.setattr(npu, "device_limited", True)  # past the order check: set_device_limit came first
     assert npu.limit_stream(stream, 8, 16) is False
     assert "share cores unrestricted" in caplog.text and not fake.of("set_stream_limit")
 

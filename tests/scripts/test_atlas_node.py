@@ -66,3 +66,39 @@ def test_preflight_without_cann_says_so(fake_atlas, tmp_path):
     shutil.rmtree(tmp_path / "Ascend" / "ascend-toolkit")
     out, _ = _run(["preflight", "0"], fake_atlas)
     assert out.returncode == 1 and "CANN not found" in out.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "0.5"])
+def test_a_never_timing_out_hccl_exec_timeout_is_refused(tmp_path, value):
+    """HCCL_EXEC_TIMEOUT=0 is "never" (torch_npu ProcessGroupHCCL.cpp; strtol reads "abc" / "0.5"
+    as 0): a stuck receive's blocks would be held for ever, so the script stops before starting."""
+    env = dict(bare_env(tmp_path, "/usr/bin:/bin"), INSECURE="1", NODE_IP="127.0.0.1", NIC="lo", MODEL="/m",
+               HCCL_EXEC_TIMEOUT=value)
+    out, _ = _run(["head"], env)
+    assert out.returncode == 1 and f"HCCL_EXEC_TIMEOUT={value}: HCCL would never time out" in out.stderr
+
+
+def _with_epdserve(env: dict) -> dict:
+    import sys
+
+    root = str(SCRIPT.parents[1])
+    return dict(env, PYTHON=sys.executable, PYTHONPATH=root)
+
+
+def test_preflight_checks_versions_with_the_table(fake_atlas):
+    out, _ = _run(["preflight", "0"], dict(_with_epdserve(fake_atlas), MIN_FREE_HBM_MB="40000"))
+    assert out.returncode == 0, out.stderr
+    assert "preflight: ok: driver 25.0.rc1" in out.stdout  # no torch_npu here: the driver alone is matched
+    assert "torch_npu not installed" in out.stderr
+
+
+def test_preflight_fails_a_torch_npu_built_for_another_cann(fake_atlas, tmp_path):
+    """A stand-in torch_npu 2.9.0 (CANN 8.5.0's build) on the fake host's CANN 8.2.RC1."""
+    site = tmp_path / "site"
+    (site / "torch_npu-2.9.0.dist-info").mkdir(parents=True)
+    (site / "torch_npu-2.9.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.9.0\n")
+    env = _with_epdserve(fake_atlas)
+    env["PYTHONPATH"] += f":{site}"
+    out, _ = _run(["preflight", "0"], dict(env, MIN_FREE_HBM_MB="40000"))
+    assert out.returncode == 1
+    assert "preflight: fail: torch_npu 2.9.0 is built for CANN 8.5.0, this host has CANN 8.2.RC1 -- fix: install CANN 8.5.0" in out.stderr
