@@ -1,0 +1,353 @@
+// CPU kernels of the fused element-wise operators of one LM layer (schemas in
+// csrc/registration.cpp; the Python side and the contract: epdserve/ops/native_layer_ops.py,
+// epdserve/ops/layer_ops.py):
+//   fused_add_rms_norm  residual += x; x = RMSNorm(residual) * weight      (in place)
+//   rms_norm            RMSNorm(x) * weight over the last dim               (Qwen3's q/k norms too)
+//   rotary_embedding    q, k = x * cos + rotate_half(x) * sin               (in place)
+//   silu_and_mul        silu(x[:, :I]) * x[:, I:]
+// Arithmetic: as torch's eager ops on the same dtype, which is what transformers runs. In fp32 it
+// is the same expression; in bf16 / fp16 every op that torch rounds to the tensor dtype is
+// rounded here too (the RMS variance stays in fp32, as transformers computes it), so the only
+// differences left are the order of the variance's sum (torch's cascade sum vs ours: the fp32
+// variance may differ in its last bit, rarely moving a bf16 result by one ulp) and, in silu, the
+// elements torch's vectorized loop leaves to its scalar tail (std::exp instead of Sleef's).
+// Vectorized with at::vec (the same Vectorized<float> torch's own kernels use, including its
+// Sleef exp and its float -> bf16 rounding); work is split over tokens with at::parallel_for.
+
+// at::vec picks its implementation from CPU_CAPABILITY_*, which torch sets per dispatch copy of
+// its own kernels; an extension built with -march=native sets it from what the compiler targets.
+// The namespace is our own, so these inline copies never meet torch's.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512 1
+#define CPU_CAPABILITY epdserve_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2 1
+#define CPU_CAPABILITY epdserve_avx2
+#else
+#define CPU_CAPABILITY epdserve_default
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace epdserve {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kF = fVec::size();
+constexpr int64_t kGrainElems = 32768;  // elements per parallel task: below it, one thread
+
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+// A float vector the compiler may not fuse into an FMA with what follows: torch rounds each
+// fp32 product before the sum (separate mul and add kernels), so must we.
+inline fVec no_contract(fVec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r = v;
+  asm("" : "+v"(r));
+  return fVec(r);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 r = v;
+  asm("" : "+x"(r));
+  return fVec(r);
+#else
+  return v;
+#endif
+}
+
+// Load kF elements as floats, store kF floats as T (rounded to nearest even, as torch does),
+// round a float vector to T's precision (and back).
+template <typename T>  // c10::BFloat16, c10::Half
+struct IO {
+  using rVec = at::vec::Vectorized<T>;
+  static inline fVec load(const T* p, int64_t n = kF) { return std::get<0>(at::vec::convert_to_float<T>(rVec::loadu(p, n))); }
+  static inline void store(T* p, const fVec& v, int64_t n = kF) { at::vec::convert_from_float<T>(v, v).store(p, n); }
+  static inline fVec round(const fVec& v) { return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v))); }
+  static inline float round(float v) { return static_cast<float>(static_cast<T>(v)); }
+};
+
+template <>
+struct IO<float> {
+  static inline fVec load(const float* p, int64_t n = kF) { return n == kF ? fVec::loadu(p) : fVec::loadu(p, n); }
+  static inline void store(float* p, const fVec& v, int64_t n = kF) { v.store(p, n); }
+  static inline fVec round(const fVec& v) { return no_contract(v); }
+  static inline float round(float v) { return v; }
+};
+
+// float32, bfloat16, float16 (no double: the model never runs in it)
+template <typename F>
+inline void dispatch(at::ScalarType s, const char* name, F&& f) {
+  switch (s) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", s);
+  }
+}
+
+inline float hsum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
+}
+
+// Rows of a tensor [..., d] whose last dim is contiguous and whose middle dims are contiguous
+// with it (any stride on the first dim): a [T, H, d] view into a fused QKV output qualifies.
+struct Rows {
+  int64_t n = 0, inner = 1, outer_stride = 0, d = 0;
+  inline int64_t offset(int64_t r) const { return (r / inner) * outer_stride + (r % inner) * d; }
+};
+
+bool rows_of(const at::Tensor& t, Rows& rows) {
+  const int64_t dim = t.dim();
+  if (dim < 1) return false;
+  rows.d = t.size(dim - 1);
+  if (t.numel() == 0) {
+    rows.n = 0;
+    return true;
+  }
+  if (t.stride(dim - 1) != 1 && rows.d != 1) return false;
+  if (dim == 1) {
+    rows.n = 1;
+    rows.inner = 1;
+    rows.outer_stride = rows.d;
+    return true;
+  }
+  int64_t expected = rows.d;
+  rows.inner = 1;
+  for (int64_t i = dim - 2; i >= 1; --i) {
+    if (t.size(i) != 1 && t.stride(i) != expected) return false;
+    expected *= t.size(i);
+    rows.inner *= t.size(i);
+  }
+  rows.n = t.size(0) * rows.inner;
+  rows.outer_stride = t.size(0) == 1 ? expected : t.stride(0);
+  return true;
+}
+
+void check_dtype(const at::Tensor& t, const char* what) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, what,
+              " must be float32, bfloat16 or float16, got ", s);
+  TORCH_CHECK(t.device().is_cpu(), what, " must be on the CPU");
+}
+
+void check_weight(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [", x.size(-1), "], got ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype ", weight.scalar_type(), " differs from x's ",
+              x.scalar_type());
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+}
+
+// ------------------------------------------------------------------ RMSNorm
+// out = round(round(h * rsqrt(mean(h^2) + eps)) * w), h = float(in); in and out may alias.
+template <typename T>
+inline void norm_row(const T* in, T* out, const T* w, int64_t d, float eps) {
+  fVec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kF <= d; i += 2 * kF) {
+    const fVec a = IO<T>::load(in + i), b = IO<T>::load(in + i + kF);
+    acc0 = acc0 + a * a;
+    acc1 = acc1 + b * b;
+  }
+  for (; i < d; i += kF) {
+    const int64_t n = std::min(kF, d - i);
+    const fVec a = IO<T>::load(in + i, n);  // zero-filled beyond n
+    acc0 = acc0 + a * a;
+  }
+  const float var = hsum(acc0 + acc1) / static_cast<float>(d);
+  const fVec inv(1.f / std::sqrt(var + eps));
+  for (i = 0; i < d; i += kF) {
+    const int64_t n = std::min(kF, d - i);
+    const fVec h = IO<T>::round(IO<T>::load(in + i, n) * inv);
+    IO<T>::store(out + i, h * IO<T>::load(w + i, n), n);
+  }
+}
+
+// residual = round(residual + x); x = norm(residual)
+template <typename T>
+inline void add_norm_row(T* x, T* r, const T* w, int64_t d, float eps) {
+  fVec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kF <= d; i += 2 * kF) {
+    const fVec a = IO<T>::round(IO<T>::load(x + i) + IO<T>::load(r + i));
+    const fVec b = IO<T>::round(IO<T>::load(x + i + kF) + IO<T>::load(r + i + kF));
+    IO<T>::store(r + i, a);
+    IO<T>::store(r + i + kF, b);
+    acc0 = acc0 + a * a;
+    acc1 = acc1 + b * b;
+  }
+  for (; i < d; i += kF) {
+    const int64_t n = std::min(kF, d - i);
+    const fVec a = IO<T>::round(IO<T>::load(x + i, n) + IO<T>::load(r + i, n));
+    IO<T>::store(r + i, a, n);
+    acc0 = acc0 + a * a;
+  }
+  const float var = hsum(acc0 + acc1) / static_cast<float>(d);
+  const fVec inv(1.f / std::sqrt(var + eps));
+  for (i = 0; i < d; i += kF) {
+    const int64_t n = std::min(kF, d - i);
+    const fVec h = IO<T>::round(IO<T>::load(r + i, n) * inv);
+    IO<T>::store(x + i, h * IO<T>::load(w + i, n), n);
+  }
+}
+
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_dtype(x, "x");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ", residual.sizes());
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual dtype differs from x's");
+  check_weight(x, weight);
+  Rows rx, rr;
+  TORCH_CHECK(rows_of(x, rx) && rows_of(residual, rr),
+              "fused_add_rms_norm writes in place: x and residual need a contiguous last dim (and middle dims)");
+  const int64_t d = rx.d;
+  const float feps = static_cast<float>(eps);
+  dispatch(x.scalar_type(), "fused_add_rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rx.n, grain(2 * d), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) add_norm_row(xp + rx.offset(t), rp + rr.offset(t), wp, d, feps);
+    });
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  check_dtype(x_in, "x");
+  check_weight(x_in, weight);
+  Rows rx;
+  const at::Tensor x = rows_of(x_in, rx) ? x_in : x_in.contiguous();
+  if (!x.is_same(x_in)) rows_of(x, rx);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t d = rx.d;
+  const float feps = static_cast<float>(eps);
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rx.n, grain(d), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) norm_row(xp + rx.offset(t), op + t * d, wp, d, feps);
+    });
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ rotary (rotate-half)
+// first half:  x1*c1 - x2*s1  (rotate_half's -x2, times sin, is -(x2*s1) exactly)
+// second half: x2*c2 + x1*s2
+template <typename T>
+inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += kF) {
+    const int64_t n = std::min(kF, half - i);
+    const fVec x1 = IO<T>::load(x + i, n), x2 = IO<T>::load(x + half + i, n);
+    const fVec c1 = IO<T>::load(c + i, n), c2 = IO<T>::load(c + half + i, n);
+    const fVec s1 = IO<T>::load(s + i, n), s2 = IO<T>::load(s + half + i, n);
+    IO<T>::store(x + i, IO<T>::round(x1 * c1) - IO<T>::round(x2 * s1), n);
+    IO<T>::store(x + half + i, IO<T>::round(x2 * c2) + IO<T>::round(x1 * s2), n);
+  }
+}
+
+void check_qk(const at::Tensor& t, const char* what, int64_t tokens, int64_t d) {
+  TORCH_CHECK(t.dim() == 3, what, " must be [tokens, heads, head_dim], got ", t.sizes());
+  TORCH_CHECK(t.size(0) == tokens && t.size(2) == d, what, " ", t.sizes(), " does not fit cos/sin [", tokens, ", ",
+              d, "]");
+  TORCH_CHECK(t.numel() == 0 || ((t.stride(2) == 1 || d == 1) && (t.stride(1) == d || t.size(1) == 1)), what,
+              " needs contiguous heads and head_dim (any token stride)");
+}
+
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  check_dtype(q, "q");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes(), "cos and sin must be [tokens, head_dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type(),
+              "q, k, cos and sin must share one dtype");
+  const int64_t tokens = cos.size(0), d = cos.size(1);
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even, got ", d);
+  check_qk(q, "q", tokens, d);
+  check_qk(k, "k", tokens, d);
+  const int64_t hq = q.size(1), hk = k.size(1), half = d / 2;
+  const int64_t qs = q.stride(0), ks = k.stride(0);
+  dispatch(q.scalar_type(), "rotary_embedding", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, grain((hq + hk) * d), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* c = cp + t * d;
+        const scalar_t* s = sp + t * d;
+        for (int64_t h = 0; h < hq; ++h) rotate_head(qp + t * qs + h * d, c, s, half);
+        for (int64_t h = 0; h < hk; ++h) rotate_head(kp + t * ks + h * d, c, s, half);
+      }
+    });
+  });
+}
+
+// ------------------------------------------------------------------ SiLU-and-mul
+// torch's silu: x / (1 + exp(-x)) in float (Sleef exp on its vectorized part; its loop takes
+// 2 * Vectorized<T>::size() elements at a time and leaves the rest to std::exp), rounded to T;
+// then the product, rounded to T.
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* o, int64_t inter) {
+  const int64_t step = 2 * at::vec::Vectorized<T>::size();
+  const int64_t vec_end = inter - inter % step;
+  const fVec one(1.f);
+  for (int64_t i = 0; i < vec_end; i += kF) {
+    const fVec x = IO<T>::load(g + i);
+    const fVec sx = IO<T>::round(x / (one + x.neg().exp()));
+    IO<T>::store(o + i, sx * IO<T>::load(u + i));
+  }
+  for (int64_t i = vec_end; i < inter; ++i) {
+    const float x = static_cast<float>(g[i]);
+    const float sx = IO<T>::round(x / (1.f + std::exp(-x)));
+    o[i] = static_cast<T>(sx * static_cast<float>(u[i]));
+  }
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
+  check_dtype(x_in, "x");
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) % 2 == 0, "x must be [..., 2 * intermediate], got ", x_in.sizes());
+  Rows rx;
+  const at::Tensor x = rows_of(x_in, rx) ? x_in : x_in.contiguous();
+  if (!x.is_same(x_in)) rows_of(x, rx);
+  const int64_t inter = rx.d / 2;
+  auto shape = x.sizes().vec();
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, x.options());
+  dispatch(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rx.n, grain(2 * inter), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* g = xp + rx.offset(t);
+        silu_mul_row(g, g + inter, op + t * inter, inter);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(epdserve, CPU, m) {
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
+
+}  // namespace epdserve
