@@ -145,6 +145,24 @@ def test_silu_and_mul_matches_portable(dtype, tokens, inter):
     _close(NATIVE.silu_and_mul(x), PORTABLE.silu_and_mul(x), dtype, exact=dtype == torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_denormals_infinities_and_nans_round_as_torch(dtype):
+    """silu of -88..-100 is a denormal float (torch keeps it, rounded; a converter that reads
+    denormals as zero would not); inf and NaN pass through as torch passes them."""
+    gate = torch.linspace(-100, -85, 64).to(dtype)
+    gate[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    x = torch.cat((gate, torch.full((64,), 3.0).to(dtype)))[None]
+    got, want = NATIVE.silu_and_mul(x), PORTABLE.silu_and_mul(x)
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok], want[ok]), (got[ok], want[ok])
+    assert (want[ok] != 0).sum() > 10  # the denormal outputs were there to get wrong
+    tiny = torch.full((2, 32), 1e-39).to(dtype)  # denormal inputs of the residual add and the norm
+    got_n, got_s = NATIVE.add_rms_norm(tiny.clone(), tiny.clone(), torch.ones(32, dtype=dtype), 0.0)
+    want_n, want_s = PORTABLE.add_rms_norm(tiny.clone(), tiny.clone(), torch.ones(32, dtype=dtype), 0.0)
+    assert torch.equal(got_s, want_s) and torch.equal(got_n, want_n)
+
+
 def test_fp16_and_empty_batches():
     gen = _gen(11)
     x, res = torch.randn(5, 96, generator=gen).half(), torch.randn(5, 96, generator=gen).half()
