@@ -6,7 +6,9 @@ Tolerances, and why:
 - fp32: allclose, atol = rtol = 1e-5. Everything but the RMS variance is the same fp32
   expression in the same order (no FMA contraction); the variance is a sum of d squares whose
   order differs from torch's cascade sum, so it (and the normed value) may differ in the last
-  bits; rotary and silu-and-mul are asserted bit-equal.
+  bits; rotary is asserted bit-equal. silu-and-mul is bit-equal too wherever the library and
+  torch use the same exp (Sleef's, in AVX2 / AVX512 builds: this CPU's), allclose elsewhere (a
+  build without AVX2 on a torch that dispatches AVX512 takes std::exp: a few ulps).
 - bf16 / fp16: the residual sum and the rotary are asserted equal (every op rounds to the dtype
   as torch does, and bf16 products are exact in fp32, so nothing can differ); RMSNorm and
   silu-and-mul within one ulp of the dtype: the variance's last fp32 bit (above) can move the
@@ -142,7 +144,7 @@ def test_rotary_matches_portable_on_fused_qkv_views(dtype, tokens, heads, kvh, h
 def test_silu_and_mul_matches_portable(dtype, tokens, inter):
     gen = _gen(tokens * 7 + inter)
     x = (torch.randn(tokens, 2 * inter, generator=gen) * 4).to(dtype)
-    _close(NATIVE.silu_and_mul(x), PORTABLE.silu_and_mul(x), dtype, exact=dtype == torch.float32)
+    _close(NATIVE.silu_and_mul(x), PORTABLE.silu_and_mul(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -155,7 +157,10 @@ def test_denormals_infinities_and_nans_round_as_torch(dtype):
     got, want = NATIVE.silu_and_mul(x), PORTABLE.silu_and_mul(x)
     assert torch.equal(got.isnan(), want.isnan())
     ok = ~want.isnan()
-    assert torch.equal(got[ok], want[ok]), (got[ok], want[ok])
+    if dtype == torch.float32:  # its exp may be another's (module docstring): denormals a few ulps apart
+        torch.testing.assert_close(got[ok], want[ok], atol=1e-40, rtol=1e-5)
+    else:
+        assert torch.equal(got[ok], want[ok]), (got[ok], want[ok])
     assert (want[ok] != 0).sum() > 10  # the denormal outputs were there to get wrong
     tiny = torch.full((2, 32), 1e-39).to(dtype)  # denormal inputs of the residual add and the norm
     got_n, got_s = NATIVE.add_rms_norm(tiny.clone(), tiny.clone(), torch.ones(32, dtype=dtype), 0.0)
