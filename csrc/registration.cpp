@@ -15,7 +15,7 @@ TORCH_LIBRARY(epdserve, m) {
   // LM layer (csrc/cpu/layer_ops.cpp): residual += x, x = RMSNorm(residual) * weight, in place
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  // q [T, H, d], k [T, KVH, d] (any token stride), cos / sin [T, d]: rotate-half, in place
+  // q [T, H, d], k [T, KVH, d], cos / sin [T, d] (each: any token stride): rotate-half, in place
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }

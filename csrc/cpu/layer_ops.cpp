@@ -330,7 +330,8 @@ void check_qk(const at::Tensor& t, const char* what, int64_t tokens, int64_t d) 
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   check_dtype(q, "q");
   TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes(), "cos and sin must be [tokens, head_dim]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous");
+  TORCH_CHECK(cos.numel() == 0 || (cos.stride(1) == 1 && sin.stride(1) == 1),
+              "cos and sin need a contiguous last dim (any token stride)");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && cos.scalar_type() == q.scalar_type() &&
                   sin.scalar_type() == q.scalar_type(),
               "q, k, cos and sin must share one dtype");
@@ -339,7 +340,7 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
   check_qk(q, "q", tokens, d);
   check_qk(k, "k", tokens, d);
   const int64_t hq = q.size(1), hk = k.size(1), half = d / 2;
-  const int64_t qs = q.stride(0), ks = k.stride(0);
+  const int64_t qs = q.stride(0), ks = k.stride(0), cs = cos.stride(0), ss = sin.stride(0);
   dispatch(q.scalar_type(), "rotary_embedding", [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* qp = q.data_ptr<scalar_t>();
@@ -348,8 +349,8 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
     const scalar_t* sp = sin.data_ptr<scalar_t>();
     at::parallel_for(0, tokens, grain((hq + hk) * d), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* c = cp + t * d;
-        const scalar_t* s = sp + t * d;
+        const scalar_t* c = cp + t * cs;
+        const scalar_t* s = sp + t * ss;
         for (int64_t h = 0; h < hq; ++h) rotate_head(qp + t * qs + h * d, c, s, half);
         for (int64_t h = 0; h < hk; ++h) rotate_head(kp + t * ks + h * d, c, s, half);
       }

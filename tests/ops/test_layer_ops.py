@@ -136,6 +136,12 @@ def test_rotary_matches_portable_on_fused_qkv_views(dtype, tokens, heads, kvh, h
     _close(got_k, want_k, dtype, exact=True)
     assert torch.equal(mine[:, (heads + kvh) * hd:], qkv[:, (heads + kvh) * hd:])  # v untouched
     assert torch.equal(views(mine)[0], got_q)  # rotated where it lies
+    # cos / sin as token-strided views too (one [T, 2d] table)
+    table = torch.cat((cos, sin), dim=-1)
+    again = qkv.clone()
+    got_q, got_k = NATIVE.rotary(*views(again), table[:, :hd], table[:, hd:])
+    _close(got_q, want_q, dtype, exact=True)
+    _close(got_k, want_k, dtype, exact=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
