@@ -5,12 +5,12 @@
 //   rms_norm            RMSNorm(x) * weight over the last dim               (Qwen3's q/k norms too)
 //   rotary_embedding    q, k = x * cos + rotate_half(x) * sin               (in place)
 //   silu_and_mul        silu(x[:, :I]) * x[:, I:]
-// Arithmetic: as torch's eager ops on the same dtype, which is what transformers runs. In fp32 it
-// is the same expression; in bf16 / fp16 every op that torch rounds to the tensor dtype is
-// rounded here too (the RMS variance stays in fp32, as transformers computes it), so the only
-// differences left are the order of the variance's sum (torch's cascade sum vs ours: the fp32
-// variance may differ in its last bit, rarely moving a bf16 result by one ulp) and, in silu, the
-// elements torch's vectorized loop leaves to its scalar tail (std::exp instead of Sleef's).
+// Arithmetic: torch's eager ops on the same dtype, which is what transformers runs, op for op:
+// the same fp32 expressions (no FMA contraction where torch rounds a product first), every op
+// that torch rounds to bf16 / fp16 rounded here too, the RMS variance in fp32 summed in the order
+// of torch's own sum (below). So results are torch's bit for bit on x86 (tests/ops/
+// test_layer_ops.py), except silu where torch's vectorized loop leaves elements to its scalar
+// tail (std::exp instead of Sleef's: rarely one bf16 ulp).
 // Vectorized with at::vec (the same Vectorized<float> torch's own kernels use, including its
 // Sleef exp and its float -> bf16 rounding); work is split over tokens with at::parallel_for.
 
@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <tuple>
 
 namespace epdserve {
@@ -73,11 +74,6 @@ struct IO {
   static inline fVec load(const T* p, int64_t n = kF) { return std::get<0>(at::vec::convert_to_float<T>(rVec::loadu(p, n))); }
   static inline void store(T* p, const fVec& v, int64_t n = kF) { at::vec::convert_from_float<T>(v, v).store(p, n); }
   static inline fVec round(const fVec& v) { return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v))); }
-  static inline fVec store_round(T* p, const fVec& v, int64_t n = kF) {
-    const fVec r = round(v);
-    store(p, r, n);
-    return r;
-  }
   static inline float round(float v) { return static_cast<float>(static_cast<T>(v)); }
 };
 
@@ -102,14 +98,6 @@ struct HalfIO {
     }
   }
   static inline void store(T* p, const fVec& v, int64_t n = kF) { store_half(p, to_half(v), n); }
-  // store v rounded to T; return the rounded value as floats
-  static inline fVec store_round(T* p, const fVec& v, int64_t n = kF) {
-    const __m256i h = to_half(v);
-    store_half(p, h, n);
-    __m512 o;
-    to_float(h, o);
-    return fVec(o);
-  }
   static inline fVec round(const fVec& v) {
     __m512 o;
     to_float(to_half(v), o);
@@ -141,10 +129,6 @@ struct IO<float> {
   static inline fVec load(const float* p, int64_t n = kF) { return n == kF ? fVec::loadu(p) : fVec::loadu(p, n); }
   static inline void store(float* p, const fVec& v, int64_t n = kF) { v.store(p, n); }
   static inline fVec round(const fVec& v) { return no_contract(v); }
-  static inline fVec store_round(float* p, const fVec& v, int64_t n = kF) {
-    v.store(p, n);
-    return v;
-  }
   static inline float round(float v) { return v; }
 };
 
@@ -157,10 +141,6 @@ inline void dispatch(at::ScalarType s, const char* name, F&& f) {
     case at::kHalf: return f(c10::Half{});
     default: TORCH_CHECK(false, name, ": unsupported dtype ", s);
   }
-}
-
-inline float hsum(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
 }
 
 // Rows of a tensor [..., d] whose last dim is contiguous and whose middle dims are contiguous
@@ -213,24 +193,108 @@ void check_weight(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 // ------------------------------------------------------------------ RMSNorm
-// out = round(round(h * rsqrt(mean(h^2) + eps)) * w), h = float(in); in and out may alias.
+// transformers: h = x.float(); h * rsqrt(h.pow(2).mean(-1) + eps), rounded to T, times weight.
+// torch's mean is its sum, then / d; the sum of squares here adds in the sum's order: its
+// cascade_sum for a contiguous inner reduction (aten/src/ATen/native/cpu/SumKernel.cpp:
+// vectorized_inner_sum -> row_sum -> multi_row_sum), over vectors of 8 floats (sum_stub has no
+// AVX512 kernel: torch runs its AVX2 one even on an AVX512 CPU). So the variance, and with it
+// every result, is bit-equal to torch's on x86 (checked for d = 4 .. 70000).
+
+inline int64_t ceil_log2(int64_t x) {  // at::native::utils::CeilLog2
+  return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
+}
+
+// torch's row_sum: 4 interleaved partial sums over `size` items, each a cascade of blocks of
+// 2^power groups (multi_row_sum, 4 levels); the items past the last group of 4 go into
+// partial 0, then partials 1..3 are added to it in order.
+template <typename Acc, typename Load>
+inline Acc torch_row_sum(int64_t size, const Load& load) {
+  constexpr int64_t ilp = 4, levels = 4;
+  const int64_t groups = size / ilp;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(groups) / levels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  Acc acc[levels][ilp];
+  for (auto& level : acc)
+    for (auto& a : level) a = Acc{};
+  int64_t i = 0;
+  while (i + step <= groups) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int64_t k = 0; k < ilp; ++k) acc[0][k] = acc[0][k] + load(i * ilp + k);
+    for (int64_t j = 1; j < levels; ++j) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        acc[j][k] = acc[j][k] + acc[j - 1][k];
+        acc[j - 1][k] = Acc{};
+      }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < groups; ++i)
+    for (int64_t k = 0; k < ilp; ++k) acc[0][k] = acc[0][k] + load(i * ilp + k);
+  for (int64_t j = 1; j < levels; ++j)
+    for (int64_t k = 0; k < ilp; ++k) acc[0][k] = acc[0][k] + acc[j][k];
+  for (int64_t v = groups * ilp; v < size; ++v) acc[0][0] = acc[0][0] + load(v);
+  for (int64_t k = 1; k < ilp; ++k) acc[0][0] = acc[0][0] + acc[0][k];
+  return acc[0][0];
+}
+
+// torch's sum vector: 8 floats (GCC vector extension; one AVX register)
+constexpr int64_t kSumLanes = 8;
+typedef float f8 __attribute__((vector_size(kSumLanes * sizeof(float))));
+
+template <typename V>
+inline V rounded(V p) {  // a product the compiler may not fuse into an FMA with the add after it
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
+  asm("" : "+x"(p));
+#else
+  asm("" : "+m"(p));
+#endif
+  return p;
+}
+
+template <typename T>
+inline f8 load8(const T* p) {
+  f8 v;
+  for (int64_t k = 0; k < kSumLanes; ++k) v[k] = static_cast<float>(p[k]);
+  return v;
+}
+
+template <>
+inline f8 load8<float>(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// sum of float(p[i])^2 over one row, in torch's order (vectorized_inner_sum; rows shorter than
+// one vector: scalar_inner_sum)
+template <typename T>
+inline float sum_of_squares(const T* p, int64_t d) {
+  if (d < kSumLanes) {
+    return torch_row_sum<float>(d, [&](int64_t k) {
+      const float h = static_cast<float>(p[k]);
+      return rounded(h * h);
+    });
+  }
+  const int64_t nvec = d / kSumLanes;
+  const f8 vacc = torch_row_sum<f8>(nvec, [&](int64_t v) {
+    const f8 h = load8(p + v * kSumLanes);
+    return rounded(h * h);
+  });
+  float acc = 0.f;
+  for (int64_t k = nvec * kSumLanes; k < d; ++k) {
+    const float h = static_cast<float>(p[k]);
+    acc += rounded(h * h);
+  }
+  for (int64_t k = 0; k < kSumLanes; ++k) acc += vacc[k];
+  return acc;
+}
+
+// out = round(round(h * rsqrt(sum(h^2) / d + eps)) * w), h = float(in); in and out may alias
 template <typename T>
 inline void norm_row(const T* in, T* out, const T* w, int64_t d, float eps) {
-  fVec acc0(0.f), acc1(0.f);
-  int64_t i = 0;
-  for (; i + 2 * kF <= d; i += 2 * kF) {
-    const fVec a = IO<T>::load(in + i), b = IO<T>::load(in + i + kF);
-    acc0 = acc0 + a * a;
-    acc1 = acc1 + b * b;
-  }
-  for (; i < d; i += kF) {
-    const int64_t n = std::min(kF, d - i);
-    const fVec a = IO<T>::load(in + i, n);  // zero-filled beyond n
-    acc0 = acc0 + a * a;
-  }
-  const float var = hsum(acc0 + acc1) / static_cast<float>(d);
+  const float var = sum_of_squares(in, d) / static_cast<float>(d);
   const fVec inv(1.f / std::sqrt(var + eps));
-  for (i = 0; i < d; i += kF) {
+  for (int64_t i = 0; i < d; i += kF) {
     const int64_t n = std::min(kF, d - i);
     const fVec h = IO<T>::round(IO<T>::load(in + i, n) * inv);
     IO<T>::store(out + i, h * IO<T>::load(w + i, n), n);
@@ -240,26 +304,11 @@ inline void norm_row(const T* in, T* out, const T* w, int64_t d, float eps) {
 // residual = round(residual + x); x = norm(residual)
 template <typename T>
 inline void add_norm_row(T* x, T* r, const T* w, int64_t d, float eps) {
-  fVec acc0(0.f), acc1(0.f);
-  int64_t i = 0;
-  for (; i + 2 * kF <= d; i += 2 * kF) {
-    const fVec a = IO<T>::store_round(r + i, IO<T>::load(x + i) + IO<T>::load(r + i));
-    const fVec b = IO<T>::store_round(r + i + kF, IO<T>::load(x + i + kF) + IO<T>::load(r + i + kF));
-    acc0 = acc0 + a * a;
-    acc1 = acc1 + b * b;
-  }
-  for (; i < d; i += kF) {
+  for (int64_t i = 0; i < d; i += kF) {
     const int64_t n = std::min(kF, d - i);
-    const fVec a = IO<T>::store_round(r + i, IO<T>::load(x + i, n) + IO<T>::load(r + i, n), n);
-    acc0 = acc0 + a * a;
+    IO<T>::store(r + i, IO<T>::load(x + i, n) + IO<T>::load(r + i, n), n);
   }
-  const float var = hsum(acc0 + acc1) / static_cast<float>(d);
-  const fVec inv(1.f / std::sqrt(var + eps));
-  for (i = 0; i < d; i += kF) {
-    const int64_t n = std::min(kF, d - i);
-    const fVec h = IO<T>::round(IO<T>::load(r + i, n) * inv);
-    IO<T>::store(x + i, h * IO<T>::load(w + i, n), n);
-  }
+  norm_row(r, x, w, d, eps);  // the row is in L1: reading it twice more costs little
 }
 
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {

@@ -3,9 +3,11 @@
 Each method dispatches exactly one operator (`torch.ops.epdserve.*`, csrc/cpu/layer_ops.cpp),
 where the portable torch form dispatches 5-14: that is what brings a lean layer's decode step
 under the issue-36 bound of 25 operators. The arithmetic is torch's eager arithmetic in the
-tensors' dtype (float32, bfloat16, float16): equal to `PortableLayerOps` in fp32 up to the order
-of the RMS variance's sum, and in bf16 / fp16 equal or one ulp apart (same reason; and in silu,
-the few tail elements torch computes with std::exp rather than its vectorized exp).
+tensors' dtype (float32, bfloat16, float16), op for op: on x86 the norms and the rotary equal
+`PortableLayerOps` bit for bit, and silu-and-mul too but for the few elements torch leaves to
+std::exp (one bf16 ulp at most; tests/ops/test_layer_ops.py says where and why).
+`weight`, `cos` and `sin` must have the activations' dtype (the model's, as transformers loads
+them); float64 is not supported.
 
 In place, as the `LayerOps` contract allows: `add_rms_norm` writes the normed value into `x` and
 the sum into `residual` and returns those two tensors; `rotary` rotates `q` and `k` where they
