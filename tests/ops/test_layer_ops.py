@@ -16,7 +16,9 @@ Not covered by the bit-equality: a tensor whose last dim is not contiguous (torc
 its outer-reduction order), and a single row longer than 32768 elements (torch splits that sum
 over its threads, in an order that depends on the thread count).
 """
+import os
 import platform
+import subprocess
 import sys
 import types
 
@@ -300,3 +302,32 @@ def test_layer_ops_on_npu(monkeypatch):
     assert layer_ops(Npu(), "portable").name == "portable"
     with pytest.raises(NativeOpsUnavailable, match="no native layer operators for npu"):
         layer_ops(Npu(), "native")
+
+
+PROBE = """
+import logging
+logging.basicConfig(level=logging.WARNING)
+from epdserve.ops.select import layer_ops
+from epdserve.platform import get_platform
+try:
+    print("ops:", layer_ops(get_platform("cpu")).name, layer_ops(get_platform("cpu")).name)
+except Exception as e:
+    print("raised:", type(e).__name__, e)
+"""
+
+
+def test_failed_build_falls_back_once_or_fails_under_ci(tmp_path):
+    """A real failed build: a subprocess whose PATH has no ninja and whose build cache is empty."""
+    base = {k: v for k, v in os.environ.items() if k not in ("CI", "EPDSERVE_OPS")}
+    base.update(PATH=str(tmp_path), EPDSERVE_OPS_CACHE=str(tmp_path / "cache"))
+
+    def probe(**env):
+        r = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
+                           timeout=120)
+        return r.stdout, r.stderr
+
+    out, err = probe()
+    assert "ops: portable portable" in out
+    assert err.count("native layer operators unavailable (") == 1  # once, with the reason
+    out, _ = probe(CI="true")
+    assert "raised: NativeOpsUnavailable" in out
