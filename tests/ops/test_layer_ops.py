@@ -179,6 +179,29 @@ def test_denormals_infinities_and_nans_round_as_torch(dtype):
     assert torch.equal(got_s, want_s) and torch.equal(got_n, want_n)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_shapes_split_over_threads(dtype):
+    """T = 4096: every operator splits its tokens over the threads (at::parallel_for)."""
+    gen = _gen(17)
+    tokens, hidden, heads, kvh, hd, inter = 4096, 1024, 8, 2, 128, 2048
+    x, res = torch.randn(tokens, hidden, generator=gen).to(dtype), torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w = _weight(hidden, dtype, gen)
+    want_n, want_s = PORTABLE.add_rms_norm(x.clone(), res.clone(), w, EPS)
+    got_n, got_s = NATIVE.add_rms_norm(x.clone(), res.clone(), w, EPS)
+    _close(got_s, want_s, dtype, exact=True)
+    _close(got_n, want_n, dtype, exact=NORM_EXACT)
+    qkv = torch.randn(tokens, (heads + 2 * kvh) * hd, generator=gen).to(dtype)
+    ang = torch.rand(tokens, hd // 2, generator=gen) * 100
+    cos, sin = torch.cat((ang, ang), -1).cos().to(dtype), torch.cat((ang, ang), -1).sin().to(dtype)
+    q, k = qkv[:, : heads * hd].view(tokens, heads, hd), qkv[:, heads * hd: (heads + kvh) * hd].view(tokens, kvh, hd)
+    want_q, want_k = PORTABLE.rotary(q, k, cos, sin)
+    got_q, got_k = NATIVE.rotary(q.clone(), k.clone(), cos, sin)
+    _close(got_q, want_q, dtype, exact=True)
+    _close(got_k, want_k, dtype, exact=True)
+    gu = (torch.randn(tokens, 2 * inter, generator=gen) * 4).to(dtype)
+    _close(NATIVE.silu_and_mul(gu), PORTABLE.silu_and_mul(gu), dtype)
+
+
 def test_fp16_and_empty_batches():
     gen = _gen(11)
     x, res = torch.randn(5, 96, generator=gen).half(), torch.randn(5, 96, generator=gen).half()
