@@ -72,9 +72,13 @@ inline fVec no_contract(fVec v) {
 template <typename T>  // c10::BFloat16, c10::Half: at::vec's generic conversions
 struct IO {
   using rVec = at::vec::Vectorized<T>;
-  static inline fVec load(const T* p, int64_t n = kF) { return std::get<0>(at::vec::convert_to_float<T>(rVec::loadu(p, n))); }
+  static inline fVec load(const T* p, int64_t n = kF) {
+    return std::get<0>(at::vec::convert_to_float<T>(rVec::loadu(p, n)));
+  }
   static inline void store(T* p, const fVec& v, int64_t n = kF) { at::vec::convert_from_float<T>(v, v).store(p, n); }
-  static inline fVec round(const fVec& v) { return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v))); }
+  static inline fVec round(const fVec& v) {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
   static inline float round(float v) { return static_cast<float>(static_cast<T>(v)); }
 };
 

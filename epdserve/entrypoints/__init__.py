@@ -12,5 +12,5 @@ One sentence per module:
 - doctor_cli.py     `epdserve doctor`: what this machine has for epdserve, as a table, and what to fix
 - doctor_checks.py  the checks behind `epdserve doctor`, one `Check` each
 - npu_pins.py       the torch / torch_npu pins of the NPU extras, for doctor's exact-pin fix
-- build_ops_cli.py  `epdserve build-ops`: build the native paged operators (csrc/) ahead of time
+- build_ops_cli.py  `epdserve build-ops`: build the native operators (csrc/) ahead of time
 """
