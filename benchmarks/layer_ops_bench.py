@@ -11,6 +11,7 @@ per layer the sum of a decode step's calls (2 x add_rms_norm, rotary, silu_and_m
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -71,7 +72,8 @@ def main() -> None:
     s = PRESETS["small"]
     print(f"layer ops, small demo preset (hidden {s.hidden}, heads {s.heads}/{s.kv_heads}, head_dim "
           f"{s.hidden // s.heads}, intermediate {s.intermediate}); torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.repeats} calls each; µs per call: median [min, max]")
+          f"{torch.get_num_threads()} threads, {args.repeats} calls each, load average at start "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; µs per call: median [min, max]")
     print(f"{'dtype':<9}{'batch':>5}  {'op':<19}{'portable':>26}{'native':>26}{'speed-up':>10}")
     per_round = max(1, args.repeats // args.rounds)
     for dtype in (torch.float32, torch.bfloat16):
