@@ -13,5 +13,5 @@ One sentence per module:
 - doctor_checks.py  the checks behind `epdserve doctor`, one `Check` each
 - doctor_npu.py     doctor's Ascend rows: driver / CANN / torch_npu against the table, what the core-limit API documents
 - npu_pins.py       the torch / torch_npu pins of the NPU extras, for doctor's exact-pin fix
-- build_ops_cli.py  `epdserve build-ops`: build the native paged operators (csrc/) ahead of time
+- build_ops_cli.py  `epdserve build-ops`: build the native operators (csrc/) ahead of time
 """

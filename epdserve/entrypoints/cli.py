@@ -33,7 +33,7 @@ COMMANDS = {
     "launch": Command("epdserve.entrypoints.launch", "launch a deployment mode (scheduler + instances) on this machine"),
     "scheduler": Command("epdserve.entrypoints.scheduler_cli", "run the global gRPC scheduler"),
     "build-ops": Command("epdserve.entrypoints.build_ops_cli",
-                         "build the native paged-KV operators (csrc/) ahead of time"),
+                         "build the native operators (csrc/) ahead of time"),
     "doctor": Command("epdserve.entrypoints.doctor_cli", "check this machine (and named servers) for epdserve"),
     "k8s": Command("epdserve.kube.cli", "Kubernetes manifests of a deployment mode (epdserve k8s render)"),
 }

@@ -1,8 +1,11 @@
-"""Paged-KV attention and fused layer operators, one implementation per platform behind each interface.
+"""Paged-KV attention operators and an LM layer's fused operators, one implementation per platform
+behind one interface each.
 
 One sentence per module:
 - backend.py          `PagedOps`: the three paged-KV operators attention needs, the interface
-- select.py           `paged_ops(platform)`: which implementation an engine uses
+- select.py           `paged_ops(platform)`, `layer_ops(platform)`: which implementation an engine uses
+- layer_ops.py        `LayerOps`: an LM layer's fused element-wise operators, and `PortableLayerOps` in plain torch
+- native_layer_ops.py `NativeLayerOps`: those as csrc/ C++ CPU kernels, one operator per call, torch's arithmetic
 - portable.py         `PortableOps`: plain torch on any device (gather the blocks, then SDPA)
 - native.py           `NativeOps`: the csrc/ C++ operators (`torch.ops.epdserve.*`), built on first use
 - native_build.py     building csrc/: torch's C++-extension JIT, cached per torch version and source hash
