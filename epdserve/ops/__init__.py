@@ -17,6 +17,5 @@ One sentence per module:
 - npu_aten_routes.py  the aten operators our models launch on an NPU: op-plugin's route (aclnn) and what is known of the kernel
 - attention_meta.py   per-step attention metadata of a packed, variable-length batch; `StepPacker`, the one upload's layout
 - paged_attention.py  `paged_attend`: one layer's cache write + attention for a packed batch
-- layer_ops.py        `LayerOps`: add + RMSNorm, RMSNorm, rotary, SiLU-and-mul; `PortableLayerOps` (plain torch)
 - npu_layer_ops.py    `NpuLayerOps`: the LayerOps contract over torch_npu's fused kernels (add_rms_norm, rms_norm, rotary_mul, swiglu)
 """
