@@ -21,20 +21,22 @@ from epdserve.ops.attention_meta import StepPacker
 
 
 class StepBuffers:
-    def __init__(self, device: torch.device, platform, capacity: int = 1 << 16):
+    def __init__(self, device: torch.device, platform, capacity: int = 1 << 16, stage: bool | None = None):
+        """`stage`: copy through the host buffers even on the CPU (tests of the accelerator path
+        on a stand-in device); default: only where the device is not the CPU."""
         self.device = device
         self.platform = platform
-        self.on_host = device.type == "cpu"
+        self.on_host = device.type == "cpu" if stage is None else not stage
         self.capacity = 0
+        self._initial = capacity
         self._host: list[torch.Tensor] = []
         self._events: list[object | None] = []
         self._dev: torch.Tensor | None = None
         self._turn = 0
-        if not self.on_host:
-            self._grow(capacity)
 
     def _grow(self, need: int) -> None:
-        cap = max(need, 2 * self.capacity)
+        """(Re)allocate the buffers for `need` bytes, lazily at the first upload that needs them."""
+        cap = max(need, 2 * self.capacity, self._initial)
         self._host = [torch.empty(cap, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._events = [None, None]
         self._dev = torch.empty(cap, dtype=torch.uint8, device=self.device)

@@ -32,6 +32,9 @@ class CpuPlatform(Platform):
     def set_thread_stream(self, stream) -> None:
         pass  # no streams on the host
 
+    def record_event(self):
+        return None  # host work is done when the call returns
+
     def spare_memory_bytes(self, index: int = 0) -> int | None:
         return None  # host memory: not the device's to count
 

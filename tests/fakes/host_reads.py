@@ -87,7 +87,10 @@ class HostReads(TorchFunctionMode):
         self.copies.clear()
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return id(t) in self._pinned
+        """Pinned-ness belongs to the memory, so a view (a slice of a pinned buffer) is pinned too,
+        as torch's `is_pinned` answers from the pointer (the host allocator's blocks)."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(p.untyped_storage().data_ptr() == ptr for p in self._pinned.values())
 
     def mark(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
