@@ -4,10 +4,28 @@
 // kv_heads, head_dim], contiguous; token p of a request lives at block table[p / block_size],
 // offset p % block_size. The attention kernels read the blocks where they lie (no gather):
 // one work unit is (request or query token, kv head), whose G = heads / kv_heads query heads
-// share every K/V row read (with AVX2+FMA, fp32 scores of 4 heads share each K load). Scores and
-// outputs accumulate in fp32 whatever the cache dtype.
+// share every K/V row read (up to 4 heads per pass, vectorized with at::vec). Scores and
+// outputs accumulate in fp32 whatever the cache dtype; the rounding follows torch's CPU flash
+// attention (see "attention core").
 // Work is split with at::parallel_for, i.e. over the calling thread's torch thread count, so a
 // co-located stage's operator runs only on that stage's threads (the CPU form of a core limit).
+
+// at::vec for the CPU this library is built for (-march=native): torch compiles its own kernels
+// once per capability with these macros; the same headers give us its vector exp (exp_u20) and
+// its bf16/fp16 conversions (round to nearest even), so the values match aten's bit for bit.
+#if !defined(CPU_CAPABILITY)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+#endif
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -23,9 +41,6 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 namespace epdserve {
 namespace {
@@ -74,111 +89,244 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 }
 
 // ------------------------------------------------------------------ attention core
-// One unit: G query heads (rows of q, already scaled, fp32) against n cached tokens of one kv
-// head; positions come from `table` (block ids). Writes G x D outputs.
+// One unit: G query heads (rows) of one request (or query token) against its first n cached
+// tokens of one kv head, the G heads sharing every K/V row load (GQA). The arithmetic follows
+// aten's CPU flash attention (FlashAttentionKernel.cpp, `cpu_flash_attention`), which torch's
+// SDPA runs for a query of one token on CPU, so that reduced-precision results round like it:
+//   per KV split of kSplit (512) tokens: s = q.k accumulated in fp32 (q not prescaled), then
+//   s *= scale; m = max(m_old, max s); e = exp_u20(s - m) (vectorized; the tail std::exp);
+//   sum = sum(e) + exp(m_old - m) * sum_old; acc *= exp(m_old - m); e rounded to the cache dtype
+//   (bf16/fp16) before P.V, accumulated in fp32 and added to acc; at the end
+//   out = dtype(acc * (1 / sum)).
+// Summation orders inside the two dot products are ours (torch's come from its BLAS), so a
+// reduced-precision output can differ from torch's by one unit in the last place, rarely.
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kSplit = 512;  // aten's kvSplitSize
+
+template <typename T>
+inline Vec load_f(const T* p) {
+  if constexpr (at::is_reduced_floating_point_v<T>) {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  } else {  // double: not a fast path
+    alignas(64) float f[Vec::size()];
+    for (int64_t i = 0; i < Vec::size(); ++i) f[i] = static_cast<float>(p[i]);
+    return Vec::loadu(f);
+  }
+}
+template <>
+inline Vec load_f<float>(const float* p) {
+  return Vec::loadu(p);
+}
+
+template <typename T>
+inline void store_f(T* p, const Vec& v) {
+  if constexpr (at::is_reduced_floating_point_v<T>) {
+    at::vec::convert_from_float<T>(v, v).store(p, Vec::size());
+  } else {
+    alignas(64) float f[Vec::size()];
+    v.store(f);
+    for (int64_t i = 0; i < Vec::size(); ++i) p[i] = static_cast<T>(f[i]);
+  }
+}
+template <>
+inline void store_f<float>(float* p, const Vec& v) {
+  v.store(p);
+}
+
 template <typename T>
 struct Cache {
   const T* k;
   const T* v;
   int64_t block_size, kv_heads, head_dim;
 
-  inline const T* key(const int64_t* table, int64_t p, int64_t h) const {
-    return k + ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
-  }
-  inline const T* value(const int64_t* table, int64_t p, int64_t h) const {
-    return v + ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
+  inline int64_t row(const int64_t* table, int64_t p, int64_t h) const {
+    return ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
   }
 };
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
-  return s;
-}
-
-template <typename T>
-inline void axpy(float w, const T* v, float* acc, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += w * static_cast<float>(v[i]);
-}
-
-// Scores of `rows` query rows (fp32, scaled) against one K row; 4 rows share each K load.
-template <typename T>
-inline void score_rows(const float* q, const T* k, int64_t rows, int64_t d, float* out, int64_t out_stride) {
-  for (int64_t r = 0; r < rows; ++r) out[r * out_stride] = dot(q + r * d, k, d);
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-template <>
-inline void score_rows<float>(const float* q, const float* k, int64_t rows, int64_t d, float* out,
-                              int64_t out_stride) {
-  int64_t r = 0;
-  if (d % 8 == 0) {
-    for (; r + 4 <= rows; r += 4) {
-      const float* q0 = q + r * d;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t c = 0; c < d; c += 8) {
-        const __m256 kv = _mm256_loadu_ps(k + c);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), kv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + c), kv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * d + c), kv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * d + c), kv, a3);
-      }
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      alignas(16) float sums[4];
-      _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-      for (int64_t i = 0; i < 4; ++i) out[(r + i) * out_stride] = sums[i];
-    }
-  }
-  for (; r < rows; ++r) out[r * out_stride] = dot(q + r * d, k, d);
-}
-#endif
-
-// Scratch of one thread: q rows, scores, accumulators.
+// Scratch of one thread (sized once per parallel chunk).
 struct Scratch {
-  std::vector<float> q, scores, acc;
+  std::vector<float> q, scores, acc, part;
+  std::vector<char> probs;  // e rounded to T (reduced types), kSplit per row
+  void reserve(int64_t rows, int64_t d, size_t elem) {
+    q.resize(static_cast<size_t>(rows * d));
+    scores.resize(static_cast<size_t>(rows * kSplit));
+    acc.resize(static_cast<size_t>(rows * d));
+    part.resize(static_cast<size_t>(rows * d));
+    probs.resize(static_cast<size_t>(rows * kSplit) * elem);
+  }
 };
 
-// Attend `rows` query heads (s.q, fp32, scaled) of one kv head `h` to the first n cached tokens
-// of `table`. Writes rows x D outputs at out, row stride out_row_stride.
-template <typename T>
-void attend(const Cache<T>& c, const int64_t* table, int64_t h, int64_t rows, int64_t n, Scratch& s, T* out,
-            int64_t out_row_stride) {
+// scores[r * kSplit + p] = q_r . k_p for p < len, R rows at a time sharing each K load.
+template <typename T, int R>
+inline void qk_rows(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len, const float* q,
+                    float* sc) {
   const int64_t d = c.head_dim;
-  s.scores.resize(static_cast<size_t>(rows * n));
-  float* sc = s.scores.data();
-  for (int64_t p = 0; p < n; ++p) score_rows(s.q.data(), c.key(table, p, h), rows, d, sc + p, n);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = sc + r * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n; ++p) m = std::max(m, row[p]);
-    float sum = 0.f;
-    for (int64_t p = 0; p < n; ++p) {
-      row[p] = std::exp(row[p] - m);
-      sum += row[p];
+  constexpr int64_t W = Vec::size();
+  const int64_t dv = d - d % W;
+  for (int64_t p = 0; p < len; ++p) {
+    const T* k = c.k + c.row(table, p0 + p, h);
+    Vec a[R];
+    for (int r = 0; r < R; ++r) a[r] = Vec(0.f);
+    for (int64_t i = 0; i < dv; i += W) {
+      const Vec kv = load_f(k + i);
+      for (int r = 0; r < R; ++r) a[r] = at::vec::fmadd(Vec::loadu(q + r * d + i), kv, a[r]);
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int64_t p = 0; p < n; ++p) row[p] *= inv;
+    for (int r = 0; r < R; ++r) {
+      float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a[r]);
+      for (int64_t i = dv; i < d; ++i) s += q[r * d + i] * static_cast<float>(k[i]);
+      sc[r * kSplit + p] = s;
+    }
   }
-  s.acc.assign(static_cast<size_t>(rows * d), 0.f);
-  for (int64_t p = 0; p < n; ++p) {
-    const T* vp = c.value(table, p, h);
-    for (int64_t r = 0; r < rows; ++r) axpy(sc[r * n + p], vp, s.acc.data() + r * d, d);
+}
+
+// part[r * d + i] = sum_p probs[r][p] * v_p[i] for i in [i0, i0 + C*W), R rows at a time.
+template <typename T, typename P, int R, int C>
+inline void pv_block(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len, const P* probs,
+                     int64_t i0, float* part) {
+  const int64_t d = c.head_dim;
+  constexpr int64_t W = Vec::size();
+  Vec a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) a[r][j] = Vec(0.f);
+  for (int64_t p = 0; p < len; ++p) {
+    const T* v = c.v + c.row(table, p0 + p, h) + i0;
+    Vec vv[C];
+    for (int j = 0; j < C; ++j) vv[j] = load_f(v + j * W);
+    for (int r = 0; r < R; ++r) {
+      const Vec w(static_cast<float>(probs[r * kSplit + p]));
+      for (int j = 0; j < C; ++j) a[r][j] = at::vec::fmadd(w, vv[j], a[r][j]);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    T* o = out + r * out_row_stride;
-    const float* a = s.acc.data() + r * d;
-    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(a[i]);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) a[r][j].store(part + r * d + i0 + j * W);
+}
+
+template <typename T, typename P, int R>
+inline void pv_rows(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len, const P* probs,
+                    float* part) {
+  const int64_t d = c.head_dim;
+  constexpr int64_t W = Vec::size();
+  const int64_t dv = d - d % W;
+  int64_t i0 = 0;
+  for (; i0 + 4 * W <= dv; i0 += 4 * W) pv_block<T, P, R, 4>(c, table, h, p0, len, probs, i0, part);
+  for (; i0 + W <= dv; i0 += W) pv_block<T, P, R, 1>(c, table, h, p0, len, probs, i0, part);
+  if (dv < d) {
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = dv; i < d; ++i) part[r * d + i] = 0.f;
+    for (int64_t p = 0; p < len; ++p) {
+      const T* v = c.v + c.row(table, p0 + p, h);
+      for (int r = 0; r < R; ++r) {
+        const float w = static_cast<float>(probs[r * kSplit + p]);
+        for (int64_t i = dv; i < d; ++i) part[r * d + i] += w * static_cast<float>(v[i]);
+      }
+    }
+  }
+}
+
+// Softmax update of one row over one split (aten's _mul_reduce_max / _exp_reduce_sum fusion
+// kernels): scales the scores in place, writes e = exp(s - m) to probs (as P), returns the
+// factor exp(m_old - m) that the accumulator must be multiplied by.
+template <typename P>
+inline float softmax_split(float* row, int64_t len, float scale, float& mx, float& sum, P* probs) {
+  constexpr int64_t W = Vec::size();
+  const int64_t lv = len - len % W;
+  const Vec vscale(scale);
+  Vec vmax(-std::numeric_limits<float>::infinity());
+  float tmax = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < lv; i += W) {
+    const Vec x = Vec::loadu(row + i) * vscale;
+    vmax = at::vec::maximum(vmax, x);
+    x.store(row + i);
+  }
+  for (int64_t i = lv; i < len; ++i) {
+    row[i] = row[i] * scale;
+    tmax = std::max(tmax, row[i]);
+  }
+  tmax = std::max(tmax, at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax));
+  tmax = mx > tmax ? mx : tmax;
+  if (tmax == -std::numeric_limits<float>::infinity()) {
+    for (int64_t i = 0; i < len; ++i) probs[i] = static_cast<P>(0.f);
+    return 1.f;
+  }
+  const Vec vm(tmax);
+  Vec vsum(0.f);
+  for (int64_t i = 0; i < lv; i += W) {
+    const Vec e = (Vec::loadu(row + i) - vm).exp_u20();
+    vsum = vsum + e;
+    store_f(probs + i, e);
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  for (int64_t i = lv; i < len; ++i) {
+    const float e = std::exp(row[i] - tmax);
+    s += e;
+    probs[i] = static_cast<P>(e);
+  }
+  const float rescale = std::exp(mx - tmax);
+  sum = s + rescale * sum;
+  mx = tmax;
+  return rescale;
+}
+
+// Attend `rows` query heads (q rows at `q`, row stride q_stride) of kv head `h` to the first n
+// cached tokens of `table`; writes rows x D outputs at out (row stride out_stride).
+template <typename T, int R>
+void attend_rows(const Cache<T>& c, const int64_t* table, int64_t h, const T* q, int64_t q_stride, int64_t n,
+                 float scale, Scratch& s, T* out, int64_t out_stride) {
+  // P: what P.V multiplies, e rounded to T for the reduced types as aten does (fp32 stays fp32)
+  using P = T;
+  const int64_t d = c.head_dim;
+  float* qf = s.q.data();
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = static_cast<float>(q[r * q_stride + i]);
+  float* sc = s.scores.data();
+  float* acc = s.acc.data();
+  P* probs = reinterpret_cast<P*>(s.probs.data());
+  float mx[R], sum[R], rescale[R];
+  for (int r = 0; r < R; ++r) mx[r] = -std::numeric_limits<float>::infinity(), sum[r] = 0.f;
+  float* pt = s.part.data();  // a later split's P.V, added to acc after rescaling
+  for (int64_t p0 = 0; p0 < n; p0 += kSplit) {
+    const int64_t len = std::min(kSplit, n - p0);
+    qk_rows<T, R>(c, table, h, p0, len, qf, sc);
+    for (int r = 0; r < R; ++r)
+      rescale[r] = softmax_split(sc + r * kSplit, len, scale, mx[r], sum[r], probs + r * kSplit);
+    pv_rows<T, P, R>(c, table, h, p0, len, probs, p0 == 0 ? acc : pt);
+    if (p0 > 0) {
+      constexpr int64_t W = Vec::size();
+      for (int r = 0; r < R; ++r) {
+        const Vec f(rescale[r]);
+        int64_t i = 0;
+        for (; i + W <= d; i += W)
+          (Vec::loadu(pt + r * d + i) + Vec::loadu(acc + r * d + i) * f).store(acc + r * d + i);
+        for (; i < d; ++i) acc[r * d + i] = pt[r * d + i] + acc[r * d + i] * rescale[r];
+      }
+    }
+  }
+  constexpr int64_t W = Vec::size();
+  for (int r = 0; r < R; ++r) {
+    const float inv = 1.f / (sum[r] == 0.f ? 1.f : sum[r]);
+    const Vec vinv(inv);
+    T* o = out + r * out_stride;
+    int64_t i = 0;
+    for (; i + W <= d; i += W) store_f(o + i, Vec::loadu(acc + r * d + i) * vinv);
+    for (; i < d; ++i) o[i] = static_cast<T>(acc[r * d + i] * inv);
   }
 }
 
 template <typename T>
-void load_q(const T* q, int64_t rows, int64_t row_stride, int64_t d, float scale, Scratch& s) {
-  s.q.resize(static_cast<size_t>(rows * d));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < d; ++i) s.q[r * d + i] = static_cast<float>(q[r * row_stride + i]) * scale;
+void attend(const Cache<T>& c, const int64_t* table, int64_t h, const T* q, int64_t rows, int64_t n, float scale,
+            Scratch& s, T* out) {
+  const int64_t d = c.head_dim;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) attend_rows<T, 4>(c, table, h, q + r * d, d, n, scale, s, out + r * d, d);
+  switch (rows - r) {
+    case 3: attend_rows<T, 3>(c, table, h, q + r * d, d, n, scale, s, out + r * d, d); break;
+    case 2: attend_rows<T, 2>(c, table, h, q + r * d, d, n, scale, s, out + r * d, d); break;
+    case 1: attend_rows<T, 1>(c, table, h, q + r * d, d, n, scale, s, out + r * d, d); break;
+    default: break;
+  }
 }
 
 void check_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache) {
@@ -218,11 +366,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
       Scratch s;
+      s.reserve(std::min<int64_t>(group, 4), d, sizeof(scalar_t));
       for (int64_t u = begin; u < end; ++u) {
         const int64_t b = u / kv_heads, h = u % kv_heads;
         const int64_t first = (b * heads + h * group) * d;
-        load_q(qp + first, group, d, d, static_cast<float>(scale), s);
-        attend(c, btp + b * max_blocks, h, group, clp[b], s, op + first, d);
+        attend(c, btp + b * max_blocks, h, qp + first, group, clp[b], static_cast<float>(scale), s, op + first);
       }
     });
   });
@@ -253,11 +401,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, q_len * kv_heads, 1, [&](int64_t begin, int64_t end) {
       Scratch s;
+      s.reserve(std::min<int64_t>(group, 4), d, sizeof(scalar_t));
       for (int64_t u = begin; u < end; ++u) {
         const int64_t i = u / kv_heads, h = u % kv_heads;
         const int64_t first = (i * heads + h * group) * d;
-        load_q(qp + first, group, d, d, static_cast<float>(scale), s);
-        attend(c, btp, h, group, first_pos + i + 1, s, op + first, d);  // causal: up to its own position
+        // causal: up to its own position
+        attend(c, btp, h, qp + first, group, first_pos + i + 1, static_cast<float>(scale), s, op + first);
       }
     });
   });
