@@ -11,7 +11,7 @@
 // co-located stage's operator runs only on that stage's threads (the CPU form of a core limit).
 
 // at::vec for the CPU this library is built for (-march=native): torch compiles its own kernels
-// once per capability with these macros; the same headers give us its vector exp (exp_u20) and
+// once per capability with these macros; the same headers give us its fast vector exp (fexp_u20) and
 // its bf16/fp16 conversions (round to nearest even), so the values match aten's bit for bit.
 #if !defined(CPU_CAPABILITY)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -35,10 +35,13 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 
@@ -94,12 +97,15 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // aten's CPU flash attention (FlashAttentionKernel.cpp, `cpu_flash_attention`), which torch's
 // SDPA runs for a query of one token on CPU, so that reduced-precision results round like it:
 //   per KV split of kSplit (512) tokens: s = q.k accumulated in fp32 (q not prescaled), then
-//   s *= scale; m = max(m_old, max s); e = exp_u20(s - m) (vectorized; the tail std::exp);
+//   s *= scale; m = max(m_old, max s); e = fexp_u20(s - m) (at::vec's fast exp, relative error
+//   ~1e-4, which is what torch 2.13 runs: std::exp or exp_u20 there round ~2 % of the
+//   exps to another bf16; the tail of a split that is not a multiple of the vector width: std::exp);
 //   sum = sum(e) + exp(m_old - m) * sum_old; acc *= exp(m_old - m); e rounded to the cache dtype
 //   (bf16/fp16) before P.V, accumulated in fp32 and added to acc; at the end
 //   out = dtype(acc * (1 / sum)).
-// Summation orders inside the two dot products are ours (torch's come from its BLAS), so a
-// reduced-precision output can differ from torch's by one unit in the last place, rarely.
+// For bf16/fp16 the two dot products also follow the summation order of torch's BLAS call
+// (qk_rows_ordered / pv_rows_ordered), so outputs equal torch's SDPA bit for bit within one KV
+// split; fp32 takes the faster 16-wide order (within 1e-5 of torch, as before).
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kSplit = 512;  // aten's kvSplitSize
 
@@ -226,6 +232,111 @@ inline void pv_rows(const Cache<T>& c, const int64_t* table, int64_t h, int64_t 
   }
 }
 
+// The reduced-precision (bf16/fp16) dot products in the order of the BLAS call aten makes
+// (MKL's bf16/fp16 GEMM with fp32 output, single-threaded inside aten's parallel region; the
+// order was read off torch 2.13 with cancellation probes: see tests/ops/test_paged_ops.py).
+// Products of two bf16/fp16 values are exact in fp32, so only the order of the sums matters:
+//  q.k: four partial sums over head_dim, lane j taking elements j, j+4, j+8, ... in turn;
+//       then (l0 + l2) + (l1 + l3).
+//  P.V: per output element, tokens in groups of four, each group summed as
+//       (x0 + x2) + (x1 + x3) and added to the running sum in order; the last len % 4 tokens
+//       are then added one by one, last first.
+template <typename T>
+inline __m128 load4(const T* p) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m128i x = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm_castsi128_ps(_mm_slli_epi32(x, 16));
+  } else {
+    return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+template <typename T, int R>
+inline void qk_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
+                            const float* q, float* sc) {
+  const int64_t d = c.head_dim;
+  const int64_t d4 = d - d % 4;
+  for (int64_t p = 0; p < len; ++p) {
+    const T* k = c.k + c.row(table, p0 + p, h);
+    __m128 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm_setzero_ps();
+    for (int64_t i = 0; i < d4; i += 4) {
+      const __m128 kv = load4(k + i);
+      for (int r = 0; r < R; ++r) a[r] = _mm_fmadd_ps(_mm_loadu_ps(q + r * d + i), kv, a[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      alignas(16) float l[4];
+      _mm_store_ps(l, a[r]);
+      for (int64_t i = d4; i < d; ++i) l[i - d4] += q[r * d + i] * static_cast<float>(k[i]);
+      sc[r * kSplit + p] = (l[0] + l[2]) + (l[1] + l[3]);
+    }
+  }
+}
+
+template <typename T, int R, int C>
+inline void pv_block_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
+                             const T* probs, int64_t i0, float* part) {
+  const int64_t d = c.head_dim;
+  constexpr int64_t W = Vec::size();
+  Vec a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) a[r][j] = Vec(0.f);
+  const int64_t len4 = len - len % 4;
+  for (int64_t p = 0; p < len4; p += 4) {
+    const T* v0 = c.v + c.row(table, p0 + p, h) + i0;
+    const T* v1 = c.v + c.row(table, p0 + p + 1, h) + i0;
+    const T* v2 = c.v + c.row(table, p0 + p + 2, h) + i0;
+    const T* v3 = c.v + c.row(table, p0 + p + 3, h) + i0;
+    for (int j = 0; j < C; ++j) {
+      const Vec x0 = load_f(v0 + j * W), x1 = load_f(v1 + j * W), x2 = load_f(v2 + j * W),
+                x3 = load_f(v3 + j * W);
+      for (int r = 0; r < R; ++r) {
+        const T* pr = probs + r * kSplit + p;
+        const Vec s02 = at::vec::fmadd(Vec(static_cast<float>(pr[0])), x0, Vec(static_cast<float>(pr[2])) * x2);
+        const Vec s13 = at::vec::fmadd(Vec(static_cast<float>(pr[1])), x1, Vec(static_cast<float>(pr[3])) * x3);
+        a[r][j] = a[r][j] + (s02 + s13);
+      }
+    }
+  }
+  for (int64_t p = len - 1; p >= len4; --p) {
+    const T* v = c.v + c.row(table, p0 + p, h) + i0;
+    for (int j = 0; j < C; ++j) {
+      const Vec x = load_f(v + j * W);
+      for (int r = 0; r < R; ++r) a[r][j] = at::vec::fmadd(Vec(static_cast<float>(probs[r * kSplit + p])), x, a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) a[r][j].store(part + r * d + i0 + j * W);
+}
+
+template <typename T, int R>
+inline void pv_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
+                            const T* probs, float* part) {
+  const int64_t d = c.head_dim;
+  constexpr int64_t W = Vec::size();
+  const int64_t dv = d - d % W;
+  int64_t i0 = 0;
+  for (; i0 + 4 * W <= dv; i0 += 4 * W) pv_block_ordered<T, R, 4>(c, table, h, p0, len, probs, i0, part);
+  for (; i0 + W <= dv; i0 += W) pv_block_ordered<T, R, 1>(c, table, h, p0, len, probs, i0, part);
+  const int64_t len4 = len - len % 4;
+  for (int r = 0; r < R; ++r) {
+    const T* pr = probs + r * kSplit;
+    for (int64_t i = dv; i < d; ++i) {
+      float acc = 0.f;
+      for (int64_t p = 0; p < len4; p += 4) {
+        const float x0 = static_cast<float>(pr[p]) * static_cast<float>(c.v[c.row(table, p0 + p, h) + i]);
+        const float x1 = static_cast<float>(pr[p + 1]) * static_cast<float>(c.v[c.row(table, p0 + p + 1, h) + i]);
+        const float x2 = static_cast<float>(pr[p + 2]) * static_cast<float>(c.v[c.row(table, p0 + p + 2, h) + i]);
+        const float x3 = static_cast<float>(pr[p + 3]) * static_cast<float>(c.v[c.row(table, p0 + p + 3, h) + i]);
+        acc = acc + ((x0 + x2) + (x1 + x3));
+      }
+      for (int64_t p = len - 1; p >= len4; --p)
+        acc = acc + static_cast<float>(pr[p]) * static_cast<float>(c.v[c.row(table, p0 + p, h) + i]);
+      part[r * d + i] = acc;
+    }
+  }
+}
+
 // Softmax update of one row over one split (aten's _mul_reduce_max / _exp_reduce_sum fusion
 // kernels): scales the scores in place, writes e = exp(s - m) to probs (as P), returns the
 // factor exp(m_old - m) that the accumulator must be multiplied by.
@@ -254,7 +365,7 @@ inline float softmax_split(float* row, int64_t len, float scale, float& mx, floa
   const Vec vm(tmax);
   Vec vsum(0.f);
   for (int64_t i = 0; i < lv; i += W) {
-    const Vec e = (Vec::loadu(row + i) - vm).exp_u20();
+    const Vec e = (Vec::loadu(row + i) - vm).fexp_u20();
     vsum = vsum + e;
     store_f(probs + i, e);
   }
@@ -289,10 +400,16 @@ void attend_rows(const Cache<T>& c, const int64_t* table, int64_t h, const T* q,
   float* pt = s.part.data();  // a later split's P.V, added to acc after rescaling
   for (int64_t p0 = 0; p0 < n; p0 += kSplit) {
     const int64_t len = std::min(kSplit, n - p0);
-    qk_rows<T, R>(c, table, h, p0, len, qf, sc);
+    if constexpr (at::is_reduced_floating_point_v<T>)
+      qk_rows_ordered<T, R>(c, table, h, p0, len, qf, sc);
+    else
+      qk_rows<T, R>(c, table, h, p0, len, qf, sc);
     for (int r = 0; r < R; ++r)
       rescale[r] = softmax_split(sc + r * kSplit, len, scale, mx[r], sum[r], probs + r * kSplit);
-    pv_rows<T, P, R>(c, table, h, p0, len, probs, p0 == 0 ? acc : pt);
+    if constexpr (at::is_reduced_floating_point_v<T>)
+      pv_rows_ordered<T, R>(c, table, h, p0, len, probs, p0 == 0 ? acc : pt);
+    else
+      pv_rows<T, P, R>(c, table, h, p0, len, probs, p0 == 0 ? acc : pt);
     if (p0 > 0) {
       constexpr int64_t W = Vec::size();
       for (int r = 0; r < R; ++r) {
