@@ -99,7 +99,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 //   per KV split of kSplit (512) tokens: s = q.k accumulated in fp32 (q not prescaled), then
 //   s *= scale; m = max(m_old, max s); e = fexp_u20(s - m) (at::vec's fast exp, relative error
 //   ~1e-4, which is what torch 2.13 runs: std::exp or exp_u20 there round ~2 % of the
-//   exps to another bf16; the tail of a split that is not a multiple of the vector width: std::exp);
+//   exps to another bf16; the tail of a split that is not a multiple of the vector width: std::exp;
+//   fp32 uses the accurate vector exp);
 //   sum = sum(e) + exp(m_old - m) * sum_old; acc *= exp(m_old - m); e rounded to the cache dtype
 //   (bf16/fp16) before P.V, accumulated in fp32 and added to acc; at the end
 //   out = dtype(acc * (1 / sum)).
@@ -365,7 +366,8 @@ inline float softmax_split(float* row, int64_t len, float scale, float& mx, floa
   const Vec vm(tmax);
   Vec vsum(0.f);
   for (int64_t i = 0; i < lv; i += W) {
-    const Vec e = (Vec::loadu(row + i) - vm).fexp_u20();
+    const Vec x = Vec::loadu(row + i) - vm;
+    const Vec e = at::is_reduced_floating_point_v<P> ? x.fexp_u20() : x.exp();  // fp32: accurate exp
     vsum = vsum + e;
     store_f(probs + i, e);
   }
