@@ -276,12 +276,12 @@ inline void qk_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, 
 
 template <typename T, int R, int C>
 inline void pv_block_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
-                             const T* probs, int64_t i0, float* part) {
+                             const T* probs, int64_t i0, float* part, bool accumulate) {
   const int64_t d = c.head_dim;
   constexpr int64_t W = Vec::size();
   Vec a[R][C];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) a[r][j] = Vec(0.f);
+    for (int j = 0; j < C; ++j) a[r][j] = accumulate ? Vec::loadu(part + r * d + i0 + j * W) : Vec(0.f);
   const int64_t len4 = len - len % 4;
   for (int64_t p = 0; p < len4; p += 4) {
     const T* v0 = c.v + c.row(table, p0 + p, h) + i0;
@@ -312,18 +312,18 @@ inline void pv_block_ordered(const Cache<T>& c, const int64_t* table, int64_t h,
 
 template <typename T, int R>
 inline void pv_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
-                            const T* probs, float* part) {
+                            const T* probs, float* part, bool accumulate) {
   const int64_t d = c.head_dim;
   constexpr int64_t W = Vec::size();
   const int64_t dv = d - d % W;
   int64_t i0 = 0;
-  for (; i0 + 4 * W <= dv; i0 += 4 * W) pv_block_ordered<T, R, 4>(c, table, h, p0, len, probs, i0, part);
-  for (; i0 + W <= dv; i0 += W) pv_block_ordered<T, R, 1>(c, table, h, p0, len, probs, i0, part);
+  for (; i0 + 4 * W <= dv; i0 += 4 * W) pv_block_ordered<T, R, 4>(c, table, h, p0, len, probs, i0, part, accumulate);
+  for (; i0 + W <= dv; i0 += W) pv_block_ordered<T, R, 1>(c, table, h, p0, len, probs, i0, part, accumulate);
   const int64_t len4 = len - len % 4;
   for (int r = 0; r < R; ++r) {
     const T* pr = probs + r * kSplit;
     for (int64_t i = dv; i < d; ++i) {
-      float acc = 0.f;
+      float acc = accumulate ? part[r * d + i] : 0.f;
       for (int64_t p = 0; p < len4; p += 4) {
         const float x0 = static_cast<float>(pr[p]) * static_cast<float>(c.v[c.row(table, p0 + p, h) + i]);
         const float x1 = static_cast<float>(pr[p + 1]) * static_cast<float>(c.v[c.row(table, p0 + p + 1, h) + i]);
@@ -408,18 +408,28 @@ void attend_rows(const Cache<T>& c, const int64_t* table, int64_t h, const T* q,
       qk_rows<T, R>(c, table, h, p0, len, qf, sc);
     for (int r = 0; r < R; ++r)
       rescale[r] = softmax_split(sc + r * kSplit, len, scale, mx[r], sum[r], probs + r * kSplit);
-    if constexpr (at::is_reduced_floating_point_v<T>)
-      pv_rows_ordered<T, R>(c, table, h, p0, len, probs, p0 == 0 ? acc : pt);
-    else
+    if constexpr (at::is_reduced_floating_point_v<T>) {
+      // as aten: acc *= exp(m_old - m), then the GEMM with beta = 1 sums this split onto it
+      if (p0 > 0) {
+        for (int r = 0; r < R; ++r) {
+          const Vec f(rescale[r]);
+          int64_t i = 0;
+          for (; i + Vec::size() <= d; i += Vec::size()) (Vec::loadu(acc + r * d + i) * f).store(acc + r * d + i);
+          for (; i < d; ++i) acc[r * d + i] = acc[r * d + i] * rescale[r];
+        }
+      }
+      pv_rows_ordered<T, R>(c, table, h, p0, len, probs, acc, p0 > 0);
+    } else {
       pv_rows<T, P, R>(c, table, h, p0, len, probs, p0 == 0 ? acc : pt);
-    if (p0 > 0) {
-      constexpr int64_t W = Vec::size();
-      for (int r = 0; r < R; ++r) {
-        const Vec f(rescale[r]);
-        int64_t i = 0;
-        for (; i + W <= d; i += W)
-          (Vec::loadu(pt + r * d + i) + Vec::loadu(acc + r * d + i) * f).store(acc + r * d + i);
-        for (; i < d; ++i) acc[r * d + i] = pt[r * d + i] + acc[r * d + i] * rescale[r];
+      if (p0 > 0) {
+        constexpr int64_t W = Vec::size();
+        for (int r = 0; r < R; ++r) {
+          const Vec f(rescale[r]);
+          int64_t i = 0;
+          for (; i + W <= d; i += W)
+            (Vec::loadu(pt + r * d + i) + Vec::loadu(acc + r * d + i) * f).store(acc + r * d + i);
+          for (; i < d; ++i) acc[r * d + i] = pt[r * d + i] + acc[r * d + i] * rescale[r];
+        }
       }
     }
   }
