@@ -35,7 +35,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#define EPDSERVE_X86_FMA 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -235,13 +238,16 @@ inline void pv_rows(const Cache<T>& c, const int64_t* table, int64_t h, int64_t 
 
 // The reduced-precision (bf16/fp16) dot products in the order of the BLAS call aten makes
 // (MKL's bf16/fp16 GEMM with fp32 output, single-threaded inside aten's parallel region; the
-// order was read off torch 2.13 with cancellation probes: see tests/ops/test_paged_ops.py).
+// order was read off torch 2.13 + MKL with cancellation probes: an element of +2^12, one of
+// -2^12 and one of 2^-12 sum to 0 or 2^-12 depending on which two meet first; checked bit for
+// bit against SDPA by tests/ops/test_paged_ops.py::test_decode_bf16_equals_torch_sdpa).
 // Products of two bf16/fp16 values are exact in fp32, so only the order of the sums matters:
 //  q.k: four partial sums over head_dim, lane j taking elements j, j+4, j+8, ... in turn;
 //       then (l0 + l2) + (l1 + l3).
 //  P.V: per output element, tokens in groups of four, each group summed as
 //       (x0 + x2) + (x1 + x3) and added to the running sum in order; the last len % 4 tokens
 //       are then added one by one, last first.
+#ifdef EPDSERVE_X86_FMA
 template <typename T>
 inline __m128 load4(const T* p) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -273,6 +279,21 @@ inline void qk_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, 
     }
   }
 }
+#else
+template <typename T, int R>
+inline void qk_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
+                            const float* q, float* sc) {
+  const int64_t d = c.head_dim;
+  for (int64_t p = 0; p < len; ++p) {
+    const T* k = c.k + c.row(table, p0 + p, h);
+    for (int r = 0; r < R; ++r) {
+      float l[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int64_t i = 0; i < d; ++i) l[i % 4] = std::fma(q[r * d + i], static_cast<float>(k[i]), l[i % 4]);
+      sc[r * kSplit + p] = (l[0] + l[2]) + (l[1] + l[3]);
+    }
+  }
+}
+#endif
 
 template <typename T, int R, int C>
 inline void pv_block_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
