@@ -151,33 +151,41 @@ struct Cache {
   const T* v;
   int64_t block_size, kv_heads, head_dim;
 
-  inline int64_t row(const int64_t* table, int64_t p, int64_t h) const {
-    return ((table[p / block_size] * block_size + p % block_size) * kv_heads + h) * head_dim;
+  // Element offsets of the K/V rows of kv head h for positions p0 .. p0 + len - 1 (one division
+  // per split, not one per row).
+  inline void rows(const int64_t* table, int64_t p0, int64_t len, int64_t h, int64_t* out) const {
+    int64_t blk = p0 / block_size, off = p0 % block_size;
+    for (int64_t i = 0; i < len; ++i) {
+      out[i] = ((table[blk] * block_size + off) * kv_heads + h) * head_dim;
+      if (++off == block_size) off = 0, ++blk;
+    }
   }
 };
 
 // Scratch of one thread (sized once per parallel chunk).
 struct Scratch {
   std::vector<float> q, scores, acc, part;
+  std::vector<int64_t> rows;  // K/V row offsets of the current split
   std::vector<char> probs;  // e rounded to T (reduced types), kSplit per row
   void reserve(int64_t rows, int64_t d, size_t elem) {
     q.resize(static_cast<size_t>(rows * d));
     scores.resize(static_cast<size_t>(rows * kSplit));
     acc.resize(static_cast<size_t>(rows * d));
     part.resize(static_cast<size_t>(rows * d));
+    this->rows.resize(static_cast<size_t>(kSplit));
     probs.resize(static_cast<size_t>(rows * kSplit) * elem);
   }
 };
 
 // scores[r * kSplit + p] = q_r . k_p for p < len, R rows at a time sharing each K load.
 template <typename T, int R>
-inline void qk_rows(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len, const float* q,
+inline void qk_rows(const Cache<T>& c, const int64_t* rows, int64_t len, const float* q,
                     float* sc) {
   const int64_t d = c.head_dim;
   constexpr int64_t W = Vec::size();
   const int64_t dv = d - d % W;
   for (int64_t p = 0; p < len; ++p) {
-    const T* k = c.k + c.row(table, p0 + p, h);
+    const T* k = c.k + rows[p];
     Vec a[R];
     for (int r = 0; r < R; ++r) a[r] = Vec(0.f);
     for (int64_t i = 0; i < dv; i += W) {
@@ -194,7 +202,7 @@ inline void qk_rows(const Cache<T>& c, const int64_t* table, int64_t h, int64_t 
 
 // part[r * d + i] = sum_p probs[r][p] * v_p[i] for i in [i0, i0 + C*W), R rows at a time.
 template <typename T, typename P, int R, int C>
-inline void pv_block(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len, const P* probs,
+inline void pv_block(const Cache<T>& c, const int64_t* rows, int64_t len, const P* probs,
                      int64_t i0, float* part) {
   const int64_t d = c.head_dim;
   constexpr int64_t W = Vec::size();
@@ -202,7 +210,7 @@ inline void pv_block(const Cache<T>& c, const int64_t* table, int64_t h, int64_t
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) a[r][j] = Vec(0.f);
   for (int64_t p = 0; p < len; ++p) {
-    const T* v = c.v + c.row(table, p0 + p, h) + i0;
+    const T* v = c.v + rows[p] + i0;
     Vec vv[C];
     for (int j = 0; j < C; ++j) vv[j] = load_f(v + j * W);
     for (int r = 0; r < R; ++r) {
@@ -215,19 +223,19 @@ inline void pv_block(const Cache<T>& c, const int64_t* table, int64_t h, int64_t
 }
 
 template <typename T, typename P, int R>
-inline void pv_rows(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len, const P* probs,
+inline void pv_rows(const Cache<T>& c, const int64_t* rows, int64_t len, const P* probs,
                     float* part) {
   const int64_t d = c.head_dim;
   constexpr int64_t W = Vec::size();
   const int64_t dv = d - d % W;
   int64_t i0 = 0;
-  for (; i0 + 4 * W <= dv; i0 += 4 * W) pv_block<T, P, R, 4>(c, table, h, p0, len, probs, i0, part);
-  for (; i0 + W <= dv; i0 += W) pv_block<T, P, R, 1>(c, table, h, p0, len, probs, i0, part);
+  for (; i0 + 4 * W <= dv; i0 += 4 * W) pv_block<T, P, R, 4>(c, rows, len, probs, i0, part);
+  for (; i0 + W <= dv; i0 += W) pv_block<T, P, R, 1>(c, rows, len, probs, i0, part);
   if (dv < d) {
     for (int r = 0; r < R; ++r)
       for (int64_t i = dv; i < d; ++i) part[r * d + i] = 0.f;
     for (int64_t p = 0; p < len; ++p) {
-      const T* v = c.v + c.row(table, p0 + p, h);
+      const T* v = c.v + rows[p];
       for (int r = 0; r < R; ++r) {
         const float w = static_cast<float>(probs[r * kSplit + p]);
         for (int64_t i = dv; i < d; ++i) part[r * d + i] += w * static_cast<float>(v[i]);
@@ -259,12 +267,12 @@ inline __m128 load4(const T* p) {
 }
 
 template <typename T, int R>
-inline void qk_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
+inline void qk_rows_ordered(const Cache<T>& c, const int64_t* rows, int64_t len,
                             const float* q, float* sc) {
   const int64_t d = c.head_dim;
   const int64_t d4 = d - d % 4;
   for (int64_t p = 0; p < len; ++p) {
-    const T* k = c.k + c.row(table, p0 + p, h);
+    const T* k = c.k + rows[p];
     __m128 a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm_setzero_ps();
     for (int64_t i = 0; i < d4; i += 4) {
@@ -281,11 +289,11 @@ inline void qk_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, 
 }
 #else
 template <typename T, int R>
-inline void qk_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
+inline void qk_rows_ordered(const Cache<T>& c, const int64_t* rows, int64_t len,
                             const float* q, float* sc) {
   const int64_t d = c.head_dim;
   for (int64_t p = 0; p < len; ++p) {
-    const T* k = c.k + c.row(table, p0 + p, h);
+    const T* k = c.k + rows[p];
     for (int r = 0; r < R; ++r) {
       float l[4] = {0.f, 0.f, 0.f, 0.f};
       for (int64_t i = 0; i < d; ++i) l[i % 4] = std::fma(q[r * d + i], static_cast<float>(k[i]), l[i % 4]);
@@ -296,7 +304,7 @@ inline void qk_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, 
 #endif
 
 template <typename T, int R, int C>
-inline void pv_block_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
+inline void pv_block_ordered(const Cache<T>& c, const int64_t* rows, int64_t len,
                              const T* probs, int64_t i0, float* part, bool accumulate) {
   const int64_t d = c.head_dim;
   constexpr int64_t W = Vec::size();
@@ -305,10 +313,10 @@ inline void pv_block_ordered(const Cache<T>& c, const int64_t* table, int64_t h,
     for (int j = 0; j < C; ++j) a[r][j] = accumulate ? Vec::loadu(part + r * d + i0 + j * W) : Vec(0.f);
   const int64_t len4 = len - len % 4;
   for (int64_t p = 0; p < len4; p += 4) {
-    const T* v0 = c.v + c.row(table, p0 + p, h) + i0;
-    const T* v1 = c.v + c.row(table, p0 + p + 1, h) + i0;
-    const T* v2 = c.v + c.row(table, p0 + p + 2, h) + i0;
-    const T* v3 = c.v + c.row(table, p0 + p + 3, h) + i0;
+    const T* v0 = c.v + rows[p] + i0;
+    const T* v1 = c.v + rows[p + 1] + i0;
+    const T* v2 = c.v + rows[p + 2] + i0;
+    const T* v3 = c.v + rows[p + 3] + i0;
     for (int j = 0; j < C; ++j) {
       const Vec x0 = load_f(v0 + j * W), x1 = load_f(v1 + j * W), x2 = load_f(v2 + j * W),
                 x3 = load_f(v3 + j * W);
@@ -321,7 +329,7 @@ inline void pv_block_ordered(const Cache<T>& c, const int64_t* table, int64_t h,
     }
   }
   for (int64_t p = len - 1; p >= len4; --p) {
-    const T* v = c.v + c.row(table, p0 + p, h) + i0;
+    const T* v = c.v + rows[p] + i0;
     for (int j = 0; j < C; ++j) {
       const Vec x = load_f(v + j * W);
       for (int r = 0; r < R; ++r) a[r][j] = at::vec::fmadd(Vec(static_cast<float>(probs[r * kSplit + p])), x, a[r][j]);
@@ -332,28 +340,28 @@ inline void pv_block_ordered(const Cache<T>& c, const int64_t* table, int64_t h,
 }
 
 template <typename T, int R>
-inline void pv_rows_ordered(const Cache<T>& c, const int64_t* table, int64_t h, int64_t p0, int64_t len,
+inline void pv_rows_ordered(const Cache<T>& c, const int64_t* rows, int64_t len,
                             const T* probs, float* part, bool accumulate) {
   const int64_t d = c.head_dim;
   constexpr int64_t W = Vec::size();
   const int64_t dv = d - d % W;
   int64_t i0 = 0;
-  for (; i0 + 4 * W <= dv; i0 += 4 * W) pv_block_ordered<T, R, 4>(c, table, h, p0, len, probs, i0, part, accumulate);
-  for (; i0 + W <= dv; i0 += W) pv_block_ordered<T, R, 1>(c, table, h, p0, len, probs, i0, part, accumulate);
+  for (; i0 + 4 * W <= dv; i0 += 4 * W) pv_block_ordered<T, R, 4>(c, rows, len, probs, i0, part, accumulate);
+  for (; i0 + W <= dv; i0 += W) pv_block_ordered<T, R, 1>(c, rows, len, probs, i0, part, accumulate);
   const int64_t len4 = len - len % 4;
   for (int r = 0; r < R; ++r) {
     const T* pr = probs + r * kSplit;
     for (int64_t i = dv; i < d; ++i) {
       float acc = accumulate ? part[r * d + i] : 0.f;
       for (int64_t p = 0; p < len4; p += 4) {
-        const float x0 = static_cast<float>(pr[p]) * static_cast<float>(c.v[c.row(table, p0 + p, h) + i]);
-        const float x1 = static_cast<float>(pr[p + 1]) * static_cast<float>(c.v[c.row(table, p0 + p + 1, h) + i]);
-        const float x2 = static_cast<float>(pr[p + 2]) * static_cast<float>(c.v[c.row(table, p0 + p + 2, h) + i]);
-        const float x3 = static_cast<float>(pr[p + 3]) * static_cast<float>(c.v[c.row(table, p0 + p + 3, h) + i]);
+        const float x0 = static_cast<float>(pr[p]) * static_cast<float>(c.v[rows[p] + i]);
+        const float x1 = static_cast<float>(pr[p + 1]) * static_cast<float>(c.v[rows[p + 1] + i]);
+        const float x2 = static_cast<float>(pr[p + 2]) * static_cast<float>(c.v[rows[p + 2] + i]);
+        const float x3 = static_cast<float>(pr[p + 3]) * static_cast<float>(c.v[rows[p + 3] + i]);
         acc = acc + ((x0 + x2) + (x1 + x3));
       }
       for (int64_t p = len - 1; p >= len4; --p)
-        acc = acc + static_cast<float>(pr[p]) * static_cast<float>(c.v[c.row(table, p0 + p, h) + i]);
+        acc = acc + static_cast<float>(pr[p]) * static_cast<float>(c.v[rows[p] + i]);
       part[r * d + i] = acc;
     }
   }
@@ -423,10 +431,12 @@ void attend_rows(const Cache<T>& c, const int64_t* table, int64_t h, const T* q,
   float* pt = s.part.data();  // a later split's P.V, added to acc after rescaling
   for (int64_t p0 = 0; p0 < n; p0 += kSplit) {
     const int64_t len = std::min(kSplit, n - p0);
+    int64_t* rows = s.rows.data();
+    c.rows(table, p0, len, h, rows);
     if constexpr (at::is_reduced_floating_point_v<T>)
-      qk_rows_ordered<T, R>(c, table, h, p0, len, qf, sc);
+      qk_rows_ordered<T, R>(c, rows, len, qf, sc);
     else
-      qk_rows<T, R>(c, table, h, p0, len, qf, sc);
+      qk_rows<T, R>(c, rows, len, qf, sc);
     for (int r = 0; r < R; ++r)
       rescale[r] = softmax_split(sc + r * kSplit, len, scale, mx[r], sum[r], probs + r * kSplit);
     if constexpr (at::is_reduced_floating_point_v<T>) {
@@ -439,9 +449,9 @@ void attend_rows(const Cache<T>& c, const int64_t* table, int64_t h, const T* q,
           for (; i < d; ++i) acc[r * d + i] = acc[r * d + i] * rescale[r];
         }
       }
-      pv_rows_ordered<T, R>(c, table, h, p0, len, probs, acc, p0 > 0);
+      pv_rows_ordered<T, R>(c, rows, len, probs, acc, p0 > 0);
     } else {
-      pv_rows<T, P, R>(c, table, h, p0, len, probs, p0 == 0 ? acc : pt);
+      pv_rows<T, P, R>(c, rows, len, probs, p0 == 0 ? acc : pt);
       if (p0 > 0) {
         constexpr int64_t W = Vec::size();
         for (int r = 0; r < R; ++r) {
