@@ -271,7 +271,50 @@ inline void qk_rows_ordered(const Cache<T>& c, const int64_t* rows, int64_t len,
                             const float* q, float* sc) {
   const int64_t d = c.head_dim;
   const int64_t d4 = d - d % 4;
-  for (int64_t p = 0; p < len; ++p) {
+  int64_t p = 0;
+#ifdef __AVX512F__
+  // Four tokens at a time: a zmm holds the four partial sums of each of four tokens; the K
+  // rows' 4-element pieces are transposed into place (qword shuffles), so each FMA serves four
+  // tokens. The order per token is the same as below.
+  if (d % 16 == 0) {
+    for (; p + 4 <= len; p += 4) {
+      const T* k0 = c.k + rows[p];
+      const T* k1 = c.k + rows[p + 1];
+      const T* k2 = c.k + rows[p + 2];
+      const T* k3 = c.k + rows[p + 3];
+      __m512 a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i));
+        const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1 + i));
+        const __m256i y2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k2 + i));
+        const __m256i y3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k3 + i));
+        const __m256i a0 = _mm256_unpacklo_epi64(y0, y1), a1 = _mm256_unpackhi_epi64(y0, y1);
+        const __m256i a2 = _mm256_unpacklo_epi64(y2, y3), a3 = _mm256_unpackhi_epi64(y2, y3);
+        const __m256i z[4] = {_mm256_permute2x128_si256(a0, a2, 0x20), _mm256_permute2x128_si256(a1, a3, 0x20),
+                              _mm256_permute2x128_si256(a0, a2, 0x31), _mm256_permute2x128_si256(a1, a3, 0x31)};
+        for (int j = 0; j < 4; ++j) {
+          __m512 kz;
+          if constexpr (std::is_same_v<T, at::BFloat16>)
+            kz = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(z[j]), 16));
+          else
+            kz = _mm512_cvtph_ps(z[j]);
+          for (int r = 0; r < R; ++r)
+            a[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(q + r * d + i + 4 * j)), kz, a[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_add_ps(a[r], _mm512_permute_ps(a[r], _MM_SHUFFLE(1, 0, 3, 2)));  // l0+l2, l1+l3
+        const __m512 y = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+        alignas(64) float t[16];
+        _mm512_store_ps(t, y);
+        float* o = sc + r * kSplit + p;
+        o[0] = t[0], o[1] = t[4], o[2] = t[8], o[3] = t[12];
+      }
+    }
+  }
+#endif
+  for (; p < len; ++p) {
     const T* k = c.k + rows[p];
     __m128 a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm_setzero_ps();
