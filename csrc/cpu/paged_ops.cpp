@@ -109,7 +109,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 //   out = dtype(acc * (1 / sum)).
 // For bf16/fp16 the two dot products also follow the summation order of torch's BLAS call
 // (qk_rows_ordered / pv_rows_ordered), so outputs equal torch's SDPA bit for bit within one KV
-// split; fp32 takes the faster 16-wide order (within 1e-5 of torch, as before).
+// split. fp32 shares the q.k kernel (its layout is also the fast one) but sums P.V token by token
+// and uses the accurate exp: within 1e-5 of torch, as before.
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kSplit = 512;  // aten's kvSplitSize
 
@@ -258,7 +259,9 @@ inline void pv_rows(const Cache<T>& c, const int64_t* rows, int64_t len, const P
 #ifdef EPDSERVE_X86_FMA
 template <typename T>
 inline __m128 load4(const T* p) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
     const __m128i x = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return _mm_castsi128_ps(_mm_slli_epi32(x, 16));
   } else {
@@ -274,7 +277,7 @@ inline void qk_rows_ordered(const Cache<T>& c, const int64_t* rows, int64_t len,
   int64_t p = 0;
 #ifdef __AVX512F__
   // Four tokens at a time: a zmm holds the four partial sums of each of four tokens; the K
-  // rows' 4-element pieces are transposed into place (qword shuffles), so each FMA serves four
+  // rows' 4-element pieces are transposed into place (shuffles), so each FMA serves four
   // tokens. The order per token is the same as below.
   if (d % 16 == 0) {
     for (; p + 4 <= len; p += 4) {
@@ -285,22 +288,37 @@ inline void qk_rows_ordered(const Cache<T>& c, const int64_t* rows, int64_t len,
       __m512 a[R];
       for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
       for (int64_t i = 0; i < d; i += 16) {
-        const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i));
-        const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1 + i));
-        const __m256i y2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k2 + i));
-        const __m256i y3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k3 + i));
-        const __m256i a0 = _mm256_unpacklo_epi64(y0, y1), a1 = _mm256_unpackhi_epi64(y0, y1);
-        const __m256i a2 = _mm256_unpacklo_epi64(y2, y3), a3 = _mm256_unpackhi_epi64(y2, y3);
-        const __m256i z[4] = {_mm256_permute2x128_si256(a0, a2, 0x20), _mm256_permute2x128_si256(a1, a3, 0x20),
-                              _mm256_permute2x128_si256(a0, a2, 0x31), _mm256_permute2x128_si256(a1, a3, 0x31)};
+        __m512 kz[4];
+        if constexpr (std::is_same_v<T, float>) {  // 4x4 transpose of 128-bit pieces
+          const __m512 z0 = _mm512_loadu_ps(k0 + i), z1 = _mm512_loadu_ps(k1 + i);
+          const __m512 z2 = _mm512_loadu_ps(k2 + i), z3 = _mm512_loadu_ps(k3 + i);
+          const __m512 b0 = _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(1, 0, 1, 0));
+          const __m512 b1 = _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 2, 3, 2));
+          const __m512 b2 = _mm512_shuffle_f32x4(z2, z3, _MM_SHUFFLE(1, 0, 1, 0));
+          const __m512 b3 = _mm512_shuffle_f32x4(z2, z3, _MM_SHUFFLE(3, 2, 3, 2));
+          kz[0] = _mm512_shuffle_f32x4(b0, b2, _MM_SHUFFLE(2, 0, 2, 0));
+          kz[1] = _mm512_shuffle_f32x4(b0, b2, _MM_SHUFFLE(3, 1, 3, 1));
+          kz[2] = _mm512_shuffle_f32x4(b1, b3, _MM_SHUFFLE(2, 0, 2, 0));
+          kz[3] = _mm512_shuffle_f32x4(b1, b3, _MM_SHUFFLE(3, 1, 3, 1));
+        } else {  // 4x4 transpose of 64-bit pieces, then widen
+          const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i));
+          const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1 + i));
+          const __m256i y2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k2 + i));
+          const __m256i y3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k3 + i));
+          const __m256i a0 = _mm256_unpacklo_epi64(y0, y1), a1 = _mm256_unpackhi_epi64(y0, y1);
+          const __m256i a2 = _mm256_unpacklo_epi64(y2, y3), a3 = _mm256_unpackhi_epi64(y2, y3);
+          const __m256i z[4] = {_mm256_permute2x128_si256(a0, a2, 0x20), _mm256_permute2x128_si256(a1, a3, 0x20),
+                                _mm256_permute2x128_si256(a0, a2, 0x31), _mm256_permute2x128_si256(a1, a3, 0x31)};
+          for (int j = 0; j < 4; ++j) {
+            if constexpr (std::is_same_v<T, at::BFloat16>)
+              kz[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(z[j]), 16));
+            else
+              kz[j] = _mm512_cvtph_ps(z[j]);
+          }
+        }
         for (int j = 0; j < 4; ++j) {
-          __m512 kz;
-          if constexpr (std::is_same_v<T, at::BFloat16>)
-            kz = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(z[j]), 16));
-          else
-            kz = _mm512_cvtph_ps(z[j]);
           for (int r = 0; r < R; ++r)
-            a[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(q + r * d + i + 4 * j)), kz, a[r]);
+            a[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(q + r * d + i + 4 * j)), kz[j], a[r]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -476,8 +494,8 @@ void attend_rows(const Cache<T>& c, const int64_t* table, int64_t h, const T* q,
     const int64_t len = std::min(kSplit, n - p0);
     int64_t* rows = s.rows.data();
     c.rows(table, p0, len, h, rows);
-    if constexpr (at::is_reduced_floating_point_v<T>)
-      qk_rows_ordered<T, R>(c, rows, len, qf, sc);
+    if constexpr (at::is_reduced_floating_point_v<T> || std::is_same_v<T, float>)
+      qk_rows_ordered<T, R>(c, rows, len, qf, sc);  // fp32: the same layout is the fast one too
     else
       qk_rows<T, R>(c, rows, len, qf, sc);
     for (int r = 0; r < R; ++r)
