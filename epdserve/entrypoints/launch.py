@@ -191,6 +191,8 @@ def ready_line(dep, address: str, http_port: int | None) -> str:
         line += f" http={'https' if tls else 'http'}://{spec.host}:{http_port}"
     if spec.registry:
         line += f" internal=grpc://{spec.registry}"
+    if dep.kv_hop is not None and dep.kv_hop.hop != "none":
+        line += f" kv_hop={dep.kv_hop.hop}"
     return line
 
 
