@@ -71,7 +71,10 @@ class StagedWork:
     def wait(self, timeout=None):
         done = self._work.wait() if timeout is None else self._work.wait(timeout)
         if not self._copied:
-            self._dst.copy_(self.host)  # blocking: on the device when this returns
+            # inference mode: `dst` may be an inference tensor (the sender's acknowledgement is made
+            # inside the forward), which only inference mode may update in place
+            with torch.inference_mode():
+                self._dst.copy_(self.host)  # blocking: on the device when this returns
             self._copied = True
         return done
 
