@@ -28,5 +28,10 @@ Modules:
 - `colocation`: `bench colocation`, co-located encode against decode, per policy;
 - `colocation_npu`: `bench colocation --device npu`, each stage's kernels under the profiler against its core limit;
 - `npu_kernel_details`: reads torch_npu's profiler kernel_details.csv, names kernels over their limit;
+- `device`: `bench device`, the device check (GPU / NPU / CPU; scripts/device_check.sh):
+  `device_part` (one part in its own process), `device_env` (settings, checkpoints, prompts,
+  clocks), `device_exact` (LLM vs transformers per family), `device_serve` (every mode launched),
+  `device_perf` (decode speed, memory floor), `device_profile` (operators per token),
+  `device_served` (served TPOT alone), `device_report` (its Markdown);
 - `profile`: the `epdserve profile` command (the measurements: `perf.profiler`).
 """
