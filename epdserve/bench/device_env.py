@@ -63,14 +63,24 @@ class CheckConfig:
 
 def checkpoint(cfg: CheckConfig, arch: str, size: str = "tiny") -> pathlib.Path:
     """The demo checkpoint `arch`/`size` in the work directory, built on first use (the
-    same arguments always give the same files, so a finished one is reused)."""
-    d = pathlib.Path(cfg.work_dir) / f"{arch}-{size}"
-    done = d / ".complete"
-    if not done.exists():
-        from epdserve.model.demo import build_demo_model
+    same arguments always give the same files, so a finished one is reused). Processes share it:
+    one builds under a file lock, the others wait for it (the perf model is built in the
+    background while the other parts run: `bench device`)."""
+    import fcntl
 
-        build_demo_model(d, arch=arch, size=size)
-        done.write_text("built\n")
+    work = pathlib.Path(cfg.work_dir)
+    d = work / f"{arch}-{size}"
+    done = d / ".complete"
+    if done.exists():
+        return d
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / f"{arch}-{size}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the holder dies)
+        if not done.exists():
+            from epdserve.model.demo import build_demo_model
+
+            build_demo_model(d, arch=arch, size=size)
+            done.write_text("built\n")
     return d
 
 

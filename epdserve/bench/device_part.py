@@ -1,5 +1,6 @@
 """One part of `epdserve bench device`, in a process of its own (so a hang or a crash costs that
-part only): `python -m epdserve.bench.device_part PART CONFIG_JSON_FILE RESULT_JSON_FILE`.
+part only): `python -m epdserve.bench.device_part PART CONFIG_JSON_FILE RESULT_JSON_FILE`
+(PART `prebuild`: only build the perf part's checkpoint, in the background of the other parts).
 
 Owns `PARTS` (part name → the module that runs it and sums it up in one line) and the part's
 process: it reads its `CheckConfig`, runs the part, keeps its figures in RESULT_JSON_FILE (rewritten
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
 
     part, config_path, result_path = (sys.argv[1:] if argv is None else argv)[:3]
     cfg = CheckConfig.from_json(open(config_path).read())
+    if part == "prebuild":
+        from epdserve.bench.device_env import checkpoint
+
+        t0 = time.monotonic()
+        print(f"built {checkpoint(cfg, 'qwen2_vl', cfg.perf_size)} in {time.monotonic() - t0:.1f} s", flush=True)
+        return 0
     result = PartResult(part, result_path)
     t0 = time.monotonic()
     rc = 0

@@ -25,7 +25,7 @@ def _bench(tmp_path: Path, *flags: str, timeout: float = 400.0) -> tuple[subproc
     return proc, report
 
 
-@pytest.mark.slow  # three parts, two deployments: ~80 s on 2 cores
+@pytest.mark.slow  # three parts, two deployments: ~80 s on 2 idle cores, 3 min loaded
 def test_every_part_runs_on_cpu_and_reports_its_figures(tmp_path):
     proc, report = _bench(
         tmp_path, "--parts", "exact,serve,perf", "--archs", "qwen2_vl", "--exact-tokens", "4",
@@ -47,8 +47,11 @@ def test_every_part_runs_on_cpu_and_reports_its_figures(tmp_path):
     perf = parts["perf"]["figures"]
     fig = perf["float32"]
     assert perf["model"]["size"] == "tiny" and perf["model"]["lm_params_M"] > 0
+    # differences of two timed runs: numbers, but on a loaded 2-core host with 5 tokens not always > 0
     for key in ("epd_tpot_b1_ms", "epd_tpot_b2_ms", "epd_decode_tok_s_b2", "hf_tpot_b1_ms", "hf_tpot_b2_ms",
-                "aten_ops_per_token_b1", "host_events_per_token_b1", "served_tpot_b1_ms", "served_over_offline_b1"):
+                "served_over_offline_b1"):
+        assert isinstance(fig[key], (int, float)), (key, fig)
+    for key in ("aten_ops_per_token_b1", "host_events_per_token_b1", "served_tpot_b1_ms", "served_ready_s"):
         assert isinstance(fig[key], (int, float)) and fig[key] > 0, (key, fig)
     assert fig["floor_ms"] == "n/a" and fig["device_kernels_per_token_b1"] is None  # CPU: no bandwidth, no kernels
     md = (tmp_path / "out" / "device-check.md").read_text()
