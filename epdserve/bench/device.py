@@ -28,6 +28,30 @@ DEFAULT_TIMEOUTS = {"exact": 120.0, "serve": 240.0, "perf": 200.0}  # an H200 ru
 ALL_MODES = ("monolithic", "P-D", "E-PD", "EP-D", "ED-P", "E-P-D")
 
 
+DESCRIPTION = """\
+The device check of a machine with a GPU (cuda), an NPU (npu) or only the CPU, in one command that
+needs no package index. Three parts, each in its own process under its own timeout, each printing
+one RESULT line:
+
+  exact  offline LLM(dtype=float32) greedy == transformers' greedy generate on the same device, for
+         the tiny demo model of each family (one image, two images, text only); bf16 agreement
+         (common prefix) reported too
+  serve  `epdserve launch --mode M --device DEV` for every mode: ready time, served greedy tokens ==
+         offline, and the P->D KV hop the launcher chose (host when a P and a D share one
+         accelerator: NCCL cannot pair two ranks on one device)
+  perf   a Qwen2-VL-2B-shaped checkpoint (demo --size 2b: its shapes, demo vocabulary, random
+         weights; on CPU the small demo model, fp32 and bf16): decode TPOT at batch 1 and 32 and
+         tok/s, transformers generate (eager) the same way, the memory floor (LM bytes /
+         --bandwidth), device kernels and host ops per token (torch.profiler), and the served TPOT
+         of one request alone against offline
+
+Writes device-check.json and device-check.md (one table per part) into --out, beside each part's
+log. Timeouts default to exact 120 s, serve 240 s, perf 200 s (or
+EPDSERVE_DEVICE_CHECK_{EXACT,SERVE,PERF}_TIMEOUT_S): the whole check takes about 7 minutes on an
+H200. scripts/device_check.sh installs wheels from a directory first (--wheels DIR) and runs this.
+"""
+
+
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -40,22 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "device", help="device check: exactness vs transformers, every mode served, decode speed (GPU / NPU / CPU)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=(
-            "The device check of a machine with a GPU (cuda), an NPU (npu) or only the CPU, in one command that "
-            "needs no package index. Three parts, each in its own process under its own timeout, each printing "
-            "one RESULT line:\n"
-            "  exact  offline LLM(dtype=float32) greedy == transformers' greedy generate on the same device, for the "
-            "tiny demo model of each family (one image, two images, text only); bf16 agreement reported too\n"
-            "  serve  `epdserve launch --mode M --device DEV` for every mode: ready time, served greedy tokens == "
-            "offline, and the P->D KV hop the launcher chose (host when a P and a D share one accelerator)\n"
-            "  perf   a Qwen2-VL-2B-shaped checkpoint (demo --size 2b: its shapes, demo vocabulary, random "
-            "weights; on CPU the small demo model): decode TPOT at batch 1 and 32 and tok/s, transformers "
-            "generate (eager) the same way, the memory floor (LM bytes / --bandwidth), device kernels and host "
-            "ops per token (torch.profiler), served TPOT of one request alone vs offline\n"
-            "Writes device-check.json and device-check.md (one table per part) into --out. Timeouts default to "
-            "exact 120 s, serve 240 s, perf 200 s (or EPDSERVE_DEVICE_CHECK_{EXACT,SERVE,PERF}_TIMEOUT_S): the "
-            "whole check fits in about 7 minutes on an H200. scripts/device_check.sh installs wheels from a "
-            "directory first (--wheels DIR)."),
+        description=DESCRIPTION,
     )
     p.add_argument("--device", default="auto", help="cuda | npu | cpu | auto (default: the accelerator if any)")
     p.add_argument("--out", default="device-check", help="directory for the report and logs (default ./device-check)")
