@@ -30,5 +30,10 @@ Modules:
 - `npu_first_run`: the steps of scripts/npu_first_run.sh (versions, schema probe, kernel matrix, HCCL pair
   with a peer killed, core limits, PD against transformers), one table row each;
 - `npu_kernel_details`: reads torch_npu's profiler kernel_details.csv, names kernels over their limit;
+- `device`: `bench device`, the device check (GPU / NPU / CPU; scripts/device_check.sh):
+  `device_part` (one part in its own process), `device_env` (settings, checkpoints, prompts,
+  clocks), `device_exact` (LLM vs transformers per family), `device_serve` (every mode launched),
+  `device_perf` (decode speed, memory floor), `device_profile` (operators per token),
+  `device_served` (served TPOT alone), `device_report` (its Markdown);
 - `profile`: the `epdserve profile` command (the measurements: `perf.profiler`).
 """

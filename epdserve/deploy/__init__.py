@@ -3,6 +3,7 @@
 One sentence per module:
 - procs.py           child processes that cannot outlive the launcher (own process group, PDEATHSIG)
 - deployment.py      one mode's processes: private MM Store, scheduler, instances, in order
+- kv_hop.py          which P->D KV hop the instances use: host when a P and a D share an accelerator
 - argv.py            a flag's value in a child's argument list, as its argparse reads it
 - readiness.py       the launcher's readiness probe (the deployment's own credentials) and what it saw
 - supervisor.py      when a dead child is started again: capped backoff, and the crash loop that ends it

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epdserve.deploy.argv import last_flag
+from epdserve.deploy.kv_hop import KvHopChoice, choose_kv_hop
 from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.deploy.supervisor import RestartPolicy, RestartSchedule
@@ -97,6 +98,7 @@ class Deployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._instance_launches: list[tuple[str, list[str], dict[str, str]]] = []  # name, argv, env
         self._schedules: dict[str, RestartSchedule] = {}  # child name ("mm_store", "scheduler", instances)
+        self.kv_hop: KvHopChoice | None = None  # the P->D KV hop, chosen at start (deploy/kv_hop.py)
 
     # ---------------------------------------------------------------- start
     def start(self, should_stop=lambda: False) -> str:
@@ -115,10 +117,15 @@ class Deployment:
             self.cluster_token_file = self._write_secret("cluster.token", self.cluster_token)
         self.address = self._start_scheduler(deadline, should_stop)
         cores = self._core_sets()
+        self.kv_hop = self._choose_kv_hop()
+        if self.kv_hop.hop != "none":
+            log.info("KV hop P->D: %s (%s)", self.kv_hop.hop, self.kv_hop.why)
         k = 0
         for pool in self.pools:
             for i in range(pool.count):
                 argv = self._instance_argv(pool.roles)
+                if self.kv_hop.forced:
+                    argv += ["--kv-hop", self.kv_hop.forced]
                 if cores:
                     argv += ["--cores", ",".join(map(str, cores[k]))]
                 self._instance_launches.append((f"{pool.roles}{i}", argv, self._env(k)))
@@ -182,6 +189,14 @@ class Deployment:
         return ["instance", "--roles", roles, "--model", s.model, "--scheduler", self.registry,
                 "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host,
                 "--drain-timeout", str(s.drain_timeout_s), *s.instance_args]
+
+    def _choose_kv_hop(self) -> KvHopChoice:
+        """The P->D hop, from each instance's roles and the accelerator it gets (start order)."""
+        roles = [p.roles for p in self.pools for _ in range(p.count)]
+        ids: list[str | None] = [None] * len(roles)
+        if not self.spec.device.startswith("cpu"):
+            ids = [next(iter(self._device_env(k).values()), None) for k in range(len(roles))]
+        return choose_kv_hop(roles, ids, self.spec.device, self.spec.instance_args)
 
     def _core_sets(self) -> list[list[int]] | None:
         """One core set per instance (in start order) when pinning CPU instances, else None."""

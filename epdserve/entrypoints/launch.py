@@ -4,7 +4,8 @@
     epdserve launch --config configs/E-P-D.yaml --model DIR      # flags override the file
 
 Prints one line to stdout when every instance is on the scheduler's roster:
-``epdserve ready: grpc://HOST:PORT mode=EP-D instances=EPx2,Dx2 mm_store=redis://...`` (then
+``epdserve ready: grpc://HOST:PORT mode=EP-D instances=EPx2,Dx2 kv_hop=device mm_store=redis://...``
+(``kv_hop=``: the P->D KV hop, `deploy/kv_hop.py`, in modes that have one; then
 ``mm_store_password_file=PATH`` for the private MM Store — a 0600 file in the log directory
 holding its random password, for `EPDSERVE_MM_STORE_PASSWORD` —, ``cluster_token_file=PATH``
 when launch made the cluster token, ``tls=1`` with --tls-cert,
@@ -180,7 +181,10 @@ def ready_line(dep, address: str, http_port: int | None) -> str:
     spec = dep.spec
     tls = last_flag(spec.scheduler_args, "--tls-cert") is not None
     line = (f"epdserve ready: grpc://{address} mode={spec.mode}{' auto=1' if spec.planned else ''} "
-            f"instances={dep.summary()} mm_store={dep.mm_store_url}")
+            f"instances={dep.summary()}")
+    if dep.kv_hop is not None and dep.kv_hop.hop != "none":  # the P->D hop (deploy/kv_hop.py)
+        line += f" kv_hop={dep.kv_hop.hop}"
+    line += f" mm_store={dep.mm_store_url}"
     if dep.mm_store_password_file is not None:
         line += f" mm_store_password_file={dep.mm_store_password_file}"
     if dep.cluster_token_file is not None:

@@ -23,7 +23,7 @@ STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), t
 # InstanceConfig fields launch offers, forwarded to every instance (max_model_len also to the scheduler)
 FORWARDED = ("kv_cache_bytes", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s",
              "encode_token_budget", "colocation", "stream_interval_ms", "slo_tpot_ms", "step_budget",
-             "enable_prefix_caching", "enforce_eager")
+             "enable_prefix_caching", "enforce_eager", "kv_hop")
 
 _INTERNAL = ("internal_port", "internal_host", "internal_tls_cert", "internal_tls_key", "insecure", "internal_tls_ca")
 INTERNAL_GROUP = (

@@ -16,6 +16,13 @@ from epdserve.instance.colocation import POLICIES, check_policy
 from epdserve.settings import add_flags, from_flags, same_as, setting
 
 SWITCH_OVERLAP = ("auto", "on", "off")
+KV_HOP_CHOICES = ("auto", "device", "host")
+KV_HOP_HELP = (
+    "how P->D KV bytes travel: device = the device's own backend straight between KV blocks (gloo on CPU, NCCL on "
+    "CUDA, HCCL on NPU); host = gloo between host buffers, each layer's blocks copied device -> pinned host -> "
+    "host -> device (for a P and a D on one accelerator: NCCL refuses two ranks on one device); a P and its D must "
+    "use the same. auto (default): device, unless `epdserve launch` puts a P and a D on the same accelerator, "
+    "when it passes host to every instance")
 COLOCATION_HELP = (
     "how E shares the device with P/D: split = fixed shares (disjoint cores, NPU stream core limits); yield = every "
     "core for whoever has work, E at the lowest priority (SCHED_IDLE threads) so P/D steps take the CPU cores back "
@@ -79,6 +86,7 @@ class InstanceConfig:
     feature_wait_s: float = same_as(EngineConfig, "feature_wait_s", default=5.0)
     kv_timeout_s: float = setting(30.0, help="a KV transfer that makes no progress this long fails its request")
     kv_connect_timeout_s: float = setting(60.0, help="setting up a KV pair with a P or D gives up after this long")
+    kv_hop: str = setting("auto", choices=KV_HOP_CHOICES, help=KV_HOP_HELP)
     grpc_threads: int = setting(128, help="calls this instance serves at once (default 128)")
     feature_cache_bytes: int = setting(
         4 << 30, flag="--feature-cache-mb", to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20,
@@ -96,6 +104,8 @@ class InstanceConfig:
         if self.device_core_share is not None and not 0.0 < self.device_core_share <= 1.0:
             raise ValueError(f"device_core_share must be in (0, 1], got {self.device_core_share}")
         check_policy(self.colocation)
+        if self.kv_hop not in KV_HOP_CHOICES:
+            raise ValueError(f"kv_hop must be one of {', '.join(KV_HOP_CHOICES)}, got {self.kv_hop!r}")
         if self.switch_overlap not in SWITCH_OVERLAP:
             raise ValueError(f"switch_overlap must be one of {', '.join(SWITCH_OVERLAP)}, got {self.switch_overlap!r}")
         if self.slo_tpot_ms <= 0:
@@ -112,6 +122,11 @@ class InstanceConfig:
             raise ValueError("feature_wait_s must be >= 0 and the KV timeouts > 0")
         if self.scheduler is not None and (not self.schedulers or any(":" not in s for s in self.schedulers)):
             raise ValueError(f"scheduler must be host:port (several: comma-separated), got {self.scheduler!r}")
+
+    @property
+    def kv_transfer_hop(self) -> str:
+        """The hop this instance's KV pairs use: "host" only when asked for (auto is the device's)."""
+        return "host" if self.kv_hop == "host" else "device"
 
     @property
     def schedulers(self) -> list[str]:

@@ -1,6 +1,7 @@
 """Random-weight demo checkpoints laid out like a downloaded Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE).
 
-Owns: the `tiny` and `small` size presets, `build_demo_model` (config + fp32 safetensors +
+Owns: the `tiny`, `small` and `2b` size presets (`2b`: Qwen2-VL-2B's shapes, demo vocabulary,
+random weights; Qwen2-VL / Qwen2.5-VL only: the device check's decode timings), `build_demo_model` (config + fp32 safetensors +
 generation config + offline tokenizer and chat template + image-processor config in one
 directory) and the `epdserve demo-model` CLI subcommand (`add_parser` / `run` / `main`). The
 Qwen3 family's shapes and preprocessor files live in `demo_qwen3`.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from epdserve.model.demo_qwen3 import QWEN3_ARCHS, QWEN3_PRESETS, qwen3_config, qwen3_preprocessor_files
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", *QWEN3_ARCHS)
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "2b")
 
 # A 448x448 image → 32x32 patches of 14 px → 256 tokens after the 2x2 merge; 56x56 is the
 # smallest image (2x2 patches, one token); big images are capped at 1280 tokens.
@@ -54,7 +55,12 @@ PRESETS = {
     "small": DemoSize(vocab=9000, hidden=512, layers=8, heads=8, kv_heads=2, intermediate=3584,
                       mrope_section=(8, 12, 12), vit_width=512, vit_depth=8, vit_heads=8,
                       vit_intermediate=1536),
+    # Qwen2-VL-2B's shapes (LM 1536 x 28 layers, 12 heads / 2 KV heads, MLP 8960; ViT 1280 x 32), demo
+    # vocabulary, random weights: 1.33 B LM parameters (the real model's 151k-token embedding aside)
+    "2b": DemoSize(vocab=9000, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
+                   mrope_section=(16, 24, 24), vit_width=1280, vit_depth=32, vit_heads=16, vit_intermediate=3420),
 }
+PRESET_ARCHS = {"2b": ("qwen2_vl", "qwen2_5_vl")}  # presets only some families have
 
 
 def demo_config(arch: str, size: DemoSize, ids: dict[str, int], vocab: int, size_name: str = "tiny"):
@@ -156,6 +162,8 @@ def build_demo_model(out_dir, arch: str = "qwen2_vl", size: str = "tiny", seed: 
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    if arch not in PRESET_ARCHS.get(size, ARCHS):
+        raise ValueError(f"size {size!r} is for {', '.join(PRESET_ARCHS[size])} only, got {arch!r}")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     import torch
@@ -200,7 +208,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "Qwen2-VL-7B-Instruct (config, fp32 safetensors, offline tokenizer with chat "
                     "template, image-processor and video-processor configs). Nothing "
                     "is downloaded; the same seed gives identical files. tiny builds in seconds; small "
-                    "has about 90M parameters (qwen3_vl 100M; qwen3_vl_moe 130M, 75M active per token).",
+                    "has about 90M parameters (qwen3_vl 100M; qwen3_vl_moe 130M, 75M active per token); 2b "
+                    "(qwen2_vl / qwen2_5_vl only) has Qwen2-VL-2B's shapes with the demo vocabulary and random "
+                    "weights (1.33B LM parameters, 2.0B in all: 8 GB of fp32 files).",
     )
     parser.add_argument("out_dir", metavar="DIR", help="directory to write (created if missing)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen2_vl", help="model family (default: qwen2_vl)")

@@ -13,6 +13,7 @@ from epdserve.model.processor import MultimodalProcessor
 
 class ReferenceGenerator:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        """The checkpoint on `device` (inputs follow it there) in `dtype` (fp32: the exactness oracle)."""
         from epdserve.model.loader import load_checkpoint
 
         ckpt = load_checkpoint(model_dir, device, dtype)
@@ -28,12 +29,13 @@ class ReferenceGenerator:
     def generate(self, prompt, images=None, max_tokens: int = 16, ignore_eos: bool = True) -> list[int]:
         """Greedy output token ids (EOS included when it ends the output, as epdserve reports it)."""
         p = self.processor.process(prompt, images)
-        ids = torch.tensor([p.token_ids])
+        device = self.model.device
+        ids = torch.tensor([p.token_ids], device=device)
         kw = {}
         if p.media:
             kw = dict(
-                pixel_values=torch.cat([m.pixel_values for m in p.media]),
-                image_grid_thw=torch.stack([m.grid_thw for m in p.media]),
+                pixel_values=torch.cat([m.pixel_values for m in p.media]).to(device, self.model.dtype),
+                image_grid_thw=torch.stack([m.grid_thw for m in p.media]).to(device),
                 mm_token_type_ids=(ids == self.image_token_id).int(),
             )
         if ignore_eos:  # vLLM's ignore_eos: EOS is no stop, but may still be generated (min_new_tokens would mask it)

@@ -140,3 +140,21 @@ def test_cli(tmp_path, capsys):
     assert args.func is not None and args.size == "tiny" and args.seed == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["demo-model", "x", "--size", "huge"])
+
+
+def test_2b_preset_has_qwen2_vl_2b_shapes_and_refuses_qwen3():
+    """Qwen2-VL-2B's LM and ViT shapes with the demo vocabulary (the device check's decode timings)."""
+    from transformers import AutoModelForImageTextToText
+
+    from epdserve.model.demo import PRESETS, build_demo_model, demo_config
+    from epdserve.model.demo_tokenizer import build_demo_tokenizer, special_token_ids
+
+    tok = build_demo_tokenizer(PRESETS["2b"].vocab, seed=0)
+    cfg = demo_config("qwen2_vl", PRESETS["2b"], special_token_ids(tok), vocab=len(tok), size_name="2b")
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg)
+    lm = sum(p.numel() for n, p in model.named_parameters() if "visual" not in n)
+    assert 1.30e9 < lm < 1.36e9
+    assert (cfg.text_config.hidden_size, cfg.text_config.num_hidden_layers, cfg.vision_config.embed_dim) == (1536, 28, 1280)
+    with pytest.raises(ValueError, match="2b"):
+        build_demo_model("/nonexistent-never-written", arch="qwen3_vl", size="2b")

@@ -25,4 +25,4 @@ def test_shellcheck_clean(script):
 
 
 def test_scripts_found():
-    assert {s.name for s in SCRIPTS} >= {"atlas_node.sh", "atlas_cluster_example.sh"}
+    assert {s.name for s in SCRIPTS} >= {"atlas_node.sh", "atlas_cluster_example.sh", "device_check.sh"}

@@ -358,3 +358,31 @@ def test_stalled_prefill_fails_the_decode_side_within_the_timeout_and_the_pair_i
     finally:
         p.stop()
         rx.close()
+
+
+def test_the_host_hop_stages_every_message_through_host_buffers_bit_exact(monkeypatch):
+    """The hop for a P and a D on one accelerator (transfer/kv/host_hop.py), forced on host tensors
+    so the staging code runs: gloo whatever the platform (the fake HCCL's too), same bytes."""
+    monkeypatch.setenv(CFG_ENV, json.dumps({"hop": "host"}))
+    p, d = Prefill(), Peer("_decode_peer")
+    try:
+        p.connect("d0", d, "p0-d0/g0")
+        pair = p.tx._channels["d0"].pair
+        assert pair.staged and pair.transport.dist_backend == "gloo"
+        for batch in ([("a", 37), ("b", 8)], [("c", 300)]):
+            reqs = [(rid, "d0", n, _expect(d, rid, n)) for rid, n in batch]
+            with torch.inference_mode():  # as in the engine's forward: the acknowledgement is an inference tensor
+                digests = p.run_batch(reqs)
+            ids = {rid for rid, _ in batch}
+            assert all(st.state is TransferState.DONE for st in p.finish(ids).values())
+            for rid in ids:
+                ev = d.wait("finished", request_id=rid)
+                assert ev["state"] == "done" and ev["digest"] == digests[rid]
+    finally:
+        d.stop()
+        p.close()
+
+
+def test_on_the_host_hop_a_dead_decode_fails_its_transfer_and_the_other_keeps_serving(monkeypatch):
+    monkeypatch.setenv(CFG_ENV, json.dumps({"hop": "host"}))
+    test_killing_one_decode_midway_fails_it_and_the_other_decode_keeps_serving()

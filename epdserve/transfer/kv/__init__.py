@@ -22,6 +22,7 @@ One sentence per module:
 - config.py          KVTransferConfig: timeouts, polling period, how pairs are reached
 - network.py         PairNetwork: how this process reaches its P–D pairs (pair store, data sockets)
 - pair_names.py      pair names "<P id>><D id>/g<n>", one per P–D pair and rebuild
+- host_hop.py        the host-staged hop: gloo between host buffers, for a P and a D on one accelerator
 - pair.py            PairConnection: one side of a pair's two-rank process group and its header store
 - pair_store.py      PairStoreHost: the in-process key-value store a prefill instance keeps for its pairs
 - store_view.py      PairStore: one pair's namespace of a pair store, as a torch.distributed.Store

@@ -1,9 +1,11 @@
 """`KVTransferConfig`: the timeouts and polling period of the P→D KV hop, validated on construction,
-and how its pairs are reached (`PairNetwork`)."""
+how its pairs are reached (`PairNetwork`) and which hop carries their bytes (device or host-staged)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from epdserve.transfer.kv.host_hop import HOPS
 
 if TYPE_CHECKING:
     from epdserve.transfer.kv.network import PairNetwork
@@ -20,6 +22,10 @@ class KVTransferConfig:
     waits on the store for its header instead (one call returns as soon as it is there).
     network: how pairs reach the pair store and which interface their sockets bind
     (`PairNetwork`; None: plaintext to the store, the backend's default interface).
+    hop: "device" (the platform's backend straight from and into the KV blocks: gloo, NCCL,
+    HCCL) or "host" (gloo between host buffers, each message staged through host memory:
+    `host_hop.py`; for a P and a D on one accelerator, where NCCL cannot pair them). Both sides
+    of a pair must use the same hop.
     """
 
     timeout_s: float = 30.0
@@ -27,8 +33,11 @@ class KVTransferConfig:
     connect_timeout_s: float = 60.0
     poll_interval_s: float = 0.02
     network: PairNetwork | None = None
+    hop: str = "device"
 
     def __post_init__(self):
+        if self.hop not in HOPS:
+            raise ValueError(f"KVTransferConfig.hop must be one of {', '.join(HOPS)}, got {self.hop!r}")
         for name in ("timeout_s", "bootstrap_timeout_s", "connect_timeout_s", "poll_interval_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:

@@ -3,7 +3,9 @@
 The group is built in a background thread (both sides must arrive within
 `connect_timeout_s`) straight from the platform (ProcessGroupGloo / NCCL / HCCL over the pair's
 namespace of the prefill side's pair store — in process on P, through the prefill instance's
-authenticated `KvStore` RPC on D: `PairNetwork`; no global world, no listening store). Its data
+authenticated `KvStore` RPC on D: `PairNetwork`; no global world, no listening store). On the
+`host` hop (`KVTransferConfig.hop`, for a P and a D on one accelerator) the group is gloo whatever
+the device and every message is staged through a host buffer (`host_hop.py`). Its data
 sockets bind the network's host. State: CONNECTING → READY →
 BROKEN (peer died, stalled or never came) or CLOSED (by us). A broken pair is never reused:
 the control plane rebuilds it under a new pair name.
@@ -43,6 +45,7 @@ from datetime import timedelta
 
 import torch
 from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.host_hop import StagedWork, stage_recv, stage_send, transport_platform
 from epdserve.transfer.kv.layout import as_bytes
 from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous
 from epdserve.transfer.kv.network import PairNetwork
@@ -58,7 +61,9 @@ class PairBroken(RuntimeError):
 class PairConnection:
     def __init__(self, rdzv: PairRendezvous, platform, config: KVTransferConfig, device: torch.device | str = "cpu"):
         self.rdzv = rdzv
-        self.platform = platform
+        self.platform = platform  # the device's: thread device, side streams
+        self.transport = transport_platform(platform, config.hop)  # the group's backend: build, wait, break
+        self.staged = config.hop == "host"  # messages staged through host buffers (on CPU too: same bytes)
         self.config = config
         self.device = torch.device(device)
         self.peer_rank = 1 - rdzv.rank
@@ -118,17 +123,17 @@ class PairConnection:
             store = net.open_store(r, timedelta(seconds=cfg.connect_timeout_s))
             # The group's own timeout outlives ours, so our waits fire first.
             pg_timeout = timedelta(seconds=cfg.connect_timeout_s + cfg.timeout_s)
-            pg = self.platform.make_pair_group(store, r.rank, 2, pg_timeout, group_name=f"epdserve-kv/{r.pair_name}",
-                                               host=net.host)
+            pg = self.transport.make_pair_group(store, r.rank, 2, pg_timeout, group_name=f"epdserve-kv/{r.pair_name}",
+                                                host=net.host)
             self._handshake(pg)
-            conflict = self.platform.pair_stream_conflict(pg, self.peer_rank)
+            conflict = self.transport.pair_stream_conflict(pg, self.peer_rank)
             if conflict:
                 raise RuntimeError(conflict)
         except Exception as e:  # any failure to build is this pair's failure, reported in its state
             if pg is not None:
-                self.platform.interrupt_pair_group(pg, self.peer_rank)
+                self.transport.interrupt_pair_group(pg, self.peer_rank)
             self._set_broken(f"pair {r.pair_name!r}: could not build the process group "
-                             f"({self.platform.dist_backend} via {r.host}:{r.port}): {e}")
+                             f"({self.transport.dist_backend}, {self.config.hop} hop, via {r.host}:{r.port}): {e}")
             self._ready.set()
             self._end_store(store, pg)
             return
@@ -139,7 +144,7 @@ class PairConnection:
                 self._pg, self._store, self._state = pg, store, PairState.READY
         self._ready.set()
         if not ready:  # closed while connecting
-            self.platform.interrupt_pair_group(pg, self.peer_rank)
+            self.transport.interrupt_pair_group(pg, self.peer_rank)
             self._end_store(store, pg)
 
     def _end_store(self, store, pg) -> None:
@@ -153,10 +158,10 @@ class PairConnection:
     def _handshake(self, pg) -> None:
         """One byte P→D in this thread: the backend builds its communicator (a blocking
         rendezvous of both sides) here rather than in the first KV message's thread."""
-        probe = torch.ones(1, dtype=torch.uint8, device=self.device)
+        probe = torch.ones(1, dtype=torch.uint8, device="cpu" if self.staged else self.device)
         op = pg.send if self.rdzv.rank == 0 else pg.recv
         work = op([probe], self.peer_rank, KV_TAG)
-        self.platform.wait_work(work, self.config.connect_timeout_s)
+        self.transport.wait_work(work, self.config.connect_timeout_s)
 
     # ------------------------------------------------------------------ KV messages
     def isend(self, t: torch.Tensor):
@@ -170,7 +175,14 @@ class PairConnection:
         if self._state is not PairState.READY or pg is None:
             raise PairBroken(f"pair {self.rdzv.pair_name!r} is {self._state.value}: {self._error or 'not connected'}")
         try:
-            return getattr(pg, op)([as_bytes(t)], self.peer_rank, KV_TAG)
+            data = as_bytes(t)
+            if not self.staged:
+                return getattr(pg, op)([data], self.peer_rank, KV_TAG)
+            if op == "send":
+                host = stage_send(data)
+                return StagedWork(pg.send([host], self.peer_rank, KV_TAG), host)
+            host = stage_recv(data)
+            return StagedWork(pg.recv([host], self.peer_rank, KV_TAG), host, data)
         except Exception as e:
             self.mark_broken(f"{op} failed: {e}")
             raise PairBroken(self._error) from None
@@ -183,7 +195,7 @@ class PairConnection:
             self.drain([work])
             raise PairBroken(self._error or "pair closed")
         try:
-            self.platform.wait_work(work, self.config.timeout_s)
+            self.transport.wait_work(work, self.config.timeout_s)
         except Exception as e:
             self.mark_broken(f"{what}: {e}")
             raise PairBroken(self._error) from None
@@ -197,7 +209,7 @@ class PairConnection:
             left = self._drain_deadline - time.monotonic()
             if left > 0:
                 try:
-                    self.platform.wait_work(work, left)
+                    self.transport.wait_work(work, left)
                 except Exception:  # the expected outcome on a broken pair
                     pass
             if not work_ended(work):
@@ -247,7 +259,7 @@ class PairConnection:
         pg = self._pg
         if pg is None:
             return
-        self.platform.interrupt_pair_group(pg, self.peer_rank)
+        self.transport.interrupt_pair_group(pg, self.peer_rank)
 
     def close(self) -> None:
         with self._lock:

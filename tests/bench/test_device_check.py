@@ -1,0 +1,78 @@
+"""`epdserve bench device` on the CPU, end to end with real parts: every part in its own process, a
+real P-D deployment with the host-staged KV hop forced (its served tokens equal offline), a real
+monolithic launch for the served TPOT, transformers' generate, torch.profiler; the JSON has every
+figure the table prints. And a part past its timeout is stopped and reported, the others kept."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epdserve.bench.device_report import markdown
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench(tmp_path: Path, *flags: str, timeout: float = 400.0) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "epdserve.entrypoints.cli", "bench", "device", "--device", "cpu",
+                           "--out", str(out), "--work-dir", str(tmp_path / "work"), *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    report = json.loads((out / "device-check.json").read_text()) if (out / "device-check.json").exists() else {}
+    return proc, report
+
+
+@pytest.mark.slow  # three parts, two deployments: ~80 s on 2 idle cores, 3 min loaded
+def test_every_part_runs_on_cpu_and_reports_its_figures(tmp_path):
+    proc, report = _bench(
+        tmp_path, "--parts", "exact,serve,perf", "--archs", "qwen2_vl", "--exact-tokens", "4",
+        "--modes", "P-D", "--kv-hop", "host", "--serve-tokens", "4",
+        "--perf-size", "tiny", "--perf-dtypes", "float32", "--perf-tokens", "5", "--perf-batch", "2",
+        "--perf-repeats", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r.split()[1] for r in results] == ["exact", "serve", "perf"]
+    parts = report["parts"]
+    assert all(parts[p]["status"] == "ok" for p in parts)
+
+    exact = parts["exact"]["figures"]["qwen2_vl/float32"]
+    assert (exact["equal"], exact["of"]) == (3, 3)
+
+    pd = parts["serve"]["figures"]["P-D"]
+    assert (pd["equal"], pd["of"], pd["kv_hop"]) == (3, 3, "host") and pd["ready_s"] > 0
+
+    perf = parts["perf"]["figures"]
+    fig = perf["float32"]
+    assert perf["model"]["size"] == "tiny" and perf["model"]["lm_params_M"] > 0
+    # differences of two timed runs: numbers, but on a loaded 2-core host with 5 tokens not always > 0
+    for key in ("epd_tpot_b1_ms", "epd_tpot_b2_ms", "epd_decode_tok_s_b2", "hf_tpot_b1_ms", "hf_tpot_b2_ms",
+                "served_over_offline_b1"):
+        assert isinstance(fig[key], (int, float)), (key, fig)
+    for key in ("aten_ops_per_token_b1", "host_events_per_token_b1", "served_tpot_b1_ms", "served_ready_s"):
+        assert isinstance(fig[key], (int, float)) and fig[key] > 0, (key, fig)
+    assert fig["floor_ms"] == "n/a" and fig["device_kernels_per_token_b1"] is None  # CPU: no bandwidth, no kernels
+    md = (tmp_path / "out" / "device-check.md").read_text()
+    assert "| P-D |" in md and "| host |" in md and "decode TPOT, batch 1" in md
+    assert (tmp_path / "out" / "profile-float32.txt").exists() and (tmp_path / "out" / "serve.log").exists()
+
+
+def test_a_part_past_its_timeout_is_stopped_and_reported(tmp_path):
+    proc, report = _bench(tmp_path, "--parts", "exact", "--archs", "qwen2_vl", "--exact-timeout", "2", timeout=120)
+    assert proc.returncode == 1
+    assert report["parts"]["exact"]["status"].startswith("timeout after 2 s")
+    assert any(line.startswith("RESULT exact cpu timeout") for line in proc.stdout.splitlines())
+
+
+def test_the_report_prints_missing_figures_as_dashes():
+    report = {"device": "cuda", "parts": {
+        "serve": {"status": "ok", "figures": {"E-P-D": {"error": "not ready"},
+                                              "P-D": {"ready_s": 9.0, "equal": 3, "of": 3, "kv_hop": "host"}}},
+        "perf": {"status": "timeout after 200 s", "figures": {
+            "model": {"size": "2b", "lm_params_M": 1331.7, "bandwidth_Bps": 4.8e12, "tokens": 65, "batch": 32},
+            "bfloat16": {"lm_param_GB": 2.663, "floor_ms": 0.555, "epd_tpot_b1_ms": 34.7}}}}}
+    md = markdown(report)
+    assert "| P-D | 9.0 | 3/3 | host |" in md and "| E-P-D | — | FAILED: not ready" in md
+    assert "| decode TPOT, batch 1 | 34.70 ms | — | 0.555 ms (2.66 GB / bandwidth) |" in md
