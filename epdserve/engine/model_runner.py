@@ -67,10 +67,20 @@ class ModelRunner:
 
     def capture_graphs(self, context_tokens: int = 256) -> float:
         """Capture the decode graphs of every batch bucket for contexts up to `context_tokens`
-        (seconds taken; 0 where graphs are off)."""
+        (seconds taken; 0 where graphs are off). A capture that fails turns graphs off for this
+        engine, loudly: every step then runs eagerly, as with --enforce-eager."""
         if self.graphs is None:
             return 0.0
-        return self.graphs.capture_startup(-(-context_tokens // self.kv_cache.spec.block_size))
+        try:
+            return self.graphs.capture_startup(-(-context_tokens // self.kv_cache.spec.block_size))
+        except Exception as e:  # a driver or kernel that cannot be captured: eager still serves
+            self._graphs_off(e)
+            return 0.0
+
+    def _graphs_off(self, error: Exception) -> None:
+        log.warning("decode graph capture failed (%s: %s); this engine runs every step eagerly "
+                    "(as with --enforce-eager)", type(error).__name__, error)
+        self.graphs = None
 
     @torch.inference_mode()
     def build_prompt_embeds(self, token_ids: list[int], features: list[torch.Tensor]) -> torch.Tensor:
@@ -112,8 +122,12 @@ class ModelRunner:
         key = self.graphs.key(batch) if self.graphs is not None else None
         if key is not None:
             self.inputs_s = time.perf_counter() - t0
-            logits = self.graphs.run(key, ids, (pos, pos, pos), slots, ctx, tables)
-            return self._sample_rows(batch, list(range(len(batch))), logits)
+            try:
+                logits = self.graphs.run(key, ids, (pos, pos, pos), slots, ctx, tables)
+            except Exception as e:  # a new bucket that failed to capture: eager from now on
+                self._graphs_off(e)
+            else:
+                return self._sample_rows(batch, list(range(len(batch))), logits)
         spans = [RequestSpan(k, 1, c, t) for k, (c, t) in enumerate(zip(ctx, tables))]
         p = StepPacker()
         i_ids = p.add(ids, torch.int64)

@@ -8,7 +8,7 @@ from epdserve import LLM, SamplingParams
 from epdserve.engine.graph_runner import DecodeGraphs, batch_buckets
 from epdserve.model.reference import ReferenceGenerator
 from tests.engine.blocks import all_blocks_free
-from tests.fakes.replay_graphs import ReplayGraphsPlatform
+from tests.fakes.replay_graphs import FailingGraphsPlatform, ReplayGraphsPlatform
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +47,16 @@ def test_capture_startup_covers_every_bucket(setup):
     r = llm.engine.runner
     r.graphs.capture_startup(7)  # blocks: the narrowest width bucket
     assert {(b, 8) for b in r.graphs.buckets} <= set(r.graphs.graphs)
+
+
+def test_a_capture_that_fails_falls_back_to_eager(qwen2_vl_tiny):
+    llm = LLM(model=qwen2_vl_tiny, device="cpu", max_num_seqs=4)
+    r = llm.engine.runner
+    r.graphs = DecodeGraphs(r.lm, r.kv_cache, r.ops, r.layer_ops, FailingGraphsPlatform(), r.buffers, max_batch=4,
+                            max_blocks=64)
+    assert r.capture_graphs() == 0.0 and r.graphs is None  # at start-up: eager, said once
+    r.graphs = DecodeGraphs(r.lm, r.kv_cache, r.ops, r.layer_ops, FailingGraphsPlatform(), r.buffers, max_batch=4,
+                            max_blocks=64)
+    want = ReferenceGenerator(qwen2_vl_tiny).generate("a prompt of a few words", [], 6)
+    out = llm.generate(["a prompt of a few words"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == want and r.graphs is None  # mid-serving: that step and the rest eager

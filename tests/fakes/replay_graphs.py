@@ -36,3 +36,10 @@ class ReplayGraphsPlatform(CpuPlatform):
         g = _Replay(fn, out)
         self.captured.append(g)
         return g, out
+
+
+class FailingGraphsPlatform(ReplayGraphsPlatform):
+    """A platform whose captures fail (a driver or an operator that cannot be captured)."""
+
+    def capture_graph(self, fn, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
