@@ -22,6 +22,7 @@ from epdserve.model.adapter import VLMAdapter
 from epdserve.model.demo import PRESETS, demo_config
 from epdserve.ops.npu_ops import NpuPagedOps
 from epdserve.ops.layer_ops import PortableLayerOps
+from epdserve.ops.npu_layer_ops import NpuLayerOps
 from epdserve.ops.portable import PortableOps
 from epdserve.platform import get_platform
 from tests.fakes.host_reads import HostReads
@@ -44,7 +45,8 @@ def _runner(layers: int, ops) -> ModelRunner:
     a = VLMAdapter(model)
     lm = LeanLM(a, 4096)
     kv = PagedKVCache(KVCacheSpec(layers, a.num_kv_heads, a.head_dim, BLOCK, torch.bfloat16), num_blocks=6)
-    return ModelRunner(a, lm, kv, ops, PortableLayerOps(), get_platform("cpu"))
+    layer_ops = NpuLayerOps() if isinstance(ops, NpuPagedOps) else PortableLayerOps()  # the NPU's own kernels
+    return ModelRunner(a, lm, kv, ops, layer_ops, get_platform("cpu"))
 
 
 def _seq(i: int, n: int) -> Sequence:
