@@ -39,9 +39,12 @@ import os
 import re
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
+
+if TYPE_CHECKING:  # torch only where a namespace is computed: the secret's users (CLI flags, the
+    import torch   # scheduler's security options) load without it
 
 MEDIA_KEY_SECRET_ENV = "EPDSERVE_MEDIA_KEY_SECRET"
 _SAMPLES_PER_PARAM = 64
@@ -152,6 +155,8 @@ def _weight_sample(t: torch.Tensor) -> bytes:
     flat = t.reshape(-1)
     step = max(1, flat.numel() // _SAMPLES_PER_PARAM)
     sample = flat[::step][:_SAMPLES_PER_PARAM].to("cpu").contiguous()
+    import torch
+
     return sample.view(torch.uint8).numpy().tobytes()
 
 
