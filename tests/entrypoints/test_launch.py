@@ -221,9 +221,9 @@ def test_forged_identities_get_their_own_answers(deployment, forgeries):
         got_a = c.generate(IMAGE_PROMPT, images=[f["a"]], max_tokens=MAX_TOKENS, ignore_eos=True)
         c.generate(f["forged"], max_tokens=MAX_TOKENS, ignore_eos=True)
         got_chat = c.generate(f["chat"], max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = {"B": got_b.token_ids, "A": got_a.token_ids, "chat": got_chat.token_ids}
+    assert got == {"B": f["want_b"], "A": f["want_a"], "chat": f["want_chat"]}
     assert got_a.media_keys != got_b.media_keys
-    assert (got_b.token_ids, got_a.token_ids) == (f["want_b"], f["want_a"])
-    assert got_chat.token_ids == f["want_chat"]
 
 
 def test_instances_answer_health_and_report_their_roles(deployment):
