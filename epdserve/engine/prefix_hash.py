@@ -40,8 +40,8 @@ FIRST_PARENT = bytes(32)  # the first block's "previous digest": every content s
 
 def block_key(prev_digest: bytes, token_ids: bytes, media: bytes = b"") -> BlockKey:
     """The key of a block after the block whose digest is `prev_digest` (`FIRST_PARENT` for the
-    first): contents are parent (32 bytes) | token ids (8 bytes each) | media identity, so no two
-    positions' contents can be alike."""
+    first): contents are parent (32 bytes) | token ids (8 bytes each) | media identity, so a
+    first block's content is never a later block's."""
     if len(prev_digest) != 32:
         raise ValueError("prev_digest must be a 32-byte digest")
     content = prev_digest + token_ids + media
@@ -65,11 +65,18 @@ class PrefixHasher:
         if spans is UNHASHABLE:
             return []
         prev = memo[-1].digest if memo else FIRST_PARENT
+        first, p = len(memo) * bs, seq.prompt_len
+        ids = seq.prompt_token_ids[first:n * bs] + seq.output_token_ids[max(0, first - p):max(0, n * bs - p)]
+        raw, width = array("q", ids).tobytes(), 8 * bs  # the new blocks' token ids, converted at once
         for i in range(len(memo), n):
             lo, hi = i * bs, (i + 1) * bs
-            media = "".join(f"{key}|{extra}|{max(lo, start) - start}|{min(hi, end) - max(lo, start)};"
-                            for key, extra, start, end in spans if max(lo, start) < min(hi, end))
-            k = block_key(prev, array("q", (seq.token_at(j) for j in range(lo, hi))).tobytes(), media.encode())
+            media = b""
+            for key, extra, start, end in spans:
+                a, b = max(lo, start), min(hi, end)
+                if a < b:
+                    media += f"{key}|{extra}|{a - start}|{b - a};".encode()
+            off = (lo - first) * 8
+            k = block_key(prev, raw[off:off + width], media)
             prev = k.digest
             memo.append(k)
         return memo[:n]
