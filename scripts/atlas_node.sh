@@ -20,6 +20,7 @@
 #   EPDSERVE_CLUSTER_TOKEN      instances present it to register, the scheduler to call them   [required]
 #   EPDSERVE_API_KEY            clients send it as `authorization: Bearer` to the scheduler    [required on the head]
 #   EPDSERVE_MM_STORE_PASSWORD  (and EPDSERVE_MM_STORE_USERNAME for an ACL user) of the MM Store's Redis
+#   EPDSERVE_MEDIA_KEY_SECRET   the scheduler keys media with it (unset: a random one per scheduler start)
 # `new-env` writes one with a random token and key; atlas_cluster_example.sh copies it to every
 # server over ssh's stdin. The scheduler serves clients on NODE_IP:SCHED_PORT and the instance
 # registry on NODE_IP:REG_PORT; instances bind NODE_IP only. Open both ports, the instances' and
@@ -112,7 +113,7 @@ check_mm_store() {  # a password in MM_STORE would be an `epdserve instance` arg
   fi
 }
 
-new_env() {  # a fresh env file with a random cluster token and API key; never overwrites one
+new_env() {  # a fresh env file with a random cluster token, API key and media-key secret; never overwrites one
   [[ ! -e "$ENV_FILE" ]] || die "$ENV_FILE exists: remove it first to replace its secrets (every server and client then needs the new file)"
   ( umask 077; set -o noclobber
     mkdir -p "$(dirname "$ENV_FILE")"
@@ -120,11 +121,12 @@ new_env() {  # a fresh env file with a random cluster token and API key; never o
       echo "# epdserve secrets: mode 0600, the same file on every server of the deployment"
       echo "EPDSERVE_CLUSTER_TOKEN=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
       echo "EPDSERVE_API_KEY=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
+      echo "EPDSERVE_MEDIA_KEY_SECRET=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
       echo "# the MM Store Redis's password (and ACL user), if it has one:"
       echo "#EPDSERVE_MM_STORE_PASSWORD="
       echo "#EPDSERVE_MM_STORE_USERNAME="
     } > "$ENV_FILE" )
-  echo "wrote $ENV_FILE (mode 0600): a random EPDSERVE_CLUSTER_TOKEN and EPDSERVE_API_KEY; clients send the API key"
+  echo "wrote $ENV_FILE (mode 0600): a random EPDSERVE_CLUSTER_TOKEN, EPDSERVE_API_KEY and EPDSERVE_MEDIA_KEY_SECRET; clients send the API key"
 }
 
 # ---- CANN environment. set_env.sh reads variables that may be unset (e.g. `$PYTHONPATH` on some

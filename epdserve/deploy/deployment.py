@@ -9,7 +9,10 @@ hands out (public TLS, API key, cluster token) and, on timeout, says what it saw
 deployment has a cluster token — EPDSERVE_CLUSTER_TOKEN when the launcher has one, else a random
 one made here — handed to each child in its environment (never its argv), so that the
 scheduler's internal port and every instance port refuse callers without it, even on loopback
-(other users of the machine). Children are
+(other users of the machine). Likewise the deployment's media-key secret (`seams.media_keys`:
+EPDSERVE_MEDIA_KEY_SECRET when the launcher has one, else a random one made here, kept in a 0600
+file) goes to the scheduler, the one child that computes media keys; a restarted scheduler keys
+media as before, so the MM Store's features are found again. Children are
 `ChildProcess`es (own process group, die with the launcher) whose output
 goes to one log file each under `log_dir`.
 
@@ -39,6 +42,7 @@ from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.deploy.supervisor import RestartPolicy, RestartSchedule
 from epdserve.instance.modes import mode_pools
+from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV
 from epdserve.transfer.mm_store.connection import PASSWORD_ENV
 
@@ -92,6 +96,9 @@ class Deployment:
         # the deployment's cluster token: the launcher's, else a random one (children get it in their environment)
         self.cluster_token = os.environ.get(CLUSTER_TOKEN_ENV) or secrets.token_urlsafe(32)
         self.cluster_token_file: Path | None = None  # where a token made here is kept (0600)
+        # the secret media keys are keyed with: the launcher's, else a random one (the scheduler's environment)
+        self.media_key_secret = os.environ.get(MEDIA_KEY_SECRET_ENV, "").strip() or secrets.token_urlsafe(32)
+        self.media_key_secret_file: Path | None = None  # where a secret made here is kept (0600)
         self.mm_store_password_file: Path | None = None  # the private MM Store's password, for operators' tools
         self._own_log_dir = spec.log_dir is None
         self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="epdserve-launch-"))
@@ -115,6 +122,8 @@ class Deployment:
             log.info("MM Store: private server at %s", self.mm_store_url)
         if CLUSTER_TOKEN_ENV not in os.environ:  # made here: kept where the operator can read it
             self.cluster_token_file = self._write_secret("cluster.token", self.cluster_token)
+        if not os.environ.get(MEDIA_KEY_SECRET_ENV, "").strip():
+            self.media_key_secret_file = self._write_secret("media_key.secret", self.media_key_secret)
         self.address = self._start_scheduler(deadline, should_stop)
         cores = self._core_sets()
         self.kv_hop = self._choose_kv_hop()
@@ -156,7 +165,8 @@ class Deployment:
         return addr_file.read_text().strip()
 
     def _write_secret(self, name: str, value: str) -> Path:
-        """A secret the deployment made (the private MM Store's password, its cluster token) in a
+        """A secret the deployment made (the private MM Store's password, its cluster token, its
+        media-key secret) in a
         0600 file of the log directory (removed with it after a clean stop), for tools an operator
         points at the deployment (`epdserve doctor --mm-store`, GetServerInfo with the token)."""
         path = self.log_dir / name
@@ -174,7 +184,8 @@ class Deployment:
         return self._child("scheduler", [
             "--model", s.model, "--host", s.host, "--port", str(port), "--mode", s.mode,
             "--address-file", str(addr_file), *self._internal_args(), *s.scheduler_args],
-            env={CLUSTER_TOKEN_ENV: self.cluster_token}, module="epdserve.entrypoints.scheduler_cli")
+            env={CLUSTER_TOKEN_ENV: self.cluster_token, MEDIA_KEY_SECRET_ENV: self.media_key_secret},
+            module="epdserve.entrypoints.scheduler_cli")
 
     def _internal_args(self) -> list[str]:
         """The scheduler flags of its internal port when the deployment owns it (no spec.registry):

@@ -3,18 +3,26 @@
 Every block is in one of three places: the free list (no content worth keeping), the cached
 free list (unreferenced, but it holds the KV of a full block whose hash is known: reusable
 until evicted, least recently freed first), or one or more requests' tables (its reference
-count). A full block's hash (engine/prefix_hash.py) chains its tokens and media identity to
-everything before it, so a hash names one prefix; `lookup` finds the longest cached run of a
-request's hashes, `adopt` starts its table with those blocks, `cache` records hashes of blocks a
-request has computed. `free(request)` drops its references; a block that reaches zero goes to the
+count). A full block's key (engine/prefix_hash.py `BlockKey`: a SHA-256 digest chaining its
+tokens and media identity to everything before it, and the content it hashed) names one prefix;
+`lookup` finds the longest cached run of a request's keys — a block is a hit only when its
+recorded content equals the request's (token ids, media identity, parent digest), so a block
+whose digest collides with another prompt's is a miss, never served, on P and on D (whose
+imported KV is looked up the same way) —, `adopt` starts its table with those blocks, `cache`
+records the keys of blocks a request has computed (the first block under a digest keeps it). `free(request)` drops its references; a block that reaches zero goes to the
 cached free list if it has a hash, else to the free list. `grow` takes free blocks first, then
 evicts cached ones. With `prefix_caching=False` nothing is hashed and the cached list stays empty.
 The scheduler is the only caller.
 """
 from __future__ import annotations
 
+import logging
 from array import array
 from collections import OrderedDict, deque
+
+from epdserve.engine.prefix_hash import BlockKey
+
+log = logging.getLogger(__name__)
 
 
 class BlockManager:
@@ -25,13 +33,14 @@ class BlockManager:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
-        self._cached_free: OrderedDict[int, int] = OrderedDict()  # block -> hash, oldest first
+        self._cached_free: OrderedDict[int, bytes] = OrderedDict()  # block -> digest, oldest first
         self._tables: dict[str, array] = {}  # int64 block ids, copied in C
         self._seen: dict[str, int] = {}  # request -> leading blocks of its table `cache` has been through
         self._refs = [0] * num_blocks
-        self._hash_of: dict[int, int] = {}  # block -> hash of the prefix it holds
-        self._block_of: dict[int, int] = {}  # hash -> block
+        self._key_of: dict[int, BlockKey] = {}  # block -> key of the prefix it holds
+        self._block_of: dict[bytes, int] = {}  # digest -> block
         self.evictions = 0
+        self.mismatches = 0  # lookups that found a digest with other content (forged, or a broken hash)
 
     @property
     def num_free(self) -> int:
@@ -89,12 +98,18 @@ class BlockManager:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # ---------------------------------------------------------------- prefix cache
-    def lookup(self, hashes: list[int]) -> list[int]:
-        """The cached blocks of the longest prefix of `hashes` (one hash per full block)."""
+    def lookup(self, keys: list[BlockKey]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` (one per full block) whose recorded
+        content equals the request's: equal digests alone serve nothing."""
         out = []
-        for h in hashes:
-            b = self._block_of.get(h)
+        for k in keys:
+            b = self._block_of.get(k.digest)
             if b is None:
+                break
+            if self._key_of[b].content != k.content:
+                self.mismatches += 1
+                log.warning("prefix cache: block %d is cached under the digest of a block with other content "
+                            "(forged or a broken hash); a miss, not served", b)
                 break
             out.append(b)
         return out
@@ -115,29 +130,29 @@ class BlockManager:
         """The first block of the request's table that `cache` has not been through."""
         return self._seen.get(request_id, 0)
 
-    def cache(self, request_id: str, hashes: list[int]) -> None:
-        """Record the hashes of the request's first len(hashes) blocks, which hold computed KV
-        (a hash already held by another block stays with that one); blocks already gone through
+    def cache(self, request_id: str, keys: list[BlockKey]) -> None:
+        """Record the keys of the request's first len(keys) blocks, which hold computed KV (a
+        digest already held by another block stays with that one); blocks already gone through
         are skipped, so a request's blocks are each looked at once."""
         if not self.prefix_caching:
             return
         table = self._tables.get(request_id, ())
         start = self._seen.get(request_id, 0)
-        for i in range(start, min(len(table), len(hashes))):
-            b, h = table[i], hashes[i]
-            if b in self._hash_of or h in self._block_of:
+        for i in range(start, min(len(table), len(keys))):
+            b, k = table[i], keys[i]
+            if b in self._key_of or k.digest in self._block_of:
                 continue
-            self._hash_of[b] = h
-            self._block_of[h] = b
-        self._seen[request_id] = max(start, min(len(table), len(hashes)))
+            self._key_of[b] = k
+            self._block_of[k.digest] = b
+        self._seen[request_id] = max(start, min(len(table), len(keys)))
 
     # ---------------------------------------------------------------- internals
     def _take(self) -> int:
         if self._free:
             b = self._free.popleft()
         else:
-            b, h = self._cached_free.popitem(last=False)  # least recently freed
-            del self._hash_of[b], self._block_of[h]
+            b, d = self._cached_free.popitem(last=False)  # least recently freed
+            del self._key_of[b], self._block_of[d]
             self.evictions += 1
         self._refs[b] = 1
         return b
@@ -146,8 +161,8 @@ class BlockManager:
         self._refs[b] -= 1
         if self._refs[b] > 0:
             return
-        h = self._hash_of.get(b)
-        if h is None:
+        k = self._key_of.get(b)
+        if k is None:
             self._free.append(b)
         else:
-            self._cached_free[b] = h
+            self._cached_free[b] = k.digest

@@ -95,8 +95,9 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests in
     def media_item(self, m: MediaInput, key: str | None = None) -> MediaItem:
-        """A request's media item from preprocessed media (key computed unless given)."""
-        return MediaItem(key=key or media_key(m.raw, self.model.namespace), input=m, num_tokens=m.num_tokens,
+        """A request's media item from preprocessed media (key computed unless given: an instance
+        is given the scheduler's; offline, the key is this process's, `LoadedModel.media_secret`)."""
+        return MediaItem(key=key or media_key(m.raw, self.model.namespace, self.model.media_secret), input=m, num_tokens=m.num_tokens,
                          grid_thw=m.grid_thw)
 
     def build_request(self, request_id: str, prompt: str | list[int], images: list | None = None,

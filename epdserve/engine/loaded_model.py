@@ -4,7 +4,8 @@ Co-located stage workers (E+P, E+D, and any later role change) each run their ow
 own KV cache, scheduler and queue — over this one object: vision tower and language model are
 loaded once (on an accelerator a second copy would cost the HBM the KV cache needs). Holds
 what depends only on the checkpoint and the context length: the split model (`VLMAdapter`),
-tokenizer, multimodal processor, the MM Store namespace of its features, EOS ids.
+tokenizer, multimodal processor, the MM Store namespace of its features and the secret media
+keys are keyed with (`seams.media_keys`), EOS ids.
 Inference over the shared modules is stateless (per-forward metadata travels as arguments), so
 engines on different threads may run forwards at once.
 """
@@ -23,7 +24,7 @@ from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoi
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.platform import get_platform
 from epdserve.platform.base import Platform
-from epdserve.seams.media_keys import namespace_for
+from epdserve.seams.media_keys import MediaKeySecret, namespace_for
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,6 +40,7 @@ class LoadedModel:
     lm: LeanLM  # the fused LM the engines run (transformers' own LM layers are released)
     processor: MultimodalProcessor
     namespace: str  # MM Store key namespace: features of this vision tower + preprocessing
+    media_secret: MediaKeySecret  # what keys media computed here (engine.media_item): the process's
     eos_token_ids: set[int]
     max_model_len: int
 
@@ -51,8 +53,11 @@ class LoadedModel:
         return self.adapter.device
 
 
-def load_model(model: str, device: str = "auto", dtype: str = "auto", context_len: int | None = None) -> LoadedModel:
+def load_model(model: str, device: str = "auto", dtype: str = "auto", context_len: int | None = None,
+               media_secret: MediaKeySecret | None = None) -> LoadedModel:
     """Load `model` (a checkpoint directory) on the platform `device` names ("auto": npu, cuda, cpu).
+    `media_secret`: what media keys computed here are keyed with (default: the process's,
+    `MediaKeySecret.of_process()`).
 
     dtype "auto" is fp32 on CPU (the exactness oracle's dtype) and bf16 on accelerators."""
     platform = get_platform(device)
@@ -74,6 +79,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
         model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a,
         lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings)), processor=processor,
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
+        media_secret=media_secret or MediaKeySecret.of_process(),
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
     )
 

@@ -1,12 +1,18 @@
-"""Block hashes for the prefix cache: one per full KV block, chained, keyed by media identity.
+"""Block keys for the prefix cache: one per full KV block, chained, carrying media identity.
 
-Block i's hash is xxh3-64 of (block i-1's hash, block i's token ids, and for every media item
-whose placeholder tokens fall in the block: its key, grid, seconds per temporal patch, and the
-offset and count of its tokens there). Equal hashes mean equal prefixes: the same text with
-another image differs from that image's first block on (vLLM keys blocks by the media hash the
-same way, `vllm/v1/core/kv_cache_utils.py` `generate_block_hash_extra_keys`). M-RoPE positions
-and DeepStack features depend on nothing past the tokens and media of the prefix, so the KV of
-a prefix is a function of its hash.
+Block i's key (`BlockKey`) is its `content` — block i-1's digest, block i's token ids, and for
+every media item whose placeholder tokens fall in the block: its key, grid, seconds per temporal
+patch, and the offset and count of its tokens there — and its `digest`, the SHA-256 of that
+content (vLLM hashes blocks with SHA-256 by default for the same reason: a fast unkeyed hash
+lets anyone build a block that collides with a popular prefix, e.g. a chat template's first
+block, and have their KV served to everyone who sends it). Equal digests mean equal prefixes,
+and the block manager still compares the content on every hit before it serves a block
+(`BlockManager.lookup`), so not even a broken hash could serve another prompt's KV. The same text
+with another image differs from that image's first block on (vLLM keys blocks by the media hash
+the same way, `vllm/v1/core/kv_cache_utils.py` `generate_block_hash_extra_keys`); media keys are
+keyed by the deployment's secret (`seams/media_keys.py`), so no one can aim two images at one.
+M-RoPE positions and DeepStack features depend on nothing past the tokens and media of the
+prefix, so the KV of a prefix is a function of its key.
 
 A decode-only engine holds no media, only their identity (`Sequence.media_identity`, from the
 request): its imported KV is hashed the same way. A prompt whose placeholder tokens the media
@@ -14,12 +20,32 @@ request): its imported KV is hashed the same way. A prompt whose placeholder tok
 """
 from __future__ import annotations
 
-import struct
+import hashlib
 from array import array
-
-import xxhash
+from typing import NamedTuple
 
 from epdserve.engine.sequence import Sequence
+
+
+class BlockKey(NamedTuple):
+    """One full block's identity: `digest` (SHA-256 of `content`) names the whole prefix up to and
+    including the block; `content` is exactly what was hashed (the previous block's digest, the
+    block's token ids as int64, its media identity), compared on every cache hit."""
+    digest: bytes
+    content: bytes
+
+
+FIRST_PARENT = bytes(32)  # the first block's "previous digest": every content starts with 32 bytes of one
+
+
+def block_key(prev_digest: bytes, token_ids: bytes, media: bytes = b"") -> BlockKey:
+    """The key of a block after the block whose digest is `prev_digest` (`FIRST_PARENT` for the
+    first): contents are parent (32 bytes) | token ids (8 bytes each) | media identity, so a
+    first block's content is never a later block's."""
+    if len(prev_digest) != 32:
+        raise ValueError("prev_digest must be a 32-byte digest")
+    content = prev_digest + token_ids + media
+    return BlockKey(hashlib.sha256(content).digest(), content)
 
 
 class PrefixHasher:
@@ -27,8 +53,8 @@ class PrefixHasher:
         self.block_size = block_size
         self.visual = frozenset(t for t in visual_token_ids if t is not None)
 
-    def hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Hashes of the full blocks among the request's first `num_tokens` tokens (extends the
+    def hashes(self, seq: Sequence, num_tokens: int) -> list[BlockKey]:
+        """Keys of the full blocks among the request's first `num_tokens` tokens (extends the
         request's memo `seq.block_hashes`)."""
         bs, memo = self.block_size, seq.block_hashes
         n = num_tokens // bs
@@ -38,17 +64,21 @@ class PrefixHasher:
         seq.media_spans = spans
         if spans is UNHASHABLE:
             return []
-        prev = memo[-1] if memo else 0
+        prev = memo[-1].digest if memo else FIRST_PARENT
+        first, p = len(memo) * bs, seq.prompt_len
+        ids = seq.prompt_token_ids[first:n * bs] + seq.output_token_ids[max(0, first - p):max(0, n * bs - p)]
+        raw, width = array("q", ids).tobytes(), 8 * bs  # the new blocks' token ids, converted at once
         for i in range(len(memo), n):
             lo, hi = i * bs, (i + 1) * bs
-            h = xxhash.xxh3_64(struct.pack("<Q", prev))
-            h.update(array("q", (seq.token_at(j) for j in range(lo, hi))).tobytes())
+            media = b""
             for key, extra, start, end in spans:
                 a, b = max(lo, start), min(hi, end)
                 if a < b:
-                    h.update(f"{key}|{extra}|{a - start}|{b - a};".encode())
-            prev = h.intdigest()
-            memo.append(prev)
+                    media += f"{key}|{extra}|{a - start}|{b - a};".encode()
+            off = (lo - first) * 8
+            k = block_key(prev, raw[off:off + width], media)
+            prev = k.digest
+            memo.append(k)
         return memo[:n]
 
     def _media_spans(self, seq: Sequence) -> list[tuple[str, str, int, int]] | tuple:

@@ -87,7 +87,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefix_counted: bool = False  # its first admission is in the scheduler's prefix-cache query/hit totals
     pinned_tokens: int = 0  # a cached prefix whose media were never encoded: kept through preemption
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full blocks so far
+    block_hashes: list = field(default_factory=list)  # prefix-cache keys of full blocks so far (prefix_hash.BlockKey)
     media_spans: list | None = None  # (key, extra, first, end) per media item (engine/prefix_hash.py)
     media_identity: tuple = ()  # decode-only: (key, extra, num_tokens) per media item, for the prefix cache
     decode_clock: tuple[float, int] | None = None  # step budget: (when it started decoding here, outputs then)

@@ -15,6 +15,7 @@ import logging
 import os
 from pathlib import Path
 
+from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.exposure import INSECURE_HELP, guard, is_loopback
 from epdserve.security.secrets import API_KEY_ENV, CLUSTER_TOKEN_ENV
 
@@ -67,6 +68,11 @@ def add_security_flags(p) -> None:
                    help=f"file holding the deployment's cluster token (or set {CLUSTER_TOKEN_ENV}): instances "
                         "present it to register, the scheduler on every call to an instance, and only its holders "
                         "see instance addresses in GetServerInfo; default: no token")
+    g.add_argument("--media-key-secret-file", type=Path, default=None,
+                   help=f"file holding the deployment's media-key secret (or set {MEDIA_KEY_SECRET_ENV}; `launch` "
+                        "makes one): media keys are keyed with it, so no one can forge two images with one key; "
+                        "default: a random one of this process (a shared MM Store's features are not found again "
+                        "after a restart)")
     g.add_argument("--internal-port", type=int, default=0,
                    help="the instance Registry's own port, never the public one (default 0: a free one, printed "
                         "as 'epdserve scheduler internal: grpc://HOST:PORT')")
@@ -85,6 +91,7 @@ def add_security_flags(p) -> None:
 
 
 def security_from_args(args):
+    from epdserve.seams.media_keys import MediaKeySecret
     from epdserve.security import Secret
     from epdserve.security.options import SchedulerSecurity
 
@@ -92,6 +99,7 @@ def security_from_args(args):
     return SchedulerSecurity(
         api_key=Secret(key) if key else None,
         cluster_token=Secret.load(file=args.cluster_token_file, env=CLUSTER_TOKEN_ENV),
+        media_key_secret=MediaKeySecret.load(file=getattr(args, "media_key_secret_file", None)),
         tls_cert=args.tls_cert, tls_key=args.tls_key, internal_host=args.internal_host,
         internal_port=args.internal_port, internal_tls_cert=args.internal_tls_cert,
         internal_tls_key=args.internal_tls_key, internal_tls_ca=args.internal_tls_ca, insecure=args.insecure)

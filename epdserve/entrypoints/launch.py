@@ -8,7 +8,8 @@ Prints one line to stdout when every instance is on the scheduler's roster:
 (``kv_hop=``: the P->D KV hop, `deploy/kv_hop.py`, in modes that have one; then
 ``mm_store_password_file=PATH`` for the private MM Store — a 0600 file in the log directory
 holding its random password, for `EPDSERVE_MM_STORE_PASSWORD` —, ``cluster_token_file=PATH``
-when launch made the cluster token, ``tls=1`` with --tls-cert,
+when launch made the cluster token, ``media_key_secret_file=PATH`` when it made the media-key
+secret (`EPDSERVE_MEDIA_KEY_SECRET`: the scheduler keys media with it), ``tls=1`` with --tls-cert,
 ``http=URL`` with --http-port, and ``internal=grpc://HOST:PORT``: the scheduler's internal port).
 --tls-cert/--tls-key put the scheduler's public ports on TLS, and the launcher's readiness probe
 uses them too (as it uses EPDSERVE_API_KEY / EPDSERVE_CLUSTER_TOKEN); TLS flags passed through
@@ -189,6 +190,8 @@ def ready_line(dep, address: str, http_port: int | None) -> str:
         line += f" mm_store_password_file={dep.mm_store_password_file}"
     if dep.cluster_token_file is not None:
         line += f" cluster_token_file={dep.cluster_token_file}"
+    if dep.media_key_secret_file is not None:
+        line += f" media_key_secret_file={dep.media_key_secret_file}"
     if tls:
         line += " tls=1"
     if http_port:

@@ -15,7 +15,9 @@ from epdserve.kube.values import KubeValues
 CLUSTER_TOKEN = "EPDSERVE_CLUSTER_TOKEN"
 API_KEY = "EPDSERVE_API_KEY"
 MM_STORE_PASSWORD = "EPDSERVE_MM_STORE_PASSWORD"
-SECRET_ENV = {CLUSTER_TOKEN: "cluster-token", API_KEY: "api-key", MM_STORE_PASSWORD: "mm-store-password"}
+MEDIA_KEY_SECRET = "EPDSERVE_MEDIA_KEY_SECRET"  # the scheduler's alone: it keys media (seams/media_keys.py)
+SECRET_ENV = {CLUSTER_TOKEN: "cluster-token", API_KEY: "api-key", MM_STORE_PASSWORD: "mm-store-password",
+              MEDIA_KEY_SECRET: "media-key-secret"}
 
 
 def secret_env(v: KubeValues, var: str, name: str | None = None) -> dict:

@@ -29,7 +29,7 @@ from epdserve.request_errors import InvalidRequestError, MediaError, readable
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.rpc.video_spec import video_options_from_proto
 from epdserve.scheduler.errors import RequestError
-from epdserve.seams.media_keys import media_key
+from epdserve.seams.media_keys import MediaKeySecret, media_key
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -84,11 +84,15 @@ class MediaIndex:
 
 
 class RequestPreprocessor:
-    def __init__(self, model_dir: str, max_model_len: int | None = None):
+    """`media_secret`: what media keys are keyed with (`seams.media_keys`; the scheduler's is the
+    deployment's, default: this process's)."""
+
+    def __init__(self, model_dir: str, max_model_len: int | None = None, media_secret: MediaKeySecret | None = None):
         from transformers import AutoConfig, AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.model_dir = str(model_dir)
+        self.media_secret = media_secret or MediaKeySecret.of_process()
         self.config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
@@ -195,14 +199,14 @@ class RequestPreprocessor:
                 mi = self.processor.preprocess_video(bytes(m.data), video_options_from_proto(m.video))
             except InvalidRequestError as e:
                 raise RequestError.invalid(_about(label, e)) from None
-            return PreparedMedia(media_key(mi.raw, namespace), bytes(m.data), [int(x) for x in mi.grid_thw.tolist()],
+            return PreparedMedia(media_key(mi.raw, namespace, self.media_secret), bytes(m.data), [int(x) for x in mi.grid_thw.tolist()],
                                  mi.num_tokens, "video", mi.expansion, m.video)
         if which == "data":
             try:
                 mi = self.processor.preprocess_image(bytes(m.data))
             except InvalidRequestError as e:
                 raise RequestError.invalid(_about(label, e)) from None
-            key = media_key(mi.raw, namespace)
+            key = media_key(mi.raw, namespace, self.media_secret)
             grid = [int(x) for x in mi.grid_thw.tolist()]
             self.index.put(key, grid, mi.num_tokens)
             return PreparedMedia(key, bytes(m.data), grid, mi.num_tokens)

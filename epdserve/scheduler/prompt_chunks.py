@@ -8,6 +8,12 @@ grid, kind, and the offset and count of its placeholder tokens there) of every m
 placeholder tokens fall in the chunk, as `engine/prefix_hash.py` does for blocks: the same text
 with another image stops matching at that image's first chunk. Only full chunks count (the
 engines cache only full blocks). Pure functions; safe in the preprocessing threads.
+
+The hash is xxh3-64 on purpose, not the engines' SHA-256 (`engine/prefix_hash.py`): these hashes
+only guess where a prefix probably is (an approximate index, never compared with an engine's), so
+a chunk forged to collide with another prompt's steers one request to an instance and serves
+nothing: the engine there compares a cached block's content before it reuses it. The media keys
+folded in are the scheduler's keyed ones (`seams/media_keys.py`).
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from epdserve.scheduler.preprocess import RequestPreprocessor
 from epdserve.scheduler.registry import InstanceRegistry
 from epdserve.scheduler.routing import Router
 from epdserve.scheduler.services import EPDServeServicer, RegistryServicer
+from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV, MediaKeySecret
 from epdserve.security.interceptors import AioAuthInterceptor, aio_metadata_interceptors, cluster_metadata
 from epdserve.security.options import SchedulerSecurity
 from epdserve.security.tls import channel_credentials, server_credentials
@@ -74,7 +75,14 @@ class SchedulerServer:
     async def start(self) -> str:
         self.security.check_exposure(self.config.host)  # before any work: a refusal is immediate
         loop = asyncio.get_running_loop()
-        pre = await loop.run_in_executor(None, RequestPreprocessor, self.config.model, self.config.max_model_len)
+        secret = self.security.media_key_secret or MediaKeySecret.load()
+        if secret is None:
+            secret = MediaKeySecret.of_process()
+            log.warning("no media-key secret (%s or --media-key-secret-file): media keys are keyed with this "
+                        "process's own, so features a shared MM Store holds are not found again after a restart",
+                        MEDIA_KEY_SECRET_ENV)
+        pre = await loop.run_in_executor(None, RequestPreprocessor, self.config.model, self.config.max_model_len,
+                                         secret)
         self.dispatcher = Dispatcher(self.config, self.registry, self.router, self.channels, pre)
         sec = self.security
         # A request over the input limit is refused by gRPC as it arrives (RESOURCE_EXHAUSTED),

@@ -7,6 +7,6 @@ Imports nothing of epdserve above it.
 
 - kv_connector.py      the P→D seam: `KVConnector` (contract), `RemoteDecode` / `RemotePrefill`, `FinishedTransfer`
 - feature_provider.py  the E→P seam: `FeatureProvider` (contract), `FeatureStats`, `LocalFeatureProvider`
-- media_keys.py        media identity: `media_key` (xxh3-128 of raw bytes) and `namespace_for` (model/processor)
+- media_keys.py        media identity: `media_key` (keyed BLAKE2b of raw bytes, `MediaKeySecret`) and `namespace_for` (model/processor)
 - byte_lru.py          `ByteLRU`: the byte-bounded LRU both feature caches keep their entries in
 """

@@ -1,33 +1,120 @@
 """Media keys: the one identity of a media item (store, events, routing, prefix caching).
 
-A key is ``"<namespace>:<xxh3-128 hex of the raw media bytes>"``. The namespace fingerprints
-everything that decides what features an image turns into: the model id, the vision tower
-(parameter names, shapes, dtypes and a cheap strided sample of the weights) and the image
-processor's config. Two models therefore never share features, and a changed processor (or a
-re-finetuned tower under the same model id) never serves stale ones.
+A key is ``"<namespace>:<32 hex>"``: the namespace, then a keyed BLAKE2b-128 (hashlib) of the raw
+media bytes under the deployment's media-key secret (`MediaKeySecret`). An unkeyed fast hash
+would let anyone build two images with one key (XXH3's secret is public: such pairs take
+milliseconds) and have every later sender of the one served the other's features, prefix and
+answer; without the secret nobody can compute a key, let alone aim two images at one. The
+namespace fingerprints everything that decides what features an image turns into: the model id,
+the vision tower (parameter names, shapes, dtypes and a cheap strided sample of the weights) and
+the image processor's config. Two models therefore never share features, and a changed processor
+(or a re-finetuned tower under the same model id) never serves stale ones. The namespace is no
+secret and needs none: nothing an attacker sends reaches it.
+
+Who holds the secret: whoever computes keys that others compare. In a deployment that is the
+scheduler alone (it keys every media item it receives; instances take the keys it sends with the
+bytes, over the cluster-token-guarded internal port), so `epdserve launch` makes one as it makes
+the cluster token and hands it to the scheduler in its environment (`EPDSERVE_MEDIA_KEY_SECRET`),
+Kubernetes reads it from the release's Secret, an operator may pass ``--media-key-secret-file``.
+A scheduler without one keys with a random secret of its own (logged): safe, but a shared MM
+Store's features are then not found again after its restart. One process on its own (the
+offline `LLM`, benches) keys with `MediaKeySecret.of_process()`: the environment's, else a random
+one made once per process, so that every engine of the process agrees.
+
+Checksums are where xxhash stays (nothing adversarial depends on them): the namespace's
+fingerprint of the tower and processor config (our own weights and config, never request
+data), the MM Store value's checksum (`transfer/mm_store/codec.py`: corruption, not forgery;
+who may write is the server's password), and the router's prompt-chunk index
+(`scheduler/prompt_chunks.py`: an approximate routing hint; a forged collision steers one
+request to an instance, and the engine's prefix cache compares block contents before serving).
 
 Computing a namespace touches every parameter once but copies only a few values of each, so
 it costs milliseconds even for a 600M-parameter tower; compute it once per process.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
+if TYPE_CHECKING:  # torch only where a namespace is computed: the secret's users (CLI flags, the
+    import torch   # scheduler's security options) load without it
+
+MEDIA_KEY_SECRET_ENV = "EPDSERVE_MEDIA_KEY_SECRET"
 _SAMPLES_PER_PARAM = 64
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+_PERSON = b"epdserve-media"  # BLAKE2b personalisation: these digests are media keys, nothing else
+_PROCESS_RANDOM = secrets.token_bytes(32)  # drawn once per process, never changed: `of_process` without a configured secret
 
 
-def media_key(raw: bytes, namespace: str) -> str:
-    """The key of one media item: its namespace and the xxh3-128 of its raw (encoded) bytes."""
+class MediaKeySecret:
+    """The per-deployment secret media keys are keyed with; never prints.
+
+    Sources (`load`), first found wins: a file (0600, as `launch` writes it), the environment
+    variable `EPDSERVE_MEDIA_KEY_SECRET`. Any non-empty text works; the BLAKE2b key is derived
+    from it, so processes given the same text compute the same keys."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, value: str | bytes):
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        if not raw.strip():
+            raise ValueError("an empty media-key secret")
+        self._key = hashlib.blake2b(raw.strip(), digest_size=32, person=b"epdserve-mkey").digest()
+
+    @classmethod
+    def random(cls) -> "MediaKeySecret":
+        return cls(secrets.token_bytes(32))
+
+    @classmethod
+    def load(cls, file: str | Path | None = None, env: str | None = MEDIA_KEY_SECRET_ENV) -> "MediaKeySecret | None":
+        """The secret from `file`, else from the environment variable `env`; None where neither is set."""
+        if file:
+            text = Path(file).read_text()
+            if not text.strip():
+                raise ValueError(f"{file}: empty media-key secret file")
+            return cls(text)
+        if env and os.environ.get(env, "").strip():
+            return cls(os.environ[env])
+        return None
+
+    @classmethod
+    def of_process(cls) -> "MediaKeySecret":
+        """This process's secret: the environment's, else the random one drawn when this module was
+        imported (a constant: every engine of the process agrees)."""
+        return cls.load() or cls(_PROCESS_RANDOM)
+
+    def digest(self, raw) -> str:
+        """32 hex: BLAKE2b-128 of `raw`, keyed."""
+        return hashlib.blake2b(raw, digest_size=16, key=self._key, person=_PERSON).hexdigest()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, MediaKeySecret) and secrets.compare_digest(self._key, other._key)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return "MediaKeySecret(***)"
+
+    __str__ = __repr__
+
+
+def media_key(raw: bytes, namespace: str, secret: MediaKeySecret) -> str:
+    """The key of one media item: its namespace and the keyed BLAKE2b-128 of its raw (encoded)
+    bytes. The one function every key is computed with (scheduler, engines, benches)."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise TypeError(f"media_key needs the raw media bytes, got {type(raw).__name__}")
     if not namespace or ":" in namespace:
         raise ValueError(f"namespace must be a non-empty string without ':', got {namespace!r}")
-    return f"{namespace}:{xxhash.xxh3_128_hexdigest(raw)}"
+    if not isinstance(secret, MediaKeySecret):
+        raise TypeError(f"media_key needs the deployment's MediaKeySecret, got {type(secret).__name__}")
+    return f"{namespace}:{secret.digest(raw)}"
 
 
 def namespace_for(model_id: str, vision_tower: torch.nn.Module, image_processor_config: dict) -> str:
@@ -68,6 +155,8 @@ def _weight_sample(t: torch.Tensor) -> bytes:
     flat = t.reshape(-1)
     step = max(1, flat.numel() // _SAMPLES_PER_PARAM)
     sample = flat[::step][:_SAMPLES_PER_PARAM].to("cpu").contiguous()
+    import torch
+
     return sample.view(torch.uint8).numpy().tobytes()
 
 

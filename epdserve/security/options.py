@@ -11,6 +11,9 @@ loopback without an API key and an internal one without the token or mutual TLS
 port with `tls_cert`/`tls_key`. Mutual TLS between scheduler and instances with
 `internal_tls_*`: the internal port requires client certificates signed by `internal_tls_ca`,
 and the scheduler dials instances over TLS, presenting its certificate and trusting that CA.
+The scheduler also holds the deployment's media-key secret (`media_key_secret`, from
+EPDSERVE_MEDIA_KEY_SECRET or --media-key-secret-file): it keys every media item it receives
+(`seams.media_keys`); instances take its keys and need none.
 Instance: every Instance-service call needs the cluster token; Register/Heartbeat carry it; its
 port beyond loopback needs the token or mutual TLS (`check_exposure`).
 With `tls_*`, its port is TLS-only and requires a client certificate signed by `tls_ca` (the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV, MediaKeySecret
 from epdserve.security.exposure import INSECURE_HELP, guard
 from epdserve.security.interceptors import Rule
 from epdserve.security.secrets import (API_KEY_ENV, AUTHORIZATION, CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER,
@@ -42,6 +46,7 @@ class SchedulerSecurity:
     internal_tls_key: str | None = None
     internal_tls_ca: str | None = None  # ... and the CA both sides' certificates chain to
     insecure: bool = False  # --insecure: unauthenticated listeners beyond loopback start, with a warning
+    media_key_secret: MediaKeySecret | None = None  # what media keys are keyed with (None: the process's own)
 
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -62,6 +67,7 @@ class SchedulerSecurity:
     def from_env(cls, **kw) -> SchedulerSecurity:
         kw.setdefault("api_key", Secret.load(env=API_KEY_ENV))
         kw.setdefault("cluster_token", Secret.load(env=CLUSTER_TOKEN_ENV))
+        kw.setdefault("media_key_secret", MediaKeySecret.load(env=MEDIA_KEY_SECRET_ENV))
         return cls(**kw)
 
     def public_rules(self) -> list[Rule]:

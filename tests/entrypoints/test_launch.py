@@ -27,6 +27,8 @@ from epdserve.client import Client, EPDServeError
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 from tests.instance.harness import PH, image, status, stub, wait_until
+from tests.security.test_forged_identity import IMAGE_PROMPT, forged_chat
+from tests.security.xxh3_forge import colliding_ppms
 
 pytestmark = pytest.mark.slow
 
@@ -197,6 +199,31 @@ def test_cancelled_stream_frees_its_kv_blocks(deployment):
                 assert not _all_blocks_free(deployment)  # the request holds blocks while it runs
                 break  # leaving the loop cancels the call
     assert wait_until(lambda: _all_blocks_free(deployment), what="blocks freed on P and D after the cancel")
+
+
+@pytest.fixture(scope="module")
+def forgeries(qwen2_vl_tiny):
+    """Issue 35's attacks (tests/security/test_forged_identity.py) and the answers their victims are owed."""
+    gen = ReferenceGenerator(qwen2_vl_tiny)
+    a, b = colliding_ppms()
+    chat, _, forged = forged_chat(gen.tokenizer)
+    return dict(a=a, b=b, chat=chat, forged=forged, want_a=gen.generate(IMAGE_PROMPT, [a], max_tokens=MAX_TOKENS),
+                want_b=gen.generate(IMAGE_PROMPT, [b], max_tokens=MAX_TOKENS),
+                want_chat=gen.generate(chat, [], max_tokens=MAX_TOKENS))
+
+
+def test_forged_identities_get_their_own_answers(deployment, forgeries):
+    """Two images with one xxh3-128 sent B then A, and a first block forged against the old xxh3-64
+    block hash sent before a chat: each victim gets transformers' answer for its own input."""
+    f = forgeries
+    with Client(deployment.address, timeout=120) as c:
+        got_b = c.generate(IMAGE_PROMPT, images=[f["b"]], max_tokens=MAX_TOKENS, ignore_eos=True)
+        got_a = c.generate(IMAGE_PROMPT, images=[f["a"]], max_tokens=MAX_TOKENS, ignore_eos=True)
+        c.generate(f["forged"], max_tokens=MAX_TOKENS, ignore_eos=True)
+        got_chat = c.generate(f["chat"], max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = {"B": got_b.token_ids, "A": got_a.token_ids, "chat": got_chat.token_ids}
+    assert got == {"B": f["want_b"], "A": f["want_a"], "chat": f["want_chat"]}
+    assert got_a.media_keys != got_b.media_keys
 
 
 def test_instances_answer_health_and_report_their_roles(deployment):

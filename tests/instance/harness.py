@@ -9,7 +9,7 @@ import grpc
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc
-from epdserve.seams.media_keys import media_key
+from epdserve.seams.media_keys import MediaKeySecret, media_key
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -40,7 +40,7 @@ class Prepared:
                  expect_features: bool = True):
         p = processor.process(prompt, images)
         self.token_ids = list(p.token_ids)
-        self.refs = [instance_pb2.MediaRef(key=media_key(m.raw, namespace), data=m.raw,
+        self.refs = [instance_pb2.MediaRef(key=media_key(m.raw, namespace, MediaKeySecret.of_process()), data=m.raw,
                                            grid_thw=[int(x) for x in m.grid_thw], num_tokens=m.num_tokens,
                                            expect_features=expect_features) for m in p.media]
         self.num_vision_tokens = sum(m.num_tokens for m in p.media)

@@ -88,8 +88,8 @@ def test_new_env_writes_a_private_file_it_then_accepts(env):
     f = Path(env["EPDSERVE_ENV_FILE"])
     assert stat.S_IMODE(f.stat().st_mode) == 0o600 and stat.S_IMODE(f.parent.stat().st_mode) == 0o700
     values = dict(line.split("=", 1) for line in f.read_text().splitlines() if line and not line.startswith("#"))
-    assert set(values) == {"EPDSERVE_CLUSTER_TOKEN", "EPDSERVE_API_KEY"}
-    assert all(len(v) == 64 for v in values.values()) and len(set(values.values())) == 2
+    assert set(values) == {"EPDSERVE_CLUSTER_TOKEN", "EPDSERVE_API_KEY", "EPDSERVE_MEDIA_KEY_SECRET"}
+    assert all(len(v) == 64 for v in values.values()) and len(set(values.values())) == 3
     assert not any(v in out.stdout + out.stderr for v in values.values())  # never printed
     assert _run(["check-env", "head"], env).returncode == 0
     before = f.read_text()

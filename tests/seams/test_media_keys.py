@@ -1,8 +1,16 @@
-"""Media keys and namespaces: same model + processor -> same namespace; any change -> another."""
+"""Media keys and namespaces: a key is keyed by the deployment's secret (same secret, same key;
+another secret, another key; the secret never prints); same model + processor -> same namespace;
+any change -> another."""
+import os
+import stat
+
 import pytest
 import torch
+import xxhash
 
-from epdserve.seams.media_keys import media_key, namespace_for
+from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV, MediaKeySecret, media_key, namespace_for
+
+SECRET = MediaKeySecret("test-media-key-secret")
 
 CONFIG = {"patch_size": 14, "merge_size": 2, "min_pixels": 3136, "image_mean": [0.48, 0.45, 0.40]}
 
@@ -12,20 +20,49 @@ def _tower(seed=0, dtype=torch.float32):
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(dtype)
 
 
-def test_media_key_is_namespaced_xxh3_128():
-    key = media_key(b"\x89PNG...", "qwen@abc")
+def test_media_key_is_namespaced_and_keyed():
+    key = media_key(b"\x89PNG...", "qwen@abc", SECRET)
     ns, digest = key.split(":")
     assert ns == "qwen@abc" and len(digest) == 32
-    assert media_key(b"\x89PNG...", "qwen@abc") == key
-    assert media_key(b"\x89PNG..!", "qwen@abc") != key
-    assert media_key(b"\x89PNG...", "other@abc") != key
+    assert media_key(b"\x89PNG...", "qwen@abc", MediaKeySecret("test-media-key-secret")) == key
+    assert media_key(b"\x89PNG..!", "qwen@abc", SECRET) != key
+    assert media_key(b"\x89PNG...", "other@abc", SECRET) != key
+    assert media_key(b"\x89PNG...", "qwen@abc", MediaKeySecret("another")) != key  # no secret, no key
+    assert digest != xxhash.xxh3_128_hexdigest(b"\x89PNG...")  # not the forgeable hash of before
 
 
 def test_media_key_refuses_bad_input():
     with pytest.raises(TypeError, match="raw media bytes"):
-        media_key("not bytes", "ns")
+        media_key("not bytes", "ns", SECRET)
     with pytest.raises(ValueError, match="namespace"):
-        media_key(b"x", "a:b")
+        media_key(b"x", "a:b", SECRET)
+    with pytest.raises(TypeError, match="MediaKeySecret"):
+        media_key(b"x", "ns", "a plain string")
+    with pytest.raises(ValueError, match="empty"):
+        MediaKeySecret("  ")
+
+
+def test_secret_loads_from_a_file_or_the_environment_and_never_prints(tmp_path, monkeypatch):
+    monkeypatch.delenv(MEDIA_KEY_SECRET_ENV, raising=False)
+    assert MediaKeySecret.load() is None
+    f = tmp_path / "media_key.secret"
+    f.write_text("from-a-file\n")
+    os.chmod(f, stat.S_IRUSR | stat.S_IWUSR)
+    assert MediaKeySecret.load(file=f) == MediaKeySecret("from-a-file")
+    monkeypatch.setenv(MEDIA_KEY_SECRET_ENV, "from-the-env")
+    assert MediaKeySecret.load() == MediaKeySecret("from-the-env") == MediaKeySecret.of_process()
+    assert MediaKeySecret.load(file=f) == MediaKeySecret("from-a-file")  # a file wins
+    assert "from-the-env" not in repr(MediaKeySecret.load()) + str(MediaKeySecret.load())
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty media-key secret file"):
+        MediaKeySecret.load(file=tmp_path / "empty")
+
+
+def test_without_a_configured_secret_a_process_keys_with_one_random_secret(monkeypatch):
+    monkeypatch.delenv(MEDIA_KEY_SECRET_ENV, raising=False)
+    mine = MediaKeySecret.of_process()
+    assert mine == MediaKeySecret.of_process()  # every engine of the process agrees
+    assert mine != MediaKeySecret.random() and MediaKeySecret.random() != MediaKeySecret.random()
 
 
 def test_namespace_is_stable_for_the_same_model():

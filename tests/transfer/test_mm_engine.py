@@ -18,7 +18,7 @@ from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.transfer.mm_store import LocalRedisServer, RedisConnection, RedisMMStore
-from epdserve.seams.media_keys import media_key
+from epdserve.seams.media_keys import MediaKeySecret, media_key
 from epdserve.transfer.mm_store.provider import MMStoreFeatureProvider
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -67,7 +67,7 @@ class Stages:
         return final
 
     def key(self, image):
-        return media_key(image, self.e.model.namespace)
+        return media_key(image, self.e.model.namespace, self.e.model.media_secret)
 
     def close(self):
         self.p_prov.close()

@@ -8,7 +8,8 @@ Layout, little-endian::
     payload  the tensors' raw bytes, back to back, in table order
 
 Every dtype travels as its raw bytes (a uint8 view), so bf16 round-trips bit-exactly with no
-numpy bf16 support needed. The checksum (xxh3-64 runs at >10 GB/s) turns a truncated or
+numpy bf16 support needed. The checksum (xxh3-64 runs at >10 GB/s; a checksum against
+corruption, not forgery, so a fast unkeyed hash is right here) turns a truncated or
 corrupted value into a `CorruptFeatureError` instead of silently wrong embeddings; a value of
 another format version is refused the same way, so a rolling upgrade recomputes instead of
 misreading. Several tensors per value carry Qwen3-VL's deepstack features next to the main
@@ -29,7 +30,7 @@ import torch
 import xxhash
 
 MAGIC = b"EPMF"
-FORMAT_VERSION = 2  # 2: the key inside the value
+FORMAT_VERSION = 3  # 2: the key inside the value; 3: keyed media keys (values under forgeable xxh3 keys die)
 MAX_TENSORS = 1024
 MAX_KEY_BYTES = 1024
 _HEADER = struct.Struct("<4sHHQ")
