@@ -6,14 +6,15 @@ the NPU's included, is an error, not a silent fallback). Unset: the NPU uses tor
 the CPU uses the native csrc/ operators when they build, else the portable ones — saying so
 once, with the reason; with `CI=true` a native build that fails raises instead (CI must never
 go green on the fallback). CUDA has no native kernels yet: portable.
-`layer_ops` on the NPU uses `epdserve.ops.npu_layer_ops.NpuLayerOps` (torch_npu's fused kernels)
-where that module exists, else the portable torch ones.
+`layer_ops` on the NPU uses `epdserve.ops.npu_layer_ops.NpuLayerOps` (torch_npu's fused kernels).
 """
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 from epdserve.ops.backend import PagedOps
 from epdserve.ops.layer_ops import LayerOps, PortableLayerOps
@@ -35,72 +36,80 @@ def _choice(choice: str | None) -> str:
     return choice
 
 
-def paged_ops(platform, choice: str | None = None) -> PagedOps:
-    choice = _choice(choice)
-    if choice == "portable":
-        return PortableOps()
-    if platform.name == "npu":
-        if choice == "native":
-            raise NativeOpsUnavailable("EPDSERVE_OPS=native: no native operators for npu (csrc/ has CPU kernels "
-                                       "only); unset it to use torch_npu's kernels, or set it to portable")
-        from epdserve.ops.npu_ops import NpuPagedOps
+@dataclass(frozen=True)
+class _Family:
+    """One family of operators: what each platform gets."""
 
-        return NpuPagedOps()
-    if platform.name != "cpu":
-        if choice == "native":
-            raise NativeOpsUnavailable(f"no native operators for {platform.name} (csrc/ has CPU kernels only)")
-        return PortableOps()
-    ops, error = _native()
-    if ops is not None:
-        return ops
-    if choice == "native" or os.environ.get("CI", "").lower() == "true":
-        raise NativeOpsUnavailable(f"native operators could not be built: {error}")
-    return PortableOps()
+    what: str  # for messages: "operators", "layer operators"
+    portable: Callable[[], object]
+    npu: Callable[[], object]  # torch_npu's kernels, imported lazily
+    native: Callable[[], object]  # builds / loads csrc/ (raises when it cannot)
 
 
-@lru_cache(maxsize=1)  # build once per process; the fallback is reported once
-def _native():
+def _npu_paged():
+    from epdserve.ops.npu_ops import NpuPagedOps
+
+    return NpuPagedOps()
+
+
+def _npu_layer():
+    from epdserve.ops.npu_layer_ops import NpuLayerOps
+
+    return NpuLayerOps()
+
+
+def _native_paged():
     from epdserve.ops.native import load_native_ops
 
-    try:
-        return load_native_ops(), None
-    except Exception as e:  # no compiler, no ninja, no csrc/: fall back, once, loudly
-        log.warning("native paged operators unavailable (%s: %s); using the portable torch ones. "
-                    "Run `epdserve build-ops` to see the build log.", type(e).__name__, e)
-        return None, f"{type(e).__name__}: {e}"
+    return load_native_ops()
+
+
+def _native_layer():
+    from epdserve.ops.native_layer_ops import load_native_layer_ops
+
+    return load_native_layer_ops()
+
+
+PAGED = _Family("paged operators", PortableOps, _npu_paged, _native_paged)
+LAYER = _Family("layer operators", PortableLayerOps, _npu_layer, _native_layer)
+
+
+def paged_ops(platform, choice: str | None = None) -> PagedOps:
+    """The paged-KV attention operators (`PagedOps`) for `platform`."""
+    return _select(PAGED, platform, choice)
 
 
 def layer_ops(platform, choice: str | None = None) -> LayerOps:
     """The fused LM-layer operators (`LayerOps`) for `platform`, chosen as `paged_ops` chooses."""
+    return _select(LAYER, platform, choice)
+
+
+def _select(family: _Family, platform, choice: str | None):
     choice = _choice(choice)
     if choice == "portable":
-        return PortableLayerOps()
+        return family.portable()
     if platform.name == "npu":
         if choice == "native":
-            raise NativeOpsUnavailable("EPDSERVE_OPS=native: no native layer operators for npu (csrc/ has CPU "
+            raise NativeOpsUnavailable(f"EPDSERVE_OPS=native: no native {family.what} for npu (csrc/ has CPU "
                                        "kernels only); unset it to use torch_npu's kernels, or set it to portable")
-        from epdserve.ops.npu_layer_ops import NpuLayerOps
-
-        return NpuLayerOps()
+        return family.npu()
     if platform.name != "cpu":
         if choice == "native":
-            raise NativeOpsUnavailable(f"no native layer operators for {platform.name} (csrc/ has CPU kernels only)")
-        return PortableLayerOps()
-    ops, error = _native_layer()
+            raise NativeOpsUnavailable(f"no native {family.what} for {platform.name} (csrc/ has CPU kernels only)")
+        return family.portable()
+    ops, error = _built(family)
     if ops is not None:
         return ops
     if choice == "native" or os.environ.get("CI", "").lower() == "true":
-        raise NativeOpsUnavailable(f"native layer operators could not be built: {error}")
-    return PortableLayerOps()
+        raise NativeOpsUnavailable(f"native {family.what} could not be built: {error}")
+    return family.portable()
 
 
-@lru_cache(maxsize=1)  # build once per process; the fallback is reported once
-def _native_layer():
-    from epdserve.ops.native_layer_ops import load_native_layer_ops
-
+@lru_cache(maxsize=None)  # build once per process and family; the fallback is reported once
+def _built(family: _Family):
     try:
-        return load_native_layer_ops(), None
+        return family.native(), None
     except Exception as e:  # no compiler, no ninja, no csrc/: fall back, once, loudly
-        log.warning("native layer operators unavailable (%s: %s); using the portable torch ones. "
-                    "Run `epdserve build-ops` to see the build log.", type(e).__name__, e)
+        log.warning("native %s unavailable (%s: %s); using the portable torch ones. "
+                    "Run `epdserve build-ops` to see the build log.", family.what, type(e).__name__, e)
         return None, f"{type(e).__name__}: {e}"

@@ -66,6 +66,6 @@ def test_native_on_npu_is_an_error_not_a_silent_switch(monkeypatch):
         name = "npu"
 
     monkeypatch.setenv("EPDSERVE_OPS", "native")
-    with pytest.raises(NativeOpsUnavailable, match="EPDSERVE_OPS=native: no native operators for npu"):
+    with pytest.raises(NativeOpsUnavailable, match="EPDSERVE_OPS=native: no native paged operators for npu"):
         paged_ops(Npu())
     assert paged_ops(Npu(), "portable").name == "portable"
