@@ -60,7 +60,9 @@ def test_a_kv_cache_too_large_for_the_free_hbm_names_the_largest_that_fits(atlas
 def test_a_device_too_small_for_the_model_fails_with_one_clear_line(tmp_path):
     env = dict(make_fake_atlas(tmp_path), FAKE_HBM_MB="16384", FAKE_HBM_RATE="5")
     out = _preflight(env, MODEL=str(_model(tmp_path, 15813)))
-    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    # one failure line; the version check's warning (this bare PATH's python3 has no epdserve) is not one
+    failures = [line for line in out.stderr.splitlines() if line.startswith("atlas_node.sh:")]
+    assert out.returncode == 1 and len(failures) == 1, out.stderr
     assert ("NPU 0 has 16384 MB HBM in all; this instance needs at least 20933 MB (15813 weights + 1024 KV cache"
             " + 4096 margin): the model does not fit this device") in out.stderr
 
