@@ -30,7 +30,8 @@ from tests.security.certs import self_signed
 pytestmark = pytest.mark.slow
 
 READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) mode=monolithic instances=\S+ mm_store=(?P<mm>\S+) "
-                   r"mm_store_password_file=(?P<pwfile>\S+) cluster_token_file=(?P<tokenfile>\S+) tls=1 "
+                   r"mm_store_password_file=(?P<pwfile>\S+) cluster_token_file=(?P<tokenfile>\S+) "
+                   r"media_key_secret_file=(?P<secretfile>\S+) tls=1 "
                    r"http=(?P<http>https://\S+) internal=grpc://\S+$")
 KEY = "launch-tls-api-key-0123"
 
@@ -93,6 +94,7 @@ def test_tls_launch_becomes_ready_and_serves_over_tls(qwen2_vl_tiny, tmp_path, m
 
         pwfile = Path(found["pwfile"])
         assert stat.S_IMODE(pwfile.stat().st_mode) == 0o600
+        assert stat.S_IMODE(Path(found["secretfile"]).stat().st_mode) == 0o600  # the media-key secret made here
         url = found["mm"]
         with redis.Redis.from_url(url, socket_timeout=5) as r:
             with pytest.raises(redis.AuthenticationError):
