@@ -143,7 +143,12 @@ class LayerwiseRecvConnector(KVConnector):
             if inc.kv_done and inc.first_token is not None:
                 del self._incoming[rid]
                 done.append(FinishedTransfer(rid, None, inc.first_token, inc.rope_delta))
+        self.counters.leaked_communicators = self.receiver.leaked_communicators
         return [], done
+
+    def restart_reason(self) -> str | None:
+        """Why the instance should be restarted (`KVReceiver.unbounded_quarantine`), or None."""
+        return self.receiver.unbounded_quarantine() if self.receiver is not None else None
 
     def has_pending(self) -> bool:
         return bool(self._incoming)
