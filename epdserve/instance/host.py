@@ -197,7 +197,8 @@ class InstanceHost:
             core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
         kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s,
                                      network=PairNetwork.for_instance(cfg.host, self.security, self._pair_store),
-                                     hop=cfg.kv_transfer_hop)
+                                     hop=cfg.kv_transfer_hop, max_pair_rebuilds=cfg.kv_pair_rebuilds,
+                                     pair_rebuild_window_s=cfg.kv_pair_rebuild_window_s)
         workers, by_role = [], {}
         for role, cores, weight in zip(roles, core_sets, weights):
             factory = self._engine_factory(role, instance_id)
