@@ -59,8 +59,6 @@ def test_a_peer_whose_pair_keeps_breaking_is_refused_until_the_window_passes(cap
         assert conn._pairs["p0"].pair_name == "p0>d0/g2"
         warned = [r.getMessage() for r in caplog.records]
         assert len(warned) == 1 and "could not build the process group" in warned[0], warned  # once, and why
-        # The decode worker's answer: retryable (ABORTED), so the scheduler reroutes the request.
-        assert status_for(TransientError("x")).name == "ABORTED"
 
         # Once the first rebuild leaves the window, the pair is built again, and this time P comes.
         _until(lambda: time.monotonic() - start > WINDOW_S + 0.2, "", WINDOW_S + 5)
@@ -96,3 +94,33 @@ def test_the_cap_is_an_instance_setting_passed_to_the_pairs():
         KVTransferConfig(max_pair_rebuilds=1.5)
     with pytest.raises(ValueError, match="pair_rebuild_window_s"):
         KVTransferConfig(pair_rebuild_window_s=0)
+
+
+def test_the_decode_worker_fails_a_capped_peer_as_retryable(qwen2_vl_tiny):
+    """A real D worker (tiny demo model, CPU): `reserve` for a P whose pair keeps breaking raises
+    TransientError once the cap is reached — gRPC ABORTED, which the scheduler retries elsewhere."""
+    from epdserve.engine.config import EngineConfig
+    from epdserve.engine.llm_engine import LLMEngine
+    from epdserve.engine.sampling_params import SamplingParams
+    from epdserve.instance.decode_worker import DecodeWorker
+
+    cfg = KVTransferConfig(timeout_s=0.5, bootstrap_timeout_s=10.0, connect_timeout_s=0.2, max_pair_rebuilds=1,
+                           pair_rebuild_window_s=60.0)
+    server = RendezvousServer()
+    worker = DecodeWorker("D-worker", lambda c: LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", roles="D",
+                                                                       kv_cache_memory_bytes=4 << 20), kv_connector=c),
+                          instance_id="d0", kv_config=cfg).start()
+    try:
+        worker.wait_ready(120)
+        params = SamplingParams(max_tokens=2)
+        for i in range(2):  # the first build, then the one rebuild allowed
+            _, res = worker.reserve(f"r{i}", [1, 2, 3, 4, 5], params, "p0", server.host, server.port)
+            assert res.rdzv.pair_name == f"p0>d0/g{i}"
+            _until(lambda: worker.connector.receiver.pair_state("p0") is PairState.BROKEN, "the pair did not break")
+        with pytest.raises(TransientError, match="rebuilt 1 times in the last 60 s") as e:
+            worker.reserve("r2", [1, 2, 3, 4, 5], params, "p0", server.host, server.port)
+        assert status_for(e.value).name == "ABORTED"
+        assert "r2" not in worker.handles
+    finally:
+        worker.stop()
+        server.close()
