@@ -27,6 +27,7 @@ from concurrent import futures
 
 import grpc
 
+from epdserve.deploy.supervisor import RESTART_EXIT_CODE  # noqa: F401  (re-exported: `epdserve instance` exits with it)
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
 from epdserve.instance.affinity import available_cores, compute_id
@@ -56,7 +57,6 @@ log = logging.getLogger(__name__)
 _E_KV_BYTES = 8 << 20  # an encode-only engine never holds request KV
 OVERLAP_HEADROOM = 1.25  # an overlapped switch on an accelerator: spare device memory >= this x the new KV caches
 _MAX_MSG = 256 << 20
-RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: the instance stopped itself to be restarted (`check_restart`)
 RESTART_CHECK_S = 1.0  # how often `epdserve instance` asks `check_restart`
 
 
