@@ -40,7 +40,7 @@ from epdserve.deploy.argv import last_flag
 from epdserve.deploy.kv_hop import KvHopChoice, choose_kv_hop
 from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
-from epdserve.deploy.supervisor import RestartPolicy, RestartSchedule
+from epdserve.deploy.supervisor import RESTART_EXIT_CODE, RestartPolicy, RestartSchedule
 from epdserve.instance.modes import mode_pools
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV
@@ -311,7 +311,10 @@ class Deployment:
         if alive:
             return False
         if sch.due is None:
-            code = f" with code {child.poll()}" if child is not None else ""
+            rc = child.poll() if child is not None else None
+            code = f" with code {rc}" if child is not None else ""
+            if rc == RESTART_EXIT_CODE and child is not None and name not in ("mm_store", "scheduler"):
+                code += " (it asked for a restart: KV blocks held by a stuck receive)"
             tail = self.tail(child) if child is not None else ""
             if child is not None:
                 self._reap(child)

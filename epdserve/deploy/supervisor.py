@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# An instance that stopped itself to be restarted (EX_TEMPFAIL): KV blocks held by a stuck receive
+# with no bound (InstanceHost.check_restart). Restarted like any exit; the log says why.
+RESTART_EXIT_CODE = 75
+
 
 @dataclass(frozen=True)
 class RestartPolicy:

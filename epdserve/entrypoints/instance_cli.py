@@ -7,6 +7,9 @@ SIGTERM / SIGINT stop it (deregister, stop taking calls, let calls in flight fin
 INSTANCE_STOP_MARGIN_S seconds of the first signal, always: if stopping hangs, it exits with code 1. A
 signal during start-up stops it the same way. Started by `epdserve launch`, it also stops when
 the launcher dies (PR_SET_PDEATHSIG, and a watch on its parent's pid).
+An instance that must be restarted (KV blocks held by a stuck receive with no bound:
+`InstanceHost.check_restart`) turns NOT_SERVING, stops the same way and exits with code 75
+(RESTART_EXIT_CODE); `epdserve launch` restarts an instance that exits, as does Kubernetes.
 """
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ def run(args) -> int:
         if not stop.is_set():
             print(f"epdserve instance ready: {host.instance_id} roles={host.roles} "
                   f"grpc://{host.config.host}:{host.port}", flush=True)
-        stop.wait()
+        rc = serve_until_stopped(host, stop)
     except Exception as e:
         log.error("instance failed: %s", e)
         rc = 1
@@ -76,6 +79,19 @@ def run(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+def serve_until_stopped(host, stop, check_s: float | None = None) -> int:
+    """Wait for a stop signal (0), or for the instance to ask for a restart (RESTART_EXIT_CODE),
+    looking every `check_s` seconds (RESTART_CHECK_S)."""
+    from epdserve.instance.host import RESTART_CHECK_S, RESTART_EXIT_CODE
+
+    while not stop.wait(RESTART_CHECK_S if check_s is None else check_s):
+        why = host.check_restart()
+        if why is not None:
+            log.error("stopping for a restart (exit code %d): %s", RESTART_EXIT_CODE, why)
+            return RESTART_EXIT_CODE
+    return 0
 
 
 if __name__ == "__main__":

@@ -87,6 +87,11 @@ class InstanceConfig:
     kv_timeout_s: float = setting(30.0, help="a KV transfer that makes no progress this long fails its request")
     kv_connect_timeout_s: float = setting(60.0, help="setting up a KV pair with a P or D gives up after this long")
     kv_hop: str = setting("auto", choices=KV_HOP_CHOICES, help=KV_HOP_HELP)
+    kv_pair_rebuilds: int = setting(
+        8, help="D: at most this many rebuilds of the KV pair with one P within --kv-pair-rebuild-window-s; "
+                "beyond it requests from that P fail as retryable (rerouted): each pair that broke mid-transfer "
+                "may leave an HCCL communicator behind (default 8)")
+    kv_pair_rebuild_window_s: float = setting(600.0, help="D: the window of --kv-pair-rebuilds, seconds (default 600)")
     grpc_threads: int = setting(128, help="calls this instance serves at once (default 128)")
     feature_cache_bytes: int = setting(
         4 << 30, flag="--feature-cache-mb", to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20,
@@ -120,6 +125,8 @@ class InstanceConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.feature_wait_s < 0 or self.kv_timeout_s <= 0 or self.kv_connect_timeout_s <= 0:
             raise ValueError("feature_wait_s must be >= 0 and the KV timeouts > 0")
+        if self.kv_pair_rebuilds < 0 or self.kv_pair_rebuild_window_s <= 0:
+            raise ValueError("kv_pair_rebuilds must be >= 0 and kv_pair_rebuild_window_s > 0")
         if self.scheduler is not None and (not self.schedulers or any(":" not in s for s in self.schedulers)):
             raise ValueError(f"scheduler must be host:port (several: comma-separated), got {self.scheduler!r}")
 

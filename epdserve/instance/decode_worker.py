@@ -2,7 +2,9 @@
 
 An adapter between the Decode RPC stream and the engine:
     reserve  the pair to the P peer built or reused (`LayerwiseRecvConnector.pair_for`: this
-             side names it "<P id>><D id>/g<n>", n growing with every rebuild); the engine takes
+             side names it "<P id>><D id>/g<n>", n growing with every rebuild; a peer whose pair
+             was rebuilt too often lately fails the call as retryable: the scheduler reroutes
+             it); the engine takes
              the request with `RemotePrefill` (and its media's identity, `media_identity`, so
              that the KV it imports is cached under the same keys as P's), starts it on the
              longest prefix of its prompt this engine's prefix cache holds (an earlier turn's
@@ -30,6 +32,7 @@ from epdserve.instance.errors import BusyError, TransientError
 from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
 from epdserve.seams.kv_connector import RemotePrefill
 from epdserve.transfer.kv import KVTransferConfig, LayerwiseRecvConnector, PairRendezvous
+from epdserve.transfer.kv.recv_connector import PairRebuildsExhausted
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,10 @@ class DecodeWorker(StageWorker):
         def run() -> Reservation:
             if request_id in self.handles:
                 raise ValueError(f"request {request_id!r} is already in flight here")
-            rdzv = self.connector.pair_for(peer, kv_host, kv_port)
+            try:
+                rdzv = self.connector.pair_for(peer, kv_host, kv_port)
+            except PairRebuildsExhausted as e:  # retryable: the scheduler reroutes the request
+                raise TransientError(str(e)) from None
             req = EngineRequest(request_id, list(prompt_ids), [], params, kv_transfer=RemotePrefill(peer),
                                 num_vision_tokens=num_vision_tokens, media_identity=tuple(media))
             try:

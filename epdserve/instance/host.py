@@ -9,6 +9,9 @@ process) served through `Instance.KvStore` while a worker prefills for remote D 
 gRPC server (Instance + health + reflection) on a free port, the cluster token required on
 Instance calls when one is set → SERVING → register with the scheduler (presenting the token)
 and heartbeat.
+restart: a worker holding KV blocks in an unbounded quarantine (a stuck HCCL receive with
+HCCL_EXEC_TIMEOUT meaning "never") turns the instance NOT_SERVING (`check_restart`); `epdserve
+instance` then stops it with `RESTART_EXIT_CODE`, and the launcher's supervisor starts it again.
 stop: NOT_SERVING → deregister → stop the server (short grace) → stop workers (closing their
 KV pairs and feature providers) → close the store.
 Role switches (instance/role_switch.py) either `rebuild` the workers after a drain, or start the
@@ -24,6 +27,7 @@ from concurrent import futures
 
 import grpc
 
+from epdserve.deploy.supervisor import RESTART_EXIT_CODE  # noqa: F401  (re-exported: `epdserve instance` exits with it)
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
 from epdserve.instance.affinity import available_cores, compute_id
@@ -53,6 +57,7 @@ log = logging.getLogger(__name__)
 _E_KV_BYTES = 8 << 20  # an encode-only engine never holds request KV
 OVERLAP_HEADROOM = 1.25  # an overlapped switch on an accelerator: spare device memory >= this x the new KV caches
 _MAX_MSG = 256 << 20
+RESTART_CHECK_S = 1.0  # how often `epdserve instance` asks `check_restart`
 
 
 class InstanceHost:
@@ -77,7 +82,8 @@ class InstanceHost:
         self.model = None  # LoadedModel, shared by the workers
         self._compute = ""  # InstanceStatus.compute, once the model's device is known
         self.switch_lock = threading.Lock()  # one role switch at a time (instance/role_switch.py)
-        self.draining = False  # switching roles: the scheduler routes us nothing new
+        self.draining = False  # switching roles (or asking for a restart): the scheduler routes us nothing new
+        self._restart_requested = False  # check_restart found a reason: NOT_SERVING until the process ends
         self._ready_timeout_s = 600.0  # start()'s: also how long a role switch's new workers may take
 
     # ---------------------------------------------------------------- lifecycle
@@ -191,7 +197,8 @@ class InstanceHost:
             core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
         kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s,
                                      network=PairNetwork.for_instance(cfg.host, self.security, self._pair_store),
-                                     hop=cfg.kv_transfer_hop)
+                                     hop=cfg.kv_transfer_hop, max_pair_rebuilds=cfg.kv_pair_rebuilds,
+                                     pair_rebuild_window_s=cfg.kv_pair_rebuild_window_s)
         workers, by_role = [], {}
         for role, cores, weight in zip(roles, core_sets, weights):
             factory = self._engine_factory(role, instance_id)
@@ -335,6 +342,33 @@ class InstanceHost:
         """The worker new calls for `role` go to: a serving one, else a retiring one (a call routed
         by the roster from before a switch finishes where the old roles run)."""
         return self._by_role.get(role) or self._retiring_by_role.get(role)
+
+    # ---------------------------------------------------------------- restart on request
+    def restart_reason(self) -> str | None:
+        """Why this process must be restarted, or None: a worker's KV connector holds blocks in a
+        quarantine with no bound (`LayerwiseRecvConnector.restart_reason`)."""
+        for w in self.workers + self._retiring:
+            ask = getattr(w.connector, "restart_reason", None)
+            why = ask() if ask is not None else None
+            if why:
+                return f"{w.name}: {why}"
+        return None
+
+    def check_restart(self) -> str | None:
+        """`restart_reason`, and when there is one: health NOT_SERVING (the scheduler's probes
+        take the instance out of routing), `draining` in its status (its next heartbeat stops
+        new work at once), logged once. The caller (`epdserve instance`) then stops the process
+        with `RESTART_EXIT_CODE`, which the launcher's supervisor restarts."""
+        why = self.restart_reason()
+        if why is None:
+            return None
+        if not self._restart_requested:
+            self._restart_requested = True
+            self.draining = True
+            if self._health is not None:
+                set_serving(self._health, [INSTANCE_SERVICE], False)
+            log.error("instance %s asks for a restart: %s", self.instance_id, why)
+        return why
 
     # ---------------------------------------------------------------- status
     def status(self) -> common_pb2.InstanceStatus:

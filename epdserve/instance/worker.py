@@ -71,6 +71,8 @@ def _add_counters(counts: common_pb2.Load, stats: dict, kv, role: str) -> None:
         counts.kv_sent_bytes, counts.kv_send_failures = kv.bytes, kv.failures
     elif kv is not None and role == "D":
         counts.kv_received_bytes, counts.kv_recv_failures = kv.bytes, kv.failures
+    if kv is not None and role in ("P", "D"):
+        counts.kv_leaked_communicators = kv.leaked_communicators
 
 
 class RequestHandle:

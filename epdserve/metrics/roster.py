@@ -73,6 +73,9 @@ def _kv_transfer(records):
     failures = CounterMetricFamily(P + "instance_kv_transfer_failures", "P->D KV transfers that failed "
                                    "(sent: on P, including refused ones; received: on D)",
                                    labels=["instance", "roles", "direction"])
+    leaked = CounterMetricFamily(P + "instance_kv_leaked_communicators", "P->D KV pairs torn down with an "
+                                 "operation still running (HCCL: HcclCommDestroy returned E_AGAIN), each leaving a "
+                                 "communicator no one can destroy until the process ends", labels=["instance", "roles"])
     for r in records:  # a coupled P+D instance (PD, EPD) keeps its KV: no transfer to count
         if "P" in r.roles and "D" not in r.roles:
             kv_bytes.add_metric([r.instance_id, r.roles, "sent"], r.load.kv_sent_bytes)
@@ -80,8 +83,11 @@ def _kv_transfer(records):
         if "D" in r.roles and "P" not in r.roles:
             kv_bytes.add_metric([r.instance_id, r.roles, "received"], r.load.kv_received_bytes)
             failures.add_metric([r.instance_id, r.roles, "received"], r.load.kv_recv_failures)
+        if ("P" in r.roles) != ("D" in r.roles):
+            leaked.add_metric([r.instance_id, r.roles], r.load.kv_leaked_communicators)
     yield kv_bytes
     yield failures
+    yield leaked
 
 
 def _engine_steps(records):

@@ -84,6 +84,8 @@ def test_gloo_keeps_freeing_at_once():
 class _Receiver:
     """KVReceiver's engine protocol, with one FAILED transfer whose receive is stuck."""
 
+    leaked_communicators = 0
+
     def __init__(self):
         self.failed, self.stuck, self.released = [], set(), []
 

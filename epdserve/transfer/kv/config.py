@@ -26,6 +26,12 @@ class KVTransferConfig:
     HCCL) or "host" (gloo between host buffers, each message staged through host memory:
     `host_hop.py`; for a P and a D on one accelerator, where NCCL cannot pair them). Both sides
     of a pair must use the same hop.
+    max_pair_rebuilds / pair_rebuild_window_s: D side, at most this many rebuilds of the pair with
+    one prefill peer within the window; beyond it the peer's new transfers fail (retryable: the
+    scheduler reroutes) until the oldest rebuild leaves the window. Each pair that broke with an
+    operation still running may leave an HCCL communicator behind (HcclCommDestroy returned
+    HCCL_E_AGAIN: `PairConnection.drain`), so a peer that keeps breaking its pairs must not
+    exhaust HCCL's resources. The instance flags: --kv-pair-rebuilds, --kv-pair-rebuild-window-s.
     """
 
     timeout_s: float = 30.0
@@ -34,11 +40,16 @@ class KVTransferConfig:
     poll_interval_s: float = 0.02
     network: PairNetwork | None = None
     hop: str = "device"
+    max_pair_rebuilds: int = 8
+    pair_rebuild_window_s: float = 600.0
 
     def __post_init__(self):
         if self.hop not in HOPS:
             raise ValueError(f"KVTransferConfig.hop must be one of {', '.join(HOPS)}, got {self.hop!r}")
-        for name in ("timeout_s", "bootstrap_timeout_s", "connect_timeout_s", "poll_interval_s"):
+        if isinstance(self.max_pair_rebuilds, bool) or not isinstance(self.max_pair_rebuilds, int) \
+                or self.max_pair_rebuilds < 0:
+            raise ValueError(f"KVTransferConfig.max_pair_rebuilds must be an integer >= 0, got {self.max_pair_rebuilds!r}")
+        for name in ("timeout_s", "bootstrap_timeout_s", "connect_timeout_s", "poll_interval_s", "pair_rebuild_window_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"KVTransferConfig.{name} must be a positive number of seconds, got {value!r}")

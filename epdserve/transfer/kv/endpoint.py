@@ -28,6 +28,7 @@ class PairEndpoint:
         self.device = cache.keys[0].device
         self._lock = threading.Lock()
         self._channels: dict = {}
+        self.leaked_communicators = 0  # pairs whose teardown left an operation running (`PairConnection.drain`)
         self._closer = weakref.finalize(self, _stop_channels, self._channels, self._lock, self.config.timeout_s + 1.0)
 
     def _new_channel(self, peer: str, pair: PairConnection):
@@ -41,7 +42,7 @@ class PairEndpoint:
         if rdzv.rank != self.RANK:
             raise ValueError(f"the {self.SIDE} side joins a pair as rank {self.RANK}, got {rdzv}")
         self.disconnect(peer)
-        pair = PairConnection(rdzv, self.platform, self.config, self.device)
+        pair = PairConnection(rdzv, self.platform, self.config, self.device, on_leak=self._count_leak)
         with self._lock:
             self._channels[peer] = self._new_channel(peer, pair)
         return pair
@@ -57,6 +58,14 @@ class PairEndpoint:
     def pair_state(self, peer: str) -> PairState | None:
         ch = self._channels.get(peer)
         return ch.pair.state if ch else None
+
+    def pair_error(self, peer: str) -> str | None:
+        ch = self._channels.get(peer)
+        return ch.pair.error if ch else None
+
+    def _count_leak(self) -> None:
+        with self._lock:
+            self.leaked_communicators += 1
 
     def close(self) -> None:
         """Disconnect every peer (pending transfers fail) and stop the threads; final."""

@@ -59,7 +59,8 @@ class PairBroken(RuntimeError):
 
 
 class PairConnection:
-    def __init__(self, rdzv: PairRendezvous, platform, config: KVTransferConfig, device: torch.device | str = "cpu"):
+    def __init__(self, rdzv: PairRendezvous, platform, config: KVTransferConfig, device: torch.device | str = "cpu",
+                 on_leak=None):
         self.rdzv = rdzv
         self.platform = platform  # the device's: thread device, side streams
         self.transport = transport_platform(platform, config.hop)  # the group's backend: build, wait, break
@@ -77,6 +78,8 @@ class PairConnection:
         self._held = ()  # (group, store) of a pair that ended: dropped together, with this object
         self._stream = None  # the pair's side stream, shared by its threads (None on CPU)
         self._stream_taken = False
+        self._on_leak = on_leak  # called once if the teardown left an operation running (`drain`)
+        self.leaked = False
         self._thread = threading.Thread(target=self._connect, name=f"kv-connect:{rdzv.pair_name}", daemon=True)
         self._thread.start()
 
@@ -203,7 +206,15 @@ class PairConnection:
     def drain(self, works) -> list:
         """After the pair broke: wait, within one `timeout_s` from the break in all, for posted
         messages to end (failed or done), so nothing writes into their buffers any more. Returns
-        the works that had not ended by then (their buffers may still be written)."""
+        the works that had not ended by then (their buffers may still be written).
+
+        Such a work means the interrupt could not end the backend's communicator: on HCCL,
+        HcclCommDestroy returned HCCL_E_AGAIN ("comm is in use"; it destroys nothing, while an idle
+        communicator's destroy fails its operations at once), which torch_npu ignores before
+        dropping its handle (HCCLUtils.cpp destroyHcclComm; tests/fakes/hccl_destroy.py): nothing
+        can destroy that communicator any more. Where the platform bounds such works
+        (`stuck_work_bound_s` not None: HCCL), the pair counts as one leaked communicator, once
+        (`on_leak`; the connectors' `counters.leaked_communicators`)."""
         works, left_over = list(works), []
         for work in works:
             left = self._drain_deadline - time.monotonic()
@@ -214,6 +225,11 @@ class PairConnection:
                     pass
             if not work_ended(work):
                 left_over.append(work)
+        if left_over and self.transport.stuck_work_bound_s() is not None:
+            with self._lock:
+                first, self.leaked = not self.leaked, True
+            if first and self._on_leak is not None:
+                self._on_leak()
         return left_over
 
     # ------------------------------------------------------------------ batch headers

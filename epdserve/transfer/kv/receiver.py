@@ -20,6 +20,7 @@ uint8 per request (1 = stored, 0 = rejected).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -272,6 +273,20 @@ class KVReceiver(PairEndpoint):
             for rid in done:
                 del self._quarantine[rid]
         return done
+
+    def unbounded_quarantine(self) -> str | None:
+        """Why this process should be restarted, or None: requests held in a quarantine with no
+        bound (HCCL_EXEC_TIMEOUT=0 or unparsable: `stuck_work_bound_s` is inf) whose stuck receives
+        have not ended. Their blocks are never reused, and only the process's end frees them and
+        the communicator those receives run on."""
+        with self._lock:
+            stuck = [rid for rid, (works, until) in self._quarantine.items()
+                     if until == float("inf") and not all(work_ended(w) for w in works)]
+        if not stuck:
+            return None
+        return (f"{len(stuck)} request(s) hold KV blocks a stuck receive may still write "
+                f"({', '.join(sorted(stuck)[:3])}{', ...' if len(stuck) > 3 else ''}), with no bound "
+                f"(HCCL_EXEC_TIMEOUT={os.environ.get('HCCL_EXEC_TIMEOUT', '')!r} never times out): restart to free them")
 
     def _fail_peer(self, peer: str, reason: str) -> None:
         with self._lock:

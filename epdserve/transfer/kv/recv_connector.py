@@ -17,10 +17,16 @@ receiver is done with its blocks. A failed request whose receives outlived the p
 blocks are held the same way, until those receives end or HCCL_EXEC_TIMEOUT passes
 (`KVReceiver.pop_released`): the engine frees them only then.
 Pairs: `pair_for(peer, host, port)` reuses the pair to a prefill peer, or builds the next
-generation when the old one broke or the peer moved.
+generation when the old one broke or the peer moved — at most `KVTransferConfig.max_pair_rebuilds`
+rebuilds per peer within `pair_rebuild_window_s`; beyond that it raises `PairRebuildsExhausted`
+(the decode worker fails the request as retryable: the scheduler reroutes it), since each pair
+that broke mid-operation may have left an HCCL communicator behind (`counters.leaked_communicators`).
 """
 from __future__ import annotations
 
+import logging
+import time
+from collections import deque
 from dataclasses import dataclass
 
 from epdserve.seams.kv_connector import FinishedTransfer, KVConnector, RemotePrefill
@@ -29,6 +35,12 @@ from epdserve.transfer.kv.messages import PairRendezvous
 from epdserve.transfer.kv.pair_names import pair_name
 from epdserve.transfer.kv.receiver import KVReceiver, RecvRequest
 from epdserve.transfer.kv.state import PairState, TransferCounters, TransferState
+
+log = logging.getLogger(__name__)
+
+
+class PairRebuildsExhausted(RuntimeError):
+    """The pair with this prefill peer was rebuilt too often lately; retry elsewhere or later."""
 
 
 @dataclass
@@ -52,6 +64,8 @@ class LayerwiseRecvConnector(KVConnector):
         self.counters = TransferCounters()
         self._pairs: dict[str, PairRendezvous] = {}  # prefill peer -> current pair (our rank 1)
         self._generations: dict[str, int] = {}
+        self._rebuilds: dict[str, deque] = {}  # prefill peer -> monotonic times of its recent rebuilds
+        self._capped: set[str] = set()  # peers refused since their last successful (re)build: logged once
         self._incoming: dict[str, _Incoming] = {}
 
     def register_kv_cache(self, cache, platform) -> None:
@@ -66,12 +80,35 @@ class LayerwiseRecvConnector(KVConnector):
         if cur is not None and (cur.host, cur.port) == (host, int(port)) \
                 and self.receiver.pair_state(peer) in (PairState.CONNECTING, PairState.READY):
             return cur
+        if cur is not None:
+            self._count_rebuild(peer, cur)
         gen = self._generations.get(peer, -1) + 1
         self._generations[peer] = gen
         rdzv = PairRendezvous(host, int(port), pair_name(peer, self.instance_id, gen), 1)
         self.receiver.connect(peer, rdzv)
         self._pairs[peer] = rdzv
         return rdzv
+
+    def _count_rebuild(self, peer: str, old: PairRendezvous) -> None:
+        """Count one rebuild of the pair with `peer`; PairRebuildsExhausted (nothing built) when
+        `max_pair_rebuilds` were made within the last `pair_rebuild_window_s`."""
+        cfg, now = self.config, time.monotonic()
+        recent = self._rebuilds.setdefault(peer, deque())
+        while recent and now - recent[0] >= cfg.pair_rebuild_window_s:
+            recent.popleft()
+        if len(recent) >= cfg.max_pair_rebuilds:
+            wait_s = cfg.pair_rebuild_window_s - (now - recent[0]) if recent else cfg.pair_rebuild_window_s
+            why = (f"the KV pair with prefill peer {peer!r} was rebuilt {len(recent)} times in the last "
+                   f"{cfg.pair_rebuild_window_s:g} s (limit {cfg.max_pair_rebuilds}; last: "
+                   f"{self.receiver.pair_error(peer) or 'broken'}); its transfers fail for {wait_s:.0f} s more, "
+                   f"so that a peer breaking its pairs cannot exhaust communicator resources")
+            if peer not in self._capped:
+                self._capped.add(peer)
+                log.warning("%s (%s -> %s:%d; %d communicators left behind so far)", why, old.pair_name, old.host,
+                            old.port, self.receiver.leaked_communicators)
+            raise PairRebuildsExhausted(why)
+        self._capped.discard(peer)
+        recent.append(now)
 
     def reserved_blocks(self, request_id: str) -> tuple[int, ...]:
         """The blocks holding the request's prompt KV, in order (for the prefill side): the first
@@ -143,7 +180,12 @@ class LayerwiseRecvConnector(KVConnector):
             if inc.kv_done and inc.first_token is not None:
                 del self._incoming[rid]
                 done.append(FinishedTransfer(rid, None, inc.first_token, inc.rope_delta))
+        self.counters.leaked_communicators = self.receiver.leaked_communicators
         return [], done
+
+    def restart_reason(self) -> str | None:
+        """Why the instance should be restarted (`KVReceiver.unbounded_quarantine`), or None."""
+        return self.receiver.unbounded_quarantine() if self.receiver is not None else None
 
     def has_pending(self) -> bool:
         return bool(self._incoming)

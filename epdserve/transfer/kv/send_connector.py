@@ -113,6 +113,7 @@ class LayerwiseSendConnector(KVConnector):
                 self.counters.bytes += blocks * self._block_bytes
                 self.counters.bytes_skipped += skip * self._block_bytes
             sent.append(FinishedTransfer(st.request_id, st.error))
+        self.counters.leaked_communicators = self.sender.leaked_communicators
         return sent, []
 
     def has_pending(self) -> bool:

@@ -45,3 +45,4 @@ class TransferCounters:
     bytes: int = 0
     failures: int = 0
     bytes_skipped: int = 0  # KV of prompt blocks the decode side held already (its prefix cache): not sent
+    leaked_communicators: int = 0  # pairs torn down with an operation still running (HCCL: destroy returned E_AGAIN)
