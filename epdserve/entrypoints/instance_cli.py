@@ -84,7 +84,8 @@ def run(args) -> int:
 def serve_until_stopped(host, stop, check_s: float | None = None) -> int:
     """Wait for a stop signal (0), or for the instance to ask for a restart (RESTART_EXIT_CODE),
     looking every `check_s` seconds (RESTART_CHECK_S)."""
-    from epdserve.instance.host import RESTART_CHECK_S, RESTART_EXIT_CODE
+    from epdserve.deploy.supervisor import RESTART_EXIT_CODE
+    from epdserve.instance.host import RESTART_CHECK_S
 
     while not stop.wait(RESTART_CHECK_S if check_s is None else check_s):
         why = host.check_restart()

@@ -11,7 +11,7 @@ Instance calls when one is set → SERVING → register with the scheduler (pres
 and heartbeat.
 restart: a worker holding KV blocks in an unbounded quarantine (a stuck HCCL receive with
 HCCL_EXEC_TIMEOUT meaning "never") turns the instance NOT_SERVING (`check_restart`); `epdserve
-instance` then stops it with `RESTART_EXIT_CODE`, and the launcher's supervisor starts it again.
+instance` then stops it with deploy/supervisor.py's `RESTART_EXIT_CODE`, and the launcher's supervisor starts it again.
 stop: NOT_SERVING → deregister → stop the server (short grace) → stop workers (closing their
 KV pairs and feature providers) → close the store.
 Role switches (instance/role_switch.py) either `rebuild` the workers after a drain, or start the
@@ -27,7 +27,6 @@ from concurrent import futures
 
 import grpc
 
-from epdserve.deploy.supervisor import RESTART_EXIT_CODE  # noqa: F401  (re-exported: `epdserve instance` exits with it)
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
 from epdserve.instance.affinity import available_cores, compute_id
