@@ -193,7 +193,9 @@ class RedisConnection:
                                         f"{self.health.retry_in():.2f} s)")
         try:
             result = fn(self.client)
-        except CONNECTION_ERRORS as e:
+        except (*CONNECTION_ERRORS, AttributeError) as e:
+            if isinstance(e, AttributeError) and not _socket_closed_under_call(e):
+                raise
             if self.health.record_failure(e) and self._client is not None:
                 topology.reset(self._client)  # no stale sockets once it is back
             raise StoreUnavailableError(f"MM Store {self.health.name} is unreachable: {e}") from e
@@ -205,6 +207,20 @@ class RedisConnection:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _socket_closed_under_call(e: AttributeError) -> bool:
+    """A call whose connection another thread disconnected mid-command: the failure reset above
+    (`topology.reset`, in the thread that saw the server go) closes the pools' sockets, and a
+    redis-py connection in use elsewhere then meets its socket as None inside redis-py
+    ("'NoneType' object has no attribute 'sendall'", seen with a cluster master killed under
+    load). That is the server being unreachable, not a bug of ours: only an AttributeError raised
+    in redis-py's own code on None counts."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    return "'NoneType' object" in str(e) and f"{os.sep}redis{os.sep}" in where
 
 
 def _zero_copy_packer() -> dict:
