@@ -24,8 +24,9 @@ def test_store_follows_a_sentinel_failover():
             store.put("ns:before", feature)
             assert conn.call(lambda c: c.wait(1, 10000)) == 1  # the replica has it
             topo.kill_primary()
-            got, deadline = None, time.monotonic() + 60
+            got, tries, deadline = None, 0, time.monotonic() + 60
             while got is None and time.monotonic() < deadline:
+                tries += 1
                 try:
                     got = store.get("ns:before")  # fails while the old primary is gone, then backs off
                 except StoreUnavailableError:
@@ -33,6 +34,8 @@ def test_store_follows_a_sentinel_failover():
             assert got is not None and torch.equal(got[0], feature[0])
             store.put("ns:after", feature)  # writes go to the promoted replica
             assert torch.equal(store.get("ns:after")[0], feature[0])
-            assert store.stats()["outages"] >= 1
+            # a failover the calls saw is an outage counted; redis-py's sentinel pool may also reach
+            # the promoted replica before any call fails (the first get succeeds: nothing to count)
+            assert store.stats()["outages"] >= (1 if tries > 1 else 0)
         finally:
             store.close()
