@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ class CheckConfig:
     """The settings of one `epdserve bench device` run (flags of the command; see its --help)."""
 
     device: str = "cpu"
-    work_dir: str = "/tmp/epdserve-device-check"
+    work_dir: str = field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "epdserve-device-check"))
     out_dir: str = "."
     # exact
     exact_archs: list[str] = field(default_factory=lambda: ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
