@@ -34,6 +34,8 @@ from datetime import timedelta
 
 import torch
 
+from epdserve.platform import get_platform
+
 TIMEOUT_S = 5.0  # the receive the killed peer never completes
 HEAD_DIMS, DTYPES = (64, 128), (torch.bfloat16, torch.float16)
 CASES = {"all-decode": ([1, 1, 1], [37, 130, 5]), "decode+chunk": ([1, 45, 1], [300, 300, 129]),
@@ -62,8 +64,6 @@ def versions(_args) -> bool:
 
 
 def probe(args) -> bool:
-    import torch_npu
-
     from epdserve.engine.kv_cache import KVCacheSpec
     from epdserve.ops.npu_ops import NpuPagedOps
     from epdserve.ops.npu_schema import NpuKernelsUnsupported
@@ -72,7 +72,7 @@ def probe(args) -> bool:
         ops = NpuPagedOps()
     except NpuKernelsUnsupported as e:
         return row("schema probe", "fail", str(e))
-    row("schema probe", "ok", f"torch_npu {torch_npu.__version__}: KV write {ops.kv_write}")
+    row("schema probe", "ok", f"torch_npu {get_platform('npu').torch_npu_version()}: KV write {ops.kv_write}")
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=128, block_size=128, dtype=torch.bfloat16)
     try:
         ops.check_kv_spec(spec, 8, torch.device(args.device))
@@ -199,9 +199,7 @@ def hccl_peer(args) -> bool:
 
 # ---------------------------------------------------------------- core limits, PD end to end
 def limits(args) -> bool:
-    import torch_npu
-
-    if not hasattr(torch_npu, "profiler"):
+    if not get_platform("npu").has_profiler():
         return row("core limits", "skip", "torch_npu has no profiler here (a stand-in): run on the NPU")
     out = subprocess.run([sys.executable, "-m", "epdserve.entrypoints.cli", "bench", "colocation", "--device", "npu",
                           "--out", os.path.join(args.out_dir, "colocation.json")], capture_output=True, text=True)

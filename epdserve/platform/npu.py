@@ -71,6 +71,14 @@ class NpuPlatform(Platform):
     def _torch_npu(self):
         return importlib.import_module("torch_npu")
 
+    def torch_npu_version(self) -> str:
+        """The imported torch_npu's own `__version__` (what the first-run table prints)."""
+        return str(self._torch_npu().__version__)
+
+    def has_profiler(self) -> bool:
+        """Whether torch_npu's profiler is present (`profile_kernels` needs it)."""
+        return hasattr(self._torch_npu(), "profiler")
+
     def unavailable_reason(self) -> str | None:
         """Why there is no usable NPU here (None: there is one): torch_npu missing, failing to
         import (CANN or the driver not found, a torch version it was not built for), or no device."""
