@@ -21,7 +21,7 @@ from pathlib import Path
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.llm_engine import LLMEngine
-from epdserve.engine.prefix_hash import media_extra
+from epdserve.seams.prefix_hash import media_extra
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
 from epdserve.transfer.kv import KVTransferConfig, LayerwiseRecvConnector, LayerwiseSendConnector, RendezvousServer

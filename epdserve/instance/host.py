@@ -370,13 +370,19 @@ class InstanceHost:
         return why
 
     # ---------------------------------------------------------------- status
+    def _block_size(self) -> int:
+        """Tokens per KV block of the engines that hold request KV (the router hashes prompts in
+        blocks of it); 0 while none is built (an encode-only instance: it caches no prefix)."""
+        return next((w.engine.config.block_size for w in self.workers
+                     if w.engine is not None and w.engine.config.computes), 0)
+
     def status(self) -> common_pb2.InstanceStatus:
         cfg = self.config
         load = sum_loads([w.load for w in self.workers])
         st = common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
             load=load, pid=os.getpid(), draining=self.draining,
-            compute=self._compute,
+            compute=self._compute, block_size=self._block_size(),
         )
         if self.model is not None:
             st.media_namespace = self.model.namespace

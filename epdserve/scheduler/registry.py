@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from epdserve.engine.roles import encodes_inline, normalize_roles, served_stages
 from epdserve.rpc import common_pb2
+from epdserve.scheduler.prompt_chunks import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class InstanceRecord:
     inflight: int = 0
     draining: bool = False  # switching roles: finishes what it holds, takes nothing new
     compute: str = ""  # InstanceStatus.compute: equal values share their compute
+    block_size: int = DEFAULT_BLOCK_SIZE  # InstanceStatus.block_size: its engines' KV block (prefix hashes)
 
     def has(self, role: str) -> bool:
         """Does it serve calls for stage `role` (E, P, D)? A "P+E" instance serves P only."""
@@ -77,6 +79,7 @@ class InstanceRecord:
             instance_id=self.instance_id, roles=self.roles, address=self.address, model=self.model,
             media_namespace=self.namespace, load=self.load, kv_endpoint=self.kv_endpoint, health=self.health,
             last_seen=self.last_seen, pid=self.pid, draining=self.draining, compute=self.compute,
+            block_size=self.block_size,
         )
 
 
@@ -121,6 +124,7 @@ class InstanceRegistry:
         rec.kv_endpoint.CopyFrom(status.kv_endpoint)
         rec.pid = status.pid
         rec.compute = status.compute
+        rec.block_size = status.block_size or DEFAULT_BLOCK_SIZE
         if status.draining != rec.draining:
             log.info("instance %s %s", rec.instance_id, "is draining (switching roles)" if status.draining
                      else "takes work again")

@@ -8,5 +8,6 @@ Imports nothing of epdserve above it.
 - kv_connector.py      the P→D seam: `KVConnector` (contract), `RemoteDecode` / `RemotePrefill`, `FinishedTransfer`
 - feature_provider.py  the E→P seam: `FeatureProvider` (contract), `FeatureStats`, `LocalFeatureProvider`
 - media_keys.py        media identity: `media_key` (keyed BLAKE2b of raw bytes, `MediaKeySecret`) and `namespace_for` (model/processor)
+- prefix_hash.py       the one prefix hash: SHA-256-chained keys of a prompt's full KV blocks (engine cache, router index)
 - byte_lru.py          `ByteLRU`: the byte-bounded LRU both feature caches keep their entries in
 """
