@@ -319,7 +319,7 @@ class Dispatcher:
 
     def _block_sizes(self) -> set[int]:
         """The block sizes of the instances that prefill (on the event loop: the registry's thread)."""
-        return {r.block_size for r in self.registry.records() if r.has("P")}
+        return {r.block_size for r in self.registry.records() if r.role_set.prefills}
 
     def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str,
                  block_sizes: set[int]) -> tuple[PreparedRequest, dict[int, list[bytes]]]:
