@@ -15,7 +15,7 @@
 - `holds_kv`: its engines hold request KV (it prefills or decodes; an E-only one does not).
 
 Everything else is derived from those fields (`encodes`, `prefills`, `decodes`, `coupled`,
-`sends_kv`, `receives_kv`, `encodes_for_others`, `worker_key` ...). A role string is parsed once, where it enters
+`sends_kv`, `receives_kv`, `encodes_for_others`, `worker_key`, `rpcs` ...). A role string is parsed once, where it enters
 (`parse_roles`: the CLI's and configs' `--roles`, a registration, a SwitchRoles request); inside,
 code holds the canonical name and asks its record (`role_set`). tests/test_role_table.py fails on
 a role string test (`"D" in roles`, `roles == "EPD"`, ...) anywhere else in the package.
@@ -29,6 +29,7 @@ ENCODE, PREFILL, DECODE = "E", "P", "D"
 STAGES = (ENCODE, PREFILL, DECODE)
 COUPLED = "PD"  # the pool of instances that take whole requests (Generate), beside E, P and D
 POOLS = (ENCODE, PREFILL, DECODE, COUPLED)
+RPCS = {ENCODE: "Encode", PREFILL: "Prefill", DECODE: "Decode", COUPLED: "Generate"}  # Instance service, per pool
 FUSED_PREFILL = "P+E"  # one engine that encodes inline, then prefills and hands KV to a D (mode P-D)
 
 
@@ -98,6 +99,11 @@ class RoleSet:
             return COUPLED
         (key,) = self.serves
         return key
+
+    @property
+    def rpcs(self) -> tuple[str, ...]:
+        """The Instance RPCs its workers answer (instance/servicer.py), one per worker."""
+        return tuple(RPCS[w.worker_key] for w in self.worker_sets)
 
     @property
     def worker_sets(self) -> tuple["RoleSet", ...]:

@@ -82,6 +82,8 @@ def test_every_record_reads_as_its_name_says():
     assert parse_roles("EP").workers == ("E", "P") and parse_roles("ED").serves == {"E", "D"}
     assert parse_roles("P+E").serves == {"P"} and parse_roles("P+E").sends_kv and parse_roles("ED").receives_kv
     assert parse_roles("EPD").worker_key == "PD" and parse_roles("P+E").worker_key == "P"
+    assert parse_roles("EP").rpcs == ("Encode", "Prefill") and parse_roles("EPD").rpcs == ("Generate",)
+    assert parse_roles("P+E").rpcs == ("Prefill",) and parse_roles("ED").rpcs == ("Encode", "Decode")
     assert parse_roles("EP").encodes_for_others and not parse_roles("EPD").encodes_for_others
     assert parse_roles("E").encode_only and not parse_roles("EP").encode_only and not parse_roles("E").holds_kv
     with pytest.raises(ValueError, match="roles must be one of"):
