@@ -15,9 +15,9 @@
 - `holds_kv`: its engines hold request KV (it prefills or decodes; an E-only one does not).
 
 Everything else is derived from those fields (`encodes`, `prefills`, `decodes`, `coupled`,
-`sends_kv`, `receives_kv`, `encodes_for_others`, `worker_key`, `rpcs` ...). A role string is parsed once, where it enters
-(`parse_roles`: the CLI's and configs' `--roles`, a registration, a SwitchRoles request); inside,
-code holds the canonical name and asks its record (`role_set`). tests/test_role_table.py fails on
+`sends_kv`, `receives_kv`, `encodes_for_others`, `worker_key`, `rpcs` ...). A role string is
+parsed once, where it enters (`parse_roles`: the CLI's and configs' `--roles`, a registration, a
+SwitchRoles request); inside, code holds the canonical name and asks its record (`role_set`). tests/test_role_table.py fails on
 a role string test (`"D" in roles`, `roles == "EPD"`, ...) anywhere else in the package.
 No imports of epdserve: every layer may read it.
 """

@@ -150,7 +150,8 @@ class _Rig:
         out: list = []
 
         def body():
-            enter_stage_thread(self._cores(policy, role), low_priority=policy == "yield" and not role_set(role).holds_kv)
+            low = policy == "yield" and not role_set(role).holds_kv  # encode gives way
+            enter_stage_thread(self._cores(policy, role), low_priority=low)
             out.append(fn())
 
         t = threading.Thread(target=body, name=f"bench-{role}-{policy}")
