@@ -188,10 +188,14 @@ weights_mb() {  # weights_mb MODEL -> MB the checkpoint's weights take on the de
 }
 
 hbm_mb() {  # hbm_mb LOGICAL_ID -> "TOTAL FREE" MB on stdout, or "unknown WHY" (not-mapped, unavailable, no-hbm, no-figures)
-  # Ascend's npu-smi manual ("查询所有芯片映射关系信息", npu-smi info -m): columns NPU ID, Chip ID,
-  # Chip Logic ID, Chip Name; an NPU ID of -1 marks an NPU that is not available. ("查询指定芯片统计信息",
-  # npu-smi info -t usages -i id -c chip_id): products with HBM print "HBM Capacity(MB)" and
-  # "HBM Usage Rate(%)" (an integer percentage); products without it print "Memory Capacity(MB)".
+  # Ascend's npu-smi manual, "查询所有芯片映射关系信息" (npu-smi info -m; hiascend.com document/detail/
+  # zh/Atlas%20200I%20A2/2520/re/npu/npusmi_013.html): columns NPU ID, Chip ID, Chip Logic ID, Chip
+  # Name; an NPU ID of -1 marks an NPU that is not available. "查询指定芯片统计信息" (npu-smi info -t
+  # usages -i id -c chip_id; .../npusmi_020.html): a product without HBM prints "Memory Capacity(MB)"
+  # / "Memory Usage Rate(%)". HBM products print "HBM Capacity(MB)" / "HBM Usage Rate(%)" (an
+  # integer percentage, so the free figure is good to 1 % of the total): the spelling of Ascend's
+  # Atlas 350 manual for the same command and of 910B hosts' output (telegraf's npu_smi input
+  # fixtures); no Ascend page for the 800I A2's usages output was found.
   local logical=$1 npu chip
   read -r npu chip < <(npu-smi info -m 2>/dev/null |
     awk -v id="$logical" '$1 ~ /^-?[0-9]+$/ && $3 == id {print $1, $2; exit}') || true
