@@ -1,9 +1,9 @@
-"""What unforgeable identities cost (issue 35): a 1-image request's TTFT, the media key, the
-prefix-cache lookup of a long cached prompt, through the offline engine's own code paths, and
-the router's hashes of that prompt (`PromptChunker.hashes`, 16-token blocks: xxh3-64 chunks
-before issue 38, the engines' SHA-256 block keys since).
+"""What unforgeable identities cost (keyed media keys, SHA-256 block keys): a 1-image request's
+TTFT, the media key, the prefix-cache lookup of a long cached prompt, through the offline
+engine's own code paths, and the router's hashes of that prompt (`PromptChunker.hashes`,
+16-token blocks: its own xxh3-64 chunks before the router used the engines' SHA-256 block keys).
 
-Written against the engine's API as it was before issue 35 as well (`build_request`, `media_item`,
+Written against the engine's API as it was before those keys as well (`build_request`, `media_item`,
 the scheduler's `hasher.hashes` and the block manager's `lookup`), so one run of this script per
 tree, alternated, compares old and new on the same machine (docs/measurements.md has the
 figures and the command). Prints one JSON line of medians.
