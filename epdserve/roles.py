@@ -17,8 +17,9 @@
 Everything else is derived from those fields (`encodes`, `prefills`, `decodes`, `coupled`,
 `sends_kv`, `receives_kv`, `encodes_for_others`, `worker_key`, `rpcs` ...). A role string is
 parsed once, where it enters (`parse_roles`: the CLI's and configs' `--roles`, a registration, a
-SwitchRoles request); inside, code holds the canonical name and asks its record (`role_set`). tests/test_role_table.py fails on
-a role string test (`"D" in roles`, `roles == "EPD"`, ...) anywhere else in the package.
+SwitchRoles request); inside, code holds the canonical name and asks its record (`role_set`).
+tests/test_role_table.py fails on a role string test (`"D" in roles`, `roles == "EPD"`, ...)
+anywhere else in the package.
 No imports of epdserve: every layer may read it.
 """
 from __future__ import annotations

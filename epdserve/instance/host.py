@@ -149,7 +149,8 @@ class InstanceHost:
         index = int(cfg.device.partition(":")[2] or 0)
         platform.set_thread_device(index)
         kv_write = installed_kv_write() if platform.name == "npu" else None
-        apply_device_share(platform, index, share, list(role_set(self.roles).workers), kv_write, opted_in=cfg.npu_core_limits)
+        workers = list(role_set(self.roles).workers)
+        apply_device_share(platform, index, share, workers, kv_write, opted_in=cfg.npu_core_limits)
 
     def wait_registered(self, timeout_s: float) -> bool:
         return all(r.registered.wait(timeout_s) for r in self._registrars)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from epdserve.roles import DECODE, FUSED_PREFILL, PREFILL, ROLE_TABLE, RoleSet, role_set
+from epdserve.roles import DECODE, FUSED_PREFILL, PREFILL, ROLE_TABLE, role_set
 
 COUNTS = ("encode", "prefill", "decode")
 
@@ -39,10 +39,6 @@ class PoolRule:
     def __post_init__(self):
         if self.roles not in ROLE_TABLE:
             raise ValueError(f"pool roles {self.roles!r} are not in the role table")
-
-    @property
-    def role_set(self) -> RoleSet:
-        return ROLE_TABLE[self.roles]
 
     def size(self, counts: dict[str, int]) -> int:
         n = counts[self.count] - (counts[self.beyond] if self.beyond else 0)

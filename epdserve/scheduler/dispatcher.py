@@ -86,7 +86,7 @@ class RequestRun:
         self.first_at: float | None = None  # ... when it reached the scheduler (Unix seconds)
         self.resumed = 0  # output tokens the client already had (resume_token_ids)
         self.aborted = False
-        self.prefix: dict[int, list[bytes]] = {}  # block size -> the prompt's block hashes, for cache-aware routing (prompt_chunks.py)
+        self.prefix: dict[int, list[bytes]] = {}  # block size -> the prompt's block hashes (prompt_chunks.py)
         self._wake = asyncio.Event()
 
     def abort(self) -> None:

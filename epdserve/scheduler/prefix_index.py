@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from epdserve.scheduler.registry import InstanceRecord
 
-DEFAULT_CAPACITY = 131_072  # block hashes per instance: 2M tokens of 16-token blocks; 20 MB of 32-byte digests (tracemalloc)
+DEFAULT_CAPACITY = 131_072  # block hashes per instance: 2M tokens of 16-token blocks, 20 MB (tracemalloc)
 
 
 class PrefixIndex:

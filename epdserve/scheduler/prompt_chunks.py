@@ -41,12 +41,14 @@ class PromptChunker:
     def __init__(self, visual_token_ids: Iterable[int | None]):
         self.visual = frozenset(t for t in visual_token_ids if t is not None)
 
-    def hashes(self, token_ids: Sequence[int], media: Sequence = (), block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
+    def hashes(self, token_ids: Sequence[int], media: Sequence = (),
+               block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
         """The digests of the full blocks of `token_ids` (`block_size` tokens each), each naming the
         prefix up to its block. `media`: the prompt's media in prompt order, each with `key`,
         `num_tokens`, `grid_thw`, `kind` and (videos) `video` (`PreparedMedia`)."""
         return [k.digest for k in prompt_keys(token_ids, media_identity(media), self.visual, block_size)]
 
-    def by_block_size(self, token_ids: Sequence[int], media: Sequence, block_sizes: Iterable[int]) -> dict[int, list[bytes]]:
+    def by_block_size(self, token_ids: Sequence[int], media: Sequence,
+                      block_sizes: Iterable[int]) -> dict[int, list[bytes]]:
         """`hashes` for each block size the prefill pools use."""
         return {bs: self.hashes(token_ids, media, bs) for bs in sorted(set(block_sizes))}

@@ -42,7 +42,8 @@ def test_register_heartbeat_reregister_deregister(qwen2_vl_tiny):
     host = None
     try:
         host = InstanceHost(InstanceConfig(roles="PD", model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
-                                           kv_cache_bytes=2 << 20, block_size=32), InstanceSecurity(cluster_token=TOKEN)).start()
+                                           kv_cache_bytes=2 << 20, block_size=32),
+                            InstanceSecurity(cluster_token=TOKEN)).start()
         assert host.wait_registered(30)
         st = wait_until(lambda: roster(sched).get(host.instance_id), what="registration")
         assert st.roles == "PD" and st.address == f"127.0.0.1:{host.port}" and st.media_namespace
