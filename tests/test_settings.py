@@ -31,7 +31,7 @@ def test_the_instance_hands_the_engine_its_own_settings():
     cfg = _instance(["--max-num-seqs", "7", "--feature-wait-s", "1.5", "--dtype", "float32"])
     engine = EngineConfig(**shared_values(cfg, EngineConfig), roles="PD")
     assert (engine.max_num_seqs, engine.feature_wait_s, engine.dtype) == (7, 1.5, "float32")
-    assert engine.kv_cache_memory_bytes == cfg.kv_cache_bytes and engine.model == "/m"
+    assert engine.kv_cache_bytes == cfg.kv_cache_bytes and engine.model == "/m"
     shared = {f.name for f in dataclasses.fields(InstanceConfig) if "epdserve_same_as" in f.metadata}
     assert len(shared_values(cfg, EngineConfig)) == len(shared) >= 8
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from epdserve.deploy.argv import last_flag
 from epdserve.entrypoints.launch_settings import (STOP_MARGIN_S, add_launch_flags, instance_argv, merged_options,
-                                                  option_choices, option_defaults)
+                                                  option_choices, option_defaults, scheduler_argv, slo_of)
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,15 @@ def spec_from_args(args):
         raise ValueError("--model is required (or `model:` in --config)")
     inst = [*_flags(merged["instance_args"]), *instance_argv(merged)]
     # launch's own scheduler flags first: --scheduler-args come after them and win (argparse: the last one)
-    sched = [*_served_name(merged), *_tls(merged), *_flags(merged["scheduler_args"])]
-    if merged["max_model_len"] is not None:
-        sched += ["--max-model-len", str(merged["max_model_len"])]
+    sched = [*_served_name(merged), *scheduler_argv(merged), *_tls(merged), *_flags(merged["scheduler_args"])]
     if merged["http_port"] is not None:  # resolved now: a restarted scheduler comes back on the same port
         from epdserve.net import free_port
 
         args.http_port = int(merged["http_port"]) or free_port(merged["host"])
         sched += ["--http-port", str(args.http_port)]
+    from epdserve.platform import resolve_device
+
+    merged["device"] = resolve_device(merged["device"])  # auto: the platform this machine has
     planned = None
     if merged["mode"] == "auto":
         merged, planned = _plan_auto(merged)
@@ -171,7 +172,8 @@ def _plan_auto(merged: dict) -> tuple[dict, str]:
 
     devices = len(_ids(merged["devices"])) or 2
     plan = plan_start(str(Path(merged["model"]).expanduser()), merged["device"], merged["profile"],
-                      merged["expected_workload"] or DEFAULT_WORKLOAD, merged["expected_rate"], devices)
+                      merged["expected_workload"] or DEFAULT_WORKLOAD, merged["expected_rate"], devices,
+                      slo=slo_of(merged))
     return {**merged, "mode": plan.mode, "encode": plan.encode, "prefill": plan.prefill,
             "decode": plan.decode}, plan.line()
 
