@@ -39,6 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from epdserve.engine.config import EngineConfig
+    from epdserve.settings import add_flags
+
     p.add_argument("--shapes", nargs="+", default=["demo-small", "qwen2-vl-7b"], choices=sorted(SHAPES))
     p.add_argument("--tokens", type=int, default=300, help="prompt tokens of the request")
     p.add_argument("--block-size", type=int, default=16)

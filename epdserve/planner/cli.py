@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from epdserve.commands import add_command
+from epdserve.engine.config import EngineConfig
 from epdserve.settings import add_flags, from_flags
 from epdserve.slo import SLO, SLO_FLAGS
 
@@ -71,10 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--colocated-host", action="store_true",
                    help="every instance shares one machine's cores (epdserve launch on one CPU host)")
     d.add_argument("--modes", default=",".join(MODES), help=f"modes to consider (default {','.join(MODES)})")
-    d.add_argument("--encode-token-budget", type=int, default=1024, help="E: vision tokens per step (default 1024)")
-    d.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="coupled engines: tokens per step (default 2048)")
-    d.add_argument("--max-num-seqs", type=int, default=128, help="requests per decode batch (default 128)")
+    add_flags(d, EngineConfig, ["encode_token_budget", "max_num_batched_tokens", "max_num_seqs"])  # as the engines'
     d.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
                    help=f"E->P and P->D link bandwidth, GB/s (default {DEFAULT_LINK_GBPS:g})")
     d.add_argument("--link-latency-ms", type=float, default=DEFAULT_LINK_LATENCY_MS,
