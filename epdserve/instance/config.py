@@ -104,6 +104,7 @@ class InstanceConfig:
         self.roles = normalize_roles(self.roles)
         if not self.model:
             raise ValueError("model is required")
+        check_policy(self.colocation)
         check_settings(self)  # the bounds and choices declared on the fields (the engine's carried by same_as)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be 0..65535, got {self.port}")
@@ -111,7 +112,6 @@ class InstanceConfig:
             raise ValueError(f"encode_core_share must be in (0, 1), got {self.encode_core_share}")
         if self.device_core_share is not None and not 0.0 < self.device_core_share <= 1.0:
             raise ValueError(f"device_core_share must be in (0, 1], got {self.device_core_share}")
-        check_policy(self.colocation)
         if self.scheduler is not None and (not self.schedulers or any(":" not in s for s in self.schedulers)):
             raise ValueError(f"scheduler must be host:port (several: comma-separated), got {self.scheduler!r}")
 
