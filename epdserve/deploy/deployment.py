@@ -67,6 +67,7 @@ class DeploymentSpec:
     devices: list[str] = field(default_factory=list)  # accelerator ids handed out round-robin (default: all visible)
     pin_instances: bool = False  # CPU: give each instance a disjoint share of this machine's cores
     planned: str | None = None  # --mode auto: what the planner chose, and why (logged)
+    demo_model: bool = False  # `model` is launch's built-in random-weight demo (the ready line says so)
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
     registry: str | None = None  # host:port instances register at (the scheduler's internal port, set in

@@ -59,7 +59,10 @@ class LaunchSettings:
     profile: str | None = setting(
         None, help="auto: an `epdserve profile` JSON of this model on this machine (default: measured once and cached "
                    "in ~/.cache/epdserve/profiles)")
-    model: str | None = setting(None, help="checkpoint directory")
+    model: str | None = setting(
+        None, help="checkpoint directory (default: a built-in tiny random-weight demo checkpoint, built once into "
+                   "$EPDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/epdserve, else ~/.cache/epdserve: it shows the "
+                   "deployment working, its answers are noise)")
     encode: int = setting(1, help="E workers (default 1): in EP-D / ED-P the co-located ones count and the rest are "
                                   "E-only instances; monolithic ignores it")
     prefill: int = setting(1, help="P instances (EP / PD / EPD instances in those modes)")
