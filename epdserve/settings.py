@@ -63,17 +63,6 @@ def same_as(cls: type, name: str, default: Any = MISSING, help: str | None = Non
     return dataclasses.field(default=default, metadata=meta)
 
 
-def origin(f: dataclasses.Field) -> tuple[type, str] | None:
-    """(class, field) that `f` is declared `same_as`, followed to the first declaration; None if `f` is one."""
-    owner = f.metadata.get("epdserve_same_as")
-    while owner is not None:
-        nxt = _field(*owner).metadata.get("epdserve_same_as")
-        if nxt is None:
-            return owner
-        owner = nxt
-    return None
-
-
 _CHECKS = {">": lambda v, b: v > b, ">=": lambda v, b: v >= b}
 
 

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
              "--output-len", str(a.output_len or size["output_len"]), "--warmup", str(size["warmup"]),
              "--request-rate", ",".join(f"{r:g}" for r in rates * repeats),
              *forward_argv(SLO, vars(a), SLO_FLAGS),
-             "--slo-note", f"the peer comparison: TTFT <= {a.slo_ttft_ms:g} ms and TPOT <= {a.slo_tpot_ms:g} ms per request",
+             "--slo-note",
+             f"the peer comparison: TTFT <= {a.slo_ttft_ms:g} ms and TPOT <= {a.slo_tpot_ms:g} ms per request",
              *a.bench_arg]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")  # the same for every target
     t0, parts, failed = time.monotonic(), [], {}

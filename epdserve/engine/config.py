@@ -35,11 +35,11 @@ class EngineConfig:
         2048, check=(">=", 1), help="tokens one engine step schedules, prefill chunks and decodes together")
     max_model_len: int | None = setting(None, check=(">=", 1), help="longest prompt + output (default: the model's)")
     encode_token_budget: int = setting(
-        1024, check=(">=", 1), help="E: vision tokens (after the spatial merge) encoded per engine step, across requests, least "
-                   "recently served request first, so a many-image request or a long video does not hold E while "
-                   "others wait; a video over it is encoded a few temporal patches per step (exact for Qwen2-VL / "
-                   "Qwen2.5-VL / Qwen3-VL; other models encode each item whole), an image alone over it in a step "
-                   "of its own (default 1024)")
+        1024, check=(">=", 1),
+        help="E: vision tokens (after the spatial merge) encoded per engine step, across requests, least recently "
+             "served request first, so a many-image request or a long video does not hold E while others wait; a "
+             "video over it is encoded a few temporal patches per step (exact for Qwen2-VL / Qwen2.5-VL / Qwen3-VL; "
+             "other models encode each item whole), an image alone over it in a step of its own")
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = setting(
         True, negate="--no-prefix-caching",

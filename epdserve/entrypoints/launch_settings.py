@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from epdserve.commands import FlagsArg
-from epdserve.instance.config import InstanceConfig
 from epdserve.engine.config import EngineConfig
+from epdserve.instance.config import InstanceConfig
 from epdserve.instance.modes import MODES
 from epdserve.scheduler.config import SchedulerConfig
 from epdserve.scheduler.controller import ControllerConfig
@@ -35,7 +35,8 @@ FORWARDED = ("kv_cache_bytes", "max_num_seqs", "block_size", "max_model_len", "f
 
 # scheduler settings launch offers, by class, forwarded to the scheduler (max_model_len and slo_tpot_ms
 # are instance settings too: one flag, passed on to both)
-SCHEDULER_FORWARDED = ((SchedulerConfig, ("max_model_len", "routing")), (ControllerConfig, ("slo_ttft_ms", "slo_tpot_ms")))
+SCHEDULER_FORWARDED = ((SchedulerConfig, ("max_model_len", "routing")),
+                       (ControllerConfig, ("slo_ttft_ms", "slo_tpot_ms")))
 
 _INTERNAL = ("internal_port", "internal_host", "internal_tls_cert", "internal_tls_key", "insecure", "internal_tls_ca")
 INTERNAL_GROUP = (

@@ -69,7 +69,8 @@ class InstanceConfig:
                     "products and warns that limited streams running non-Ascend C operators may hang. Opt in only "
                     "after `epdserve bench colocation --device npu` passes on this hardware. Default: off")
     stream_interval_ms: float = setting(
-        0.0, check=(">=", 0), help="after a request's first token, gather its tokens for up to this long into one stream message "
+        0.0, check=(">=", 0),
+        help="after a request's first token, gather its tokens for up to this long into one stream message "
                   "(fewer messages per token through scheduler and client; the first token is never held). "
                   "0 (default): send at once, joining only tokens already queued")
     colocation: str = setting("split", choices=POLICIES, help=COLOCATION_HELP)
@@ -90,10 +91,12 @@ class InstanceConfig:
                                           help="setting up a KV pair with a P or D gives up after this long")
     kv_hop: str = setting("auto", choices=KV_HOP_CHOICES, help=KV_HOP_HELP)
     kv_pair_rebuilds: int = setting(
-        8, check=(">=", 0), help="D: at most this many rebuilds of the KV pair with one P within --kv-pair-rebuild-window-s; "
+        8, check=(">=", 0),
+        help="D: at most this many rebuilds of the KV pair with one P within --kv-pair-rebuild-window-s; "
                 "beyond it requests from that P fail as retryable (rerouted): each pair that broke mid-transfer "
                 "may leave an HCCL communicator behind (default 8)")
-    kv_pair_rebuild_window_s: float = setting(600.0, check=(">", 0), help="D: the window of --kv-pair-rebuilds, seconds (default 600)")
+    kv_pair_rebuild_window_s: float = setting(600.0, check=(">", 0),
+                                              help="D: the window of --kv-pair-rebuilds, seconds (default 600)")
     grpc_threads: int = setting(128, check=(">=", 1), help="calls this instance serves at once (default 128)")
     feature_cache_bytes: int = setting(
         4 << 30, flag="--feature-cache-mb", check=(">=", 1), to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20,

@@ -44,7 +44,8 @@ def test_flags_override_the_file_and_become_instance_flags(tmp_path):
 def test_no_model_is_the_built_in_demo_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("EPDSERVE_CACHE_DIR", str(tmp_path))
     s = spec("--mode", "E-P-D")
-    assert s.demo_model and Path(s.model).parent == tmp_path / "demo-models" and (Path(s.model) / "config.json").is_file()
+    assert s.demo_model and Path(s.model).parent == tmp_path / "demo-models"
+    assert (Path(s.model) / "config.json").is_file()
     assert not spec("--mode", "E-P-D", "--model", "/m").demo_model
 
 
