@@ -61,7 +61,8 @@ def ensure_profile(model: str, device: str, given: str | None) -> str:
 
 def plan_start(model: str, device: str = "cpu", profile: str | None = None, workload: str = DEFAULT_WORKLOAD,
                rate: float | None = None, devices: int = 2, requests: int = 40, slo=None) -> StartPlan:
-    """Rank every deployment for the declared workload; the best one (see the module docstring)."""
+    """Rank every deployment for the declared workload by goodput under `slo` (default: epdserve/slo.py's,
+    launch passes its --slo-ttft-ms / --slo-tpot-ms); the best one (see the module docstring)."""
     from epdserve.instance.modes import MODES
     from epdserve.perf.presets import PRESET_RATES, PRESETS
     from epdserve.planner import rank
