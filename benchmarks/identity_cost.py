@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = a.model or build_demo_model(Path(tmp), arch="qwen2_vl", size="tiny", seed=0)
         eng = LLMEngine(EngineConfig(model=str(model), device="cpu", step_budget=False,
-                                     kv_cache_memory_bytes=256 << 20))
+                                     kv_cache_bytes=256 << 20))
         images = [jpeg_bytes(procedural_image(a.image_px, a.image_px, seed)) for seed in range(a.requests + 2)]
         prompt = f"Describe {PH} in detail."
         ttft = [ttft_ms(eng, f"r{i}", prompt, img) for i, img in enumerate(images)][2:]  # new images: no reuse

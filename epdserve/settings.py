@@ -7,7 +7,9 @@ that one declaration:
 - `from_flags(cls, namespace)` builds the dataclass from parsed flags;
 - `forward_argv(cls, names, values)` writes the same flags for a child process (launch → instance);
 - `same_as(cls, name)` declares a field of another settings class as a copy of this one (the
-  instance's `block_size` is the engine's), `shared_values(src, cls)` reads those copies back.
+  instance's `block_size` is the engine's), `shared_values(src, cls)` reads those copies back;
+- `check_settings(obj)` (called from each class's `__post_init__`) checks every field against its
+  declared `check` bound and `choices`, so a copy made with `same_as` is checked as its original.
 
 A flag's value is in the flag's unit (`--kv-cache-mb 256`); `to_field` turns it into the field's
 (`256 << 20` bytes), `from_field` back. A `negate` flag is a store_true that sets a True-by-default
@@ -35,7 +37,8 @@ class Setting:
     from_field: Callable[[Any], Any] | None = None
     negate: str | None = None  # a store_true flag that turns this True-by-default field False
     required: bool = False
-    action: type | None = None  # an argparse Action class taking one value (e.g. commands.FlagsArg)
+    action: type | str | None = None  # an argparse Action class taking one value (e.g. commands.FlagsArg), or "append"
+    check: tuple[str, float] | None = None  # a bound on the value: (">", 0) or (">=", 1); None values pass
 
 
 def setting(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **kw) -> Any:
@@ -46,12 +49,34 @@ def setting(default: Any = MISSING, *, help: str, default_factory: Any = MISSING
     return dataclasses.field(default=default, metadata=meta)
 
 
-def same_as(cls: type, name: str, default: Any = MISSING) -> Any:
-    """A field that is `cls.name` again (same flag, help, choices), optionally with its own default."""
+def same_as(cls: type, name: str, default: Any = MISSING, help: str | None = None) -> Any:
+    """A field that is `cls.name` again (same flag, choices, check and default), optionally with its
+    own default or help (what the setting does in this command; the flag and its meaning stay)."""
     f = _field(cls, name)
     if default is MISSING:
         default = f.default
-    return dataclasses.field(default=default, metadata={**f.metadata, "epdserve_same_as": (cls, name)})
+    meta = {**f.metadata, "epdserve_same_as": (cls, name)}
+    if help is not None and _KEY in meta:
+        meta[_KEY] = dataclasses.replace(meta[_KEY], help=help)
+    if default is MISSING and f.default_factory is not MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+_CHECKS = {">": lambda v, b: v > b, ">=": lambda v, b: v >= b}
+
+
+def check_settings(obj: Any) -> None:
+    """Raise ValueError for the first setting of `obj` outside its declared `check` or `choices`
+    ("max_num_seqs must be >= 1, got 0"); a None value passes (not set)."""
+    for f, s in settings_of(type(obj)):
+        v = getattr(obj, f.name)
+        if v is None:
+            continue
+        if s.choices and not s.action and v not in s.choices:
+            raise ValueError(f"{f.name} must be one of {', '.join(map(str, s.choices))}, got {v!r}")
+        if s.check and not _CHECKS[s.check[0]](v, s.check[1]):
+            raise ValueError(f"{f.name} must be {s.check[0]} {s.check[1]:g}, got {v}")
 
 
 def shared_values(src: Any, cls: type) -> dict[str, Any]:
@@ -86,6 +111,8 @@ def add_flags(parser, cls: type, names: typing.Iterable[str] | None = None, unse
         kw: dict[str, Any] = {"help": _help(f, s), "dest": dest(f, s)}
         if s.action:
             kw.update(action=s.action, default=None if unset_default else _flag_default(f, s))
+            if s.metavar:
+                kw["metavar"] = s.metavar
         elif s.negate or hints[f.name] is bool:
             kw.update(action="store_true", default=None if unset_default else False)
         else:
@@ -101,8 +128,10 @@ def add_flags(parser, cls: type, names: typing.Iterable[str] | None = None, unse
 
 
 def from_flags(cls: type, ns: argparse.Namespace, **values) -> Any:
-    """`cls` from parsed flags (its settings), plus `values` for its other fields."""
+    """`cls` from parsed flags (its settings the command offers), plus `values` for its other fields."""
     for f, s in settings_of(cls):
+        if not hasattr(ns, dest(f, s)):
+            continue  # a setting this command does not offer: the field's default
         v = getattr(ns, dest(f, s))
         if s.negate:
             v = not v
@@ -123,7 +152,11 @@ def forward_argv(cls: type, values: dict[str, Any], names: typing.Iterable[str])
         v = values.get(dest(f, s))
         if v is None or v is False:
             continue
-        argv += [flag_name(f, s)] if v is True else [flag_name(f, s), str(v)]
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                argv += [flag_name(f, s), str(x)]
+        else:
+            argv += [flag_name(f, s)] if v is True else [flag_name(f, s), str(v)]
     return argv
 
 
@@ -160,7 +193,7 @@ def _flag_default(f: dataclasses.Field, s: Setting) -> Any:
 
 def _help(f: dataclasses.Field, s: Setting) -> str:
     d = _flag_default(f, s)
-    if s.negate or s.required or d is None or isinstance(d, bool) or "default" in s.help:
+    if s.negate or s.required or d is None or d == "" or isinstance(d, bool) or "default" in s.help:
         return s.help
     return f"{s.help} (default {d})"
 

@@ -45,7 +45,7 @@
 #   REG_PORT         scheduler's internal port (instance registry)            [50052]
 #   MODE             mode name reported by the scheduler                      [E-P-D]
 #   ROLES            `preflight` only: the roles to size HBM for (`instances` takes them as argument)  [P]
-#   KV_CACHE_MB      KV cache per P/D worker   [on NPU: what the preflight finds fits, at most 16384; 256 with DEVICE=cpu]
+#   KV_CACHE_MB      KV cache per P/D worker   [on NPU: what the preflight finds fits, at most 16384; with DEVICE=cpu the instance's default]
 #   HBM_MARGIN_MB    preflight: HBM each process needs beyond weights and KV cache (activations,
 #                    CANN/ATB workspaces, HCCL buffers, the runtime's context); an estimate, not a
 #                    measurement: raise it if an instance runs out of device memory   [4096]
@@ -377,7 +377,8 @@ case "$what" in
     extra=()
     if [[ -n "${EXTRA_ARGS:-}" ]]; then read -ra extra <<< "$EXTRA_ARGS"; fi
     kv_default=${kv_fit_mb:-16384}   # on NPU: what the preflight found fits every listed NPU
-    if [[ "$DEVICE" == cpu ]]; then kv_default=256; fi
+    kv_args=(--kv-cache-mb "${KV_CACHE_MB:-$kv_default}")
+    if [[ "$DEVICE" == cpu && -z "${KV_CACHE_MB:-}" ]]; then kv_args=(); fi   # CPU: the instance's own default
     trap cleanup EXIT INT TERM HUP
     IFS=, read -ra devs <<< "$npus"
     for dev in "${devs[@]}"; do
@@ -386,7 +387,7 @@ case "$what" in
       # cluster interface only and registers on the head's internal port with the cluster token.
       ASCEND_RT_VISIBLE_DEVICES=$dev epdserve instance --roles "$roles" --model "$MODEL" --device "$DEVICE" \
         --scheduler "$HEAD_IP:${REG_PORT:-50052}" --mm-store "$MM_STORE" --host "$NODE_IP" \
-        --kv-cache-mb "${KV_CACHE_MB:-$kv_default}" "${insecure[@]}" "${extra[@]}" &
+        "${kv_args[@]}" "${insecure[@]}" "${extra[@]}" &
       pids+=($!)
     done
     echo "started ${#devs[@]} $roles instance(s) on $NODE_IP ($DEVICE $npus)"

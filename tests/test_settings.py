@@ -31,7 +31,7 @@ def test_the_instance_hands_the_engine_its_own_settings():
     cfg = _instance(["--max-num-seqs", "7", "--feature-wait-s", "1.5", "--dtype", "float32"])
     engine = EngineConfig(**shared_values(cfg, EngineConfig), roles="PD")
     assert (engine.max_num_seqs, engine.feature_wait_s, engine.dtype) == (7, 1.5, "float32")
-    assert engine.kv_cache_memory_bytes == cfg.kv_cache_bytes and engine.model == "/m"
+    assert engine.kv_cache_bytes == cfg.kv_cache_bytes and engine.model == "/m"
     shared = {f.name for f in dataclasses.fields(InstanceConfig) if "epdserve_same_as" in f.metadata}
     assert len(shared_values(cfg, EngineConfig)) == len(shared) >= 8
 
@@ -64,3 +64,42 @@ def test_launch_forwards_what_was_given_by_field():
     assert cfg.enable_prefix_caching is False and cfg.enforce_eager is True
     # flags without a value: --no-step-budget, --no-prefix-caching, --enforce-eager
     assert len(argv) == 2 * len(FORWARDED) - 3
+
+
+def test_launch_slo_reaches_the_engines_the_controller_and_the_planner():
+    """One --slo-tpot-ms: every instance's step budget, the scheduler's role controller and the
+    `--mode auto` planner count against it (and --slo-ttft-ms the controller and the planner)."""
+    from epdserve.entrypoints.cli import build_parser
+    from epdserve.entrypoints.launch import spec_from_args
+    from epdserve.entrypoints.launch_settings import slo_of
+    from epdserve.entrypoints.scheduler_cli import config_from_args
+    from epdserve.slo import SLO
+
+    argv = ["launch", "--mode", "P-D", "--model", "demo-dir", "--slo-tpot-ms", "80", "--slo-ttft-ms", "1500",
+            "--routing", "least-load"]
+    args = build_parser(argv).parse_args(argv)
+    spec = spec_from_args(args)
+    assert _instance([a for a in spec.instance_args if a != "--insecure"][:2]).slo_tpot_ms == 80.0
+    sched = ["scheduler", "--model", "demo-dir", "--controller", *spec.scheduler_args]
+    cfg = config_from_args(build_parser(sched).parse_args(sched))
+    assert (cfg.controller.slo_tpot_ms, cfg.controller.slo_ttft_ms, cfg.routing) == (80.0, 1500.0, "least-load")
+    assert slo_of(merged_options(args, {})) == SLO(ttft_ms=1500.0, tpot_ms=80.0)
+    # not given: the one default everywhere
+    bare = build_parser(argv[:5]).parse_args(argv[:5])
+    assert "--slo-tpot-ms" not in spec_from_args(bare).scheduler_args and slo_of(merged_options(bare, {})) == SLO()
+    assert EngineConfig(model="/m").slo_tpot_ms == InstanceConfig(roles="PD", model="/m").slo_tpot_ms == SLO().tpot_ms
+
+
+def test_validation_is_declared_on_the_field_and_carried_by_same_as():
+    import pytest
+
+    from epdserve.scheduler.controller import ControllerConfig
+    from epdserve.slo import SLO
+
+    for make in (lambda: SLO(tpot_ms=0), lambda: EngineConfig(model="/m", slo_tpot_ms=-1),
+                 lambda: InstanceConfig(roles="PD", model="/m", slo_tpot_ms=0),
+                 lambda: ControllerConfig(slo_tpot_ms=0)):
+        with pytest.raises(ValueError, match="must be > 0"):
+            make()
+    with pytest.raises(ValueError, match="kv_cache_bytes must be >= 1"):
+        InstanceConfig(roles="PD", model="/m", kv_cache_bytes=0)

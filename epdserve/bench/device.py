@@ -66,7 +66,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=DESCRIPTION,
     )
-    p.add_argument("--device", default="auto", help="cuda | npu | cpu | auto (default: the accelerator if any)")
+    from epdserve.engine.config import EngineConfig
+    from epdserve.settings import add_flags
+
+    add_flags(p, EngineConfig, ["device"])
     p.add_argument("--out", default="device-check", help="directory for the report and logs (default ./device-check)")
     p.add_argument("--parts", default=",".join(PART_NAMES), help="comma-separated parts to run (default: all)")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "epdserve-device-check"),

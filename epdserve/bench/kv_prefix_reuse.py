@@ -50,7 +50,7 @@ class PDPair:
         self.p = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="EP"), kv_connector=self.tx)
         d_cfg = EngineConfig(model=str(model_dir), device="cpu", roles="D", enable_prefix_caching=d_cache)
         if d_kv_bytes is not None:
-            d_cfg.kv_cache_memory_bytes = d_kv_bytes
+            d_cfg.kv_cache_bytes = d_kv_bytes
         self.d = LLMEngine(d_cfg, model=self.p.model, kv_connector=self.rx)
         self.server = RendezvousServer()
         self.tx.join("d0", self.rx.pair_for("p0", self.server.host, self.server.port).for_peer())

@@ -27,6 +27,10 @@ from epdserve.transfer.kv.checks import blocks_digest, fill_random
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.block_size is None:
+        from epdserve.platform import get_platform
+
+        args.block_size = get_platform("cpu").kv_block_size
     if args.tokens < 1 or args.block_size < 1 or args.repeats < 1 or args.warmup < 0 or args.layer_ms < 0:
         raise SystemExit("--tokens, --block-size, --repeats must be positive; --warmup, --layer-ms >= 0")
     torch.set_num_threads(1)  # one core computes; gloo's IO thread and the peer get the rest

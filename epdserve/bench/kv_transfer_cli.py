@@ -39,9 +39,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from epdserve.engine.config import EngineConfig
+    from epdserve.settings import add_flags
+
     p.add_argument("--shapes", nargs="+", default=["demo-small", "qwen2-vl-7b"], choices=sorted(SHAPES))
     p.add_argument("--tokens", type=int, default=300, help="prompt tokens of the request")
-    p.add_argument("--block-size", type=int, default=16)
+    add_flags(p, EngineConfig, ["block_size"])  # default: the CPU platform's (this bench runs on CPU)
     p.add_argument("--layer-ms", type=float, default=40.0,
                    help="simulated compute per layer (ms); 40 = measured, small demo model, 311-token prompt "
                         "with an image, one CPU thread")

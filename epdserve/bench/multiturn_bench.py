@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from epdserve.settings import add_flags, forward_argv
+from epdserve.slo import SLO, SLO_FLAGS
 from epdserve.bench.multiturn_compare import PAIRS, pair_rows, pair_table, target_table
 
 FULL = {"conversations": 8, "turns": 4, "think_time_s": 2.0, "output_len": 24, "rate": 0.25, "repeats": 3,
@@ -47,8 +49,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--think-time-s", type=float, help="think time between turns (default 2; --quick 0.2)")
     ap.add_argument("--output-len", type=int, help="answer tokens per turn, mean (default 24; --quick 4)")
     ap.add_argument("--rate", type=float, help="conversations started per second, Poisson (default 0.25; --quick 1)")
-    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0, help="goodput's TTFT SLO (default 3000)")
-    ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput's TPOT SLO (default 100)")
+    add_flags(ap, SLO, SLO_FLAGS)
     ap.add_argument("--cache-off-arg", default="--no-prefix-caching",
                     help="`epdserve launch` arguments that turn the prefix cache off (default --no-prefix-caching)")
     ap.add_argument("--two-p-arg", default="--prefill 2", help="launch arguments of the 2-P targets (default --prefill 2)")
@@ -80,7 +81,7 @@ def bench_argv(a, size: dict, model: str, out: pathlib.Path, pairs) -> list[str]
             "--think-time-s", f"{a.think_time_s if a.think_time_s is not None else size['think_time_s']:g}",
             "--output-len", str(a.output_len or size["output_len"]), "--output-len-std", "0",
             "--request-rate", ",".join([f"{rate:g}"] * repeats), "--warmup", str(size["warmup"]),
-            "--slo-ttft-ms", f"{a.slo_ttft_ms:g}", "--slo-tpot-ms", f"{a.slo_tpot_ms:g}",
+            *forward_argv(SLO, vars(a), SLO_FLAGS),
             "--slo-note", "the multi-turn comparison's SLOs", "--launch-timeout", f"{a.launch_timeout:g}",
             "--env", "OMP_WAIT_POLICY=PASSIVE", "--no-progress", "--out", str(out)]
     for m in mode_args:

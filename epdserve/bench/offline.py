@@ -112,28 +112,13 @@ def _run_workload(tmp: str, spec: WorkloadSpec, model_dir, args, engine_args: di
     return runs
 
 
-DEMO_FORMAT = "v2"  # v2: with video_preprocessor_config.json (video input)
-
-
 def default_model(arch: str, size: str = "small") -> pathlib.Path:
-    """A demo checkpoint in the user's cache dir, built on first use (same seed, same files)."""
-    from epdserve.model.demo import build_demo_model
+    """A demo checkpoint in the user's cache dir, built on first use (model/demo_cache.py)."""
+    from epdserve.model.demo_cache import cached_demo_model, demo_model_path
 
-    root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "epdserve" / "demo-models"
-    path = root / f"{arch}-{size}-seed0-{DEMO_FORMAT}"  # a newer demo format is built afresh
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        return path
-    _log(f"building the {size} {arch} demo model into {path} (once) ...")
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=root))
-    build_demo_model(tmp, arch=arch, size=size, seed=0)
-    try:
-        tmp.rename(path)
-    except OSError:  # another process built it first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    if not (demo_model_path(arch, size) / "model.safetensors").is_file():
+        _log(f"building the {size} {arch} demo model into {demo_model_path(arch, size)} (once) ...")
+    return cached_demo_model(arch, size)
 
 
 def _run_worker(tmp: str, cfg: str, model_dir, spec: WorkloadSpec, threads: int, subset, engine_args) -> dict:

@@ -14,8 +14,10 @@ import json
 import pathlib
 
 from epdserve.commands import add_command
+from epdserve.engine.config import EngineConfig
 from epdserve.perf.profiler import DEFAULT_BATCH_SIZES, DEFAULT_PROMPT_LENS, DEFAULT_RESOLUTIONS, int_list, run_profile
 from epdserve.perf.workload import RESOLUTIONS
+from epdserve.settings import add_flags
 
 
 def markdown(report: dict) -> str:
@@ -44,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(subparsers, "profile", run,
                     "per-stage cost on this device (vision, prefill, decode, bytes moved) -> JSON", __doc__)
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
-    p.add_argument("--device", default="auto", help="cpu | cuda | npu | auto (default auto)")
+    add_flags(p, EngineConfig, ["device"])
     p.add_argument("--resolutions", default=DEFAULT_RESOLUTIONS,
                    help=f"images to encode: names ({','.join(RESOLUTIONS)}) or WxH (default {DEFAULT_RESOLUTIONS})")
     p.add_argument("--prompt-lens", default=DEFAULT_PROMPT_LENS, help=f"prefill lengths (default {DEFAULT_PROMPT_LENS})")

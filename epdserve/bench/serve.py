@@ -37,10 +37,12 @@ from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
 from epdserve.bench.shift import DEFAULT_PHASES, SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
 from epdserve.commands import add_command
+from epdserve.settings import add_flags, from_flags
+from epdserve.slo import SLO
 from epdserve.instance.modes import MODES as DEPLOYMENT_MODES
 from epdserve.perf.multiturn import MULTITURN, MultiturnConfig
 from epdserve.perf.presets import PRESET_RATES, PRESETS
-from epdserve.perf.serving_metrics import SLO, compute_metrics
+from epdserve.perf.serving_metrics import compute_metrics
 from epdserve.perf.workload import WorkloadConfig, build_workload, parse_mix
 
 MODES = (*DEPLOYMENT_MODES, "auto")  # auto: the planner's start + the role controller
@@ -101,9 +103,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--max-concurrency", type=int, help="at most this many requests in flight (closed loop with rate inf)")
     a.add_argument("--warmup", type=int, default=2, help="warm-up requests per target, not measured (default 2)")
     s = p.add_argument_group("SLOs (scale them to the machine and say so)")
-    s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT SLO (default 2000)")
-    s.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT SLO (default 50)")
-    s.add_argument("--slo-e2el-ms", type=float, help="E2EL SLO (default: none)")
+    add_flags(s, SLO)
     s.add_argument("--slo-note", default="", help="how the SLOs were scaled (goes into the report)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench-serve.json", help="JSON report (default bench-serve.json); also <out>.md")
@@ -243,7 +243,10 @@ def run(args: argparse.Namespace) -> int:
     rates = args.request_rate
     for cfg in workloads:
         parse_rates(rates, cfg.name)  # fail early on a bad value
-    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.slo_e2el_ms / 1e3 if args.slo_e2el_ms else None)
+    try:
+        slo = from_flags(SLO, args)
+    except ValueError as e:
+        raise SystemExit(f"epdserve bench serve: {e}") from None
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "serve", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),

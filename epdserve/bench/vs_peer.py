@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from epdserve.settings import add_flags, forward_argv
+from epdserve.slo import SLO, SLO_FLAGS
 from epdserve.bench.peer import PEER_CMD, PeerError, default_venv, ensure_peer_venv, peer_argv, serving
 from epdserve.bench.peer_compare import comparison_table, merge_reports, ratio_rows, ratio_table
 
@@ -47,8 +49,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, help="requests per run (default 24; --quick 4)")
     ap.add_argument("--output-len", type=int, help="output tokens per request (default 32; --quick 4)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 4 requests of 4 tokens, one repeat")
-    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0, help="goodput's TTFT SLO (default 3000)")
-    ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput's TPOT SLO (default 100)")
+    add_flags(ap, SLO, SLO_FLAGS)
     ap.add_argument("--tvenv", help="the peer's venv, built here if it has no bin/transformers "
                                     "(default: $XDG_CACHE_HOME/epdserve/peer-transformers-serve)")
     ap.add_argument("--peer-cmd", default=PEER_CMD, help="the peer's command; {venv}, {model}, {port} are filled in "
@@ -87,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = [*WORKLOAD, "--num-requests", str(a.num_requests or size["num_requests"]),
              "--output-len", str(a.output_len or size["output_len"]), "--warmup", str(size["warmup"]),
              "--request-rate", ",".join(f"{r:g}" for r in rates * repeats),
-             "--slo-ttft-ms", f"{a.slo_ttft_ms:g}", "--slo-tpot-ms", f"{a.slo_tpot_ms:g}",
-             "--slo-note", "the peer comparison: TTFT <= 3 s and TPOT <= 100 ms per request", *a.bench_arg]
+             *forward_argv(SLO, vars(a), SLO_FLAGS),
+             "--slo-note",
+             f"the peer comparison: TTFT <= {a.slo_ttft_ms:g} ms and TPOT <= {a.slo_tpot_ms:g} ms per request",
+             *a.bench_arg]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")  # the same for every target
     t0, parts, failed = time.monotonic(), [], {}
     if not a.no_peer:

@@ -27,6 +27,7 @@ reported and left dead; for the scheduler that ends the deployment (`watch()` sa
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -41,9 +42,11 @@ from epdserve.deploy.kv_hop import KvHopChoice, choose_kv_hop
 from epdserve.deploy.procs import ChildProcess, stop_all
 from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.deploy.supervisor import RESTART_EXIT_CODE, RestartPolicy, RestartSchedule
+from epdserve.engine.config import EngineConfig
 from epdserve.instance.modes import mode_pools
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV
+from epdserve.settings import same_as
 from epdserve.transfer.mm_store.connection import PASSWORD_ENV
 
 log = logging.getLogger(__name__)
@@ -60,10 +63,11 @@ class DeploymentSpec:
     mm_store_max_bytes: int = 4 << 30  # the private server's memory bound (LRU eviction)
     host: str = "127.0.0.1"
     port: int = 0  # scheduler's public port; 0: a free one
-    device: str = "cpu"
+    device: str = same_as(EngineConfig, "device")  # resolved to this machine's platform by Deployment
     devices: list[str] = field(default_factory=list)  # accelerator ids handed out round-robin (default: all visible)
     pin_instances: bool = False  # CPU: give each instance a disjoint share of this machine's cores
     planned: str | None = None  # --mode auto: what the planner chose, and why (logged)
+    demo_model: bool = False  # `model` is launch's built-in random-weight demo (the ready line says so)
     instance_args: list[str] = field(default_factory=list)  # extra `epdserve instance` flags
     scheduler_args: list[str] = field(default_factory=list)  # extra `epdserve scheduler` flags
     registry: str | None = None  # host:port instances register at (the scheduler's internal port, set in
@@ -84,7 +88,9 @@ class LaunchError(RuntimeError):
 
 class Deployment:
     def __init__(self, spec: DeploymentSpec):
-        self.spec = spec
+        from epdserve.platform import resolve_device
+
+        self.spec = dataclasses.replace(spec, device=resolve_device(spec.device))  # "auto" -> its platform
         self.pools = spec.pools()
         self.address = ""
         self.mm_store_url = spec.mm_store or ""

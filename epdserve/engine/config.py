@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epdserve.roles import RoleSet, normalize_roles, role_set
-from epdserve.settings import setting
+from epdserve.settings import check_settings, same_as, setting
+from epdserve.slo import SLO
 
 
 @dataclass
@@ -17,7 +18,7 @@ class EngineConfig:
     pipeline in one step loop; "P+E" = prefill encoding inline)."""
 
     model: str = setting(help="checkpoint directory", required=True)
-    device: str = setting("auto", help="cpu | cuda[:N] | npu[:N] | auto")
+    device: str = setting("auto", help="cpu | cuda[:N] | npu[:N] | auto (an NPU, else a CUDA GPU, else the CPU)")
     dtype: str = setting(
         "auto", choices=("auto", "float32", "float16", "bfloat16"),
         help="weights, activations and the KV cache; auto: fp32 on CPU (the exactness oracle: greedy outputs equal "
@@ -26,34 +27,39 @@ class EngineConfig:
              "(README 'Decode speed'); its greedy outputs follow transformers' bf16 generate, not fp32's")
     roles: str = "EPD"
     block_size: int | None = setting(
-        None, help="tokens per KV block (default: the platform's: 16 on CPU/CUDA, 128 on NPU, as its kernels want)")
-    kv_cache_memory_bytes: int = setting(1 << 30, help="KV cache size per P/D worker (MiB)", flag="--kv-cache-mb",
-                                         to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20)
-    max_num_seqs: int = setting(128, help="requests one engine runs at once")
-    max_num_batched_tokens: int = setting(2048, help="tokens one engine step schedules, prefill chunks and decodes together")
-    max_model_len: int | None = setting(None, help="longest prompt + output (default: the model's)")
+        None, check=(">=", 1),
+        help="tokens per KV block (default: the platform's: 16 on CPU/CUDA, 128 on NPU, as its kernels want)")
+    kv_cache_bytes: int = setting(1 << 30, help="KV cache size per P/D worker (MiB)", flag="--kv-cache-mb",
+                                  check=(">=", 1), to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20)
+    max_num_seqs: int = setting(128, check=(">=", 1), help="requests one engine runs at once")
+    max_num_batched_tokens: int = setting(
+        2048, check=(">=", 1), help="tokens one engine step schedules, prefill chunks and decodes together")
+    max_model_len: int | None = setting(None, check=(">=", 1), help="longest prompt + output (default: the model's)")
     encode_token_budget: int = setting(
-        1024, help="E: vision tokens (after the spatial merge) encoded per engine step, across requests, least "
-                   "recently served request first, so a many-image request or a long video does not hold E while "
-                   "others wait; a video over it is encoded a few temporal patches per step (exact for Qwen2-VL / "
-                   "Qwen2.5-VL / Qwen3-VL; other models encode each item whole), an image alone over it in a step "
-                   "of its own (default 1024)")
+        1024, check=(">=", 1),
+        help="E: vision tokens (after the spatial merge) encoded per engine step, across requests, least recently "
+             "served request first, so a many-image request or a long video does not hold E while others wait; a "
+             "video over it is encoded a few temporal patches per step (exact for Qwen2-VL / Qwen2.5-VL / Qwen3-VL; "
+             "other models encode each item whole), an image alone over it in a step of its own")
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = setting(
         True, negate="--no-prefix-caching",
         help="no prefix cache: every prompt is prefilled from its first token (default: full KV blocks of "
              "finished and running requests are kept, keyed by their tokens and media, and a prompt that starts "
              "the same way reuses them; media wholly inside a reused prefix are neither encoded nor fetched)")
-    slo_tpot_ms: float = setting(
-        100.0, help="the TPOT SLO: while requests decode, each engine step takes only the prefill chunk and the "
-                    "vision-encoder blocks that fit beside its decodes, from costs measured online, so that every "
-                    "decoding request keeps to 0.9x this per token on average (time a short step saves may be "
-                    "spent by a later one, up to 1.8x this in one step; engine/step_budget.py; default 100 ms)")
+    # the step budget is tied to the TPOT objective: one setting, one default (epdserve/slo.py)
+    slo_tpot_ms: float = same_as(
+        SLO, "tpot_ms",
+        help="the TPOT SLO, ms: while requests decode, each engine step takes only the prefill chunk and the "
+             "vision-encoder blocks that fit beside its decodes, from costs measured online, so that every "
+             "decoding request keeps to 0.9x this per token on average (time a short step saves may be spent by a "
+             "later one, up to 1.8x this in one step; engine/step_budget.py); the scheduler's controller and "
+             "`bench serve` count against the same objective")
     step_budget: bool = setting(
         True, negate="--no-step-budget",
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "
              "while requests decode (their TPOT then stalls behind them)")
-    feature_wait_s: float = setting(0.0, help="P: wait this long for E's features, then recompute")
+    feature_wait_s: float = setting(0.0, check=(">=", 0), help="P: wait this long for E's features, then recompute")
     enforce_eager: bool = setting(
         False, help="run every step eagerly: no captured decode graphs (CUDA captures one per batch-size bucket "
                     "at start-up and replays it for each decode-only step; CPU and NPU always run eagerly)")
@@ -62,13 +68,9 @@ class EngineConfig:
 
     def __post_init__(self):
         self.roles = normalize_roles(self.roles)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "encode_token_budget"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto|float32|float16|bfloat16, got {self.dtype!r}")
-        if self.slo_tpot_ms <= 0:
-            raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
+        if self.slo_tpot_ms is None:
+            raise ValueError("slo_tpot_ms must be set: the step budget counts against it")
+        check_settings(self)  # the bounds and choices declared on the fields
         if self.ops not in (None, "native", "portable"):
             raise ValueError(f"ops must be native|portable, got {self.ops!r}")
 

@@ -57,7 +57,7 @@ class LLMEngine:
         self.platform, self.max_model_len = self.model.platform, self.model.max_model_len
         config.block_size = config.block_size or self.platform.kv_block_size  # NPU kernels want 128
         spec = KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, config.block_size, self.model.dtype)
-        num_blocks = spec.blocks_for_budget(config.kv_cache_memory_bytes)
+        num_blocks = spec.blocks_for_budget(config.kv_cache_bytes)
         ops = paged_ops(self.platform, config.ops)
         ops.check_kv_spec(spec, a.num_heads, self.model.device)  # refuse at start-up what the kernels refuse
         self.kv_cache = PagedKVCache(spec, num_blocks, self.model.device)

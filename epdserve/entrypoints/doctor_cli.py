@@ -14,7 +14,9 @@ not answer; each warn / fail row is followed by its fix in one line.
 from __future__ import annotations
 
 from epdserve.commands import add_command
+from epdserve.engine.config import EngineConfig
 from epdserve.instance.modes import MODES
+from epdserve.settings import add_flags
 
 
 def add_parser(subparsers) -> None:
@@ -22,7 +24,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mode", choices=MODES, default=None, help="fail when this deployment mode cannot run here")
     p.add_argument("--mm-store", default=None, help="redis://host:port of an MM Store that must answer")
     p.add_argument("--scheduler", default=None, help="HOST:PORT of a scheduler that must answer")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | npu (default auto: the best one present)")
+    add_flags(p, EngineConfig, ["device"])
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each named server (default 2)")
 
 

@@ -2,6 +2,7 @@
 
     epdserve launch --mode EP-D --model DIR --prefill 2 --decode 2
     epdserve launch --config configs/E-P-D.yaml --model DIR      # flags override the file
+    epdserve launch --mode EP-D                                  # the built-in random-weight demo checkpoint
 
 Prints one line to stdout when every instance is on the scheduler's roster:
 ``epdserve ready: grpc://HOST:PORT mode=EP-D instances=EPx2,Dx2 kv_hop=device mm_store=redis://...``
@@ -10,7 +11,9 @@ Prints one line to stdout when every instance is on the scheduler's roster:
 holding its random password, for `EPDSERVE_MM_STORE_PASSWORD` —, ``cluster_token_file=PATH``
 when launch made the cluster token, ``media_key_secret_file=PATH`` when it made the media-key
 secret (`EPDSERVE_MEDIA_KEY_SECRET`: the scheduler keys media with it), ``tls=1`` with --tls-cert,
-``http=URL`` with --http-port, and ``internal=grpc://HOST:PORT``: the scheduler's internal port).
+``http=URL`` with --http-port, ``internal=grpc://HOST:PORT``: the scheduler's internal port, and,
+without --model, ``model=PATH (the built-in demo: random weights, ...)``: launch serves a tiny
+random-weight Qwen2-VL built once into the user's cache, model/demo_cache.py).
 --tls-cert/--tls-key put the scheduler's public ports on TLS, and the launcher's readiness probe
 uses them too (as it uses EPDSERVE_API_KEY / EPDSERVE_CLUSTER_TOKEN); TLS flags passed through
 --scheduler-args are honoured the same way. The HTTP API's model id is --served-model-name,
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from epdserve.deploy.argv import last_flag
 from epdserve.entrypoints.launch_settings import (STOP_MARGIN_S, add_launch_flags, instance_argv, merged_options,
-                                                  option_choices, option_defaults)
+                                                  option_choices, option_defaults, scheduler_argv, slo_of)
 
 log = logging.getLogger(__name__)
 
@@ -129,18 +132,22 @@ def spec_from_args(args):
     merged = merged_options(args, load_config(getattr(args, "config", None)))
     if not merged["mode"]:
         raise ValueError("--mode is required (or `mode:` in --config)")
-    if not merged["model"]:
-        raise ValueError("--model is required (or `model:` in --config)")
+    demo = not merged["model"]
+    if demo:  # the built-in random-weight checkpoint (model/demo_cache.py), built once
+        from epdserve.model.demo_cache import cached_demo_model
+
+        merged["model"] = str(cached_demo_model())
     inst = [*_flags(merged["instance_args"]), *instance_argv(merged)]
     # launch's own scheduler flags first: --scheduler-args come after them and win (argparse: the last one)
-    sched = [*_served_name(merged), *_tls(merged), *_flags(merged["scheduler_args"])]
-    if merged["max_model_len"] is not None:
-        sched += ["--max-model-len", str(merged["max_model_len"])]
+    sched = [*_served_name(merged), *scheduler_argv(merged), *_tls(merged), *_flags(merged["scheduler_args"])]
     if merged["http_port"] is not None:  # resolved now: a restarted scheduler comes back on the same port
         from epdserve.net import free_port
 
         args.http_port = int(merged["http_port"]) or free_port(merged["host"])
         sched += ["--http-port", str(args.http_port)]
+    from epdserve.platform import resolve_device
+
+    merged["device"] = resolve_device(merged["device"])  # auto: the platform this machine has
     planned = None
     if merged["mode"] == "auto":
         merged, planned = _plan_auto(merged)
@@ -156,7 +163,8 @@ def spec_from_args(args):
         prefill=int(merged["prefill"]), decode=int(merged["decode"]), mm_store=merged["mm_store"],
         host=merged["host"], port=int(merged["port"]), device=merged["device"],
         devices=_ids(merged["devices"]), instance_args=inst, scheduler_args=sched,
-        registry=registry, planned=planned, pin_instances=bool(merged["pin_instances"]), log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
+        registry=registry, planned=planned, demo_model=demo, pin_instances=bool(merged["pin_instances"]),
+        log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
         ready_timeout_s=float(merged["ready_timeout_s"]), drain_timeout_s=float(merged["drain_timeout"]),
         mm_store_max_bytes=int(merged["mm_store_max_mb"]) << 20,
         restart=RestartPolicy(first_backoff_s=float(merged["restart_backoff_s"]),
@@ -171,7 +179,8 @@ def _plan_auto(merged: dict) -> tuple[dict, str]:
 
     devices = len(_ids(merged["devices"])) or 2
     plan = plan_start(str(Path(merged["model"]).expanduser()), merged["device"], merged["profile"],
-                      merged["expected_workload"] or DEFAULT_WORKLOAD, merged["expected_rate"], devices)
+                      merged["expected_workload"] or DEFAULT_WORKLOAD, merged["expected_rate"], devices,
+                      slo=slo_of(merged))
     return {**merged, "mode": plan.mode, "encode": plan.encode, "prefill": plan.prefill,
             "decode": plan.decode}, plan.line()
 
@@ -198,6 +207,9 @@ def ready_line(dep, address: str, http_port: int | None) -> str:
         line += f" http={'https' if tls else 'http'}://{spec.host}:{http_port}"
     if spec.registry:
         line += f" internal=grpc://{spec.registry}"
+    if spec.demo_model:
+        line += (f" model={spec.model} (the built-in demo: random weights, its answers are noise; "
+                 "serve a real checkpoint with --model DIR)")
     return line
 
 

@@ -4,7 +4,11 @@ Each field is a flag and a `--config` YAML key (either spelling). Its default is
 the parser's defaults are all None ("not on the command line"), so `merged_options` can take a
 flag, else the file's value, else the field's default. The instance settings launch offers
 (`FORWARDED`) are `InstanceConfig`'s own fields: the same flag, help and default, passed on to
-every `epdserve instance` by field when given (left out, the instance's default applies).
+every `epdserve instance` by field when given (left out, the instance's default applies). The
+scheduler settings it offers (`SCHEDULER_FORWARDED`: `SchedulerConfig`'s and the role controller's
+fields) go to `epdserve scheduler` the same way; a setting both take (`--max-model-len`,
+`--slo-tpot-ms`) is one flag passed on to both, and the SLO pair also reaches the planner of
+`--mode auto` (`slo_of`).
 """
 from __future__ import annotations
 
@@ -13,10 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from epdserve.commands import FlagsArg
+from epdserve.engine.config import EngineConfig
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.modes import MODES
+from epdserve.scheduler.config import SchedulerConfig
+from epdserve.scheduler.controller import ControllerConfig
 from epdserve.security.exposure import INSECURE_HELP
-from epdserve.settings import add_flags, dest, flag_choices, flag_defaults, forward_argv, setting, settings_of
+from epdserve.settings import add_flags, dest, flag_choices, flag_defaults, forward_argv, same_as, setting, settings_of
+from epdserve.slo import SLO
 
 STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), the scheduler (5), the MM Store (5)
 
@@ -24,6 +32,11 @@ STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), t
 FORWARDED = ("kv_cache_bytes", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s",
              "encode_token_budget", "colocation", "stream_interval_ms", "slo_tpot_ms", "step_budget",
              "enable_prefix_caching", "enforce_eager", "kv_hop")
+
+# scheduler settings launch offers, by class, forwarded to the scheduler (max_model_len and slo_tpot_ms
+# are instance settings too: one flag, passed on to both)
+SCHEDULER_FORWARDED = ((SchedulerConfig, ("max_model_len", "routing")),
+                       (ControllerConfig, ("slo_ttft_ms", "slo_tpot_ms")))
 
 _INTERNAL = ("internal_port", "internal_host", "internal_tls_cert", "internal_tls_key", "insecure", "internal_tls_ca")
 INTERNAL_GROUP = (
@@ -47,7 +60,10 @@ class LaunchSettings:
     profile: str | None = setting(
         None, help="auto: an `epdserve profile` JSON of this model on this machine (default: measured once and cached "
                    "in ~/.cache/epdserve/profiles)")
-    model: str | None = setting(None, help="checkpoint directory")
+    model: str | None = setting(
+        None, help="checkpoint directory (default: a built-in tiny random-weight demo checkpoint, built once into "
+                   "$EPDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/epdserve, else ~/.cache/epdserve: it shows the "
+                   "deployment working, its answers are noise)")
     encode: int = setting(1, help="E workers (default 1): in EP-D / ED-P the co-located ones count and the rest are "
                                   "E-only instances; monolithic ignores it")
     prefill: int = setting(1, help="P instances (EP / PD / EPD instances in those modes)")
@@ -58,7 +74,7 @@ class LaunchSettings:
                                               "features evicted (MiB, default 4096)")
     host: str = setting("127.0.0.1", help="address the scheduler binds and instances advertise (default 127.0.0.1)")
     port: int = setting(0, help="scheduler's public port (default 0: a free port)")
-    device: str = setting("cpu", help="cpu | cuda | npu (default cpu)")
+    device: str = same_as(EngineConfig, "device")
     devices: str | None = setting(None, help="accelerator ids handed to instances round-robin, e.g. 0,1,2,3 "
                                             "(default: every visible device, one per instance)")
     pin_instances: bool = setting(False, help="CPU: give each instance a disjoint share of the cores (default: all "
@@ -111,20 +127,30 @@ def add_launch_flags(p) -> None:
     add_flags(p, LaunchSettings, names, unset_default=True)
     add_flags(p.add_argument_group("instance settings (passed on to every instance)"), InstanceConfig, FORWARDED,
               unset_default=True)
+    g = p.add_argument_group("scheduler settings (passed on to the scheduler; --max-model-len and --slo-tpot-ms too)")
+    taken = set(_forwarded_dests())
+    for cls, names in SCHEDULER_FORWARDED:
+        add_flags(g, cls, [n for n in names if _dest(cls, n) not in taken], unset_default=True)
+        taken |= {_dest(cls, n) for n in names}
     add_flags(p.add_argument_group(*INTERNAL_GROUP), LaunchSettings, _INTERNAL, unset_default=True)
 
 
 def option_defaults() -> dict[str, Any]:
     """{option: default} of every launch option (its dest, and its key in --config); a forwarded
     instance setting's default is None: not passed on, the instance's own applies."""
-    forwarded = {k: None for k in _forwarded_dests()}
+    forwarded = {k: None for k in [*_forwarded_dests(), *_scheduler_dests()]}
     return {**flag_defaults(LaunchSettings), **forwarded}
 
 
 def option_choices() -> dict[str, tuple]:
     """{option: its allowed values} of the launch options that have a fixed set (a file's too)."""
+    out = {**flag_choices(LaunchSettings)}
     forwarded = set(_forwarded_dests())
-    return {**flag_choices(LaunchSettings), **{k: v for k, v in flag_choices(InstanceConfig).items() if k in forwarded}}
+    out.update({k: v for k, v in flag_choices(InstanceConfig).items() if k in forwarded})
+    for cls, names in SCHEDULER_FORWARDED:
+        mine = {_dest(cls, n) for n in names}
+        out.update({k: v for k, v in flag_choices(cls).items() if k in mine})
+    return out
 
 
 def merged_options(args, file: dict) -> dict[str, Any]:
@@ -141,6 +167,24 @@ def instance_argv(merged: dict[str, Any]) -> list[str]:
     return forward_argv(InstanceConfig, merged, FORWARDED)
 
 
+def scheduler_argv(merged: dict[str, Any]) -> list[str]:
+    """The forwarded scheduler settings that were given, as `epdserve scheduler` flags."""
+    return [a for cls, names in SCHEDULER_FORWARDED for a in forward_argv(cls, merged, names)]
+
+
+def slo_of(merged: dict[str, Any]) -> SLO:
+    """The SLO of the launch options (`--slo-ttft-ms`, `--slo-tpot-ms`; a pair not given: the default)."""
+    given = {f.name: merged.get(dest(f, s)) for f, s in settings_of(SLO)}
+    return SLO(**{k: v for k, v in given.items() if v is not None})
+
+
+def _dest(cls: type, name: str) -> str:
+    return next(dest(f, s) for f, s in settings_of(cls) if f.name == name)
+
+
 def _forwarded_dests() -> list[str]:
-    table = {f.name: (f, s) for f, s in settings_of(InstanceConfig)}
-    return [dest(*table[n]) for n in FORWARDED]
+    return [_dest(InstanceConfig, n) for n in FORWARDED]
+
+
+def _scheduler_dests() -> list[str]:
+    return [_dest(cls, n) for cls, names in SCHEDULER_FORWARDED for n in names]

@@ -13,7 +13,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list
 from epdserve.instance.colocation import POLICIES, check_policy
-from epdserve.settings import add_flags, from_flags, same_as, setting
+from epdserve.settings import add_flags, check_settings, from_flags, same_as, setting
 
 SWITCH_OVERLAP = ("auto", "on", "off")
 KV_HOP_CHOICES = ("auto", "device", "host")
@@ -44,13 +44,13 @@ class InstanceConfig:
                    "serve them all (omit: standalone)")
     mm_store: str | None = setting(None, help="MM Store URL: redis://host:port[/db], redis+cluster://h:p,h:p,... "
                                               "or redis+sentinel://h:p,.../service (omit: features stay in the process)")
-    device: str = same_as(EngineConfig, "device", default="cpu")
+    device: str = same_as(EngineConfig, "device")
     dtype: str = same_as(EngineConfig, "dtype")
     host: str = setting("127.0.0.1", help="address others reach this instance (and its KV rendezvous) at")
     bind_host: str | None = setting(
         None, help="interface to bind (default: --host); beyond loopback it needs EPDSERVE_CLUSTER_TOKEN or "
                    "mutual TLS, else the instance refuses to start (see --insecure)")
-    port: int = setting(0, help="gRPC port (0: a free port)")
+    port: int = setting(0, check=(">=", 0), help="gRPC port (0: a free port)")
     instance_id: str | None = setting(None, help="default: opaque, <roles>-<random> (instance/identity.py)")
     cores: list[int] | None = setting(None, help="CPU cores of this instance, e.g. 0-7,16 (default: all allowed)",
                                       type=parse_core_list)
@@ -69,7 +69,8 @@ class InstanceConfig:
                     "products and warns that limited streams running non-Ascend C operators may hang. Opt in only "
                     "after `epdserve bench colocation --device npu` passes on this hardware. Default: off")
     stream_interval_ms: float = setting(
-        0.0, help="after a request's first token, gather its tokens for up to this long into one stream message "
+        0.0, check=(">=", 0),
+        help="after a request's first token, gather its tokens for up to this long into one stream message "
                   "(fewer messages per token through scheduler and client; the first token is never held). "
                   "0 (default): send at once, joining only tokens already queued")
     colocation: str = setting("split", choices=POLICIES, help=COLOCATION_HELP)
@@ -77,24 +78,28 @@ class InstanceConfig:
     step_budget: bool = same_as(EngineConfig, "step_budget")
     enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
     enable_prefix_caching: bool = same_as(EngineConfig, "enable_prefix_caching")
-    kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_memory_bytes", default=256 << 20)
+    kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_bytes")
     block_size: int | None = same_as(EngineConfig, "block_size")
     max_num_seqs: int = same_as(EngineConfig, "max_num_seqs")
     max_num_batched_tokens: int = same_as(EngineConfig, "max_num_batched_tokens")
     max_model_len: int | None = same_as(EngineConfig, "max_model_len")
     encode_token_budget: int = same_as(EngineConfig, "encode_token_budget")
     feature_wait_s: float = same_as(EngineConfig, "feature_wait_s", default=5.0)
-    kv_timeout_s: float = setting(30.0, help="a KV transfer that makes no progress this long fails its request")
-    kv_connect_timeout_s: float = setting(60.0, help="setting up a KV pair with a P or D gives up after this long")
+    kv_timeout_s: float = setting(30.0, check=(">", 0),
+                                  help="a KV transfer that makes no progress this long fails its request")
+    kv_connect_timeout_s: float = setting(60.0, check=(">", 0),
+                                          help="setting up a KV pair with a P or D gives up after this long")
     kv_hop: str = setting("auto", choices=KV_HOP_CHOICES, help=KV_HOP_HELP)
     kv_pair_rebuilds: int = setting(
-        8, help="D: at most this many rebuilds of the KV pair with one P within --kv-pair-rebuild-window-s; "
+        8, check=(">=", 0),
+        help="D: at most this many rebuilds of the KV pair with one P within --kv-pair-rebuild-window-s; "
                 "beyond it requests from that P fail as retryable (rerouted): each pair that broke mid-transfer "
                 "may leave an HCCL communicator behind (default 8)")
-    kv_pair_rebuild_window_s: float = setting(600.0, help="D: the window of --kv-pair-rebuilds, seconds (default 600)")
-    grpc_threads: int = setting(128, help="calls this instance serves at once (default 128)")
+    kv_pair_rebuild_window_s: float = setting(600.0, check=(">", 0),
+                                              help="D: the window of --kv-pair-rebuilds, seconds (default 600)")
+    grpc_threads: int = setting(128, check=(">=", 1), help="calls this instance serves at once (default 128)")
     feature_cache_bytes: int = setting(
-        4 << 30, flag="--feature-cache-mb", to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20,
+        4 << 30, flag="--feature-cache-mb", check=(">=", 1), to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20,
         help="P: image features kept in this process, LRU (MiB, default 4096); the MM Store holds the rest")
     switch_overlap: str = setting("auto", choices=SWITCH_OVERLAP, help=SWITCH_OVERLAP_HELP)
 
@@ -102,31 +107,14 @@ class InstanceConfig:
         self.roles = normalize_roles(self.roles)
         if not self.model:
             raise ValueError("model is required")
+        check_policy(self.colocation)
+        check_settings(self)  # the bounds and choices declared on the fields (the engine's carried by same_as)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if not 0.0 < self.encode_core_share < 1.0:
             raise ValueError(f"encode_core_share must be in (0, 1), got {self.encode_core_share}")
         if self.device_core_share is not None and not 0.0 < self.device_core_share <= 1.0:
             raise ValueError(f"device_core_share must be in (0, 1], got {self.device_core_share}")
-        check_policy(self.colocation)
-        if self.kv_hop not in KV_HOP_CHOICES:
-            raise ValueError(f"kv_hop must be one of {', '.join(KV_HOP_CHOICES)}, got {self.kv_hop!r}")
-        if self.switch_overlap not in SWITCH_OVERLAP:
-            raise ValueError(f"switch_overlap must be one of {', '.join(SWITCH_OVERLAP)}, got {self.switch_overlap!r}")
-        if self.slo_tpot_ms <= 0:
-            raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
-        if self.stream_interval_ms < 0:
-            raise ValueError(f"stream_interval_ms must be >= 0, got {self.stream_interval_ms}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        for name in ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "grpc_threads", "feature_cache_bytes",
-                     "encode_token_budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.feature_wait_s < 0 or self.kv_timeout_s <= 0 or self.kv_connect_timeout_s <= 0:
-            raise ValueError("feature_wait_s must be >= 0 and the KV timeouts > 0")
-        if self.kv_pair_rebuilds < 0 or self.kv_pair_rebuild_window_s <= 0:
-            raise ValueError("kv_pair_rebuilds must be >= 0 and kv_pair_rebuild_window_s > 0")
         if self.scheduler is not None and (not self.schedulers or any(":" not in s for s in self.schedulers)):
             raise ValueError(f"scheduler must be host:port (several: comma-separated), got {self.scheduler!r}")
 

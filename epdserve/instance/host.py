@@ -19,6 +19,8 @@ new ones beside the old (`build_beside`), which retire once drained (`retire`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import socket
@@ -62,7 +64,9 @@ class InstanceHost:
     """`security`: the cluster token to require and present (default: EPDSERVE_CLUSTER_TOKEN, if set)."""
 
     def __init__(self, config: InstanceConfig, security: InstanceSecurity | None = None):
-        self.config = config
+        from epdserve.platform import resolve_device
+
+        self.config = dataclasses.replace(config, device=resolve_device(config.device))  # "auto" -> its platform
         self.security = security or InstanceSecurity.from_env()
         self.roles = config.roles
         self.instance_id = config.instance_id or ""
@@ -325,7 +329,7 @@ class InstanceHost:
 
             ecfg = EngineConfig(**shared_values(cfg, EngineConfig), roles=role)
             if not ecfg.role_set.holds_kv:
-                ecfg.kv_cache_memory_bytes = _E_KV_BYTES
+                ecfg.kv_cache_bytes = _E_KV_BYTES
             return LLMEngine(ecfg, model=self.model, features=self._provider(role, instance_id), kv_connector=connector)
 
         return build

@@ -2,8 +2,8 @@
 
 A `Flavour` names the `--device` instances run with, the device plugin's extended resource each
 instance requests (one accelerator per instance; none on CPU), the image built from
-`deploy/docker/`, the command that starts `epdserve` in that image, and its defaults for an
-instance's KV cache and CPU / memory.
+`deploy/docker/`, the command that starts `epdserve` in that image, and its CPU / memory and, on an accelerator, its
+instance's KV cache (sized to the device; the CPU flavour leaves the instance's own default).
 
 Resource names: CUDA `nvidia.com/gpu` (NVIDIA's device plugin). Ascend `huawei.com/Ascend910`:
 Ascend's device plugin (MindCluster) reports resources as `huawei.com/` + the chip family
@@ -24,7 +24,7 @@ class Flavour:
     resource: str | None  # the device plugin's extended resource, one per instance
     image: str  # default image (deploy/docker/)
     command: tuple[str, ...]  # what runs `epdserve` in the image; the args follow
-    kv_cache_mb: int
+    kv_cache_mb: int | None  # an instance's --kv-cache-mb; None: the instance's own default (engine/config.py)
     cpu: str  # an instance's CPU request = limit
     memory: str  # an instance's memory request = limit
     env: dict[str, str] = field(default_factory=dict)  # fixed environment of every instance
@@ -41,7 +41,7 @@ _HCCL_ENV = {"HCCL_CONNECT_TIMEOUT": "120", "HCCL_EXEC_TIMEOUT": "600", "P2P_HCC
              "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True", "TASK_QUEUE_ENABLE": "1"}
 
 FLAVOURS: dict[str, Flavour] = {
-    "cpu": Flavour("cpu", "cpu", None, "epdserve:cpu", ("epdserve",), kv_cache_mb=256, cpu="2", memory="4Gi",
+    "cpu": Flavour("cpu", "cpu", None, "epdserve:cpu", ("epdserve",), kv_cache_mb=None, cpu="2", memory="4Gi",
                    env={"OMP_WAIT_POLICY": "PASSIVE"}),
     "cuda": Flavour("cuda", "cuda", "nvidia.com/gpu", "epdserve:cuda", ("epdserve",), kv_cache_mb=16384,
                     cpu="8", memory="64Gi",

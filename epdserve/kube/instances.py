@@ -32,7 +32,8 @@ def instance_args(v: KubeValues, roles: str) -> list[str]:
     return ["instance", "--roles", roles, "--model", v.model, "--device", v.flavour_spec.device,
             "--scheduler", ",".join(scheduler_addresses(v)), "--mm-store", mm_store_url(v),
             "--host", f"$({pod.POD_IP})", "--port", str(v.ports.instance),
-            "--kv-cache-mb", str(v.kv_cache), "--drain-timeout", f"{v.drain_timeout:g}"]
+            *(["--kv-cache-mb", str(v.kv_cache_mb)] if v.kv_cache_mb is not None else []),
+            "--drain-timeout", f"{v.drain_timeout:g}"]
 
 
 def instance_env(v: KubeValues) -> list[dict]:

@@ -11,10 +11,11 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
+from epdserve.engine.config import EngineConfig
 from epdserve.instance.modes import MODES, Pool, mode_pools
 from epdserve.kube.flavours import FLAVOURS, Flavour, get_flavour
 from epdserve.kube.ports import Ports
-from epdserve.settings import setting
+from epdserve.settings import check_settings, same_as, setting
 
 SECRETS = ("external", "generate")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -49,7 +50,10 @@ class KubeValues:
     scheduler_replicas: int = setting(2, help="scheduler replicas (a StatefulSet; every instance registers with each)")
     drain_timeout: float = setting(30.0, help="an instance's --drain-timeout (seconds): calls in flight finish on "
                                               "SIGTERM; terminationGracePeriodSeconds covers it")
-    kv_cache_mb: int | None = setting(None, help="an instance's --kv-cache-mb (default: the flavour's)")
+    kv_cache_bytes: int | None = same_as(  # not given: the flavour's, else the instance's own default
+        EngineConfig, "kv_cache_bytes", default=None,
+        help="an instance's KV cache size per P/D worker, MiB (default: the flavour's: 16384 on an accelerator; "
+             "the instance's own on CPU)")
     accelerator_resource: str | None = setting(
         None, help="the device plugin's resource each instance requests (default: the flavour's: nvidia.com/gpu, "
                    "huawei.com/Ascend910)")
@@ -76,8 +80,7 @@ class KubeValues:
             raise ValueError("drain_timeout must be >= 0 and startup_seconds >= 10")
         if self.max_replicas < 1 or self.scale_waiting < 1:
             raise ValueError("max_replicas and scale_waiting must be >= 1")
-        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
-            raise ValueError("kv_cache_mb must be >= 1")
+        check_settings(self)
         if self.model_path.startswith("/") or ".." in self.model_path.split("/"):
             raise ValueError(f"model_path is a folder under /models, got {self.model_path!r}")
         if self.mm_store is not None:
@@ -108,8 +111,9 @@ class KubeValues:
         return self.image or self.flavour_spec.image
 
     @property
-    def kv_cache(self) -> int:
-        return self.kv_cache_mb or self.flavour_spec.kv_cache_mb
+    def kv_cache_mb(self) -> int | None:
+        """An instance's --kv-cache-mb; None: not passed (the instance's default applies)."""
+        return self.kv_cache_bytes >> 20 if self.kv_cache_bytes is not None else self.flavour_spec.kv_cache_mb
 
     @property
     def resource(self) -> str | None:

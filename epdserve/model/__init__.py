@@ -13,6 +13,7 @@ rendering, the demo checkpoints and the transformers reference. The errors its i
 - chat.py            chat messages (OpenAI shape) → one prompt and its media, in order
 - reference.py       ReferenceGenerator: transformers' own `generate`, the correctness oracle
 - demo.py            random-weight demo checkpoints laid out like downloaded Qwen-VL ones
+- demo_cache.py      the demo checkpoints in the user's cache, built once (launch's default model)
 - demo_qwen3.py      the Qwen3-VL / Qwen3-VL-MoE shapes of the demo checkpoints
 - demo_tokenizer.py  an offline Qwen2-VL style tokenizer for the demo checkpoints
 - demo_images.py     procedural test images for demos, tests and benchmarks

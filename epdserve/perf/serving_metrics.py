@@ -1,7 +1,7 @@
 """Serving metrics from client-side records, with the definitions of vLLM's and SGLang's serving benchmarks.
 
 Owns `RequestRecord` (what the client saw of one request: monotonic send time, the time and token
-count of every streamed message, usage, the server's stage timestamps), `SLO`, and the pure
+count of every streamed message, usage, the server's stage timestamps) and the pure
 functions that turn a list of records into the report's numbers:
 - TTFT = first message carrying >= 1 output token - t0; E2EL = last message - t0;
 - TPOT = (E2EL - TTFT) / (N_out - 1), only when N_out > 1 (counts as 0 for goodput);
@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from epdserve.slo import SLO  # the objectives, declared once (epdserve/slo.py)
 
 PERCENTILES = (90, 95, 99)
 
@@ -84,42 +86,6 @@ class RequestRecord:
     def itl_max(self) -> float | None:
         """The longest gap between two of this request's token messages (None with fewer than two)."""
         return max(self.itls, default=None)
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Per-request objectives in seconds; None = not checked."""
-
-    ttft: float | None = 2.0
-    tpot: float | None = 0.050
-    e2el: float | None = None
-
-    def met(self, r: RequestRecord) -> bool:
-        return r.success and not self.missed(r)
-
-    def missed(self, r: RequestRecord) -> list[str]:
-        """The objectives a completed request missed ("ttft", "tpot", "e2el")."""
-        return self.missed_times(r.ttft, r.tpot, r.e2el)
-
-    def missed_times(self, ttft: float | None, tpot: float | None, e2el: float | None) -> list[str]:
-        """The objectives these latencies (seconds) miss; no TTFT misses, no TPOT (N_out <= 1) counts as 0."""
-        out = []
-        if self.ttft is not None and (ttft is None or ttft > self.ttft):
-            out.append("ttft")
-        if self.tpot is not None and (tpot or 0.0) > self.tpot:
-            out.append("tpot")
-        if self.e2el is not None and e2el is not None and e2el > self.e2el:
-            out.append("e2el")
-        return out
-
-    def to_dict(self) -> dict:
-        return {k: (None if v is None else v * 1e3) for k, v in
-                (("ttft_ms", self.ttft), ("tpot_ms", self.tpot), ("e2el_ms", self.e2el))}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SLO":
-        """The inverse of `to_dict` (a report's "slo")."""
-        return cls(*(None if d.get(k) is None else d[k] / 1e3 for k in ("ttft_ms", "tpot_ms", "e2el_ms")))
 
 
 def stats(values, scale: float = 1e3) -> dict:
@@ -240,12 +206,11 @@ def max_rate_meeting_slo(sweep: list[tuple[float, dict]], quantile: str = "p99",
     """The highest request rate whose `quantile` TTFT and TPOT meet the SLO and that had no failures."""
     best = None
     for rate, m in sweep:
-        s = slo or SLO(**{k: (None if v is None else v / 1e3) for k, v in
-                          (("ttft", m["slo"]["ttft_ms"]), ("tpot", m["slo"]["tpot_ms"]), ("e2el", m["slo"]["e2el_ms"]))})
+        s = slo or SLO.from_dict(m["slo"])
         ttft, tpot = m["ttft_ms"].get(quantile), m["tpot_ms"].get(quantile)
         fine = m["failed"] == 0 and ttft is not None
-        fine = fine and (s.ttft is None or ttft <= s.ttft * 1e3)
-        fine = fine and (s.tpot is None or tpot is None or tpot <= s.tpot * 1e3)
+        fine = fine and (s.ttft_ms is None or ttft <= s.ttft_ms)
+        fine = fine and (s.tpot_ms is None or tpot is None or tpot <= s.tpot_ms)
         if fine and not math.isinf(rate) and (best is None or rate > best):
             best = rate
     return best

@@ -60,8 +60,9 @@ def ensure_profile(model: str, device: str, given: str | None) -> str:
 
 
 def plan_start(model: str, device: str = "cpu", profile: str | None = None, workload: str = DEFAULT_WORKLOAD,
-               rate: float | None = None, devices: int = 2, requests: int = 40) -> StartPlan:
-    """Rank every deployment for the declared workload; the best one (see the module docstring)."""
+               rate: float | None = None, devices: int = 2, requests: int = 40, slo=None) -> StartPlan:
+    """Rank every deployment for the declared workload by goodput under `slo` (default: epdserve/slo.py's,
+    launch passes its --slo-ttft-ms / --slo-tpot-ms); the best one (see the module docstring)."""
     from epdserve.instance.modes import MODES
     from epdserve.perf.presets import PRESET_RATES, PRESETS
     from epdserve.planner import rank
@@ -76,7 +77,7 @@ def plan_start(model: str, device: str = "cpu", profile: str | None = None, work
     costs, _ = CostModel.load(ensure_profile(model, device, profile))
     colocated = device.startswith("cpu")  # one CPU host: every instance shares its cores
     shapes = shapes_from_preset(workload, rate, model, requests)
-    best = rank.rank(costs, shapes, devices, colocated, MODES)[0]
+    best = rank.rank(costs, shapes, devices, colocated, MODES, slo or rank.DEFAULT_SLO)[0]
     d = best.deployment
     where = f"{devices} core group(s) of this host" if colocated else f"{devices} device(s)"
     return StartPlan(d.mode, d.encode, d.prefill, d.decode, best.goodput,

@@ -34,6 +34,9 @@ import sys
 from pathlib import Path
 
 from epdserve.commands import add_command
+from epdserve.engine.config import EngineConfig
+from epdserve.settings import add_flags, from_flags
+from epdserve.slo import SLO, SLO_FLAGS
 
 DEFAULT_DEVICES = 2
 
@@ -69,17 +72,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--colocated-host", action="store_true",
                    help="every instance shares one machine's cores (epdserve launch on one CPU host)")
     d.add_argument("--modes", default=",".join(MODES), help=f"modes to consider (default {','.join(MODES)})")
-    d.add_argument("--encode-token-budget", type=int, default=1024, help="E: vision tokens per step (default 1024)")
-    d.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="coupled engines: tokens per step (default 2048)")
-    d.add_argument("--max-num-seqs", type=int, default=128, help="requests per decode batch (default 128)")
+    add_flags(d, EngineConfig, ["encode_token_budget", "max_num_batched_tokens", "max_num_seqs"])  # as the engines'
     d.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
                    help=f"E->P and P->D link bandwidth, GB/s (default {DEFAULT_LINK_GBPS:g})")
     d.add_argument("--link-latency-ms", type=float, default=DEFAULT_LINK_LATENCY_MS,
                    help=f"fixed time per transfer (default {DEFAULT_LINK_LATENCY_MS:g})")
     s = p.add_argument_group("SLO and output")
-    s.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="TTFT objective (default 3000, as bench serve)")
-    s.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT objective (default 100, as bench serve)")
+    add_flags(s, SLO, SLO_FLAGS)
     s.add_argument("--top", type=int, default=None, help="print only the best K deployments")
     s.add_argument("--out", metavar="YAML", help="write the best deployment as an `epdserve launch --config` file")
     s.add_argument("--launch-device", default=None, help="`device:` of that config (default: the profile's platform)")
@@ -92,15 +91,16 @@ class PlanError(ValueError):
 
 
 def _settings(args):
-    from epdserve.perf.serving_metrics import SLO
     from epdserve.planner.workers import Limits
 
     for name in ("devices", "encode_token_budget", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(args, name) < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.ttft_slo_ms <= 0 or args.tpot_slo_ms <= 0:
-        raise PlanError("SLOs must be > 0 ms")
-    return (SLO(ttft=args.ttft_slo_ms / 1e3, tpot=args.tpot_slo_ms / 1e3),
+    try:
+        slo = from_flags(SLO, args)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    return (slo,
             Limits(args.encode_token_budget, args.max_num_batched_tokens, args.max_num_seqs))
 
 
@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"epdserve plan: error: {e}", file=sys.stderr)
         return 2
     place = "one shared host" if args.colocated_host else "a device per instance"
-    print(f"## plan: {described}; {args.devices} device(s), {place}; SLO TTFT <= {args.ttft_slo_ms:g} ms, "
-          f"TPOT <= {args.tpot_slo_ms:g} ms; profile {args.profile}\n")
+    print(f"## plan: {described}; {args.devices} device(s), {place}; SLO TTFT <= {slo.ttft_ms:g} ms, "
+          f"TPOT <= {slo.tpot_ms:g} ms; profile {args.profile}\n")
     print(rank.table(preds, args.top))
     best = preds[0]
     print(f"\nbest: {best.deployment.mode} ({best.deployment.summary}), predicted goodput {best.goodput:.3f} req/s")

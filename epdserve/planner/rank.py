@@ -17,7 +17,7 @@ from epdserve.planner.shapes import RequestShape
 from epdserve.planner.simulate import simulate
 from epdserve.planner.workers import Limits
 
-DEFAULT_SLO = SLO(ttft=3.0, tpot=0.100)  # as `epdserve bench serve`
+DEFAULT_SLO = SLO()  # the defaults every command shares (epdserve/slo.py)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Prediction:
 
 def predict(deployment: PlannedDeployment, costs: CostModel, shapes: list[RequestShape], slo: SLO = DEFAULT_SLO,
             limits: Limits | None = None) -> Prediction:
-    records = simulate(deployment, costs, shapes, tpot_pace_s=slo.tpot or 0.0, limits=limits)
+    records = simulate(deployment, costs, shapes, tpot_pace_s=slo.tpot_s or 0.0, limits=limits)
     return Prediction(deployment, compute_metrics(records, slo, by_kind=False))
 
 

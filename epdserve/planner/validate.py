@@ -45,8 +45,7 @@ def _slo(data: dict, slo: SLO | None) -> SLO:
     if slo is not None:
         return slo
     s = data.get("slo") or {}
-    return SLO(ttft=(s.get("ttft_ms") or 3000.0) / 1e3, tpot=(s.get("tpot_ms") or 100.0) / 1e3,
-               e2el=None if s.get("e2el_ms") is None else s["e2el_ms"] / 1e3)
+    return SLO(**{k: s[k] for k in ("ttft_ms", "tpot_ms", "e2el_ms") if s.get(k) is not None})
 
 
 def validate(path: str, costs: CostModel, colocated_host: bool, slo: SLO | None = None,

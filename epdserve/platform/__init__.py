@@ -45,6 +45,11 @@ def get_platform(device: str = "auto") -> Platform:
     return plat
 
 
+def resolve_device(device: str) -> str:
+    """`device` with "auto" replaced by the platform it picks ("npu", "cuda" or "cpu"); others unchanged."""
+    return get_platform("auto").name if device.split(":")[0] == "auto" else device
+
+
 @lru_cache(maxsize=None)  # one warning per distinct reason and process
 def _warn_once(message: str) -> None:
     log.warning(message)
@@ -54,4 +59,4 @@ def _load(name: str) -> Platform:
     return importlib.import_module(_MODULES[name]).PLATFORM
 
 
-__all__ = ["Platform", "get_platform"]
+__all__ = ["Platform", "get_platform", "resolve_device"]

@@ -20,6 +20,16 @@ One sentence per module:
 - coupling.py    the controller's coupling moves: fold prefill and decode into one engine, or split them
 """
 from epdserve.scheduler.config import SchedulerConfig
-from epdserve.scheduler.server import SchedulerServer, SchedulerThread
+
+
+def __getattr__(name: str):
+    """SchedulerServer / SchedulerThread on first use: a command's `--help` (which reads
+    SchedulerConfig's flags) imports no gRPC server or torch."""
+    if name in ("SchedulerServer", "SchedulerThread"):
+        from epdserve.scheduler import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["SchedulerConfig", "SchedulerServer", "SchedulerThread"]

@@ -1,9 +1,16 @@
-"""`SchedulerConfig`: everything that shapes one scheduler, validated on construction."""
+"""`SchedulerConfig`: everything that shapes one scheduler, validated on construction.
+
+Its `setting(...)` fields are the `epdserve scheduler` flags (epdserve/settings.py); `epdserve
+launch` forwards the ones it offers by field (entrypoints/launch_settings.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epdserve.engine.config import EngineConfig
 from epdserve.limits import InputLimits
+from epdserve.settings import check_settings, same_as, setting
+
+ROUTINGS = ("cache-aware", "least-load")  # routing.POLICIES
 
 
 @dataclass
@@ -27,53 +34,64 @@ class SchedulerConfig:
     `prefix_index_size`: prompt chunk hashes remembered per instance (prefix_index.py).
     """
 
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port (the bound address is printed / returned)
+    model: str = same_as(EngineConfig, "model",
+                         help="checkpoint directory (only tokenizer/processor/config are loaded)")
+    host: str = setting("127.0.0.1", help="interface to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    port: int = setting(0, check=(">=", 0), help="port to bind (default 0: a free port, printed when ready)")
     # instance health (health.py probes, registry.py's hysteresis)
-    heartbeat_interval_s: float = 1.0  # told to instances at Register
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 1.0
-    unhealthy_after: int = 3
-    healthy_after: int = 2
-    static_instances: list[str] = field(default_factory=list)  # host:port of instances to adopt via GetLoad, then probe
+    heartbeat_interval_s: float = setting(1.0, flag="--heartbeat-interval", check=(">", 0),
+                                          help="heartbeat period told to instances at Register, seconds")
+    probe_interval_s: float = setting(1.0, flag="--probe-interval", check=(">", 0),
+                                      help="seconds between health probes")
+    probe_timeout_s: float = setting(1.0, flag="--probe-timeout", check=(">", 0), help="a health probe's timeout, s")
+    unhealthy_after: int = setting(3, check=(">=", 1), help="failed probes before an instance is dropped")
+    healthy_after: int = setting(2, check=(">=", 1), help="good probes before a dropped instance rejoins")
+    static_instances: list[str] = setting(
+        default_factory=list, flag="--instance", action="append", metavar="HOST:PORT",
+        help="a static instance to adopt (repeatable; adopted via GetLoad, then probed); instances may also register "
+             "themselves")
     forget_after_s: float = 300.0  # a DOWN instance (registered or static) is dropped after this
     # admission and retries (dispatcher.py)
-    max_requests_in_flight: int = 1024
-    max_inflight_per_instance: int = 256
-    max_pixels_in_flight: int | None = None  # None: 4 x limits.max_request_pixels
-    max_attempts: int = 4  # per public request, across instance failures
-    retry_backoff_s: float = 0.05  # before attempt n+1: n times this
+    max_requests_in_flight: int = setting(1024, flag="--max-requests", check=(">=", 1),
+                                          help="requests in flight before RESOURCE_EXHAUSTED")
+    max_inflight_per_instance: int = setting(
+        256, check=(">=", 1), help="requests queued or running on one instance before it counts as full")
+    max_pixels_in_flight: int | None = setting(
+        None, check=(">=", 1), metavar="N",
+        help="pixels that the media of the requests in flight declare (images, and every frame of a video the "
+             "decoder holds), counted from admission to each request's first token, before RESOURCE_EXHAUSTED; each "
+             "costs ~14 bytes at the peak of its preprocessing (default 4 x --max-request-pixels: 400000000)")
+    max_attempts: int = setting(4, check=(">=", 1), help="attempts per request across instance failures")
+    retry_backoff_s: float = setting(0.05, check=(">=", 0), help="wait before attempt n+1 of a request: n times this")
     controller: object | None = None  # --mode auto: a scheduler.controller.ControllerConfig (None: no role controller)
     switch_wait_s: float = 60.0  # a request needing a role whose instances are all switching roles waits this long
-    preprocess_threads: int = 4
-    media_index_size: int = 100_000  # media keys a client may resend by key (LRU)
-    stored_keys_size: int = 100_000  # media keys known to be in the MM Store (LRU)
+    preprocess_threads: int = setting(4, check=(">=", 1), help="threads tokenising prompts and decoding images")
+    media_index_size: int = setting(
+        100_000, check=(">=", 1), help="media keys remembered so that clients may resend an image by key (LRU)")
+    stored_keys_size: int = setting(100_000, check=(">=", 1),
+                                    help="media keys remembered as already in the MM Store (LRU)")
     limits: InputLimits = field(default_factory=InputLimits)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
-    mode: str = ""  # as the launcher names it (reported by GetServerInfo)
-    routing: str = "cache-aware"  # or "least-load" (routing.POLICIES)
-    prefix_index_size: int = 131_072  # chunk hashes per instance (prefix_index.DEFAULT_CAPACITY)
+    max_model_len: int | None = same_as(EngineConfig, "max_model_len")  # default: the model's (capped at 32768)
+    mode: str = setting("", help="deployment mode name reported by GetServerInfo (as the launcher names it)")
+    routing: str = setting(
+        "cache-aware", choices=ROUTINGS,
+        help="where a request prefills: cache-aware (default) = the coupled or P instance with the least "
+             "outstanding work plus prompt tokens it would still have to prefill, counting the prefix this "
+             "scheduler already sent it as cached; least-load = least outstanding work only")
+    prefix_index_size: int = setting(
+        131_072, check=(">=", 1), metavar="N",
+        help="cache-aware routing: prompt chunk hashes remembered per instance (LRU)")
 
     def __post_init__(self):
         if self.max_pixels_in_flight is None:
             self.max_pixels_in_flight = 4 * self.limits.max_request_pixels
         if not self.model:
             raise ValueError("model (a checkpoint directory) is required")
+        check_settings(self)  # the bounds and choices declared on the fields
         if not 0 <= int(self.port) < 65536:
             raise ValueError(f"port must be 0..65535, got {self.port}")
-        for name in ("heartbeat_interval_s", "probe_interval_s", "probe_timeout_s", "forget_after_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        for name in ("unhealthy_after", "healthy_after", "max_requests_in_flight", "max_inflight_per_instance",
-                     "max_pixels_in_flight", "max_attempts", "preprocess_threads", "media_index_size",
-                     "stored_keys_size", "prefix_index_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.routing not in ("cache-aware", "least-load"):
-            raise ValueError(f"routing must be cache-aware or least-load, got {self.routing!r}")
+        if self.forget_after_s <= 0:
+            raise ValueError("forget_after_s must be > 0")
         if self.switch_wait_s < 0:
             raise ValueError("switch_wait_s must be >= 0")
-        if self.retry_backoff_s < 0:
-            raise ValueError("retry_backoff_s must be >= 0")
         self.static_instances = list(self.static_instances)

@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from epdserve.roles import ROLES, role_set
 from epdserve.scheduler.coupling import coupling_move, is_coupled, parked
 from epdserve.scheduler.pressure import STAGES, LoadPoint, LoadWindow, PressureConfig, StagePressure, stages_of
+from epdserve.settings import check_settings, same_as, setting
+from epdserve.slo import SLO
 
 log = logging.getLogger(__name__)
 
@@ -68,34 +70,45 @@ STAGE_MOVES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class ControllerConfig:
+    """Its `setting(...)` fields are the `epdserve scheduler --controller-*` flags; the SLO pair is
+    the one every command shares (epdserve/slo.py: `--slo-ttft-ms`, `--slo-tpot-ms`)."""
+
     pressure: PressureConfig = field(default_factory=PressureConfig)
     enter_pressure: float = 1.0  # a stage this hot asks for one more instance
     stay_pressure: float = 0.5  # a stage gives an instance up only at or below this
-    min_dwell_s: float = 120.0  # an instance keeps new roles at least this long (also from the controller's start)
-    cooldown_s: float = 60.0  # after a switch ends, before the next decision
+    min_dwell_s: float = setting(120.0, flag="--controller-dwell-s", check=(">=", 0),
+                                 help="an instance keeps new roles at least this long, s (also from the "
+                                      "controller's start)")
+    cooldown_s: float = setting(60.0, flag="--controller-cooldown-s", check=(">=", 0),
+                                help="after a switch, wait this long before the next decision, s")
     min_samples: int = 3  # load samples in the window before any move
-    ttft_slo_s: float = 3.0  # per-request SLOs the attainment terms count against
-    tpot_slo_s: float = 0.100
-    tick_s: float = 5.0  # ControllerLoop: seconds between decisions
+    slo_ttft_ms: float = same_as(SLO, "ttft_ms")  # per-request SLOs the attainment terms count against
+    slo_tpot_ms: float = same_as(SLO, "tpot_ms")
+    tick_s: float = setting(5.0, flag="--controller-tick-s", check=(">", 0), help="seconds between decisions")
     drain_timeout_s: float = 60.0  # passed to SwitchRoles
-    coupling: bool = True  # consider merge / split moves (coupling.py)
-    stage_moves: str = "auto"  # on | off | auto: off while every serving instance shares one compute (see below)
-    couple_media_max: float = 1.0  # media items per request at or under which traffic is encode-light
+    coupling: bool = setting(True, negate="--controller-no-coupling", help="no merge / split moves")
+    stage_moves: str = setting(
+        "auto", flag="--controller-stage-moves", choices=STAGE_MOVES,
+        help="moves that give a hot stage a larger share of an instance (D -> ED, P -> EP, E -> D, ...): auto "
+             "(default) = off while every instance reports the same compute (one CPU host's cores: a share moved "
+             "there adds no compute; measured 0.55-0.90x goodput on a 2-core host), on where instances run on "
+             "devices of their own")
+    couple_media_max: float = setting(
+        1.0, flag="--controller-couple-media-max", check=(">=", 0),
+        help="media items per request at or under which traffic counts as encode-light: a hot P then merges the "
+             "prefiller and decode into one engine, and encode-heavy traffic splits them again (scheduler/coupling.py)")
 
     def __post_init__(self):
         if not 0 < self.stay_pressure < self.enter_pressure:
             raise ValueError(f"need 0 < stay_pressure < enter_pressure, got {self.stay_pressure}, "
                              f"{self.enter_pressure}")
-        for name in ("min_dwell_s", "cooldown_s", "drain_timeout_s", "couple_media_max"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("ttft_slo_s", "tpot_slo_s", "tick_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+        if self.slo_ttft_ms is None or self.slo_tpot_ms is None:
+            raise ValueError("the controller needs both SLOs (slo_ttft_ms, slo_tpot_ms)")
+        check_settings(self)  # the bounds and choices declared on the fields (the SLO's carried by same_as)
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         if self.min_samples < 1:
             raise ValueError("min_samples must be >= 1")
-        if self.stage_moves not in STAGE_MOVES:
-            raise ValueError(f"stage_moves must be one of {', '.join(STAGE_MOVES)}, got {self.stage_moves!r}")
 
 
 class Outcome(enum.Enum):
@@ -191,8 +204,8 @@ class RoleController:
         serve's goodput counts it. A request that arrived before the last switch ended is not
         judged: it was served (and queued) by the roster before it."""
         c = self.config
-        self.window.add_request(now, ok and ttft_s is not None and ttft_s <= c.ttft_slo_s,
-                                ok and (tpot_s is None or tpot_s <= c.tpot_slo_s), media,
+        self.window.add_request(now, ok and ttft_s is not None and ttft_s <= c.slo_ttft_ms / 1e3,
+                                ok and (tpot_s is None or tpot_s <= c.slo_tpot_ms / 1e3), media,
                                 None if age_s is None else now - age_s)
 
     def sample(self, now: float, records: Iterable) -> list[RosterEntry]:

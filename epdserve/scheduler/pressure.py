@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from epdserve.roles import DECODE, ENCODE, PREFILL, STAGES, role_set
+from epdserve.settings import check_settings, setting
 
 
 def stages_of(roles: str) -> frozenset[str]:
@@ -36,7 +37,10 @@ def stages_of(roles: str) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class PressureConfig:
-    window_s: float = 30.0
+    window_s: float = setting(
+        30.0, flag="--controller-window-s", check=(">", 0),
+        help="sliding window of load samples and finished requests the pressures are judged over (shorter reacts "
+             "faster to a change of traffic, and to noise)")
     e_queue_media: float = 4.0  # media waiting to be encoded, per E-serving instance, at pressure 1
     p_queue_tokens: float = 2048.0  # prompt + vision tokens waiting, per P-serving instance, at pressure 1
     d_batch_high: float = 16.0  # requests in a decode batch at pressure 1
@@ -46,7 +50,8 @@ class PressureConfig:
     min_slo_requests: int = 5  # finished requests in the window before the SLO terms count
 
     def __post_init__(self):
-        for name in ("window_s", "e_queue_media", "p_queue_tokens", "d_batch_high", "kv_used_high", "busy_high"):
+        check_settings(self)
+        for name in ("e_queue_media", "p_queue_tokens", "d_batch_high", "kv_used_high", "busy_high"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if not 0.0 <= self.slo_target < 1.0:

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epdserve.scheduler.config import ROUTINGS
 from epdserve.scheduler.errors import RequestError
 from epdserve.scheduler.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 
 _ROLE_NAMES = {"E": "encode (E)", "P": "prefill (P)", "D": "decode (D)", "PD": "prefill+decode"}
-POLICIES = ("cache-aware", "least-load")  # `epdserve scheduler --routing`
+POLICIES = ROUTINGS  # `epdserve scheduler --routing` (scheduler/config.py)
 
 
 class Cursor:

@@ -84,7 +84,7 @@ def test_bench_serve_multiturn_reports_ttft_per_turn(cached):
                   "--resolution-scale", "0.05", "--output-len", "3", "--output-len-range", "3-3"])
     (cfg,) = workload_configs(args)
     assert isinstance(cfg, MultiturnConfig) and (cfg.conversations, cfg.turns, cfg.think_time_s) == (3, 3, 0.02)
-    slo = SLO(ttft=1.0, tpot=0.5)
+    slo = SLO(ttft_ms=1000, tpot_ms=500)
     report = {"slo": slo.to_dict(), "workloads": {}}
     for label in ("monolithic", "monolithic#no-cache"):
         run_target(ChatBackend(cached=cached), label, [cfg], "20,20", args, slo, report, lambda: None)

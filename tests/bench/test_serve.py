@@ -110,7 +110,7 @@ def test_run_target_report_markdown_and_plots(tmp_path):
                        "--output-len-std", "0", "--output-len-range", "3-3"])
     workloads = workload_configs(args)
     assert workloads[0].text_only_share == 0.5 and workloads[0].num_requests == 6
-    slo = SLO(ttft=1.0, tpot=0.5)
+    slo = SLO(ttft_ms=1000, tpot_ms=500)
     report = {"slo": slo.to_dict(), "workloads": {}}
     saves = []
     for label, gap in (("monolithic", 0.004), ("E-PD", 0.002)):

@@ -76,7 +76,7 @@ def test_run_target_reports_phases_and_plots_the_timeline_with_events(tmp_path):
                        "--output-len-std", "0", "--output-len-range", "3-3"])
     [cfg] = workload_configs(args)
     assert isinstance(cfg, ShiftConfig) and cfg.num_requests == 6 and cfg.phases[0].images_min == 2
-    slo = SLO(ttft=1.0, tpot=0.5)
+    slo = SLO(ttft_ms=1000, tpot_ms=500)
     report = {"slo": slo.to_dict(), "workloads": {}}
     for label in ("monolithic", "auto"):
         run_target(FakeBackend(gap=0.002), label, [cfg], "40", args, slo, report, lambda: None)

@@ -70,7 +70,7 @@ def test_prefill_only_then_decode_only(qwen2_5_vl_tiny):
 def test_decode_side_reservation_is_refused_when_blocks_run_out(qwen2_5_vl_tiny):
     rx = LayerwiseRecvConnector("d0", CFG)
     d_eng = LLMEngine(EngineConfig(model=str(qwen2_5_vl_tiny), device="cpu", roles="D",
-                                   kv_cache_memory_bytes=1 << 16), kv_connector=rx)
+                                   kv_cache_bytes=1 << 16), kv_connector=rx)
     try:
         sp = SamplingParams(max_tokens=500, ignore_eos=True)
         try:

@@ -46,7 +46,7 @@ def test_preemption_under_kv_pressure_loses_nothing(qwen2_vl_tiny, ref):
     a = probe.engine.model.adapter
     spec = KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, 16, probe.engine.kv_cache.spec.dtype)
     # 12 blocks = 192 tokens: not enough for all four requests at once (≈ 330 tokens in total)
-    llm = LLM(model=qwen2_vl_tiny, device="cpu", block_size=16, kv_cache_memory_bytes=12 * spec.bytes_per_block())
+    llm = LLM(model=qwen2_vl_tiny, device="cpu", block_size=16, kv_cache_bytes=12 * spec.bytes_per_block())
     prompts = _prompts()
     got = _run(llm, prompts, 24)
     assert llm.engine.scheduler.num_preemptions > 0

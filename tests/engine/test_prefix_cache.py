@@ -68,7 +68,7 @@ def test_same_text_other_image_shares_nothing_past_the_image(qwen2_vl_tiny):
 
 def test_eviction_under_memory_pressure_stays_exact(qwen2_vl_tiny):
     ref = ReferenceGenerator(qwen2_vl_tiny)
-    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", kv_cache_memory_bytes=12 * BLOCK_BYTES))
+    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", kv_cache_bytes=12 * BLOCK_BYTES))
     bm = eng.scheduler._blocks
     prompts = [f"prompt number {i} " + "filler words " * 20 for i in range(6)]
     outs = [_run(eng, f"r{i}", p, None) for i, p in enumerate(prompts)]
@@ -82,7 +82,7 @@ def test_eviction_under_memory_pressure_stays_exact(qwen2_vl_tiny):
 
 def test_abort_and_preemption_leave_no_reference(qwen2_vl_tiny):
     ref = ReferenceGenerator(qwen2_vl_tiny)
-    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", kv_cache_memory_bytes=12 * BLOCK_BYTES))
+    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", kv_cache_bytes=12 * BLOCK_BYTES))
     img = jpeg_bytes(procedural_image(112, 84, 9))
     prompt = f"look {PH} " + "long question words " * 10
     _run(eng, "warm", prompt, [img])

@@ -41,11 +41,17 @@ def test_flags_override_the_file_and_become_instance_flags(tmp_path):
     assert s.scheduler_args[2:4] == ["--internal-port", s.registry.rsplit(":", 1)[1]]  # the Registry's own port
 
 
+def test_no_model_is_the_built_in_demo_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPDSERVE_CACHE_DIR", str(tmp_path))
+    s = spec("--mode", "E-P-D")
+    assert s.demo_model and Path(s.model).parent == tmp_path / "demo-models"
+    assert (Path(s.model) / "config.json").is_file()
+    assert not spec("--mode", "E-P-D", "--model", "/m").demo_model
+
+
 def test_bad_options_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="--mode"):
         spec("--model", "/m")
-    with pytest.raises(ValueError, match="--model"):
-        spec("--mode", "E-P-D")
     with pytest.raises(ValueError, match="needs at least one"):
         spec("--mode", "E-P-D", "--model", "/m", "--decode", "0").pools()
     bad = tmp_path / "bad.yaml"

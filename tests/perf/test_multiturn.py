@@ -62,7 +62,7 @@ def _rec(turn, ttft, ok=True, cached=None, prompt=100):
 
 def test_turn_metrics_split_first_and_later_turns():
     recs = [_rec(1, 1.0), _rec(1, 1.2), _rec(2, 0.2), _rec(2, 0.4), _rec(3, 0.3), _rec(3, 0.0, ok=False)]
-    tm = turn_metrics(recs, SLO(ttft=0.5, tpot=None))
+    tm = turn_metrics(recs, SLO(ttft_ms=500, tpot_ms=None))
     assert [p["turn"] for p in tm["per_turn"]] == [1, 2, 3]
     assert tm["per_turn"][0]["ttft_ms"]["p50"] == pytest.approx(1100)
     assert tm["per_turn"][2]["requests"] == 2 and tm["per_turn"][2]["completed"] == 1

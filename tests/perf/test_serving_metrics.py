@@ -32,7 +32,7 @@ def test_per_request_latencies():
 
 
 def test_aggregates_hand_computed():
-    m = compute_metrics(_trace(), SLO(ttft=2.0, tpot=0.2))
+    m = compute_metrics(_trace(), SLO(ttft_ms=2000, tpot_ms=200))
     assert (m["num_requests"], m["completed"], m["failed"]) == (4, 3, 1)
     assert m["errors"] == ["UNAVAILABLE"]
     assert m["duration_s"] == pytest.approx(3.6)  # last end 3.6 - first dispatch 0.0
@@ -63,10 +63,11 @@ def test_aggregates_hand_computed():
 
 
 def test_single_token_request_counts_tpot_as_zero_for_goodput():
-    m = compute_metrics(_trace(), SLO(ttft=3.5, tpot=0.5))
+    m = compute_metrics(_trace(), SLO(ttft_ms=3500, tpot_ms=500))
     assert m["good_requests"] == 3  # r2 has N_out = 1: TPOT counts as 0; r3 (failed) is a miss
     assert m["slo_attainment"] == pytest.approx(0.75)
-    assert compute_metrics(_trace(), SLO(ttft=None, tpot=None, e2el=1.0))["good_requests"] == 1  # only r4 (0.8 s)
+    e2el_only = SLO(ttft_ms=None, tpot_ms=None, e2el_ms=1000)
+    assert compute_metrics(_trace(), e2el_only)["good_requests"] == 1  # only r4 (0.8 s)
 
 
 def test_incomplete_outputs_are_counted():
@@ -142,7 +143,7 @@ def test_tpot_itl_percentiles_and_goodput_match_numpy():
     import numpy as np
 
     recs = _random_trace()
-    m = compute_metrics(recs, SLO(ttft=3.0, tpot=0.100))
+    m = compute_metrics(recs, SLO(ttft_ms=3000, tpot_ms=100))
     ttft = np.array([r.chunk_times[0] - r.t0 for r in recs])
     tpot = np.array([(r.chunk_times[-1] - r.chunk_times[0]) / (len(r.chunk_times) - 1)
                      for r in recs if len(r.chunk_times) > 1])

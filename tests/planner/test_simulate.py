@@ -39,7 +39,7 @@ def test_saturated_prefill_server_runs_at_one_request_per_prefill(round_costs):
     shapes = [req(i, text=100, out=1) for i in range(20)]  # 20 ms prefill each, all at t=0
     records = simulate(PlannedDeployment("E-P-D", 1, 1, 1), round_costs, shapes)
     assert sorted(r.end for r in records) == pytest.approx([0.02 * (k + 1) for k in range(20)])
-    assert compute_metrics(records, SLO(ttft=None, tpot=None))["request_throughput"] == pytest.approx(50.0)
+    assert compute_metrics(records, SLO(ttft_ms=None, tpot_ms=None))["request_throughput"] == pytest.approx(50.0)
 
 
 def test_decode_batch_grows_and_step_time_follows_batch_size(round_costs):

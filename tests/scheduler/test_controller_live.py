@@ -34,7 +34,7 @@ def _work(i: int) -> tuple[str, list[bytes]]:
 def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplog):
     caplog.set_level(logging.INFO)
     ctl = ControllerConfig(tick_s=0.3, min_dwell_s=0.0, cooldown_s=600.0, min_samples=2,
-                           ttft_slo_s=0.001, tpot_slo_s=60.0,  # every first token is late: the front stage is hot
+                           slo_ttft_ms=1.0, slo_tpot_ms=60_000.0,  # every first token is late: the front stage is hot
                            pressure=PressureConfig(window_s=5.0, min_slo_requests=3),
                            stage_moves="on")  # the instances share this host's cores: auto would not move them
     sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), heartbeat_interval_s=0.2, probe_interval_s=0.2,

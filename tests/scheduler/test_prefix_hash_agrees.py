@@ -30,7 +30,7 @@ def pre(qwen2_vl_tiny):
 @pytest.fixture(scope="module", params=[16, 128])
 def engine(request, qwen2_vl_tiny):
     eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", block_size=request.param,
-                                 kv_cache_memory_bytes=8 << 20))
+                                 kv_cache_bytes=8 << 20))
     assert eng.config.block_size == request.param
     return eng
 

@@ -108,7 +108,7 @@ def test_the_decode_worker_fails_a_capped_peer_as_retryable(qwen2_vl_tiny):
                            pair_rebuild_window_s=60.0)
     server = RendezvousServer()
     worker = DecodeWorker("D-worker", lambda c: LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", roles="D",
-                                                                       kv_cache_memory_bytes=4 << 20), kv_connector=c),
+                                                                       kv_cache_bytes=4 << 20), kv_connector=c),
                           instance_id="d0", kv_config=cfg).start()
     try:
         worker.wait_ready(120)
