@@ -31,7 +31,7 @@ class SchedulerConfig:
     remembered), `max_attempts` (tries per request).
     Routing: `routing` "cache-aware" (default: the prefilling instance most likely to hold the
     prompt's longest prefix, weighed against load; routing.py) or "least-load";
-    `prefix_index_size`: prompt chunk hashes remembered per instance (prefix_index.py).
+    `prefix_index_size`: prompt block digests (in the instance's registered block size) remembered per instance (prefix_index.py).
     """
 
     model: str = same_as(EngineConfig, "model",
@@ -80,7 +80,7 @@ class SchedulerConfig:
              "scheduler already sent it as cached; least-load = least outstanding work only")
     prefix_index_size: int = setting(
         131_072, check=(">=", 1), metavar="N",
-        help="cache-aware routing: prompt chunk hashes remembered per instance (LRU)")
+        help="cache-aware routing: prompt block digests remembered per instance, in its registered block size (LRU)")
 
     def __post_init__(self):
         if self.max_pixels_in_flight is None:
