@@ -31,7 +31,8 @@ class SchedulerConfig:
     remembered), `max_attempts` (tries per request).
     Routing: `routing` "cache-aware" (default: the prefilling instance most likely to hold the
     prompt's longest prefix, weighed against load; routing.py) or "least-load";
-    `prefix_index_size`: prompt block digests (in the instance's registered block size) remembered per instance (prefix_index.py).
+    `prefix_index_size`: prompt block digests remembered per instance, in its registered block
+    size (prefix_index.py).
     """
 
     model: str = same_as(EngineConfig, "model",
