@@ -7,7 +7,9 @@ Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped), and `Client` / `A
 Package map, bottom to top (the layers of .importlinter's contract; docs/architecture.md draws them):
 - proto_gen/       protoc output (epdserve.v1 messages and services), generated, never edited
 - commands.py      command registration for every `epdserve` sub-command, importable from any layer
-- settings.py      settings dataclasses whose fields make the command-line flags (engine, instance, launch)
+- settings.py      settings dataclasses whose fields make the command-line flags (engine, instance, scheduler, launch)
+- roles.py         the role sets as one table (`RoleSet`: stages, workers, RPCs, inline encoding, KV held)
+- slo.py           `SLO`: the TTFT / TPOT objectives, one declaration for bench, planner, controller, engines
 - request_errors.py  errors a request fails with for what it asked (INVALID_ARGUMENT / HTTP 400)
 - net.py           `free_port`: local networking helpers, no gRPC or torch
 - platform/        cpu | cuda | npu: device handle, dist backend, streams, core limits
@@ -23,9 +25,9 @@ Package map, bottom to top (the layers of .importlinter's contract; docs/archite
 - scheduler/       the global scheduler: public gRPC front, registry, routing, request fan-out
 - perf/            the vocabulary bench and planner share: workloads, SLO scoring, profiles
 - metrics/         the scheduler's Prometheus metrics
-- deploy/          one deployment mode's processes on this machine, started and stopped as a whole
+- deploy/          deploying: local/ (`epdserve launch`: one mode's processes on this machine, started
+                   and stopped as a whole) and kube/ (`epdserve k8s render`: a mode's Kubernetes manifests)
 - planner/         `epdserve plan`: predict every mode's and split's SLO goodput, pick one
-- kube/            `epdserve k8s render`: a mode's Kubernetes manifests, rendered from the mode table
 - client/          `Client` / `AsyncClient`: the gRPC client library of a running deployment
 - entrypoints/     the `epdserve` command, the HTTP front and the offline `LLM`
 - bench/           `epdserve bench ...` and `epdserve profile`: configurations measured side by side

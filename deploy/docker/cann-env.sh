@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a command with CANN's environment: the Ascend image's entrypoint (deploy/docker/Dockerfile.ascend)
-# and the command prefix of the `ascend` flavour's containers (epdserve/kube/flavours.py).
+# and the command prefix of the `ascend` flavour's containers (epdserve/deploy/kube/flavours.py).
 # Paths as scripts/atlas_node.sh's load_ascend_env: ascend-toolkit/set_env.sh (CANN <= 8.x),
 # cann/set_env.sh (newer layout), then nnal/atb/set_env.sh (the ATB operators). set_env.sh reads
 # variables that may be unset, so -u stays off.

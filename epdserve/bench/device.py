@@ -151,7 +151,7 @@ def device_facts(device: str) -> dict:
 def start_prebuild(cfg) -> subprocess.Popen:
     """Build the perf part's checkpoint in the background (CPU work, while the other parts use the
     device); the perf part waits for it (`device_env.checkpoint`'s lock). Its log is in the work dir."""
-    from epdserve.deploy.procs import die_with_parent
+    from epdserve.deploy.local.procs import die_with_parent
 
     work = pathlib.Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)

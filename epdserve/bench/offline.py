@@ -18,7 +18,7 @@ import time
 
 from epdserve.bench.offline_report import markdown, summarize_workload
 from epdserve.bench.offline_workloads import DEFAULTS, WORKLOADS, WorkloadSpec
-from epdserve.deploy.procs import die_with_parent
+from epdserve.deploy.local.procs import die_with_parent
 
 BASELINES = {"text": ["engine_portable", "one_at_a_time", "padded", "generate_batch"],
              "images": ["engine_portable", "one_at_a_time", "padded"]}

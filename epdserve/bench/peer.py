@@ -27,7 +27,7 @@ import time
 import urllib.request
 from importlib import metadata
 
-from epdserve.deploy.launcher_process import LauncherProcess
+from epdserve.deploy.local.launcher_process import LauncherProcess
 
 PEER_TORCH = "2.14.1"
 PEER_TORCHVISION = "0.29.1"

@@ -7,7 +7,7 @@ a log file, waits for its ready line (`epdserve ready: grpc://HOST:PORT mode=...
 and yields a `LaunchedDeployment`; on exit it sends SIGTERM (launch stops its own children) and, if the
 process group is still there after a grace period, SIGKILL to that group. If the benchmark
 process dies first (even by SIGKILL), the launcher is told (PR_SET_PDEATHSIG) and stops its
-children. Starting, reading and stopping the process is `epdserve.deploy.launcher_process`'s.
+children. Starting, reading and stopping the process is `epdserve.deploy.local.launcher_process`'s.
 `variant_args` / `variant_mode` read the `MODE#NAME` variants benchmarks launch (`--mode-arg`).
 Nothing here is global.
 """
@@ -21,8 +21,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from epdserve.deploy.launcher_process import READY_RE, LauncherProcess
-from epdserve.deploy.launcher_process import launch_argv as process_launch_argv
+from epdserve.deploy.local.launcher_process import READY_RE, LauncherProcess
+from epdserve.deploy.local.launcher_process import launch_argv as process_launch_argv
 from epdserve.net import free_port
 
 ADDRESS_RE = re.compile(r"(?:grpc://)?((?:\d{1,3}\.){3}\d{1,3}|localhost|\[[0-9a-fA-F:]+\]|[\w.-]+):(\d{2,5})\b")

@@ -35,7 +35,7 @@ COMMANDS = {
     "build-ops": Command("epdserve.entrypoints.build_ops_cli",
                          "build the native operators (csrc/) ahead of time"),
     "doctor": Command("epdserve.entrypoints.doctor_cli", "check this machine (and named servers) for epdserve"),
-    "k8s": Command("epdserve.kube.cli", "Kubernetes manifests of a deployment mode (epdserve k8s render)"),
+    "k8s": Command("epdserve.deploy.kube.cli", "Kubernetes manifests of a deployment mode (epdserve k8s render)"),
 }
 
 

@@ -18,7 +18,7 @@ import os
 import sys
 
 from epdserve.commands import add_command
-from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
+from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from epdserve.deploy.signals import StopSignals, parent_pid_from_env
+    from epdserve.deploy.local.signals import StopSignals, parent_pid_from_env
     from epdserve.instance.config import from_args
     from epdserve.instance.host import InstanceHost
 
@@ -84,7 +84,7 @@ def run(args) -> int:
 def serve_until_stopped(host, stop, check_s: float | None = None) -> int:
     """Wait for a stop signal (0), or for the instance to ask for a restart (RESTART_EXIT_CODE),
     looking every `check_s` seconds (RESTART_CHECK_S)."""
-    from epdserve.deploy.supervisor import RESTART_EXIT_CODE
+    from epdserve.deploy.local.supervisor import RESTART_EXIT_CODE
     from epdserve.instance.host import RESTART_CHECK_S
 
     while not stop.wait(RESTART_CHECK_S if check_s is None else check_s):

@@ -34,7 +34,7 @@ import signal
 import sys
 from pathlib import Path
 
-from epdserve.deploy.argv import last_flag
+from epdserve.deploy.local.argv import last_flag
 from epdserve.entrypoints.launch_settings import (STOP_MARGIN_S, add_launch_flags, instance_argv, merged_options,
                                                   option_choices, option_defaults, scheduler_argv, slo_of)
 
@@ -126,8 +126,8 @@ def _ids(v) -> list[str]:
 
 
 def spec_from_args(args):
-    from epdserve.deploy.deployment import DeploymentSpec
-    from epdserve.deploy.supervisor import RestartPolicy
+    from epdserve.deploy.local.deployment import DeploymentSpec
+    from epdserve.deploy.local.supervisor import RestartPolicy
 
     merged = merged_options(args, load_config(getattr(args, "config", None)))
     if not merged["mode"]:
@@ -214,7 +214,7 @@ def ready_line(dep, address: str, http_port: int | None) -> str:
 
 
 def run(args) -> int:
-    from epdserve.deploy.deployment import Deployment, LaunchError
+    from epdserve.deploy.local.deployment import Deployment, LaunchError
 
     try:
         spec = spec_from_args(args)
@@ -222,7 +222,7 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return 2
-    from epdserve.deploy.signals import StopSignals
+    from epdserve.deploy.local.signals import StopSignals
 
     stop = StopSignals((signal.SIGTERM, signal.SIGINT, signal.SIGHUP), deadline_s=spec.drain_timeout_s + STOP_MARGIN_S,
                        name="launch").install()

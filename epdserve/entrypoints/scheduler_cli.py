@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from epdserve.commands import add_command
-from epdserve.deploy.signals import SCHEDULER_STOP_DEADLINE_S
+from epdserve.deploy.local.signals import SCHEDULER_STOP_DEADLINE_S
 from epdserve.settings import add_flags, from_flags
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return 2
-    from epdserve.deploy.signals import StopSignals, parent_pid_from_env
+    from epdserve.deploy.local.signals import StopSignals, parent_pid_from_env
 
     signals = StopSignals(deadline_s=STOP_DEADLINE_S, parent_pid=parent_pid_from_env(), name="scheduler").install()
     try:

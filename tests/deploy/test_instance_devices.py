@@ -1,7 +1,7 @@
 """Which accelerator each launched instance sees: its own by default (round-robin over the visible
 devices), the named ones with --devices, nothing to set on CPU. No accelerator exists here, so
 the accelerator platforms report a device count of 4 (the only thing the assignment reads)."""
-from epdserve.deploy.deployment import instance_device_env
+from epdserve.deploy.local.deployment import instance_device_env
 from epdserve.platform.cpu import CpuPlatform
 from epdserve.platform.cuda import CudaPlatform
 from epdserve.platform.npu import NpuPlatform

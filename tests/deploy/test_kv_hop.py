@@ -1,7 +1,7 @@
 """The launcher's choice of P->D KV hop (deploy/kv_hop.py): host when a P and a D share an
 accelerator (NCCL cannot pair two ranks on one device), the device's backend otherwise, the
 operator's --kv-hop when given; and the instance's setting reaching its KVTransferConfig."""
-from epdserve.deploy.kv_hop import choose_kv_hop
+from epdserve.deploy.local.kv_hop import choose_kv_hop
 from epdserve.instance.config import InstanceConfig
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from epdserve.deploy.deployment import Deployment, DeploymentSpec
+from epdserve.deploy.local.deployment import Deployment, DeploymentSpec
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 
 

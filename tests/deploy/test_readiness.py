@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from epdserve.deploy.argv import last_flag
-from epdserve.deploy.readiness import RosterProbe
+from epdserve.deploy.local.argv import last_flag
+from epdserve.deploy.local.readiness import RosterProbe
 from epdserve.rpc import serve_pb2_grpc
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
 from epdserve.security import Secret

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from epdserve.deploy.deployment import Deployment, DeploymentSpec, LaunchError
+from epdserve.deploy.local.deployment import Deployment, DeploymentSpec, LaunchError
 
 pytestmark = pytest.mark.slow  # scheduler processes start (and, below, fail to) on the tiny model
 

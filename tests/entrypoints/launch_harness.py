@@ -1,12 +1,12 @@
 """`epdserve launch` as a real process group for a test: started, its ready line parsed, stopped
 with SIGTERM (which must exit 0), and killed if anything went wrong — with no secret in its output.
-The process itself is `epdserve.deploy.launcher_process.LauncherProcess`."""
+The process itself is `epdserve.deploy.local.launcher_process.LauncherProcess`."""
 from __future__ import annotations
 
 import contextlib
 import re
 
-from epdserve.deploy.launcher_process import LauncherProcess, launch_argv
+from epdserve.deploy.local.launcher_process import LauncherProcess, launch_argv
 
 
 @contextlib.contextmanager

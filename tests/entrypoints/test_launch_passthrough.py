@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from epdserve.deploy.argv import last_flag
+from epdserve.deploy.local.argv import last_flag
 from epdserve.entrypoints.cli import build_parser
 from epdserve.entrypoints.launch import spec_from_args
 from tests.security.certs import self_signed

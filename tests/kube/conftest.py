@@ -6,9 +6,9 @@ import itertools
 import pytest
 
 from epdserve.instance.modes import MODES
-from epdserve.kube.flavours import FLAVOURS
-from epdserve.kube.render import render
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.flavours import FLAVOURS
+from epdserve.deploy.kube.render import render
+from epdserve.deploy.kube.values import KubeValues
 
 CASES = list(itertools.product(MODES, FLAVOURS))
 

@@ -1,8 +1,8 @@
 """A rendered release run on this machine without a cluster: every pod one local process group.
 
-`LoopbackCluster(values, root)` renders the release (`epdserve.kube.render`) and plays the parts
+`LoopbackCluster(values, root)` renders the release (`epdserve.deploy.kube.render`) and plays the parts
 of Kubernetes a test needs: the kubelet (start a container's command + args with the env the pod
-gets: downward-API fields and Secret keys filled in, `$(VAR)` expanded: `epdserve.kube.podview`;
+gets: downward-API fields and Secret keys filled in, `$(VAR)` expanded: `epdserve.deploy.kube.podview`;
 probe it with the container's own readiness probe: grpc.health.v1 on its port and service, or a
 TCP connect), the cluster DNS and Services (names -> the pods' addresses), a Deployment replacing
 a killed pod (a new pod: new name, new IP) and scaling (one more pod of the template).
@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epdserve.kube.meta import mm_store_name, scheduler_internal_name, scheduler_name
-from epdserve.kube.podview import container_argv, container_env
-from epdserve.kube.ports import Ports
-from epdserve.kube.render import pod_templates, render
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.meta import mm_store_name, scheduler_internal_name, scheduler_name
+from epdserve.deploy.kube.podview import container_argv, container_env
+from epdserve.deploy.kube.ports import Ports
+from epdserve.deploy.kube.render import pod_templates, render
+from epdserve.deploy.kube.values import KubeValues
 from tests.kube.kubelet_probe import probe, probe_port
 
 _POD_SUFFIX = "bcdfghjklmnpqrstvwxz2456789"  # the letters a ReplicaSet's pod names end in

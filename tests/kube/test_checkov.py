@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from epdserve.kube.render import render, to_yaml
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.render import render, to_yaml
+from epdserve.deploy.kube.values import KubeValues
 from tests.kube.conftest import CASES
 
 CHECKOV = "checkov==3.3.30"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from epdserve.kube import pod
-from epdserve.kube.flavours import FLAVOURS
+from epdserve.deploy.kube import pod
+from epdserve.deploy.kube.flavours import FLAVOURS
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "deploy" / "docker"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epdserve.kube.podview import container_argv, container_env
-from epdserve.kube.render import containers, render
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.podview import container_argv, container_env
+from epdserve.deploy.kube.render import containers, render
+from epdserve.deploy.kube.values import KubeValues
 from tests.kube.pod_harness import local_rewrites, loopback_ports
 
 DNS = {"epdserve-scheduler-0.epdserve-scheduler-internal": "127.9.9.3",

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from epdserve.client import Client, EPDServeError
-from epdserve.kube.meta import instance_name, scheduler_name
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.meta import instance_name, scheduler_name
+from epdserve.deploy.kube.values import KubeValues
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import common_pb2
 from tests.instance.harness import PH, image, status, stub

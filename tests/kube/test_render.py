@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import kubernetes_validate
 
-from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S, SCHEDULER_STOP_DEADLINE_S
+from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S, SCHEDULER_STOP_DEADLINE_S
 from epdserve.entrypoints.cli import build_parser
 from epdserve.instance.modes import mode_pools
-from epdserve.kube.podview import container_argv, container_env, references
-from epdserve.kube.render import containers, pod_templates, render, to_yaml
-from epdserve.kube.secrets import SECRET_ENV
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.podview import container_argv, container_env, references
+from epdserve.deploy.kube.render import containers, pod_templates, render, to_yaml
+from epdserve.deploy.kube.secrets import SECRET_ENV
+from epdserve.deploy.kube.values import KubeValues
 from tests.kube.conftest import CASES, values_for
 
 K8S_VERSION = "1.33.0"  # the schema pinned (kubernetes-validate ships it; nothing is downloaded)

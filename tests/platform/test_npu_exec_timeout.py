@@ -41,7 +41,7 @@ def test_never_timing_out_means_the_blocks_are_never_released_while_the_receive_
 
 
 def test_the_kubernetes_npu_flavour_exports_a_finite_timeout():
-    from epdserve.kube.flavours import FLAVOURS
+    from epdserve.deploy.kube.flavours import FLAVOURS
 
     npu = [f for f in FLAVOURS.values() if "HCCL_EXEC_TIMEOUT" in f.env]
     assert npu and all(exec_timeout_bound_s(f.env["HCCL_EXEC_TIMEOUT"]) == 630 for f in npu)

@@ -1,5 +1,5 @@
 """Launched deployments for the reliability tests: start `epdserve launch` as a real process
-(`epdserve.deploy.launcher_process.LauncherProcess`), read its ready line, find its children, and
+(`epdserve.deploy.local.launcher_process.LauncherProcess`), read its ready line, find its children, and
 check that nothing of it is left."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from epdserve.deploy.launcher_process import LauncherProcess, kill_group, launch_argv
+from epdserve.deploy.local.launcher_process import LauncherProcess, kill_group, launch_argv
 
 __all__ = ["Launched", "alive", "family", "kill_group", "launch", "listening", "signal_storm", "wait_exit"]
 

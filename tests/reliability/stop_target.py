@@ -7,7 +7,7 @@ MODE "hang": after the stop request the main thread blocks forever; the deadline
 import sys
 import threading
 
-from epdserve.deploy.signals import StopSignals, parent_pid_from_env
+from epdserve.deploy.local.signals import StopSignals, parent_pid_from_env
 
 stop = StopSignals(deadline_s=float(sys.argv[1]), parent_pid=parent_pid_from_env(), name="stop_target").install()
 print("ready", flush=True)

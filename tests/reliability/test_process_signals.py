@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from epdserve.client import Client, EPDServeError
-from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
+from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.model.reference import ReferenceGenerator
 from tests.instance.harness import PH, image, wait_until
 from tests.reliability.helpers import alive, family, kill_group, launch, listening, signal_storm, wait_exit

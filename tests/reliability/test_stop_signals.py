@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from epdserve.deploy.signals import PARENT_PID_ENV
+from epdserve.deploy.local.signals import PARENT_PID_ENV
 from tests.reliability.helpers import signal_storm, wait_exit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,7 +47,7 @@ def test_children_stop_when_their_launcher_is_killed():
     then is SIGKILLed: both targets stop."""
     middle = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
-        "from epdserve.deploy.procs import ChildProcess\n"
+        "from epdserve.deploy.local.procs import ChildProcess\n"
         "cs = [ChildProcess(f't{i}', ['30', 'wait'], module='tests.reliability.stop_target').start() for i in range(2)]\n"
         "print(' '.join(str(c.pid) for c in cs), flush=True)\n"
         "time.sleep(600)\n")], cwd=REPO, stdout=subprocess.PIPE, text=True)

@@ -1,7 +1,7 @@
 """`deploy.supervisor`: capped exponential backoff, and the crash loop after which a child is left dead."""
 import pytest
 
-from epdserve.deploy.supervisor import RestartPolicy, RestartSchedule
+from epdserve.deploy.local.supervisor import RestartPolicy, RestartSchedule
 
 
 def test_backoff_doubles_up_to_its_cap_then_a_crash_loop():

@@ -30,7 +30,7 @@ from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.entrypoints.instance_cli import serve_until_stopped
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.decode_worker import DecodeWorker
-from epdserve.deploy.supervisor import RESTART_EXIT_CODE
+from epdserve.deploy.local.supervisor import RESTART_EXIT_CODE
 from epdserve.instance.host import InstanceHost
 from epdserve.instance.worker import _add_counters
 from epdserve.metrics.roster import RosterCollector

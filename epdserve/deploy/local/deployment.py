@@ -37,11 +37,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epdserve.deploy.argv import last_flag
-from epdserve.deploy.kv_hop import KvHopChoice, choose_kv_hop
-from epdserve.deploy.procs import ChildProcess, stop_all
-from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
-from epdserve.deploy.supervisor import RESTART_EXIT_CODE, RestartPolicy, RestartSchedule
+from epdserve.deploy.local.argv import last_flag
+from epdserve.deploy.local.kv_hop import KvHopChoice, choose_kv_hop
+from epdserve.deploy.local.procs import ChildProcess, stop_all
+from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S
+from epdserve.deploy.local.supervisor import RESTART_EXIT_CODE, RestartPolicy, RestartSchedule
 from epdserve.engine.config import EngineConfig
 from epdserve.instance.modes import mode_pools
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
@@ -249,7 +249,7 @@ class Deployment:
         return ChildProcess(name, ["--log-level", self.spec.log_level, *argv], env=env, log_stream=stream, prefix="")
 
     def _wait_roster(self, deadline: float, should_stop) -> None:
-        from epdserve.deploy.readiness import RosterProbe
+        from epdserve.deploy.local.readiness import RosterProbe
         from epdserve.rpc import serve_pb2_grpc
 
         # the credentials the deployment hands out: TLS when the scheduler serves its public port

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import secrets as random_secrets
 
-from epdserve.kube.meta import metadata
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.meta import metadata
+from epdserve.deploy.kube.values import KubeValues
 
 CLUSTER_TOKEN = "EPDSERVE_CLUSTER_TOKEN"
 API_KEY = "EPDSERVE_API_KEY"

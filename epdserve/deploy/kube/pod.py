@@ -8,7 +8,7 @@ against grpc.health.v1, which every epdserve server answers without credentials.
 """
 from __future__ import annotations
 
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.values import KubeValues
 
 UID = 10001  # the image's `epdserve` user (deploy/docker/)
 MODEL_VOLUME = "models"

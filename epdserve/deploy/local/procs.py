@@ -66,7 +66,7 @@ class ChildProcess:
         env = dict(os.environ)
         env.update(self.env or {})
         env.setdefault("PYTHONUNBUFFERED", "1")
-        from epdserve.deploy.signals import PARENT_PID_ENV
+        from epdserve.deploy.local.signals import PARENT_PID_ENV
 
         env[PARENT_PID_ENV] = str(os.getpid())
         self.proc = subprocess.Popen(

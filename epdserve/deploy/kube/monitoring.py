@@ -9,9 +9,9 @@ with `max by (instance)` (autoscale.py).
 """
 from __future__ import annotations
 
-from epdserve.kube.meta import labels, metadata, scheduler_name
-from epdserve.kube.secrets import API_KEY, SECRET_ENV
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.meta import labels, metadata, scheduler_name
+from epdserve.deploy.kube.secrets import API_KEY, SECRET_ENV
+from epdserve.deploy.kube.values import KubeValues
 
 API_VERSION = "monitoring.coreos.com/v1"
 

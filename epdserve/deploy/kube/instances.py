@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 
-from epdserve.deploy.signals import INSTANCE_STOP_MARGIN_S
+from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.instance.modes import Pool
-from epdserve.kube import pod
-from epdserve.kube.meta import instance_name, labels, metadata, mm_store_url, scheduler_addresses
-from epdserve.kube.secrets import CLUSTER_TOKEN, MM_STORE_PASSWORD, secret_env
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube import pod
+from epdserve.deploy.kube.meta import instance_name, labels, metadata, mm_store_url, scheduler_addresses
+from epdserve.deploy.kube.secrets import CLUSTER_TOKEN, MM_STORE_PASSWORD, secret_env
+from epdserve.deploy.kube.values import KubeValues
 
 COMPONENT = "instance"
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 
-from epdserve.deploy.signals import SCHEDULER_STOP_DEADLINE_S
-from epdserve.kube import pod
-from epdserve.kube.meta import labels, metadata, scheduler_internal_name, scheduler_name
-from epdserve.kube.secrets import API_KEY, CLUSTER_TOKEN, MEDIA_KEY_SECRET, secret_env
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.local.signals import SCHEDULER_STOP_DEADLINE_S
+from epdserve.deploy.kube import pod
+from epdserve.deploy.kube.meta import labels, metadata, scheduler_internal_name, scheduler_name
+from epdserve.deploy.kube.secrets import API_KEY, CLUSTER_TOKEN, MEDIA_KEY_SECRET, secret_env
+from epdserve.deploy.kube.values import KubeValues
 
 COMPONENT = "scheduler"
 PRE_STOP_S = 5  # the Service's endpoints drop a terminating pod within a few seconds

@@ -7,7 +7,7 @@ Every object carries `app.kubernetes.io/name: epdserve` and `app.kubernetes.io/i
 """
 from __future__ import annotations
 
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.values import KubeValues
 
 NAME = "epdserve"
 ROLES_KEY = "epdserve.io/roles"

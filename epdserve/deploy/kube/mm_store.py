@@ -8,10 +8,10 @@ it misses) and evicts least-recently-used keys at `MAXMEMORY`.
 """
 from __future__ import annotations
 
-from epdserve.kube import pod
-from epdserve.kube.meta import labels, metadata, mm_store_name
-from epdserve.kube.secrets import MM_STORE_PASSWORD, secret_env
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube import pod
+from epdserve.deploy.kube.meta import labels, metadata, mm_store_name
+from epdserve.deploy.kube.secrets import MM_STORE_PASSWORD, secret_env
+from epdserve.deploy.kube.values import KubeValues
 
 COMPONENT = "mm-store"
 MAXMEMORY = "1gb"

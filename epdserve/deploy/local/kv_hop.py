@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.deploy.argv import last_flag
+from epdserve.deploy.local.argv import last_flag
 from epdserve.roles import role_set
 
 

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from epdserve.deploy.procs import die_with_parent
+from epdserve.deploy.local.procs import die_with_parent
 
 READY_RE = re.compile(r"^epdserve ready\b")
 

@@ -16,7 +16,7 @@ from epdserve.commands import add_command
 
 
 def add_parser(subparsers):
-    from epdserve.kube.values import KubeValues
+    from epdserve.deploy.kube.values import KubeValues
     from epdserve.settings import add_flags
 
     p = subparsers.add_parser("k8s", help="Kubernetes manifests of a deployment mode",
@@ -29,9 +29,9 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from epdserve.kube.render import render, to_yaml
-    from epdserve.kube.secrets import create_command
-    from epdserve.kube.values import KubeValues
+    from epdserve.deploy.kube.render import render, to_yaml
+    from epdserve.deploy.kube.secrets import create_command
+    from epdserve.deploy.kube.values import KubeValues
     from epdserve.settings import from_flags
 
     try:

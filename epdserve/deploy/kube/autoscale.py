@@ -12,8 +12,8 @@ with every scheduler and take work at once.
 from __future__ import annotations
 
 from epdserve.instance.modes import Pool
-from epdserve.kube.meta import instance_name, metadata, scheduler_name
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.meta import instance_name, metadata, scheduler_name
+from epdserve.deploy.kube.values import KubeValues
 
 API_VERSION = "keda.sh/v1alpha1"
 METRIC = "epdserve:instance_waiting_requests"

@@ -11,9 +11,9 @@ import copy
 
 import yaml
 
-from epdserve.kube import autoscale, instances, mm_store, monitoring, network, scheduler
-from epdserve.kube.secrets import secret
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube import autoscale, instances, mm_store, monitoring, network, scheduler
+from epdserve.deploy.kube.secrets import secret
+from epdserve.deploy.kube.values import KubeValues
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 

@@ -13,8 +13,8 @@ common CNIs (Calico, Cilium) always admit.
 """
 from __future__ import annotations
 
-from epdserve.kube.meta import labels, metadata, release_labels
-from epdserve.kube.values import KubeValues
+from epdserve.deploy.kube.meta import labels, metadata, release_labels
+from epdserve.deploy.kube.values import KubeValues
 
 
 def objects(v: KubeValues) -> list[dict]:

@@ -13,8 +13,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from epdserve.engine.config import EngineConfig
 from epdserve.instance.modes import MODES, Pool, mode_pools
-from epdserve.kube.flavours import FLAVOURS, Flavour, get_flavour
-from epdserve.kube.ports import Ports
+from epdserve.deploy.kube.flavours import FLAVOURS, Flavour, get_flavour
+from epdserve.deploy.kube.ports import Ports
 from epdserve.settings import check_settings, same_as, setting
 
 SECRETS = ("external", "generate")
