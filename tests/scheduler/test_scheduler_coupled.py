@@ -86,6 +86,9 @@ def test_chat_matches_offline_chat(scheduler, offline):
         chat = c.chat(messages, max_tokens=6)
         ref = offline.llm.chat(messages, SamplingParams(max_tokens=6))[0]
         assert chat.token_ids == ref.outputs[0].token_ids and chat.usage.vision_tokens > 0
+    # and transformers' own chat template, processor and generate agree
+    hf_prompt = offline.hf.chat_prompt([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}])
+    assert chat.token_ids == offline.hf.generate(hf_prompt, [image(6)], 6)
 
 
 def test_cancelled_stream_aborts_on_the_instance(scheduler, two_instances):
