@@ -67,5 +67,6 @@ class HFOracle:
         return out[0, inputs["input_ids"].shape[1]:].tolist()
 
     def chat_prompt(self, messages: list[dict]) -> str:
-        """The checkpoint's chat template over `messages` (image parts by placeholder), as text."""
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        """The checkpoint's chat template (chat_template.jinja, read by its tokenizer) over `messages`
+        (image parts by placeholder), as text."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
