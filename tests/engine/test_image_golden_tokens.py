@@ -54,3 +54,22 @@ def test_encode_then_prefill_decode_matches_transformers_golden_tokens(request, 
     for n, (_, _, rec) in enumerate(cases):
         assert done[f"r{n}"].error is None and done[f"r{n}"].token_ids == rec["greedy_tokens"], rec["image_sizes"]
     assert all_blocks_free(pd)
+
+
+def test_a_changed_resize_rule_changes_the_golden_compare(qwen2_vl_tiny, monkeypatch):
+    """Negative control: with one rule of the image resize changed in epdserve's path (the sides
+    rounded up to the patch factor instead of to the nearest multiple), the engine no longer
+    produces the golden tokens of the 97x61 image: the token compare notices preprocessing drift."""
+    import math
+
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+    rule = pil.smart_resize
+    monkeypatch.setattr(pil, "smart_resize", lambda height, width, factor, min_pixels, max_pixels: rule(
+        math.ceil(height / factor) * factor, math.ceil(width / factor) * factor, factor=factor, min_pixels=min_pixels,
+        max_pixels=max_pixels))
+    prompt, images, rec = next(c for c in checked_cases(qwen2_vl_tiny, "qwen2_vl") if c[2]["image_sizes"] == [[97, 61]])
+    out = LLM(model=qwen2_vl_tiny, device="cpu").generate([{"prompt": prompt, "multi_modal_data": {"image": images}}],
+                                                          SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert out.error is None and out.num_prompt_tokens != len(rec["input_ids"])
+    assert out.outputs[0].token_ids != rec["greedy_tokens"]
