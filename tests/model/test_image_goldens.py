@@ -64,3 +64,14 @@ def test_a_changed_resize_rule_is_noticed(qwen2_vl_tiny, monkeypatch):
     monkeypatch.setattr(pil, "smart_resize", ceil_instead_of_round)
     bad = _mismatches(processor, cases)
     assert any("[[97, 61]]: grids" in b for b in bad) and any("pixels" in b for b in bad), bad
+
+
+def test_the_hf_oracle_reproduces_the_goldens(qwen2_vl_tiny):
+    """`tests.hf_oracle`, which the serving tests compare with at run time, gives the pinned goldens'
+    ids and tokens (from PNG bytes, as those tests send images): it cannot drift from them unseen."""
+    from tests.hf_oracle import HFOracle
+
+    hf = HFOracle(qwen2_vl_tiny)
+    for prompt, images, rec in checked_cases(qwen2_vl_tiny, "qwen2_vl"):
+        assert hf.inputs(prompt, images)["input_ids"][0].tolist() == rec["input_ids"]
+        assert hf.generate(prompt, images, rec["max_new_tokens"], ignore_eos=True) == rec["greedy_tokens"]
