@@ -14,6 +14,11 @@ between the kill and the repair) and after the last one; per fault, the seconds 
 process ran again and until the scheduler's roster was whole again; and, after the deployment
 is stopped, any process or listening port of it left behind. Exit code 1 if anything was lost,
 mismatched, not back within `--back-timeout-s`, or left behind.
+
+`--requests-out FILE` also writes every request of the load as JSON Lines, so a checker can count
+and compare them itself instead of trusting the counters above: `{"id", "client", "prompt",
+"event": "sent"}` before the request is sent, then `{"id", "event": "answered", "token_ids"}` or
+`{"id", "event": "error", "error"}` (an unexpected exception in a client thread included).
 """
 from __future__ import annotations
 
@@ -55,6 +60,9 @@ def add_parser(subparsers):
     p.add_argument("--launch-args", default="--kv-cache-mb 32 --drain-timeout 2 --restart-backoff-s 0.2",
                    help="extra `epdserve launch` flags (one string)")
     p.add_argument("--out", default="chaos.json", help="JSON report (default chaos.json)")
+    p.add_argument("--requests-out", metavar="FILE", default=None,
+                   help="also write each request of the load (sent, then answered with its token ids or its "
+                        "error) as JSON Lines, for an independent check (default: not written)")
     return p
 
 
@@ -112,8 +120,11 @@ def workload(n: int) -> list[tuple[str, list[bytes]]]:
 class Load:
     """`concurrency` client threads looping over the workload until `stop()`; each request's outcome."""
 
-    def __init__(self, address: str, work, calm: list[list[int]], args):
+    def __init__(self, address: str, work, calm: list[list[int]], args, journal=None):
+        """`journal`: a text file each request is written to (see the module docstring), or None."""
         self.address, self.work, self.calm, self.args = address, work, calm, args
+        self.journal = journal
+        self._ids = iter(range(1 << 62))
         self.outcomes: list[Outcome] = []
         self.resumed = 0
         self.t_start = time.monotonic()
@@ -131,6 +142,12 @@ class Load:
         for t in self._threads:
             t.join()
 
+    def _write(self, **record) -> None:
+        if self.journal is not None:
+            with self._lock:
+                self.journal.write(json.dumps(record) + "\n")
+                self.journal.flush()
+
     def _loop(self, k: int) -> None:
         from epdserve.client import Client, EPDServeError
 
@@ -140,12 +157,20 @@ class Load:
             while not self._stop.is_set():
                 j = i % len(self.work)
                 prompt, images = self.work[j]
+                with self._lock:
+                    rid = next(self._ids)
+                self._write(id=rid, client=k, prompt=j, event="sent")
                 t0 = time.monotonic()
                 try:
                     r = c.generate(prompt, images=images, max_tokens=self.args.max_tokens, ignore_eos=True)
                     o = Outcome(j, t0, time.monotonic(), mismatch=r.token_ids != self.calm[j])
+                    self._write(id=rid, event="answered", token_ids=list(r.token_ids))
                 except EPDServeError as e:
                     o = Outcome(j, t0, time.monotonic(), error=e.code.name)
+                    self._write(id=rid, event="error", error=e.code.name)
+                except Exception as e:  # counted as lost, never a silently dead client thread
+                    o = Outcome(j, t0, time.monotonic(), error=type(e).__name__)
+                    self._write(id=rid, event="error", error=f"{type(e).__name__}: {e}")
                 with self._lock:
                     self.outcomes.append(o)
                 i += self.args.concurrency
@@ -158,7 +183,8 @@ def _latency(outcomes: list[Outcome], lo: float, hi: float) -> dict:
     return {"count": s["count"], "p50": s["median"], "p99": s["p99"]}
 
 
-def chaos(address: str, launcher_pid: int, args, cluster_token: str) -> tuple[Report, set[int], set]:
+def chaos(address: str, launcher_pid: int, args, cluster_token: str, journal=None
+          ) -> tuple[Report, set[int], set]:
     from epdserve.client import Client
 
     work = workload(args.prompts)
@@ -168,7 +194,7 @@ def chaos(address: str, launcher_pid: int, args, cluster_token: str) -> tuple[Re
     seen_pids = {p.pid for _, p in faults.children(launcher_pid)} | {launcher_pid}
     seen_ports = faults.listening_ports([p for _, p in faults.children(launcher_pid)])
     rep = Report(args.mode)
-    load = Load(address, work, calm, args).start()
+    load = Load(address, work, calm, args, journal).start()
     time.sleep(args.warmup_s)
     for target in [t.strip() for t in args.faults.split(",") if t.strip()]:
         victim = faults.pick(launcher_pid, target)
@@ -242,8 +268,9 @@ def run(args) -> int:
     # the deployment's cluster token, known here: the roster's pids are shown only to its holders
     token = os.environ.get(CLUSTER_TOKEN_ENV) or secrets.token_urlsafe(32)
     with launched(args.mode, model, extra_args=extra, ready_timeout_s=600, stop_timeout_s=60,
-                  env={CLUSTER_TOKEN_ENV: token}) as dep:
-        rep, pids, ports = chaos(dep.address, dep.pid, args, token)
+                  env={CLUSTER_TOKEN_ENV: token}) as dep, \
+            open(args.requests_out or os.devnull, "w") as journal:
+        rep, pids, ports = chaos(dep.address, dep.pid, args, token, journal if args.requests_out else None)
     rep.left_processes, rep.left_ports = faults.leftovers(pids, ports, within_s=10.0)
     with open(args.out, "w") as f:
         json.dump({**asdict(rep), "ok": rep.ok}, f, indent=2)

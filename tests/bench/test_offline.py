@@ -63,8 +63,11 @@ def test_ratios_aims_and_token_match(report):
         assert set(w["engine_speedup"]) == set(w["configs"]) - {"engine"}
         assert all(r > 0 for r in w["engine_speedup"].values())
         assert set(w["aims"]) <= set(w["engine_speedup"]) and w["aims"]
-        for cfg, m in w["token_match_vs_one_at_a_time"].items():
-            assert m["compared"] == SUBSET and 0 <= m["matched"] <= SUBSET
+        match = w["token_match_vs_one_at_a_time"]
+        assert all(m["compared"] == SUBSET for m in match.values())
+        # the engine (fp32, greedy, native or portable operators) equals one-at-a-time `generate` exactly;
+        # the batched baselines' counts are only reported (left padding changes their fp32 sums)
+        assert match["engine"]["matched"] == match["engine_portable"]["matched"] == SUBSET, match
     assert "| epdserve engine" in report["markdown"] and "Engine time split" in report["markdown"]
 
 

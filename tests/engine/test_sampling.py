@@ -36,11 +36,13 @@ def test_stop_string_and_stop_token(llm):
     first = full.token_ids.index(stop_tok)
     assert by_token.outputs[0].token_ids == full.token_ids[: first + 1]
     assert by_token.outputs[0].finish_reason == "stop"
-    stop_str = full.text[len(full.text) // 2 :][:3]
-    if stop_str.strip():
-        by_str = llm.generate("stop test", SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_str]))[0].outputs[0]
-        assert by_str.finish_reason == "stop"
-        assert by_str.text == full.text[: full.text.find(stop_str)]
+    # a stop string from the second half of the text, not blank: the precondition is asserted, never skipped
+    text = full.text
+    stop_str = next((text[i:i + 3] for i in range(len(text) // 2, len(text) - 2) if text[i:i + 3].strip()), None)
+    assert stop_str is not None and 0 < text.find(stop_str), f"no usable stop string in {text!r}"
+    by_str = llm.generate("stop test", SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_str]))[0].outputs[0]
+    assert by_str.finish_reason == "stop" and len(by_str.token_ids) < len(full.token_ids)
+    assert by_str.text == text[: text.find(stop_str)]
 
 
 def test_eos_stops_unless_ignored(llm):

@@ -20,6 +20,7 @@ class Site:
         self.connections = 0
         self.requests: list[tuple[str, str]] = []  # (path, Host header)
         self.sent = 0  # body bytes written by `flood`
+        self.flood_ended = threading.Event()  # `flood` stopped writing (the client hung up, or all was sent)
         self.stop = threading.Event()
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -144,4 +145,6 @@ def flood(total: int):
                 site.sent += len(chunk)
         except OSError:
             pass
+        finally:
+            site.flood_ended.set()
     return behave

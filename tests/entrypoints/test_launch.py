@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from epdserve.client import Client, EPDServeError
-from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
+from tests.hf_oracle import HFOracle
 from tests.instance.harness import PH, image, status, stub, wait_until
 from tests.security.test_forged_identity import IMAGE_PROMPT, forged_chat
 from tests.security.xxh3_forge import colliding_ppms
@@ -46,6 +46,7 @@ class Deployed:
     address: str
     proc: subprocess.Popen
     output: list[str]
+    log_dir: Path | None = None  # --log-dir: the children's logs (scheduler.log, ...)
 
     def instances(self):
         """The roster as a holder of the cluster token sees it (addresses included)."""
@@ -81,7 +82,8 @@ def _launch(mode: str, model: Path, extra: tuple[str, ...] = ()) -> Deployed:
         _kill(proc)
         raise AssertionError(f"launch --mode {mode} never printed its ready line:\n{''.join(output[-40:])}")
     assert found["mode"] == mode
-    return Deployed(mode, found["address"], proc, output)
+    log_dir = Path(extra[extra.index("--log-dir") + 1]) if "--log-dir" in extra else None
+    return Deployed(mode, found["address"], proc, output, log_dir)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -93,8 +95,8 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module", params=MODES)
-def deployment(request, qwen2_vl_tiny):
-    dep = _launch(request.param, qwen2_vl_tiny)
+def deployment(request, qwen2_vl_tiny, tmp_path_factory):
+    dep = _launch(request.param, qwen2_vl_tiny, ("--log-dir", str(tmp_path_factory.mktemp(f"launch-{request.param}"))))
     family = [psutil.Process(dep.proc.pid), *psutil.Process(dep.proc.pid).children(recursive=True)]
     def alive():
         return [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -127,9 +129,11 @@ def workload() -> list[tuple[str, list[bytes]]]:
 
 @pytest.fixture(scope="module")
 def references(qwen2_vl_tiny):
-    gen = ReferenceGenerator(qwen2_vl_tiny)
-    refs = {prompt: gen.generate(prompt, images, max_tokens=MAX_TOKENS) for prompt, images in workload()}
-    refs["kill"] = {prompt: gen.generate(prompt, images, max_tokens=24) for prompt, images in workload()}
+    """transformers' own processor and greedy `generate` (`tests.hf_oracle`) on each prompt."""
+    gen = HFOracle(qwen2_vl_tiny)
+    refs = {prompt: gen.generate(prompt, images, MAX_TOKENS, ignore_eos=True) for prompt, images in workload()}
+    refs["kill"] = {prompt: gen.generate(prompt, images, 24, ignore_eos=True) for prompt, images in workload()}
+    refs["gen"] = gen
     return refs
 
 
@@ -164,7 +168,7 @@ def test_same_image_twice_is_served_from_the_mm_store(deployment):
     assert _images_encoded(deployment) - before == 1  # the encoder ran once, in whichever instance
 
 
-def test_second_turn_reuses_the_first_turns_kv_exactly(deployment, qwen2_vl_tiny):
+def test_second_turn_reuses_the_first_turns_kv_exactly(deployment, references):
     """A conversation's next turn re-sends its history and image: the prefilling instance takes the
     history's KV from its prefix cache, and the tokens are still transformers' greedy ones."""
     img = image(7100 + MODES.index(deployment.mode), 112, 84)
@@ -175,7 +179,7 @@ def test_second_turn_reuses_the_first_turns_kv_exactly(deployment, qwen2_vl_tiny
         second = c.generate(turn2, images=[img], max_tokens=MAX_TOKENS, ignore_eos=True)
     assert first.usage.cached_tokens == 0 < second.usage.cached_tokens
     assert second.usage.cached_tokens % 16 == 0 and second.usage.cached_tokens < second.usage.prompt_tokens
-    assert second.token_ids == ReferenceGenerator(qwen2_vl_tiny).generate(turn2, [img], max_tokens=MAX_TOKENS)
+    assert second.token_ids == references["gen"].generate(turn2, [img], MAX_TOKENS, ignore_eos=True)
 
 
 def test_corrupt_image_fails_only_its_request(deployment):
@@ -253,4 +257,8 @@ def test_killing_one_of_two_decode_instances_loses_no_request(deployment, refere
         results = [f.result() for f in futs]
     for (prompt, _), r in zip(workload(), results):
         assert r.token_ids == references["kill"][prompt], prompt
+    # the requests the victim held were re-dispatched: the scheduler logged each retry, and gave up on none
+    log = (deployment.log_dir / "scheduler.log").read_text(errors="replace")
+    assert re.search(r"attempt 1 failed .*; retrying", log), log[-3000:]
+    assert "giving up" not in log
     assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE

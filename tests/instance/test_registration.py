@@ -66,10 +66,16 @@ def test_register_heartbeat_reregister_deregister(qwen2_vl_tiny):
 def test_unreachable_scheduler_warns_once_and_stop_cuts_the_backoff_short(caplog):
     caplog.set_level(logging.INFO, logger="epdserve.instance.registration")
     status = common_pb2.InstanceStatus(instance_id="i0", roles="PD", address="127.0.0.1:1")
-    reg = Registrar(f"127.0.0.1:{free_port()}", lambda: status, rpc_timeout_s=0.5, max_backoff_s=60.0).start()
+    calls = []  # one per Register attempt: each reads the status first
+
+    def counted():
+        calls.append(time.monotonic())
+        return status
+
+    reg = Registrar(f"127.0.0.1:{free_port()}", counted, rpc_timeout_s=0.5, max_backoff_s=60.0).start()
     try:
         wait_until(lambda: any("unreachable" in r.getMessage() for r in caplog.records), what="the warning")
-        time.sleep(0.5)  # several failed calls: the backoff grows (towards 60 s)
+        wait_until(lambda: len(calls) >= 3, what="several failed calls (the backoff grows towards 60 s)")
     finally:
         t0 = time.monotonic()
         reg.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -130,7 +129,8 @@ def test_a_lone_instance_switching_makes_requests_wait_not_fail(sched, start, re
         results: dict = {}
         t = threading.Thread(target=lambda: results.update(outs=_run(c, work)))
         t.start()
-        time.sleep(0.5)  # the requests reach the scheduler and find no routable instance
+        wait_until(lambda: c.server_info().requests_in_flight == len(work),
+                   what="the requests at the scheduler, with no routable instance")
         a.draining = False
         resp = _switch(a, "PD", "lone instance")  # the requests above wait for it
         t.join(300)

@@ -13,9 +13,17 @@ import psutil
 import pytest
 
 from epdserve.deploy.local.signals import PARENT_PID_ENV
+from tests.instance.harness import wait_until
 from tests.reliability.helpers import signal_storm, wait_exit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether `pid` has a SIGTERM handler installed (the SigCgt mask of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
 
 
 def _start(deadline_s: float, mode: str, env=None) -> subprocess.Popen:
@@ -54,7 +62,7 @@ def test_children_stop_when_their_launcher_is_killed():
     pids = [int(x) for x in middle.stdout.readline().split()]
     kids = [psutil.Process(pid) for pid in pids]
     assert all(str(middle.pid) == k.environ().get(PARENT_PID_ENV) for k in kids)
-    time.sleep(1.0)  # let them install their handlers (else SIGTERM's default action ends them: also fine)
+    wait_until(lambda: all(_catches_sigterm(k.pid) for k in kids), what="the targets' SIGTERM handlers")
     middle.kill()
     middle.wait()
     wait_exit(kids, 10.0)

@@ -19,11 +19,13 @@ def wait_until(cond, timeout_s: float = 30.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def start_scheduler(model_dir, instances=(), **overrides) -> SchedulerThread:
+def start_scheduler(model_dir, instances=(), observer=None, **overrides) -> SchedulerThread:
+    """A scheduler thread in front of `instances`, once they have all joined. `observer`: e.g. a
+    `metrics.serving.ServingMetrics`, to read what it counted (retries, requests by status)."""
     cfg = dict(model=str(model_dir), static_instances=[i.address for i in instances], probe_interval_s=0.1,
                probe_timeout_s=1.0, retry_backoff_s=0.01)
     cfg.update(overrides)
-    sched = SchedulerThread(SchedulerConfig(**cfg))
+    sched = SchedulerThread(SchedulerConfig(**cfg), observer)
     sched.start()
     want = {i.instance_id for i in instances}
     wait_until(lambda: want <= {r.instance_id for r in sched.call(sched.server.registry.records)},

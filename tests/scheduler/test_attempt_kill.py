@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+import time
 
 import grpc
 import pytest
@@ -22,7 +24,7 @@ from epdserve.scheduler.registry import InstanceRecord
 from epdserve.scheduler.routing import Plan, WorkLease
 
 
-async def _killed_while_opening(silent_address: str) -> tuple[InstanceError, float]:
+async def _killed_while_opening(silent_address: str, connected: threading.Event) -> tuple[InstanceError, float]:
     p = InstanceRecord("P-1", "P", "127.0.0.1:1")  # never reached: D is asked first
     d = InstanceRecord("D-1", "D", silent_address)
     channels = ChannelPool()
@@ -35,8 +37,10 @@ async def _killed_while_opening(silent_address: str) -> tuple[InstanceError, flo
             pass
 
     task = loop.create_task(drive())
-    await asyncio.sleep(0.5)  # the write is now waiting for the stream to open
-    assert not task.done()
+    deadline = time.monotonic() + 30
+    while not connected.is_set() and not task.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # until the channel reached the silent peer: the write waits on its preface
+    assert connected.is_set() and not task.done()
     t0 = loop.time()
     attempt.kill("D-1", "instance D-1 is down")
     try:
@@ -53,7 +57,21 @@ def test_kill_wakes_a_decode_write_that_the_stream_never_sent():
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # accepts the TCP connection, never answers the HTTP/2 preface
-        err, seconds = asyncio.run(_killed_while_opening(f"127.0.0.1:{silent.getsockname()[1]}"))
+        connected, held = threading.Event(), []
+
+        def accept():
+            try:
+                held.append(silent.accept()[0])  # kept open, never written to
+                connected.set()
+            except OSError:
+                pass
+
+        threading.Thread(target=accept, daemon=True).start()
+        try:
+            err, seconds = asyncio.run(_killed_while_opening(f"127.0.0.1:{silent.getsockname()[1]}", connected))
+        finally:
+            for conn in held:
+                conn.close()
     assert err.instance_id == "D-1"
     assert err.code == grpc.StatusCode.UNAVAILABLE
     assert "down" in err.message

@@ -1,12 +1,13 @@
 """The role controller wired into a real scheduler (`--controller`): real instance hosts register,
 traffic flows, the controller sees the front stage miss its SLO, decides a move, and carries it out
-through Instance.SwitchRoles while requests are in flight — every output equal to transformers',
-no request retried, the decision logged with its reason."""
+through Instance.SwitchRoles while requests are in flight — every request sent answered (the test
+counts them, and records every error of the traffic thread), every output equal to transformers'
+own processor and `generate` (`tests.hf_oracle`), no request retried, the decision logged with its
+reason."""
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,11 +15,11 @@ import pytest
 from epdserve.client import Client
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost
-from epdserve.model.reference import ReferenceGenerator
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
 from epdserve.scheduler.controller import ControllerConfig, Outcome
 from epdserve.scheduler.pressure import PressureConfig
 from epdserve.transfer.mm_store.server import LocalRedisServer
+from tests.hf_oracle import HFOracle
 from tests.instance.harness import PH, image, wait_until
 from tests.instance.test_registration import roster
 
@@ -41,7 +42,7 @@ def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplo
                                             controller=ctl))
     sched.start()
     hosts = []
-    ref = ReferenceGenerator(qwen2_vl_tiny)
+    ref = HFOracle(qwen2_vl_tiny)
     try:
         with LocalRedisServer() as redis:
             for roles in ("EP", "D", "D"):
@@ -51,17 +52,25 @@ def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplo
             wait_until(lambda: len(roster(sched)) == 3, what="registration")
             before = sorted(s.roles for s in roster(sched).values())
             controller = sched.server.controller
-            outs, stop = {}, threading.Event()
+            sent, outs, errors, stop = [], {}, [], threading.Event()
+
+            def one(c, j):
+                try:
+                    outs[j] = list(c.generate(*_work(j), max_tokens=MAX_TOKENS, ignore_eos=True).token_ids)
+                except BaseException as e:  # every error is recorded, none dropped with the thread
+                    errors.append(f"request {j}: {type(e).__name__}: {e}")
 
             def traffic():
-                with Client(sched.address, timeout=300) as c, ThreadPoolExecutor(4) as pool:
-                    i = 0
-                    while not stop.is_set() and i < 400:
-                        batch = list(range(i, i + 4))
-                        for j, o in zip(batch, pool.map(lambda j: c.generate(*_work(j), max_tokens=MAX_TOKENS,
-                                                                               ignore_eos=True), batch)):
-                            outs[j] = list(o.token_ids)
-                        i += 4
+                try:
+                    with Client(sched.address, timeout=300) as c, ThreadPoolExecutor(4) as pool:
+                        i = 0
+                        while not stop.is_set() and i < 400:
+                            batch = list(range(i, i + 4))
+                            sent.extend(batch)
+                            list(pool.map(lambda j: one(c, j), batch))
+                            i += 4
+                except BaseException as e:
+                    errors.append(f"traffic: {type(e).__name__}: {e}")
 
             t = threading.Thread(target=traffic)
             t.start()
@@ -72,16 +81,19 @@ def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplo
                     return sorted(s.roles for s in now.values()) != before and not any(s.draining for s in now.values())
 
                 wait_until(lambda: switched(roster(sched)), timeout_s=120, what="the switch")
-                time.sleep(1.0)  # requests on the new roster too
+                on_new = len(outs) + 8
+                wait_until(lambda: len(outs) >= on_new or errors, timeout_s=120, what="requests on the new roster")
             finally:
                 stop.set()
                 t.join(300)
+            assert not t.is_alive() and errors == []
+            assert sorted(outs) == sent  # every request sent was answered
             move = next(d for d in controller.decisions if d.outcome is Outcome.MOVE)
             assert move.reason and move.move.from_roles != move.move.to_roles
             assert len(roster(sched)) == 3 and outs
             for j, tokens in outs.items():
                 prompt, imgs = _work(j)
-                assert tokens == ref.generate(prompt, imgs, max_tokens=MAX_TOKENS), f"request {j}"
+                assert tokens == ref.generate(prompt, imgs, MAX_TOKENS, ignore_eos=True), f"request {j}"
             failures = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage() and "failed" in r.getMessage()]
             assert not failures
     finally:

@@ -86,6 +86,9 @@ def test_chat_matches_offline_chat(scheduler, offline):
         chat = c.chat(messages, max_tokens=6)
         ref = offline.llm.chat(messages, SamplingParams(max_tokens=6))[0]
         assert chat.token_ids == ref.outputs[0].token_ids and chat.usage.vision_tokens > 0
+    # and transformers' own chat template, processor and generate agree
+    hf_prompt = offline.hf.chat_prompt([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}])
+    assert chat.token_ids == offline.hf.generate(hf_prompt, [image(6)], 6)
 
 
 def test_cancelled_stream_aborts_on_the_instance(scheduler, two_instances):
@@ -132,17 +135,21 @@ def test_backpressure_and_unavailable(qwen2_vl_tiny, two_instances):
 
 
 def test_instance_killed_mid_run_every_request_completes(qwen2_vl_tiny, offline):
+    from epdserve.metrics.serving import ServingMetrics
     from tests.scheduler.engine_instance import EngineInstance
 
     insts = [EngineInstance(qwen2_vl_tiny, f"k{i}").start() for i in range(2)]
-    sched = start_scheduler(qwen2_vl_tiny, insts)
+    metrics = ServingMetrics()
+    sched = start_scheduler(qwen2_vl_tiny, insts, observer=metrics)
     prompts = [(f"Survive {i} {PH}" if i % 2 else f"Survive {i}", [image(i)] if i % 2 else []) for i in range(6)]
+    n = 64  # long enough that k0 still decodes some of its requests when it is killed
     try:
         with Client(sched.address, timeout=120) as c:
-            streams = [c.generate_stream(p, images=im, max_tokens=24, ignore_eos=True) for p, im in prompts]
+            streams = [c.generate_stream(p, images=im, max_tokens=n, ignore_eos=True) for p, im in prompts]
             got = [list(next(s).token_ids) for s in streams]  # every request is running somewhere
-            assert len(insts[0].requests_seen) > 0
             insts[0].kill()
+            cut = len(insts[0]._queues)  # k0's requests its engine had not finished: they must move to k1
+            assert cut >= 1, "k0 finished its requests before it was killed: nothing was cut off"
             finals = []
             for s, toks in zip(streams, got):
                 for d in s:
@@ -151,8 +158,12 @@ def test_instance_killed_mid_run_every_request_completes(qwen2_vl_tiny, offline)
                         finals.append(d)
         assert [f.finish_reason for f in finals] == ["length"] * len(prompts)
         for (p, im), toks, f in zip(prompts, got, finals):
-            assert len(toks) == 24 == f.usage.output_tokens
-            assert toks == offline(p, im, 24, ignore_eos=True)  # resumed, never replayed: greedy output unchanged
+            assert len(toks) == n == f.usage.output_tokens
+            assert toks == offline(p, im, n, ignore_eos=True)  # resumed, never replayed: greedy output unchanged
+        # each request cut off on k0 was retried on k1 (a second attempt, `<id>#2`), none failed
+        retried = [r for r in insts[1].requests_seen if r.endswith("#2")]
+        assert len(retried) >= cut and metrics.registry.get_sample_value("epdserve:request_retries_total") == len(retried)
+        assert metrics.registry.get_sample_value("epdserve:requests_total", {"status": "ok"}) == len(prompts)
         health = {r.instance_id: r.health for r in sched.call(sched.server.registry.records)}
         assert health["k1"] == 1  # HEALTHY
     finally:

@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-pytest.importorskip("epdserve.instance.host")
-pytest.importorskip("epdserve.entrypoints.instance_cli")
-
-from epdserve import Client  # noqa: E402
-from epdserve.rpc import instance_pb2, instance_pb2_grpc  # noqa: E402
-from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
-from tests.scheduler.harness import PH, image, mixed_prompts, start_scheduler, wait_until  # noqa: E402
+import epdserve.entrypoints.instance_cli  # noqa: F401  an import regression fails here, never skips the file
+import epdserve.instance.host  # noqa: F401
+from epdserve import Client
+from epdserve.metrics.serving import ServingMetrics
+from epdserve.rpc import instance_pb2, instance_pb2_grpc
+from epdserve.transfer.mm_store.server import LocalRedisServer
+from tests.scheduler.harness import PH, image, mixed_prompts, start_scheduler, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ _INSTANCE_MAIN = (
 @pytest.fixture(scope="module")
 def deployment(qwen2_vl_tiny):
     store = LocalRedisServer().start()
-    sched = start_scheduler(qwen2_vl_tiny, [])
+    sched = start_scheduler(qwen2_vl_tiny, [], observer=ServingMetrics())
     procs = {}
     for iid, roles in (("e0", "E"), ("p0", "P"), ("d0", "D"), ("d1", "D")):
         procs[iid] = subprocess.Popen(
@@ -102,10 +102,13 @@ def test_one_of_two_d_killed_mid_run_every_request_completes(deployment, offline
     with Client(sched.address, timeout=300) as c:
         streams = [c.generate_stream(p, images=im, max_tokens=40, ignore_eos=True) for p, im in prompts]
         got = [list(next(s).token_ids) + list(next(s).token_ids) for s in streams]  # all past the first decode
+        assert _load(sched, "d0").running_requests > 0  # d0 decodes some of them: killing it cuts them off
         procs["d0"].send_signal(signal.SIGKILL)
         for s, toks in zip(streams, got):
             for d in s:
                 toks.extend(d.token_ids)
     for (p, im), toks in zip(prompts, got):
         assert toks == offline(p, im, 40, ignore_eos=True)
+    metrics = sched.server.observer
+    assert metrics.registry.get_sample_value("epdserve:request_retries_total") >= 1  # d0's requests moved to d1
     assert sched.call(lambda: sched.server.registry.get("d1").health) == 1  # HEALTHY

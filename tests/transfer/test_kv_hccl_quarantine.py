@@ -68,8 +68,11 @@ def test_the_bound_releases_a_receive_that_never_ends(monkeypatch):
     exp = SimpleNamespace(req=RecvRequest("r", "p0", (1, 2), 8), state=TransferState.TRANSFERRING, error=None)
     rx._fail_accepted([exp], "pair broken", [never])
     assert rx.quarantined("r") and rx.pop_released() == []
-    time.sleep(0.06)
-    assert rx.pop_released() == ["r"]
+    t0, released = time.monotonic(), []
+    while not released and time.monotonic() - t0 < 10:  # released once the 0.05 s bound has passed
+        released = rx.pop_released()
+        time.sleep(0.005)
+    assert released == ["r"]
 
 
 def test_gloo_keeps_freeing_at_once():

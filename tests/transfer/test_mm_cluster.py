@@ -122,7 +122,10 @@ def test_a_master_killed_under_load_only_turns_reads_into_misses():
         threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(4)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60  # the readers hit the store under load before a master dies
+        while counters["hits_store"] < 20 and not errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert counters["hits_store"] >= 20, (counters["hits_store"], errors)
         cluster.kill(0)
         killed.set()
         deadline = time.monotonic() + 20
