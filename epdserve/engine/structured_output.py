@@ -1,0 +1,45 @@
+"""`StructuredOutput`: the constraint one request's output must follow (a JSON schema, any JSON
+object, a regex, one of a list of choices, or an EBNF grammar), as the engine receives it.
+
+Plain data, validated on construction (kind known, spec non-empty, a schema or choice list that
+is JSON); compiling it into a token grammar is engine/grammar.py's. The front ends map OpenAI's
+`response_format` and vLLM's `structured_outputs` / `guided_*` extras onto it
+(entrypoints/http/protocol.py); the wire carries it in common.SamplingParams.structured.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """kind: json (spec: a JSON schema's text), json_object (any JSON object; spec unused),
+    regex (spec: the pattern), choice (spec: a JSON list of strings: the output is exactly one),
+    grammar (spec: xgrammar's EBNF, root rule `root`)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"a {self.kind} structured output needs its {self.kind}")
+        if self.kind == "json":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("the JSON schema must be a JSON object")
+        if self.kind == "choice":
+            choices = json.loads(self.spec)
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> "StructuredOutput":
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
