@@ -13,6 +13,8 @@ from pathlib import Path
 import grpc
 
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.structured_output import StructuredOutput
+from epdserve.instance.sampling_wire import structured_to_proto
 from epdserve.model.chat import image_url_bytes, unsupported_part
 from epdserve.rpc import common_pb2, serve_pb2
 
@@ -141,6 +143,9 @@ def sampling_proto(kwargs: dict) -> common_pb2.SamplingParams:
             p.stop.extend([value] if isinstance(value, str) else list(value))
         elif name == "stop_token_ids":
             p.stop_token_ids.extend(int(t) for t in value)
+        elif name == "structured":  # a StructuredOutput, or vLLM's spelling: {"json": schema}, {"regex": ...}, ...
+            so = value if isinstance(value, StructuredOutput) else StructuredOutput.from_options(value)
+            p.structured.CopyFrom(structured_to_proto(so))
         else:
             setattr(p, name, value)
     return p

@@ -5,6 +5,8 @@ request, the allowed-token bitmask applied to the logits before sampling.
   (the logits' width). Special tokens other than the stop tokens (<|im_start|>, <|image_pad|>,
   ...) and the padding rows past the tokenizer are never allowed: xgrammar treats tokens with
   an empty string as special, so they are blanked here.
+- `check(constraint)`: the constraint parsed without a tokenizer (the scheduler's check, for both
+  fronts: a bad schema, regex or grammar is INVALID_ARGUMENT / 400 before any instance sees it).
 - `GrammarBackend`: one engine's compiler. `matcher(constraint)` compiles a `StructuredOutput`
   (cached: an LRU keyed by the tokenizer's fingerprint, the kind and the spec text, so a schema
   is compiled once per engine) and returns a fresh `GrammarState`. A constraint xgrammar cannot
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import torch
 from cachetools import LRUCache
@@ -52,6 +55,28 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids):
             encoded[idx] = token
     return xgr.TokenizerInfo(encoded, vocab_type=base.vocab_type, vocab_size=vocab_size, stop_token_ids=stops,
                              add_prefix_space=base.add_prefix_space)
+
+
+def check(c: StructuredOutput) -> None:
+    """Parse `c` without a tokenizer (fast: no vocabulary is walked); InvalidRequestError saying what
+    is wrong. The scheduler runs it for both fronts before any instance sees the request."""
+    import xgrammar as xgr
+
+    try:
+        if c.kind == "json":
+            xgr.Grammar.from_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+        elif c.kind == "regex":
+            xgr.Grammar.from_regex(c.spec)
+        elif c.kind in ("choice", "grammar"):
+            xgr.Grammar.from_ebnf(_choice_grammar(json.loads(c.spec)) if c.kind == "choice" else c.spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidRequestError(_why(c, e)) from None
+
+
+def _why(c: StructuredOutput, e: Exception) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /project/cpp/x.cc:94: ")."""
+    text = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(e).strip())
+    return f"the {c.kind} structured output cannot be compiled: {text}"
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -133,7 +158,7 @@ class GrammarBackend:
                 return self._compiler.compile_grammar(_choice_grammar(json.loads(c.spec)))
             return self._compiler.compile_grammar(c.spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidRequestError(f"the {c.kind} structured output cannot be compiled: {e}") from None
+            raise InvalidRequestError(_why(c, e)) from None
 
 
 

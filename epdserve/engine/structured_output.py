@@ -43,3 +43,29 @@ class StructuredOutput:
     @classmethod
     def choice(cls, choices: list[str]) -> "StructuredOutput":
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def from_options(cls, options: dict) -> "StructuredOutput":
+        """From vLLM's `structured_outputs` spelling: exactly one of `json` (a schema, as a dict or
+        its text), `json_object` (true), `regex`, `choice` (a list of strings), `grammar`.
+        ValueError names what is wrong."""
+        if not isinstance(options, dict):
+            raise ValueError("structured_outputs must be an object with one of json, json_object, regex, choice, grammar")
+        given = {k: v for k, v in options.items() if v is not None and v is not False}
+        unknown = sorted(set(given) - set(KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown or unsupported key(s) {unknown}; supported: {', '.join(KINDS)}")
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(KINDS)}, got {sorted(given) or 'none'}")
+        (kind, value), = given.items()
+        if kind == "json":
+            return cls("json", value if isinstance(value, str) else json.dumps(value))
+        if kind == "json_object":
+            return cls("json_object")
+        if kind == "choice":
+            if not isinstance(value, list):
+                raise ValueError("choice must be a list of strings")
+            return cls.choice(value)
+        if not isinstance(value, str):
+            raise ValueError(f"{kind} must be a string")
+        return cls(kind, value)

@@ -340,6 +340,9 @@ class Dispatcher:
         ids = list(req.resume_token_ids)
         if len(ids) >= prep.max_tokens:
             raise RequestError.invalid(f"{len(ids)} resume_token_ids leave nothing of max_tokens={prep.max_tokens}")
+        if ids and req.sampling.HasField("structured"):  # they join the prompt; the grammar would restart after them
+            raise RequestError.invalid("resume_token_ids cannot be combined with sampling.structured "
+                                       "(a structured output is not resumable)")
         return ids
 
     def abort(self, request_id: str) -> bool:

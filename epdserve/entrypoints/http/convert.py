@@ -22,17 +22,23 @@ import uuid
 from epdserve.entrypoints.http.errors import ApiError
 from epdserve.entrypoints.http.images import decode_data_url, image_bytes, source
 from epdserve.entrypoints.http.options import HttpOptions
+from epdserve.engine.grammar import check as check_grammar
+from epdserve.engine.structured_output import StructuredOutput
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from epdserve.instance.sampling_wire import structured_to_proto
 from epdserve.model.chat import unsupported_part
 from epdserve.model.processor import open_image
-from epdserve.request_errors import MediaError
+from epdserve.request_errors import InvalidRequestError, MediaError
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.rpc.ranges import RangeError, check_sampling, check_token_ids
 
 SUPPORTED_PARTS = ("text", "image_url", "video_url")  # content part types the HTTP front takes
 
 
-def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -> common_pb2.SamplingParams:
+def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None,
+             structured: tuple[StructuredOutput | None, str | None] | None = None) -> common_pb2.SamplingParams:
+    """The body's sampling as the gRPC message; `structured`: (constraint, field) when the caller
+    already decided it (chat's named tool_choice), else the body's own (`SamplingFields.structured`)."""
     why = body.unsupported()
     if why:
         raise ApiError(400, why[0], param=why[1])
@@ -52,7 +58,22 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -
         raise ApiError(400, e.message, param=e.field) from None
     except (ValueError, TypeError) as e:  # protobuf: a number its field cannot hold
         raise ApiError(400, f"a sampling parameter is out of range: {e}") from None
+    constraint = field = None
+    try:
+        constraint, field = structured or body.structured()
+        if constraint is not None:
+            check_grammar(constraint)  # the scheduler checks it too; here the 400 names the field
+    except (ValueError, InvalidRequestError) as e:
+        raise ApiError(400, str(e), param=field or _structured_field(body)) from None
+    if constraint is not None:
+        p.structured.CopyFrom(structured_to_proto(constraint))
     return p
+
+
+def _structured_field(body: SamplingFields) -> str:
+    """The field a refused structured output came from (the first one set)."""
+    names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    return next((n for n in names if getattr(body, n) is not None), "response_format")
 
 
 async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int) -> serve_pb2.GenerateRequest:
