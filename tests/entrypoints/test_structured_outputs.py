@@ -55,7 +55,7 @@ def _image(seed: int) -> bytes:
 @pytest.fixture(scope="module", params=["monolithic", "P-D"])
 def deployed(request, qwen2_vl_tiny):
     argv = ["--config", str(CONFIGS / f"{request.param}.yaml"), "--model", str(qwen2_vl_tiny), "--kv-cache-mb", "16",
-            "--http-port", "0"]
+            "--http-port", "0", "--served-model-name", "m"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPDSERVE_")}
     with launched(argv, env, READY) as (found, _):
         with openai.OpenAI(base_url=found["http"] + "/v1", api_key="none", max_retries=0, timeout=300) as oai:

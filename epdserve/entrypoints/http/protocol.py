@@ -147,8 +147,10 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -156,12 +158,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools are not supported", "tools"
-        return super().unsupported()
+    tools: list[Any] | None = None  # entrypoints/http/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # the model may call several tools: it always may
 
 
 class CompletionRequest(SamplingFields):
