@@ -157,3 +157,67 @@ def test_a_bad_constraint_is_a_400_naming_its_field(deployed, body, field):
         oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                     extra_body=body)
     assert e.value.body["param"] == field, e.value.body
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+# a random-weight model calls no tool of its own accord: a choice grammar makes it write one call
+FORCED = {"guided_choice": ['Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+                            '</tool_call>']}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _monolithic_only(deployed):
+    if deployed[0] != "monolithic":
+        pytest.skip("tool calls are the front's and the scheduler's; one mode checks them")
+    return deployed[2]
+
+
+def test_auto_tool_calls_are_parsed_whole_and_streamed(deployed):
+    oai = _monolithic_only(deployed)
+    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=FORCED)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure."
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
+    chunks = list(oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=200,
+                                              extra_body=FORCED, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert content.strip() == "Sure." and [tc.function.name for tc in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "C"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_named_tool_choice_is_a_structured_output_on_its_parameters(deployed):
+    oai = _monolithic_only(deployed)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=200)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                              max_tokens=200, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather" and all(tc.index == 0 for tc in calls)
+    assert "".join(tc.function.arguments or "" for tc in calls) == call.function.arguments  # greedy: the same
+
+
+def test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders(deployed):
+    oai = _monolithic_only(deployed)
+    auto = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=2)
+    none = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=2)
+    plain = oai.chat.completions.create(model="m", messages=ASK, max_tokens=2)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    r = oai.chat.completions.create(model="m", messages=turns, tools=[WEATHER], max_tokens=2)
+    assert r.usage.prompt_tokens > auto.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=2)
+    assert e.value.body["param"] == "tool_choice"
