@@ -19,7 +19,8 @@ request, the allowed-token bitmask applied to the logits before sampling.
   each token is sampled, `sync(output_token_ids)` feeds it the tokens it has not seen: the one
   this engine sampled last step, or, on a decode side, the first token the prefill side sampled
   (a fresh matcher replays the tokens so far — exact, and one `accept_token` per replayed
-  token). A terminated matcher (it accepted a stop token) ignores what follows (ignore_eos).
+  token). A terminated matcher (it accepted a stop token) ignores what follows and allows only
+  stop tokens from then on (with ignore_eos the output goes on with stop tokens to max_tokens).
 - `mask_logits(logits, rows)`: fills the bitmask of each constrained row on the host
   (xgrammar's fill), uploads it with one copy and applies it with plain torch ops (shift, and,
   masked_fill): the same code on CPU, CUDA and NPU, one call for every constrained row of the
@@ -105,13 +106,15 @@ class GrammarState:
         self.accepted = len(output_token_ids)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.rejected:
-            bitmask[row].zero_()
-            for t in self.matcher.stop_token_ids:
-                bit = t % 32
-                bitmask[row, t // 32] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32's sign bit
-        else:
+        """Row `row` of `bitmask`: the tokens allowed next. A terminated matcher (it accepted a
+        stop token and ignore_eos goes on) or a rejected replay allows the stop tokens only."""
+        if not self.rejected and not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        bitmask[row].zero_()
+        for t in self.matcher.stop_token_ids:
+            bit = t % 32
+            bitmask[row, t // 32] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32's sign bit
 
     @property
     def completed(self) -> bool:

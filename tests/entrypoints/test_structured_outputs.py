@@ -14,6 +14,9 @@ import enum
 import json
 import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -31,6 +34,8 @@ from tests.entrypoints.launch_harness import launched
 pytestmark = pytest.mark.slow
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
+MODEL = "demo"  # the docs' --served-model-name
 READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) .* http=(?P<http>http://\S+)")
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -52,14 +57,23 @@ def _image(seed: int) -> bytes:
     return jpeg_bytes(procedural_image(56 + 8 * (seed % 3), 56, seed=seed))
 
 
+def _docs_blocks() -> list[tuple[str, str]]:
+    return re.findall(r"```(\w+)\n(.*?)```", DOCS.read_text(), re.S)
+
+
 @pytest.fixture(scope="module", params=["monolithic", "P-D"])
 def deployed(request, qwen2_vl_tiny):
-    argv = ["--config", str(CONFIGS / f"{request.param}.yaml"), "--model", str(qwen2_vl_tiny), "--kv-cache-mb", "16",
-            "--http-port", "0", "--served-model-name", "m"]
+    """docs/openai.md's launch line (P-D; the other mode's config in its place), on the tiny model
+    and free ports."""
+    line = next(x for lang, code in _docs_blocks() if lang == "bash" for x in code.splitlines()
+                if x.startswith("epdserve launch "))
+    swap = {"/tmp/demo": str(qwen2_vl_tiny), "8000": "0", "50051": "0",
+            "configs/P-D.yaml": str(CONFIGS / f"{request.param}.yaml")}
+    argv = [swap.get(a, a) for a in shlex.split(line.split("&")[0])[2:]] + ["--kv-cache-mb", "16"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPDSERVE_")}
     with launched(argv, env, READY) as (found, _):
         with openai.OpenAI(base_url=found["http"] + "/v1", api_key="none", max_retries=0, timeout=300) as oai:
-            yield request.param, found["grpc"], oai
+            yield request.param, found["grpc"], oai, found["http"]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +91,7 @@ def reference(qwen2_vl_tiny):
 
 
 def test_greedy_under_a_grammar_equals_transformers(deployed, reference):
-    mode, grpc_address, _ = deployed
+    mode, grpc_address, _, _ = deployed
     ref, processors = reference
     cases = [("Describe the animal in JSON", []), (f"What is in {PH} here?", [_image(1)])]
     with Client(grpc_address, timeout=300) as c:
@@ -90,14 +104,14 @@ def test_greedy_under_a_grammar_equals_transformers(deployed, reference):
 
 
 def test_twenty_requests_half_with_an_image_are_schema_valid(deployed):
-    _, _, oai = deployed
+    _, _, oai, _ = deployed
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
     for i in range(20):
         content = [{"type": "text", "text": f"Request {i}: describe it."}]
         if i % 2:
             url = "data:image/jpeg;base64," + base64.b64encode(_image(i)).decode()
             content.insert(0, {"type": "image_url", "image_url": {"url": url}})
-        r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": content}], max_tokens=200,
+        r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=200,
                                         temperature=1.0, seed=i, response_format=fmt)
         assert r.choices[0].finish_reason == "stop", r.choices[0]
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
@@ -119,22 +133,22 @@ class Thing(pydantic.BaseModel):
 
 
 def test_openai_parse_with_a_pydantic_model(deployed):
-    _, _, oai = deployed
-    r = oai.chat.completions.parse(model="m", messages=[{"role": "user", "content": "a pet"}], response_format=Thing,
+    _, _, oai, _ = deployed
+    r = oai.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "a pet"}], response_format=Thing,
                                    max_tokens=100, temperature=0)
     assert isinstance(r.choices[0].message.parsed, Thing)
 
 
 def test_vllm_extras_and_grpc_keyword(deployed):
-    mode, grpc_address, oai = deployed
+    mode, grpc_address, oai, _ = deployed
     if mode != "monolithic":
         pytest.skip("the spellings are the front's; one mode checks them")
-    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "pick"}], max_tokens=20,
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}], max_tokens=20,
                                     extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
     assert r.choices[0].message.content in ("yes", "no", "maybe")
-    r = oai.completions.create(model="m", prompt="a number:", max_tokens=20, extra_body={"guided_regex": "[0-9]{3}"})
+    r = oai.completions.create(model=MODEL, prompt="a number:", max_tokens=20, extra_body={"guided_regex": "[0-9]{3}"})
     assert re.fullmatch("[0-9]{3}", r.choices[0].text)
-    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "json"}], max_tokens=200,
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json"}], max_tokens=200,
                                     response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content), dict) or r.choices[0].finish_reason == "length"
     with Client(grpc_address, timeout=300) as c:
@@ -150,11 +164,11 @@ def test_vllm_extras_and_grpc_keyword(deployed):
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_a_bad_constraint_is_a_400_naming_its_field(deployed, body, field):
-    mode, _, oai = deployed
+    mode, _, oai, _ = deployed
     if mode != "monolithic":
         pytest.skip("validation is the front's; one mode checks it")
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                     extra_body=body)
     assert e.value.body["param"] == field, e.value.body
 
@@ -178,12 +192,12 @@ def _monolithic_only(deployed):
 
 def test_auto_tool_calls_are_parsed_whole_and_streamed(deployed):
     oai = _monolithic_only(deployed)
-    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=FORCED)
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=FORCED)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure."
     (call,) = ch.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
-    chunks = list(oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=200,
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200,
                                               extra_body=FORCED, stream=True))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
@@ -195,11 +209,11 @@ def test_auto_tool_calls_are_parsed_whole_and_streamed(deployed):
 def test_named_tool_choice_is_a_structured_output_on_its_parameters(deployed):
     oai = _monolithic_only(deployed)
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=200)
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=200)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    chunks = list(oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice=choice,
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
                                               max_tokens=200, stream=True))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert calls[0].function.name == "get_weather" and all(tc.index == 0 for tc in calls)
@@ -208,16 +222,30 @@ def test_named_tool_choice_is_a_structured_output_on_its_parameters(deployed):
 
 def test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders(deployed):
     oai = _monolithic_only(deployed)
-    auto = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=2)
-    none = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=2)
-    plain = oai.chat.completions.create(model="m", messages=ASK, max_tokens=2)
+    auto = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=2)
+    none = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=2)
+    plain = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
     turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{
         "id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
-    r = oai.chat.completions.create(model="m", messages=turns, tools=[WEATHER], max_tokens=2)
+    r = oai.chat.completions.create(model=MODEL, messages=turns, tools=[WEATHER], max_tokens=2)
     assert r.usage.prompt_tokens > auto.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=2)
+        oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=2)
     assert e.value.body["param"] == "tool_choice"
+
+
+def test_docs_examples_run_as_pasted(deployed):
+    mode, grpc_address, _, http = deployed
+    if mode != "P-D":
+        pytest.skip("docs/openai.md launches P-D")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPDSERVE_")}
+    blocks = [code for lang, code in _docs_blocks() if lang == "python"]
+    assert len(blocks) >= 3
+    for code in blocks:
+        code = code.replace("http://127.0.0.1:8000", http).replace("127.0.0.1:50051", grpc_address)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.strip(), code  # every block prints what it got
