@@ -232,6 +232,8 @@ def test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders(dep
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
     r = oai.chat.completions.create(model=MODEL, messages=turns, tools=[WEATHER], max_tokens=2)
     assert r.usage.prompt_tokens > auto.usage.prompt_tokens
+    with Client(deployed[1], timeout=300) as c:  # gRPC: Chat.tools_json renders the same prompt
+        assert c.chat(ASK, tools=[WEATHER], max_tokens=2).usage.prompt_tokens == auto.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=2)
     assert e.value.body["param"] == "tool_choice"
