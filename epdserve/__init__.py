@@ -2,7 +2,8 @@
 
 Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped; `StructuredOutput`: a structured
 output's constraint), and `Client` / `AsyncClient` (epdserve/client/) for a running deployment's
-gRPC service. Everything else is the `epdserve` command (epdserve/entrypoints/cli.py): `launch`, `scheduler`, `instance`, `demo-model`, `bench`, `profile`.
+gRPC service. Everything else is the `epdserve` command (epdserve/entrypoints/cli.py): `launch`,
+`scheduler`, `instance`, `demo-model`, `bench`, `profile`.
 
 Package map, bottom to top (the layers of .importlinter's contract; docs/architecture.md draws them):
 - proto_gen/       protoc output (epdserve.v1 messages and services), generated, never edited
