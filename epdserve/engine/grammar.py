@@ -12,7 +12,9 @@ request, the allowed-token bitmask applied to the logits before sampling.
   is compiled once per engine) and returns a fresh `GrammarState`. A constraint xgrammar cannot
   compile (a bad schema, regex or grammar) raises InvalidRequestError. Compiling runs in the
   engine's loop, at `add_request`: a new schema costs the step it arrives in its compile time
-  (docs/openai.md measures it). JSON is compact (xgrammar's `any_whitespace=False`, vLLM's
+  (docs/openai.md measures it). A resumed attempt (a retry elsewhere, or a client's
+  resume_token_ids: the output so far joins the prompt) replays the prompt's last
+  `replay_prompt_tokens` into the new matcher. JSON is compact (xgrammar's `any_whitespace=False`, vLLM's
   `disable_any_whitespace`): no whitespace between tokens, so a model cannot spend its tokens on
   blanks; `json_object` is the schema {"type": "object"}.
 - `GrammarState`: a matcher and how many of the request's output tokens it has consumed. Before
@@ -140,10 +142,16 @@ class GrammarBackend:
             self.compiles += 1
         return compiled
 
-    def matcher(self, c: StructuredOutput) -> GrammarState:
+    def matcher(self, c: StructuredOutput, replay=()) -> GrammarState:
+        """A fresh matcher for `c` that has consumed `replay` (a resumed attempt's output so far,
+        the prompt's tail); InvalidRequestError when the grammar refuses one of them."""
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(self.compile(c)))
+        m = xgr.GrammarMatcher(self.compile(c))
+        for i, t in enumerate(replay):
+            if not m.is_terminated() and not m.accept_token(int(t)):
+                raise InvalidRequestError(f"resumed output token {i} ({t}) does not follow the {c.kind} structured output")
+        return GrammarState(m)
 
     def _compile(self, c: StructuredOutput):
         import xgrammar as xgr
@@ -164,11 +172,6 @@ class GrammarBackend:
             raise InvalidRequestError(_why(c, e)) from None
 
 
-
-def _bit_positions(device: torch.device) -> torch.Tensor:
-    return torch.arange(32, dtype=torch.int32, device=device)
-
-
 def mask_logits(logits: torch.Tensor, rows: list[tuple[int, GrammarState, list[int]]]) -> None:
     """In place: each (row, state, output tokens so far) of `logits` [N, V] keeps only the tokens
     its grammar allows next (the others become -inf)."""
@@ -180,6 +183,7 @@ def mask_logits(logits: torch.Tensor, rows: list[tuple[int, GrammarState, list[i
         state.sync(tokens)
         state.fill(bitmask, i)
     dev = logits.device
-    allowed = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> _bit_positions(dev)) & 1).flatten(1)[:, :vocab]
+    bits = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab]
     idx = torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=dev)
     logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(allowed == 0, float("-inf")))

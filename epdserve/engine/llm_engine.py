@@ -121,7 +121,12 @@ class LLMEngine:
                        media_identity=tuple(req.media_identity))
         self._validate(seq)
         if req.params.structured is not None and self.config.computes:  # compiled here (cached per schema)
-            seq.grammar = self.grammars.matcher(req.params.structured)
+            c = req.params.structured
+            if c.replay_prompt_tokens > seq.prompt_len:
+                raise InvalidRequestError(f"replay_prompt_tokens={c.replay_prompt_tokens} exceeds the prompt "
+                                          f"({seq.prompt_len} tokens)")
+            seq.grammar = self.grammars.matcher(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
+                                                if c.replay_prompt_tokens else ())
         seq.timings["arrival"] = time.time()
         if req.params.seed is not None:  # a decode side continues a remote sampler: another stream
             seed = req.params.seed + (1 if isinstance(req.kv_transfer, RemotePrefill) else 0)

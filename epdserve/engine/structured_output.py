@@ -18,12 +18,17 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class StructuredOutput:
     """kind: json (spec: a JSON schema's text), json_object (any JSON object; spec unused),
     regex (spec: the pattern), choice (spec: a JSON list of strings: the output is exactly one),
-    grammar (spec: xgrammar's EBNF, root rule `root`)."""
+    grammar (spec: xgrammar's EBNF, root rule `root`). `replay_prompt_tokens`: a resumed attempt's
+    prompt ends with that many tokens of output the grammar has consumed (the engine replays them
+    into the matcher); not part of the constraint (the compiled grammar is shared)."""
 
     kind: str
     spec: str = ""
+    replay_prompt_tokens: int = 0
 
     def __post_init__(self):
+        if self.replay_prompt_tokens < 0:
+            raise ValueError("replay_prompt_tokens must be >= 0")
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind != "json_object" and not self.spec:

@@ -10,6 +10,7 @@ malformed (its schema not JSON, an empty choice list) or that does not parse (en
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from epdserve.engine.grammar import check as check_grammar
@@ -58,15 +59,20 @@ def structured_from_proto(m: common_pb2.StructuredOutput) -> StructuredOutput:
     if which is None:
         raise ValueError("structured is set but holds no constraint")
     if which == "choice":
-        return StructuredOutput.choice(list(m.choice.choices))
-    if which == "json_object":
-        return StructuredOutput("json_object")
-    return StructuredOutput("json" if which == "json_schema" else which, getattr(m, which))
+        c = StructuredOutput.choice(list(m.choice.choices))
+    elif which == "json_object":
+        c = StructuredOutput("json_object")
+    else:
+        c = StructuredOutput("json" if which == "json_schema" else which, getattr(m, which))
+    return dataclasses.replace(c, replay_prompt_tokens=m.replay_prompt_tokens)
 
 
 def structured_to_proto(c: StructuredOutput) -> common_pb2.StructuredOutput:
     if c.kind == "choice":
-        return common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=json.loads(c.spec)))
-    if c.kind == "json_object":
-        return common_pb2.StructuredOutput(json_object=True)
-    return common_pb2.StructuredOutput(**{"json_schema" if c.kind == "json" else c.kind: c.spec})
+        m = common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=json.loads(c.spec)))
+    elif c.kind == "json_object":
+        m = common_pb2.StructuredOutput(json_object=True)
+    else:
+        m = common_pb2.StructuredOutput(**{"json_schema" if c.kind == "json" else c.kind: c.spec})
+    m.replay_prompt_tokens = c.replay_prompt_tokens
+    return m

@@ -181,6 +181,8 @@ class RequestRun:
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(prep.sampling)
         sampling.max_tokens = remaining
+        if sampling.HasField("structured"):  # the resumed output joins the prompt: the grammar replays it
+            sampling.structured.replay_prompt_tokens = len(self.generated)
         inputs = AttemptInputs(f"{prep.request_id}#{n}", prompt, refs, sampling, prep.num_vision_tokens, self.deadline)
         attempt = Attempt(inputs, plan, lease, d.channels, d.registry, d.background)
         attempt.encoded_keys = encoding
@@ -340,9 +342,6 @@ class Dispatcher:
         ids = list(req.resume_token_ids)
         if len(ids) >= prep.max_tokens:
             raise RequestError.invalid(f"{len(ids)} resume_token_ids leave nothing of max_tokens={prep.max_tokens}")
-        if ids and req.sampling.HasField("structured"):  # they join the prompt; the grammar would restart after them
-            raise RequestError.invalid("resume_token_ids cannot be combined with sampling.structured "
-                                       "(a structured output is not resumable)")
         return ids
 
     def abort(self, request_id: str) -> bool:

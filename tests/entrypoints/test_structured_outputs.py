@@ -19,16 +19,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import jsonschema
 import openai
 import pytest
 import pydantic
 
 from epdserve import Client
+from epdserve.client.messages import build_request
 from epdserve.engine.grammar import tokenizer_info
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.loader import eos_token_ids
 from epdserve.model.reference import ReferenceGenerator
+from epdserve.rpc import serve_pb2_grpc
 from tests.entrypoints.launch_harness import launched
 
 pytestmark = pytest.mark.slow
@@ -101,6 +104,20 @@ def test_greedy_under_a_grammar_equals_transformers(deployed, reference):
             assert got.token_ids == want, (mode, prompt)
             assert got.finish_reason == "stop"  # the grammar reached its end, then a stop token
             jsonschema.validate(json.loads(got.text), SCHEMA)
+
+
+def test_a_resumed_request_replays_its_output_into_the_grammar(deployed):
+    """A client's resume_token_ids join the prompt (the scheduler's retry does the same): the
+    instances replay them into the new matcher, so the rest is what the unbroken run gave."""
+    _, grpc_address, _, _ = deployed
+    kw = dict(max_tokens=120, temperature=0, structured={"json": SCHEMA})
+    with Client(grpc_address, timeout=300) as c:
+        full = c.generate("Describe the animal in JSON", **kw)
+    req = build_request("Describe the animal in JSON", **kw)
+    req.resume_token_ids.extend(full.token_ids[:7])
+    with grpc.insecure_channel(grpc_address) as ch:
+        r = serve_pb2_grpc.EPDServeStub(ch).Generate(req, timeout=300)
+    assert list(r.token_ids) == full.token_ids[7:] and r.finish_reason == "stop"
 
 
 def test_twenty_requests_half_with_an_image_are_schema_valid(deployed):
