@@ -2,16 +2,19 @@
 objects and enums, half of them with an image) through the OpenAI HTTP front of real
 deployments (`epdserve launch`, each mode given), checked with `jsonschema`; (2) the grammar's
 cost to decode throughput at batch 32 on the offline engine, with and without a grammar,
-alternated round by round (the machine's speed drifts; pairs cancel it); (3) the compile time
-of the schema (first use) and of a cached one.
+alternated round by round (the machine's speed drifts; pairs cancel it), per wall second and per
+CPU second; (3) the grammar's own work per decode step at batch 32 (no model: sync, fill, apply
+on random logits); (4) the compile time of a new schema and of a cached one.
 
-    python benchmarks/structured_outputs.py --model DIR [--modes monolithic,P-D] [--requests 200]
-        [--batch 32] [--tokens 64] [--rounds 5]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/structured_outputs.py --model DIR [--modes monolithic,P-D]
+        [--requests 200] [--batch 32] [--tokens 64] [--rounds 5]
 
 DIR: a checkpoint (`epdserve demo-model --out DIR` makes a random-weight one). Throughput uses
 a schema whose one field is a free string ({"text": string}): every output runs to --tokens
 (ignore_eos), so both arms decode the same tokens and only the mask differs. Prints one JSON
-line per part.
+line per part. On a shared CPU machine run it with OMP_WAIT_POLICY=PASSIVE: OpenMP's busy-wait
+under contention turns the small tensor ops of each step into wall-time noise (measured: the mask
+step's 1 ms of CPU showed as up to 0.9 s of wall time with the default policy, load 16 on 2 cores).
 """
 from __future__ import annotations
 
@@ -95,27 +98,71 @@ def throughput(model: str, batch: int, tokens: int, rounds: int) -> dict:
     grammar = StructuredOutput("json", json.dumps(FREE_TEXT))
     prompts = [f"Write note number {i} about the weather" for i in range(batch)]
 
-    def run(structured) -> float:
+    def run(structured) -> tuple[float, float]:
         p = SamplingParams(max_tokens=tokens, ignore_eos=True, structured=structured)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, structured=structured))  # warm (and compile)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, p)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
-        return batch * tokens / dt
+        return batch * tokens / dt, batch * tokens / dc
 
     plain, masked = [], []
     for _ in range(rounds):
         plain.append(run(None))
         masked.append(run(grammar))
-    ratios = [m / p for p, m in zip(plain, masked)]
-    return {"part": "throughput", "batch": batch, "tokens": tokens, "rounds": rounds,
-            "plain_tok_s": round(statistics.median(plain), 1), "plain_range": [round(min(plain), 1), round(max(plain), 1)],
-            "grammar_tok_s": round(statistics.median(masked), 1),
-            "grammar_range": [round(min(masked), 1), round(max(masked), 1)],
-            "grammar_over_plain": round(statistics.median(ratios), 3),
-            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
-            "note": "tok/s = batch * tokens / wall time of generate (prefill included, same in both arms)"}
+
+    def stats(i: int, key: str) -> dict:
+        a, b = [x[i] for x in plain], [x[i] for x in masked]
+        r = [y / x for x, y in zip(a, b)]
+        return {f"plain_{key}": round(statistics.median(a), 1), f"plain_{key}_range": [round(min(a), 1), round(max(a), 1)],
+                f"grammar_{key}": round(statistics.median(b), 1), f"grammar_{key}_range": [round(min(b), 1), round(max(b), 1)],
+                f"grammar_over_plain_{key}": round(statistics.median(r), 3),
+                f"ratio_{key}_range": [round(min(r), 3), round(max(r), 3)]}
+
+    return {"part": "throughput", "batch": batch, "tokens": tokens, "rounds": rounds, **stats(0, "tok_s"),
+            **stats(1, "tok_per_cpu_s"),
+            "note": "tok/s: batch * tokens / wall time of generate (prefill included, same in both arms); "
+                    "tok_per_cpu_s: the same over this process's CPU time (steadier on a shared machine)"}
+
+
+def mask_cost(model: str, batch: int, steps: int = 64, repeats: int = 5) -> dict:
+    """The grammar's own work per decode step at `batch` rows: sync (accept the last token), fill
+    the bitmask, apply it (engine/grammar.py mask_logits), on random logits — no model. The token
+    taken is an alphabetic one where the grammar allows one, so each row stays inside FREE_TEXT's
+    string (the state with the most tokens to check) instead of closing it early."""
+    import torch
+
+    from epdserve import LLM
+    from epdserve.engine.grammar import mask_logits
+    from epdserve.engine.structured_output import StructuredOutput
+
+    eng = LLM(model=model, device="cpu").engine
+    c = StructuredOutput("json", json.dumps(FREE_TEXT))
+    vocab = eng.grammars.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    tok = eng.tokenizer
+    wordy = torch.tensor([tok.convert_ids_to_tokens(i).isalpha() if i < len(tok) else False for i in range(vocab)])
+    per_step, cpu_per_step = [], []
+    for _ in range(repeats):
+        states = [eng.grammars.matcher(c) for _ in range(batch)]
+        outs: list[list[int]] = [[] for _ in range(batch)]
+        t = cpu = 0.0
+        for _ in range(steps):
+            logits = torch.randn(batch, vocab, generator=gen)
+            t0, c0 = time.perf_counter(), time.process_time()
+            mask_logits(logits, [(i, s, o) for i, (s, o) in enumerate(zip(states, outs))])
+            t += time.perf_counter() - t0
+            cpu += time.process_time() - c0
+            for o, t in zip(outs, (logits + 100.0 * wordy).argmax(-1).tolist()):
+                o.append(t)
+        per_step.append(t / steps * 1e3)
+        cpu_per_step.append(cpu / steps * 1e3)
+    return {"part": "mask", "batch": batch, "vocab": vocab, "steps": steps, "repeats": repeats,
+            "ms_per_step": round(statistics.median(per_step), 3),
+            "range": [round(min(per_step), 3), round(max(per_step), 3)],
+            "cpu_ms_per_step": round(statistics.median(cpu_per_step), 3),
+            "cpu_range": [round(min(cpu_per_step), 3), round(max(cpu_per_step), 3)]}
 
 
 def compile_cost(model: str, repeats: int = 5) -> dict:
@@ -152,6 +199,7 @@ def main():
     ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args()
     print(json.dumps(compile_cost(args.model)), flush=True)
+    print(json.dumps(mask_cost(args.model, args.batch)), flush=True)
     if not args.skip_throughput:
         print(json.dumps(throughput(args.model, args.batch, args.tokens, args.rounds)), flush=True)
     for mode in filter(None, args.modes.split(",")):
