@@ -154,8 +154,8 @@ def mask_cost(model: str, batch: int, steps: int = 64, repeats: int = 5) -> dict
             mask_logits(logits, [(i, s, o) for i, (s, o) in enumerate(zip(states, outs))])
             t += time.perf_counter() - t0
             cpu += time.process_time() - c0
-            for o, t in zip(outs, (logits + 100.0 * wordy).argmax(-1).tolist()):
-                o.append(t)
+            for o, token in zip(outs, (logits + 100.0 * wordy).argmax(-1).tolist()):
+                o.append(token)
         per_step.append(t / steps * 1e3)
         cpu_per_step.append(cpu / steps * 1e3)
     return {"part": "mask", "batch": batch, "vocab": vocab, "steps": steps, "repeats": repeats,

@@ -139,11 +139,6 @@ class Kind(str, enum.Enum):
     dog = "dog"
 
 
-class Box(pydantic.BaseModel):
-    w: int
-    unit: str
-
-
 class Thing(pydantic.BaseModel):
     kind: Kind
     big: bool
