@@ -13,8 +13,9 @@ DIR: a checkpoint (`epdserve demo-model --out DIR` makes a random-weight one). T
 a schema whose one field is a free string ({"text": string}): every output runs to --tokens
 (ignore_eos), so both arms decode the same tokens and only the mask differs. Prints one JSON
 line per part. On a shared CPU machine run it with OMP_WAIT_POLICY=PASSIVE: OpenMP's busy-wait
-under contention turns the small tensor ops of each step into wall-time noise (measured: the mask
-step's 1 ms of CPU showed as up to 0.9 s of wall time with the default policy, load 16 on 2 cores).
+under contention turns the small tensor ops of each step into wall-time noise (seen once, load 16
+on 2 cores: the mask step of 32 rows took 0.3-1.0 s of wall time with the default policy, 1-120 ms
+with PASSIVE, for about 1 ms of CPU).
 """
 from __future__ import annotations
 
