@@ -1,7 +1,9 @@
-"""What unforgeable identities cost (issue 35): a 1-image request's TTFT, the media key, and the
-prefix-cache lookup of a long cached prompt, through the offline engine's own code paths.
+"""What unforgeable identities cost (keyed media keys, SHA-256 block keys): a 1-image request's
+TTFT, the media key, the prefix-cache lookup of a long cached prompt, through the offline
+engine's own code paths, and the router's hashes of that prompt (`PromptChunker.hashes`,
+16-token blocks: its own xxh3-64 chunks before the router used the engines' SHA-256 block keys).
 
-Written against the engine's API as it was before issue 35 as well (`build_request`, `media_item`,
+Written against the engine's API as it was before those keys as well (`build_request`, `media_item`,
 the scheduler's `hasher.hashes` and the block manager's `lookup`), so one run of this script per
 tree, alternated, compares old and new on the same machine (docs/measurements.md has the
 figures and the command). Prints one JSON line of medians.
@@ -77,9 +79,23 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             hit = len(sched._blocks.lookup(sched.hasher.hashes(seq, seq.num_tokens)))
             lookup_us.append((time.perf_counter() - t0) * 1e6)
+        from types import SimpleNamespace
+
+        from epdserve.scheduler.prompt_chunks import PromptChunker
+
+        chunker = PromptChunker((eng.model.adapter.image_token_id, eng.model.adapter.video_token_id))
+        m = req.media[0]
+        prepared = [SimpleNamespace(key=m.key, num_tokens=m.num_tokens, grid_thw=m.grid_thw.tolist(), kind="image",
+                                    video=None)]
+        route_us = []
+        for _ in range(a.lookups):
+            t0 = time.perf_counter()
+            chunks = chunker.hashes(req.prompt_token_ids, prepared)
+            route_us.append((time.perf_counter() - t0) * 1e6)
     print(json.dumps({
         "ttft_ms": round(statistics.median(ttft), 3), "media_key_us": round(statistics.median(key_us), 2),
         "lookup_us": round(statistics.median(lookup_us), 1), "lookup_blocks_hit": hit,
+        "router_hash_us": round(statistics.median(route_us), 1), "router_chunks": len(chunks),
         "prompt_tokens": len(req.prompt_token_ids), "image_bytes": len(images[0]),
     }))
     return 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from epdserve.roles import STAGES
 from epdserve.rpc import common_pb2
 
 
@@ -45,7 +46,7 @@ def pick(launcher_pid: int, target: str) -> psutil.Process | None:
     kids = children(launcher_pid)
     for exact in (True, False):
         for kind, p in kids:
-            if kind == target or (not exact and target in "EPD" and len(target) == 1 and target in kind
+            if kind == target or (not exact and target in STAGES and target in kind
                                   and kind not in ("scheduler", "mm_store")):
                 return p
     return None

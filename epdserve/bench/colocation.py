@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+from epdserve.roles import DECODE, ENCODE, role_set
+
 POLICIES = ("split", "yield", "shared")
 IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"
 AIM_BUSY_RATIO = 1.2
@@ -139,8 +141,8 @@ class _Rig:
 
         if policy == "shared":
             return None
-        sets = worker_core_sets(policy, ["E", "D"], self.cores, [0.5, 0.5])
-        return sets[0] if role == "E" else sets[1]
+        sets = worker_core_sets(policy, [ENCODE, DECODE], self.cores, [0.5, 0.5])
+        return sets[1] if role_set(role).holds_kv else sets[0]
 
     def _on_thread(self, policy: str, role: str, fn):
         from epdserve.instance.colocation import enter_stage_thread
@@ -148,7 +150,8 @@ class _Rig:
         out: list = []
 
         def body():
-            enter_stage_thread(self._cores(policy, role), low_priority=policy == "yield" and role == "E")
+            low = policy == "yield" and not role_set(role).holds_kv  # encode gives way
+            enter_stage_thread(self._cores(policy, role), low_priority=low)
             out.append(fn())
 
         t = threading.Thread(target=body, name=f"bench-{role}-{policy}")

@@ -21,8 +21,8 @@ import tempfile
 import threading
 
 from epdserve.bench.npu_kernel_details import check, failures, find_kernel_details, read_kernels
+from epdserve.roles import ENCODE, PREFILL, STAGES
 
-STAGES = ("E", "P", "D")
 IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
@@ -92,7 +92,7 @@ class _NpuRig:
 
         platform = self.model.platform
         platform.set_thread_device(0)
-        engine = self.encoder if stage == "E" else self.lm
+        engine = self.encoder if stage == ENCODE else self.lm
         ops = npu_stage_operators(platform, stage, engine.runner.ops)
         # the measurement itself: limits on, unverified operators included (what it verifies)
         stream = open_stage_stream(platform, self.args.npu_share, f"{stage}-verify", operators=ops, opted_in=True)
@@ -122,10 +122,10 @@ class _NpuRig:
         self._work(stage)  # first calls compile / cache executors outside the profile
 
     def _work(self, stage: str) -> None:
-        if stage == "E":
+        if stage == ENCODE:
             self._encode()
         else:
-            self._language(decode_steps=0 if stage == "P" else 4, prefill_only=stage == "P")
+            self._language(decode_steps=0 if stage == PREFILL else 4, prefill_only=stage == PREFILL)
 
     def _encode(self) -> None:
         import numpy as np

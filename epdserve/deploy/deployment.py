@@ -213,10 +213,10 @@ class Deployment:
         """One core set per instance (in start order) when pinning CPU instances, else None."""
         if not (self.spec.pin_instances and self.spec.device.startswith("cpu")):
             return None
-        from epdserve.engine.roles import engine_stages
         from epdserve.instance.affinity import split_cores
+        from epdserve.roles import role_set
 
-        weights = [float(len(engine_stages(p.roles))) for p in self.pools for _ in range(p.count)]  # EP > D
+        weights = [float(len(role_set(p.roles).stages)) for p in self.pools for _ in range(p.count)]  # EP > D
         return split_cores(len(weights), weights=weights)
 
     def _env(self, k: int) -> dict[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epdserve.deploy.argv import last_flag
+from epdserve.roles import role_set
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,11 @@ class KvHopChoice:
 
 
 def is_prefill_side(roles: str) -> bool:
-    return "P" in roles and "D" not in roles
+    return role_set(roles).sends_kv
 
 
 def is_decode_side(roles: str) -> bool:
-    return "D" in roles and "P" not in roles
+    return role_set(roles).receives_kv
 
 
 def choose_kv_hop(roles: list[str], device_ids: list[str | None], device: str,

@@ -19,5 +19,5 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - sequence.py        Sequence and RequestState: one request inside the engine
 - prefix_hash.py     PrefixHasher: chained hashes of full KV blocks keyed by tokens and media identity
 - block_manager.py, kv_cache.py, sampler.py, stop_checker.py, outputs.py, stats.py, config.py,
-  sampling_params.py, roles.py: the parts those use
+  sampling_params.py: the parts those use (what a role set means: epdserve/roles.py)
 """

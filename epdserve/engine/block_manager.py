@@ -3,7 +3,7 @@
 Every block is in one of three places: the free list (no content worth keeping), the cached
 free list (unreferenced, but it holds the KV of a full block whose hash is known: reusable
 until evicted, least recently freed first), or one or more requests' tables (its reference
-count). A full block's key (engine/prefix_hash.py `BlockKey`: a SHA-256 digest chaining its
+count). A full block's key (seams/prefix_hash.py `BlockKey`: a SHA-256 digest chaining its
 tokens and media identity to everything before it, and the content it hashed) names one prefix;
 `lookup` finds the longest cached run of a request's keys — a block is a hit only when its
 recorded content equals the request's (token ids, media identity, parent digest), so a block
@@ -20,7 +20,7 @@ import logging
 from array import array
 from collections import OrderedDict, deque
 
-from epdserve.engine.prefix_hash import BlockKey
+from epdserve.seams.prefix_hash import BlockKey
 
 log = logging.getLogger(__name__)
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.engine.roles import normalize_roles
+from epdserve.roles import RoleSet, normalize_roles, role_set
 from epdserve.settings import setting
 
 
 @dataclass
 class EngineConfig:
-    """roles: which stages this engine runs ("EPD" = the whole pipeline in one step loop)."""
+    """roles: which stages this engine runs, a name of `epdserve/roles.py`'s table ("EPD" = the whole
+    pipeline in one step loop; "P+E" = prefill encoding inline)."""
 
     model: str = setting(help="checkpoint directory", required=True)
     device: str = setting("auto", help="cpu | cuda[:N] | npu[:N] | auto")
@@ -72,16 +73,20 @@ class EngineConfig:
             raise ValueError(f"ops must be native|portable, got {self.ops!r}")
 
     @property
+    def role_set(self) -> RoleSet:
+        return role_set(self.roles)
+
+    @property
     def encodes(self) -> bool:
-        return "E" in self.roles
+        return self.role_set.encodes
 
     @property
     def prefills(self) -> bool:
-        return "P" in self.roles
+        return self.role_set.prefills
 
     @property
     def decodes(self) -> bool:
-        return "D" in self.roles
+        return self.role_set.decodes
 
     @property
     def computes(self) -> bool:

@@ -16,7 +16,7 @@ class EngineRequest:
     feature_target: str | None = None  # encode: the prefill side told when features are stored
     kv_transfer: object | None = None  # RemoteDecode (prefill role) / RemotePrefill (decode role)
     num_vision_tokens: int = 0  # decode role: vision tokens of the remote prompt (reporting only)
-    # decode role: (key, extra, num_tokens) per media item in prompt order (engine/prefix_hash.py
+    # decode role: (key, extra, num_tokens) per media item in prompt order (seams/prefix_hash.py
     # `media_extra`): the identity the prefix cache keys the imported KV by; without it a prompt
     # with media is never cached there
     media_identity: tuple = ()

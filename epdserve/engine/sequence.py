@@ -56,6 +56,7 @@ class MediaItem:
     features: list[torch.Tensor] | None = None
     from_store: bool = False  # features came from the cache / MM Store, encoder skipped
     wait_since: float | None = None  # prefill-only: when this engine started waiting for the feature
+    timing: str | None = None  # a video's sampling spec, as the request gave it: its prefix-cache identity
 
 
 @dataclass(eq=False)  # identity: `seq in scheduler.running` must not compare every field

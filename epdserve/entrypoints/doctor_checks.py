@@ -158,8 +158,9 @@ def _device(device: str):
 def _needs_kv_hop(mode: str) -> bool:
     """Whether `mode` moves KV from a P instance to a D instance (no instance hosts both)."""
     from epdserve.instance.modes import mode_pools
+    from epdserve.roles import role_set
 
-    return any("P" in p.roles and "D" not in p.roles for p in mode_pools(mode))
+    return any(role_set(p.roles).sends_kv for p in mode_pools(mode))
 
 
 def _mode(mode: str, kv_hop: bool, plat) -> Check:

@@ -1,8 +1,7 @@
 """Instances: one process hosting one or more stage workers (E, P, D); the launcher is epdserve.deploy.
 
 One sentence per module:
-- roles.py           roles → stage workers (coupled PD/EPD, co-located EP/ED)
-- modes.py           the deployment modes as one table: mode → instance pools, and back
+- modes.py           the deployment modes as one table: mode → instance pools (records of epdserve/roles.py), and back
 - affinity.py        disjoint CPU core sets for co-located workers; per-thread pinning of torch teams
 - worker.py          StageWorker: a loop thread owning one engine (over the process's shared model),
                      its call queue, request handles and load snapshot; submit / abort / outputs

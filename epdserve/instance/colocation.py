@@ -29,6 +29,7 @@ import os
 import threading
 
 from epdserve.instance.affinity import pin_worker_thread, split_cores
+from epdserve.roles import role_set
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def worker_core_sets(policy: str, roles: list[str], cores: list[int], weights: l
 
 def yields(policy: str, role: str) -> bool:
     """Does a worker of `role` give way to the others under `policy`? (Encode, under yield.)"""
-    return check_policy(policy) == "yield" and role == "E"
+    return check_policy(policy) == "yield" and not role_set(role).holds_kv
 
 
 def device_share(policy: str, role: str, weight: float) -> float | None:
@@ -59,7 +60,7 @@ def stream_priority(policy: str, role: str) -> int:
     """Stream priority (lower = higher, as CUDA's Stream takes it): P/D streams outrank encode's
     under `yield`; under `split` all are equal (0). CUDA only: `NpuPlatform.new_stream`
     ignores it (torch_npu's pool streams are all at ACL priority 0)."""
-    return -1 if check_policy(policy) != "split" and role != "E" else 0
+    return -1 if check_policy(policy) != "split" and role_set(role).holds_kv else 0
 
 
 def enter_stage_thread(cores: list[int] | None, low_priority: bool) -> list[int]:

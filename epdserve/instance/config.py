@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.roles import normalize_roles
+from epdserve.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list
 from epdserve.instance.colocation import POLICIES, check_policy
 from epdserve.settings import add_flags, from_flags, same_as, setting

@@ -17,7 +17,7 @@ from epdserve.engine.outputs import RequestOutput
 from epdserve.engine.sequence import MediaItem
 from epdserve.request_errors import InvalidRequestError
 from epdserve.rpc import common_pb2, instance_pb2
-from epdserve.rpc.video_spec import video_options_from_proto
+from epdserve.rpc.video_spec import video_options_from_proto, video_timing
 
 # engine timing key → StageTimings field
 _TIMING_FIELDS = {
@@ -47,6 +47,8 @@ def media_items(engine, refs, *, wait_for_features: bool = True) -> list[MediaIt
                 raise InvalidRequestError(
                     f"media item {i}: the {m.kind} expands to {m.num_tokens} tokens, the request says {ref.num_tokens}")
             item = engine.media_item(m, key=ref.key)
+            if ref.HasField("video"):
+                item.timing = video_timing(ref.video)  # its prefix-cache identity, as D and the router know it
         else:
             if len(ref.grid_thw) != 3 or not ref.num_tokens:
                 raise InvalidRequestError(f"media item {i} ({ref.key}) has neither bytes nor grid_thw + num_tokens")

@@ -23,14 +23,13 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from google.protobuf.json_format import MessageToJson
-
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.engine.prefix_hash import media_extra
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.instance.errors import BusyError, TransientError
 from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
+from epdserve.rpc.video_spec import video_timing
 from epdserve.seams.kv_connector import RemotePrefill
+from epdserve.seams.prefix_hash import media_extra
 from epdserve.transfer.kv import KVTransferConfig, LayerwiseRecvConnector, PairRendezvous
 from epdserve.transfer.kv.recv_connector import PairRebuildsExhausted
 
@@ -45,14 +44,10 @@ class Reservation:
 
 def media_identity(refs) -> tuple[tuple[str, str, int], ...]:
     """(key, extra, num_tokens) per `MediaRef` (data ignored) in prompt order: the prefix cache's
-    identity of each media item. An image's matches the one a prefilling engine hashes; a
-    video's carries its sampling spec in place of the seconds per grid that only decoding it
-    would tell (so the same video sampled otherwise never matches)."""
-    out = []
-    for r in refs:
-        timing = ("video " + MessageToJson(r.video, sort_keys=True, indent=None)) if r.HasField("video") else None
-        out.append((r.key, media_extra(r.grid_thw, timing), int(r.num_tokens)))
-    return tuple(out)
+    identity of each media item (`seams/prefix_hash.py`), the one the prefilling engine and the
+    router hash too (a video's timing is its sampling spec: `video_timing`)."""
+    return tuple((r.key, media_extra(r.grid_thw, video_timing(r.video) if r.HasField("video") else None),
+                  int(r.num_tokens)) for r in refs)
 
 
 class DecodeWorker(StageWorker):

@@ -28,7 +28,6 @@ from concurrent import futures
 import grpc
 
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.roles import FUSED_PREFILL, encodes_inline, engine_stages, served_stages
 from epdserve.instance.affinity import available_cores, compute_id
 from epdserve.instance.colocation import device_share, stream_priority, worker_core_sets, yields
 from epdserve.instance.config import InstanceConfig
@@ -40,9 +39,9 @@ from epdserve.instance.encode_worker import EncodeWorker
 from epdserve.instance.prefill_worker import PrefillWorker
 from epdserve.instance.registration import Registrar
 from epdserve.instance.worker import sum_loads
-from epdserve.instance.roles import worker_roles
 from epdserve.instance.servicer import InstanceServicer
 from epdserve.ops.npu_schema import installed_kv_write
+from epdserve.roles import PREFILL, role_set
 from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2_grpc
 from epdserve.rpc.servers import add_health_and_reflection, set_serving
 from epdserve.security.interceptors import AuthInterceptor, cluster_metadata, metadata_interceptors
@@ -140,7 +139,7 @@ class InstanceHost:
         set_stream_limit (op-plugin torch_npu-set_stream_limit.md, 7.2.0 / 7.3.0 / 26.0.0)."""
         cfg = self.config
         share = cfg.device_core_share
-        if share is None and cfg.npu_core_limits and cfg.split_cores and len(worker_roles(self.roles)) > 1:
+        if share is None and cfg.npu_core_limits and cfg.split_cores and len(list(role_set(self.roles).workers)) > 1:
             share = 1.0
         if share is None:
             return
@@ -150,7 +149,8 @@ class InstanceHost:
         index = int(cfg.device.partition(":")[2] or 0)
         platform.set_thread_device(index)
         kv_write = installed_kv_write() if platform.name == "npu" else None
-        apply_device_share(platform, index, share, worker_roles(self.roles), kv_write, opted_in=cfg.npu_core_limits)
+        workers = list(role_set(self.roles).workers)
+        apply_device_share(platform, index, share, workers, kv_write, opted_in=cfg.npu_core_limits)
 
     def wait_registered(self, timeout_s: float) -> bool:
         return all(r.registered.wait(timeout_s) for r in self._registrars)
@@ -188,9 +188,10 @@ class InstanceHost:
     def _build_workers(self, roles_: str, instance_id: str, ready_timeout_s: float) -> tuple[list, dict]:
         """The started stage workers of `roles_` (and them by served stage); none left running on failure."""
         cfg = self.config
-        roles = worker_roles(roles_)
+        sets = role_set(roles_).worker_sets
+        roles = [w.name for w in sets]
         core_sets: list[list[int] | None] = [cfg.cores] * len(roles)
-        weights = [cfg.encode_core_share if r == "E" else 1.0 - cfg.encode_core_share for r in roles]
+        weights = [1.0 - cfg.encode_core_share if w.holds_kv else cfg.encode_core_share for w in sets]
         cpu = cfg.device.startswith("cpu")
         if cpu and len(roles) > 1 and cfg.split_cores:
             core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
@@ -199,17 +200,18 @@ class InstanceHost:
                                      hop=cfg.kv_transfer_hop, max_pair_rebuilds=cfg.kv_pair_rebuilds,
                                      pair_rebuild_window_s=cfg.kv_pair_rebuild_window_s)
         workers, by_role = [], {}
-        for role, cores, weight in zip(roles, core_sets, weights):
+        for rs, cores, weight in zip(sets, core_sets, weights):
+            role = rs.name
             factory = self._engine_factory(role, instance_id)
             name = f"{role}-worker"
-            if role == "E":
-                w = EncodeWorker(name, factory, cores)
-            elif role in ("P", FUSED_PREFILL):
+            if rs.coupled:
+                w = CoupledWorker(name, factory, cores)
+            elif rs.sends_kv:
                 w = PrefillWorker(name, factory, cores, kv_config=kv_config)
-            elif role == "D":
+            elif rs.receives_kv:
                 w = DecodeWorker(name, factory, cores, instance_id=instance_id, kv_config=kv_config)
             else:
-                w = CoupledWorker(name, factory, cores)
+                w = EncodeWorker(name, factory, cores)
             w.low_priority = yields(cfg.colocation, role)
             if not cpu and len(roles) > 1 and cfg.split_cores:
                 w.colocated = True
@@ -217,7 +219,7 @@ class InstanceHost:
                 w.stream_priority = stream_priority(cfg.colocation, role)
                 w.core_limits_opted_in = cfg.npu_core_limits
             workers.append(w)
-            by_role["PD" if role in ("PD", "EPD") else served_stages(role)] = w
+            by_role[rs.worker_key] = w
         try:
             for w in workers:  # one at a time: transformers' lazy imports are not thread-safe
                 w.start().wait_ready(ready_timeout_s)
@@ -246,7 +248,7 @@ class InstanceHost:
             return False
         if cfg.switch_overlap == "on" or cfg.device.startswith("cpu"):
             return True
-        need = sum(_E_KV_BYTES if r == "E" else cfg.kv_cache_bytes for r in worker_roles(roles))
+        need = sum(cfg.kv_cache_bytes if w.holds_kv else _E_KV_BYTES for w in role_set(roles).worker_sets)
         try:
             spare = self.model.platform.spare_memory_bytes(self.model.device.index or 0)
         except Exception as e:  # a runtime without the query: drain first, as before
@@ -292,7 +294,7 @@ class InstanceHost:
         """The KV pair store is served (`Instance.KvStore`, on our own port, with its credentials)
         and advertised while a worker (serving or retiring) prefills for remote D instances; not
         otherwise, and emptied then."""
-        self._serves_pairs = "P" in self._by_role or "P" in self._retiring_by_role
+        self._serves_pairs = PREFILL in self._by_role or PREFILL in self._retiring_by_role
         if not self._serves_pairs:
             self._pair_store.clear()
 
@@ -322,19 +324,20 @@ class InstanceHost:
             self.model.platform.set_thread_device(self.model.device.index or 0)  # per thread on NPU
 
             ecfg = EngineConfig(**shared_values(cfg, EngineConfig), roles=role)
-            if role == "E":
+            if not ecfg.role_set.holds_kv:
                 ecfg.kv_cache_memory_bytes = _E_KV_BYTES
             return LLMEngine(ecfg, model=self.model, features=self._provider(role, instance_id), kv_connector=connector)
 
         return build
 
     def _provider(self, role: str, instance_id: str):
-        if role == "D" or self._store is None:
+        rs = role_set(role)
+        if rs.receives_kv or self._store is None:
             return None  # the engine's in-process cache
         from epdserve.transfer.mm_store.provider import MMStoreFeatureProvider
 
-        listens = "P" in role and not encodes_inline(role)  # someone else's E sends it events
-        return MMStoreFeatureProvider(self._store, engine_stages(role), instance_id=instance_id if listens else None,
+        listens = rs.prefills and not rs.encodes_inline  # someone else's E sends it events
+        return MMStoreFeatureProvider(self._store, role, instance_id=instance_id if listens else None,
                                       cache_bytes=self.config.feature_cache_bytes)
 
     def worker(self, role: str):
@@ -370,13 +373,19 @@ class InstanceHost:
         return why
 
     # ---------------------------------------------------------------- status
+    def _block_size(self) -> int:
+        """Tokens per KV block of the engines that hold request KV (the router hashes prompts in
+        blocks of it); 0 while none is built (an encode-only instance: it caches no prefix)."""
+        return next((w.engine.config.block_size for w in self.workers
+                     if w.engine is not None and w.engine.config.computes), 0)
+
     def status(self) -> common_pb2.InstanceStatus:
         cfg = self.config
         load = sum_loads([w.load for w in self.workers])
         st = common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
             load=load, pid=os.getpid(), draining=self.draining,
-            compute=self._compute,
+            compute=self._compute, block_size=self._block_size(),
         )
         if self.model is not None:
             st.media_namespace = self.model.namespace

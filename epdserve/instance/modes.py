@@ -12,15 +12,17 @@ a `PoolRule` says which role set its instances run and which of the per-role cou
 Everything else is read off the table, never written per mode: `mode_pools` (instances for the
 counts: instances, launch, bench), `counts_of_pools` (its inverse: the planner reading a ready
 line), `candidate_counts` (every split of a device budget: the planner), `mode_of_roles` (the
-mode a roster adds up to: the scheduler's GetServerInfo). Which stages share an engine or a
-device is the role set's own business (`engine.roles`, `instance.roles.worker_roles`).
+mode a roster adds up to: the scheduler's GetServerInfo). What a pool's role set runs — its
+stages, its workers, the calls it takes, whether it encodes inline or holds KV — is its record in
+the role table beside this one (`epdserve/roles.py` `ROLE_TABLE`, below every layer so that the
+engine reads it too); a pool names its record.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
-from epdserve.engine.roles import FUSED_PREFILL
+from epdserve.roles import DECODE, FUSED_PREFILL, PREFILL, ROLE_TABLE, role_set
 
 COUNTS = ("encode", "prefill", "decode")
 
@@ -29,10 +31,14 @@ COUNTS = ("encode", "prefill", "decode")
 class PoolRule:
     """One pool of a mode: instances running `roles`, as many as the rule gives."""
 
-    roles: str
+    roles: str  # a name of ROLE_TABLE
     count: str  # one of COUNTS
     beyond: str | None = None  # one of COUNTS: only the part of `count` beyond it
     at_least: int = 0
+
+    def __post_init__(self):
+        if self.roles not in ROLE_TABLE:
+            raise ValueError(f"pool roles {self.roles!r} are not in the role table")
 
     def size(self, counts: dict[str, int]) -> int:
         n = counts[self.count] - (counts[self.beyond] if self.beyond else 0)
@@ -96,8 +102,8 @@ def mode_pools(mode: str, encode: int = 1, prefill: int = 1, decode: int = 1) ->
         if n < 0:
             raise ValueError(f"--{name} must be >= 0, got {n}")
     pools = [p for p in (Pool(r.roles, r.size(counts)) for r in m.pools) if p.count > 0]
-    have = "".join(p.roles for p in pools)
-    missing = [r for r in "PD" if r not in have]
+    have = frozenset().union(*(role_set(p.roles).stages for p in pools))
+    missing = [s for s in (PREFILL, DECODE) if s not in have]
     if missing:
         raise ValueError(f"mode {mode} needs at least one instance with role(s) {', '.join(missing)}")
     return pools

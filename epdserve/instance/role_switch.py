@@ -41,7 +41,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from epdserve.engine.roles import normalize_roles
+from epdserve.roles import normalize_roles
 from epdserve.instance.identity import opaque_instance_id
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ from epdserve.engine.outputs import RequestOutput
 from epdserve.instance.colocation import enter_stage_thread
 from epdserve.instance.errors import TransientError, output_error
 from epdserve.instance.stage_stream import npu_stage_operators, open_stage_stream
+from epdserve.roles import role_set
 from epdserve.rpc import common_pb2
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,14 @@ def _add_counters(counts: common_pb2.Load, stats: dict, kv, role: str) -> None:
     counts.engine_step_seconds = stats["host_s"] + stats["forward_s"]
     counts.vision_seconds = stats["vision_s"]
     counts.engine_step_requests = int(stats["batch_requests"])
-    if kv is not None and role == "P":
+    if kv is None:
+        return
+    rs = role_set(role)
+    if rs.sends_kv:
         counts.kv_sent_bytes, counts.kv_send_failures = kv.bytes, kv.failures
-    elif kv is not None and role == "D":
+    elif rs.receives_kv:
         counts.kv_received_bytes, counts.kv_recv_failures = kv.bytes, kv.failures
-    if kv is not None and role in ("P", "D"):
+    if rs.sends_kv or rs.receives_kv:
         counts.kv_leaked_communicators = kv.leaked_communicators
 
 

@@ -17,6 +17,7 @@ from collections import Counter as Tally
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
+from epdserve.roles import role_set
 from epdserve.rpc import common_pb2
 
 P = "epdserve:"
@@ -77,13 +78,14 @@ def _kv_transfer(records):
                                  "operation still running (HCCL: HcclCommDestroy returned E_AGAIN), each leaving a "
                                  "communicator no one can destroy until the process ends", labels=["instance", "roles"])
     for r in records:  # a coupled P+D instance (PD, EPD) keeps its KV: no transfer to count
-        if "P" in r.roles and "D" not in r.roles:
+        rs = role_set(r.roles)
+        if rs.sends_kv:
             kv_bytes.add_metric([r.instance_id, r.roles, "sent"], r.load.kv_sent_bytes)
             failures.add_metric([r.instance_id, r.roles, "sent"], r.load.kv_send_failures)
-        if "D" in r.roles and "P" not in r.roles:
+        if rs.receives_kv:
             kv_bytes.add_metric([r.instance_id, r.roles, "received"], r.load.kv_received_bytes)
             failures.add_metric([r.instance_id, r.roles, "received"], r.load.kv_recv_failures)
-        if ("P" in r.roles) != ("D" in r.roles):
+        if rs.sends_kv or rs.receives_kv:
             leaked.add_metric([r.instance_id, r.roles], r.load.kv_leaked_communicators)
     yield kv_bytes
     yield failures

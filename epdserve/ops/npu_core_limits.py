@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from epdserve.ops.npu_aten_routes import LANGUAGE, ROUTES, VISION
 from epdserve.ops.npu_schema import ATB_ND, SCATTER_ND
+from epdserve.roles import role_set
 
 HONOURS, IGNORES, UNVERIFIED = "honours", "ignores", "unverified"
 
@@ -52,9 +53,10 @@ def stage_operators(role: str, kv_write: str | None) -> list[StageOperator]:
     with `kv_write` the KV write NpuPagedOps chose (ops/npu_schema.py; None: no NPU paged
     operators, e.g. EPDSERVE_OPS=portable, where the KV write and attention are aten too)."""
     ops: list[StageOperator] = []
-    if "E" in role:
+    rs = role_set(role)
+    if rs.encodes:
         ops += VISION_ATEN
-    if any(stage in role for stage in "PD"):
+    if rs.holds_kv:
         ops += [op for op in LM_ATEN if op not in ops]
         if kv_write in KV_WRITES:
             ops += [KV_WRITES[kv_write], FIA]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epdserve.instance.modes import Pool, candidate_counts, counts_of_pools, mode_pools
+from epdserve.roles import STAGES, role_set
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class PlannedDeployment:
     def split(self) -> str:
         """E:P:D as instances of each role (co-located workers counted in both)."""
         roles = self.instance_roles()
-        count = {s: sum(1 for r in roles if s in r.replace("+", "")) for s in "EPD"}
-        return f"{count['E']}:{count['P']}:{count['D']}"
+        count = {s: sum(1 for r in roles if s in role_set(r).stages) for s in STAGES}
+        return ":".join(str(count[s]) for s in STAGES)
 
     @property
     def summary(self) -> str:

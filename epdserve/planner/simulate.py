@@ -28,6 +28,7 @@ from epdserve.planner.deployment import PlannedDeployment
 from epdserve.planner.shapes import RequestShape
 from epdserve.planner.workers import (Job, Limits, SimCoupledWorker, SimDecodeWorker, SimEncodeWorker, SimPrefillWorker,
                                       Worker)
+from epdserve.roles import role_set
 
 MAX_EVENTS_PER_REQUEST = 200_000
 
@@ -95,25 +96,22 @@ class Simulation:
         self.done: list[Job] = []
 
     def _workers(self, roles: str, dev: Device, name: str) -> list[Worker]:
-        if roles in ("EPD", "PD"):
-            w = SimCoupledWorker(self, dev, name, encodes=roles == "EPD")
-            self.coupled.append(w)
-            return [w]
-        if roles == "P+E":
-            w = SimPrefillWorker(self, dev, name, inline_encode=True)
-            self.prefillers.append(w)
-            return [w]
+        """The simulated workers an instance of `roles` builds (its record's `workers`)."""
         out: list[Worker] = []
-        for r in roles:
-            if r == "E":
-                out.append(SimEncodeWorker(self, dev, f"{name}.E"))
-                self.encoders.append(out[-1])
-            elif r == "P":
-                out.append(SimPrefillWorker(self, dev, f"{name}.P"))
+        for w in role_set(roles).worker_sets:
+            own = name if w.coupled or w.encodes_inline else f"{name}.{w.name}"
+            if w.coupled:
+                out.append(SimCoupledWorker(self, dev, own, encodes=w.encodes_inline))
+                self.coupled.append(out[-1])
+            elif w.prefills:
+                out.append(SimPrefillWorker(self, dev, own, inline_encode=w.encodes_inline))
                 self.prefillers.append(out[-1])
-            elif r == "D":
-                out.append(SimDecodeWorker(self, dev, f"{name}.D"))
+            elif w.decodes:
+                out.append(SimDecodeWorker(self, dev, own))
                 self.decoders.append(out[-1])
+            else:
+                out.append(SimEncodeWorker(self, dev, own))
+                self.encoders.append(out[-1])
         return out
 
     # -- event loop --
@@ -153,7 +151,7 @@ class Simulation:
         if self.coupled:
             w = self._route(self.coupled, s.prompt_tokens + s.output_tokens)
             job.prefill_worker = w
-            if s.vision_items and w.kind == "EPD":
+            if s.vision_items and w.kind.encodes_inline:
                 job.items_left = len(s.vision_items)
                 for n in s.vision_items:
                     w.add_item(t, job, n)
@@ -161,7 +159,7 @@ class Simulation:
         else:
             job.prefill_worker = self._route(self.prefillers, s.prompt_tokens)
             job.decode_worker = self._route(self.decoders, s.prompt_tokens + s.output_tokens)
-        if s.vision_items and self.encoders and job.prefill_worker.kind != "P+E":
+        if s.vision_items and self.encoders and not job.prefill_worker.kind.encodes_inline:
             job.items_left = len(s.vision_items)
             for n in s.vision_items:
                 self._route(self.encoders, 0).add_item(t, job, n)  # add_item counts the tokens as its work

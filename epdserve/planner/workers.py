@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from epdserve.planner.shapes import RequestShape
+from epdserve.roles import FUSED_PREFILL, ROLE_TABLE, RoleSet
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Limits:
 
 
 class Worker:
-    kind = ""
+    kind: RoleSet | None = None  # the worker role set it simulates (epdserve/roles.py)
 
     def __init__(self, sim, device, name: str):
         self.sim, self.device, self.name = sim, device, name
@@ -74,7 +75,7 @@ def _chunks(tokens: int, budget: int) -> list[int]:
 
 
 class SimEncodeWorker(Worker):
-    kind = "E"
+    kind = ROLE_TABLE["E"]
 
     def __init__(self, sim, device, name):
         super().__init__(sim, device, name)
@@ -84,7 +85,7 @@ class SimEncodeWorker(Worker):
         parts = _chunks(tokens, self.sim.limits.encode_token_budget)
         for i, n in enumerate(parts):
             self.queue.append((now, job, n, i == len(parts) - 1))
-        if self.kind == "E":  # a coupled worker's routing work is its requests' tokens
+        if not self.kind.holds_kv:  # a coupled worker's routing work is its requests' tokens
             self.work += tokens
         self.device.kick(now)
 
@@ -114,7 +115,7 @@ class SimPrefillWorker(Worker):
     def __init__(self, sim, device, name, inline_encode: bool = False):
         super().__init__(sim, device, name)
         self.inline_encode = inline_encode
-        self.kind = "P+E" if inline_encode else "P"
+        self.kind = ROLE_TABLE[FUSED_PREFILL if inline_encode else "P"]
         self.queue: deque = deque()  # (ready, job)
 
     def add(self, now: float, job: Job) -> None:
@@ -148,7 +149,7 @@ def decoded(worker, batch: list, t: float) -> None:
 
 
 class SimDecodeWorker(Worker):
-    kind = "D"
+    kind = ROLE_TABLE["D"]
 
     def __init__(self, sim, device, name):
         super().__init__(sim, device, name)
@@ -182,7 +183,7 @@ class SimCoupledWorker(SimEncodeWorker):
 
     def __init__(self, sim, device, name, encodes: bool):
         super().__init__(sim, device, name)
-        self.kind = "EPD" if encodes else "PD"
+        self.kind = ROLE_TABLE["EPD" if encodes else "PD"]
         self.prefill_q: deque = deque()  # (ready, job)
         self.batch: list[Job] = []
 

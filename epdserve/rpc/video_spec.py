@@ -5,6 +5,8 @@ each side turns them back into the options dict `MultimodalProcessor.preprocess_
 """
 from __future__ import annotations
 
+from google.protobuf.json_format import MessageToJson
+
 from epdserve.rpc import common_pb2
 
 FIELDS = ("fps", "max_frames", "max_pixels")
@@ -22,3 +24,12 @@ def video_spec_to_proto(options: dict | None) -> common_pb2.VideoSpec:
     if unknown:
         raise ValueError(f"unknown video option(s) {sorted(unknown)}; known: {', '.join(FIELDS)}")
     return common_pb2.VideoSpec(**options)
+
+
+def video_timing(spec: common_pb2.VideoSpec) -> str:
+    """A video's timing in its prefix-cache identity (`seams/prefix_hash.media_extra`): its sampling
+    spec as the request gave it, canonical JSON. The scheduler (routing), P (its cache) and D (the
+    KV it imports) all know the spec, where only decoding the video tells its seconds per grid;
+    with the key (the bytes) it decides the sampled frames, so the same video sampled otherwise
+    never matches."""
+    return "video " + MessageToJson(spec, sort_keys=True, indent=None)

@@ -5,8 +5,8 @@ One sentence per module:
 - registry.py    the instance roster with health hysteresis and per-instance outstanding work
 - health.py      the prober: grpc.health.v1 checks, forgetting the long-dead, static instances
 - routing.py     Router: coupled vs. P+D, media spread across E, least work (+ cached prefix) + id cursor, backpressure
-- prompt_chunks.py  PromptChunker: a prompt's chained chunk hashes, media identity folded in
-- prefix_index.py   PrefixIndex: per instance, the prompt chunks this scheduler sent it (LRU; dropped when it dies)
+- prompt_chunks.py  PromptChunker: a prompt's block hashes (seams/prefix_hash.py) in each pool's block size
+- prefix_index.py   PrefixIndex: per instance, the prompt blocks this scheduler sent it (LRU; dropped when it dies)
 - preprocess.py  tokenization, media decode + keys, placeholder expansion (tokenizer only, no model)
 - attempt.py     one attempt's RPC choreography (Encode / Decode reserve / Prefill / Decode stream)
 - dispatcher.py  admission, retries with resume, abort, usage and timing of each request

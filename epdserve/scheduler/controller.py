@@ -56,7 +56,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from epdserve.engine.roles import ROLES, encodes_inline
+from epdserve.roles import ROLES, role_set
 from epdserve.scheduler.coupling import coupling_move, is_coupled, parked
 from epdserve.scheduler.pressure import STAGES, LoadPoint, LoadWindow, PressureConfig, StagePressure, stages_of
 
@@ -153,17 +153,17 @@ def roster_problem(roles: Iterable[str]) -> str | None:
     idle (the router's rules: scheduler/routing.py); None when they are fine."""
     roles = list(roles)
     coupled = [r for r in roles if is_coupled(r)]
-    p_side = [r for r in roles if "P" in stages_of(r) and "D" not in stages_of(r)]
-    d_side = [r for r in roles if "D" in stages_of(r) and "P" not in stages_of(r)]
-    encoders = [r for r in roles if "E" in r and not encodes_inline(r)]  # E, EP, ED: serve Encode calls
+    p_side = [r for r in roles if role_set(r).sends_kv]
+    d_side = [r for r in roles if role_set(r).receives_kv]
+    encoders = [r for r in roles if role_set(r).encodes_for_others]  # E, EP, ED: serve Encode calls
     if coupled and (p_side or d_side):
         return "coupled PD/EPD instances take every request, so P- or D-only roles beside them would idle"
     if not coupled and not (p_side and d_side):
         return "nothing would be left to prefill and decode (a P and a D, or a coupled PD/EPD)"
     prefillers = coupled or p_side
-    if not encoders and any(not encodes_inline(r) for r in prefillers):
+    if not encoders and any(not role_set(r).encodes_inline for r in prefillers):
         return "images would need an E: no E-serving instance left, and a prefiller does not encode inline"
-    if encoders and all(encodes_inline(r) for r in prefillers):
+    if encoders and all(role_set(r).encodes_inline for r in prefillers):
         return "E would idle: every prefilling instance encodes inline (EPD, P+E)"
     return None
 

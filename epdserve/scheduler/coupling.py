@@ -20,15 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.engine.roles import encodes_inline
-from epdserve.scheduler.pressure import stages_of
+from epdserve.roles import DECODE, FUSED_PREFILL, PREFILL, role_set
 
-MERGED = {"P+E": "EPD", "EP": "EPD", "P": "PD"}  # prefiller -> the coupled roles it becomes
-SPLIT = {"EPD": "P+E", "PD": "P"}  # coupled -> the prefiller it becomes (decode goes to a parked D)
+MERGED = {FUSED_PREFILL: "EPD", "EP": "EPD", "P": "PD"}  # prefiller -> the coupled roles it becomes
+SPLIT = {"EPD": FUSED_PREFILL, "PD": "P"}  # coupled -> the prefiller it becomes (decode goes to a parked D)
 
 
 def is_coupled(roles: str) -> bool:
-    return {"P", "D"} <= stages_of(roles)
+    return role_set(roles).coupled
 
 
 def parked(roles: list[str]) -> list[bool]:
@@ -37,8 +36,8 @@ def parked(roles: list[str]) -> list[bool]:
     coupled = [r for r in roles if is_coupled(r)]
     if not coupled:
         return [False] * len(roles)
-    e_used = any(not encodes_inline(r) for r in coupled)
-    return [not is_coupled(r) and not (e_used and r == "E") for r in roles]
+    e_used = any(not role_set(r).encodes_inline for r in coupled)
+    return [not is_coupled(r) and not (e_used and role_set(r).encode_only) for r in roles]
 
 
 @dataclass(frozen=True)
@@ -63,15 +62,15 @@ def coupling_move(roster: list, media_per_request: float | None, hot: set[str], 
     coupled = [e for e in roster if is_coupled(e.roles)]
     if not coupled:
         return _merge(roster, media_per_request, hot, media_max, d_pressure, stay)
-    if len(coupled) != 1 or (media_per_request <= media_max and "D" not in hot):
+    if len(coupled) != 1 or (media_per_request <= media_max and DECODE not in hot):
         return None
     return _split(roster, coupled[0], media_per_request, hot, media_max)
 
 
 def _merge(roster: list, media_per_request: float, hot: set[str], media_max: float, d_pressure: float,
            stay: float) -> CouplingMove | None:
-    prefillers = [e for e in roster if "P" in stages_of(e.roles)]
-    if media_per_request > media_max or "P" not in hot or d_pressure > stay or len(prefillers) != 1:
+    prefillers = [e for e in roster if role_set(e.roles).prefills]
+    if media_per_request > media_max or PREFILL not in hot or d_pressure > stay or len(prefillers) != 1:
         return None
     p = prefillers[0]
     target = MERGED.get(p.roles)
@@ -85,11 +84,11 @@ def _merge(roster: list, media_per_request: float, hot: set[str], media_max: flo
 
 def _split(roster: list, c, media_per_request: float, hot: set[str], media_max: float) -> CouplingMove | None:
     target = SPLIT.get(c.roles)
-    spare_d = [e for e, idle in zip(roster, parked([e.roles for e in roster])) if idle and "D" in stages_of(e.roles)]
+    spare_d = [e for e, idle in zip(roster, parked([e.roles for e in roster])) if idle and role_set(e.roles).decodes]
     if target is None or not spare_d:
         return None
     return CouplingMove(
         c.instance_id, c.roles, target,
-        f"split: {'D is hot' if 'D' in hot else 'traffic is encode-heavy'} ({media_per_request:.2f} media/request, "
+        f"split: {'D is hot' if DECODE in hot else 'traffic is encode-heavy'} ({media_per_request:.2f} media/request, "
         f"{media_max:g} at most for encode-light; {'/'.join(sorted(hot))} hot): {c.instance_id} gives decode back "
         f"to parked {spare_d[0].instance_id}")

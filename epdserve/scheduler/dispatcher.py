@@ -86,7 +86,7 @@ class RequestRun:
         self.first_at: float | None = None  # ... when it reached the scheduler (Unix seconds)
         self.resumed = 0  # output tokens the client already had (resume_token_ids)
         self.aborted = False
-        self.prefix: list[int] = []  # the prompt's chunk hashes, for cache-aware routing (prompt_chunks.py)
+        self.prefix: dict[int, list[bytes]] = {}  # block size -> the prompt's block hashes (prompt_chunks.py)
         self._wake = asyncio.Event()
 
     def abort(self) -> None:
@@ -297,7 +297,8 @@ class Dispatcher:
             if req.request_id and req.request_id in self.runs:
                 raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
             loop = asyncio.get_running_loop()
-            prep, prefix = await loop.run_in_executor(self._pool, self._prepare, req, self.registry.namespace)
+            prep, prefix = await loop.run_in_executor(self._pool, self._prepare, req, self.registry.namespace,
+                                                      self._block_sizes())
             if prep.request_id in self.runs:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
             run = RequestRun(self, prep, arrival, deadline)
@@ -318,10 +319,18 @@ class Dispatcher:
             self._admitted -= 1
             held.release()
 
-    def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str) -> tuple[PreparedRequest, list[int]]:
-        """In a worker thread: the prepared request and, for cache-aware routing, its prompt's chunk hashes."""
+    def _block_sizes(self) -> set[int]:
+        """The block sizes of the instances that prefill (on the event loop: the registry's thread)."""
+        return {r.block_size for r in self.registry.records() if r.role_set.prefills}
+
+    def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str,
+                 block_sizes: set[int]) -> tuple[PreparedRequest, dict[int, list[bytes]]]:
+        """In a worker thread: the prepared request and, for cache-aware routing, its prompt's block
+        hashes in each of `block_sizes`."""
         prep = self.preprocessor.prepare(req, namespace)
-        return prep, self.chunker.hashes(prep.prompt_token_ids, prep.media) if self.chunker is not None else []
+        if self.chunker is None:
+            return prep, {}
+        return prep, self.chunker.by_block_size(prep.prompt_token_ids, prep.media, block_sizes)
 
     def _report_finished(self, run: RequestRun, ok: bool) -> None:
         """Tell `finished_listeners(ttft_s, tpot_s, ok, media, age_s)` how a request went (scheduler's

@@ -26,15 +26,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from epdserve.engine.roles import engine_stages
-from epdserve.instance.roles import worker_roles
-
-STAGES = ("E", "P", "D")
+from epdserve.roles import DECODE, ENCODE, PREFILL, STAGES, role_set
 
 
 def stages_of(roles: str) -> frozenset[str]:
     """The stages whose work an instance with `roles` runs ("P+E" encodes inline: E and P)."""
-    return frozenset(engine_stages(roles))
+    return role_set(roles).stages
 
 
 @dataclass(frozen=True)
@@ -89,9 +86,9 @@ class LoadPoint:
         return self.engine_step_seconds + self.vision_seconds
 
     def queue_term(self, stage: str, cfg: PressureConfig) -> float:
-        if stage == "E":
+        if stage == ENCODE:
             return self.queued_media / cfg.e_queue_media
-        if stage == "P":
+        if stage == PREFILL:
             return self.queued_tokens / cfg.p_queue_tokens
         kv = (1.0 - self.free_kv_blocks / self.total_kv_blocks) / cfg.kv_used_high if self.total_kv_blocks else 0.0
         return max(kv, self.running_requests / cfg.d_batch_high)
@@ -164,8 +161,9 @@ class LoadWindow:
                            for _, pts in self.samples if any(s in p.stages for p in pts.values())]) for s in STAGES}
         busy = self._busy(latest)
         ttft, tpot = self._slo_terms()
-        front = "E" if capacity["E"] and max(queue["E"], busy["E"]) > max(queue["P"], busy["P"]) else "P"
-        slo = {"E": ttft if front == "E" else 0.0, "P": ttft if front == "P" else 0.0, "D": tpot}
+        e, p = ENCODE, PREFILL
+        front = e if capacity[e] and max(queue[e], busy[e]) > max(queue[p], busy[p]) else p
+        slo = {e: ttft if front == e else 0.0, p: ttft if front == p else 0.0, DECODE: tpot}
         return {s: StagePressure(s, queue[s], busy[s], slo[s], capacity[s]) for s in STAGES}
 
     def _busy(self, latest: dict[str, LoadPoint]) -> dict[str, float]:
@@ -178,7 +176,7 @@ class LoadWindow:
             if first is None or t_last <= first[0] or now_point.busy_seconds < first[1].busy_seconds:
                 continue  # one sample only, or the counters restarted
             share = (now_point.busy_seconds - first[1].busy_seconds) / (t_last - first[0])
-            share /= len(worker_roles(now_point.roles))
+            share /= len(role_set(now_point.roles).workers)
             for s in now_point.stages:
                 per[s].append(share / self.cfg.busy_high)
         return {s: _mean(v) for s, v in per.items()}

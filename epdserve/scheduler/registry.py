@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from epdserve.engine.roles import encodes_inline, normalize_roles, served_stages
 from epdserve.rpc import common_pb2
+from epdserve.roles import POOLS, RoleSet, normalize_roles, role_set
+from epdserve.scheduler.prompt_chunks import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +49,31 @@ class InstanceRecord:
     down_since: float | None = None
     heartbeats: bool = True  # registered itself (static instances are adopted and only probed)
     last_heartbeat: float = 0.0
-    outstanding: dict[str, int] = field(default_factory=lambda: {"E": 0, "P": 0, "D": 0, "PD": 0})
+    outstanding: dict[str, int] = field(default_factory=lambda: dict.fromkeys(POOLS, 0))  # per pool (roles.POOLS)
     inflight: int = 0
     draining: bool = False  # switching roles: finishes what it holds, takes nothing new
     compute: str = ""  # InstanceStatus.compute: equal values share their compute
+    block_size: int = DEFAULT_BLOCK_SIZE  # InstanceStatus.block_size: its engines' KV block (prefix hashes)
 
-    def has(self, role: str) -> bool:
-        """Does it serve calls for stage `role` (E, P, D)? A "P+E" instance serves P only."""
-        return role in served_stages(self.roles)
+    @property
+    def role_set(self) -> RoleSet:
+        """What its roles mean (epdserve/roles.py)."""
+        return role_set(self.roles)
+
+    def has(self, pool: str) -> bool:
+        """Does it take calls of `pool` (E, P, D; PD: whole requests)? A "P+E" instance serves P
+        only (`RoleSet.takes`)."""
+        return self.role_set.takes(pool)
 
     @property
     def encodes_inline(self) -> bool:
         """It encodes the media of what it prefills itself (EPD, P+E): no E needed."""
-        return encodes_inline(self.roles)
+        return self.role_set.encodes_inline
 
     @property
     def coupled(self) -> bool:
         """One engine runs P and D back to back (PD, EPD): it takes whole requests."""
-        return self.has("P") and self.has("D")
+        return self.role_set.coupled
 
     @property
     def routable(self) -> bool:
@@ -77,6 +85,7 @@ class InstanceRecord:
             instance_id=self.instance_id, roles=self.roles, address=self.address, model=self.model,
             media_namespace=self.namespace, load=self.load, kv_endpoint=self.kv_endpoint, health=self.health,
             last_seen=self.last_seen, pid=self.pid, draining=self.draining, compute=self.compute,
+            block_size=self.block_size,
         )
 
 
@@ -121,6 +130,7 @@ class InstanceRegistry:
         rec.kv_endpoint.CopyFrom(status.kv_endpoint)
         rec.pid = status.pid
         rec.compute = status.compute
+        rec.block_size = status.block_size or DEFAULT_BLOCK_SIZE
         if status.draining != rec.draining:
             log.info("instance %s %s", rec.instance_id, "is draining (switching roles)" if status.draining
                      else "takes work again")
@@ -155,11 +165,9 @@ class InstanceRegistry:
     def records(self) -> list[InstanceRecord]:
         return sorted(self._records.values(), key=lambda r: r.instance_id)
 
-    def candidates(self, role: str) -> list[InstanceRecord]:
-        """Routable instances that run `role` ("E", "P", "D"; "PD" = coupled), by id."""
-        if role == "PD":
-            return [r for r in self.records() if r.routable and r.coupled]
-        return [r for r in self.records() if r.routable and r.has(role)]
+    def candidates(self, pool: str) -> list[InstanceRecord]:
+        """Routable instances that take calls of `pool` ("E", "P", "D"; "PD" = coupled), by id."""
+        return [r for r in self.records() if r.routable and r.has(pool)]
 
     def switching(self) -> bool:
         """Is an instance draining for a role switch? (A role with no instance now may have one soon.)"""

@@ -18,14 +18,15 @@ Instances in `avoid` (they just failed this request) are used only when nothing 
 Cache-aware routing (policy "cache-aware", the default; "least-load" turns it off): the
 instance that prefills (coupled, or P) is chosen by cost = its outstanding work + the prompt
 tokens it would have to prefill for this request, i.e. the prompt less the prefix it probably
-holds (`PrefixIndex.matched` chunks x `CHUNK_TOKENS`, from where this router sent earlier
-prompts); the lowest cost wins, ties to the longer prefix, then the id cursor. This is the cost
+holds (`PrefixIndex.matched` blocks x its registered block size, the prompt hashed in blocks of
+that size: `prompt_chunks.py`; from where this router sent earlier prompts); the lowest cost
+wins, ties to the longer prefix, then the id cursor. This is the cost
 Dynamo's KV router minimises (prefill blocks still to compute + load). Work is in the same
 token units as least-load, so a held prefix is worth exactly the prefill it saves: an instance
 holding a hot prefix takes its requests until its queue is longer than the others' by more than
 that prefix, then the next one goes elsewhere (and that instance holds the prefix from then on),
 so a hot prefix cannot starve the rest. The lease counts only the uncached part of the prompt.
-With no prefix held anywhere (or a prompt shorter than one chunk) it is least-load exactly. D
+With no prefix held anywhere (or a prompt shorter than one block) it is least-load exactly. D
 instances and E are always least-load. The chosen instance is recorded in the index.
 """
 from __future__ import annotations
@@ -34,7 +35,6 @@ from dataclasses import dataclass, field
 
 from epdserve.scheduler.errors import RequestError
 from epdserve.scheduler.prefix_index import DEFAULT_CAPACITY, PrefixIndex
-from epdserve.scheduler.prompt_chunks import CHUNK_TOKENS
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 
 _ROLE_NAMES = {"E": "encode (E)", "P": "prefill (P)", "D": "decode (D)", "PD": "prefill+decode"}
@@ -108,7 +108,7 @@ class WorkLease:
 
 
 class Router:
-    """`policy`: one of POLICIES; `index_capacity`: chunk hashes remembered per instance."""
+    """`policy`: one of POLICIES; `index_capacity`: block hashes remembered per instance."""
 
     def __init__(self, registry: InstanceRegistry, max_inflight_per_instance: int = 256,
                  policy: str = "cache-aware", index_capacity: int = DEFAULT_CAPACITY):
@@ -123,15 +123,16 @@ class Router:
 
     @property
     def cache_aware(self) -> bool:
-        """Does `plan` use prompt chunk hashes (`prefix=`)?"""
+        """Does `plan` use prompt block hashes (`prefix=`)?"""
         return self.policy == "cache-aware"
 
     def plan(self, prompt_tokens: int, max_tokens: int, media_tokens: list[int], encode: list[int],
-             avoid: set[str] = frozenset(), prefix: list[int] | None = None) -> tuple[Plan, WorkLease]:
+             avoid: set[str] = frozenset(), prefix: dict[int, list[bytes]] | None = None) -> tuple[Plan, WorkLease]:
         """Choose instances for one attempt and lease their work.
 
         media_tokens: vision tokens of every media item; encode: indices of the items that need E;
-        prefix: the prompt's chunk hashes (`PromptChunker.hashes`), for cache-aware routing.
+        prefix: the prompt's block hashes by block size (`PromptChunker.by_block_size`), for
+        cache-aware routing; an instance whose block size is not there is taken to hold none.
         """
         plan = Plan()
         if self.registry.candidates("PD"):
@@ -159,19 +160,20 @@ class Router:
             lease.add(rec, "E", sum(media_tokens[i] for i in items))
         return plan, lease
 
-    def _pick_prefill(self, role: str, avoid: set[str], prefix: list[int] | None,
+    def _pick_prefill(self, role: str, avoid: set[str], prefix: dict[int, list[bytes]] | None,
                       prompt_tokens: int) -> tuple[InstanceRecord, int]:
         """The prefilling instance ("PD" or "P") and the prompt tokens it probably holds."""
         if not self.cache_aware or not prefix:
             return self._pick(role, avoid, {}), 0
         open_ = self._open(role, avoid)
-        held = {r.instance_id: min(self.index.matched(r, prefix) * CHUNK_TOKENS, prompt_tokens) for r in open_}
+        held = {r.instance_id: min(self.index.matched(r, prefix.get(r.block_size, ())) * r.block_size, prompt_tokens)
+                for r in open_}
         cost = {r.instance_id: r.outstanding[role] + prompt_tokens - held[r.instance_id] for r in open_}
         least = min(cost.values())
         tied = [r for r in open_ if cost[r.instance_id] == least]
         longest = max(held[r.instance_id] for r in tied)
         pick = self._cursors.setdefault(role, Cursor()).choose([r for r in tied if held[r.instance_id] == longest])
-        self.index.record(pick, prefix)
+        self.index.record(pick, prefix.get(pick.block_size, ()))
         return pick, held[pick.instance_id]
 
     def _pick(self, role: str, avoid: set[str], extra: dict[str, int]) -> InstanceRecord:

@@ -13,6 +13,7 @@ import time
 import grpc
 
 from epdserve.instance.modes import mode_of_roles
+from epdserve.roles import STAGES
 from epdserve.rpc import instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc
 from epdserve.scheduler.config import SchedulerConfig
 from epdserve.scheduler.dispatcher import Dispatcher
@@ -108,7 +109,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
         """The deployment mode the roster's roles add up to (instance/modes.py), else its role
         sets joined, e.g. "E-P" while instances are still registering."""
         roles = {r.roles for r in self.registry.records()}
-        return mode_of_roles(roles) or "-".join(sorted(roles, key=lambda x: ("EPD".index(x[0]), x)))
+        return mode_of_roles(roles) or "-".join(sorted(roles, key=lambda x: (STAGES.index(x[0]), x)))
 
 
 class RegistryServicer(instance_pb2_grpc.RegistryServicer):

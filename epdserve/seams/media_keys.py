@@ -24,9 +24,8 @@ one made once per process, so that every engine of the process agrees.
 Checksums are where xxhash stays (nothing adversarial depends on them): the namespace's
 fingerprint of the tower and processor config (our own weights and config, never request
 data), the MM Store value's checksum (`transfer/mm_store/codec.py`: corruption, not forgery;
-who may write is the server's password), and the router's prompt-chunk index
-(`scheduler/prompt_chunks.py`: an approximate routing hint; a forged collision steers one
-request to an instance, and the engine's prefix cache compares block contents before serving).
+who may write is the server's password). The router's prefix index hashes prompts with the
+engines' own SHA-256 block keys (`seams/prefix_hash.py`), not xxhash.
 
 Computing a namespace touches every parameter once but copies only a few values of each, so
 it costs milliseconds even for a 600M-parameter tower; compute it once per process.

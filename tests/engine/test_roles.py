@@ -3,7 +3,7 @@ refuse the same role strings (no model is loaded)."""
 import pytest
 
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.roles import ROLES, normalize_roles
+from epdserve.roles import ROLES, normalize_roles
 from epdserve.instance.config import InstanceConfig
 from epdserve.rpc import common_pb2
 from epdserve.scheduler.registry import InstanceRegistry, RegistryError

@@ -42,11 +42,13 @@ def test_register_heartbeat_reregister_deregister(qwen2_vl_tiny):
     host = None
     try:
         host = InstanceHost(InstanceConfig(roles="PD", model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
-                                           kv_cache_bytes=2 << 20), InstanceSecurity(cluster_token=TOKEN)).start()
+                                           kv_cache_bytes=2 << 20, block_size=32),
+                            InstanceSecurity(cluster_token=TOKEN)).start()
         assert host.wait_registered(30)
         st = wait_until(lambda: roster(sched).get(host.instance_id), what="registration")
         assert st.roles == "PD" and st.address == f"127.0.0.1:{host.port}" and st.media_namespace
         assert st.load.total_kv_blocks > 0 and st.pid > 0
+        assert st.block_size == 32  # its engine's: the router hashes prompts in blocks of it
         assert st.compute == f"cpu@{socket.gethostname()}"  # every core of this host: shared with its other instances
         sched.stop()  # a restarted scheduler knows nobody: the heartbeat says so and the instance registers again
         sched = SchedulerThread(SchedulerConfig(**cfg), security=security)

@@ -5,19 +5,18 @@ import threading
 import pytest
 import torch
 
-from epdserve.engine.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list, pin_worker_thread, split_cores, thread_cores
 from epdserve.instance.modes import Pool, mode_pools
-from epdserve.instance.roles import worker_roles
+from epdserve.roles import normalize_roles, parse_roles
 
 
 def test_worker_roles_coupled_and_colocated():
-    assert worker_roles("EPD") == ["EPD"]
-    assert worker_roles("pd") == ["PD"]
-    assert worker_roles("PE") == ["E", "P"]
-    assert worker_roles("ED") == ["E", "D"]
-    assert worker_roles("D") == ["D"]
-    assert worker_roles("P+E") == ["P+E"]  # one prefill engine that encodes inline (mode P-D)
+    assert parse_roles("EPD").workers == ("EPD",)
+    assert parse_roles("pd").workers == ("PD",)
+    assert parse_roles("PE").workers == ("E", "P")
+    assert parse_roles("ED").workers == ("E", "D")
+    assert parse_roles("D").workers == ("D",)
+    assert parse_roles("P+E").workers == ("P+E",)  # one prefill engine that encodes inline (mode P-D)
     for bad in ("", "X", "EE", "E,P"):
         with pytest.raises(ValueError):
             normalize_roles(bad)

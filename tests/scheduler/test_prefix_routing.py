@@ -1,13 +1,14 @@
 """Cache-aware routing's parts on real prompts (the scheduler's own preprocessor on the tiny
-Qwen2-VL checkpoint): prompt chunk hashes (a conversation's next turn extends its first, another
-image stops the match at its first chunk), the per-instance prefix index (longest run, LRU bound,
-tail-first eviction, forgetting a dead or restarted instance) and the router's cost rule."""
+Qwen2-VL checkpoint): prompt block hashes (a conversation's next turn extends its first, another
+image stops the match at its first block), the per-instance prefix index (longest run, LRU bound,
+tail-first eviction, forgetting a dead or restarted instance) and the router's cost rule, with
+each instance's prefix counted in blocks of its registered size."""
 import pytest
 
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.scheduler.prefix_index import PrefixIndex
 from epdserve.scheduler.preprocess import RequestPreprocessor
-from epdserve.scheduler.prompt_chunks import CHUNK_TOKENS, PromptChunker
+from epdserve.scheduler.prompt_chunks import DEFAULT_BLOCK_SIZE as CHUNK_TOKENS, PromptChunker
 from epdserve.scheduler.registry import InstanceRegistry
 from epdserve.scheduler.routing import Router
 from tests.scheduler.harness import image
@@ -64,10 +65,11 @@ def test_text_prompts_without_media_and_short_prompts(chunker):
     assert chunker.hashes(ids[:CHUNK_TOKENS - 1]) == []
 
 
-def records(*specs):
+def records(*specs, block_size=0):
     reg = InstanceRegistry()
     for iid, roles in specs:
-        reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}", pid=1))
+        reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}", pid=1,
+                                               block_size=block_size))
     return reg
 
 
@@ -99,13 +101,13 @@ def test_router_sends_a_held_prefix_home_until_its_queue_outweighs_the_prefix(pr
     p1, h1 = prepared(pre, chunker, chat("What is in this picture?"))
     p2, h2 = prepared(pre, chunker, chat("What is in this picture?", "Colours.", "Which colour most?"))
     n1, n2 = len(p1.prompt_token_ids), len(p2.prompt_token_ids)
-    plan1, lease1 = router.plan(n1, 8, [], [], prefix=h1)
+    plan1, lease1 = router.plan(n1, 8, [], [], prefix={CHUNK_TOKENS: h1})
     home = plan1.coupled.instance_id
     other = "c1" if home == "c0" else "c0"
     assert plan1.prefix_tokens == 0 and reg.get(home).outstanding["PD"] == n1 + 8
     lease1.release()
     # idle: the second turn goes where the first went, leasing only what is not cached
-    plan2, lease2 = router.plan(n2, 8, [], [], prefix=h2)
+    plan2, lease2 = router.plan(n2, 8, [], [], prefix={CHUNK_TOKENS: h2})
     assert plan2.coupled.instance_id == home and plan2.prefix_tokens == len(h1) * CHUNK_TOKENS
     assert reg.get(home).outstanding["PD"] == n2 - plan2.prefix_tokens + 8
     lease2.release()
@@ -113,11 +115,11 @@ def test_router_sends_a_held_prefix_home_until_its_queue_outweighs_the_prefix(pr
     # that prefix saves: the other instance; one token less, still home
     held = len(h2) * CHUNK_TOKENS
     reg.get(home).outstanding["PD"] = held
-    plan3, lease3 = router.plan(n2, 8, [], [], prefix=h2)
+    plan3, lease3 = router.plan(n2, 8, [], [], prefix={CHUNK_TOKENS: h2})
     assert plan3.coupled.instance_id == home and plan3.prefix_tokens == held
     lease3.release()
     reg.get(home).outstanding["PD"] = held + 1
-    plan3, lease3 = router.plan(n2, 8, [], [], prefix=h2)
+    plan3, lease3 = router.plan(n2, 8, [], [], prefix={CHUNK_TOKENS: h2})
     assert plan3.coupled.instance_id == other and plan3.prefix_tokens == 0
     lease3.release()
     # ... which holds it from then on: with equal queues the longer held prefix wins, on either
@@ -129,15 +131,15 @@ def test_router_least_load_policy_and_split_mode(pre, chunker):
     _, h = prepared(pre, chunker, chat("What is in this picture?"))
     reg = records(("c0", "EPD"), ("c1", "EPD"))
     router = Router(reg, policy="least-load")
-    picks = [router.plan(100, 8, [], [], prefix=h)[0].coupled.instance_id for _ in range(4)]
+    picks = [router.plan(100, 8, [], [], prefix={CHUNK_TOKENS: h})[0].coupled.instance_id for _ in range(4)]
     assert picks == ["c0", "c1", "c0", "c1"] and router.index.instances() == []  # round-robin, nothing recorded
     with pytest.raises(ValueError):
         Router(reg, policy="random")
     reg = records(("p0", "P"), ("p1", "P"), ("d0", "D"), ("d1", "D"))
     router = Router(reg)
-    first, lease = router.plan(100, 8, [], [], prefix=h)
+    first, lease = router.plan(100, 8, [], [], prefix={CHUNK_TOKENS: h})
     lease.release()
-    again = [router.plan(100, 8, [], [], prefix=h)[0] for _ in range(3)]
+    again = [router.plan(100, 8, [], [], prefix={CHUNK_TOKENS: h})[0] for _ in range(3)]
     assert {p.prefill.instance_id for p in again} == {first.prefill.instance_id}  # P follows the prefix
     assert {p.decode.instance_id for p in again} == {"d0", "d1"}  # D stays least-load
 
@@ -147,10 +149,28 @@ def test_router_forgets_instances_that_go_down_or_leave(pre, chunker):
     reg = records(("c0", "EPD"), ("c1", "EPD"))
     router = Router(reg)
     for _ in range(2):
-        router.plan(100, 8, [], [], prefix=h)[1].release()
+        router.plan(100, 8, [], [], prefix={CHUNK_TOKENS: h})[1].release()
         reg.get(router.index.instances()[0]).outstanding["PD"] = 10_000  # make the next one spill over
     assert router.index.instances() == ["c0", "c1"]
     for _ in range(reg.unhealthy_after):
         reg.record_failure("c0")
     reg.deregister("c1")
     assert router.index.instances() == []
+
+
+def test_each_instance_is_matched_in_blocks_of_its_registered_size(pre, chunker):
+    p2, _ = prepared(pre, chunker, chat("What is in this picture?", "Colours.", "Which colour most?"))
+    ids, n = p2.prompt_token_ids, len(p2.prompt_token_ids)
+    assert records(("a", "EPD")).get("a").block_size == CHUNK_TOKENS  # none registered: 16
+    reg = records(("n0", "EPD"), ("n1", "EPD"), block_size=128)  # an NPU pool
+    assert reg.get("n0").block_size == 128 and reg.get("n0").to_proto().block_size == 128
+    router = Router(reg)
+    prefix = chunker.by_block_size(ids, p2.media, [128])
+    plan, lease = router.plan(n, 8, [], [], prefix=prefix)
+    lease.release()
+    again, lease = router.plan(n, 8, [], [], prefix=prefix)
+    assert again.coupled.instance_id == plan.coupled.instance_id and again.prefix_tokens == n // 128 * 128 > 0
+    lease.release()
+    # hashes of another block size say nothing of this pool's caches
+    other, lease = router.plan(n, 8, [], [], prefix=chunker.by_block_size(ids, p2.media, [16]))
+    assert other.prefix_tokens == 0

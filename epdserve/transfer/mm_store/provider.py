@@ -1,16 +1,17 @@
 """`FeatureProvider` (the engine's E->P seam, epdserve/seams/feature_provider.py) over the MM Store.
 
-One class, used by an engine in the role(s) it runs (`roles`, as in `EngineConfig.roles`):
+One class, used by an engine in the role(s) it runs (`roles`, as in `EngineConfig.roles`; its
+record in `epdserve/roles.py` says which sides it plays):
 
-- encode side ("E" without "P"): `contains` asks the store (a hit lets the encoder skip the
+- encode side (it encodes and does not prefill): `contains` asks the store (a hit lets the encoder skip the
   item); `save` puts the features and then publishes {key, request id} to the target prefill
   instance's event stream (the request's target, else `default_target`).
-- prefill side ("P" in roles): a `LocalFeatureCache` fed by a `PrefetchListener` on this
+- prefill side (it prefills): a `LocalFeatureCache` fed by a `PrefetchListener` on this
   instance's stream (when `instance_id` is given), read through a `FeatureFetcher`:
   `load(key, timeout_s)` returns the feature (local, in-flight prefetch, or store) or None,
   after which the engine waits (polling `load` each step) or recomputes; the engine counts its
   recomputes (`EncodeStage.recomputes`). `FeatureStats.misses` counts `load`s that returned None.
-  With "E" and "P" together (EP co-location, monolithic) `save` caches locally and stores;
+  With both sides in one engine (monolithic, P+E) `save` caches locally and stores;
   no event is needed.
 
 Nothing here raises for an unreachable server: reads turn into misses and writes are skipped
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from epdserve.roles import parse_roles
 from epdserve.seams.byte_lru import tensors_nbytes
 from epdserve.seams.feature_provider import FeatureProvider, FeatureStats
 from epdserve.transfer.mm_store.cache import LocalFeatureCache
@@ -49,12 +51,10 @@ class MMStoreFeatureProvider(FeatureProvider):
         owns_store: bool = False,
         listener_replay_s: float = 30.0,
     ):
-        roles = roles.upper()
-        if not roles or set(roles) - set("EPD"):
-            raise ValueError(f"roles is a subset of 'EPD' such as 'E', 'P' or 'EP', got {roles!r}")
+        rs = parse_roles(roles)
         self.store = store
-        self.encodes = "E" in roles
-        self.prefills = "P" in roles
+        self.encodes = rs.encodes
+        self.prefills = rs.prefills
         self.default_target = default_target
         self.owns_store = owns_store
         self.counters: Counters = feature_counters()
