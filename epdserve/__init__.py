@@ -1,8 +1,9 @@
 """epdserve: Encode / Prefill / Decode disaggregated serving for vision-language models.
 
-Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped), and `Client` / `AsyncClient`
-(epdserve/client/) for a running deployment's gRPC service. Everything else is the `epdserve` command
-(epdserve/entrypoints/cli.py): `launch`, `scheduler`, `instance`, `demo-model`, `bench`, `profile`.
+Public API: `LLM` and `SamplingParams` (offline, vLLM-shaped; `StructuredOutput`: a structured
+output's constraint), and `Client` / `AsyncClient` (epdserve/client/) for a running deployment's
+gRPC service. Everything else is the `epdserve` command (epdserve/entrypoints/cli.py): `launch`,
+`scheduler`, `instance`, `demo-model`, `bench`, `profile`.
 
 Package map, bottom to top (the layers of .importlinter's contract; docs/architecture.md draws them):
 - proto_gen/       protoc output (epdserve.v1 messages and services), generated, never edited
@@ -42,8 +43,9 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from epdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from epdserve.engine.structured_output import StructuredOutput  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "Client", "AsyncClient"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "Client", "AsyncClient"]
 
 
 def __getattr__(name):

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.structured_output import StructuredOutput
+from epdserve.instance.sampling_wire import structured_to_proto
 from epdserve.model.chat import image_url_bytes, unsupported_part
 from epdserve.rpc import common_pb2, serve_pb2
 
@@ -141,6 +144,9 @@ def sampling_proto(kwargs: dict) -> common_pb2.SamplingParams:
             p.stop.extend([value] if isinstance(value, str) else list(value))
         elif name == "stop_token_ids":
             p.stop_token_ids.extend(int(t) for t in value)
+        elif name == "structured":  # a StructuredOutput, or vLLM's spelling: {"json": schema}, {"regex": ...}, ...
+            so = value if isinstance(value, StructuredOutput) else StructuredOutput.from_options(value)
+            p.structured.CopyFrom(structured_to_proto(so))
         else:
             setattr(p, name, value)
     return p
@@ -200,15 +206,21 @@ def video_proto(video, options: dict | None = None) -> common_pb2.Media:
 
 
 def build_request(prompt=None, images=None, *, chat=None, request_id: str = "", add_generation_prompt: bool = True,
-                  videos=None, video_options: dict | None = None, **sampling) -> serve_pb2.GenerateRequest:
+                  videos=None, video_options: dict | None = None, tools: list[dict] | None = None,
+                  **sampling) -> serve_pb2.GenerateRequest:
     """`videos`: container bytes or paths, one per `<|vision_start|><|video_pad|><|vision_end|>`;
-    `video_options` applies to each of them."""
+    `video_options` applies to each of them. `tools` (chat only): OpenAI tool definitions the
+    prompt offers the model (its `<tool_call>` blocks: `epdserve.model.tool_calls.parse_tool_calls`)."""
     req = serve_pb2.GenerateRequest(request_id=request_id or "", sampling=sampling_proto(sampling))
     if chat is not None:
         if images or videos:
             raise ValueError("chat messages carry their own images")
         req.chat.CopyFrom(chat_proto(chat, add_generation_prompt))
+        if tools:
+            req.chat.tools_json = json.dumps(list(tools))
         return req
+    if tools:
+        raise ValueError("tools are offered in a chat (chat=...), not with a prompt")
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt is not None:

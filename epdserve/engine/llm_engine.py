@@ -27,6 +27,7 @@ from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.encode_stage import EncodeStage
 from epdserve.engine.engine_request import EngineRequest
+from epdserve.engine.grammar import GrammarBackend
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.engine.loaded_model import LoadedModel, load_model
 from epdserve.engine.model_runner import ModelRunner
@@ -79,6 +80,7 @@ class LLMEngine:
         if capture_s:
             log.info("captured decode graphs for batch sizes %s in %.2f s", self.runner.graphs.buckets, capture_s)
         self.features = features or LocalFeatureProvider()
+        self.grammars = GrammarBackend(self.model.tokenizer, a.text_config.vocab_size, self.model.eos_token_ids)
         self.stats = EngineStats()
         # only an engine that decodes has inter-token gaps to protect
         self.budget = StepBudget(config.slo_tpot_ms / 1000.0) if config.step_budget and config.decodes else None
@@ -118,6 +120,13 @@ class LLMEngine:
                        kv_transfer=req.kv_transfer, num_vision_tokens_hint=req.num_vision_tokens,
                        media_identity=tuple(req.media_identity))
         self._validate(seq)
+        if req.params.structured is not None and self.config.computes:  # compiled here (cached per schema)
+            c = req.params.structured
+            if c.replay_prompt_tokens > seq.prompt_len:
+                raise InvalidRequestError(f"replay_prompt_tokens={c.replay_prompt_tokens} exceeds the prompt "
+                                          f"({seq.prompt_len} tokens)")
+            seq.grammar = self.grammars.matcher(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
+                                                if c.replay_prompt_tokens else ())
         seq.timings["arrival"] = time.time()
         if req.params.seed is not None:  # a decode side continues a remote sampler: another stream
             seed = req.params.seed + (1 if isinstance(req.kv_transfer, RemotePrefill) else 0)

@@ -3,7 +3,7 @@
 Owns the device-side work of a step: packing its inputs (token ids, M-RoPE positions, rows that
 sample, the attention metadata) into one buffer uploaded with one copy (engine/step_buffers.py),
 text embeddings with media features spliced in, the lean LM forward (engine/lm/), the LM head on
-the rows that sample and the sampler. The step reads one thing back: the sampled tokens. The KV
+the rows that sample, the structured outputs' grammar masks (engine/grammar.py) and the sampler. The step reads one thing back: the sampled tokens. The KV
 connector's worker side runs inside the forward: `start_load_kv` before it,
 `wait_for_layer_load(i)` before layer i, `save_kv_layer(i)` after it (the P→D transfer sends
 layer i while layer i+1 computes), `wait_for_save` at the end. Block tables come with the batch;
@@ -20,6 +20,7 @@ from array import array
 
 import torch
 
+from epdserve.engine.grammar import mask_logits
 from epdserve.engine.graph_runner import DecodeGraphs
 from epdserve.engine.kv_cache import PagedKVCache
 from epdserve.engine.lm.forward import LeanLM
@@ -209,6 +210,8 @@ class ModelRunner:
     @staticmethod
     def _sample_rows(batch: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor) -> list[int | None]:
         result: list[int | None] = [None] * len(batch)
+        mask_logits(logits, [(j, batch[k].seq.grammar, batch[k].seq.output_token_ids)
+                             for j, k in enumerate(sampling) if batch[k].seq.grammar is not None])
         toks = sample(logits, [batch[k].seq.params for k in sampling], [batch[k].seq.generator for k in sampling])
         for k, t in zip(sampling, toks):
             result[k] = t

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from epdserve.engine.structured_output import StructuredOutput
+
 MIN_TEMPERATURE = 1e-5  # below it (but not 0), logits / temperature overflow float32 to inf
 
 
@@ -14,7 +16,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those filters.
     min_p (vLLM's): tokens whose probability is below min_p times the most likely token's are
     dropped before sampling (greedy is unaffected). `seed` makes a sampled request reproducible
-    regardless of what it is batched with.
+    regardless of what it is batched with. `structured`: the grammar the output must follow
+    (engine/grammar.py masks every sampled token with it, greedy included), or None.
     """
 
     max_tokens: int = 16
@@ -27,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_p: float = 0.0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

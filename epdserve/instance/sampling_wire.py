@@ -5,11 +5,17 @@ instance reading an internal one); it lives in instance/, the lowest layer that 
 engine's type and the wire (rpc/ imports nothing of the engine). A field the sender left unset
 takes the engine's default; bad values raise `InvalidRequestError` (callers map it to
 INVALID_ARGUMENT): a number out of its range (`epdserve.rpc.ranges.check_sampling`, the rules
-both fronts share) as `RangeError`, naming the field.
+both fronts share) as `RangeError`, naming the field; a structured output that is empty or
+malformed (its schema not JSON, an empty choice list) or that does not parse (engine/grammar.py `check`).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+
+from epdserve.engine.grammar import check as check_grammar
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.structured_output import StructuredOutput
 from epdserve.request_errors import InvalidRequestError
 from epdserve.rpc import common_pb2
 from epdserve.rpc.ranges import check_sampling
@@ -23,9 +29,14 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     check_sampling(p)
     kw = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
     try:
-        return SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), **kw)
+        if p.HasField("structured"):
+            kw["structured"] = structured_from_proto(p.structured)
+        params = SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), **kw)
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"bad sampling parameters: {e}") from None
+    if params.structured is not None:
+        check_grammar(params.structured)
+    return params
 
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
@@ -37,4 +48,31 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     )
     if s.seed is not None:
         p.seed = s.seed
+    if s.structured is not None:
+        p.structured.CopyFrom(structured_to_proto(s.structured))
     return p
+
+
+def structured_from_proto(m: common_pb2.StructuredOutput) -> StructuredOutput:
+    """ValueError when the constraint is empty or malformed (a schema that is not JSON)."""
+    which = m.WhichOneof("constraint")
+    if which is None:
+        raise ValueError("structured is set but holds no constraint")
+    if which == "choice":
+        c = StructuredOutput.choice(list(m.choice.choices))
+    elif which == "json_object":
+        c = StructuredOutput("json_object")
+    else:
+        c = StructuredOutput("json" if which == "json_schema" else which, getattr(m, which))
+    return dataclasses.replace(c, replay_prompt_tokens=m.replay_prompt_tokens)
+
+
+def structured_to_proto(c: StructuredOutput) -> common_pb2.StructuredOutput:
+    if c.kind == "choice":
+        m = common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=json.loads(c.spec)))
+    elif c.kind == "json_object":
+        m = common_pb2.StructuredOutput(json_object=True)
+    else:
+        m = common_pb2.StructuredOutput(**{"json_schema" if c.kind == "json" else c.kind: c.spec})
+    m.replay_prompt_tokens = c.replay_prompt_tokens
+    return m

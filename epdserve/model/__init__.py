@@ -11,6 +11,7 @@ rendering, the demo checkpoints and the transformers reference. The errors its i
 - processor.py       MultimodalProcessor: prompt + images (+ videos) → token ids with expanded placeholders
 - video.py           video input: decode (PyAV), sample frames, resize, normalize, patch
 - chat.py            chat messages (OpenAI shape) → one prompt and its media, in order
+- tool_calls.py      tool calls in the Qwen (Hermes) format: the prompt's tools section, <tool_call> blocks parsed
 - reference.py       ReferenceGenerator: transformers' own `generate`, the correctness oracle
 - demo.py            random-weight demo checkpoints laid out like downloaded Qwen-VL ones
 - demo_cache.py      the demo checkpoints in the user's cache, built once (launch's default model)

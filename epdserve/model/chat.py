@@ -11,6 +11,7 @@ import base64
 import binascii
 from urllib.parse import unquote_to_bytes
 
+from epdserve.model.tool_calls import render_tools
 from epdserve.request_errors import InvalidRequestError
 
 # content part types OpenAI defines that epdserve does not take -> what the refusal says
@@ -24,8 +25,11 @@ def unsupported_part(kind, supported: tuple[str, ...]) -> str:
     return UNSUPPORTED_PARTS.get(kind) or f"content part type {kind!r} is not supported; supported: {', '.join(supported)}"
 
 
-def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> dict:
+def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                   tools: list[dict] | None = None) -> dict:
     """Render a conversation with the checkpoint's chat template; collect its images in order.
+    `tools` (OpenAI tool definitions): given to a template that renders tools, else written into
+    the system message in the Qwen (Hermes) format (epdserve.model.tool_calls).
 
     Returns the offline API's prompt shape: `{"prompt": str, "multi_modal_data": {"image": [...]}}`
     (plus `"video": [...]` when the conversation has videos). A content part is
@@ -54,7 +58,12 @@ def chat_to_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool 
             rendered.append({"role": msg["role"], "content": parts})
         else:
             rendered.append({"role": msg["role"], "content": content or ""})
-    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
+    kw = {}
+    if tools and "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+        kw["tools"] = tools
+    elif tools:
+        rendered = render_tools(rendered, tools)
+    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
     mm = {"image": images, "video": videos} if videos else {"image": images}
     return {"prompt": text, "multi_modal_data": mm}
 

@@ -26,8 +26,10 @@ class ReferenceGenerator:
         )
 
     @torch.inference_mode()
-    def generate(self, prompt, images=None, max_tokens: int = 16, ignore_eos: bool = True) -> list[int]:
-        """Greedy output token ids (EOS included when it ends the output, as epdserve reports it)."""
+    def generate(self, prompt, images=None, max_tokens: int = 16, ignore_eos: bool = True,
+                 logits_processor=None) -> list[int]:
+        """Greedy output token ids (EOS included when it ends the output, as epdserve reports it);
+        `logits_processor`: transformers' LogitsProcessor list (a structured output's grammar)."""
         p = self.processor.process(prompt, images)
         device = self.model.device
         ids = torch.tensor([p.token_ids], device=device)
@@ -41,6 +43,7 @@ class ReferenceGenerator:
         if ignore_eos:  # vLLM's ignore_eos: EOS is no stop, but may still be generated (min_new_tokens would mask it)
             kw.update(eos_token_id=None, pad_token_id=self.tokenizer.pad_token_id or 0)
         out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, **kw
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+            logits_processor=logits_processor, **kw
         )
         return out[0, ids.shape[1] :].tolist()

@@ -181,6 +181,8 @@ class RequestRun:
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(prep.sampling)
         sampling.max_tokens = remaining
+        if sampling.HasField("structured"):  # the resumed output joins the prompt: the grammar replays it
+            sampling.structured.replay_prompt_tokens = len(self.generated)
         inputs = AttemptInputs(f"{prep.request_id}#{n}", prompt, refs, sampling, prep.num_vision_tokens, self.deadline)
         attempt = Attempt(inputs, plan, lease, d.channels, d.registry, d.background)
         attempt.encoded_keys = encoding

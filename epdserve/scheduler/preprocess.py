@@ -14,6 +14,7 @@ Thread-safe: `prepare` runs in worker threads (it is CPU work), the index takes 
 """
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections import OrderedDict
@@ -181,9 +182,14 @@ class RequestPreprocessor:
             raise RequestError.invalid("chat has no messages")
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         try:
-            rendered = chat_to_prompt(self.tokenizer, messages, add_gen)
+            tools = json.loads(chat.tools_json) if chat.tools_json else None
+            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                raise InvalidRequestError("chat.tools_json must be a JSON list of tool objects")
+            rendered = chat_to_prompt(self.tokenizer, messages, add_gen, tools)
         except InvalidRequestError as e:
             raise RequestError.invalid(str(e)) from None
+        except ValueError as e:  # tools_json is not JSON
+            raise RequestError.invalid(f"chat.tools_json is not valid JSON: {e}") from None
         except Exception as e:  # the chat template may reject a conversation in many ways
             raise RequestError.invalid(f"cannot render the chat: {readable(e)}") from None
         mm = rendered["multi_modal_data"]

@@ -194,10 +194,11 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             check(request)
             body = _parse(ChatCompletionRequest, await _read_body(request, opts.max_body_bytes))
             check(request, body.model)
-            return body, within_limits([await chat_request(body, opts, max_len())])
+            req, plan = await chat_request(body, opts, max_len())
+            return body, within_limits([req]), plan
 
-        body, reqs = await admitted(admit())
-        shape = Shape(True, reqs[0].request_id, model_name, body.return_token_ids)
+        body, reqs, plan = await admitted(admit())
+        shape = Shape(True, reqs[0].request_id, model_name, body.return_token_ids, tools=plan)
         return await serve(request, reqs, shape, body.stream,
                            bool(body.stream_options and body.stream_options.include_usage))
 
@@ -320,6 +321,12 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
                 yield sse(d.body())
                 break
             else:
+                if shape.tools is not None:  # chat with tools: content and tool_calls deltas (one choice)
+                    for chunk in shape.tool_chunks(d.text, list(d.token_ids), d.finish_reason if d.finished else None):
+                        yield sse(chunk)
+                    if d.finished:
+                        usages.append(d.usage)
+                    continue
                 if d.text or d.token_ids:
                     yield sse(shape.chunk(d.text, list(d.token_ids), index=i))
                 if d.finished:

@@ -17,22 +17,30 @@ from 1, each kind apart), where it came from and where it sits in the body: "ima
 """
 from __future__ import annotations
 
+import json
 import uuid
 
+from epdserve.engine.grammar import check as check_grammar
+from epdserve.engine.structured_output import StructuredOutput
 from epdserve.entrypoints.http.errors import ApiError
 from epdserve.entrypoints.http.images import decode_data_url, image_bytes, source
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from epdserve.entrypoints.http.tools import ToolPlan, tool_turn
+from epdserve.instance.sampling_wire import structured_to_proto
 from epdserve.model.chat import unsupported_part
 from epdserve.model.processor import open_image
-from epdserve.request_errors import MediaError
+from epdserve.request_errors import InvalidRequestError, MediaError
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.rpc.ranges import RangeError, check_sampling, check_token_ids
 
 SUPPORTED_PARTS = ("text", "image_url", "video_url")  # content part types the HTTP front takes
 
 
-def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -> common_pb2.SamplingParams:
+def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None,
+             structured: tuple[StructuredOutput | None, str | None] | None = None) -> common_pb2.SamplingParams:
+    """The body's sampling as the gRPC message; `structured`: (constraint, field) when the caller
+    already decided it (chat's named tool_choice), else the body's own (`SamplingFields.structured`)."""
     why = body.unsupported()
     if why:
         raise ApiError(400, why[0], param=why[1])
@@ -52,16 +60,43 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -
         raise ApiError(400, e.message, param=e.field) from None
     except (ValueError, TypeError) as e:  # protobuf: a number its field cannot hold
         raise ApiError(400, f"a sampling parameter is out of range: {e}") from None
+    constraint = field = None
+    try:
+        constraint, field = structured or body.structured()
+        if constraint is not None:
+            check_grammar(constraint)  # the scheduler checks it too; here the 400 names the field
+    except (ValueError, InvalidRequestError) as e:
+        raise ApiError(400, str(e), param=field or _structured_field(body)) from None
+    if constraint is not None:
+        p.structured.CopyFrom(structured_to_proto(constraint))
     return p
 
 
-async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int) -> serve_pb2.GenerateRequest:
+def _structured_field(body: SamplingFields) -> str:
+    """The field a refused structured output came from (the first one set)."""
+    names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    return next((n for n in names if getattr(body, n) is not None), "response_format")
+
+
+async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int
+                       ) -> tuple[serve_pb2.GenerateRequest, ToolPlan | None]:
+    """The request and its tool plan (entrypoints/http/tools.py; None without tools)."""
+    try:
+        plan = ToolPlan.of(body.tools, body.tool_choice)
+    except ValueError as e:
+        raise ApiError(400, e.args[0], param=e.args[1]) from None
     chat = serve_pb2.Chat(add_generation_prompt=body.add_generation_prompt)
+    if plan is not None:
+        chat.tools_json = json.dumps(plan.tools)
     images = videos = 0  # numbered from 1 in prompt order, as the scheduler's errors number them
     for i, msg in enumerate(body.messages):
         role = "system" if msg.role == "developer" else msg.role
-        out = chat.messages.add(role=role)
         content = msg.content if msg.content is not None else ""
+        if role == "tool" or msg.tool_calls:
+            if not isinstance(content, str):
+                content = "".join(p.text or "" for p in content if p.type == "text")
+            role, content = tool_turn(role, content, msg.tool_calls)
+        out = chat.messages.add(role=role)
         if isinstance(content, str):
             out.content.add(text=content)
             continue
@@ -78,10 +113,20 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
             else:
                 why = unsupported_part(part.type, SUPPORTED_PARTS)
                 raise ApiError(400, f"{where}: {why}", param=f"{where}.type")
-    return serve_pb2.GenerateRequest(
+    structured = None
+    if plan is not None and plan.named is not None:
+        try:
+            asked, field = body.structured()
+        except ValueError as e:
+            raise ApiError(400, str(e), param=_structured_field(body)) from None
+        if asked is not None:
+            raise ApiError(400, f"a named tool_choice is a structured output already; drop {field}", param=field)
+        structured = (plan.constraint(), "tool_choice")
+    req = serve_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", chat=chat,
-        sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens),
+        sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens, structured),
     )
+    return req, plan
 
 
 async def _image(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:

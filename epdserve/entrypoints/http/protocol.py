@@ -1,8 +1,13 @@
 """Request bodies of /v1/chat/completions and /v1/completions (pydantic), OpenAI's fields plus
 vLLM's extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `seed`,
 `return_token_ids`). Unknown fields are ignored, as vLLM does; fields whose meaning epdserve
-cannot honour (n > 1, logprobs, echo, penalties, logit_bias, tools) are refused with 400 by
+cannot honour (n > 1, logprobs, echo, penalties, logit_bias) are refused with 400 by
 `unsupported`, naming the field.
+
+Structured outputs (`structured`): OpenAI's `response_format` (`text`, `json_object`,
+`json_schema`), vLLM's `structured_outputs` ({json | json_object | regex | choice | grammar}) and
+vLLM's older spelling (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, removed
+from vLLM in v0.12 and still taken here); two of them in one body is a 400.
 
 Every number has a range, so one out of it is a 400 naming the field here, never a failure later
 (protobuf refuses an int that overflows its field): the sampling fields the gRPC message carries
@@ -15,10 +20,12 @@ id); a float is finite (NaN and Infinity, which JSON parsers take, are refused).
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from epdserve.engine.structured_output import StructuredOutput
 from epdserve.rpc import ranges as R
 
 TokenId = Annotated[int, Field(ge=R.TOKEN_ID.lo, le=R.TOKEN_ID.hi)]
@@ -30,6 +37,22 @@ Logprobs = Annotated[int, Field(ge=0, le=20)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(BaseModel):
@@ -57,6 +80,35 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # vLLM's; 1 is off
     logit_bias: dict[TokenId, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None  # vLLM's spelling before v0.12
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[StructuredOutput | None, str | None]:
+        """(the constraint the output follows, the field that asked for it), or (None, None).
+        ValueError names what is wrong (the caller answers 400 with that field)."""
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            rf = self.response_format
+            if rf.type == "json_object":
+                asked.append(("response_format", StructuredOutput("json_object")))
+            elif rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required for type json_schema")
+            else:
+                asked.append(("response_format", StructuredOutput("json", json.dumps(rf.json_schema.schema_))))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", StructuredOutput.from_options(self.structured_outputs)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, StructuredOutput.from_options({kind: value})))
+        if len(asked) > 1:
+            raise ValueError(f"only one structured output per request; got {', '.join(n for n, _ in asked)}")
+        return (asked[0][1], asked[0][0]) if asked else (None, None)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(why, the field) when this body asks for something epdserve does not do, or None."""
@@ -95,8 +147,10 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -104,12 +158,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools are not supported", "tools"
-        return super().unsupported()
+    tools: list[Any] | None = None  # entrypoints/http/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # the model may call several tools: it always may
 
 
 class CompletionRequest(SamplingFields):

@@ -14,6 +14,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from epdserve.entrypoints.http.tools import ToolDeltas, ToolPlan
 from epdserve.rpc import common_pb2
 
 
@@ -53,6 +54,8 @@ class Shape:
     model: str
     return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None  # chat with tools: the output's tool calls (entrypoints/http/tools.py)
+    _tool_deltas: ToolDeltas | None = None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -61,7 +64,9 @@ class Shape:
         out = []
         for index, c in enumerate(choices):
             choice = {"index": index, "finish_reason": c.finish_reason, "logprobs": None}
-            if self.chat:
+            if self.chat and self.tools is not None:
+                choice["message"], choice["finish_reason"] = self.tools.message(c.text, c.finish_reason)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
@@ -87,6 +92,26 @@ class Shape:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = [choice]
         return body
+
+    def tool_chunks(self, text: str, token_ids: list[int], finish_reason: str | None) -> list[dict]:
+        """A chat-with-tools stream's chunks for one delta: its content / tool_calls deltas (token
+        ids ride on the first, or on an empty one), then the finish chunk when `finish_reason`."""
+        if self._tool_deltas is None:
+            self._tool_deltas = self.tools.stream()
+        deltas = self._tool_deltas.feed(text) if text else []
+        if finish_reason is not None:
+            more, finish_reason = self._tool_deltas.finish(finish_reason)
+            deltas += more
+        if token_ids and not deltas:
+            deltas = [{}]
+        out = []
+        for k, delta in enumerate(deltas):
+            body = self.chunk(None, token_ids if k == 0 else [])
+            body["choices"][0]["delta"] = delta
+            out.append(body)
+        if finish_reason is not None:
+            out.append(self.chunk(None, [], finish_reason))
+        return out
 
     def usage_chunk(self, usage: common_pb2.Usage) -> dict:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")

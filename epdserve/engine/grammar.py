@@ -1,0 +1,189 @@
+"""Grammars of structured outputs (xgrammar): compiled once per constraint, one matcher per
+request, the allowed-token bitmask applied to the logits before sampling.
+
+- `tokenizer_info(tokenizer, vocab_size, stop_ids)`: xgrammar's view of the model's vocabulary
+  (the logits' width). Special tokens other than the stop tokens (<|im_start|>, <|image_pad|>,
+  ...) and the padding rows past the tokenizer are never allowed: xgrammar treats tokens with
+  an empty string as special, so they are blanked here.
+- `check(constraint)`: the constraint parsed without a tokenizer (the scheduler's check, for both
+  fronts: a bad schema, regex or grammar is INVALID_ARGUMENT / 400 before any instance sees it).
+- `GrammarBackend`: one engine's compiler. `matcher(constraint)` compiles a `StructuredOutput`
+  (cached: an LRU keyed by the tokenizer's fingerprint, the kind and the spec text, so a schema
+  is compiled once per engine) and returns a fresh `GrammarState`. A constraint xgrammar cannot
+  compile (a bad schema, regex or grammar) raises InvalidRequestError. Compiling runs in the
+  engine's loop, at `add_request`: a new schema costs the step it arrives in its compile time
+  (docs/openai.md measures it). A resumed attempt (a retry elsewhere, or a client's
+  resume_token_ids: the output so far joins the prompt) replays the prompt's last
+  `replay_prompt_tokens` into the new matcher. JSON is compact (xgrammar's `any_whitespace=False`, vLLM's
+  `disable_any_whitespace`): no whitespace between tokens, so a model cannot spend its tokens on
+  blanks; `json_object` is the schema {"type": "object"}.
+- `GrammarState`: a matcher and how many of the request's output tokens it has consumed. Before
+  each token is sampled, `sync(output_token_ids)` feeds it the tokens it has not seen: the one
+  this engine sampled last step, or, on a decode side, the first token the prefill side sampled
+  (a fresh matcher replays the tokens so far — exact, and one `accept_token` per replayed
+  token). A terminated matcher (it accepted a stop token) ignores what follows and allows only
+  stop tokens from then on (with ignore_eos the output goes on with stop tokens to max_tokens).
+- `mask_logits(logits, rows)`: fills the bitmask of each constrained row on the host
+  (xgrammar's fill), uploads it with one copy and applies it with plain torch ops (shift, and,
+  masked_fill): the same code on CPU, CUDA and NPU, one call for every constrained row of the
+  step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import torch
+from cachetools import LRUCache
+
+from epdserve.engine.structured_output import StructuredOutput
+from epdserve.request_errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept per engine
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids):
+    """xgrammar.TokenizerInfo of a Hugging Face tokenizer for logits `vocab_size` wide."""
+    import xgrammar as xgr
+
+    stops = sorted(stop_token_ids)
+    base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+    special = set(getattr(tokenizer, "all_special_ids", ())) - set(stops)
+    encoded = [""] * vocab_size
+    for token, idx in tokenizer.get_vocab().items():
+        if idx < vocab_size and idx not in special:
+            encoded[idx] = token
+    return xgr.TokenizerInfo(encoded, vocab_type=base.vocab_type, vocab_size=vocab_size, stop_token_ids=stops,
+                             add_prefix_space=base.add_prefix_space)
+
+
+def check(c: StructuredOutput) -> None:
+    """Parse `c` without a tokenizer (fast: no vocabulary is walked); InvalidRequestError saying what
+    is wrong. The scheduler runs it for both fronts before any instance sees the request."""
+    import xgrammar as xgr
+
+    try:
+        if c.kind == "json":
+            xgr.Grammar.from_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+        elif c.kind == "regex":
+            xgr.Grammar.from_regex(c.spec)
+        elif c.kind in ("choice", "grammar"):
+            xgr.Grammar.from_ebnf(_choice_grammar(json.loads(c.spec)) if c.kind == "choice" else c.spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidRequestError(_why(c, e)) from None
+
+
+def _why(c: StructuredOutput, e: Exception) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /project/cpp/x.cc:94: ")."""
+    text = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(e).strip())
+    return f"the {c.kind} structured output cannot be compiled: {text}"
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the choices (xgrammar's string literals take JSON's escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarState:
+    """One request's matcher; `accepted`: how many of its output tokens it has consumed."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.accepted = 0
+        self.rejected: str | None = None  # a replayed token the grammar refused (see `sync`)
+
+    def sync(self, output_token_ids) -> None:
+        """Feed the matcher the output tokens it has not seen yet."""
+        for i in range(self.accepted, len(output_token_ids)):
+            if self.matcher.is_terminated() or self.rejected:
+                break
+            if not self.matcher.accept_token(output_token_ids[i]):
+                # cannot happen for tokens sampled under this grammar; a peer that compiled the
+                # grammar differently (another tokenizer) could: the request is ended (stop tokens only)
+                self.rejected = f"output token {i} ({output_token_ids[i]}) does not follow the grammar"
+                log.error("structured output: %s; ending the request", self.rejected)
+        self.accepted = len(output_token_ids)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask`: the tokens allowed next. A terminated matcher (it accepted a
+        stop token and ignore_eos goes on) or a rejected replay allows the stop tokens only."""
+        if not self.rejected and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        bitmask[row].zero_()
+        for t in self.matcher.stop_token_ids:
+            bit = t % 32
+            bitmask[row, t // 32] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32's sign bit
+
+    @property
+    def completed(self) -> bool:
+        """The output so far is a whole sentence of the grammar."""
+        return self.matcher.is_terminated() or self.matcher.is_completed()
+
+
+class GrammarBackend:
+    """One engine's grammar compiler (built on first use: xgrammar is imported only then)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = CACHE_SIZE):
+        self._tokenizer, self.vocab_size, self._stops = tokenizer, vocab_size, set(stop_token_ids)
+        self._fingerprint = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), vocab_size, tuple(sorted(self._stops)))
+        self._compiler = None
+        self._cache: LRUCache = LRUCache(maxsize=cache_size)
+        self.compiles = 0  # cache misses (tests, benchmarks)
+
+    def compile(self, c: StructuredOutput):
+        key = (self._fingerprint, c.kind, c.spec)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = self._compile(c)
+            self.compiles += 1
+        return compiled
+
+    def matcher(self, c: StructuredOutput, replay=()) -> GrammarState:
+        """A fresh matcher for `c` that has consumed `replay` (a resumed attempt's output so far,
+        the prompt's tail); InvalidRequestError when the grammar refuses one of them."""
+        import xgrammar as xgr
+
+        m = xgr.GrammarMatcher(self.compile(c))
+        for i, t in enumerate(replay):
+            if not m.is_terminated() and not m.accept_token(int(t)):
+                raise InvalidRequestError(f"resumed output token {i} ({t}) does not follow the {c.kind} structured output")
+        return GrammarState(m)
+
+    def _compile(self, c: StructuredOutput):
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            info = tokenizer_info(self._tokenizer, self.vocab_size, self._stops)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the LRU above is the cache
+        try:
+            if c.kind in ("json", "json_object"):
+                schema = c.spec if c.kind == "json" else '{"type": "object"}'
+                return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+            if c.kind == "regex":
+                return self._compiler.compile_regex(c.spec)
+            if c.kind == "choice":
+                return self._compiler.compile_grammar(_choice_grammar(json.loads(c.spec)))
+            return self._compiler.compile_grammar(c.spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise InvalidRequestError(_why(c, e)) from None
+
+
+def mask_logits(logits: torch.Tensor, rows: list[tuple[int, GrammarState, list[int]]]) -> None:
+    """In place: each (row, state, output tokens so far) of `logits` [N, V] keeps only the tokens
+    its grammar allows next (the others become -inf)."""
+    if not rows:
+        return
+    n, vocab = len(rows), logits.shape[-1]
+    bitmask = torch.zeros((n, (vocab + 31) // 32), dtype=torch.int32)
+    for i, (_, state, tokens) in enumerate(rows):
+        state.sync(tokens)
+        state.fill(bitmask, i)
+    dev = logits.device
+    bits = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab]
+    idx = torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=dev)
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(allowed == 0, float("-inf")))
