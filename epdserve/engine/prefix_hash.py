@@ -14,6 +14,12 @@ keyed by the deployment's secret (`seams/media_keys.py`), so no one can aim two 
 M-RoPE positions and DeepStack features depend on nothing past the tokens and media of the
 prefix, so the KV of a prefix is a function of its key.
 
+A request's cache salt (its tenant's and its own `cache_salt`, vLLM's field;
+`security/tenants.py`) is folded into its first block: that block's parent is the salt's
+SHA-256 (`first_parent`) instead of `FIRST_PARENT`, so every block of a salted request differs
+from every block of another salt (vLLM folds `cache_salt` into the first block's extra keys the
+same way) and one tenant's prefix is never a hit, nor a `cached_tokens` count, for another.
+
 A decode-only engine holds no media, only their identity (`Sequence.media_identity`, from the
 request): its imported KV is hashed the same way. A prompt whose placeholder tokens the media
 (or identities) do not account for is never hashed, so it can neither serve nor take a prefix.
@@ -36,6 +42,11 @@ class BlockKey(NamedTuple):
 
 
 FIRST_PARENT = bytes(32)  # the first block's "previous digest": every content starts with 32 bytes of one
+
+
+def first_parent(salt: str = "") -> bytes:
+    """The first block's parent digest under a request's cache `salt` (none: `FIRST_PARENT`)."""
+    return hashlib.sha256(b"epdserve-cache-salt\0" + salt.encode()).digest() if salt else FIRST_PARENT
 
 
 def block_key(prev_digest: bytes, token_ids: bytes, media: bytes = b"") -> BlockKey:
@@ -64,7 +75,7 @@ class PrefixHasher:
         seq.media_spans = spans
         if spans is UNHASHABLE:
             return []
-        prev = memo[-1].digest if memo else FIRST_PARENT
+        prev = memo[-1].digest if memo else first_parent(seq.cache_salt)
         first, p = len(memo) * bs, seq.prompt_len
         ids = seq.prompt_token_ids[first:n * bs] + seq.output_token_ids[max(0, first - p):max(0, n * bs - p)]
         raw, width = array("q", ids).tobytes(), 8 * bs  # the new blocks' token ids, converted at once

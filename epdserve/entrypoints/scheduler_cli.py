@@ -7,7 +7,8 @@ loopback unless --internal-host names the cluster network) and then, when it ser
 --internal-address-file / --address-file when given, for launchers that pass port 0).
 Instances register themselves at the internal port (`epdserve instance --scheduler
 HOST:INTERNAL_PORT`) or are listed with --instance. A port beyond loopback that would serve
-unauthenticated callers is refused at start (see --insecure). SIGTERM / SIGINT stop it: it stops taking requests, aborts those in flight and
+unauthenticated callers is refused at start (see --insecure). SIGHUP re-reads --api-keys-file.
+SIGTERM / SIGINT stop it: it stops taking requests, aborts those in flight and
 exits within STOP_DEADLINE_S seconds, always. Started by `epdserve launch`, it also stops when
 the launcher dies.
 """
@@ -41,6 +42,9 @@ def add_parser(subparsers):
     p.add_argument("--unhealthy-after", type=int, default=3, help="failed probes before an instance is dropped")
     p.add_argument("--healthy-after", type=int, default=2, help="good probes before a dropped instance rejoins")
     p.add_argument("--max-requests", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED (default 1024)")
+    p.add_argument("--max-requests-per-tenant", type=int, default=None, metavar="N",
+                   help="requests one tenant (an API key of --api-keys-file) may have in flight before "
+                        "RESOURCE_EXHAUSTED / HTTP 429 with Retry-After (default: only --max-requests)")
     p.add_argument("--max-inflight-per-instance", type=int, default=256,
                    help="requests queued or running on one instance before it counts as full (default 256)")
     p.add_argument("--max-pixels-in-flight", type=int, default=None, metavar="N",
@@ -110,6 +114,7 @@ def config_from_args(args):
         max_model_len=args.max_model_len, probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,
         heartbeat_interval_s=args.heartbeat_interval, unhealthy_after=args.unhealthy_after,
         healthy_after=args.healthy_after, max_requests_in_flight=args.max_requests,
+        max_requests_per_tenant=getattr(args, "max_requests_per_tenant", None),
         max_pixels_in_flight=args.max_pixels_in_flight,
         max_inflight_per_instance=args.max_inflight_per_instance, max_attempts=args.max_attempts,
         retry_backoff_s=args.retry_backoff_s, preprocess_threads=args.preprocess_threads,
@@ -153,6 +158,7 @@ async def serve(config, address_file: Path | None = None, signals=None, fronts=N
     if signals is not None:
         signals.on_stop(lambda: loop.call_soon_threadsafe(stop.set))
     await server.start()
+    _reload_keys_on_sighup(server.security, loop)
     try:
         if fronts is not None:  # the HTTP front, on this loop (entrypoints.fronts)
             await fronts.start(server)
@@ -165,6 +171,18 @@ async def serve(config, address_file: Path | None = None, signals=None, fronts=N
         if fronts is not None:
             await fronts.stop()
         await server.stop()
+
+
+def _reload_keys_on_sighup(security, loop) -> None:
+    """SIGHUP: re-read the keys file (on the loop, which owns the keys' users); nothing without one.
+    signal.signal, not loop.add_signal_handler: that would take StopSignals' wakeup fd."""
+    import signal
+    import threading
+
+    keys = getattr(security, "tenants", None)
+    if keys is None or keys.file is None or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGHUP, lambda *_: loop.call_soon_threadsafe(keys.reload))
 
 
 def run(args) -> int:

@@ -13,7 +13,8 @@ class SchedulerConfig:
     Health hysteresis: an instance is SUSPECT after one failed probe/heartbeat, DOWN (no longer
     routed to) after `unhealthy_after` consecutive failures, and HEALTHY again after
     `healthy_after` consecutive good probes. DOWN instances are forgotten after `forget_after_s`.
-    Backpressure: at most `max_requests_in_flight` public requests, and at most
+    Backpressure: at most `max_requests_in_flight` public requests (`max_requests_per_tenant` of
+    them from one tenant, when set), and at most
     `max_inflight_per_instance` of them on any one instance; beyond either, RESOURCE_EXHAUSTED.
     Pixels: at most `max_pixels_in_flight` declared pixels (`limits.check_generate_request`) of the
     requests whose media are still being decoded (`pixel_budget.PixelBudget`; default 4 x
@@ -41,6 +42,7 @@ class SchedulerConfig:
     # admission and retries (dispatcher.py)
     max_requests_in_flight: int = 1024
     max_inflight_per_instance: int = 256
+    max_requests_per_tenant: int | None = None  # in flight per tenant (security/tenants.py); None: no own bound
     max_pixels_in_flight: int | None = None  # None: 4 x limits.max_request_pixels
     max_attempts: int = 4  # per public request, across instance failures
     retry_backoff_s: float = 0.05  # before attempt n+1: n times this
@@ -70,6 +72,8 @@ class SchedulerConfig:
                      "stored_keys_size", "prefix_index_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_requests_per_tenant is not None and int(self.max_requests_per_tenant) < 1:
+            raise ValueError("max_requests_per_tenant must be >= 1")
         if self.routing not in ("cache-aware", "least-load"):
             raise ValueError(f"routing must be cache-aware or least-load, got {self.routing!r}")
         if self.switch_wait_s < 0:

@@ -7,7 +7,9 @@ previous one (equal hashes mean equal prefixes), and folded into it the identity
 grid, kind, and the offset and count of its placeholder tokens there) of every media item whose
 placeholder tokens fall in the chunk, as `engine/prefix_hash.py` does for blocks: the same text
 with another image stops matching at that image's first chunk. Only full chunks count (the
-engines cache only full blocks). Pure functions; safe in the preprocessing threads.
+engines cache only full blocks). A request's cache salt (its tenant's, `security/tenants.py`)
+seeds the first chunk's hash, as it does the engines' first block: one tenant's prompts never
+score another's. Pure functions; safe in the preprocessing threads.
 
 The hash is xxh3-64 on purpose, not the engines' SHA-256 (`engine/prefix_hash.py`): these hashes
 only guess where a prefix probably is (an approximate index, never compared with an engine's), so
@@ -36,16 +38,18 @@ class PromptChunker:
         self.chunk_tokens = chunk_tokens
         self.visual = frozenset(t for t in visual_token_ids if t is not None)
 
-    def hashes(self, token_ids: Sequence[int], media: Sequence = ()) -> list[int]:
+    def hashes(self, token_ids: Sequence[int], media: Sequence = (), salt: str = "") -> list[int]:
         """Chained hashes of the full chunks of `token_ids`. `media`: the prompt's media in prompt
-        order, each with `key`, `num_tokens`, `grid_thw` and `kind` (`PreparedMedia`)."""
+        order, each with `key`, `num_tokens`, `grid_thw` and `kind` (`PreparedMedia`); `salt`: the
+        request's cache salt (seeds the first chunk's; empty: 0, as before salts)."""
         c = self.chunk_tokens
         n = len(token_ids) // c
         if n == 0:
             return []
         raw = array("q", token_ids[:n * c]).tobytes()
         spans = self._spans(token_ids, media)
-        out, prev, s, width = [], 0, 0, 8 * c
+        out, s, width = [], 0, 8 * c
+        prev = xxhash.xxh3_64_intdigest(b"salt:" + salt.encode()) if salt else 0
         for i in range(n):
             lo, hi = i * c, (i + 1) * c
             data = _PACK(prev) + raw[i * width:(i + 1) * width]

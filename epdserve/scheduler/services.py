@@ -19,6 +19,7 @@ from epdserve.scheduler.dispatcher import Dispatcher
 from epdserve.scheduler.errors import RequestError
 from epdserve.scheduler.preprocess import IMAGE_PLACEHOLDER
 from epdserve.scheduler.registry import InstanceRegistry, RegistryError
+from epdserve.security.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,15 @@ def internal_error(request, e: BaseException) -> str:
     return f"internal error in the scheduler ({type(e).__name__}) serving request {rid}; its log has the details"
 
 
+def caller_tenant(context, tenant_of=None) -> str:
+    """The tenant of a gRPC caller: the one its API key names (`SchedulerSecurity.tenant_of`;
+    the auth interceptor refused every other caller before the servicer ran), else the default."""
+    if tenant_of is None:
+        return DEFAULT_TENANT
+    tenant = tenant_of(context.invocation_metadata())
+    return DEFAULT_TENANT if tenant is None else tenant
+
+
 def _deadline(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
@@ -39,17 +49,21 @@ def _deadline(context) -> float | None:
 
 class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     def __init__(self, config: SchedulerConfig, dispatcher: Dispatcher, registry: InstanceRegistry, info: dict,
-                 generate=None, may_see_addresses=None):
+                 generate=None, may_see_addresses=None, tenant_of=None):
         self.config = config
         self.dispatcher = dispatcher
         self.generate = generate or dispatcher.generate  # SchedulerServer.generate: the observed path
         self.may_see_addresses = may_see_addresses or (lambda metadata: True)  # the cluster token holders
         self.registry = registry
         self.info = info  # scheduler_id, address, started_at, version
+        self.tenant_of = tenant_of  # metadata -> tenant (SchedulerSecurity.tenant_of); None: one tenant
+
+    def _generate(self, request, context):
+        return self.generate(request, _deadline(context), caller_tenant(context, self.tenant_of))
 
     async def GenerateStream(self, request, context):
         try:
-            async for delta in self.generate(request, _deadline(context)):
+            async for delta in self._generate(request, context):
                 yield delta
         except RequestError as e:
             await context.abort(e.code, e.message)
@@ -59,7 +73,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     async def Generate(self, request, context):
         out = serve_pb2.GenerateResponse()
         try:
-            async for d in self.generate(request, _deadline(context)):
+            async for d in self._generate(request, context):
                 out.request_id = d.request_id
                 out.token_ids.extend(d.token_ids)
                 out.text += d.text
@@ -75,7 +89,8 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
         return out
 
     async def Abort(self, request, context):
-        return serve_pb2.AbortResponse(found=self.dispatcher.abort(request.request_id))
+        return serve_pb2.AbortResponse(found=self.dispatcher.abort(request.request_id,
+                                                                   caller_tenant(context, self.tenant_of)))
 
     async def GetModelInfo(self, request, context):
         pp = self.dispatcher.preprocessor
