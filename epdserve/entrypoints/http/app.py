@@ -110,11 +110,11 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     without one the single API key."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(LastResort, log=log)  # inside CountResponses: its 500 is counted as any response
-    app.add_middleware(Fence, hosts=HostAllowList(opts.host, opts.allowed_hosts))
+    keys = http_keys(opts)
+    app.add_middleware(Fence, hosts=HostAllowList(opts.host, opts.allowed_hosts, keyed=keys is not None))
     if metrics is not None:
         app.add_middleware(CountResponses, counter=metrics.http_responses)
     model_name = opts.served_model_name or scheduler.config.model
-    keys = http_keys(opts)
     scrape = metrics_matcher(opts) if metrics_auth else None
     created = int(time.time())
 

@@ -7,7 +7,10 @@ web page cannot cross.
   every loopback address, the address the front is bound to (every interface address and this
   machine's names when bound to all interfaces), and the operator's ``--allowed-hosts``
   (exact names, ``.example.com`` for every name under it, ``*`` for any host). A request
-  without a Host header (HTTP/1.0; no browser sends one) passes.
+  without a Host header (HTTP/1.0; no browser sends one) passes. The list is enforced on a
+  front bound to loopback, on any front without an API key, and wherever ``--allowed-hosts``
+  is given; a keyed front beyond loopback without it (a Kubernetes Service, an ingress: names
+  the process cannot know) answers any Host, its key being what a rebound page cannot send.
 - **JSON only on POST** (a cross-origin ``text/plain`` POST needs no CORS preflight, and was
   parsed as JSON): a POST whose Content-Type is not ``application/json`` is refused with 415.
 
@@ -19,6 +22,7 @@ import ipaddress
 import socket
 
 from epdserve.entrypoints.http.errors import ApiError
+from epdserve.security.exposure import is_loopback
 
 _ANY = ("", "0.0.0.0", "::", "[::]", "*")
 
@@ -48,11 +52,12 @@ def _local_names() -> set[str]:
 
 
 class HostAllowList:
-    """`bound`: the host the front binds; `extra`: --allowed-hosts entries."""
+    """`bound`: the host the front binds; `extra`: --allowed-hosts entries; `keyed`: the front
+    needs an API key (with no `extra` and `bound` beyond loopback, any Host passes)."""
 
-    def __init__(self, bound: str, extra: tuple[str, ...] | list[str] = ()):
+    def __init__(self, bound: str, extra: tuple[str, ...] | list[str] = (), keyed: bool = False):
         entries = [e.strip().lower() for e in extra if e.strip()]
-        self.any = "*" in entries
+        self.any = "*" in entries or (keyed and not entries and not is_loopback(bound))
         self.suffixes = tuple(e for e in entries if e.startswith("."))
         self.names = {"localhost"} | {_name(e) for e in entries if not e.startswith(".") and e != "*"}
         self.names.add(_name(bound) if bound not in _ANY else "127.0.0.1")
