@@ -95,7 +95,7 @@ class SchedulerServer:
                 "version": VERSION}
         serve_pb2_grpc.add_EPDServeServicer_to_server(
             EPDServeServicer(self.config, self.dispatcher, self.registry, info, self.generate, sec.holds_token,
-                             sec.tenant_of), server)
+                             sec.tenant_of, multi_tenant=sec.api_keys_file is not None), server)
         # the Registry alone on its own port (loopback, or the cluster network with the token / mTLS)
         self._internal = _aio_server(sec.internal_rules())
         self.internal_address = _bind(self._internal, sec.internal_host, sec.internal_port, sec, internal=True)

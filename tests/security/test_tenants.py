@@ -18,6 +18,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import threading
 
 import grpc
@@ -202,3 +203,14 @@ def test_the_keys_file_is_reloaded_on_sighup(tmp_path):
     assert (keys.tenant_of("sk-a1"), keys.tenant_of("sk-a2"), keys.tenant_of("sk-c1")) == (None, "alice", "carol")
     path.write_text("alice\n")  # broken: the keys in use stay
     assert keys.reload() is False and keys.tenant_of("sk-a2") == "alice"
+
+
+def test_server_info_shows_a_tenant_neither_hosts_nor_paths_nor_shared_counters(tenants, qwen2_vl_tiny):
+    sched, front = tenants
+    cached(front, ALICE, SECRET)
+    cached(front, ALICE, SECRET)  # hits: the shared counters move
+    with Client(sched.address, timeout=30, api_key=BOB) as c:
+        info = c.server_info()
+    text = str(info)
+    assert info.instances and str(qwen2_vl_tiny) not in text and socket.gethostname() not in text
+    assert info.prefix_cache_hit_rate == 0 and all(i.load.prefix_hit_tokens == 0 for i in info.instances)
