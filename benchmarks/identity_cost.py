@@ -1,7 +1,7 @@
-"""What unforgeable identities cost (issue 35): a 1-image request's TTFT, the media key, and the
+"""What unforgeable identities cost (keyed media keys, SHA-256 block keys): a 1-image request's TTFT, the media key, and the
 prefix-cache lookup of a long cached prompt, through the offline engine's own code paths.
 
-Written against the engine's API as it was before issue 35 as well (`build_request`, `media_item`,
+Written against the engine's API as it was before those keys as well (`build_request`, `media_item`,
 the scheduler's `hasher.hashes` and the block manager's `lookup`), so one run of this script per
 tree, alternated, compares old and new on the same machine (docs/measurements.md has the
 figures and the command). Prints one JSON line of medians.

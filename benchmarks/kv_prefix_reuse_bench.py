@@ -1,4 +1,4 @@
-"""KV bytes per turn over the P->D hop with D's prefix cache on and off (issue 28 item 3).
+"""KV bytes per turn over the P->D hop with D's prefix cache on and off.
 
     python benchmarks/kv_prefix_reuse_bench.py [--model DIR] [--turns 4] [--max-tokens 16]
 """

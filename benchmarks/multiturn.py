@@ -1,6 +1,6 @@
-"""Issue 28's multi-turn comparison, one command:
+"""The multi-turn comparison (prefix cache and routing), one command:
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/multiturn.py --out benchmarks/results/multiturn.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/multiturn.py --out bench-results/multiturn-prefix-cache.json
 
 8 conversations of 4 turns over 1-2 images each (re-sent every turn), 24-token answers, 2 s think
 time, conversations starting Poisson at 0.25/s, the small demo Qwen2-VL; back to back: monolithic

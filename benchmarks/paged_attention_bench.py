@@ -3,7 +3,7 @@
 
 Each case times the two back to back, interleaved repeat by repeat (so a busy machine slows
 both alike), and prints the median with min and max in µs per call. Default shapes are those
-of the issue-36 measurements: heads 8, kv_heads 2, head_dim 64, block 16; every request of the
+of the demo-small model: heads 8, kv_heads 2, head_dim 64, block 16; every request of the
 batch has the same context, its blocks scattered over the cache.
 
     python benchmarks/paged_attention_bench.py                  # B in {1, 32}, ctx in {64, 256, 1024}

@@ -188,15 +188,29 @@ weights_mb() {  # weights_mb MODEL -> MB the checkpoint's weights take on the de
   echo $(( (bytes * dev / disk + 1048575) / 1048576 ))
 }
 
-hbm_mb() {  # hbm_mb LOGICAL_ID -> "TOTAL FREE" MB on stdout, or nothing when unknown
+hbm_mb() {  # hbm_mb LOGICAL_ID -> "TOTAL FREE" MB on stdout, or "unknown WHY" (not-mapped, unavailable, no-hbm, no-figures)
+  # Ascend's npu-smi manual, "查询所有芯片映射关系信息" (npu-smi info -m; hiascend.com document/detail/
+  # zh/Atlas%20200I%20A2/2520/re/npu/npusmi_013.html): columns NPU ID, Chip ID, Chip Logic ID, Chip
+  # Name; an NPU ID of -1 marks an NPU that is not available. "查询指定芯片统计信息" (npu-smi info -t
+  # usages -i id -c chip_id; .../npusmi_020.html): a product without HBM prints "Memory Capacity(MB)"
+  # / "Memory Usage Rate(%)". HBM products print "HBM Capacity(MB)" / "HBM Usage Rate(%)" (an
+  # integer percentage, so the free figure is good to 1 % of the total): the spelling of Ascend's
+  # Atlas 350 manual for the same command and of 910B hosts' output (telegraf's npu_smi input
+  # fixtures); no Ascend page for the 800I A2's usages output was found.
   local logical=$1 npu chip
   read -r npu chip < <(npu-smi info -m 2>/dev/null |
-    awk -v id="$logical" '$1 ~ /^[0-9]+$/ && $3 == id {print $1, $2; exit}') || true
-  [[ -n "${npu:-}" ]] || return 0
+    awk -v id="$logical" '$1 ~ /^-?[0-9]+$/ && $3 == id {print $1, $2; exit}') || true
+  if [[ -z "${npu:-}" ]]; then echo "unknown not-mapped"; return 0; fi
+  if [[ "$npu" == -1 ]]; then echo "unknown unavailable"; return 0; fi
   npu-smi info -t usages -i "$npu" -c "$chip" 2>/dev/null | awk -F: '
-    /HBM Capacity\(MB\)/   {gsub(/ /, "", $2); cap = $2}
-    /HBM Usage Rate\(%\)/  {gsub(/ /, "", $2); rate = $2}
-    END {if (cap != "" && rate != "") printf "%d %d\n", cap, cap * (100 - rate) / 100}'
+    /HBM Capacity\(MB\)/    {gsub(/ /, "", $2); cap = $2}
+    /HBM Usage Rate\(%\)/   {gsub(/ /, "", $2); rate = $2}
+    /Memory Capacity\(MB\)/ {mem = 1}
+    END {
+      if (cap != "" && rate != "") printf "%d %d\n", cap, cap * (100 - rate) / 100
+      else if (mem) print "unknown no-hbm"
+      else print "unknown no-figures"
+    }'
 }
 
 # Versions: torch_npu against CANN and the driver, by the table of epdserve/platform/npu_versions.py
@@ -236,8 +250,16 @@ preflight() {  # preflight NPU_LIST [ROLES]
   IFS=, read -ra devs <<< "$npus"
   for dev in "${devs[@]}"; do
     [[ "$dev" =~ ^[0-9]+$ ]] || die "preflight: NPU list must be comma-separated ids without spaces, got '$npus'"
+    total="" free=""
     read -r total free < <(hbm_mb "$dev") || true
-    [[ -n "${free:-}" ]] || die "preflight: NPU $dev not found by \`npu-smi info -m\` (or no HBM figures): check the id with \`npu-smi info -m\`"
+    if [[ "$total" == unknown || -z "$free" ]]; then
+      case "$free" in
+        unavailable) die "preflight: NPU $dev: \`npu-smi info -m\` shows NPU ID -1 for it (npu-smi's manual: the NPU is not available): check \`npu-smi info\` (Health) and the driver's log" ;;
+        no-hbm) die "preflight: NPU $dev: \`npu-smi info -t usages\` shows Memory Capacity(MB) but no HBM figures: a product without HBM; this preflight sizes HBM products (Atlas 800I A2, A3) only" ;;
+        no-figures) die "preflight: NPU $dev: \`npu-smi info -t usages\` printed no HBM Capacity(MB) / HBM Usage Rate(%): run it by hand to see why" ;;
+        *) die "preflight: NPU $dev not found by \`npu-smi info -m\` (no row with that Chip Logic ID): check the id with \`npu-smi info -m\`" ;;
+      esac
+    fi
     if [[ -n "${MIN_FREE_HBM_MB:-}" ]]; then
       (( free >= MIN_FREE_HBM_MB )) ||
         die "preflight: NPU $dev has ${free} MB free HBM, needs ${MIN_FREE_HBM_MB} MB (MIN_FREE_HBM_MB): stop what runs there (\`npu-smi info\` lists processes) or lower it"

@@ -1,5 +1,5 @@
 """KV bytes per turn of a multi-turn conversation over the P→D hop, with D's prefix cache on
-and off (issue 28 item 3): D keeps the KV it imported (and decoded), so turn N+1 moves only
+and off: D keeps the KV it imported (and decoded), so turn N+1 moves only
 the blocks D lacks.
 
 `PDPair` is a prefill-only and a decode-only engine in one process over one real gloo pair on

@@ -1,4 +1,5 @@
-"""Issue 28's multi-turn comparison in one command (`benchmarks/multiturn.py`).
+"""The multi-turn comparison (prefix cache on / off, cache-aware / least-load routing) in one
+command (`benchmarks/multiturn.py`).
 
 Owns the run: one `epdserve bench serve --workload multiturn` child over six targets launched
 one after another, each pair back to back: monolithic with the prefix cache on, then off
@@ -80,7 +81,7 @@ def bench_argv(a, size: dict, model: str, out: pathlib.Path, pairs) -> list[str]
             "--output-len", str(a.output_len or size["output_len"]), "--output-len-std", "0",
             "--request-rate", ",".join([f"{rate:g}"] * repeats), "--warmup", str(size["warmup"]),
             "--slo-ttft-ms", f"{a.slo_ttft_ms:g}", "--slo-tpot-ms", f"{a.slo_tpot_ms:g}",
-            "--slo-note", "issue 28: the multi-turn comparison's SLOs", "--launch-timeout", f"{a.launch_timeout:g}",
+            "--slo-note", "the multi-turn comparison's SLOs", "--launch-timeout", f"{a.launch_timeout:g}",
             "--env", "OMP_WAIT_POLICY=PASSIVE", "--no-progress", "--out", str(out)]
     for m in mode_args:
         argv += ["--mode-arg", m]

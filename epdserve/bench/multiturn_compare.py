@@ -1,5 +1,5 @@
 """The tables of the multi-turn benchmark (`benchmarks/multiturn.py`): each target's figures over
-its repeats, and each pair's on/off ratios against issue 28's aims.
+its repeats, and each pair's on/off ratios against its aims.
 
 Owns `Pair` and `PAIRS` (the prefix cache on / off in monolithic and in P-D; with 2 P instances,
 cache-aware / least-load routing), `figures` (one run's turn 1 and turns >= 2 TTFT p50, TPOT p50,

@@ -1,5 +1,5 @@
 """The tables of the peer comparison (`benchmarks/vs_transformers_serve.py`): every target's
-`bench serve` report merged, then per rate the figures issue 27's aims are stated in, and the
+`bench serve` report merged, then per rate the figures its aims (AIMS) are stated in, and the
 ratios against the peer checked against those aims.
 
 Owns `merge_reports` (one report from the targets' reports), `cells` (target -> rate -> the

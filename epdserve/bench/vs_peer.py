@@ -1,4 +1,4 @@
-"""epdserve against `transformers serve --continuous-batching` on issue 27's workload, in one command
+"""epdserve against `transformers serve --continuous-batching` on a fixed chat workload, in one command
 (`benchmarks/vs_transformers_serve.py`).
 
 Owns the run: the workload (24 chat requests, half of them with one JPEG of 320x180 to 640x360,
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
              "--output-len", str(a.output_len or size["output_len"]), "--warmup", str(size["warmup"]),
              "--request-rate", ",".join(f"{r:g}" for r in rates * repeats),
              "--slo-ttft-ms", f"{a.slo_ttft_ms:g}", "--slo-tpot-ms", f"{a.slo_tpot_ms:g}",
-             "--slo-note", "issue 27: TTFT <= 3 s and TPOT <= 100 ms per request", *a.bench_arg]
+             "--slo-note", "the peer comparison: TTFT <= 3 s and TPOT <= 100 ms per request", *a.bench_arg]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")  # the same for every target
     t0, parts, failed = time.monotonic(), [], {}
     if not a.no_peer:

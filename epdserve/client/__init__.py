@@ -31,7 +31,7 @@ current target, which moves on at each retry.
 Modules (each imports only those listed above it, and rpc / security / engine.sampling_params /
 model.chat below the package):
 - messages.py: `build_request`; the results `GenerateResult`, `Delta`, `Usage`, `Timing`; `EPDServeError`
-- resume.py: `RetryPolicy` and how a generation resumes after a lost scheduler
+- resume.py: `RetryPolicy`, and `Resumption`: the resume-and-retry loop both clients wrap
 - connection.py: `SchedulerConnection`, the targets, channels (round_robin) and retry state both clients share
 - sync.py: `Client`, blocking
 - async_client.py: `AsyncClient`, its asyncio twin

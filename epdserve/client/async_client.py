@@ -9,7 +9,6 @@ the same addresses and resumption after a lost scheduler).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epdserve.client.connection import SchedulerConnection, retry_policy
 from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
-from epdserve.client.resume import RetryPolicy, resumed
+from epdserve.client.resume import Resumption, RetryPolicy
 from epdserve.rpc import serve_pb2
 
 
@@ -85,25 +84,18 @@ class AsyncClient(SchedulerConnection):
             raise EPDServeError.from_rpc(e) from None
 
     async def _stream(self, req, timeout) -> AsyncIterator[Delta]:
-        """The request's deltas; on UNAVAILABLE, resumed on the next address (resume.py)."""
-        timeout = timeout if timeout is not None else self.timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        received: list[int] = []
-        failures, since = 0, 0.0  # failed attempts in a row, and when the first of them failed
+        """The request's deltas; on UNAVAILABLE, resumed on the next address (resume.Resumption)."""
+        run = Resumption(req, self.retry, timeout if timeout is not None else self.timeout)
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            got = len(received)
-            once = self._stream_once(resumed(req, received), left)
+            attempt, left = run.attempt()
+            once = self._stream_once(attempt, left)
             try:
                 async for d in once:
-                    received.extend(d.token_ids)
+                    run.delivered(d.token_ids)
                     yield d
                 return
             except EPDServeError as e:
-                if len(received) > got or failures == 0:  # progress (or a first failure): a new budget
-                    failures, since = 0, time.monotonic()
-                failures += 1
-                wait = self.retry.wait_after(e, failures, since, deadline)
+                wait = run.failed(e)
             finally:
                 await once.aclose()  # cancels its call at once (also when the caller leaves early)
             self._next()

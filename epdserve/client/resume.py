@@ -15,6 +15,11 @@ outputs stay exact. (As with the scheduler's own resume: a stop string spanning 
 is not seen, and a seeded sampled request continues with a fresh random stream.)
 
 Other codes are the caller's (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...).
+
+`Resumption` is that loop written once, with no I/O of its own: one generation's state (tokens
+received, failures in a row, the call's deadline) and its decisions (the next attempt's request
+and time left; after a failure, the wait or the error). `Client` and `AsyncClient` each wrap it
+in the few lines that differ between them: how a stream is read and how a wait is slept.
 """
 from __future__ import annotations
 
@@ -59,6 +64,52 @@ class RetryPolicy:
         if deadline is not None and now + wait >= deadline:
             raise error
         return wait
+
+
+class Resumption:
+    """One generation across its attempts. The client's loop, sync or async, is:
+
+        run = Resumption(req, policy, timeout)
+        while True:
+            attempt, left = run.attempt()       # the request to send now, and its time left (s)
+            try:
+                for delta in stream(attempt, left):
+                    run.delivered(delta.token_ids)
+                    yield delta
+                return
+            except EPDServeError as e:
+                wait = run.failed(e)            # re-raises e when no retry is left
+            next_target(); sleep(wait)
+    """
+
+    def __init__(self, req: serve_pb2.GenerateRequest, policy: RetryPolicy, timeout: float | None):
+        self.req = req
+        self.policy = policy
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.received: list[int] = []  # token ids delivered to the caller, over every attempt
+        self.failures = 0  # failed attempts in a row
+        self._since = 0.0  # when the first of them failed (time.monotonic)
+        self._got = 0  # len(received) when the current attempt started
+
+    def attempt(self) -> tuple[serve_pb2.GenerateRequest, float | None]:
+        """Start an attempt: the request to send (resuming after what was received) and the
+        time left of the call (None: no deadline)."""
+        self._got = len(self.received)
+        left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        return resumed(self.req, self.received), left
+
+    def delivered(self, token_ids) -> None:
+        """The current attempt delivered these token ids to the caller."""
+        self.received.extend(token_ids)
+
+    def failed(self, error) -> float:
+        """The current attempt ended with `error` (an EPDServeError): the wait before the next
+        one, or `error` raised when the policy allows no more (resume's rules above). An attempt
+        that delivered tokens, or a first failure, starts a new budget."""
+        if len(self.received) > self._got or self.failures == 0:
+            self.failures, self._since = 0, time.monotonic()
+        self.failures += 1
+        return self.policy.wait_after(error, self.failures, self._since, self.deadline)
 
 
 def retryable(code: grpc.StatusCode) -> bool:

@@ -17,9 +17,19 @@ Sources:
   driver >= 25.5.0 with CANN >= 8.5.0 for `aclrtPointerGetAttributes`, which tells pinned host
   memory from pageable memory in a non_blocking copy (`process_non_blocking_copy`; below it
   torch_npu falls back to its own allocator's record), and >= 25.0.RC1 for
-  `aclrtMemcpyAsyncWithCondition`. Below these: a warning. The HDK each CANN requires is in
-  CANN's release notes on hiascend.com (linked from vllm-ascend's installation.md), which were
-  not readable where this table was written: not checked.
+  `aclrtMemcpyAsyncWithCondition`. Below these: a warning.
+- driver (Ascend HDK) ↔ CANN: the compatibility tables of CANN's release notes. CANN 9.1.0
+  Release Notes, "CANN and Ascend HDK Version Compatibility" (hiascend.com
+  document/detail/en/CANNCommunityEdition/910/softwareinst/releasenote/9.1.0/release-notes.md;
+  the same table in gitcode.com/cann/release-management 9.1.0/release-notes.md): CANN 8.5.2 and
+  9.0.X run on HDK 25.0.X, 25.2.X, 25.3.X, 25.5.X, 26.0.RC1/25.7.RC1 and 26.1.0; 9.1.X on all of
+  them but 25.0.X. CANN 8.5.0 "Mapping Between CANN and Driver Versions" (hiascend.com
+  document/detail/en/canncommercial/850/releasenote/releasenote_0000.html): HDK 25.5.X, 25.3.X,
+  25.2.X, 25.0.X. A driver line older than the oldest listed is a failure; newer than the newest
+  listed, a warning. The Atlas 800I A2 needs HDK 24.1.RC1 or later with CANN 8.0.RC1 or later
+  (Ascend Index SDK installation guide, hiascend.com document/detail/en/mindsdk/730/Indexn/
+  indexug/mxindexfrug_0009.html): below it, a failure for every CANN. For CANN lines before 8.5
+  (8.3) no release-note table was found: said, not checked.
 """
 from __future__ import annotations
 
@@ -38,6 +48,10 @@ TORCH_NPU_CANN = {
 REPORTED_REFUSING_TND_PAGED = ("8.3.RC1",)  # vllm-ascend #4373 / #8045
 DRIVER_POINTER_ATTRIBUTES = "25.5.0"  # AclInterface.cpp AclrtPointerGetAttributesExist (with CANN runtime >= 8.5.0)
 DRIVER_MEMCPY_CONDITION = "25.0.RC1"  # AclInterface.cpp AclrtMemcpyAsyncWithConditionExist
+# CANN line -> the oldest Ascend HDK (driver) line its release notes list (module docstring)
+CANN_OLDEST_DRIVER = {"9.1": "25.2", "9.0": "25.0", "8.5": "25.0"}
+NEWEST_LISTED_DRIVER = "26.1"  # the newest HDK line in CANN 9.1.0's compatibility table
+A2_OLDEST_DRIVER = "24.1.RC1"  # Atlas 800I A2: HDK 24.1.RC1 or later
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,7 @@ def check(torch_npu: str | None, cann: str | None, driver: str | None) -> list[F
                            "(vllm-ascend #4373, #8045); the engine checks at start-up",
                            "CANN 8.3.RC2+ of the same line, or the [npu] / [npu-cann85] extra with its CANN"))
     if driver:
+        out.extend(_driver_against_cann(driver, cann))
         if cann and line_key(cann) >= (8, 5) and driver_key(driver) < driver_key(DRIVER_POINTER_ATTRIBUTES):
             out.append(Finding("warn", f"driver {driver} < {DRIVER_POINTER_ATTRIBUTES}: torch_npu cannot ask the runtime "
                                "whether host memory is pinned (aclrtPointerGetAttributes, AclInterface.cpp)",
@@ -98,6 +113,30 @@ def check(torch_npu: str | None, cann: str | None, driver: str | None) -> list[F
         else:
             out.append(Finding("ok", f"driver {driver}"))
     return out
+
+
+def _driver_against_cann(driver: str, cann: str | None) -> list[Finding]:
+    """The driver (Ascend HDK) against the CANN release notes' compatibility tables."""
+    line = line_key(driver)
+    if driver_key(driver) < driver_key(A2_OLDEST_DRIVER):
+        return [Finding("fail", f"driver {driver} is older than the Atlas 800I A2 supports (HDK {A2_OLDEST_DRIVER} or later)",
+                        f"upgrade the Ascend HDK driver and firmware to {A2_OLDEST_DRIVER} or later")]
+    if not cann:
+        return []
+    oldest = CANN_OLDEST_DRIVER.get(cann_line(cann))
+    if oldest is None:
+        return [Finding("warn", f"CANN {cann}: its driver pairing is not in epdserve's table (CANN 8.5+ release notes); "
+                        f"driver {driver} not checked against it",
+                        "check the CANN release notes' Ascend HDK table for this CANN")]
+    if line < line_key(oldest):
+        return [Finding("fail", f"driver {driver} is older than CANN {cann} runs on (HDK {oldest}.X or later: "
+                        "CANN release notes' compatibility table)",
+                        f"upgrade the Ascend HDK driver and firmware to {oldest}.X or later, or install a CANN the "
+                        f"driver supports")]
+    if line > line_key(NEWEST_LISTED_DRIVER):
+        return [Finding("warn", f"driver {driver} is newer than CANN {cann}'s release notes list (up to HDK "
+                        f"{NEWEST_LISTED_DRIVER}.X)", "check the CANN release notes for this driver")]
+    return [Finding("ok", f"driver {driver} is in CANN {cann}'s compatibility table (HDK {oldest}.X or later)")]
 
 
 def main(argv: list[str] | None = None) -> int:

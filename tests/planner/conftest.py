@@ -1,4 +1,6 @@
-"""Shared pieces of the planner tests: the real profile and results files, and round-number costs."""
+"""Shared pieces of the planner tests: the real profile (benchmarks/results/), a recorded `bench serve`
+run with its per-request records (data/serve-image-heavy-trace.json: image-heavy, 40 requests at
+1 req/s, five modes, the small demo model on the 2-core dev machine), and round-number costs."""
 from pathlib import Path
 
 import pytest
@@ -7,7 +9,7 @@ from epdserve.planner.costs import CostModel, Curve
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 PROFILE = RESULTS / "profile-small-cpu.json"
-SERVE = RESULTS / "serve-image-heavy-40req-small-cpu.json"
+SERVE = Path(__file__).resolve().parent / "data" / "serve-image-heavy-trace.json"
 
 
 @pytest.fixture

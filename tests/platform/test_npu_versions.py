@@ -33,7 +33,36 @@ def test_no_build_of_this_torch_for_this_cann_names_the_cann():
 
 def test_cann_8_3_rc1_is_named_for_the_reported_refusal():
     f = check("2.8.0", "8.3.RC1", "25.0.rc1")
-    assert _statuses(f) == ["ok", "warn", "ok"] and "#4373" in f[1].detail
+    assert _statuses(f) == ["ok", "warn", "warn", "ok"] and "#4373" in f[1].detail
+    assert "not in epdserve's table" in f[2].detail  # no release-note table for 8.3: said, not checked
+
+
+@pytest.mark.parametrize("cann,driver,status", [
+    ("9.1.0", "25.0.0", "fail"),      # CANN 9.1.0 release notes: 9.1.X "N" on HDK 25.0.X
+    ("9.1.0", "25.2.0", "ok"),
+    ("9.0.0", "25.0.rc1", "ok"),      # 9.0.X "Y" on 25.0.X
+    ("8.5.0", "25.5.1", "ok"),        # CANN 8.5.0 mapping: 25.5.X 25.3.X 25.2.X 25.0.X
+    ("8.5.0", "24.1.0", "fail"),
+    ("9.1.0", "26.2.0", "warn"),      # newer than the newest line the table lists (26.1.0)
+])
+def test_the_driver_is_checked_against_the_cann_release_notes_table(cann, driver, status):
+    from epdserve.platform.npu_versions import _driver_against_cann
+
+    (f,) = _driver_against_cann(driver, cann)
+    assert f.status == status, f
+    if status == "fail":
+        assert f.fix.startswith("upgrade the Ascend HDK driver and firmware to")
+
+
+def test_a_driver_older_than_the_atlas_800i_a2_supports_fails_for_any_cann():
+    f = check("2.8.0", "8.3.RC2", "23.0.6")
+    fails = [x for x in f if x.status == "fail"]
+    assert len(fails) == 1 and "24.1.RC1" in fails[0].detail
+
+
+def test_the_command_line_fails_on_a_driver_too_old_for_the_cann(capsys):
+    assert main(["--torch-npu", "2.12.0", "--cann", "9.1.0", "--driver", "25.0.0"]) == 1
+    assert "fail: driver 25.0.0 is older than CANN 9.1.0 runs on" in capsys.readouterr().out
 
 
 def test_old_drivers_warn_with_torch_npus_own_thresholds():

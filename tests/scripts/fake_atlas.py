@@ -2,7 +2,9 @@
 version.info, a CANN toolkit with its set_env.sh) and an `npu-smi` that prints `info -m` and
 `info -t usages` as an A3-style server does (two chips per card; the Mcu row has no logical id).
 Its HBM figures come from FAKE_HBM_MB (capacity, default 65536) and FAKE_HBM_RATE (usage %,
-default 25) in the script's environment, so a test can play a 32 GB Atlas 800I A2 or a full NPU."""
+default 25) in the script's environment, so a test can play a 32 GB Atlas 800I A2 or a full NPU;
+FAKE_NPU_ID=-1 plays a card npu-smi marks unavailable, FAKE_NO_HBM=1 a product without HBM (its
+usages print "Memory Capacity(MB)", as Ascend's npu-smi manual shows for the Atlas 200I A2)."""
 
 from pathlib import Path
 
@@ -11,12 +13,17 @@ case "$*" in
   "info") echo "+ npu-smi fake +" ;;
   "info -m")
     echo "        NPU ID    Chip ID    Chip Logic ID    Chip Name"
-    echo "        0         0          0                Ascend 910"
-    echo "        0         1          1                Ascend 910"
-    echo "        0         2          -                Mcu" ;;
+    echo "        ${FAKE_NPU_ID:-0}         0          0                Ascend 910"
+    echo "        ${FAKE_NPU_ID:-0}         1          1                Ascend 910"
+    echo "        ${FAKE_NPU_ID:-0}         2          -                Mcu" ;;
   "info -t usages -i 0 -c 0"|"info -t usages -i 0 -c 1")
-    echo "        HBM Capacity(MB)               : ${FAKE_HBM_MB:-65536}"
-    echo "        HBM Usage Rate(%)              : ${FAKE_HBM_RATE:-25}" ;;
+    if [ -n "${FAKE_NO_HBM:-}" ]; then
+      echo "        Memory Capacity(MB)            : 10810"
+      echo "        Memory Usage Rate(%)           : 46"
+    else
+      echo "        HBM Capacity(MB)               : ${FAKE_HBM_MB:-65536}"
+      echo "        HBM Usage Rate(%)              : ${FAKE_HBM_RATE:-25}"
+    fi ;;
   *) exit 1 ;;
 esac
 """

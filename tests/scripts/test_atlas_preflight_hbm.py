@@ -80,3 +80,21 @@ def test_fp32_weights_count_as_the_bf16_an_npu_loads_and_e_holds_no_kv(atlas_32g
     assert "needs 6048 MB (4000 weights + 0 KV cache + 2048 margin)" in out.stdout
     out = _preflight(atlas_32g, MODEL=model, ROLES="E", EXTRA_ARGS="--dtype float32")
     assert "(8000 weights + 0 KV cache + 4096 margin)" in out.stdout
+
+
+def test_an_npu_that_npu_smi_marks_unavailable_is_named(atlas_32g, tmp_path):
+    """npu-smi's manual: an NPU ID of -1 in `npu-smi info -m` marks an NPU that is not available."""
+    out = _preflight(dict(atlas_32g, FAKE_NPU_ID="-1"), MODEL=str(_model(tmp_path, 4000)))
+    assert out.returncode == 1 and "shows NPU ID -1 for it" in out.stderr, out.stderr
+
+
+def test_a_product_without_hbm_is_named_not_reported_missing(atlas_32g, tmp_path):
+    """Products without HBM print "Memory Capacity(MB)" in `npu-smi info -t usages` (npu-smi's manual)."""
+    out = _preflight(dict(atlas_32g, FAKE_NO_HBM="1"), MODEL=str(_model(tmp_path, 4000)))
+    assert out.returncode == 1 and "shows Memory Capacity(MB) but no HBM figures" in out.stderr, out.stderr
+
+
+def test_an_id_with_no_row_in_the_mapping_says_so(atlas_32g, tmp_path):
+    out = subprocess.run(["bash", str(SCRIPT), "preflight", "7"], env=dict(atlas_32g, MODEL=str(_model(tmp_path, 4000))),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "NPU 7 not found by `npu-smi info -m` (no row with that Chip Logic ID)" in out.stderr
