@@ -112,3 +112,15 @@ def test_one_call_cannot_carry_forty_prompts(keyed_front):
 def test_stop_strings_count_in_the_prompt_budget(keyed_front):
     status, got = completion(keyed_front, {"prompt": "hi", "max_tokens": 1, "stop": ["x" * 3000, "y" * 3000]}, KEY)
     assert status == 400 and "stop strings" in got["error"]["message"], got
+
+
+def test_a_keys_file_without_a_scrape_token_refuses_to_open_metrics(tmp_path):
+    """With tenants, /metrics (every tenant's counts) needs a credential no tenant holds: without a
+    scrape token or a single key the scheduler refuses to start, saying so (unless --metrics-auth off)."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice sk-a\n")
+    fronts = Fronts(HttpOptions(), security=SchedulerSecurity(api_keys_file=str(keys)), metrics_auth="auto")
+    with pytest.raises(ValueError, match="scrape token"):
+        fronts.check_exposure()
+    assert Fronts(HttpOptions(), security=SchedulerSecurity(api_keys_file=str(keys)),
+                  metrics_auth="off")._metrics_key("127.0.0.1") is None
