@@ -124,3 +124,14 @@ def test_a_keys_file_without_a_scrape_token_refuses_to_open_metrics(tmp_path):
         fronts.check_exposure()
     assert Fronts(HttpOptions(), security=SchedulerSecurity(api_keys_file=str(keys)),
                   metrics_auth="off")._metrics_key("127.0.0.1") is None
+
+
+def test_a_large_body_is_parsed_and_checked_as_a_small_one(keyed_front):
+    """Over PARSE_OFF_LOOP_BYTES the body is parsed in a worker thread: the same answers follow."""
+    from epdserve.entrypoints.http.options import PARSE_OFF_LOOP_BYTES
+
+    status, got = completion(keyed_front, {"prompt": "x" * (PARSE_OFF_LOOP_BYTES + 1), "max_tokens": 1}, KEY)
+    assert status == 400 and "prompt text" in got["error"]["message"], got
+    status, got = call(keyed_front, "POST", "/v1/completions", b'{"prompt": ' + b" " * PARSE_OFF_LOOP_BYTES + b"}",
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    assert status == 400 and got["error"]["type"] == "BadRequestError"
