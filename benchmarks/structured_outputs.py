@@ -51,7 +51,7 @@ def validity(model: str, mode: str, n: int, max_tokens: int) -> dict:
     import jsonschema
     import openai
 
-    from epdserve.deploy.launcher_process import LauncherProcess, launch_argv
+    from epdserve.deploy.local.launcher_process import LauncherProcess, launch_argv
     from epdserve.model.demo_images import jpeg_bytes, procedural_image
 
     argv = launch_argv("--config", str(REPO / "configs" / f"{mode}.yaml"), "--model", model, "--kv-cache-mb", "64",

@@ -79,12 +79,15 @@ def check_message_bytes(n: int, limits: InputLimits) -> None:
 
 
 def check_prompt_bytes(texts, limits: InputLimits) -> None:
-    """`texts`: every text of the request (a prompt; each chat text part). Counted in UTF-8 bytes."""
+    """`texts`: every text of the request (a prompt; each chat text part; its stop strings, which
+    the stop checker matches against every token's text as much as a prompt costs). Counted in
+    UTF-8 bytes."""
     total = 0
     for t in texts:
         total += len(t.encode("utf-8", "surrogatepass")) if isinstance(t, str) else len(t)
         if total > limits.max_prompt_bytes:
-            raise LimitError("max_prompt_bytes", f"prompt text is over the limit of {limits.max_prompt_bytes} bytes")
+            raise LimitError("max_prompt_bytes", f"prompt text and stop strings are over the limit of "
+                                                 f"{limits.max_prompt_bytes} bytes")
 
 
 def check_prompt_token_ids(n: int, limits: InputLimits) -> None:
@@ -140,10 +143,12 @@ def check_generate_request(req, limits: InputLimits) -> int:
     check_stop(len(sp.stop) + len(sp.stop_token_ids), limits)
     kind = req.WhichOneof("input")
     media = [(m, _is_video(m)) for m in req.media]  # (Media, is a video)
+    stops = list(sp.stop)  # in the prompt's byte budget
     if kind == "prompt":
-        check_prompt_bytes([req.prompt], limits)
+        check_prompt_bytes([req.prompt, *stops], limits)
     elif kind == "prompt_token_ids":
         check_prompt_token_ids(len(req.prompt_token_ids.ids), limits)
+        check_prompt_bytes(stops, limits)
     elif kind == "chat":
         check_chat_messages(len(req.chat.messages), limits)
         texts = []
@@ -157,7 +162,9 @@ def check_generate_request(req, limits: InputLimits) -> int:
                     media.append((part.image, _is_video(part.image)))
                 elif which == "video":  # a video part is a video, its sampling options or not
                     media.append((part.video, True))
-        check_prompt_bytes(texts, limits)
+        check_prompt_bytes(texts + stops, limits)
+    else:
+        check_prompt_bytes(stops, limits)
     pictures = [m for m, video in media if not video]  # videos have limits of their own (VideoSpec)
     check_image_count(len(pictures), limits)
     images = [check_image(m.data, limits, index=n) for n, m in enumerate(pictures, 1)

@@ -28,6 +28,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 NODE_E=${NODE_E:-atlas-01}
 NODE_PD=${NODE_PD:-atlas-02}
 HEAD_IP=${HEAD_IP:-$(getent hosts "$NODE_E" | awk '{print $1; exit}')}
+PD_IP=${PD_IP:-$(getent hosts "$NODE_PD" | awk '{print $1; exit}' || true)}   # NODE_PD's cluster address
 MODEL=${MODEL:-/data/models/Qwen2-VL-7B-Instruct}
 REPO=${REPO:-/opt/epdserve}   # where scripts/atlas_node.sh lives on the servers
 MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://10.0.0.5:6379/0 (its password in the env file)}
@@ -35,6 +36,7 @@ SCHED_PORT=${SCHED_PORT:-50051}
 REG_PORT=${REG_PORT:-50052}
 ENV_FILE=${EPDSERVE_ENV_FILE:-$HOME/.epdserve/env}
 [[ -n "$HEAD_IP" ]] || { echo "cannot resolve $NODE_E: set HEAD_IP" >&2; exit 1; }
+[[ -n "$PD_IP" ]] || { echo "cannot resolve $NODE_PD: set PD_IP" >&2; exit 1; }
 
 # Refuse here what the servers would refuse (an unsafe env file, a password in MM_STORE), before
 # anything is copied or started: the head needs the API key, so check as the head does.
@@ -45,10 +47,13 @@ DEVICE=cpu MM_STORE=$MM_STORE EPDSERVE_ENV_FILE=$ENV_FILE bash "$here/atlas_node
 common=$(printf '%q ' "MODEL=$MODEL" "HEAD_IP=$HEAD_IP" "MM_STORE=$MM_STORE" "MODE=E-P-D" \
   "SCHED_PORT=$SCHED_PORT" "REG_PORT=$REG_PORT" "INSECURE=${INSECURE:-0}")
 
-push_env() {  # push_env HOST: the env file to HOST:~/.epdserve/env, over ssh's stdin (mode 0600)
+push_env() {  # push_env HOST [instances]: the env file to HOST:~/.epdserve/env, over ssh's stdin (mode 0600);
+  # an instance-only server gets it without EPDSERVE_API_KEY (clients' key: no instance needs it)
+  local drop='^$'
+  if [[ "${2:-}" == instances ]]; then drop='^[[:space:]]*(export[[:space:]]+)?EPDSERVE_API_KEY='; fi
   # shellcheck disable=SC2016  # $HOME and $t expand on the server
-  ssh "$1" 'umask 077 && mkdir -p "$HOME/.epdserve" && t=$(mktemp "$HOME/.epdserve/env.XXXXXX") &&
-            cat > "$t" && mv -f "$t" "$HOME/.epdserve/env"' < "$ENV_FILE"
+  grep -Ev "$drop" "$ENV_FILE" | ssh "$1" 'umask 077 && mkdir -p "$HOME/.epdserve" &&
+            t=$(mktemp "$HOME/.epdserve/env.XXXXXX") && cat > "$t" && mv -f "$t" "$HOME/.epdserve/env"'
 }
 
 on() {  # on HOST ARGS...: atlas_node.sh ARGS on HOST, in the foreground of an ssh session
@@ -56,18 +61,20 @@ on() {  # on HOST ARGS...: atlas_node.sh ARGS on HOST, in the foreground of an s
   ssh -tt "$host" "cd $(printf '%q' "$REPO") && env $common ${ON_ENV:-} bash scripts/atlas_node.sh $*"
 }
 
-if [[ -e "$ENV_FILE" ]]; then push_env "$NODE_E"; push_env "$NODE_PD"; fi
-ON_ENV=ROLES=E on "$NODE_E" preflight 0,1,2,3,4,5,6,7   # E holds no KV cache: sized for weights + margin
-on "$NODE_PD" preflight 0,1,2,3,4,5,6,7
+if [[ -e "$ENV_FILE" ]]; then push_env "$NODE_E"; push_env "$NODE_PD" instances; fi
+on_e=$(printf '%q' "NODE_IP=$HEAD_IP")   # every port of a server binds its cluster address, never a guess
+on_pd=$(printf '%q' "NODE_IP=$PD_IP")
+ON_ENV="$on_e ROLES=E" on "$NODE_E" preflight 0,1,2,3,4,5,6,7   # E holds no KV cache: sized for weights + margin
+ON_ENV=$on_pd on "$NODE_PD" preflight 0,1,2,3,4,5,6,7
 
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; wait || true' EXIT INT TERM
 # The scheduler binds HEAD_IP, the address instances register at.
-ON_ENV=$(printf '%q' "NODE_IP=$HEAD_IP") on "$NODE_E" head & pids+=($!)
+ON_ENV=$on_e on "$NODE_E" head & pids+=($!)
 sleep 20   # the scheduler loads the tokenizer and image processor; instances retry registration anyway
-on "$NODE_E" instances E 0,1,2,3,4,5,6,7 & pids+=($!)
-on "$NODE_PD" instances P 0,1,2,3 & pids+=($!)
-on "$NODE_PD" instances D 4,5,6,7 & pids+=($!)
+ON_ENV=$on_e on "$NODE_E" instances E 0,1,2,3,4,5,6,7 & pids+=($!)
+ON_ENV=$on_pd on "$NODE_PD" instances P 0,1,2,3 & pids+=($!)
+ON_ENV=$on_pd on "$NODE_PD" instances D 4,5,6,7 & pids+=($!)
 
 echo "serving at grpc://$HEAD_IP:$SCHED_PORT once the instances have registered (clients send EPDSERVE_API_KEY); check with:"
 echo "  (set -a; . $ENV_FILE; epdserve doctor --scheduler $HEAD_IP:$SCHED_PORT)"

@@ -19,6 +19,7 @@
 # before starting anything and refuse to run without:
 #   EPDSERVE_CLUSTER_TOKEN      instances present it to register, the scheduler to call them   [required]
 #   EPDSERVE_API_KEY            clients send it as `authorization: Bearer` to the scheduler    [required on the head]
+#                               (`instances` drops it before starting anything: an instance never needs it)
 #   EPDSERVE_MM_STORE_PASSWORD  (and EPDSERVE_MM_STORE_USERNAME for an ACL user) of the MM Store's Redis
 #   EPDSERVE_MEDIA_KEY_SECRET   the scheduler keys media with it (unset: a random one per scheduler start)
 # `new-env` writes one with a random token and key; atlas_cluster_example.sh copies it to every
@@ -38,8 +39,8 @@
 #   DEVICE           npu, or cpu: a try-out on any machine (no preflight, no CANN environment,
 #                    `--device cpu`; each id in the NPU list starts one CPU instance), e.g. the
 #                    whole configuration on loopback with NODE_IP=HEAD_IP=127.0.0.1 NIC=lo    [npu]
-#   NODE_IP          this server's address on the cluster / HCCL network: every port binds it
-#                                                                             [first address of `hostname -I`]
+#   NODE_IP          this server's address on the cluster / HCCL network: every port binds it;
+#                    never guessed (the first `hostname -I` address may be a public one)  [required]
 #   NIC              network interface of NODE_IP (HCCL/GLOO socket ifname)   [found from NODE_IP]
 #   SCHED_PORT       scheduler's public port (clients)                        [50051]
 #   REG_PORT         scheduler's internal port (instance registry)            [50052]
@@ -303,9 +304,9 @@ preflight() {  # preflight NPU_LIST [ROLES]
 #   RANK_TABLE_FILE: unset, so torch_npu never takes its rank-table path
 #     (HCCLComm::createGlobalHcclComm -> HcclCommInitClusterInfoConfig) for a pair group.
 network_env() {
-  NODE_IP=${NODE_IP:-$(hostname -I | awk '{print $1}')}
+  [[ -n "${NODE_IP:-}" ]] ||
+    die "set NODE_IP to this server's address on the cluster network (every port binds it; see \`ip -o -4 addr\`): it is never guessed, the first address of \`hostname -I\` may be a public one"
   NIC=${NIC:-$(ip -o -4 addr show | awk -v ip="$NODE_IP" 'index($4, ip "/") == 1 {print $2; exit}')}
-  [[ -n "$NODE_IP" ]] || die "cannot tell this server's address: set NODE_IP"
   [[ -n "$NIC" ]] || die "no interface holds $NODE_IP: set NIC (see \`ip -o -4 addr\`)"
   export HCCL_IF_IP=$NODE_IP
   export HCCL_SOCKET_IFNAME="=$NIC"
@@ -369,6 +370,7 @@ case "$what" in
     MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://10.0.0.5:6379/0 (its password in the env file)}
     check_mm_store
     load_env_file
+    unset EPDSERVE_API_KEY   # clients' key: no instance needs it, so none holds it
     if [[ "$DEVICE" == npu ]]; then
       load_ascend_env
       preflight "$npus" "$roles"

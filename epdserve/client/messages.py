@@ -207,11 +207,14 @@ def video_proto(video, options: dict | None = None) -> common_pb2.Media:
 
 def build_request(prompt=None, images=None, *, chat=None, request_id: str = "", add_generation_prompt: bool = True,
                   videos=None, video_options: dict | None = None, tools: list[dict] | None = None,
-                  **sampling) -> serve_pb2.GenerateRequest:
+                  cache_salt: str = "", **sampling) -> serve_pb2.GenerateRequest:
     """`videos`: container bytes or paths, one per `<|vision_start|><|video_pad|><|vision_end|>`;
     `video_options` applies to each of them. `tools` (chat only): OpenAI tool definitions the
-    prompt offers the model (its `<tool_call>` blocks: `epdserve.model.tool_calls.parse_tool_calls`)."""
-    req = serve_pb2.GenerateRequest(request_id=request_id or "", sampling=sampling_proto(sampling))
+    prompt offers the model (its `<tool_call>` blocks: `epdserve.model.tool_calls.parse_tool_calls`).
+    `cache_salt` (vLLM's): cached prefixes are shared only among requests of the caller's tenant
+    with the same salt."""
+    req = serve_pb2.GenerateRequest(request_id=request_id or "", sampling=sampling_proto(sampling),
+                                    cache_salt=cache_salt or "")
     if chat is not None:
         if images or videos:
             raise ValueError("chat messages carry their own images")

@@ -20,3 +20,4 @@ class EngineRequest:
     # `media_extra`): the identity the prefix cache keys the imported KV by; without it a prompt
     # with media is never cached there
     media_identity: tuple = ()
+    cache_salt: str = ""  # folded into the first KV block's hash (prefix_hash.py): prefixes shared only under one salt

@@ -118,7 +118,7 @@ class LLMEngine:
         seq = Sequence(rid, list(req.prompt_token_ids), req.params, media=list(req.media),
                        arrival=next(self._arrivals), feature_target=req.feature_target,
                        kv_transfer=req.kv_transfer, num_vision_tokens_hint=req.num_vision_tokens,
-                       media_identity=tuple(req.media_identity))
+                       media_identity=tuple(req.media_identity), cache_salt=req.cache_salt)
         self._validate(seq)
         if req.params.structured is not None and self.config.computes:  # compiled here (cached per schema)
             c = req.params.structured

@@ -10,11 +10,16 @@ their identity (`Sequence.media_identity`, from the request): its imported KV is
 way. M-RoPE positions and DeepStack features depend on nothing past the tokens and media of the
 prefix, so the KV of a prefix is a function of its key; the block manager compares a hit's
 content before serving it (`BlockManager.lookup`).
+
+A request's cache salt (its tenant's and its own `cache_salt`, vLLM's field;
+`security/tenants.py`) is folded into its first block: that block's parent is the salt's
+SHA-256 (`seams/prefix_hash.first_parent`) instead of `FIRST_PARENT`, so one tenant's prefix is
+never a hit, nor a `cached_tokens` count, for another.
 """
 from __future__ import annotations
 
 from epdserve.engine.sequence import Sequence
-from epdserve.seams.prefix_hash import FIRST_PARENT, BlockKey, block_key, chain, media_extra, media_spans
+from epdserve.seams.prefix_hash import BlockKey, block_key, chain, first_parent, media_extra, media_spans
 
 __all__ = ["FIRST_PARENT", "BlockKey", "PrefixHasher", "UNHASHABLE", "block_key", "media_extra", "media_identity"]
 
@@ -52,5 +57,5 @@ class PrefixHasher:
             return []
         first, p = len(memo) * bs, seq.prompt_len
         ids = seq.prompt_token_ids[first:n * bs] + seq.output_token_ids[max(0, first - p):max(0, n * bs - p)]
-        memo += chain(ids, seq.media_spans, bs, first_block=len(memo), prev=memo[-1].digest if memo else FIRST_PARENT)
+        memo += chain(ids, seq.media_spans, bs, first_block=len(memo), prev=memo[-1].digest if memo else first_parent(seq.cache_salt))
         return memo[:n]

@@ -92,6 +92,7 @@ class Sequence:
     media_spans: list | None = None  # (key, extra, first, end) per media item (engine/prefix_hash.py)
     media_identity: tuple = ()  # decode-only: (key, extra, num_tokens) per media item, for the prefix cache
     grammar: object | None = None  # structured output: its GrammarState (engine/grammar.py)
+    cache_salt: str = ""  # the request's cache salt: its first block's parent (prefix_hash.first_parent)
     decode_clock: tuple[float, int] | None = None  # step budget: (when it started decoding here, outputs then)
 
     @property

@@ -8,6 +8,10 @@ stops them before it stops. (This composition lives with the entrypoints: nothin
 
 The API key comes from --api-key, --api-key-file or the EPDSERVE_API_KEY environment variable
 (the last two keep it out of argv, which other users of the machine can read); it is never logged.
+Tenants' keys come from --api-keys-file ('<tenant> <key>' per line; `security/tenants.py`), which
+the scheduler re-reads on SIGHUP. /metrics takes the scrape token (--metrics-token-file or
+EPDSERVE_METRICS_TOKEN) and, without one, the single API key; with --metrics-auth auto it needs
+one whenever a client key or a scrape token exists, or the port is beyond loopback.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from pathlib import Path
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.exposure import INSECURE_HELP, guard, is_loopback
 from epdserve.security.secrets import API_KEY_ENV, CLUSTER_TOKEN_ENV
+
+METRICS_TOKEN_ENV = "EPDSERVE_METRICS_TOKEN"
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,12 @@ def add_front_flags(p) -> None:
     g.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024, help="per image (default 20 MiB)")
     g.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024,
                    help="larger HTTP request bodies are refused with 413 (default 64 MiB)")
+    g.add_argument("--max-prompts-per-call", type=int, default=16,
+                   help="prompts one /v1/completions call may carry (400 beyond; default 16)")
+    g.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
+                   help="Host header names the HTTP front answers besides localhost, loopback addresses and the "
+                        "address it binds (a DNS-rebinding guard; '.example.com': every name under it; '*': any); "
+                        "other Hosts get 400")
     g.add_argument("--http-request-timeout", type=float, default=None,
                    help="end an HTTP request still running after this many seconds with 504 (default: none)")
     g.add_argument("--http-address-file", type=Path, default=None, help="write the HTTP host:port here once serving")
@@ -48,9 +60,13 @@ def add_front_flags(p) -> None:
                    help="serve Prometheus /metrics alone on this port (0: a free one), for gRPC-only deployments "
                         "(HTTPS with --tls-cert/--tls-key); with --http-port they are also on the HTTP front's /metrics")
     g.add_argument("--metrics-auth", choices=("auto", "on", "off"), default="auto",
-                   help="/metrics needs the API key ('authorization: Bearer KEY'; Prometheus: "
-                        "authorization.credentials_file): on, off, or auto (default) = on when the port serving "
+                   help="/metrics needs the scrape token, or without one the single API key ('authorization: "
+                        "Bearer TOKEN'; Prometheus: authorization.credentials_file): on, off, or auto (default) = "
+                        "on whenever an API key, a keys file or a scrape token is set, or the port serving "
                         "/metrics is bound beyond loopback. Off beyond loopback is refused unless --insecure")
+    g.add_argument("--metrics-token-file", type=Path, default=None,
+                   help=f"file holding the scrape token /metrics takes (or set {METRICS_TOKEN_ENV}): give "
+                        "Prometheus this, never a client API key")
 
 
 def add_security_flags(p) -> None:
@@ -61,6 +77,11 @@ def add_security_flags(p) -> None:
     g.add_argument("--api-key-file", type=Path, default=None,
                    help=f"file holding the API key clients must send as 'Authorization: Bearer <key>' "
                         f"(or set {API_KEY_ENV}); default: no key")
+    g.add_argument("--api-keys-file", type=Path, default=None,
+                   help="file of tenants' API keys, one '<tenant> <key>' per line ('#' comments): each key names "
+                        "its tenant, whose requests, request ids, media keys and cached prefixes no other tenant "
+                        "sees; re-read on SIGHUP (a file that no longer parses keeps the keys in use); with "
+                        "--api-key-file too, that key's holders are the default tenant")
     g.add_argument("--tls-cert", default=None,
                    help="PEM certificate: serve the public gRPC, HTTP and --metrics-port ports over TLS")
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -97,7 +118,7 @@ def security_from_args(args):
 
     key = api_key_from_args(args)
     return SchedulerSecurity(
-        api_key=Secret(key) if key else None,
+        api_key=Secret(key) if key else None, api_keys_file=getattr(args, "api_keys_file", None),
         cluster_token=Secret.load(file=args.cluster_token_file, env=CLUSTER_TOKEN_ENV),
         media_key_secret=MediaKeySecret.load(file=getattr(args, "media_key_secret_file", None)),
         tls_cert=args.tls_cert, tls_key=args.tls_key, internal_host=args.internal_host,
@@ -117,12 +138,22 @@ def api_key_from_args(args) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-def http_options_from_args(args):
+def metrics_token_from_args(args) -> str | None:
+    from epdserve.security import Secret
+
+    token = Secret.load(file=getattr(args, "metrics_token_file", None), env=METRICS_TOKEN_ENV)
+    return token.reveal() if token is not None else None
+
+
+def http_options_from_args(args, security=None):
     if args.http_port is None:
         return None
     from epdserve.entrypoints.http import HttpOptions
 
     return HttpOptions(
+        tenants=security.tenants if security is not None else None, metrics_token=metrics_token_from_args(args),
+        allowed_hosts=getattr(args, "allowed_hosts", None) or (),
+        max_prompts_per_call=getattr(args, "max_prompts_per_call", 16),
         host=args.http_host or args.host, port=args.http_port, api_key=api_key_from_args(args),
         allow_remote_images=args.allow_remote_images, image_fetch_timeout_s=args.image_fetch_timeout,
         allowed_media_domains=args.allowed_media_domains or (),
@@ -145,32 +176,42 @@ class Fronts:
         self.metrics_auth = metrics_auth  # "auto" | "on" | "off" (--metrics-auth)
         self.http_address_file = http_address_file
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.metrics_token: str | None = None  # --metrics-token-file / EPDSERVE_METRICS_TOKEN
         self.metrics = ServingMetrics()
         self.http = None
         self.metrics_front = None
 
     @classmethod
     def from_args(cls, args) -> Fronts:
-        fronts = cls(http_options_from_args(args), getattr(args, "http_address_file", None),
+        security = security_from_args(args)
+        fronts = cls(http_options_from_args(args, security), getattr(args, "http_address_file", None),
                      getattr(args, "metrics_port", None), getattr(args, "http_host", None) or args.host,
-                     security_from_args(args), getattr(args, "metrics_auth", "auto"))
+                     security, getattr(args, "metrics_auth", "auto"))
+        fronts.metrics_token = metrics_token_from_args(args)
         fronts.security.check_exposure(args.host)  # the gRPC ports (SchedulerServer.start checks again)
         fronts.check_exposure()
         return fronts
 
     def _metrics_key(self, host: str):
-        """The API key /metrics on `host` requires (None: open), by --metrics-auth."""
-        key = self.security.api_key if self.security is not None else None
-        wanted = self.metrics_auth == "on" or (self.metrics_auth == "auto" and not is_loopback(host))
-        if wanted and key is None and self.metrics_auth == "on":
-            raise ValueError("--metrics-auth on needs an API key (EPDSERVE_API_KEY or --api-key-file)")
+        """What /metrics on `host` requires (None: open), by --metrics-auth: the scrape token, else
+        the single API key (`http.tenancy.metrics_matcher`). Auto: whenever a key or token exists."""
+        from epdserve.security import Secret
+
+        sec = self.security
+        key = Secret(self.metrics_token) if self.metrics_token else sec.api_key if sec is not None else None
+        any_key = key is not None or (sec is not None and sec.has_client_keys)
+        wanted = self.metrics_auth == "on" or (self.metrics_auth == "auto" and (any_key or not is_loopback(host)))
+        if wanted and key is None and (self.metrics_auth == "on" or any_key):
+            raise ValueError("/metrics needs a credential: set a scrape token (--metrics-token-file or "
+                             f"{METRICS_TOKEN_ENV}) or a single API key (EPDSERVE_API_KEY or --api-key-file); "
+                             "keys-file tenants never read /metrics")
         return key if wanted else None
 
     def check_exposure(self) -> None:
         """Refuse (ExposureError) an HTTP or metrics port beyond loopback that an unauthenticated
         caller could use, before anything starts (unless --insecure)."""
         insecure = self.security is not None and self.security.insecure
-        has_key = self.security is not None and self.security.api_key is not None
+        has_key = self.security is not None and self.security.has_client_keys
         if self.http_opts is not None:
             guard("the HTTP front", self.http_opts.host, has_key, "set EPDSERVE_API_KEY (or --api-key-file)", insecure)
             guard("/metrics on the HTTP front", self.http_opts.host, self._metrics_key(self.http_opts.host) is not None,

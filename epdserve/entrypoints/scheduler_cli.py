@@ -7,7 +7,8 @@ loopback unless --internal-host names the cluster network) and then, when it ser
 --internal-address-file / --address-file when given, for launchers that pass port 0).
 Instances register themselves at the internal port (`epdserve instance --scheduler
 HOST:INTERNAL_PORT`) or are listed with --instance. A port beyond loopback that would serve
-unauthenticated callers is refused at start (see --insecure). SIGTERM / SIGINT stop it: it stops taking requests, aborts those in flight and
+unauthenticated callers is refused at start (see --insecure). SIGHUP re-reads --api-keys-file.
+SIGTERM / SIGINT stop it: it stops taking requests, aborts those in flight and
 exits within STOP_DEADLINE_S seconds, always. Started by `epdserve launch`, it also stops when
 the launcher dies.
 """
@@ -89,6 +90,7 @@ async def serve(config, address_file: Path | None = None, signals=None, fronts=N
     if signals is not None:
         signals.on_stop(lambda: loop.call_soon_threadsafe(stop.set))
     await server.start()
+    _reload_keys_on_sighup(server.security, loop)
     try:
         if fronts is not None:  # the HTTP front, on this loop (entrypoints.fronts)
             await fronts.start(server)
@@ -101,6 +103,18 @@ async def serve(config, address_file: Path | None = None, signals=None, fronts=N
         if fronts is not None:
             await fronts.stop()
         await server.stop()
+
+
+def _reload_keys_on_sighup(security, loop) -> None:
+    """SIGHUP: re-read the keys file (on the loop, which owns the keys' users); nothing without one.
+    signal.signal, not loop.add_signal_handler: that would take StopSignals' wakeup fd."""
+    import signal
+    import threading
+
+    keys = getattr(security, "tenants", None)
+    if keys is None or keys.file is None or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGHUP, lambda *_: loop.call_soon_threadsafe(keys.reload))
 
 
 def run(args) -> int:

@@ -63,8 +63,10 @@ class DecodeWorker(StageWorker):
 
     # ---------------------------------------------------------------- gRPC threads
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams, peer: str, kv_host: str,
-                kv_port: int, num_vision_tokens: int = 0, media: tuple = ()) -> tuple[RequestHandle, Reservation]:
-        """`media`: `media_identity` of the request's media (empty: a prompt with media is not cached)."""
+                kv_port: int, num_vision_tokens: int = 0, media: tuple = (), cache_salt: str = ""
+                ) -> tuple[RequestHandle, Reservation]:
+        """`media`: `media_identity` of the request's media (empty: a prompt with media is not cached);
+        `cache_salt`: the request's (its first block's hash, as at P)."""
         handle = RequestHandle(request_id)
 
         def run() -> Reservation:
@@ -75,7 +77,8 @@ class DecodeWorker(StageWorker):
             except PairRebuildsExhausted as e:  # retryable: the scheduler reroutes the request
                 raise TransientError(str(e)) from None
             req = EngineRequest(request_id, list(prompt_ids), [], params, kv_transfer=RemotePrefill(peer),
-                                num_vision_tokens=num_vision_tokens, media_identity=tuple(media))
+                                num_vision_tokens=num_vision_tokens, media_identity=tuple(media),
+                                cache_salt=cache_salt)
             try:
                 self.engine.add_request(req)
             except MemoryError as e:

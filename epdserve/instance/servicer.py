@@ -120,6 +120,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                 media=convert.media_items(w.engine, request.media),
                 params=sampling_from_proto(request.sampling),
                 kv_transfer=RemoteDecode(dec.decode_instance_id, tuple(dec.dst_block_ids), dec.num_cached_tokens),
+                cache_salt=request.cache_salt,
             )
 
         j = self._guard(context, job)
@@ -159,7 +160,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                           "DecodeReserve needs prefill_instance_id and prefill_kv_endpoint")
         handle, res = self._guard(context, lambda: w.reserve(
             rid, list(r.prompt_token_ids), params, r.prefill_instance_id, ep.host, int(ep.port), r.num_vision_tokens,
-            media_identity(r.media)))
+            media_identity(r.media), r.cache_salt))
         context.add_callback(lambda: w.abort(rid))
         yield instance_pb2.DecodeOutput(reserved=instance_pb2.KvReservation(
             decode_instance_id=self.host.instance_id,
@@ -188,7 +189,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         def submit():
             items = convert.media_items(w.engine, request.media)
             params = sampling_from_proto(request.sampling)
-            return w.submit(EngineRequest(rid, list(request.prompt_token_ids), items, params))
+            return w.submit(EngineRequest(rid, list(request.prompt_token_ids), items, params,
+                                          cache_salt=request.cache_salt))
 
         handle = self._guard(context, submit)
         context.add_callback(lambda: w.abort(rid))

@@ -111,9 +111,9 @@ class ServingMetrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    async def observe(self, stream: AsyncIterator[serve_pb2.GenerateDelta], scheduler
+    async def observe(self, stream: AsyncIterator[serve_pb2.GenerateDelta], scheduler, tenant: str = ""
                       ) -> AsyncIterator[serve_pb2.GenerateDelta]:
-        """`stream`, unchanged, with its request measured."""
+        """`stream`, unchanged, with its request (of `tenant`: request ids are per tenant) measured."""
         start = time.monotonic()
         first = last = None
         status = "ok"
@@ -132,7 +132,7 @@ class ServingMetrics:
                         self.itl.observe(now - last)
                     last = now
                 if d.finished:
-                    self._finished(d, start, first, now, scheduler)
+                    self._finished(d, start, first, now, scheduler, tenant)
                 yield d
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             status = "CANCELLED"
@@ -147,7 +147,7 @@ class ServingMetrics:
             self.requests.labels(status).inc()
 
     def _finished(self, d: serve_pb2.GenerateDelta, start: float, first: float | None, now: float,
-                  scheduler) -> None:
+                  scheduler, tenant: str = "") -> None:
         self.success.labels(d.finish_reason or "stop").inc()
         self.e2e.observe(now - start)
         n = d.usage.output_tokens
@@ -161,7 +161,7 @@ class ServingMetrics:
         self.generation_tokens.inc(n)
         self.vision_tokens.inc(d.usage.vision_tokens)
         self.cached_vision_tokens.inc(d.usage.cached_vision_tokens)
-        run = scheduler.dispatcher.runs.get(d.request_id) if scheduler.dispatcher is not None else None
+        run = scheduler.dispatcher.runs.get((tenant, d.request_id)) if scheduler.dispatcher is not None else None
         recomputed = 0
         if run is not None:
             self.retries.inc(max(0, len(run.attempts) - 1))

@@ -49,6 +49,7 @@ class AttemptInputs:
     sampling: common_pb2.SamplingParams
     num_vision_tokens: int
     deadline: float | None = None  # time.monotonic() bound, from the client's deadline
+    cache_salt: str = ""  # the request's (security/tenants.py `cache_salt`): folded into its first KV block
 
 
 @dataclass
@@ -108,7 +109,8 @@ class Attempt:
         i = self.inputs
         call = self.channels.get(rec.address).instance.Generate(
             instance_pb2.InstanceGenerateRequest(
-                request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, media=i.media, sampling=i.sampling),
+                request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, media=i.media, sampling=i.sampling,
+                cache_salt=i.cache_salt),
             timeout=self._timeout(),
         )
         self._calls.append(call)
@@ -134,7 +136,7 @@ class Attempt:
         reserve = instance_pb2.DecodeReserve(
             request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, sampling=i.sampling,
             num_vision_tokens=i.num_vision_tokens, prefill_instance_id=p.instance_id,
-            prefill_kv_endpoint=p.kv_endpoint, media=[_identity_only(m) for m in i.media],
+            prefill_kv_endpoint=p.kv_endpoint, media=[_identity_only(m) for m in i.media], cache_salt=i.cache_salt,
         )
         await self._send(d, "decode", call.write(instance_pb2.DecodeInput(reserve=reserve)))
         out = await self._rpc(d, "decode", call.read())
@@ -143,7 +145,7 @@ class Attempt:
         prefill = self.channels.get(p.address).instance.Prefill(
             instance_pb2.PrefillRequest(
                 request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, media=i.media,
-                sampling=i.sampling, decode=out.reserved),
+                sampling=i.sampling, decode=out.reserved, cache_salt=i.cache_salt),
             timeout=self._timeout(),
         )
         self._calls.append(prefill)

@@ -20,7 +20,8 @@ class SchedulerConfig:
     Health hysteresis: an instance is SUSPECT after one failed probe/heartbeat, DOWN (no longer
     routed to) after `unhealthy_after` consecutive failures, and HEALTHY again after
     `healthy_after` consecutive good probes. DOWN instances are forgotten after `forget_after_s`.
-    Backpressure: at most `max_requests_in_flight` public requests, and at most
+    Backpressure: at most `max_requests_in_flight` public requests (`max_requests_per_tenant` of
+    them from one tenant, when set), and at most
     `max_inflight_per_instance` of them on any one instance; beyond either, RESOURCE_EXHAUSTED.
     Pixels: at most `max_pixels_in_flight` declared pixels (`limits.check_generate_request`) of the
     requests whose media are still being decoded (`pixel_budget.PixelBudget`; default 4 x
@@ -57,6 +58,10 @@ class SchedulerConfig:
                                           help="requests in flight before RESOURCE_EXHAUSTED")
     max_inflight_per_instance: int = setting(
         256, check=(">=", 1), help="requests queued or running on one instance before it counts as full")
+    max_requests_per_tenant: int | None = setting(
+        None, check=(">=", 1), metavar="N",
+        help="requests one tenant (an API key of --api-keys-file) may have in flight before RESOURCE_EXHAUSTED / "
+             "HTTP 429 with Retry-After (default: only --max-requests)")
     max_pixels_in_flight: int | None = setting(
         None, check=(">=", 1), metavar="N",
         help="pixels that the media of the requests in flight declare (images, and every frame of a video the "

@@ -25,10 +25,19 @@ start the run as if this scheduler had streamed them itself.
 
 Abort (public `Abort`) and client cancellation close the current attempt the same way; an
 aborted stream ends with finish_reason "abort".
+
+Tenants (`epdserve.security.tenants`): a request runs as its caller's tenant. Request ids are
+the tenant's own (two tenants may use one id; `abort` finds only the caller's, and says "not
+found" for another's exactly as for an id never seen); instances see ids made unique across
+tenants. Its `cache_salt` (the tenant and the request's own salt) keys its media keys, its
+prompt-chunk hashes and its first KV block, so no tenant is served, or told of, another's
+cached prefix or media: usage's cached counts are the caller's own. `max_requests_per_tenant`
+bounds one tenant's requests in flight (RESOURCE_EXHAUSTED, HTTP 429).
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -49,6 +58,9 @@ from epdserve.scheduler.preprocess import PreparedRequest, RequestPreprocessor
 from epdserve.scheduler.prompt_chunks import PromptChunker
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 from epdserve.scheduler.routing import Router
+from epdserve.security.tenants import DEFAULT_TENANT, cache_salt
+
+MAX_CACHE_SALT_CHARS = 256
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +86,14 @@ class StoredKeys:
 
 
 class RequestRun:
-    def __init__(self, dispatcher: Dispatcher, prep: PreparedRequest, arrival: float, deadline: float | None):
+    def __init__(self, dispatcher: Dispatcher, prep: PreparedRequest, arrival: float, deadline: float | None,
+                 tenant: str = DEFAULT_TENANT, salt: str = ""):
         self.d = dispatcher
         self.prep = prep
+        self.tenant, self.salt = tenant, salt
+        # the id instances see: the client's, made unique across tenants (ids are per tenant)
+        self.wire_id = prep.request_id if not tenant else \
+            f"{prep.request_id}@{hashlib.sha256(tenant.encode()).hexdigest()[:12]}"
         self.deadline = deadline
         self.timing = common_pb2.StageTimings(arrival=arrival)
         self.generated: list[int] = []
@@ -183,7 +200,8 @@ class RequestRun:
         sampling.max_tokens = remaining
         if sampling.HasField("structured"):  # the resumed output joins the prompt: the grammar replays it
             sampling.structured.replay_prompt_tokens = len(self.generated)
-        inputs = AttemptInputs(f"{prep.request_id}#{n}", prompt, refs, sampling, prep.num_vision_tokens, self.deadline)
+        inputs = AttemptInputs(f"{self.wire_id}#{n}", prompt, refs, sampling, prep.num_vision_tokens, self.deadline,
+                               self.salt)
         attempt = Attempt(inputs, plan, lease, d.channels, d.registry, d.background)
         attempt.encoded_keys = encoding
         self.attempt = attempt
@@ -258,7 +276,8 @@ class Dispatcher:
         self.preprocessor = preprocessor
         self.stored = StoredKeys(config.stored_keys_size)
         preprocessor.index.capacity = config.media_index_size
-        self.runs: dict[str, RequestRun] = {}
+        self.runs: dict[tuple[str, str], RequestRun] = {}  # (tenant, request id) -> its run
+        self._per_tenant: dict[str, int] = {}  # tenant -> requests admitted
         self.finished_listeners: list = []  # each finished request: listener(ttft_s, tpot_s, ok, media, age_s) (the role controller)
         self.background: set[asyncio.Task] = set()
         self._admitted = 0
@@ -277,9 +296,9 @@ class Dispatcher:
         """Declared pixels of the admitted requests whose media are not done with yet (`PixelBudget`)."""
         return self.pixels.used
 
-    async def generate(self, req: serve_pb2.GenerateRequest, deadline: float | None = None
-                       ) -> AsyncIterator[serve_pb2.GenerateDelta]:
-        """The public stream of one request. Raises RequestError."""
+    async def generate(self, req: serve_pb2.GenerateRequest, deadline: float | None = None,
+                       tenant: str = DEFAULT_TENANT) -> AsyncIterator[serve_pb2.GenerateDelta]:
+        """The public stream of one request, run as `tenant`'s. Raises RequestError."""
         arrival = time.time()
         try:
             pixels = check_generate_request(req, self.config.limits)
@@ -288,24 +307,32 @@ class Dispatcher:
             raise RequestError(e.grpc_code, e.message) from None
         except RangeError as e:
             raise RequestError.invalid(e.message) from None
+        if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise RequestError.invalid(f"cache_salt is {len(req.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+        salt = cache_salt(tenant, req.cache_salt)
         held = self.pixels.take(pixels)  # INVALID_ARGUMENT first: a request that never fits is no "retry later"
         if self._admitted >= self.config.max_requests_in_flight:
             held.release()
             raise RequestError.exhausted(f"{self._admitted} requests in flight (limit {self.config.max_requests_in_flight})")
+        quota, mine = self.config.max_requests_per_tenant, self._per_tenant.get(tenant, 0)
+        if quota is not None and mine >= quota:
+            held.release()
+            raise RequestError.exhausted(f"this tenant has {mine} requests in flight (its limit {quota})")
         self._admitted += 1
+        self._per_tenant[tenant] = mine + 1
         try:
-            if req.request_id and req.request_id in self.runs:
+            if req.request_id and (tenant, req.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
             loop = asyncio.get_running_loop()
             prep, prefix = await loop.run_in_executor(self._pool, self._prepare, req, self.registry.namespace,
-                                                      self._block_sizes())
-            if prep.request_id in self.runs:
+                                                      self._block_sizes(), salt)
+            if (tenant, prep.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
-            run = RequestRun(self, prep, arrival, deadline)
+            run = RequestRun(self, prep, arrival, deadline, tenant, salt)
             run.generated = self._resumed(req, prep)
             run.resumed = len(run.generated)
             run.prefix = prefix
-            self.runs[prep.request_id] = run
+            self.runs[tenant, prep.request_id] = run
             ok = False
             try:
                 async for delta in run.events():
@@ -313,24 +340,29 @@ class Dispatcher:
                     yield delta
                 ok = True
             finally:
-                self.runs.pop(prep.request_id, None)
+                self.runs.pop((tenant, prep.request_id), None)
                 self._report_finished(run, ok)
         finally:
             self._admitted -= 1
+            left = self._per_tenant[tenant] - 1
+            if left:
+                self._per_tenant[tenant] = left
+            else:
+                del self._per_tenant[tenant]
             held.release()
 
     def _block_sizes(self) -> set[int]:
         """The block sizes of the instances that prefill (on the event loop: the registry's thread)."""
         return {r.block_size for r in self.registry.records() if r.role_set.prefills}
 
-    def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str,
-                 block_sizes: set[int]) -> tuple[PreparedRequest, dict[int, list[bytes]]]:
+    def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str, block_sizes: set[int],
+                 salt: str = "") -> tuple[PreparedRequest, dict[int, list[bytes]]]:
         """In a worker thread: the prepared request and, for cache-aware routing, its prompt's block
-        hashes in each of `block_sizes`."""
-        prep = self.preprocessor.prepare(req, namespace)
+        hashes in each of `block_sizes` (both keyed by the request's cache `salt`)."""
+        prep = self.preprocessor.prepare(req, namespace, salt)
         if self.chunker is None:
             return prep, {}
-        return prep, self.chunker.by_block_size(prep.prompt_token_ids, prep.media, block_sizes)
+        return prep, self.chunker.by_block_size(prep.prompt_token_ids, prep.media, block_sizes, salt)
 
     def _report_finished(self, run: RequestRun, ok: bool) -> None:
         """Tell `finished_listeners(ttft_s, tpot_s, ok, media, age_s)` how a request went (scheduler's
@@ -353,8 +385,10 @@ class Dispatcher:
             raise RequestError.invalid(f"{len(ids)} resume_token_ids leave nothing of max_tokens={prep.max_tokens}")
         return ids
 
-    def abort(self, request_id: str) -> bool:
-        run = self.runs.get(request_id)
+    def abort(self, request_id: str, tenant: str = DEFAULT_TENANT) -> bool:
+        """Abort `tenant`'s request `request_id`; False when it has none in flight by that id
+        (another tenant's is not found either)."""
+        run = self.runs.get((tenant, request_id))
         if run is None:
             return False
         run.abort()

@@ -8,7 +8,10 @@ decoded and preprocessed here, so a corrupt image fails its request with INVALID
 before anything is routed, its message naming it ("image 2 is not a readable image (12 bytes):
 ..."; images and videos counted from 1, each kind apart, in the order the request lists them); so is every video (`Media.video` set, or a chat's video part), whose placeholder
 expands to its per-temporal-patch timestamps and pad tokens (media then in prompt order). Media sent by key are looked up in `MediaIndex` (what this
-scheduler learned from earlier requests); an unknown key is INVALID_ARGUMENT.
+scheduler learned from earlier requests), each under the cache salt of the request that sent
+its bytes (its tenant's, `security/tenants.py`): a key another tenant sent answers exactly as a
+key never seen does (INVALID_ARGUMENT, "unknown media key"), so keys neither cross tenants nor
+tell which exist.
 
 Thread-safe: `prepare` runs in worker threads (it is CPU work), the index takes a lock.
 """
@@ -62,25 +65,26 @@ class PreparedRequest:
 
 
 class MediaIndex:
-    """Bounded LRU: media key -> (grid_thw, num_tokens), so clients may resend media by key."""
+    """Bounded LRU: (cache salt, media key) -> (grid_thw, num_tokens), so clients may resend
+    media by key, within the salt (tenant) that sent the bytes."""
 
     def __init__(self, capacity: int = 100_000):
         self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], tuple[list[int], int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, key: str, grid_thw: list[int], num_tokens: int) -> None:
+    def put(self, key: str, grid_thw: list[int], num_tokens: int, salt: str = "") -> None:
         with self._lock:
-            self._entries[key] = (list(grid_thw), num_tokens)
-            self._entries.move_to_end(key)
+            self._entries[salt, key] = (list(grid_thw), num_tokens)
+            self._entries.move_to_end((salt, key))
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
-    def get(self, key: str) -> tuple[list[int], int] | None:
+    def get(self, key: str, salt: str = "") -> tuple[list[int], int] | None:
         with self._lock:
-            hit = self._entries.get(key)
+            hit = self._entries.get((salt, key))
             if hit is not None:
-                self._entries.move_to_end(key)
+                self._entries.move_to_end((salt, key))
             return hit
 
 
@@ -112,8 +116,9 @@ class RequestPreprocessor:
     def model_type(self) -> str:
         return self.config.model_type
 
-    def prepare(self, req: serve_pb2.GenerateRequest, namespace: str) -> PreparedRequest:
-        """Validate, tokenize, decode media, expand placeholders. Raises RequestError."""
+    def prepare(self, req: serve_pb2.GenerateRequest, namespace: str, salt: str = "") -> PreparedRequest:
+        """Validate, tokenize, decode media, expand placeholders; media keyed under the request's
+        cache `salt` (`security/tenants.py`). Raises RequestError."""
         try:
             params = sampling_from_proto(req.sampling)
         except InvalidRequestError as e:
@@ -138,7 +143,7 @@ class RequestPreprocessor:
             raise RequestError.invalid(str(e)) from None
         if media and not namespace:
             raise RequestError.unavailable("no instance has reported its media namespace yet")
-        prepared = [self._media(m, namespace, label) for m, label in zip(media, media_labels(media))]
+        prepared = [self._media(m, namespace, label, salt) for m, label in zip(media, media_labels(media))]
         keys = [m.key for m in prepared]  # in the client's order
         try:
             expanded, order = self.processor.expand_media(ids, prepared)
@@ -195,7 +200,7 @@ class RequestPreprocessor:
         mm = rendered["multi_modal_data"]
         return rendered["prompt"], [*mm["image"], *mm.get("video", [])]  # each kind in prompt order
 
-    def _media(self, m: common_pb2.Media, namespace: str, label: str) -> PreparedMedia:
+    def _media(self, m: common_pb2.Media, namespace: str, label: str, salt: str = "") -> PreparedMedia:
         """One media item of the request; `label` names it in errors ("image 2", "video 1")."""
         which = m.WhichOneof("source")
         if m.HasField("video"):
@@ -205,21 +210,21 @@ class RequestPreprocessor:
                 mi = self.processor.preprocess_video(bytes(m.data), video_options_from_proto(m.video))
             except InvalidRequestError as e:
                 raise RequestError.invalid(_about(label, e)) from None
-            return PreparedMedia(media_key(mi.raw, namespace, self.media_secret), bytes(m.data), [int(x) for x in mi.grid_thw.tolist()],
+            return PreparedMedia(media_key(mi.raw, namespace, self.media_secret, salt), bytes(m.data), [int(x) for x in mi.grid_thw.tolist()],
                                  mi.num_tokens, "video", mi.expansion, m.video)
         if which == "data":
             try:
                 mi = self.processor.preprocess_image(bytes(m.data))
             except InvalidRequestError as e:
                 raise RequestError.invalid(_about(label, e)) from None
-            key = media_key(mi.raw, namespace, self.media_secret)
+            key = media_key(mi.raw, namespace, self.media_secret, salt)
             grid = [int(x) for x in mi.grid_thw.tolist()]
-            self.index.put(key, grid, mi.num_tokens)
+            self.index.put(key, grid, mi.num_tokens, salt)
             return PreparedMedia(key, bytes(m.data), grid, mi.num_tokens)
         if which == "key":
             if not m.key.startswith(namespace + ":"):
                 raise RequestError.invalid(f"{label}: key {m.key!r} is not of this model's namespace {namespace!r}")
-            hit = self.index.get(m.key)
+            hit = self.index.get(m.key, salt)  # another tenant's key: exactly as one never seen
             if hit is None:
                 raise RequestError.invalid(f"{label}: unknown media key {m.key!r}; send the image bytes")
             return PreparedMedia(m.key, b"", hit[0], hit[1])

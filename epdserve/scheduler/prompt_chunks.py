@@ -6,7 +6,9 @@ over full blocks, the media identity of every item whose placeholder tokens fall
 folded in): in blocks of each prefill pool's block size, as its instances registered it
 (`InstanceStatus.block_size`: 16 on CPU and CUDA, 128 on NPU), so a prompt's hashes are the
 digests of the very blocks an engine of that pool caches. Only full blocks count (engines cache
-only full blocks). Pure functions; safe in the preprocessing threads.
+only full blocks). A request's cache salt (its tenant's, `security/tenants.py`) seeds the first
+block's parent, as it does the engines' (`first_parent`): one tenant's prompts never score
+another's. Pure functions; safe in the preprocessing threads.
 
 The index these hashes go into is still a guess of where a prefix probably is (the router
 records where it sent a prompt; engines evict unseen): a collision, if one could be forged,
@@ -42,13 +44,14 @@ class PromptChunker:
         self.visual = frozenset(t for t in visual_token_ids if t is not None)
 
     def hashes(self, token_ids: Sequence[int], media: Sequence = (),
-               block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
+               block_size: int = DEFAULT_BLOCK_SIZE, salt: str = "") -> list[bytes]:
         """The digests of the full blocks of `token_ids` (`block_size` tokens each), each naming the
         prefix up to its block. `media`: the prompt's media in prompt order, each with `key`,
-        `num_tokens`, `grid_thw`, `kind` and (videos) `video` (`PreparedMedia`)."""
-        return [k.digest for k in prompt_keys(token_ids, media_identity(media), self.visual, block_size)]
+        `num_tokens`, `grid_thw`, `kind` and (videos) `video` (`PreparedMedia`); `salt`: the
+        request's cache salt (its first block's parent, as in the engines)."""
+        return [k.digest for k in prompt_keys(token_ids, media_identity(media), self.visual, block_size, salt)]
 
     def by_block_size(self, token_ids: Sequence[int], media: Sequence,
-                      block_sizes: Iterable[int]) -> dict[int, list[bytes]]:
+                      block_sizes: Iterable[int], salt: str = "") -> dict[int, list[bytes]]:
         """`hashes` for each block size the prefill pools use."""
-        return {bs: self.hashes(token_ids, media, bs) for bs in sorted(set(block_sizes))}
+        return {bs: self.hashes(token_ids, media, bs, salt) for bs in sorted(set(block_sizes))}

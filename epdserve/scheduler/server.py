@@ -33,6 +33,7 @@ from epdserve.scheduler.services import EPDServeServicer, RegistryServicer
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV, MediaKeySecret
 from epdserve.security.interceptors import AioAuthInterceptor, aio_metadata_interceptors, cluster_metadata
 from epdserve.security.options import SchedulerSecurity
+from epdserve.security.tenants import DEFAULT_TENANT
 from epdserve.security.tls import channel_credentials, server_credentials
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ class SchedulerServer:
         info = {"scheduler_id": self.scheduler_id, "address": self.address, "started_at": time.time(),
                 "version": VERSION}
         serve_pb2_grpc.add_EPDServeServicer_to_server(
-            EPDServeServicer(self.config, self.dispatcher, self.registry, info, self.generate, sec.holds_token), server)
+            EPDServeServicer(self.config, self.dispatcher, self.registry, info, self.generate, sec.holds_token,
+                             sec.tenant_of, multi_tenant=sec.api_keys_file is not None), server)
         # the Registry alone on its own port (loopback, or the cluster network with the token / mTLS)
         self._internal = _aio_server(sec.internal_rules())
         self.internal_address = _bind(self._internal, sec.internal_host, sec.internal_port, sec, internal=True)
@@ -118,11 +120,12 @@ class SchedulerServer:
         log.info("scheduler %s listening on %s", self.scheduler_id, self.address)
         return self.address
 
-    def generate(self, req, deadline: float | None = None):
+    def generate(self, req, deadline: float | None = None, tenant: str = DEFAULT_TENANT):
         """The public request path every front takes (gRPC EPDServe, the HTTP front): the
-        dispatcher's delta stream, through the observer. Raises RequestError."""
-        stream = self.dispatcher.generate(req, deadline)
-        return stream if self.observer is None else self.observer.observe(stream, self)
+        dispatcher's delta stream, through the observer; `tenant`: the caller's (its API key's,
+        `epdserve.security.tenants`). Raises RequestError."""
+        stream = self.dispatcher.generate(req, deadline, tenant)
+        return stream if self.observer is None else self.observer.observe(stream, self, tenant)
 
     async def _switch_roles(self, move, reason: str, drain_timeout_s: float):
         """The controller's switch: Instance.SwitchRoles on the instance, until it serves its new roles."""

@@ -20,6 +20,7 @@ from epdserve.scheduler.dispatcher import Dispatcher
 from epdserve.scheduler.errors import RequestError
 from epdserve.scheduler.preprocess import IMAGE_PLACEHOLDER
 from epdserve.scheduler.registry import InstanceRegistry, RegistryError
+from epdserve.security.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,15 @@ def internal_error(request, e: BaseException) -> str:
     return f"internal error in the scheduler ({type(e).__name__}) serving request {rid}; its log has the details"
 
 
+def caller_tenant(context, tenant_of=None) -> str:
+    """The tenant of a gRPC caller: the one its API key names (`SchedulerSecurity.tenant_of`;
+    the auth interceptor refused every other caller before the servicer ran), else the default."""
+    if tenant_of is None:
+        return DEFAULT_TENANT
+    tenant = tenant_of(context.invocation_metadata())
+    return DEFAULT_TENANT if tenant is None else tenant
+
+
 def _deadline(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
@@ -40,17 +50,22 @@ def _deadline(context) -> float | None:
 
 class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     def __init__(self, config: SchedulerConfig, dispatcher: Dispatcher, registry: InstanceRegistry, info: dict,
-                 generate=None, may_see_addresses=None):
+                 generate=None, may_see_addresses=None, tenant_of=None, multi_tenant: bool = False):
         self.config = config
         self.dispatcher = dispatcher
         self.generate = generate or dispatcher.generate  # SchedulerServer.generate: the observed path
         self.may_see_addresses = may_see_addresses or (lambda metadata: True)  # the cluster token holders
         self.registry = registry
         self.info = info  # scheduler_id, address, started_at, version
+        self.tenant_of = tenant_of  # metadata -> tenant (SchedulerSecurity.tenant_of); None: one tenant
+        self.multi_tenant = multi_tenant  # a keys file names tenants: shared counters are for token holders only
+
+    def _generate(self, request, context):
+        return self.generate(request, _deadline(context), caller_tenant(context, self.tenant_of))
 
     async def GenerateStream(self, request, context):
         try:
-            async for delta in self.generate(request, _deadline(context)):
+            async for delta in self._generate(request, context):
                 yield delta
         except RequestError as e:
             await context.abort(e.code, e.message)
@@ -60,7 +75,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     async def Generate(self, request, context):
         out = serve_pb2.GenerateResponse()
         try:
-            async for d in self.generate(request, _deadline(context)):
+            async for d in self._generate(request, context):
                 out.request_id = d.request_id
                 out.token_ids.extend(d.token_ids)
                 out.text += d.text
@@ -76,7 +91,8 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
         return out
 
     async def Abort(self, request, context):
-        return serve_pb2.AbortResponse(found=self.dispatcher.abort(request.request_id))
+        return serve_pb2.AbortResponse(found=self.dispatcher.abort(request.request_id,
+                                                                   caller_tenant(context, self.tenant_of)))
 
     async def GetModelInfo(self, request, context):
         pp = self.dispatcher.preprocessor
@@ -88,21 +104,30 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
 
     async def GetServerInfo(self, request, context):
         records = list(self.registry.records())
+        insider = self.may_see_addresses(context.invocation_metadata())
         queried = sum(r.load.prefix_queried_tokens for r in records)
         return serve_pb2.ServerInfo(
             version=self.info["version"], scheduler_id=self.info["scheduler_id"], address=self.info["address"],
             started_at=self.info["started_at"], requests_in_flight=self.dispatcher.in_flight,
-            instances=[self._status(r, context) for r in records],
+            instances=[self._status(r, insider) for r in records],
             mode=self.config.mode or self._mode(),
-            prefix_cache_hit_rate=sum(r.load.prefix_hit_tokens for r in records) / queried if queried else 0.0,
+            prefix_cache_hit_rate=sum(r.load.prefix_hit_tokens for r in records) / queried
+            if queried and (insider or not self.multi_tenant) else 0.0,
         )
 
-    def _status(self, record, context):
+    def _status(self, record, insider: bool):
+        """An instance as a caller may see it: whole for a cluster-token holder; for anyone else
+        without where it runs (address, KV endpoint, pid, host name, model path) and, where tenants
+        share the deployment, without the prefix-cache counters, which count every tenant's hits
+        (an oracle of the others' prompts)."""
         st = record.to_proto()
-        if not self.may_see_addresses(context.invocation_metadata()):
-            st.ClearField("address")
-            st.ClearField("kv_endpoint")
-            st.ClearField("pid")
+        if not insider:
+            for name in ("address", "kv_endpoint", "pid", "model"):
+                st.ClearField(name)
+            st.compute = st.compute.split("@", 1)[0]  # the device, not the host's name
+            if self.multi_tenant:
+                for name in ("prefix_queried_tokens", "prefix_hit_tokens", "prefix_cache_hit_rate"):
+                    st.load.ClearField(name)
         return st
 
     def _mode(self) -> str:

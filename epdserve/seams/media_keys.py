@@ -89,9 +89,15 @@ class MediaKeySecret:
         imported (a constant: every engine of the process agrees)."""
         return cls.load() or cls(_PROCESS_RANDOM)
 
-    def digest(self, raw) -> str:
-        """32 hex: BLAKE2b-128 of `raw`, keyed."""
-        return hashlib.blake2b(raw, digest_size=16, key=self._key, person=_PERSON).hexdigest()
+    def digest(self, raw, salt: str = "") -> str:
+        """32 hex: BLAKE2b-128 of `raw`, keyed; with a `salt` (a request's cache salt), of the
+        salt's length and bytes, then `raw` (no salt: of `raw` alone, as before salts)."""
+        h = hashlib.blake2b(digest_size=16, key=self._key, person=_PERSON)
+        if salt:
+            s = salt.encode()
+            h.update(b"salt:%d:" % len(s) + s)
+        h.update(raw)
+        return h.hexdigest()
 
     def __eq__(self, other) -> bool:
         return isinstance(other, MediaKeySecret) and secrets.compare_digest(self._key, other._key)
@@ -104,16 +110,18 @@ class MediaKeySecret:
     __str__ = __repr__
 
 
-def media_key(raw: bytes, namespace: str, secret: MediaKeySecret) -> str:
+def media_key(raw: bytes, namespace: str, secret: MediaKeySecret, salt: str = "") -> str:
     """The key of one media item: its namespace and the keyed BLAKE2b-128 of its raw (encoded)
-    bytes. The one function every key is computed with (scheduler, engines, benches)."""
+    bytes, and of the request's cache `salt` (`security/tenants.py`: the tenant's; one tenant's
+    features, and their presence in the MM Store, are never another's). The one function every
+    key is computed with (scheduler, engines, benches)."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise TypeError(f"media_key needs the raw media bytes, got {type(raw).__name__}")
     if not namespace or ":" in namespace:
         raise ValueError(f"namespace must be a non-empty string without ':', got {namespace!r}")
     if not isinstance(secret, MediaKeySecret):
         raise TypeError(f"media_key needs the deployment's MediaKeySecret, got {type(secret).__name__}")
-    return f"{namespace}:{secret.digest(raw)}"
+    return f"{namespace}:{secret.digest(raw, salt)}"
 
 
 def namespace_for(model_id: str, vision_tower: torch.nn.Module, image_processor_config: dict) -> str:

@@ -54,6 +54,13 @@ class MediaSpan(NamedTuple):
 FIRST_PARENT = bytes(32)  # the first block's "previous digest": every content starts with 32 bytes of one
 
 
+def first_parent(salt: str = "") -> bytes:
+    """The first block's parent digest under a request's cache `salt` (its tenant's and its own
+    `cache_salt`, security/tenants.py; none: `FIRST_PARENT`): every block of a salted prompt
+    differs from every block of another salt (vLLM folds `cache_salt` into the first block)."""
+    return hashlib.sha256(b"epdserve-cache-salt\0" + salt.encode()).digest() if salt else FIRST_PARENT
+
+
 def block_key(prev_digest: bytes, token_ids: bytes, media: bytes = b"") -> BlockKey:
     """The key of a block after the block whose digest is `prev_digest` (`FIRST_PARENT` for the
     first): contents are parent (32 bytes) | token ids (8 bytes each) | media identity, so a
@@ -115,8 +122,9 @@ def chain(token_ids: Sequence[int], spans: Sequence[MediaSpan], block_size: int,
 
 
 def prompt_keys(token_ids: Sequence[int], identities: Iterable[tuple[str, str, int]], visual: frozenset[int],
-                block_size: int) -> list[BlockKey]:
+                block_size: int, salt: str = "") -> list[BlockKey]:
     """Keys of the full blocks of a prompt whose media are `identities` ((key, extra,
-    num_tokens) in prompt order); [] when the media do not account for its placeholders."""
+    num_tokens) in prompt order), under the request's cache `salt`; [] when the media do not
+    account for its placeholders."""
     spans = media_spans(token_ids, visual, identities)
-    return [] if spans is None else chain(token_ids, spans, block_size)
+    return [] if spans is None else chain(token_ids, spans, block_size, prev=first_parent(salt))

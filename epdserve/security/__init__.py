@@ -9,6 +9,8 @@ ones, and TLS.
 - `channels`: client channels to a (possibly secured) server: TLS and the key / token as metadata.
 - `options`: `SchedulerSecurity` / `InstanceSecurity`, what one process checks and presents.
 - `exposure`: who can reach a listener, and the refusal to open one beyond loopback without a credential.
+- `tenants`: the tenant each client key names (a keys file, reloaded on SIGHUP, and the single
+  key), and the cache salt of a tenant's requests.
 
 Metadata: the API key as ``authorization: Bearer <key>`` (what OpenAI clients send over HTTP);
 the cluster token as ``epdserve-cluster-token: <token>``, which every instance presents to the

@@ -27,7 +27,8 @@ from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV, MediaKeySecret
 from epdserve.security.exposure import INSECURE_HELP, guard
 from epdserve.security.interceptors import Rule
 from epdserve.security.secrets import (API_KEY_ENV, AUTHORIZATION, CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER,
-                                       Secret)
+                                       Secret, bearer)
+from epdserve.security.tenants import DEFAULT_TENANT, TenantKeys, client_keys
 
 SERVE_PREFIX = "/epdserve.v1.EPDServe/"
 REGISTRY_PREFIX = "/epdserve.v1.Registry/"
@@ -47,8 +48,10 @@ class SchedulerSecurity:
     internal_tls_ca: str | None = None  # ... and the CA both sides' certificates chain to
     insecure: bool = False  # --insecure: unauthenticated listeners beyond loopback start, with a warning
     media_key_secret: MediaKeySecret | None = None  # what media keys are keyed with (None: the process's own)
+    api_keys_file: str | None = None  # --api-keys-file: '<tenant> <key>' per line (security/tenants.py)
 
     def __post_init__(self):
+        self.tenants: TenantKeys | None = client_keys(self.api_key, self.api_keys_file)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         internal = (self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca)
@@ -72,8 +75,8 @@ class SchedulerSecurity:
 
     def public_rules(self) -> list[Rule]:
         rules = []
-        if self.api_key is not None:
-            accepts = [(AUTHORIZATION, self.api_key)]
+        if self.tenants is not None:
+            accepts = [(AUTHORIZATION, self.tenants)]
             if self.cluster_token is not None:
                 accepts.append((CLUSTER_TOKEN_HEADER, self.cluster_token))
             rules.append(Rule(SERVE_PREFIX, accepts, "API key"))
@@ -87,11 +90,27 @@ class SchedulerSecurity:
     def check_exposure(self, public_host: str) -> None:
         """Refuse (ExposureError) to serve the public port beyond loopback without an API key, or
         the internal one without the cluster token or mutual TLS (unless `insecure`)."""
-        guard("the public gRPC port", public_host, self.api_key is not None,
+        guard("the public gRPC port", public_host, self.has_client_keys,
               "set EPDSERVE_API_KEY (or --api-key-file)", self.insecure)
         guard("the instance Registry (internal port)", self.internal_host,
               self.cluster_token is not None or self.mutual_tls,
               "set EPDSERVE_CLUSTER_TOKEN (or --cluster-token-file), or mutual TLS (--internal-tls-*)", self.insecure)
+
+    @property
+    def has_client_keys(self) -> bool:
+        """A key is needed on the public services (the single key or a keys file)."""
+        return self.tenants is not None
+
+    def tenant_of(self, metadata) -> str | None:
+        """The caller's tenant from its gRPC metadata: the one its API key names; the default
+        tenant for a cluster-token holder, and for everyone where no key is set; None: neither."""
+        if self.tenants is None:
+            return DEFAULT_TENANT
+        md = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+        tenant = self.tenants.tenant_of(bearer(md.get(AUTHORIZATION)))
+        if tenant is None and self.holds_token(metadata):
+            return DEFAULT_TENANT
+        return tenant
 
     def holds_token(self, metadata) -> bool:
         """May this caller see instance addresses? Only a holder of the cluster token (nobody,

@@ -167,7 +167,8 @@ def test_bad_input_is_400_and_big_body_413(front, oai):
 def test_client_disconnect_aborts_the_request(front, sched, instance):
     conn = connect(front)
     body = {"prompt": "Count forever", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Authorization": f"Bearer {KEY}"})
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.read(6) == b"data: "
     conn.sock.close()

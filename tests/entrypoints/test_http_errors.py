@@ -127,7 +127,7 @@ class FailingScheduler:
     def __getattr__(self, name):
         return getattr(self._server, name)
 
-    def generate(self, req, deadline=None):
+    def generate(self, req, deadline=None, tenant=""):
         if req.prompt == FAIL_HANDOFF:
             raise KeyError("<epdserve.scheduler.Run object at 0xdeadbeef>")
         if req.prompt != FAIL_STREAM:

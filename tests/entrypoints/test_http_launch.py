@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.error
 import urllib.request
 
 import grpc
@@ -58,7 +59,11 @@ def test_launched_http_chat_matches_grpc_and_transformers(launched, qwen2_vl_tin
     prompt = chat_to_prompt(gen.tokenizer, messages, True)["prompt"]
     assert r.choices[0].model_extra["token_ids"] == g.token_ids == gen.generate(prompt, [img], max_tokens=8)
     assert r.usage.prompt_tokens == g.usage.prompt_tokens and r.usage.completion_tokens == 8
-    text = urllib.request.urlopen(found["http"] + "/metrics", timeout=30).read().decode()
+    with pytest.raises(urllib.error.HTTPError) as refused:  # a keyed deployment's /metrics needs a credential
+        urllib.request.urlopen(found["http"] + "/metrics", timeout=30)
+    assert refused.value.code == 401
+    scrape = urllib.request.Request(found["http"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(scrape, timeout=30).read().decode()  # no scrape token: the single key
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert samples[("epdserve:request_success_total", (("finished_reason", "length"),))] == 2  # HTTP + gRPC

@@ -82,6 +82,21 @@ def test_mixed_requests_match_offline_and_same_image_is_cached(deployment, offli
     assert t.encode_end and t.prefill_start and t.first_token and t.kv_transfer_end and t.first_decode
 
 
+def test_cache_salted_requests_are_exact_and_share_prefixes_under_one_salt_only(deployment, offline):
+    """A request's cache salt (issue 39) keys its first KV block on P and on D alike: output is
+    exact, a repeat under the salt reuses the prefix, the same prompt under another salt does not."""
+    sched, _ = deployment
+    prompt = ("Salted prompt: the quick brown fox jumps over the lazy dog while the cat watches from the "
+              "window and the bird sings on the old oak tree in the garden behind the house " + PH)
+    with Client(sched.address, timeout=300) as c:
+        runs = [c.generate(prompt, images=[image(42)], max_tokens=6, ignore_eos=True, cache_salt=salt)
+                for salt in ("s1", "s1", "s2")]
+    want = offline(prompt, [image(42)], 6, ignore_eos=True)
+    assert [r.token_ids for r in runs] == [want] * 3
+    assert runs[1].usage.cached_tokens > 0 and runs[2].usage.cached_tokens == 0
+    assert runs[2].media_keys != runs[0].media_keys == runs[1].media_keys  # media keyed under the salt too
+
+
 def test_cancelled_stream_frees_kv_on_p_and_d(deployment):
     sched, _ = deployment
     with Client(sched.address, timeout=120) as c:

@@ -105,7 +105,7 @@ def test_http_needs_the_same_key_over_tls(secured, cert):
     ctx = ssl.create_default_context(cafile=cert[0])
     for key, want in ((None, 401), ("sk-wrong", 401), (KEY, 200)):
         conn = http.client.HTTPSConnection(host, int(port), context=ctx, timeout=60)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "hi", "max_tokens": 2}), headers=headers)
         resp = conn.getresponse()
         body = json.loads(resp.read())

@@ -21,7 +21,7 @@ import math
 from epdserve.deploy.local.signals import SCHEDULER_STOP_DEADLINE_S
 from epdserve.deploy.kube import pod
 from epdserve.deploy.kube.meta import labels, metadata, scheduler_internal_name, scheduler_name
-from epdserve.deploy.kube.secrets import API_KEY, CLUSTER_TOKEN, MEDIA_KEY_SECRET, secret_env
+from epdserve.deploy.kube.secrets import API_KEY, CLUSTER_TOKEN, MEDIA_KEY_SECRET, METRICS_TOKEN, secret_env
 from epdserve.deploy.kube.values import KubeValues
 
 COMPONENT = "scheduler"
@@ -42,7 +42,7 @@ def scheduler_container(v: KubeValues) -> dict:
         "name": COMPONENT, "image": v.image_ref, "imagePullPolicy": v.image_pull_policy,
         "command": list(v.flavour_spec.command), "args": scheduler_args(v),
         "env": [*pod.downward_env(), secret_env(v, CLUSTER_TOKEN), secret_env(v, API_KEY),
-                secret_env(v, MEDIA_KEY_SECRET)],
+                secret_env(v, MEDIA_KEY_SECRET), secret_env(v, METRICS_TOKEN)],
         "ports": [{"name": "grpc", "containerPort": p.scheduler}, {"name": "http", "containerPort": p.http},
                   {"name": "internal", "containerPort": p.internal}],
         **pod.probes(p.scheduler, startup_s=120),

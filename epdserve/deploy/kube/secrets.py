@@ -16,8 +16,9 @@ CLUSTER_TOKEN = "EPDSERVE_CLUSTER_TOKEN"
 API_KEY = "EPDSERVE_API_KEY"
 MM_STORE_PASSWORD = "EPDSERVE_MM_STORE_PASSWORD"
 MEDIA_KEY_SECRET = "EPDSERVE_MEDIA_KEY_SECRET"  # the scheduler's alone: it keys media (seams/media_keys.py)
+METRICS_TOKEN = "EPDSERVE_METRICS_TOKEN"  # /metrics' scrape token: Prometheus holds it, never the clients' API key
 SECRET_ENV = {CLUSTER_TOKEN: "cluster-token", API_KEY: "api-key", MM_STORE_PASSWORD: "mm-store-password",
-              MEDIA_KEY_SECRET: "media-key-secret"}
+              MEDIA_KEY_SECRET: "media-key-secret", METRICS_TOKEN: "metrics-token"}
 
 
 def secret_env(v: KubeValues, var: str, name: str | None = None) -> dict:

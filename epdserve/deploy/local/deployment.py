@@ -48,6 +48,7 @@ from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV
 from epdserve.settings import same_as
 from epdserve.transfer.mm_store.connection import PASSWORD_ENV
+from epdserve.transfer.mm_store.urls import SENTINEL_PASSWORD_ENV, without_secrets
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,19 @@ class LaunchError(RuntimeError):
     pass
 
 
+def _store_url_and_env(url: str) -> tuple[str, dict[str, str]]:
+    """`url` without its passwords, and the children's environment that carries them (so no
+    child's argv, nor the ready line, shows them)."""
+    if not url:
+        return "", {}
+    clean, password, sentinel = without_secrets(url)
+    env = {name: v for name, v in ((PASSWORD_ENV, password), (SENTINEL_PASSWORD_ENV, sentinel)) if v}
+    if env:
+        log.warning("the MM Store URL's password was moved to the instances' environment; this launcher's own "
+                    "command line still shows it: set %s (and %s) instead", PASSWORD_ENV, SENTINEL_PASSWORD_ENV)
+    return clean, env
+
+
 class Deployment:
     def __init__(self, spec: DeploymentSpec):
         from epdserve.platform import resolve_device
@@ -93,7 +107,9 @@ class Deployment:
         self.spec = dataclasses.replace(spec, device=resolve_device(spec.device))  # "auto" -> its platform
         self.pools = spec.pools()
         self.address = ""
-        self.mm_store_url = spec.mm_store or ""
+        # the MM Store URL children get and the ready line shows: never its passwords, which go to
+        # the instances' environment (`urls.without_secrets`)
+        self.mm_store_url, self._store_env = _store_url_and_env(spec.mm_store or "")
         self.scheduler: ChildProcess | None = None
         self.registry = spec.registry or ""  # host:port instances register at; unless given, once the scheduler bound it
         self._internal_port = 0  # ours (no spec.registry): 0 until the scheduler binds one, then that one
@@ -226,7 +242,7 @@ class Deployment:
         return split_cores(len(weights), weights=weights)
 
     def _env(self, k: int) -> dict[str, str]:
-        env = {CLUSTER_TOKEN_ENV: self.cluster_token}
+        env = {CLUSTER_TOKEN_ENV: self.cluster_token, **self._store_env}
         if self._redis is not None:
             env[PASSWORD_ENV] = self._redis.password  # the private MM Store's
         return {**env, **self._device_env(k)}

@@ -1,8 +1,11 @@
 """The FastAPI app: the OpenAI routes over the scheduler's `Dispatcher`.
 
-Every /v1 route checks the API key (when one is set) before reading the body, reads at most
-`max_body_bytes` (413 beyond), validates it (400), converts it to `GenerateRequest`s (one per
-prompt: /v1/completions takes a list of prompts), checks the scheduler's input limits
+Before any route, `fence.Fence` refuses a Host header no one named (DNS rebinding) and a POST
+body that is not JSON (415). Every /v1 route checks the API key (when one is set) before reading
+the body and learns the caller's tenant (the one its key names, `caller_tenant`), reads at most
+`max_body_bytes` (413 beyond; a large body is parsed off the event loop), validates it (400),
+converts it to `GenerateRequest`s (one per prompt: /v1/completions takes at most
+`max_prompts_per_call` prompts), each run as the caller's tenant, with its `cache_salt`; checks the scheduler's input limits
 (`epdserve.limits`: 400, or 413 for a message too large) and runs them through
 `SchedulerServer.generate`, the path the gRPC API takes, concurrently. A body pydantic refuses
 is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
@@ -13,8 +16,9 @@ answering 200 ends with an ``error`` event. Every error body is JSON in OpenAI's
 own 404 (no such route) and 405 (wrong method) too, and an unexpected exception anywhere is a 500
 (its type only; the traceback goes to the log, once: `errors.LastResort`), never plain text. A
 client that disconnects cancels its generations, which aborts them on every instance (the
-dispatcher's cancellation path); so does a failed prompt of a list its siblings. /health and
-/metrics need no key (as in vLLM). With metrics, every response of any route (a 401 on
+dispatcher's cancellation path); so does a failed prompt of a list its siblings. /health needs
+no key; /metrics needs the scrape token (or, without one, the single API key) with `metrics_auth`,
+and never a tenant's key from the keys file: its counts are every tenant's. With metrics, every response of any route (a 401 on
 /v1/models, a 404 for an unknown path, a 405) is also counted by route and HTTP status
 (`epdserve.metrics.http_responses`).
 """
@@ -32,7 +36,9 @@ from starlette.exceptions import HTTPException
 
 from epdserve.entrypoints.http.convert import chat_request, completion_requests
 from epdserve.entrypoints.http.errors import ApiError, LastResort
-from epdserve.entrypoints.http.options import HttpOptions
+from epdserve.entrypoints.http.fence import Fence, HostAllowList
+from epdserve.entrypoints.http.options import PARSE_OFF_LOOP_BYTES, HttpOptions
+from epdserve.entrypoints.http.tenancy import caller_tenant, http_keys, metrics_matcher
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.entrypoints.http.responses import Choice, Shape, sse, sum_usage
 from epdserve.entrypoints.http.validation import explain
@@ -40,7 +46,8 @@ from epdserve.limits import LimitError, check_generate_request
 from epdserve.metrics.http_responses import CountResponses
 from epdserve.rpc import serve_pb2
 from epdserve.scheduler.errors import RequestError
-from epdserve.security.secrets import Secret, bearer
+from epdserve.security.secrets import bearer
+from epdserve.security.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +66,20 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def _parse(model: type[BaseModel], raw: bytes):
+def _parse_now(model: type[BaseModel], raw: bytes):
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
         message, param = explain(e)
         raise ApiError(400, message, param=param) from None
+
+
+async def _parse(model: type[BaseModel], raw: bytes):
+    """The body as `model`; a large one in a worker thread, so that parsing it never stalls the
+    event loop the scheduler and its gRPC port share."""
+    if len(raw) < PARSE_OFF_LOOP_BYTES:
+        return _parse_now(model, raw)
+    return await asyncio.get_running_loop().run_in_executor(None, _parse_now, model, raw)
 
 
 async def _race_disconnect(request: Request, aw):
@@ -91,13 +106,16 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     """`scheduler`: a started `SchedulerServer` (its dispatcher, config, registry). `metrics`: a
     `ServingMetrics` (or anything with `render() -> (bytes, content_type)`, `refused(status)` and
     an `http_responses` counter) served on /metrics, counting refused requests and every
-    response, or None; `metrics_auth`: /metrics needs the API key too."""
+    response, or None; `metrics_auth`: /metrics needs the scrape token (`opts.metrics_token`), or
+    without one the single API key."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(LastResort, log=log)  # inside CountResponses: its 500 is counted as any response
+    keys = http_keys(opts)
+    app.add_middleware(Fence, hosts=HostAllowList(opts.host, opts.allowed_hosts, keyed=keys is not None))
     if metrics is not None:
         app.add_middleware(CountResponses, counter=metrics.http_responses)
     model_name = opts.served_model_name or scheduler.config.model
-    key = Secret(opts.api_key) if opts.api_key else None
+    scrape = metrics_matcher(opts) if metrics_auth else None
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -118,11 +136,14 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
         return response
 
     def check(request: Request, body_model: str | None = None) -> None:
-        if key is not None:
-            if not key.matches(bearer(request.headers.get("authorization"))):
-                log.warning("HTTP %s from %s refused: missing or wrong API key", request.url.path,
-                            request.client.host if request.client else "?")
-                raise ApiError(401, "missing or invalid API key")
+        """The API key (401), then the model the body names (404); the caller's tenant goes to
+        `request.state.tenant` (`caller_tenant`)."""
+        tenant = DEFAULT_TENANT if keys is None else keys.tenant_of(bearer(request.headers.get("authorization")))
+        if tenant is None:
+            log.warning("HTTP %s from %s refused: missing or wrong API key", request.url.path,
+                        request.client.host if request.client else "?")
+            raise ApiError(401, "missing or invalid API key")
+        request.state.tenant = tenant
         if body_model is not None and body_model != model_name:
             raise ApiError(404, f"the model {body_model!r} does not exist; this server serves {model_name!r}",
                            param="model")
@@ -166,7 +187,8 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     async def serve(request: Request, reqs: list[serve_pb2.GenerateRequest], shape: Shape, stream: bool,
                     include_usage: bool):
         try:
-            streams = [scheduler.generate(req, deadline()) for req in reqs]
+            tenant = caller_tenant(request)
+            streams = [scheduler.generate(req, deadline(), tenant) for req in reqs]
         except Exception as e:  # not started: no stream observed it
             raise internal("handing the request to the scheduler", e) from None
         try:
@@ -192,7 +214,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     async def chat_completions(request: Request):
         async def admit():
             check(request)
-            body = _parse(ChatCompletionRequest, await _read_body(request, opts.max_body_bytes))
+            body = await _parse(ChatCompletionRequest, await _read_body(request, opts.max_body_bytes))
             check(request, body.model)
             req, plan = await chat_request(body, opts, max_len())
             return body, within_limits([req]), plan
@@ -206,9 +228,10 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     async def completions(request: Request):
         async def admit():
             check(request)
-            body = _parse(CompletionRequest, await _read_body(request, opts.max_body_bytes))
+            body = await _parse(CompletionRequest, await _read_body(request, opts.max_body_bytes))
             check(request, body.model)
-            rid, reqs = completion_requests(body, max_len(), scheduler.dispatcher.preprocessor.vocab_size)
+            rid, reqs = completion_requests(body, max_len(), scheduler.dispatcher.preprocessor.vocab_size,
+                                            opts.max_prompts_per_call)
             return body, rid, within_limits(reqs)
 
         body, rid, reqs = await admitted(admit())
@@ -230,8 +253,10 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
 
     @app.get("/metrics")
     async def metrics_route(request: Request):
-        if metrics_auth:
-            check(request)
+        if scrape is not None and not scrape.matches(bearer(request.headers.get("authorization"))):
+            log.warning("HTTP /metrics from %s refused: missing or wrong scrape token",
+                        request.client.host if request.client else "?")
+            raise ApiError(401, "missing or invalid scrape token")
         if metrics is None:
             raise ApiError(404, "metrics are not enabled on this server")
         data, content_type = metrics.render()

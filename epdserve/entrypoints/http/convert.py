@@ -125,6 +125,7 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
     req = serve_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", chat=chat,
         sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens, structured),
+        cache_salt=body.cache_salt or "",
     )
     return req, plan
 
@@ -154,22 +155,27 @@ def _video(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
     return common_pb2.Media(data=data, video=common_pb2.VideoSpec())
 
 
-def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size: int
+def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size: int, max_prompts: int = 16
                         ) -> tuple[str, list[serve_pb2.GenerateRequest]]:
     """(the response id, one `GenerateRequest` per prompt, in the body's order). A prompt is a
     string or a list of token ids (each in [0, vocab_size)); `prompt` may be one prompt or a list
     of them (as OpenAI allows), each becoming its own request to the scheduler (id
-    ``<response id>-<index>``)."""
+    ``<response id>-<index>``), at most `max_prompts` of them (400 beyond: one call must not take
+    every admission slot)."""
     prompt = body.prompt
     many = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
     prompts = list(prompt) if many else [prompt]
     if not prompts or any(isinstance(p, list) and not p for p in prompts):
         raise ApiError(400, "prompt must not be empty", param="prompt")
+    if len(prompts) > max_prompts:
+        raise ApiError(400, f"{len(prompts)} prompts in one call; this server takes at most {max_prompts} "
+                            f"(send the rest in further calls)", param="prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     params = sampling(body, max_model_len, body.max_tokens)
     reqs = []
     for i, p in enumerate(prompts):
-        req = serve_pb2.GenerateRequest(request_id=rid if not many else f"{rid}-{i}", sampling=params)
+        req = serve_pb2.GenerateRequest(request_id=rid if not many else f"{rid}-{i}", sampling=params,
+                                        cache_salt=body.cache_salt or "")
         if isinstance(p, str):
             req.prompt = p
         else:

@@ -2,8 +2,9 @@
 `LastResort`, which makes an exception nothing else answered one of them.
 
 Body shape (as OpenAI and vLLM answer): ``{"error": {"message", "type", "param", "code"}}``.
-400 bad input, 401 bad key, 404 unknown model/route, 405 wrong method, 413 body too large, 429
-queues full, 500 an unexpected failure (its type only; the traceback goes to the log), 503 no
+400 bad input (and a Host not served: `fence`), 401 bad key, 404 unknown model/route, 405 wrong
+method, 413 body too large, 415 a POST body that is not JSON, 429 queues (or the tenant's quota)
+full, with ``Retry-After``, 500 an unexpected failure (its type only; the traceback goes to the log), 503 no
 instance can serve, 504 deadline. `grpc_code`: the gRPC code of a status, the `status` label the
 metrics count it under (500 → INTERNAL).
 """
@@ -15,7 +16,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          413: "BadRequestError", 429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError",
+          413: "BadRequestError", 415: "UnsupportedMediaTypeError", 429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError",
           503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 _FROM_GRPC = {
@@ -36,8 +37,12 @@ _FROM_GRPC = {
 # `status` label of epdserve:requests_total, so both fronts count alike; 413: limits.LimitError's)
 _TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
             404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+            415: grpc.StatusCode.INVALID_ARGUMENT,
             429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
             500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+RETRY_AFTER_S = 1  # what a 429 tells a client to wait: a slot frees when any request in flight ends
 
 
 class ApiError(Exception):
@@ -66,7 +71,8 @@ class ApiError(Exception):
                           "code": self.status}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else \
+            {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

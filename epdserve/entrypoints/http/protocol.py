@@ -1,6 +1,6 @@
 """Request bodies of /v1/chat/completions and /v1/completions (pydantic), OpenAI's fields plus
 vLLM's extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `seed`,
-`return_token_ids`). Unknown fields are ignored, as vLLM does; fields whose meaning epdserve
+`return_token_ids`, `cache_salt`). Unknown fields are ignored, as vLLM does; fields whose meaning epdserve
 cannot honour (n > 1, logprobs, echo, penalties, logit_bias) are refused with 400 by
 `unsupported`, naming the field.
 
@@ -109,6 +109,8 @@ class SamplingFields(BaseModel):
         if len(asked) > 1:
             raise ValueError(f"only one structured output per request; got {', '.join(n for n, _ in asked)}")
         return (asked[0][1], asked[0][0]) if asked else (None, None)
+    # vLLM's: prefixes are shared only among requests of one tenant with one salt (security/tenants.py)
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(why, the field) when this body asks for something epdserve does not do, or None."""

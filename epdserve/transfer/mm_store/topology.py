@@ -20,6 +20,7 @@ come from the node that stamps the stream's ids.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import redis
@@ -29,7 +30,7 @@ from redis.connection import parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from epdserve.transfer.mm_store.urls import CLUSTER, SENTINEL, StoreURL
+from epdserve.transfer.mm_store.urls import CLUSTER, SENTINEL, SENTINEL_PASSWORD_ENV, StoreURL
 
 # What "the topology cannot answer now" looks like, besides connection errors and timeouts
 # (redis.ConnectionError covers Sentinel's MasterNotFoundError): a cluster with uncovered slots
@@ -56,7 +57,10 @@ def make_client(url: StoreURL, *, socket_timeout_s: float, connect_timeout_s: fl
         if node.pop("connection_class", None) is not None or url.tls:  # rediss: SentinelManagedSSLConnection
             node["ssl"] = True
         tls = {k: v for k, v in node.items() if k.startswith("ssl")}
-        sentinels = Sentinel(list(url.members), sentinel_kwargs={**timeouts, **tls, **url.sentinel_auth,
+        sentinel_auth = dict(url.sentinel_auth)
+        if "password" not in sentinel_auth and os.environ.get(SENTINEL_PASSWORD_ENV):
+            sentinel_auth["password"] = os.environ[SENTINEL_PASSWORD_ENV]  # out of argv: launch puts it here
+        sentinels = Sentinel(list(url.members), sentinel_kwargs={**timeouts, **tls, **sentinel_auth,
                                                                   "retry": Retry(NoBackoff(), 0)})
         return sentinels.master_for(url.service, retry=Retry(NoBackoff(), 0), **node)
     return redis.Redis.from_url(url.node_url, **auth, retry=Retry(NoBackoff(), 0), **timeouts, **extra)

@@ -12,7 +12,9 @@ forms follow the convention of other clients (Sentinel: the redis-sentinel-url p
 redisvl, Prefect's `redis+sentinel://`; Cluster: pomerium's `redis+cluster://`): a comma-separated
 member list, the Sentinel service name as the path. The user/password are the data nodes'
 (`requirepass` / ACL); sentinels that need their own give them as `?sentinel_password=` (and
-`sentinel_username=`), as Prefect does. Every other query option is redis-py's own, applied to
+`sentinel_username=`), as Prefect does, or in the environment (`SENTINEL_PASSWORD_ENV`),
+which keeps it out of command lines; `without_secrets` moves a URL's passwords out of it (what
+`epdserve launch` hands its children: the URL without them, the passwords in their environment). Every other query option is redis-py's own, applied to
 the data nodes by redis-py's parsing: this module rewrites a member URL and hands it over.
 Default ports: 6379 for nodes, 26379 for sentinels.
 """
@@ -25,6 +27,7 @@ SINGLE, CLUSTER, SENTINEL = "single", "cluster", "sentinel"
 _KINDS = {"redis": SINGLE, "rediss": SINGLE, "unix": SINGLE, "redis+cluster": CLUSTER,
           "rediss+cluster": CLUSTER, "redis+sentinel": SENTINEL, "rediss+sentinel": SENTINEL}
 _SENTINEL_OPTIONS = ("sentinel_password", "sentinel_username")
+SENTINEL_PASSWORD_ENV = "EPDSERVE_MM_STORE_SENTINEL_PASSWORD"  # the sentinels' password, when the URL has none
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,22 @@ def redact(url: str) -> str:
     query = "&".join(p if not p.startswith("sentinel_password=") else "sentinel_password=***"
                      for p in parts.query.split("&")) if parts.query else ""
     return urlunsplit(parts._replace(netloc=userinfo + at + hosts, query=query))
+
+
+def without_secrets(url: str) -> tuple[str, str | None, str | None]:
+    """(`url` without its password and its ``sentinel_password`` option, the password, the
+    sentinel password), the passwords decoded as redis-py decodes them; the user name stays."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    password = None
+    if at and ":" in userinfo:
+        user, _, raw = userinfo.partition(":")
+        password = unquote(raw) or None
+        userinfo, at = user, "@" if user else ""
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    sentinel = next((unquote(v) for k, v in query if k == "sentinel_password"), None) or None
+    kept = urlencode([(k, v) for k, v in query if k != "sentinel_password"])
+    return urlunsplit(parts._replace(netloc=userinfo + at + hosts, query=kept)), password, sentinel
 
 
 def _host_port(member: str, default_port: int, url: str) -> tuple[str, int]:
