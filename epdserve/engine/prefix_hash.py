@@ -19,7 +19,7 @@ never a hit, nor a `cached_tokens` count, for another.
 from __future__ import annotations
 
 from epdserve.engine.sequence import Sequence
-from epdserve.seams.prefix_hash import BlockKey, block_key, chain, first_parent, media_extra, media_spans
+from epdserve.seams.prefix_hash import FIRST_PARENT, BlockKey, block_key, chain, first_parent, media_extra, media_spans
 
 __all__ = ["FIRST_PARENT", "BlockKey", "PrefixHasher", "UNHASHABLE", "block_key", "media_extra", "media_identity"]
 
