@@ -17,13 +17,16 @@ from epdserve.rpc.ranges import check_sampling
 # proto3 `optional` scalars: copied only when the sender set them
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens",
              "min_p")
+# the logits processors' and log probabilities' (proto fields 40-59)
+_OPTIONAL_PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "resumed_outputs")
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     check_sampling(p)
-    kw = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+    kw = {name: getattr(p, name) for name in _OPTIONAL + _OPTIONAL_PROCESSING if p.HasField(name)}
     try:
-        return SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), **kw)
+        return SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                              logit_bias=dict(p.logit_bias), **kw)
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"bad sampling parameters: {e}") from None
 
@@ -37,4 +40,16 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     )
     if s.seed is not None:
         p.seed = s.seed
+    set_processing(p, s)
     return p
+
+
+def set_processing(p: common_pb2.SamplingParams, s: SamplingParams) -> None:
+    """The logits processors' and log probabilities' fields of `s` onto `p` (only those not off)."""
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                      ("resumed_outputs", 0)):
+        if getattr(s, name) != off:
+            setattr(p, name, getattr(s, name))
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    p.logit_bias.update(s.logit_bias)

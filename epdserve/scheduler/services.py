@@ -63,6 +63,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
             async for d in self.generate(request, _deadline(context)):
                 out.request_id = d.request_id
                 out.token_ids.extend(d.token_ids)
+                out.logprobs.extend(d.logprobs)
                 out.text += d.text
                 if d.finished:
                     out.finish_reason = d.finish_reason

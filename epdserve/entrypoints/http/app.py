@@ -4,7 +4,8 @@ Every /v1 route checks the API key (when one is set) before reading the body, re
 `max_body_bytes` (413 beyond), validates it (400), converts it to `GenerateRequest`s (one per
 prompt: /v1/completions takes a list of prompts), checks the scheduler's input limits
 (`epdserve.limits`: 400, or 413 for a message too large) and runs them through
-`SchedulerServer.generate`, the path the gRPC API takes, concurrently. A body pydantic refuses
+`SchedulerServer.generate`, the path the gRPC API takes, concurrently (with `n` choices, each
+prompt's first choice alone until its first token, then its siblings: `_firsts`). A body pydantic refuses
 is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
 401, 404, 413) or failing there unexpectedly (500) is counted in the metrics' requests by status,
 under the gRPC code of the same outcome (the scheduler's observer counts the rest, 500s
@@ -32,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from epdserve.entrypoints.http.convert import chat_request, completion_requests
 from epdserve.entrypoints.http.errors import ApiError, LastResort
+from epdserve.entrypoints.http.logprobs import LogprobsFormat
 from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.entrypoints.http.responses import Choice, Shape, sse, sum_usage
@@ -127,6 +129,11 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             raise ApiError(404, f"the model {body_model!r} does not exist; this server serves {model_name!r}",
                            param="model")
 
+    def logprobs_format(body, chat: bool) -> LogprobsFormat | None:
+        if body.num_logprobs() is None:
+            return None
+        return LogprobsFormat(scheduler.dispatcher.preprocessor.tokenizer, chat)
+
     def deadline() -> float | None:
         return None if opts.request_timeout_s is None else time.monotonic() + opts.request_timeout_s
 
@@ -164,13 +171,13 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
         return reqs
 
     async def serve(request: Request, reqs: list[serve_pb2.GenerateRequest], shape: Shape, stream: bool,
-                    include_usage: bool):
+                    include_usage: bool, n: int = 1):
         try:
             streams = [scheduler.generate(req, deadline()) for req in reqs]
         except Exception as e:  # not started: no stream observed it
             raise internal("handing the request to the scheduler", e) from None
         try:
-            firsts = await _race_disconnect(request, _all([_next(s) for s in streams]))
+            firsts = await _race_disconnect(request, _firsts(streams, n))
             if firsts is _DISCONNECTED:
                 await _close(streams)
                 return JSONResponse({}, status_code=499)
@@ -194,12 +201,13 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             check(request)
             body = _parse(ChatCompletionRequest, await _read_body(request, opts.max_body_bytes))
             check(request, body.model)
-            return body, within_limits([await chat_request(body, opts, max_len())])
+            return body, within_limits(await chat_request(body, opts, max_len()))
 
         body, reqs = await admitted(admit())
-        shape = Shape(True, reqs[0].request_id, model_name, body.return_token_ids)
+        shape = Shape(True, reqs[0].request_id.rsplit("-c", 1)[0] if body.n > 1 else reqs[0].request_id,
+                      model_name, body.return_token_ids, logprobs=logprobs_format(body, True))
         return await serve(request, reqs, shape, body.stream,
-                           bool(body.stream_options and body.stream_options.include_usage))
+                           bool(body.stream_options and body.stream_options.include_usage), body.n)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -211,9 +219,9 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             return body, rid, within_limits(reqs)
 
         body, rid, reqs = await admitted(admit())
-        shape = Shape(False, rid, model_name, body.return_token_ids)
+        shape = Shape(False, rid, model_name, body.return_token_ids, logprobs=logprobs_format(body, False))
         return await serve(request, reqs, shape, body.stream,
-                           bool(body.stream_options and body.stream_options.include_usage))
+                           bool(body.stream_options and body.stream_options.include_usage), body.n)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -254,6 +262,19 @@ async def _all(coros):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _firsts(streams, n: int):
+    """Each stream's first delta. With n choices per prompt (streams i*n .. i*n+n-1), a prompt's
+    first choice runs alone until its first token is out; its siblings start then, so their
+    prompts are served from the prefix cache that choice filled (one prefill, not n)."""
+    if n == 1:
+        return await _all([_next(s) for s in streams])
+    leaders = list(range(0, len(streams), n))
+    out = dict(zip(leaders, await _all([_next(streams[k]) for k in leaders])))
+    rest = [k for k in range(len(streams)) if k % n]
+    out.update(zip(rest, await _all([_next(streams[k]) for k in rest])))
+    return [out[k] for k in range(len(streams))]
+
+
 async def _close(streams) -> None:
     """Close every generation (one still running is aborted on its instances)."""
     await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
@@ -276,15 +297,16 @@ async def _next(deltas: AsyncIterator[serve_pb2.GenerateDelta]):
 
 async def _collect(first, deltas) -> tuple[Choice, object]:
     """The whole output of one generation (read to its end: the metrics count it as ended, not cancelled)."""
-    text, ids, last = first.text, list(first.token_ids), first
+    text, ids, last, lps = first.text, list(first.token_ids), first, list(first.logprobs)
     try:
         async for d in deltas:
             text += d.text
             ids.extend(d.token_ids)
+            lps.extend(d.logprobs)
             last = d
     except Exception as e:
         raise _failure(e) from None
-    return Choice(text, ids, last.finish_reason), last.usage
+    return Choice(text, ids, last.finish_reason, lps), last.usage
 
 
 async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
@@ -310,7 +332,8 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
     usages = []
     try:
         if shape.chat:
-            yield sse(shape.chunk("", [], role=True))
+            for i in range(len(streams)):
+                yield sse(shape.chunk("", [], role=True, index=i))
         running = len(streams)
         while running:
             i, d = await queue.get()
@@ -321,7 +344,7 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
                 break
             else:
                 if d.text or d.token_ids:
-                    yield sse(shape.chunk(d.text, list(d.token_ids), index=i))
+                    yield sse(shape.chunk(d.text, list(d.token_ids), index=i, logprobs=list(d.logprobs)))
                 if d.finished:
                     yield sse(shape.chunk(None if shape.chat else "", [], d.finish_reason, index=i))
                     usages.append(d.usage)

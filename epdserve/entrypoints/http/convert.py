@@ -47,6 +47,14 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -
         )
         if body.seed is not None:
             p.seed = body.seed
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                setattr(p, name, getattr(body, name))
+        if body.repetition_penalty not in (None, 1.0):
+            p.repetition_penalty = body.repetition_penalty
+        p.logit_bias.update(body.logit_bias or {})
+        if body.num_logprobs() is not None:
+            p.logprobs = body.num_logprobs()
         check_sampling(p, prefix="")
     except RangeError as e:
         raise ApiError(400, e.message, param=e.field) from None
@@ -55,7 +63,8 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None) -
     return p
 
 
-async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int) -> serve_pb2.GenerateRequest:
+async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int
+                       ) -> list[serve_pb2.GenerateRequest]:
     chat = serve_pb2.Chat(add_generation_prompt=body.add_generation_prompt)
     images = videos = 0  # numbered from 1 in prompt order, as the scheduler's errors number them
     for i, msg in enumerate(body.messages):
@@ -78,10 +87,34 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
             else:
                 why = unsupported_part(part.type, SUPPORTED_PARTS)
                 raise ApiError(400, f"{where}: {why}", param=f"{where}.type")
-    return serve_pb2.GenerateRequest(
-        request_id=f"chatcmpl-{uuid.uuid4().hex}", chat=chat,
-        sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens),
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    one = serve_pb2.GenerateRequest(
+        request_id=rid, chat=chat, sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens),
     )
+    return choices(one, body.n)
+
+
+def choices(req: serve_pb2.GenerateRequest, n: int) -> list[serve_pb2.GenerateRequest]:
+    """`req` as its `n` choices (OpenAI's `n`): copies with ids ``<id>-c<j>`` (the first keeps the
+    id when n is 1) and, when seeded, seeds seed + j, so each choice samples its own stream and
+    a seeded request reproduces. `app.serve` starts the first of them alone and the others once
+    its first token is out: their prompts then hit the prefix cache the first one filled."""
+    if n == 1:
+        return [req]
+    out = []
+    for j in range(n):
+        c = serve_pb2.GenerateRequest()
+        c.CopyFrom(req)
+        c.request_id = f"{req.request_id}-c{j}"
+        if c.sampling.HasField("seed"):
+            c.sampling.seed = _wrap_seed(c.sampling.seed + j)
+        out.append(c)
+    return out
+
+
+def _wrap_seed(seed: int) -> int:
+    """seed + j kept inside int64 (wrapping, as a C int64 would)."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 async def _image(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
@@ -129,7 +162,7 @@ def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size:
             req.prompt = p
         else:
             _token_ids(req, p, f"prompt[{i}]" if many else "prompt", vocab_size)
-        reqs.append(req)
+        reqs.extend(choices(req, body.n))  # choice index: prompt i's j-th at i * n + j (vLLM's order)
     return rid, reqs
 
 

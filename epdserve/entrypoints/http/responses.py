@@ -5,7 +5,8 @@
 request with a list of prompts has one choice per prompt, ``index`` its place in the list (a
 chunk carries the index of the prompt it continues); its usage is the prompts' sum. With
 `return_token_ids` (vLLM's extra) each choice carries ``token_ids``: all of them in a response,
-the new ones in each chunk. Usage puts the prompt tokens whose KV came from the prefilling
+the new ones in each chunk. With logprobs asked, each choice (and each chunk, for its tokens)
+carries them in OpenAI's shape (`logprobs.LogprobsFormat`). Usage puts the prompt tokens whose KV came from the prefilling
 instance's prefix cache in ``prompt_tokens_details.cached_tokens`` (as vLLM and OpenAI count them).
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Choice:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list = field(default_factory=list)  # common.TokenLogprobs per token (empty: not asked)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Shape:
     model: str
     return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: object = None  # a LogprobsFormat when the request asked for logprobs
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -60,7 +63,8 @@ class Shape:
     def response(self, choices: list[Choice], usage: common_pb2.Usage) -> dict:
         out = []
         for index, c in enumerate(choices):
-            choice = {"index": index, "finish_reason": c.finish_reason, "logprobs": None}
+            choice = {"index": index, "finish_reason": c.finish_reason,
+                      "logprobs": self._logprobs(c.token_ids, c.logprobs, index)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -72,9 +76,15 @@ class Shape:
         body.update(choices=out, usage=usage_dict(usage))
         return body
 
+    def _logprobs(self, token_ids, logprobs, index: int):
+        if self.logprobs is None or not logprobs:
+            return None
+        return self.logprobs.build(token_ids, logprobs, index)
+
     def chunk(self, text: str | None, token_ids: list[int], finish_reason: str | None = None,
-              role: bool = False, index: int = 0) -> dict:
-        choice: dict = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+              role: bool = False, index: int = 0, logprobs=()) -> dict:
+        choice: dict = {"index": index, "finish_reason": finish_reason,
+                        "logprobs": self._logprobs(token_ids, logprobs, index)}
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
