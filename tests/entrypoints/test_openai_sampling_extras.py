@@ -1,0 +1,187 @@
+"""Issue 40 items 2-4 through the official `openai` client, in-process deployments of real
+`InstanceHost`s (monolithic: one EPD instance; P-D: P samples the first token, D the rest over a
+real gloo KV pair): greedy output with logit_bias and the repetition, frequency and presence
+penalties equals transformers' `generate` with the equivalent logits processors (transformers'
+`RepetitionPenaltyLogitsProcessor`; bias and OpenAI's presence/frequency written here after
+vLLM's definition) — in P-D the penalties on D count P's first token; logprobs and top_logprobs
+equal log_softmax of transformers' `output_logits` to 1e-4 in fp32, the first token's included
+(P's in P-D), streamed with their tokens too; n=4 gives 4 choices, each the greedy output at
+temperature 0, seeded sampling reproducible; the gRPC client carries the same keywords."""
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from epdserve import Client
+from epdserve.instance.config import InstanceConfig
+from epdserve.instance.host import InstanceHost
+from epdserve.model.loader import load_checkpoint
+from tests.entrypoints.http_harness import RunningFront, metered_scheduler
+from tests.instance.harness import wait_until
+
+MODES = {"monolithic": (("epd0", "EPD"),), "P-D": (("p0", "P+E"), ("d0", "D"))}
+PROMPT = [11, 52, 93, 52, 11, 7, 300, 52, 18, 44]  # token ids: the test and transformers see the same prompt
+MAX = 12
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def deployment(request, qwen2_vl_tiny):
+    sched, metrics = metered_scheduler(qwen2_vl_tiny, heartbeat_interval_s=0.2)
+    hosts, front = [], None
+    try:
+        for iid, roles in MODES[request.param]:
+            hosts.append(InstanceHost(InstanceConfig(
+                roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
+                instance_id=iid, kv_cache_bytes=4 << 20)).start())
+        wait_until(lambda: len(sched.call(sched.server.registry.records)) == len(hosts), 120, "instances to register")
+        front = RunningFront(sched, metrics, served_model_name="tiny-vl")
+        with openai.OpenAI(base_url=front.base_url, api_key="none", max_retries=0, timeout=120) as oai:
+            yield sched, oai
+    finally:
+        if front is not None:
+            front.stop()
+        for h in hosts:
+            h.stop()
+        sched.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(qwen2_vl_tiny):
+    return load_checkpoint(qwen2_vl_tiny, "cpu", torch.float32).model
+
+
+class BiasProcessor(LogitsProcessor):
+    """OpenAI's logit_bias: added to the logits."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.bias = bias
+
+    def __call__(self, input_ids, scores):
+        for t, b in self.bias.items():
+            scores[:, t] += b
+        return scores
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's (and vLLM's) presence / frequency penalties over the generated tokens only:
+    logit[t] -= frequency * count(t) + presence * (count(t) > 0)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def reference(hf, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    """transformers' greedy output and raw logits [steps, V] with vLLM's order of processors."""
+    procs = LogitsProcessorList()
+    if bias:
+        procs.append(BiasProcessor(bias))
+    if repetition != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(repetition))
+    if presence or frequency:
+        procs.append(OpenAIPenalties(len(PROMPT), presence, frequency))
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX, do_sample=False,
+                          logits_processor=procs, output_logits=True, return_dict_in_generate=True,
+                          eos_token_id=None, pad_token_id=0)
+    return out.sequences[0, len(PROMPT):].tolist(), torch.cat(out.logits).float()
+
+
+def completion(oai, **kw):
+    extra = {"ignore_eos": True, "return_token_ids": True, **kw.pop("extra_body", {})}
+    return oai.completions.create(model="tiny-vl", prompt=PROMPT, max_tokens=MAX, temperature=0,
+                                  extra_body=extra, **kw)
+
+
+# Each case against the same bias without its penalty (the tiny model's greedy output repeats no
+# token by itself: the bias makes token 52 come back, the penalty must push it away again). In
+# P-D, 52 is P's first token: D's penalties only see it if it crossed the handoff.
+PENALTIES = {
+    "bias": (dict(bias={52: 3.0, 300: -100.0}), {}),
+    "repetition": (dict(bias={52: 5.0}, repetition=1.5), dict(bias={52: 5.0})),
+    "presence": (dict(bias={52: 3.0}, presence=1.5), dict(bias={52: 3.0})),
+    "frequency": (dict(bias={52: 5.0}, frequency=0.5), dict(bias={52: 5.0})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PENALTIES))
+def test_greedy_with_penalties_and_bias_equals_transformers(deployment, hf, name):
+    sched, oai = deployment
+    case, without = PENALTIES[name]
+    want, _ = reference(hf, **case)
+    assert want != reference(hf, **without)[0]  # the processor changes this output: the comparison means something
+    body = {"repetition_penalty": case.get("repetition", 1.0)}
+    r = completion(oai, presence_penalty=case.get("presence", 0.0), frequency_penalty=case.get("frequency", 0.0),
+                   logit_bias={str(t): b for t, b in case.get("bias", {}).items()} or None, extra_body=body)
+    assert r.choices[0].model_extra["token_ids"] == want
+    with Client(sched.address, timeout=120) as c:  # the gRPC front: the same keywords, the same tokens
+        g = c.generate(PROMPT, max_tokens=MAX, ignore_eos=True, presence_penalty=case.get("presence", 0.0),
+                       frequency_penalty=case.get("frequency", 0.0), repetition_penalty=case.get("repetition", 1.0),
+                       logit_bias=case.get("bias", {}))
+    assert g.token_ids == want
+
+
+def test_logprobs_equal_transformers_raw_logprobs(deployment, hf):
+    sched, oai = deployment
+    want, logits = reference(hf)
+    lp = torch.log_softmax(logits, dim=-1)
+    r = oai.chat.completions.create(model="tiny-vl", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                    logprobs=True, top_logprobs=3)  # the chat shape parses
+    entry = r.choices[0].logprobs.content[0]
+    assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.top_logprobs[2].logprob
+    with Client(sched.address, timeout=120) as c:
+        g = c.generate(PROMPT, max_tokens=MAX, ignore_eos=True, logprobs=5)
+    assert g.token_ids == want and len(g.logprobs) == MAX  # the first token's (P's in P-D) included
+    for i, (t, got) in enumerate(zip(want, g.logprobs)):
+        assert abs(got.logprob - lp[i, t].item()) < 1e-4
+        top = lp[i].topk(5)
+        assert got.top_token_ids == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor(got.top_logprobs), top.values, atol=1e-4, rtol=0)
+    r = completion(oai, logprobs=2)  # the completions shape
+    ch = r.choices[0]
+    assert ch.model_extra["token_ids"] == want
+    assert [round(v, 4) for v in ch.logprobs.token_logprobs] == [round(x.logprob, 4) for x in g.logprobs]
+    assert len(ch.logprobs.top_logprobs) == MAX and all(len(d) <= 2 for d in ch.logprobs.top_logprobs)
+    stream = completion(oai, logprobs=1, stream=True)  # streamed with their tokens
+    streamed = [(ids, c.choices[0].logprobs.token_logprobs) for c in stream if c.choices
+                for ids in [c.choices[0].model_extra.get("token_ids") or []] if ids]
+    assert [t for ids, _ in streamed for t in ids] == want
+    assert all(len(ids) == len(lps) for ids, lps in streamed)
+    assert [v for _, lps in streamed for v in lps] == pytest.approx([x.logprob for x in g.logprobs], abs=1e-4)
+
+
+def test_n_choices(deployment):
+    sched, oai = deployment
+    greedy = completion(oai).choices[0].model_extra["token_ids"]
+    r = completion(oai, n=4)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.model_extra["token_ids"] == greedy for c in r.choices)
+    assert r.usage.completion_tokens == 4 * MAX
+
+    def sampled():
+        out = oai.chat.completions.create(model="tiny-vl", messages=[{"role": "user", "content": "pick"}], n=4,
+                                          max_tokens=8, temperature=1.0, seed=123, extra_body={"ignore_eos": True})
+        return [c.message.content for c in sorted(out.choices, key=lambda c: c.index)]
+
+    first = sampled()
+    assert len(first) == 4 and len(set(first)) > 1  # each choice its own generator (seed + index)
+    assert sampled() == first  # ... and a seeded request reproduces
+
+
+def test_what_remains_refused_names_its_field(deployment):
+    _, oai = deployment
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        completion(oai, n=2, extra_body={"best_of": 3})
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        oai.chat.completions.create(model="tiny-vl", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        completion(oai, presence_penalty=2.5)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        completion(oai, logit_bias={"99999999": 1.0})
