@@ -24,6 +24,7 @@ from tests.instance.harness import wait_until
 MODES = {"monolithic": (("epd0", "EPD"),), "P-D": (("p0", "P+E"), ("d0", "D"))}
 PROMPT = [11, 52, 93, 52, 11, 7, 300, 52, 18, 44]  # token ids: the test and transformers see the same prompt
 MAX = 12
+BLOCK = 16  # the CPU platform's KV block size
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))
@@ -164,6 +165,10 @@ def test_n_choices(deployment):
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert all(c.model_extra["token_ids"] == greedy for c in r.choices)
     assert r.usage.completion_tokens == 4 * MAX
+    long = [(7 * i + 3) % 1900 for i in range(100)]  # 100 tokens: whole blocks the siblings can reuse
+    r = oai.completions.create(model="tiny-vl", prompt=long, max_tokens=2, temperature=0, n=4)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert r.usage.prompt_tokens == 4 * 100 and cached >= 3 * (100 - BLOCK)  # prefilled once, reused thrice
 
     def sampled():
         out = oai.chat.completions.create(model="tiny-vl", messages=[{"role": "user", "content": "pick"}], n=4,

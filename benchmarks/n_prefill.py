@@ -1,0 +1,114 @@
+"""What n=4 costs in prefill against n=1 (issue 40 item 3: the prompt prefilled once, its KV shared).
+
+One deployment in this process (a scheduler with its OpenAI front and real `InstanceHost`s:
+``--mode monolithic`` one EPD instance, ``--mode P-D`` P and D over a real gloo KV pair). Each
+round sends a fresh prompt of ``--prompt-tokens`` random token ids to /v1/completions with
+``max_tokens=1`` and n=1, then another fresh one with n=4 (fresh prompts: nothing of an earlier
+round is cached). Measured on the prefilling instance's engine (`EngineStats`): `prefill_s`, the
+execute time of its steps holding prompt tokens, and `prompt_tokens`, the prompt tokens it
+computed; plus the request's wall time at the client. Prints one JSON line per round and the
+ratios n=4 / n=1 (median [min, max] over rounds).
+
+    python benchmarks/n_prefill.py --mode P-D --rounds 5 --prompt-tokens 1024   # builds the small demo model
+    python benchmarks/n_prefill.py --model DIR --mode monolithic
+
+How n works (epdserve/entrypoints/http/app.py `_firsts`): the first choice runs alone until its
+first token is out, then the other n-1 start; their prompts hit the prefix cache the first one
+filled, so each computes only the prompt's last, partial block.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import random
+import statistics
+import tempfile
+import time
+
+MODES = {"monolithic": (("epd0", "EPD"),), "P-D": (("p0", "P+E"), ("d0", "D"))}
+
+
+def post(address: str, body: dict) -> dict:
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {data}")
+    return data
+
+
+def prefill_counters(host) -> dict:
+    w = next(w for w in host.all_workers() if getattr(w, "engine", None) is not None
+             and w.engine.config.prefills)
+    s = w.engine.stats.as_dict()
+    return {"prefill_s": s["prefill_s"], "prompt_tokens": s["prompt_tokens"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint dir (default: build the 'small' demo model in a temp dir)")
+    ap.add_argument("--mode", choices=sorted(MODES), default="P-D")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--kv-cache-mb", type=int, default=256)
+    args = ap.parse_args()
+
+    from epdserve.entrypoints.http import HttpFront, HttpOptions
+    from epdserve.instance.config import InstanceConfig
+    from epdserve.instance.host import InstanceHost
+    from epdserve.model.demo import build_demo_model
+    from epdserve.scheduler import SchedulerConfig, SchedulerThread
+
+    model = args.model or str(build_demo_model(tempfile.mkdtemp(prefix="n_prefill_"), arch="qwen2_vl", size="small",
+                                               seed=0))
+    sched = SchedulerThread(SchedulerConfig(model=model, probe_interval_s=0.2, heartbeat_interval_s=0.5))
+    sched.start()
+    hosts, front = [], None
+    try:
+        for iid, roles in MODES[args.mode]:
+            hosts.append(InstanceHost(InstanceConfig(roles=roles, model=model, scheduler=sched.server.internal_address,
+                                                     instance_id=iid, kv_cache_bytes=args.kv_cache_mb << 20)).start())
+        deadline = time.monotonic() + 300
+        while len(sched.call(sched.server.registry.records)) < len(hosts):
+            if time.monotonic() > deadline:
+                raise RuntimeError("instances did not register")
+            time.sleep(0.2)
+        front = HttpFront(sched.server, HttpOptions())
+        asyncio.run_coroutine_threadsafe(front.start(), sched.loop).result(30)
+        vocab = sched.server.dispatcher.preprocessor.vocab_size
+        rng = random.Random(0)
+        prompt = lambda: [rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)]  # noqa: E731
+        post(front.address, {"prompt": prompt(), "max_tokens": 1})  # warm-up
+        ratios = {"prefill_s": [], "prompt_tokens": [], "wall_s": []}
+        for r in range(args.rounds):
+            row = {}
+            for n in (1, args.n):
+                before, t0 = prefill_counters(hosts[0]), time.perf_counter()
+                out = post(front.address, {"prompt": prompt(), "max_tokens": 1, "n": n, "temperature": 0})
+                wall = time.perf_counter() - t0
+                after = prefill_counters(hosts[0])
+                row[n] = {k: after[k] - before[k] for k in after} | {
+                    "wall_s": wall, "choices": len(out["choices"]),
+                    "cached_tokens": out["usage"]["prompt_tokens_details"]["cached_tokens"]}
+            for k in ratios:
+                ratios[k].append(row[args.n][k] / row[1][k])
+            print(json.dumps({"round": r, "mode": args.mode, **{f"n={n}": v for n, v in row.items()}}), flush=True)
+        print(json.dumps({"mode": args.mode, "prompt_tokens": args.prompt_tokens, "n": args.n, "rounds": args.rounds,
+                          **{f"ratio_{k}": {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
+                                            "max": round(max(v), 3)} for k, v in ratios.items()}}))
+    finally:
+        if front is not None:
+            asyncio.run_coroutine_threadsafe(front.stop(), sched.loop).result(30)
+        for h in hosts:
+            h.stop()
+        sched.stop()
+
+
+if __name__ == "__main__":
+    main()
