@@ -3,8 +3,8 @@
 One deployment in this process (a scheduler with its OpenAI front and real `InstanceHost`s:
 ``--mode monolithic`` one EPD instance, ``--mode P-D`` P and D over a real gloo KV pair). Each
 round sends a fresh prompt of ``--prompt-tokens`` random token ids to /v1/completions with
-``max_tokens=1`` and n=1, then another fresh one with n=4 (fresh prompts: nothing of an earlier
-round is cached). Measured on the prefilling instance's engine (`EngineStats`): `prefill_s`, the
+``max_tokens=1`` and n=1, and another fresh one with n=4 (fresh prompts: nothing of an earlier
+round is cached; the order alternates round by round). Measured on the prefilling instance's engine (`EngineStats`): `prefill_s`, the
 execute time of its steps holding prompt tokens, and `prompt_tokens`, the prompt tokens it
 computed; plus the request's wall time at the client. Prints one JSON line per round and the
 ratios n=4 / n=1 (median [min, max] over rounds).
@@ -88,7 +88,7 @@ def main() -> None:
         ratios = {"prefill_s": [], "prompt_tokens": [], "wall_s": []}
         for r in range(args.rounds):
             row = {}
-            for n in (1, args.n):
+            for n in ((1, args.n) if r % 2 == 0 else (args.n, 1)):  # alternate: the machine's drift cancels
                 before, t0 = prefill_counters(hosts[0]), time.perf_counter()
                 out = post(front.address, {"prompt": prompt(), "max_tokens": 1, "n": n, "temperature": 0})
                 wall = time.perf_counter() - t0

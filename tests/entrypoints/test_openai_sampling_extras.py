@@ -6,8 +6,14 @@ penalties equals transformers' `generate` with the equivalent logits processors 
 vLLM's definition) — in P-D the penalties on D count P's first token; logprobs and top_logprobs
 equal log_softmax of transformers' `output_logits` to 1e-4 in fp32, the first token's included
 (P's in P-D), streamed with their tokens too; n=4 gives 4 choices, each the greedy output at
-temperature 0, seeded sampling reproducible; the gRPC client carries the same keywords."""
+temperature 0, seeded sampling reproducible, the prompt prefilled once; the gRPC client carries
+the same keywords; docs/openai.md's examples run as pasted."""
 from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -190,3 +196,25 @@ def test_what_remains_refused_names_its_field(deployment):
         completion(oai, presence_penalty=2.5)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         completion(oai, logit_bias={"99999999": 1.0})
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
+
+
+def test_docs_examples_run_as_pasted(deployment):
+    sched, oai = deployment
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    assert len(blocks) == 2
+    subs = {"http://127.0.0.1:8000/v1": str(oai.base_url).rstrip("/"), "/tmp/demo": "tiny-vl",
+            "127.0.0.1:50051": sched.address}
+    outs = []
+    for code in blocks:
+        for a, b in subs.items():
+            code = code.replace(a, b)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(r.stdout.splitlines())
+    http, grpc_ = outs
+    assert [line.split()[0] for line in http[:3]] == ["0", "1", "2"]  # n=3 choices, each with its logprobs
+    assert "completion_tokens=24" in http[3], http
+    assert grpc_ and grpc_[0].startswith("["), grpc_

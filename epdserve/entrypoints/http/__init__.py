@@ -6,7 +6,7 @@
 `epdserve.scheduler` imports this package). Modules: `options` (what the operator sets),
 `protocol` (request bodies), `convert` (bodies -> `GenerateRequest`), `images` (image_url
 resolution), `remote_media` (the SSRF-guarded fetcher of http(s) images) and `media_address`
-(which hosts and addresses it may reach), `responses` (response and SSE chunk bodies), `errors` (OpenAI-style JSON errors),
+(which hosts and addresses it may reach), `responses` (response and SSE chunk bodies), `logprobs` (OpenAI's logprobs objects), `errors` (OpenAI-style JSON errors),
 `validation` (a refused body as one readable 400),
 `app` (the routes), `server` (uvicorn on a running loop; also `MetricsFront`, /metrics alone).
 """
