@@ -191,8 +191,8 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
                 await _close(streams)
             if results is _DISCONNECTED:
                 return JSONResponse({}, status_code=499)
-            return JSONResponse(shape.response([c for c, _ in results], sum_usage(u for _, u in results)))
-        return StreamingResponse(_events(firsts, streams, shape, include_usage), media_type="text/event-stream",
+            return JSONResponse(shape.response([c for c, _ in results], sum_usage([u for _, u in results], n)))
+        return StreamingResponse(_events(firsts, streams, shape, include_usage, n), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
@@ -309,7 +309,7 @@ async def _collect(first, deltas) -> tuple[Choice, object]:
     return Choice(text, ids, last.finish_reason, lps), last.usage
 
 
-async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+async def _events(firsts, streams, shape: Shape, include_usage: bool, n: int = 1) -> AsyncIterator[str]:
     """SSE body: (chat) a role chunk, one chunk per delta (each prompt's, as they come, with its
     index), each prompt's finish chunk, then the summed usage and [DONE]. Cancelled when the
     client disconnects (starlette), which aborts every generation."""
@@ -329,7 +329,7 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
         await queue.put((i, None))
 
     pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
-    usages = []
+    usages = {}
     try:
         if shape.chat:
             for i in range(len(streams)):
@@ -347,10 +347,10 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
                     yield sse(shape.chunk(d.text, list(d.token_ids), index=i, logprobs=list(d.logprobs)))
                 if d.finished:
                     yield sse(shape.chunk(None if shape.chat else "", [], d.finish_reason, index=i))
-                    usages.append(d.usage)
+                    usages[i] = d.usage
         else:
             if include_usage:
-                yield sse(shape.usage_chunk(sum_usage(usages)))
+                yield sse(shape.usage_chunk(sum_usage([usages[k] for k in sorted(usages)], n)))
     finally:
         for p in pumps:
             p.cancel()

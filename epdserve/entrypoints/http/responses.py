@@ -3,7 +3,8 @@
 `Shape` knows one endpoint's object names (chat: ``chat.completion`` / ``.chunk`` with
 ``message`` / ``delta``; completions: ``text_completion`` with ``text``). A /v1/completions
 request with a list of prompts has one choice per prompt, ``index`` its place in the list (a
-chunk carries the index of the prompt it continues); its usage is the prompts' sum. With
+chunk carries the index of the prompt it continues); its usage is the prompts' sum. With `n`
+choices a prompt's tokens count once, its choices' output tokens all (`sum_usage`). With
 `return_token_ids` (vLLM's extra) each choice carries ``token_ids``: all of them in a response,
 the new ones in each chunk. With logprobs asked, each choice (and each chunk, for its tokens)
 carries them in OpenAI's shape (`logprobs.LogprobsFormat`). Usage puts the prompt tokens whose KV came from the prefilling
@@ -24,12 +25,15 @@ def usage_dict(u: common_pb2.Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def sum_usage(usages) -> common_pb2.Usage:
-    """The field-wise sum of several prompts' usage."""
+def sum_usage(usages, n: int = 1) -> common_pb2.Usage:
+    """The field-wise sum of several prompts' usage; with `n` choices per prompt (`usages` in
+    choice order), a prompt's tokens count once (its first choice's, as OpenAI and vLLM count
+    them), every choice's output tokens count."""
     total = common_pb2.Usage()
-    for u in usages:
+    for k, u in enumerate(usages):
         for f in common_pb2.Usage.DESCRIPTOR.fields:
-            setattr(total, f.name, getattr(total, f.name) + getattr(u, f.name))
+            if k % n == 0 or f.name == "output_tokens":
+                setattr(total, f.name, getattr(total, f.name) + getattr(u, f.name))
     return total
 
 
