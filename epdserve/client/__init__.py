@@ -18,6 +18,8 @@ Every `SamplingParams` field is a keyword (max_tokens,
 temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, skip_special_tokens,
 presence_penalty, frequency_penalty, repetition_penalty, logit_bias={token id: bias}, and
 logprobs=k: each result's / delta's `logprobs` then holds a `TokenLogprobs` per token).
+OpenAI's `n`: `generate_choices(prompt, n=4, ...)` (or `chat=messages`) returns n results, the
+prompt prefilled once (epdserve.rpc.choices).
 Failures raise `EPDServeError` carrying the gRPC status code. Leaving a `generate_stream` loop
 early (break, exception, close) cancels the call, which aborts the request on every instance.
 

@@ -108,8 +108,8 @@ def _prefix_hits(sched) -> int:
 
 def completion(oai, **kw):
     extra = {"ignore_eos": True, "return_token_ids": True, **kw.pop("extra_body", {})}
-    return oai.completions.create(model="tiny-vl", prompt=PROMPT, max_tokens=MAX, temperature=0,
-                                  extra_body=extra, **kw)
+    kw.setdefault("temperature", 0)
+    return oai.completions.create(model="tiny-vl", prompt=PROMPT, max_tokens=MAX, extra_body=extra, **kw)
 
 
 # Each case against the same bias without its penalty (the tiny model's greedy output repeats no
@@ -196,6 +196,11 @@ def test_n_choices(deployment):
     first = sampled()
     assert len(first) == 4 and len(set(first)) > 1  # each choice its own generator (seed + index)
     assert sampled() == first  # ... and a seeded request reproduces
+    with Client(sched.address, timeout=120) as c:  # gRPC: the client's n, the same seeds as HTTP's
+        assert [g.token_ids for g in c.generate_choices(PROMPT, n=3, max_tokens=MAX, ignore_eos=True)] == [greedy] * 3
+        grpc_sampled = c.generate_choices(PROMPT, n=3, max_tokens=MAX, ignore_eos=True, temperature=1.0, seed=9)
+    http_sampled = completion(oai, n=3, temperature=1.0, seed=9)
+    assert [g.token_ids for g in grpc_sampled] == [ch.model_extra["token_ids"] for ch in http_sampled.choices]
 
 
 def test_what_remains_refused_names_its_field(deployment):

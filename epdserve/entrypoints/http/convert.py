@@ -27,6 +27,7 @@ from epdserve.model.chat import unsupported_part
 from epdserve.model.processor import open_image
 from epdserve.request_errors import MediaError
 from epdserve.rpc import common_pb2, serve_pb2
+from epdserve.rpc.choices import choice_requests
 from epdserve.rpc.ranges import RangeError, check_sampling, check_token_ids
 
 SUPPORTED_PARTS = ("text", "image_url", "video_url")  # content part types the HTTP front takes
@@ -91,30 +92,7 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
     one = serve_pb2.GenerateRequest(
         request_id=rid, chat=chat, sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens),
     )
-    return choices(one, body.n)
-
-
-def choices(req: serve_pb2.GenerateRequest, n: int) -> list[serve_pb2.GenerateRequest]:
-    """`req` as its `n` choices (OpenAI's `n`): copies with ids ``<id>-c<j>`` (the first keeps the
-    id when n is 1) and, when seeded, seeds seed + j, so each choice samples its own stream and
-    a seeded request reproduces. `app.serve` starts the first of them alone and the others once
-    its first token is out: their prompts then hit the prefix cache the first one filled."""
-    if n == 1:
-        return [req]
-    out = []
-    for j in range(n):
-        c = serve_pb2.GenerateRequest()
-        c.CopyFrom(req)
-        c.request_id = f"{req.request_id}-c{j}"
-        if c.sampling.HasField("seed"):
-            c.sampling.seed = _wrap_seed(c.sampling.seed + j)
-        out.append(c)
-    return out
-
-
-def _wrap_seed(seed: int) -> int:
-    """seed + j kept inside int64 (wrapping, as a C int64 would)."""
-    return (seed + 2**63) % 2**64 - 2**63
+    return choice_requests(one, body.n)  # started by app.serve's `_firsts`: the first alone, then its siblings
 
 
 async def _image(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
@@ -162,7 +140,7 @@ def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size:
             req.prompt = p
         else:
             _token_ids(req, p, f"prompt[{i}]" if many else "prompt", vocab_size)
-        reqs.extend(choices(req, body.n))  # choice index: prompt i's j-th at i * n + j (vLLM's order)
+        reqs.extend(choice_requests(req, body.n))  # choice index: prompt i's j-th at i * n + j (vLLM's order)
     return rid, reqs
 
 
