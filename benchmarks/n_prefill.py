@@ -6,7 +6,8 @@ round sends a fresh prompt of ``--prompt-tokens`` random token ids to /v1/comple
 ``max_tokens=1`` and n=1, and another fresh one with n=4 (fresh prompts: nothing of an earlier
 round is cached; the order alternates round by round). Measured on the prefilling instance's engine (`EngineStats`): `prefill_s`, the
 execute time of its steps holding prompt tokens, and `prompt_tokens`, the prompt tokens it
-computed; plus the request's wall time at the client. Prints one JSON line per round and the
+computed; plus the request's wall time at the client and this process's CPU time over it (every
+thread of the deployment: less disturbed than wall time by other jobs on a shared machine). Prints one JSON line per round and the
 ratios n=4 / n=1 (median [min, max] over rounds).
 
     python benchmarks/n_prefill.py --mode P-D --rounds 5 --prompt-tokens 1024   # builds the small demo model
@@ -85,16 +86,16 @@ def main() -> None:
         rng = random.Random(0)
         prompt = lambda: [rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)]  # noqa: E731
         post(front.address, {"prompt": prompt(), "max_tokens": 1})  # warm-up
-        ratios = {"prefill_s": [], "prompt_tokens": [], "wall_s": []}
+        ratios = {"prefill_s": [], "prompt_tokens": [], "wall_s": [], "cpu_s": []}
         for r in range(args.rounds):
             row = {}
             for n in ((1, args.n) if r % 2 == 0 else (args.n, 1)):  # alternate: the machine's drift cancels
-                before, t0 = prefill_counters(hosts[0]), time.perf_counter()
+                before, t0, c0 = prefill_counters(hosts[0]), time.perf_counter(), time.process_time()
                 out = post(front.address, {"prompt": prompt(), "max_tokens": 1, "n": n, "temperature": 0})
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 after = prefill_counters(hosts[0])
                 row[n] = {k: after[k] - before[k] for k in after} | {
-                    "wall_s": wall, "choices": len(out["choices"]),
+                    "wall_s": wall, "cpu_s": cpu, "choices": len(out["choices"]),
                     "cached_tokens": out["usage"]["prompt_tokens_details"]["cached_tokens"]}
             for k in ratios:
                 ratios[k].append(row[args.n][k] / row[1][k])
