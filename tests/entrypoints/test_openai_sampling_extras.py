@@ -10,6 +10,7 @@ temperature 0, seeded sampling reproducible, the prompt prefilled once; the gRPC
 the same keywords; docs/openai.md's examples run as pasted."""
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from epdserve import Client
+from epdserve import AsyncClient, Client
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost
 from epdserve.model.loader import load_checkpoint
@@ -201,6 +202,14 @@ def test_n_choices(deployment):
         grpc_sampled = c.generate_choices(PROMPT, n=3, max_tokens=MAX, ignore_eos=True, temperature=1.0, seed=9)
     http_sampled = completion(oai, n=3, temperature=1.0, seed=9)
     assert [g.token_ids for g in grpc_sampled] == [ch.model_extra["token_ids"] for ch in http_sampled.choices]
+
+    async def async_choices():
+        async with AsyncClient(sched.address, timeout=120) as c:
+            return await c.generate_choices(PROMPT, n=3, max_tokens=MAX, ignore_eos=True, temperature=1.0, seed=9,
+                                            logprobs=0)
+    got = asyncio.run(async_choices())
+    assert [g.token_ids for g in got] == [g.token_ids for g in grpc_sampled]
+    assert all(len(g.logprobs) == MAX for g in got)
 
 
 def test_what_remains_refused_names_its_field(deployment):
