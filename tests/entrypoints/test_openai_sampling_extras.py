@@ -7,7 +7,8 @@ vLLM's definition) — in P-D the penalties on D count P's first token; logprobs
 equal log_softmax of transformers' `output_logits` to 1e-4 in fp32, the first token's included
 (P's in P-D), streamed with their tokens too; n=4 gives 4 choices, each the greedy output at
 temperature 0, seeded sampling reproducible, the prompt prefilled once; the gRPC client carries
-the same keywords; docs/openai.md's examples run as pasted."""
+the same keywords, and a request resumed after its first token continues the whole request's
+output (the resumed token counts as output); docs/openai.md's examples run as pasted."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 import torch
@@ -25,6 +27,7 @@ from epdserve import AsyncClient, Client
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.host import InstanceHost
 from epdserve.model.loader import load_checkpoint
+from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
 from tests.entrypoints.http_harness import RunningFront, metered_scheduler
 from tests.instance.harness import wait_until
 
@@ -244,3 +247,20 @@ def test_docs_examples_run_as_pasted(deployment):
     assert [line.split()[0] for line in http[:3]] == ["0", "1", "2"]  # n=3 choices, each with its logprobs
     assert "completion_tokens=24" in http[3], http
     assert grpc_ and grpc_[0].startswith("["), grpc_
+
+
+def test_a_resumed_request_counts_its_resumed_tokens_as_output(deployment, hf):
+    """gRPC `resume_token_ids` (a client resuming after its scheduler was lost; the scheduler's own
+    retries take the same path): the tokens already received count as output for the penalties,
+    so the continuation is the rest of the whole request's output."""
+    sched, _ = deployment
+    case = dict(bias={52: 3.0}, presence=1.5)
+    want, _ = reference(hf, **case)
+    assert want[0] == 52  # without the resumed token counted, 52 would come back at once
+    req = serve_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+        max_tokens=MAX, ignore_eos=True, presence_penalty=1.5, logit_bias={52: 3.0}))
+    req.prompt_token_ids.ids.extend(PROMPT)
+    req.resume_token_ids.extend(want[:1])
+    with grpc.insecure_channel(sched.address) as ch:
+        out = serve_pb2_grpc.EPDServeStub(ch).Generate(req, timeout=120)
+    assert list(out.token_ids) == want[1:]
