@@ -3,19 +3,20 @@
 One deployment in this process (a scheduler with its OpenAI front and real `InstanceHost`s:
 ``--mode monolithic`` one EPD instance, ``--mode P-D`` P and D over a real gloo KV pair). Each
 round sends a fresh prompt of ``--prompt-tokens`` random token ids to /v1/completions with
-``max_tokens=1`` and n=1, and another fresh one with n=4 (fresh prompts: nothing of an earlier
+``max_tokens=2`` (P's token and D's) and n=1, and another fresh one with n=4 (fresh prompts: nothing of an earlier
 round is cached; the order alternates round by round). Measured on the prefilling instance's engine (`EngineStats`): `prefill_s`, the
 execute time of its steps holding prompt tokens, and `prompt_tokens`, the prompt tokens it
-computed; plus the request's wall time at the client and this process's CPU time over it (every
+computed, and in P-D the KV bytes P sent to D; plus the request's wall time at the client and this process's CPU time over it (every
 thread of the deployment: less disturbed than wall time by other jobs on a shared machine). Prints one JSON line per round and the
 ratios n=4 / n=1 (median [min, max] over rounds).
 
     python benchmarks/n_prefill.py --mode P-D --rounds 5 --prompt-tokens 1024   # builds the small demo model
     python benchmarks/n_prefill.py --model DIR --mode monolithic
 
-How n works (epdserve/entrypoints/http/app.py `_firsts`): the first choice runs alone until its
-first token is out, then the other n-1 start; their prompts hit the prefix cache the first one
-filled, so each computes only the prompt's last, partial block.
+How n works (epdserve/rpc/choices.py, epdserve/entrypoints/http/app.py `_firsts`): the first
+choice runs alone until its second message is out (or it ended), then the other n-1 start; their
+prompts hit the prefix caches the first one filled (P's, and D's in P-D), so each computes, and
+sends to D, only the prompt's last block.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def prefill_counters(host) -> dict:
     w = next(w for w in host.all_workers() if getattr(w, "engine", None) is not None
              and w.engine.config.prefills)
     s = w.engine.stats.as_dict()
-    return {"prefill_s": s["prefill_s"], "prompt_tokens": s["prompt_tokens"]}
+    return {"prefill_s": s["prefill_s"], "prompt_tokens": s["prompt_tokens"],
+            "kv_sent_bytes": host.status().load.kv_sent_bytes}  # P->D KV bytes (P-D; 0 monolithic)
 
 
 def main() -> None:
@@ -57,6 +59,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=2,
+                    help="2 (default): in P-D the first choice reaches D (P's token, then D's) before the others start")
     ap.add_argument("--kv-cache-mb", type=int, default=256)
     args = ap.parse_args()
 
@@ -87,16 +91,19 @@ def main() -> None:
         prompt = lambda: [rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)]  # noqa: E731
         post(front.address, {"prompt": prompt(), "max_tokens": 1})  # warm-up
         ratios = {"prefill_s": [], "prompt_tokens": [], "wall_s": [], "cpu_s": []}
+        if args.mode == "P-D":
+            ratios["kv_sent_bytes"] = []
         for r in range(args.rounds):
             row = {}
             for n in ((1, args.n) if r % 2 == 0 else (args.n, 1)):  # alternate: the machine's drift cancels
                 before, t0, c0 = prefill_counters(hosts[0]), time.perf_counter(), time.process_time()
-                out = post(front.address, {"prompt": prompt(), "max_tokens": 1, "n": n, "temperature": 0})
+                out = post(front.address, {"prompt": prompt(), "max_tokens": args.max_tokens, "n": n, "temperature": 0,
+                                           "ignore_eos": True})
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 after = prefill_counters(hosts[0])
                 row[n] = {k: after[k] - before[k] for k in after} | {
                     "wall_s": wall, "cpu_s": cpu, "choices": len(out["choices"]),
-                    "cached_tokens": out["usage"]["prompt_tokens_details"]["cached_tokens"]}
+                    "usage_prompt_tokens": out["usage"]["prompt_tokens"]}
             for k in ratios:
                 ratios[k].append(row[args.n][k] / row[1][k])
             print(json.dumps({"round": r, "mode": args.mode, **{f"n={n}": v for n, v in row.items()}}), flush=True)

@@ -51,16 +51,18 @@ class AsyncClient(SchedulerConnection):
     async def generate_choices(self, prompt=None, images=None, *, n: int, request_id: str = "",
                                timeout: float | None = None, chat: list[dict] | None = None,
                                **sampling) -> list[GenerateResult]:
-        """As `Client.generate_choices`: the first choice alone until its first token, then the rest."""
+        """As `Client.generate_choices`: the first choice alone until its second message, then the rest."""
         reqs = choice_requests(build_request(prompt, images, chat=chat, request_id=request_id, **sampling), n)
         lead = self._stream(reqs[0], timeout)
-        first = await lead.__anext__()
+        ahead = [await lead.__anext__()]
+        if not ahead[0].finished:  # its second message: in P-D, D's prefix cache holds the prompt by then
+            ahead.append(await lead.__anext__())
 
         async def one(r):
             return collect([d async for d in self._stream(r, timeout)])
 
         async def head():
-            return collect([first, *[d async for d in lead]])
+            return collect([*ahead, *[d async for d in lead]])
 
         return list(await asyncio.gather(head(), *(one(r) for r in reqs[1:])))
 

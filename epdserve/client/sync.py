@@ -53,14 +53,16 @@ class Client(SchedulerConnection):
                          timeout: float | None = None, chat: list[dict] | None = None,
                          **sampling) -> list[GenerateResult]:
         """OpenAI's `n`: `n` results for one prompt (or `chat` messages), each its own sequence
-        (seeded: seed + j). The first runs alone until its first token is out, then the others
-        start: their prompts hit the prefix cache it filled (epdserve.rpc.choices)."""
+        (seeded: seed + j). The first runs alone until its second message is out, then the others
+        start: their prompts hit the prefix caches it filled (epdserve.rpc.choices)."""
         reqs = choice_requests(build_request(prompt, images, chat=chat, request_id=request_id, **sampling), n)
         lead = self._stream(reqs[0], timeout)
-        first = next(lead)
+        ahead = [next(lead)]
+        if not ahead[0].finished:  # its second message: in P-D, D's prefix cache holds the prompt by then
+            ahead.append(next(lead))
         with ThreadPoolExecutor(max(1, n - 1)) as pool:
             rest = [pool.submit(lambda r: collect(list(self._stream(r, timeout))), r) for r in reqs[1:]]
-            head = collect([first, *lead])
+            head = collect([*ahead, *lead])
             return [head] + [f.result() for f in rest]
 
     def chat_stream(self, messages: list[dict], *, add_generation_prompt: bool = True, request_id: str = "",

@@ -49,5 +49,6 @@ def process_row(row: torch.Tensor, p, prompt: list[int], output: list[int]) -> N
         row.copy_(torch.where(seen, scaled, row))
     if (p.frequency_penalty or p.presence_penalty) and output:
         ids = torch.tensor(output, dtype=torch.long, device=dev).clamp_(max=vocab - 1)
-        counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)
+        counts = torch.zeros(vocab, dtype=row.dtype, device=dev).index_add_(  # plain ops on every device
+            0, ids, torch.ones(ids.shape[0], dtype=row.dtype, device=dev))
         row.sub_(p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype))

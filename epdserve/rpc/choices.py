@@ -4,8 +4,10 @@ The scheduler serves one sequence per request; a request with n choices is n req
 with ids ``<id>-c<j>`` (an empty id stays empty: the scheduler assigns one) and, when seeded,
 seeds ``seed + j`` (wrapped inside int64), so each choice samples its own stream and a seeded
 request reproduces. Whoever sends them (the HTTP front, `Client.generate_choices`) starts the
-first alone and the others once its first token is out: their prompts then hit the prefix cache
-the first one filled, so the prompt is prefilled once.
+first alone and the others once its second message is out (or it ended): their prompts then hit
+the prefix cache the first one filled on the prefilling instance and, in P-D, on D (which caches
+a prompt's imported blocks at its first decode step), so the prompt is prefilled once and only
+its last block crosses to D again.
 """
 from __future__ import annotations
 

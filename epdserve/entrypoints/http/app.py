@@ -5,7 +5,7 @@ Every /v1 route checks the API key (when one is set) before reading the body, re
 prompt: /v1/completions takes a list of prompts), checks the scheduler's input limits
 (`epdserve.limits`: 400, or 413 for a message too large) and runs them through
 `SchedulerServer.generate`, the path the gRPC API takes, concurrently (with `n` choices, each
-prompt's first choice alone until its first token, then its siblings: `_firsts`). A body pydantic refuses
+prompt's first choice alone until its second message, then its siblings: `_firsts`). A body pydantic refuses
 is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
 401, 404, 413) or failing there unexpectedly (500) is counted in the metrics' requests by status,
 under the gRPC code of the same outcome (the scheduler's observer counts the rest, 500s
@@ -262,17 +262,45 @@ async def _all(coros):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _firsts(streams, n: int):
+async def _firsts(streams: list, n: int):
     """Each stream's first delta. With n choices per prompt (streams i*n .. i*n+n-1), a prompt's
-    first choice runs alone until its first token is out; its siblings start then, so their
-    prompts are served from the prefix cache that choice filled (one prefill, not n)."""
+    first choice runs alone until its second message is out (or its end): its prompt's KV is then
+    in the prefilling instance's prefix cache and, in P-D, in D's too (D caches a prompt's blocks
+    at its first decode step). Its siblings start then: their prompts hit those caches, so the
+    prompt is prefilled once and, in P-D, only its last block crosses to D again. The message
+    read ahead is put back (`streams[k]` becomes a `_PushedBack`)."""
     if n == 1:
         return await _all([_next(s) for s in streams])
     leaders = list(range(0, len(streams), n))
     out = dict(zip(leaders, await _all([_next(streams[k]) for k in leaders])))
+
+    async def second(k):
+        if not out[k].finished:
+            streams[k] = _PushedBack(await _next(streams[k]), streams[k])
+
+    await _all([second(k) for k in leaders])
     rest = [k for k in range(len(streams)) if k % n]
     out.update(zip(rest, await _all([_next(streams[k]) for k in rest])))
     return [out[k] for k in range(len(streams))]
+
+
+class _PushedBack:
+    """`stream` with `item` read ahead of it put back in front."""
+
+    def __init__(self, item, stream):
+        self.item, self.stream = item, stream
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.item is not None:
+            item, self.item = self.item, None
+            return item
+        return await self.stream.__anext__()
+
+    async def aclose(self):
+        await self.stream.aclose()
 
 
 async def _close(streams) -> None:
