@@ -110,10 +110,21 @@ def _prefix_hits(sched) -> int:
     return sum(r.load.prefix_hit_tokens for r in sched.call(sched.server.registry.records))
 
 
+def _kv_sent(sched) -> int:
+    """P->D KV bytes sent so far, as the instances' heartbeats after now report them."""
+    registry = sched.server.registry
+    for _ in range(2):
+        since = sched.call(registry.clock)
+        wait_until(lambda: all(r.last_heartbeat > since for r in sched.call(registry.records)), 30, "heartbeats")
+    return sum(r.load.kv_sent_bytes for r in sched.call(registry.records))
+
+
 def completion(oai, **kw):
     extra = {"ignore_eos": True, "return_token_ids": True, **kw.pop("extra_body", {})}
     kw.setdefault("temperature", 0)
-    return oai.completions.create(model="tiny-vl", prompt=PROMPT, max_tokens=MAX, extra_body=extra, **kw)
+    kw.setdefault("prompt", PROMPT)
+    kw.setdefault("max_tokens", MAX)
+    return oai.completions.create(model="tiny-vl", extra_body=extra, **kw)
 
 
 # Each case against the same bias without its penalty (the tiny model's greedy output repeats no
@@ -186,6 +197,13 @@ def test_n_choices(deployment):
     assert r.usage.prompt_tokens == 100 and r.usage.completion_tokens == 8  # the prompt counts once (OpenAI's usage)
     # prefilled once: the other three choices' prompts came from the prefilling instance's prefix cache
     wait_until(lambda: _prefix_hits(sched) - before >= 3 * (100 // BLOCK * BLOCK - BLOCK), 30, "prefix hits reported")
+    if any(rec.roles == "D" for rec in sched.call(sched.server.registry.records)):  # P-D: one KV transfer, then blocks
+        before = _kv_sent(sched)
+        completion(oai, prompt=long[::-1], max_tokens=2)
+        one = _kv_sent(sched) - before  # the whole prompt's KV (7 blocks)
+        completion(oai, prompt=[t + 1 for t in long], max_tokens=2, n=4)
+        four = _kv_sent(sched) - before - one
+        assert one > 0 and four <= one + 3 * one // 7  # the siblings each send the last block only
     chunks = list(oai.chat.completions.create(model="tiny-vl", messages=[{"role": "user", "content": "hi"}], n=2,
                                               max_tokens=3, stream=True, stream_options={"include_usage": True},
                                               extra_body={"ignore_eos": True}))
