@@ -5,8 +5,8 @@ Every /v1 route checks the API key (when one is set) before reading the body, re
 prompt: /v1/completions takes a list of prompts), checks the scheduler's input limits
 (`epdserve.limits`: 400, or 413 for a message too large) and runs them through
 `SchedulerServer.generate`, the path the gRPC API takes, concurrently (with `n` choices, each
-prompt's first choice alone until its second message, then its siblings: `_firsts`). A body pydantic refuses
-is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
+prompt's first choice alone until its second message, then its siblings: `_firsts`). A body
+pydantic refuses is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
 401, 404, 413) or failing there unexpectedly (500) is counted in the metrics' requests by status,
 under the gRPC code of the same outcome (the scheduler's observer counts the rest, 500s
 included). Errors before the first token get their HTTP status (`errors`); a stream already

@@ -8,8 +8,8 @@ Every number has a range, so one out of it is a 400 naming the field here, never
 (protobuf refuses an int that overflows its field): the sampling fields the gRPC message carries
 take theirs from `epdserve.rpc.ranges` (the rules the scheduler checks for both fronts); top_k
 also takes vLLM's -1 (off, as 0 is); n and best_of are 1..128, logprobs and top_logprobs 0..20,
-penalties -2..2, logit_bias -100..100 by token id (OpenAI's ranges); a float is finite (NaN and Infinity, which JSON parsers take, are refused). A content part's
-`type` is any string here; `convert` refuses the ones epdserve does not take (`input_audio`,
+penalties -2..2, logit_bias -100..100 by token id (OpenAI's ranges); a float is finite (NaN and
+Infinity, which JSON parsers take, are refused). A content part's `type` is any string here; `convert` refuses the ones epdserve does not take (`input_audio`,
 `file`, ...) by name.
 """
 from __future__ import annotations
