@@ -15,7 +15,11 @@ file), a PIL image (sent as PNG), a path, or `MediaKey(key)` for media already i
 (a previous result's `media_keys`). Chat content parts: text, `image` / `image_url`, and
 `{"type": "video", "video": bytes or path, "video_options": {...}}` / `video_url` (a data: URL).
 Every `SamplingParams` field is a keyword (max_tokens,
-temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, skip_special_tokens).
+temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, skip_special_tokens,
+presence_penalty, frequency_penalty, repetition_penalty, logit_bias={token id: bias}, and
+logprobs=k: each result's / delta's `logprobs` then holds a `TokenLogprobs` per token).
+OpenAI's `n`: `generate_choices(prompt, n=4, ...)` (or `chat=messages`) returns n results, the
+prompt prefilled once (epdserve.rpc.choices).
 Failures raise `EPDServeError` carrying the gRPC status code. Leaving a `generate_stream` loop
 early (break, exception, close) cancels the call, which aborts the request on every instance.
 
@@ -30,7 +34,7 @@ current target, which moves on at each retry.
 
 Modules (each imports only those listed above it, and rpc / security / engine.sampling_params /
 model.chat below the package):
-- messages.py: `build_request`; the results `GenerateResult`, `Delta`, `Usage`, `Timing`; `EPDServeError`
+- messages.py: `build_request`; the results `GenerateResult`, `Delta`, `Usage`, `Timing`, `TokenLogprobs`; `EPDServeError`
 - resume.py: `RetryPolicy`, and `Resumption`: the resume-and-retry loop both clients wrap
 - connection.py: `SchedulerConnection`, the targets, channels (round_robin) and retry state both clients share
 - sync.py: `Client`, blocking
@@ -43,6 +47,7 @@ from epdserve.client.messages import (
     GenerateResult,
     MediaKey,
     Timing,
+    TokenLogprobs,
     Usage,
     build_request,
 )
@@ -50,4 +55,4 @@ from epdserve.client.resume import RetryPolicy
 from epdserve.client.sync import Client
 
 __all__ = ["Client", "AsyncClient", "EPDServeError", "MediaKey", "GenerateResult", "Delta", "Usage", "Timing",
-           "RetryPolicy", "build_request"]
+           "TokenLogprobs", "RetryPolicy", "build_request"]

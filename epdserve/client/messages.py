@@ -19,7 +19,8 @@ from epdserve.instance.sampling_wire import structured_to_proto
 from epdserve.model.chat import image_url_bytes, unsupported_part
 from epdserve.rpc import common_pb2, serve_pb2
 
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# the keywords a generation takes: SamplingParams' fields but the scheduler's own bookkeeping
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "resumed_outputs")
 
 
 class MediaKey(str):
@@ -107,6 +108,16 @@ class Timing:
 
 
 @dataclass
+class TokenLogprobs:
+    """One output token's log probability (raw: before bias, penalties, temperature) and its most
+    likely alternatives, descending."""
+
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
 class GenerateResult:
     request_id: str
     text: str
@@ -115,6 +126,7 @@ class GenerateResult:
     usage: Usage
     timing: Timing
     media_keys: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked (logprobs=k)
 
 
 @dataclass
@@ -129,6 +141,7 @@ class Delta:
     usage: Usage | None = None
     timing: Timing | None = None
     media_keys: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- requests out
@@ -147,6 +160,8 @@ def sampling_proto(kwargs: dict) -> common_pb2.SamplingParams:
         elif name == "structured":  # a StructuredOutput, or vLLM's spelling: {"json": schema}, {"regex": ...}, ...
             so = value if isinstance(value, StructuredOutput) else StructuredOutput.from_options(value)
             p.structured.CopyFrom(structured_to_proto(so))
+        elif name == "logit_bias":
+            p.logit_bias.update({int(t): float(b) for t, b in value.items()})
         else:
             setattr(p, name, value)
     return p
@@ -246,21 +261,26 @@ def timing_from(p: common_pb2.StageTimings) -> Timing:
     return Timing(stamps)
 
 
+def logprobs_from(ps) -> list[TokenLogprobs]:
+    return [TokenLogprobs(p.logprob, list(p.top_token_ids), list(p.top_logprobs)) for p in ps]
+
+
 def delta_from(d: serve_pb2.GenerateDelta) -> Delta:
     if not d.finished:
-        return Delta(d.request_id, list(d.token_ids), d.text)
+        return Delta(d.request_id, list(d.token_ids), d.text, logprobs=logprobs_from(d.logprobs))
     return Delta(d.request_id, list(d.token_ids), d.text, True, d.finish_reason, usage_from(d.usage),
-                 timing_from(d.timing), list(d.media_keys))
+                 timing_from(d.timing), list(d.media_keys), logprobs_from(d.logprobs))
 
 
 def collect(deltas) -> GenerateResult:
     """One `GenerateResult` from a stream's deltas (what a unary Generate would have returned)."""
-    ids, text, last = [], [], None
+    ids, text, last, lps = [], [], None, []
     for d in deltas:
         ids.extend(d.token_ids)
         text.append(d.text)
+        lps.extend(d.logprobs)
         last = d
     if last is None or not last.finished:
         raise RuntimeError("the stream ended without its final message")
     return GenerateResult(last.request_id, "".join(text), ids, last.finish_reason, last.usage or Usage(),
-                          last.timing or Timing(), list(last.media_keys))
+                          last.timing or Timing(), list(last.media_keys), lps)

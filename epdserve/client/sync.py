@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -11,6 +12,7 @@ from epdserve.client.connection import SchedulerConnection, retry_policy
 from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
 from epdserve.client.resume import Resumption, RetryPolicy
 from epdserve.rpc import serve_pb2
+from epdserve.rpc.choices import choice_requests
 
 
 class Client(SchedulerConnection):
@@ -46,6 +48,22 @@ class Client(SchedulerConnection):
         req = build_request(chat=messages, add_generation_prompt=add_generation_prompt, request_id=request_id,
                             **sampling)
         return collect(list(self._stream(req, timeout)))
+
+    def generate_choices(self, prompt=None, images=None, *, n: int, request_id: str = "",
+                         timeout: float | None = None, chat: list[dict] | None = None,
+                         **sampling) -> list[GenerateResult]:
+        """OpenAI's `n`: `n` results for one prompt (or `chat` messages), each its own sequence
+        (seeded: seed + j). The first runs alone until its second message is out, then the others
+        start: their prompts hit the prefix caches it filled (epdserve.rpc.choices)."""
+        reqs = choice_requests(build_request(prompt, images, chat=chat, request_id=request_id, **sampling), n)
+        lead = self._stream(reqs[0], timeout)
+        ahead = [next(lead)]
+        if not ahead[0].finished:  # its second message: in P-D, D's prefix cache holds the prompt by then
+            ahead.append(next(lead))
+        with ThreadPoolExecutor(max(1, n - 1)) as pool:
+            rest = [pool.submit(lambda r: collect(list(self._stream(r, timeout))), r) for r in reqs[1:]]
+            head = collect([*ahead, *lead])
+            return [head] + [f.result() for f in rest]
 
     def chat_stream(self, messages: list[dict], *, add_generation_prompt: bool = True, request_id: str = "",
                     timeout: float | None = None, **sampling) -> Iterator[Delta]:

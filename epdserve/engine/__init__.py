@@ -18,6 +18,8 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - graph_runner.py    DecodeGraphs: decode steps replayed from captured graphs (CUDA)
 - sequence.py        Sequence and RequestState: one request inside the engine
 - prefix_hash.py     PrefixHasher: chained hashes of full KV blocks keyed by tokens and media identity
+- logits_process.py logit_bias and the repetition / frequency / presence penalties on the sampling rows
+- logprobs.py        TokenLogprob: raw log probabilities of sampled tokens and their top alternatives
 - block_manager.py, kv_cache.py, sampler.py, stop_checker.py, outputs.py, stats.py, config.py,
   sampling_params.py: the parts those use (what a role set means: epdserve/roles.py)
 """

@@ -24,6 +24,8 @@ from epdserve.engine.grammar import mask_logits
 from epdserve.engine.graph_runner import DecodeGraphs
 from epdserve.engine.kv_cache import PagedKVCache
 from epdserve.engine.lm.forward import LeanLM
+from epdserve.engine.logits_process import apply_processors
+from epdserve.engine.logprobs import gather, log_probs
 from epdserve.engine.sampler import sample
 from epdserve.engine.scheduler import ScheduledSeq
 from epdserve.engine.step_buffers import StepBuffers
@@ -209,10 +211,18 @@ class ModelRunner:
 
     @staticmethod
     def _sample_rows(batch: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor) -> list[int | None]:
+        """Raw log probabilities (for the rows that ask), then bias and penalties, then sampling;
+        each item's `TokenLogprob` lands on it (`ScheduledSeq.logprob`)."""
         result: list[int | None] = [None] * len(batch)
-        mask_logits(logits, [(j, batch[k].seq.grammar, batch[k].seq.output_token_ids)
-                             for j, k in enumerate(sampling) if batch[k].seq.grammar is not None])
-        toks = sample(logits, [batch[k].seq.params for k in sampling], [batch[k].seq.generator for k in sampling])
+        seqs = [batch[k].seq for k in sampling]
+        want = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
+        lp = log_probs(logits, want)  # raw: before bias, penalties, the grammar's mask and temperature
+        apply_processors(logits, seqs)
+        mask_logits(logits, [(j, s.grammar, s.output_token_ids) for j, s in enumerate(seqs) if s.grammar is not None])
+        toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for k, t in zip(sampling, toks):
             result[k] = t
+        if lp is not None:
+            for r, entry in zip(want, gather(lp, [toks[r] for r in want], [seqs[r].params.logprobs for r in want])):
+                batch[sampling[r]].logprob = entry
         return result

@@ -31,6 +31,9 @@ class RequestOutput:
     encoded_keys: list[str] = field(default_factory=list)  # media this engine ran its vision encoder for
     rope_delta: int = 0  # M-RoPE delta (text position of token i = i + rope_delta); a D side needs it
     timings: dict[str, float] = field(default_factory=dict)
+    # TokenLogprob (engine/logprobs.py) of the new tokens sampled by this engine, when asked (a
+    # decode side's first output token is P's: its log probabilities came with P's answer)
+    new_logprobs: list = field(default_factory=list)
 
     @classmethod
     def failed(cls, request_id: str, message: str) -> "RequestOutput":
@@ -96,4 +99,11 @@ def make_output(seq: Sequence) -> RequestOutput:
         encoded_keys=[m.key for m in seq.media if m.features is not None and not m.from_store],
         rope_delta=seq.rope_delta,
         timings=dict(seq.timings),
+        new_logprobs=_new_logprobs(seq),
     )
+
+
+def _new_logprobs(seq: Sequence) -> list:
+    new = seq.output_logprobs[seq.emitted_logprobs :]
+    seq.emitted_logprobs = len(seq.output_logprobs)
+    return new

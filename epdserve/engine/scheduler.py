@@ -41,6 +41,7 @@ class ScheduledSeq:
     start: int  # first token index computed this step
     num_tokens: int
     block_ids: array | tuple[int, ...] = ()  # the request's block table for this step (an int64 copy)
+    logprob: object = None  # the sampled token's TokenLogprob (engine/logprobs.py), when the request asks
 
     @property
     def end(self) -> int:
@@ -246,6 +247,8 @@ class Scheduler:
             if tok is None or seq.state is not S.RUNNING:
                 continue
             seq.output_token_ids.append(tok)
+            if item.logprob is not None:
+                seq.output_logprobs.append(item.logprob)
             if len(seq.output_token_ids) == 1:
                 seq.timings.setdefault("first_token", now)
             elif seq.kv_transfer is not None:

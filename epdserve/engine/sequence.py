@@ -67,6 +67,8 @@ class Sequence:
     media: list[MediaItem] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per token sampled here (params.logprobs)
+    emitted_logprobs: int = 0
     num_computed_tokens: int = 0
     positions: torch.Tensor | None = None  # [3, prompt_len]
     rope_delta: int = 0

@@ -28,6 +28,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list | None = None  # engine.logprobs.TokenLogprob per token, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -70,11 +71,17 @@ class LLM:
                 failed[rid] = RequestOutput.failed(rid, str(e))
             ids.append(rid)
         done: dict[str, RequestOutput] = dict(failed)
+        logprobs: dict[str, list] = {r: [] for r in ids}
         while len(done) < len(ids):
             for out in self.engine.step():
+                logprobs[out.request_id].extend(out.new_logprobs)
                 if out.finished:
                     done[out.request_id] = out
-        return [_to_generate_output(done[r], p) for r, p in zip(ids, prompts)]
+        outs = [_to_generate_output(done[r], p) for r, p in zip(ids, prompts)]
+        for r, o, sp in zip(ids, outs, params):
+            if sp is not None and sp.logprobs is not None:
+                o.outputs[0].logprobs = logprobs[r]
+        return outs
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True):
         """OpenAI-style messages (or a list of conversations); image parts as `image_url` data URLs.

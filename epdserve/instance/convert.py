@@ -4,7 +4,9 @@
   fails its request before it is queued);
 - `timings_to_proto`: an engine timings dict → StageTimings;
 - `token_delta`: a RequestOutput → TokenDelta; `coalesce`: consecutive outputs of one request
-  → one (their new tokens and text joined), so a stream sends one message for what queued up.
+  → one (their new tokens, log probabilities and text joined), so a stream sends one message for
+  what queued up;
+- `logprobs_to_proto`: an engine `TokenLogprob` → common.TokenLogprobs.
 """
 from __future__ import annotations
 
@@ -75,7 +77,13 @@ def coalesce(outs: list[RequestOutput]) -> RequestOutput:
     if len(outs) == 1:
         return outs[0]
     return dataclasses.replace(outs[-1], new_token_ids=[t for o in outs for t in o.new_token_ids],
-                               new_text="".join(o.new_text for o in outs))
+                               new_text="".join(o.new_text for o in outs),
+                               new_logprobs=[lp for o in outs for lp in o.new_logprobs])
+
+
+def logprobs_to_proto(lp) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(logprob=lp.logprob, top_token_ids=list(lp.top_ids),
+                                    top_logprobs=list(lp.top_logprobs))
 
 
 def token_delta(out: RequestOutput, request_id: str | None = None, **timing_extra: float) -> instance_pb2.TokenDelta:
@@ -89,6 +97,7 @@ def token_delta(out: RequestOutput, request_id: str | None = None, **timing_extr
         num_vision_tokens=out.num_vision_tokens,
         num_cached_vision_tokens=out.num_cached_vision_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
     )
     if out.finished:
         d.timings.CopyFrom(timings_to_proto(out.timings, finished=time.time(), **timing_extra))

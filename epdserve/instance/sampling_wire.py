@@ -23,15 +23,18 @@ from epdserve.rpc.ranges import check_sampling
 # proto3 `optional` scalars: copied only when the sender set them
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens",
              "min_p")
+# the logits processors' and log probabilities' (proto fields 40-59)
+_OPTIONAL_PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "resumed_outputs")
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     check_sampling(p)
-    kw = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+    kw = {name: getattr(p, name) for name in _OPTIONAL + _OPTIONAL_PROCESSING if p.HasField(name)}
     try:
         if p.HasField("structured"):
             kw["structured"] = structured_from_proto(p.structured)
-        params = SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), **kw)
+        params = SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                                logit_bias=dict(p.logit_bias), **kw)
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"bad sampling parameters: {e}") from None
     if params.structured is not None:
@@ -50,6 +53,7 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         p.seed = s.seed
     if s.structured is not None:
         p.structured.CopyFrom(structured_to_proto(s.structured))
+    set_processing(p, s)
     return p
 
 
@@ -76,3 +80,14 @@ def structured_to_proto(c: StructuredOutput) -> common_pb2.StructuredOutput:
         m = common_pb2.StructuredOutput(**{"json_schema" if c.kind == "json" else c.kind: c.spec})
     m.replay_prompt_tokens = c.replay_prompt_tokens
     return m
+
+
+def set_processing(p: common_pb2.SamplingParams, s: SamplingParams) -> None:
+    """The logits processors' and log probabilities' fields of `s` onto `p` (only those not off)."""
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                      ("resumed_outputs", 0)):
+        if getattr(s, name) != off:
+            setattr(p, name, getattr(s, name))
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    p.logit_bias.update(s.logit_bias)

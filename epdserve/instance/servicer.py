@@ -131,7 +131,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         first = out.token_ids[0] if out.token_ids else 0
         t = dict(out.timings)
         t.setdefault("prefill_start", t.get("encode_end") or t.get("arrival", 0.0))
-        return instance_pb2.PrefillResponse(
+        resp = instance_pb2.PrefillResponse(
             request_id=rid,
             first_token_id=first,
             first_text=out.text,
@@ -144,6 +144,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             recomputed_keys=out.encoded_keys,
             timings=convert.timings_to_proto(t),
         )
+        if out.new_logprobs:  # the first token's, sampled here (it reaches the client through the scheduler)
+            resp.first_logprobs.CopyFrom(convert.logprobs_to_proto(out.new_logprobs[0]))
+        return resp
 
     # ---------------------------------------------------------------- D
     def Decode(self, request_iterator, context):

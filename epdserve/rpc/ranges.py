@@ -3,7 +3,9 @@
 What each number of a `SamplingParams` and each token id of a `GenerateRequest` may be: what its
 proto field holds (int32 counts and token ids, int64 seed), narrowed to what the engine means by
 it (max_tokens >= 1; top_k >= 0, 0 off; top_p in (0, 1]; min_p in [0, 1]; temperature finite and
->= 0; token ids >= 0 and, for a prompt, inside the model's vocabulary; NaN and infinity nowhere).
+>= 0; token ids >= 0 and, for a prompt or a logit_bias key, inside the model's vocabulary;
+presence/frequency penalties in [-2, 2], repetition_penalty > 0, logit_bias values in [-100, 100],
+logprobs 0..20; NaN and infinity nowhere).
 
 `check_request(req, vocab_size)` raises `RangeError` naming the first field out of range
 ("sampling.top_k must be an integer in [0, 2147483647] (0 turns it off), got -3"): the
@@ -59,10 +61,16 @@ TEMPERATURE = Range(0, math.inf, integer=False, note="0 is greedy")
 TOP_P = Range(0, 1, integer=False, lo_open=True)
 MIN_P = Range(0, 1, integer=False, note="0 turns it off")
 TOKEN_ID = Range(0, INT32_MAX)
+PENALTY = Range(-2, 2, integer=False, note="0 turns it off")
+REPETITION_PENALTY = Range(0, math.inf, integer=False, lo_open=True, note="1 turns it off")
+LOGIT_BIAS = Range(-100, 100, integer=False)
+LOGPROBS = Range(0, 20, note="top alternatives per token")
+RESUMED_OUTPUTS = Range(0, INT32_MAX)
 
 # SamplingParams' optional numbers (stop_token_ids: token ids)
 SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": SEED,
-            "min_p": MIN_P}
+            "min_p": MIN_P, "presence_penalty": PENALTY, "frequency_penalty": PENALTY,
+            "repetition_penalty": REPETITION_PENALTY, "logprobs": LOGPROBS, "resumed_outputs": RESUMED_OUTPUTS}
 
 
 class RangeError(InvalidRequestError):
@@ -80,6 +88,18 @@ def check_sampling(p, prefix: str = "sampling.") -> None:
         if p.HasField(name) and not rule.holds(getattr(p, name)):
             raise RangeError(prefix + name, f"{prefix}{name} must be {rule.describe()}, got {getattr(p, name)}")
     check_token_ids(prefix + "stop_token_ids", p.stop_token_ids)
+    check_logit_bias(p.logit_bias, prefix + "logit_bias")
+
+
+def check_logit_bias(bias, field: str, vocab_size: int | None = None) -> None:
+    """Keys are token ids (in the vocabulary when it is known), values in LOGIT_BIAS."""
+    hi = INT32_MAX if vocab_size is None else vocab_size - 1
+    for t, b in bias.items():
+        if not 0 <= t <= hi:
+            where = f"[0, {vocab_size}) (the model's vocabulary)" if vocab_size is not None else f"[0, {INT32_MAX}]"
+            raise RangeError(field, f"{field} keys must be token ids in {where}, got {t}")
+        if not LOGIT_BIAS.holds(b):
+            raise RangeError(f"{field}[{t}]", f"{field}[{t}] must be {LOGIT_BIAS.describe()}, got {b}")
 
 
 def check_token_ids(field: str, ids, vocab_size: int | None = None) -> None:
@@ -104,6 +124,7 @@ def check_token_ids(field: str, ids, vocab_size: int | None = None) -> None:
 def check_request(req, vocab_size: int) -> None:
     """Every number of `req` (a serve.GenerateRequest): its sampling, prompt and resume token ids."""
     check_sampling(req.sampling)
+    check_logit_bias(req.sampling.logit_bias, "sampling.logit_bias", vocab_size)
     if req.WhichOneof("input") == "prompt_token_ids":
         check_token_ids("prompt_token_ids", req.prompt_token_ids.ids, vocab_size)
     check_token_ids("resume_token_ids", req.resume_token_ids, vocab_size)

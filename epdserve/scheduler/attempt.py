@@ -39,6 +39,7 @@ class Piece:
     text: str
     finished: bool = False
     finish_reason: str = ""
+    logprobs: list = field(default_factory=list)  # common.TokenLogprobs per token, when the request asks
 
 
 @dataclass
@@ -156,7 +157,8 @@ class Attempt:
         self.report.recomputed.update(resp.recomputed_keys)
         self.report.reported_cached_tokens = resp.num_cached_vision_tokens
         self.report.kv_cached_tokens = resp.num_cached_tokens
-        yield Piece([resp.first_token_id], resp.first_text, bool(resp.finish_reason), resp.finish_reason)
+        yield Piece([resp.first_token_id], resp.first_text, bool(resp.finish_reason), resp.finish_reason,
+                    [resp.first_logprobs] if resp.HasField("first_logprobs") else [])
         if resp.finish_reason:
             self.close(abort=True)  # D frees its reservation, P its KV
             return
@@ -309,7 +311,7 @@ class Attempt:
             # abort/error we did not ask for (instance draining, KV import failed): retry
             raise InstanceError(rec.instance_id, stage, grpc.StatusCode.ABORTED,
                                 f"instance ended the request with {d.finish_reason or 'no reason'}")
-        return Piece(list(d.token_ids), d.text, d.finished, d.finish_reason)
+        return Piece(list(d.token_ids), d.text, d.finished, d.finish_reason, list(d.logprobs))
 
     def _timeout(self) -> float | None:
         if self.inputs.deadline is None:

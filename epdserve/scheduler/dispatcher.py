@@ -136,11 +136,11 @@ class RequestRun:
                             await attempt.encode_results()
                             attempt.close(abort=False)
                             self._learn_stored(attempt)
-                            yield self._final(piece.token_ids, piece.text, piece.finish_reason)
+                            yield self._final(piece.token_ids, piece.text, piece.finish_reason, piece.logprobs)
                             return
                         if piece.token_ids or piece.text:
                             yield serve_pb2.GenerateDelta(request_id=prep.request_id, token_ids=piece.token_ids,
-                                                          text=piece.text)
+                                                          text=piece.text, logprobs=piece.logprobs)
                 except InstanceError as e:
                     attempt.close(abort=True)
                     self._learn_stored(attempt)
@@ -200,6 +200,8 @@ class RequestRun:
         sampling.max_tokens = remaining
         if sampling.HasField("structured"):  # the resumed output joins the prompt: the grammar replays it
             sampling.structured.replay_prompt_tokens = len(self.generated)
+        if self.generated:  # the penalties count the resumed tokens as output (engine/logits_process.py)
+            sampling.resumed_outputs = sampling.resumed_outputs + len(self.generated)
         inputs = AttemptInputs(f"{self.wire_id}#{n}", prompt, refs, sampling, prep.num_vision_tokens, self.deadline,
                                self.salt)
         attempt = Attempt(inputs, plan, lease, d.channels, d.registry, d.background)
@@ -232,13 +234,13 @@ class RequestRun:
         for key in attempt.report.already_stored:  # answered: it is in the store now
             self.d.stored.add(key)
 
-    def _final(self, token_ids: list[int], text: str, reason: str) -> serve_pb2.GenerateDelta:
+    def _final(self, token_ids: list[int], text: str, reason: str, logprobs=()) -> serve_pb2.GenerateDelta:
         for a in self.attempts:
             merge_timings(self.timing, a.report.timings)
         self.timing.finished = time.time()
         return serve_pb2.GenerateDelta(
             request_id=self.prep.request_id, token_ids=token_ids, text=text, finished=True, finish_reason=reason,
-            usage=self._usage(), timing=self.timing, media_keys=self.prep.media_keys,
+            usage=self._usage(), timing=self.timing, media_keys=self.prep.media_keys, logprobs=logprobs,
         )
 
     def _usage(self) -> common_pb2.Usage:

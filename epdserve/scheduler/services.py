@@ -78,6 +78,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
             async for d in self._generate(request, context):
                 out.request_id = d.request_id
                 out.token_ids.extend(d.token_ids)
+                out.logprobs.extend(d.logprobs)
                 out.text += d.text
                 if d.finished:
                     out.finish_reason = d.finish_reason

@@ -146,7 +146,7 @@ def test_bad_input_is_400_and_big_body_413(front, oai):
            dict(messages=_messages(b"not an image", "x")),
            dict(messages=[{"role": "user", "content": [{"type": "image_url",
                                                         "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]),
-           dict(messages=[{"role": "user", "content": "hi"}], n=2),
+           dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=2),  # without logprobs
            dict(messages=[])]
     for kw in bad:
         with pytest.raises(openai.BadRequestError):

@@ -118,9 +118,8 @@ OUT_OF_RANGE = [  # (path, field, value, the param the 400 names)
     (CHAT, "logit_bias", {"5": 101}, "logit_bias.5"),
     (CHAT, "logit_bias", {"5": NAN}, "logit_bias.5"),
     # in range, but what epdserve does not do: refused by the field's name
-    (COMPLETIONS, "n", 2, "n"),
-    (COMPLETIONS, "logit_bias", {"5": 1}, "logit_bias"),
-    (CHAT, "repetition_penalty", 1.2, "repetition_penalty"),
+    (COMPLETIONS, "best_of", 2, "best_of"),  # best_of other than n
+    (CHAT, "top_logprobs", 2, "top_logprobs"),  # without logprobs=true
 ]
 
 

@@ -29,6 +29,11 @@ def test_each_rule_says_what_it_allows():
         "top_k": "an integer in [0, 2147483647] (0 turns it off)",
         "seed": "an integer in [-9223372036854775808, 9223372036854775807]",
         "min_p": "a finite number in [0, 1] (0 turns it off)",
+        "presence_penalty": "a finite number in [-2, 2] (0 turns it off)",
+        "frequency_penalty": "a finite number in [-2, 2] (0 turns it off)",
+        "repetition_penalty": "a finite number > 0 (1 turns it off)",
+        "logprobs": "an integer in [0, 20] (top alternatives per token)",
+        "resumed_outputs": "an integer in [0, 2147483647]",
     }
 
 
@@ -39,6 +44,10 @@ def test_each_rule_says_what_it_allows():
     ("top_k", [0, INT32_MAX], [-1]),
     ("seed", [-(2**63), 2**63 - 1], []),
     ("min_p", [0.0, 1.0], [-0.1, 1.1, -math.inf, math.nan]),
+    ("presence_penalty", [-2.0, 2.0], [-2.01, 2.01, math.nan]),
+    ("frequency_penalty", [-2.0, 0.0], [2.5, -math.inf]),
+    ("repetition_penalty", [1e-9, 1.0, 5.0], [0.0, -1.0, math.inf]),
+    ("logprobs", [0, 20], [-1, 21]),
 ])
 def test_bounds(name, good, bad):
     for v in good:
@@ -47,6 +56,15 @@ def test_bounds(name, good, bad):
         with pytest.raises(RangeError) as e:
             check_sampling(common_pb2.SamplingParams(**{name: v}))
         assert e.value.field == f"sampling.{name}" and e.value.message.startswith(f"sampling.{name} must be ")
+
+
+def test_logit_bias_keys_in_the_vocabulary_values_in_range():
+    check_sampling(common_pb2.SamplingParams(logit_bias={0: -100.0, 5: 100.0}))
+    with pytest.raises(RangeError, match=r"^sampling.logit_bias\[5\] must be a finite number in \[-100, 100\]"):
+        check_sampling(common_pb2.SamplingParams(logit_bias={5: 100.5}))
+    req = serve_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(logit_bias={2000: 1.0}))
+    with pytest.raises(RangeError, match=r"keys must be token ids in \[0, 2000\) \(the model's vocabulary\), got 2000"):
+        check_request(req, vocab_size=2000)
 
 
 def test_token_ids_any_size_first_bad_named():

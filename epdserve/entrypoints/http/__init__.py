@@ -6,7 +6,8 @@
 `epdserve.scheduler` imports this package). Modules: `options` (what the operator sets),
 `protocol` (request bodies), `convert` (bodies -> `GenerateRequest`), `images` (image_url
 resolution), `remote_media` (the SSRF-guarded fetcher of http(s) images) and `media_address`
-(which hosts and addresses it may reach), `responses` (response and SSE chunk bodies), `errors` (OpenAI-style JSON errors),
+(which hosts and addresses it may reach), `responses` (response and SSE chunk bodies), `logprobs` (OpenAI's logprobs objects),
+`errors` (OpenAI-style JSON errors),
 `validation` (a refused body as one readable 400), `tools` (tools / tool_choice, tool calls in
 responses), `fence` (the Host allow-list and JSON-only POSTs, before any route), `tenancy` (the
 caller's tenant, and who may read /metrics),

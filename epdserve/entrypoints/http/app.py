@@ -7,8 +7,9 @@ the body and learns the caller's tenant (the one its key names, `caller_tenant`)
 converts it to `GenerateRequest`s (one per prompt: /v1/completions takes at most
 `max_prompts_per_call` prompts), each run as the caller's tenant, with its `cache_salt`; checks the scheduler's input limits
 (`epdserve.limits`: 400, or 413 for a message too large) and runs them through
-`SchedulerServer.generate`, the path the gRPC API takes, concurrently. A body pydantic refuses
-is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
+`SchedulerServer.generate`, the path the gRPC API takes, concurrently (with `n` choices, each
+prompt's first choice alone until its second message, then its siblings: `_firsts`). A body
+pydantic refuses is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
 401, 404, 413) or failing there unexpectedly (500) is counted in the metrics' requests by status,
 under the gRPC code of the same outcome (the scheduler's observer counts the rest, 500s
 included). Errors before the first token get their HTTP status (`errors`); a stream already
@@ -39,6 +40,7 @@ from epdserve.entrypoints.http.errors import ApiError, LastResort
 from epdserve.entrypoints.http.fence import Fence, HostAllowList
 from epdserve.entrypoints.http.options import PARSE_OFF_LOOP_BYTES, HttpOptions
 from epdserve.entrypoints.http.tenancy import caller_tenant, http_keys, metrics_matcher
+from epdserve.entrypoints.http.logprobs import LogprobsFormat
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.entrypoints.http.responses import Choice, Shape, sse, sum_usage
 from epdserve.entrypoints.http.validation import explain
@@ -148,6 +150,11 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             raise ApiError(404, f"the model {body_model!r} does not exist; this server serves {model_name!r}",
                            param="model")
 
+    def logprobs_format(body, chat: bool) -> LogprobsFormat | None:
+        if body.num_logprobs() is None:
+            return None
+        return LogprobsFormat(scheduler.dispatcher.preprocessor.tokenizer, chat)
+
     def deadline() -> float | None:
         return None if opts.request_timeout_s is None else time.monotonic() + opts.request_timeout_s
 
@@ -185,14 +192,14 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
         return reqs
 
     async def serve(request: Request, reqs: list[serve_pb2.GenerateRequest], shape: Shape, stream: bool,
-                    include_usage: bool):
+                    include_usage: bool, n: int = 1):
         try:
             tenant = caller_tenant(request)
             streams = [scheduler.generate(req, deadline(), tenant) for req in reqs]
         except Exception as e:  # not started: no stream observed it
             raise internal("handing the request to the scheduler", e) from None
         try:
-            firsts = await _race_disconnect(request, _all([_next(s) for s in streams]))
+            firsts = await _race_disconnect(request, _firsts(streams, n))
             if firsts is _DISCONNECTED:
                 await _close(streams)
                 return JSONResponse({}, status_code=499)
@@ -206,8 +213,8 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
                 await _close(streams)
             if results is _DISCONNECTED:
                 return JSONResponse({}, status_code=499)
-            return JSONResponse(shape.response([c for c, _ in results], sum_usage(u for _, u in results)))
-        return StreamingResponse(_events(firsts, streams, shape, include_usage), media_type="text/event-stream",
+            return JSONResponse(shape.response([c for c, _ in results], sum_usage([u for _, u in results], n)))
+        return StreamingResponse(_events(firsts, streams, shape, include_usage, n), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
@@ -216,13 +223,14 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             check(request)
             body = await _parse(ChatCompletionRequest, await _read_body(request, opts.max_body_bytes))
             check(request, body.model)
-            req, plan = await chat_request(body, opts, max_len())
-            return body, within_limits([req]), plan
+            reqs, plan = await chat_request(body, opts, max_len())
+            return body, within_limits(reqs), plan
 
         body, reqs, plan = await admitted(admit())
-        shape = Shape(True, reqs[0].request_id, model_name, body.return_token_ids, tools=plan)
+        shape = Shape(True, reqs[0].request_id.rsplit("-c", 1)[0] if body.n > 1 else reqs[0].request_id,
+                      model_name, body.return_token_ids, tools=plan, logprobs=logprobs_format(body, True))
         return await serve(request, reqs, shape, body.stream,
-                           bool(body.stream_options and body.stream_options.include_usage))
+                           bool(body.stream_options and body.stream_options.include_usage), body.n)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -235,9 +243,9 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             return body, rid, within_limits(reqs)
 
         body, rid, reqs = await admitted(admit())
-        shape = Shape(False, rid, model_name, body.return_token_ids)
+        shape = Shape(False, rid, model_name, body.return_token_ids, logprobs=logprobs_format(body, False))
         return await serve(request, reqs, shape, body.stream,
-                           bool(body.stream_options and body.stream_options.include_usage))
+                           bool(body.stream_options and body.stream_options.include_usage), body.n)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -280,6 +288,47 @@ async def _all(coros):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _firsts(streams: list, n: int):
+    """Each stream's first delta. With n choices per prompt (streams i*n .. i*n+n-1), a prompt's
+    first choice runs alone until its second message is out (or its end): its prompt's KV is then
+    in the prefilling instance's prefix cache and, in P-D, in D's too (D caches a prompt's blocks
+    at its first decode step). Its siblings start then: their prompts hit those caches, so the
+    prompt is prefilled once and, in P-D, only its last block crosses to D again. The message
+    read ahead is put back (`streams[k]` becomes a `_PushedBack`)."""
+    if n == 1:
+        return await _all([_next(s) for s in streams])
+    leaders = list(range(0, len(streams), n))
+    out = dict(zip(leaders, await _all([_next(streams[k]) for k in leaders])))
+
+    async def second(k):
+        if not out[k].finished:
+            streams[k] = _PushedBack(await _next(streams[k]), streams[k])
+
+    await _all([second(k) for k in leaders])
+    rest = [k for k in range(len(streams)) if k % n]
+    out.update(zip(rest, await _all([_next(streams[k]) for k in rest])))
+    return [out[k] for k in range(len(streams))]
+
+
+class _PushedBack:
+    """`stream` with `item` read ahead of it put back in front."""
+
+    def __init__(self, item, stream):
+        self.item, self.stream = item, stream
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.item is not None:
+            item, self.item = self.item, None
+            return item
+        return await self.stream.__anext__()
+
+    async def aclose(self):
+        await self.stream.aclose()
+
+
 async def _close(streams) -> None:
     """Close every generation (one still running is aborted on its instances)."""
     await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
@@ -302,18 +351,19 @@ async def _next(deltas: AsyncIterator[serve_pb2.GenerateDelta]):
 
 async def _collect(first, deltas) -> tuple[Choice, object]:
     """The whole output of one generation (read to its end: the metrics count it as ended, not cancelled)."""
-    text, ids, last = first.text, list(first.token_ids), first
+    text, ids, last, lps = first.text, list(first.token_ids), first, list(first.logprobs)
     try:
         async for d in deltas:
             text += d.text
             ids.extend(d.token_ids)
+            lps.extend(d.logprobs)
             last = d
     except Exception as e:
         raise _failure(e) from None
-    return Choice(text, ids, last.finish_reason), last.usage
+    return Choice(text, ids, last.finish_reason, lps), last.usage
 
 
-async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+async def _events(firsts, streams, shape: Shape, include_usage: bool, n: int = 1) -> AsyncIterator[str]:
     """SSE body: (chat) a role chunk, one chunk per delta (each prompt's, as they come, with its
     index), each prompt's finish chunk, then the summed usage and [DONE]. Cancelled when the
     client disconnects (starlette), which aborts every generation."""
@@ -333,10 +383,11 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
         await queue.put((i, None))
 
     pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
-    usages = []
+    usages = {}
     try:
         if shape.chat:
-            yield sse(shape.chunk("", [], role=True))
+            for i in range(len(streams)):
+                yield sse(shape.chunk("", [], role=True, index=i))
         running = len(streams)
         while running:
             i, d = await queue.get()
@@ -353,13 +404,13 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool) -> AsyncIt
                         usages.append(d.usage)
                     continue
                 if d.text or d.token_ids:
-                    yield sse(shape.chunk(d.text, list(d.token_ids), index=i))
+                    yield sse(shape.chunk(d.text, list(d.token_ids), index=i, logprobs=list(d.logprobs)))
                 if d.finished:
                     yield sse(shape.chunk(None if shape.chat else "", [], d.finish_reason, index=i))
-                    usages.append(d.usage)
+                    usages[i] = d.usage
         else:
             if include_usage:
-                yield sse(shape.usage_chunk(sum_usage(usages)))
+                yield sse(shape.usage_chunk(sum_usage([usages[k] for k in sorted(usages)], n)))
     finally:
         for p in pumps:
             p.cancel()

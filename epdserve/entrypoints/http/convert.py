@@ -32,6 +32,7 @@ from epdserve.model.chat import unsupported_part
 from epdserve.model.processor import open_image
 from epdserve.request_errors import InvalidRequestError, MediaError
 from epdserve.rpc import common_pb2, serve_pb2
+from epdserve.rpc.choices import choice_requests
 from epdserve.rpc.ranges import RangeError, check_sampling, check_token_ids
 
 SUPPORTED_PARTS = ("text", "image_url", "video_url")  # content part types the HTTP front takes
@@ -55,6 +56,14 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None,
         )
         if body.seed is not None:
             p.seed = body.seed
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                setattr(p, name, getattr(body, name))
+        if body.repetition_penalty not in (None, 1.0):
+            p.repetition_penalty = body.repetition_penalty
+        p.logit_bias.update(body.logit_bias or {})
+        if body.num_logprobs() is not None:
+            p.logprobs = body.num_logprobs()
         check_sampling(p, prefix="")
     except RangeError as e:
         raise ApiError(400, e.message, param=e.field) from None
@@ -79,12 +88,15 @@ def _structured_field(body: SamplingFields) -> str:
 
 
 async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int
-                       ) -> tuple[serve_pb2.GenerateRequest, ToolPlan | None]:
-    """The request and its tool plan (entrypoints/http/tools.py; None without tools)."""
+                       ) -> tuple[list[serve_pb2.GenerateRequest], ToolPlan | None]:
+    """The request, as one per choice (`n`; rpc/choices.py), and its tool plan
+    (entrypoints/http/tools.py; None without tools)."""
     try:
         plan = ToolPlan.of(body.tools, body.tool_choice)
     except ValueError as e:
         raise ApiError(400, e.args[0], param=e.args[1]) from None
+    if plan is not None and body.n > 1:  # one tool-call parser per response (responses.Shape)
+        raise ApiError(400, "n > 1 is not supported with tools", param="n")
     chat = serve_pb2.Chat(add_generation_prompt=body.add_generation_prompt)
     if plan is not None:
         chat.tools_json = json.dumps(plan.tools)
@@ -122,12 +134,13 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
         if asked is not None:
             raise ApiError(400, f"a named tool_choice is a structured output already; drop {field}", param=field)
         structured = (plan.constraint(), "tool_choice")
-    req = serve_pb2.GenerateRequest(
+    one = serve_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", chat=chat,
         sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens, structured),
         cache_salt=body.cache_salt or "",
     )
-    return req, plan
+    # started by app.serve's `_firsts`: the first alone, then its siblings
+    return choice_requests(one, body.n), plan
 
 
 async def _image(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
@@ -180,7 +193,7 @@ def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size:
             req.prompt = p
         else:
             _token_ids(req, p, f"prompt[{i}]" if many else "prompt", vocab_size)
-        reqs.append(req)
+        reqs.extend(choice_requests(req, body.n))  # choice index: prompt i's j-th at i * n + j (vLLM's order)
     return rid, reqs
 
 

@@ -1,8 +1,8 @@
 """Request bodies of /v1/chat/completions and /v1/completions (pydantic), OpenAI's fields plus
 vLLM's extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `seed`,
-`return_token_ids`, `cache_salt`). Unknown fields are ignored, as vLLM does; fields whose meaning epdserve
-cannot honour (n > 1, logprobs, echo, penalties, logit_bias) are refused with 400 by
-`unsupported`, naming the field.
+`return_token_ids`, `repetition_penalty`, `cache_salt`). Unknown fields are ignored, as vLLM does;
+fields whose meaning epdserve cannot honour (echo, suffix, best_of other than n) are refused with
+400 by `unsupported`, naming the field; so is chat's `top_logprobs` without `logprobs`.
 
 Structured outputs (`structured`): OpenAI's `response_format` (`text`, `json_object`,
 `json_schema`), vLLM's `structured_outputs` ({json | json_object | regex | choice | grammar}) and
@@ -12,10 +12,9 @@ from vLLM in v0.12 and still taken here); two of them in one body is a 400.
 Every number has a range, so one out of it is a 400 naming the field here, never a failure later
 (protobuf refuses an int that overflows its field): the sampling fields the gRPC message carries
 take theirs from `epdserve.rpc.ranges` (the rules the scheduler checks for both fronts); top_k
-also takes vLLM's -1 (off, as 0 is); the fields only refused later have OpenAI's ranges (n and
-best_of 1..128, logprobs and top_logprobs 0..20, penalties -2..2, logit_bias -100..100 by token
-id); a float is finite (NaN and Infinity, which JSON parsers take, are refused). A content part's
-`type` is any string here; `convert` refuses the ones epdserve does not take (`input_audio`,
+also takes vLLM's -1 (off, as 0 is); n and best_of are 1..128, logprobs and top_logprobs 0..20,
+penalties -2..2, logit_bias -100..100 by token id (OpenAI's ranges); a float is finite (NaN and
+Infinity, which JSON parsers take, are refused). A content part's `type` is any string here; `convert` refuses the ones epdserve does not take (`input_audio`,
 `file`, ...) by name.
 """
 from __future__ import annotations
@@ -114,19 +113,6 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(why, the field) when this body asks for something epdserve does not do, or None."""
-        if self.n != 1:
-            return "n must be 1", "n"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs are not supported", "logprobs"
-        if self.top_logprobs:
-            return "logprobs are not supported", "top_logprobs"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                return f"{name} is not supported", name
-        if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty is not supported", "repetition_penalty"
-        if self.logit_bias:
-            return "logit_bias is not supported", "logit_bias"
         if self.stream_options is not None and not self.stream:
             return "stream_options is only allowed with stream=true", "stream_options"
         return None
@@ -164,6 +150,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # the model may call several tools: it always may
 
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs requires logprobs=true", "top_logprobs"
+        return super().unsupported()
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token asked (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]  # one prompt, or a list of them (one choice each)
@@ -175,8 +170,12 @@ class CompletionRequest(SamplingFields):
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
             return "echo is not supported", "echo"
-        if self.best_of not in (None, 1):
-            return "best_of must be 1", "best_of"
+        if self.best_of not in (None, self.n):
+            return "best_of is not supported (leave it unset, or equal to n)", "best_of"
         if self.suffix:
             return "suffix is not supported", "suffix"
         return super().unsupported()
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token asked (None: no logprobs)."""
+        return self.logprobs

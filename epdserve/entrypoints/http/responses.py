@@ -3,9 +3,11 @@
 `Shape` knows one endpoint's object names (chat: ``chat.completion`` / ``.chunk`` with
 ``message`` / ``delta``; completions: ``text_completion`` with ``text``). A /v1/completions
 request with a list of prompts has one choice per prompt, ``index`` its place in the list (a
-chunk carries the index of the prompt it continues); its usage is the prompts' sum. With
+chunk carries the index of the prompt it continues); its usage is the prompts' sum. With `n`
+choices a prompt's tokens count once, its choices' output tokens all (`sum_usage`). With
 `return_token_ids` (vLLM's extra) each choice carries ``token_ids``: all of them in a response,
-the new ones in each chunk. Usage puts the prompt tokens whose KV came from the prefilling
+the new ones in each chunk. With logprobs asked, each choice (and each chunk, for its tokens)
+carries them in OpenAI's shape (`logprobs.LogprobsFormat`). Usage puts the prompt tokens whose KV came from the prefilling
 instance's prefix cache in ``prompt_tokens_details.cached_tokens`` (as vLLM and OpenAI count them).
 """
 from __future__ import annotations
@@ -24,12 +26,15 @@ def usage_dict(u: common_pb2.Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def sum_usage(usages) -> common_pb2.Usage:
-    """The field-wise sum of several prompts' usage."""
+def sum_usage(usages, n: int = 1) -> common_pb2.Usage:
+    """The field-wise sum of several prompts' usage; with `n` choices per prompt (`usages` in
+    choice order), a prompt's tokens count once (its first choice's, as OpenAI and vLLM count
+    them), every choice's output tokens count."""
     total = common_pb2.Usage()
-    for u in usages:
+    for k, u in enumerate(usages):
         for f in common_pb2.Usage.DESCRIPTOR.fields:
-            setattr(total, f.name, getattr(total, f.name) + getattr(u, f.name))
+            if k % n == 0 or f.name == "output_tokens":
+                setattr(total, f.name, getattr(total, f.name) + getattr(u, f.name))
     return total
 
 
@@ -45,6 +50,7 @@ class Choice:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list = field(default_factory=list)  # common.TokenLogprobs per token (empty: not asked)
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolPlan | None = None  # chat with tools: the output's tool calls (entrypoints/http/tools.py)
     _tool_deltas: ToolDeltas | None = None
+    logprobs: object = None  # a LogprobsFormat when the request asked for logprobs
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -63,7 +70,8 @@ class Shape:
     def response(self, choices: list[Choice], usage: common_pb2.Usage) -> dict:
         out = []
         for index, c in enumerate(choices):
-            choice = {"index": index, "finish_reason": c.finish_reason, "logprobs": None}
+            choice = {"index": index, "finish_reason": c.finish_reason,
+                      "logprobs": self._logprobs(c.token_ids, c.logprobs, index)}
             if self.chat and self.tools is not None:
                 choice["message"], choice["finish_reason"] = self.tools.message(c.text, c.finish_reason)
             elif self.chat:
@@ -77,9 +85,15 @@ class Shape:
         body.update(choices=out, usage=usage_dict(usage))
         return body
 
+    def _logprobs(self, token_ids, logprobs, index: int):
+        if self.logprobs is None or not logprobs:
+            return None
+        return self.logprobs.build(token_ids, logprobs, index)
+
     def chunk(self, text: str | None, token_ids: list[int], finish_reason: str | None = None,
-              role: bool = False, index: int = 0) -> dict:
-        choice: dict = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+              role: bool = False, index: int = 0, logprobs=()) -> dict:
+        choice: dict = {"index": index, "finish_reason": finish_reason,
+                        "logprobs": self._logprobs(token_ids, logprobs, index)}
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
