@@ -209,7 +209,7 @@ def test_every_error_body_is_json_and_an_unexpected_one_is_logged_once(served, b
     answers = {
         404: _raw(front, "GET", "/v1/nothing-here"),
         405: _raw(front, "DELETE", "/v1/completions"),
-        413: _raw(broken, "POST", "/v1/completions", {"Content-Length": str(10**12)}),
+        413: _raw(broken, "POST", "/v1/completions", {"Content-Length": str(10**12), "Content-Type": "application/json"}),
         500: _raw(broken, "GET", "/health"),
     }
     for status, (got, headers, text) in answers.items():

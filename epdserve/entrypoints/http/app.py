@@ -401,7 +401,7 @@ async def _events(firsts, streams, shape: Shape, include_usage: bool, n: int = 1
                     for chunk in shape.tool_chunks(d.text, list(d.token_ids), d.finish_reason if d.finished else None):
                         yield sse(chunk)
                     if d.finished:
-                        usages.append(d.usage)
+                        usages[i] = d.usage
                     continue
                 if d.text or d.token_ids:
                     yield sse(shape.chunk(d.text, list(d.token_ids), index=i, logprobs=list(d.logprobs)))
