@@ -7,6 +7,8 @@ Per media item, in order of preference:
 3. a prefill-only engine waits up to `wait_s` (polled each step, never blocking the loop) for
    the feature to arrive, then recomputes it with its own vision encoder — same output,
    counted in `recomputes`. An item without raw media cannot be recomputed: that request fails.
+   An item whose bytes came undecoded (`MediaItem.load_input`: the features were expected in the
+   store) is decoded only now, when it must be recomputed.
 Encoding runs under a vision-token budget per engine step, across requests, round-robin; a
 video over the budget is encoded a few temporal patches per step (engine/encode_plan.py), and
 its features are stored once, whole, when its last slice is done. While requests decode, the
@@ -101,6 +103,12 @@ class EncodeStage:
                         m.wait_since = now
                     if self.wait_s > 0:
                         continue
+                if m.input is None and m.load_input is not None:
+                    try:  # its bytes came undecoded (the features were expected in the store)
+                        m.input = m.load_input()
+                    except Exception as e:  # noqa: BLE001 - the scheduler decoded them once already
+                        failed.append((seq, f"media {m.key}: cannot decode its bytes to recompute it: {e}"))
+                        break
                 if m.input is None:
                     failed.append((seq, f"features of media {m.key} are not in the store and its bytes were not sent"))
                     break

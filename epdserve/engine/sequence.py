@@ -14,6 +14,7 @@ ended (stop, length, abort, error); it stays None for a request handed to the ne
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,12 +51,13 @@ class DetokState:
 @dataclass
 class MediaItem:
     key: str
-    input: MediaInput | None  # None when the request referenced a stored key only
+    input: MediaInput | None  # None when the request referenced a stored key only (or `load_input` has it)
     num_tokens: int
     grid_thw: torch.Tensor
     features: list[torch.Tensor] | None = None
     from_store: bool = False  # features came from the cache / MM Store, encoder skipped
     wait_since: float | None = None  # prefill-only: when this engine started waiting for the feature
+    load_input: Callable[[], MediaInput] | None = None  # bytes kept undecoded: decodes them if a recompute needs them
 
 
 @dataclass(eq=False)  # identity: `seq in scheduler.running` must not compare every field

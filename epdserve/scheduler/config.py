@@ -54,6 +54,8 @@ class SchedulerConfig:
     mode: str = ""  # as the launcher names it (reported by GetServerInfo)
     routing: str = "cache-aware"  # or "least-load" (routing.POLICIES)
     prefix_index_size: int = 131_072  # chunk hashes per instance (prefix_index.DEFAULT_CAPACITY)
+    upload_ttl_s: float = 3600.0  # an uploaded file's life (uploads.py); the MM Store's own TTL bounds its features
+    upload_max_bytes: int = 1 << 30  # uploaded bytes kept (LRU beyond)
 
     def __post_init__(self):
         if self.max_pixels_in_flight is None:
@@ -72,6 +74,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.routing not in ("cache-aware", "least-load"):
             raise ValueError(f"routing must be cache-aware or least-load, got {self.routing!r}")
+        if self.upload_ttl_s <= 0 or self.upload_max_bytes < 1:
+            raise ValueError("upload_ttl_s and upload_max_bytes must be > 0")
         if self.switch_wait_s < 0:
             raise ValueError("switch_wait_s must be >= 0")
         if self.retry_backoff_s < 0:

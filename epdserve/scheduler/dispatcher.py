@@ -49,6 +49,8 @@ from epdserve.scheduler.preprocess import PreparedRequest, RequestPreprocessor
 from epdserve.scheduler.prompt_chunks import PromptChunker
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 from epdserve.scheduler.routing import Router
+from epdserve.scheduler.upload_service import UploadService
+from epdserve.scheduler.uploads import Uploads
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,9 @@ class StoredKeys:
 
     def __contains__(self, key: str) -> bool:
         return key in self._keys
+
+    def discard(self, key: str) -> None:
+        self._keys.pop(key, None)
 
 
 class RequestRun:
@@ -263,7 +268,8 @@ class Dispatcher:
         self.pixels = PixelBudget(config.max_pixels_in_flight)
         self.chunker = PromptChunker((preprocessor.image_token_id, preprocessor.processor.video_token_id)) \
             if router.cache_aware else None
-        self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
+        self.pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
+        self.uploads = UploadService(self, Uploads(config.upload_ttl_s, config.upload_max_bytes))
         registry.on_down(self._instance_down)
 
     @property
@@ -275,9 +281,10 @@ class Dispatcher:
         """Declared pixels of the admitted requests whose media are not done with yet (`PixelBudget`)."""
         return self.pixels.used
 
-    async def generate(self, req: serve_pb2.GenerateRequest, deadline: float | None = None
+    async def generate(self, req: serve_pb2.GenerateRequest, deadline: float | None = None, owner: str = ""
                        ) -> AsyncIterator[serve_pb2.GenerateDelta]:
-        """The public stream of one request. Raises RequestError."""
+        """The public stream of one request. Raises RequestError. `owner`: the caller's identity
+        (`uploads.caller_identity`), whose uploaded files the request may reference."""
         arrival = time.time()
         try:
             pixels = check_generate_request(req, self.config.limits)
@@ -295,7 +302,7 @@ class Dispatcher:
             if req.request_id and req.request_id in self.runs:
                 raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
             loop = asyncio.get_running_loop()
-            prep, prefix = await loop.run_in_executor(self._pool, self._prepare, req, self.registry.namespace)
+            prep, prefix = await loop.run_in_executor(self.pool, self._prepare, req, self.registry.namespace, owner)
             if prep.request_id in self.runs:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
             run = RequestRun(self, prep, arrival, deadline)
@@ -316,9 +323,10 @@ class Dispatcher:
             self._admitted -= 1
             held.release()
 
-    def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str) -> tuple[PreparedRequest, list[int]]:
+    def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str, owner: str = ""
+                 ) -> tuple[PreparedRequest, list[int]]:
         """In a worker thread: the prepared request and, for cache-aware routing, its prompt's chunk hashes."""
-        prep = self.preprocessor.prepare(req, namespace)
+        prep = self.preprocessor.prepare(req, namespace, lambda file_id: self.uploads.get(owner, file_id))
         return prep, self.chunker.hashes(prep.prompt_token_ids, prep.media) if self.chunker is not None else []
 
     def _report_finished(self, run: RequestRun, ok: bool) -> None:
@@ -358,4 +366,4 @@ class Dispatcher:
             run.abort()
         if self.background:
             await asyncio.wait(list(self.background), timeout=2.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -8,7 +8,9 @@ decoded and preprocessed here, so a corrupt image fails its request with INVALID
 before anything is routed, its message naming it ("image 2 is not a readable image (12 bytes):
 ..."; images and videos counted from 1, each kind apart, in the order the request lists them); so is every video (`Media.video` set, or a chat's video part), whose placeholder
 expands to its per-temporal-patch timestamps and pad tokens (media then in prompt order). Media sent by key are looked up in `MediaIndex` (what this
-scheduler learned from earlier requests); an unknown key is INVALID_ARGUMENT.
+scheduler learned from earlier requests); an unknown key is INVALID_ARGUMENT. Media sent by file
+id are the caller's uploads (uploads.py: key, grid and bytes, never decoded again; NOT_FOUND when
+the caller has no such file).
 
 Thread-safe: `prepare` runs in worker threads (it is CPU work), the index takes a lock.
 """
@@ -111,8 +113,14 @@ class RequestPreprocessor:
     def model_type(self) -> str:
         return self.config.model_type
 
-    def prepare(self, req: serve_pb2.GenerateRequest, namespace: str) -> PreparedRequest:
-        """Validate, tokenize, decode media, expand placeholders. Raises RequestError."""
+    def prepare_upload(self, data: bytes, namespace: str) -> PreparedMedia:
+        """An uploaded image decoded, preprocessed and keyed as a request's (upload_service.py)."""
+        return self._media(common_pb2.Media(data=data), namespace, "the file")
+
+    def prepare(self, req: serve_pb2.GenerateRequest, namespace: str, files=None) -> PreparedRequest:
+        """Validate, tokenize, decode media, expand placeholders. Raises RequestError.
+        `files(file_id)`: the caller's uploaded file (uploads.py; NOT_FOUND if none), for media
+        sent by file id."""
         try:
             params = sampling_from_proto(req.sampling)
         except InvalidRequestError as e:
@@ -137,7 +145,7 @@ class RequestPreprocessor:
             raise RequestError.invalid(str(e)) from None
         if media and not namespace:
             raise RequestError.unavailable("no instance has reported its media namespace yet")
-        prepared = [self._media(m, namespace, label) for m, label in zip(media, media_labels(media))]
+        prepared = [self._media(m, namespace, label, files) for m, label in zip(media, media_labels(media))]
         keys = [m.key for m in prepared]  # in the client's order
         try:
             expanded, order = self.processor.expand_media(ids, prepared)
@@ -189,9 +197,18 @@ class RequestPreprocessor:
         mm = rendered["multi_modal_data"]
         return rendered["prompt"], [*mm["image"], *mm.get("video", [])]  # each kind in prompt order
 
-    def _media(self, m: common_pb2.Media, namespace: str, label: str) -> PreparedMedia:
+    def _media(self, m: common_pb2.Media, namespace: str, label: str, files=None) -> PreparedMedia:
         """One media item of the request; `label` names it in errors ("image 2", "video 1")."""
         which = m.WhichOneof("source")
+        if which == "file_id":
+            if m.HasField("video"):
+                raise RequestError.invalid(f"{label}: uploads are images; a video is sent as its bytes")
+            if files is None:
+                raise RequestError.not_found(f"{label}: no file {m.file_id!r}")
+            f = files(m.file_id)  # NOT_FOUND: unknown, expired, deleted or another caller's
+            if not f.key.startswith(namespace + ":"):
+                raise RequestError.not_found(f"{label}: file {m.file_id!r} was uploaded for another model")
+            return PreparedMedia(f.key, f.data, list(f.grid_thw), f.num_tokens)
         if m.HasField("video"):
             if which != "data":
                 raise RequestError.invalid(f"{label}: a video is sent as its bytes (no keys for videos)")

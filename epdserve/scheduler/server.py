@@ -93,7 +93,8 @@ class SchedulerServer:
         info = {"scheduler_id": self.scheduler_id, "address": self.address, "started_at": time.time(),
                 "version": VERSION}
         serve_pb2_grpc.add_EPDServeServicer_to_server(
-            EPDServeServicer(self.config, self.dispatcher, self.registry, info, self.generate, sec.holds_token), server)
+            EPDServeServicer(self.config, self.dispatcher, self.registry, info, self.generate, sec.holds_token,
+                             keyed=sec.api_key is not None), server)
         # the Registry alone on its own port (loopback, or the cluster network with the token / mTLS)
         self._internal = _aio_server(sec.internal_rules())
         self.internal_address = _bind(self._internal, sec.internal_host, sec.internal_port, sec, internal=True)
@@ -118,10 +119,11 @@ class SchedulerServer:
         log.info("scheduler %s listening on %s", self.scheduler_id, self.address)
         return self.address
 
-    def generate(self, req, deadline: float | None = None):
+    def generate(self, req, deadline: float | None = None, owner: str = ""):
         """The public request path every front takes (gRPC EPDServe, the HTTP front): the
-        dispatcher's delta stream, through the observer. Raises RequestError."""
-        stream = self.dispatcher.generate(req, deadline)
+        dispatcher's delta stream, through the observer. Raises RequestError. `owner`: the
+        caller's identity (`uploads.caller_identity`), for media sent by file id."""
+        stream = self.dispatcher.generate(req, deadline, owner)
         return stream if self.observer is None else self.observer.observe(stream, self)
 
     async def _switch_roles(self, move, reason: str, drain_timeout_s: float):

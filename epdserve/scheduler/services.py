@@ -19,6 +19,9 @@ from epdserve.scheduler.dispatcher import Dispatcher
 from epdserve.scheduler.errors import RequestError
 from epdserve.scheduler.preprocess import IMAGE_PLACEHOLDER
 from epdserve.scheduler.registry import InstanceRegistry, RegistryError
+from epdserve.scheduler.upload_service import to_proto
+from epdserve.scheduler.uploads import caller_identity
+from epdserve.security.secrets import bearer
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,15 @@ def internal_error(request, e: BaseException) -> str:
     return f"internal error in the scheduler ({type(e).__name__}) serving request {rid}; its log has the details"
 
 
+def _owner(context, keyed: bool) -> str:
+    """The caller's identity (uploads.caller_identity) from its ``authorization: Bearer`` metadata
+    (the interceptor already refused a wrong key); "" on a server without an API key."""
+    if not keyed:
+        return caller_identity(None)
+    meta = dict(context.invocation_metadata() or ())
+    return caller_identity(bearer(meta.get("authorization")))
+
+
 def _deadline(context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
@@ -39,17 +51,18 @@ def _deadline(context) -> float | None:
 
 class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     def __init__(self, config: SchedulerConfig, dispatcher: Dispatcher, registry: InstanceRegistry, info: dict,
-                 generate=None, may_see_addresses=None):
+                 generate=None, may_see_addresses=None, keyed: bool = False):
         self.config = config
         self.dispatcher = dispatcher
         self.generate = generate or dispatcher.generate  # SchedulerServer.generate: the observed path
         self.may_see_addresses = may_see_addresses or (lambda metadata: True)  # the cluster token holders
         self.registry = registry
+        self.keyed = keyed  # the public port takes an API key: uploads belong to the key's holder
         self.info = info  # scheduler_id, address, started_at, version
 
     async def GenerateStream(self, request, context):
         try:
-            async for delta in self.generate(request, _deadline(context)):
+            async for delta in self.generate(request, _deadline(context), _owner(context, self.keyed)):
                 yield delta
         except RequestError as e:
             await context.abort(e.code, e.message)
@@ -59,7 +72,7 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     async def Generate(self, request, context):
         out = serve_pb2.GenerateResponse()
         try:
-            async for d in self.generate(request, _deadline(context)):
+            async for d in self.generate(request, _deadline(context), _owner(context, self.keyed)):
                 out.request_id = d.request_id
                 out.token_ids.extend(d.token_ids)
                 out.text += d.text
@@ -76,6 +89,26 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
 
     async def Abort(self, request, context):
         return serve_pb2.AbortResponse(found=self.dispatcher.abort(request.request_id))
+
+    async def UploadMedia(self, request, context):
+        try:
+            f = await self.dispatcher.uploads.upload(bytes(request.data), _owner(context, self.keyed), request.filename)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return to_proto(f)
+
+    async def GetUpload(self, request, context):
+        try:
+            return to_proto(self.dispatcher.uploads.get(_owner(context, self.keyed), request.file_id))
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def DeleteUpload(self, request, context):
+        try:
+            await self.dispatcher.uploads.delete(_owner(context, self.keyed), request.file_id)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return serve_pb2.DeleteUploadResponse(deleted=True)
 
     async def GetModelInfo(self, request, context):
         pp = self.dispatcher.preprocessor

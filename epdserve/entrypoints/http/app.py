@@ -14,7 +14,8 @@ own 404 (no such route) and 405 (wrong method) too, and an unexpected exception 
 (its type only; the traceback goes to the log, once: `errors.LastResort`), never plain text. A
 client that disconnects cancels its generations, which aborts them on every instance (the
 dispatcher's cancellation path); so does a failed prompt of a list its siblings. /health and
-/metrics need no key (as in vLLM). With metrics, every response of any route (a 401 on
+/metrics need no key (as in vLLM). /v1/files (files.py) uploads images, encoded at upload, that
+chat content references by id. With metrics, every response of any route (a 401 on
 /v1/models, a 404 for an unknown path, a 405) is also counted by route and HTTP status
 (`epdserve.metrics.http_responses`).
 """
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from epdserve.entrypoints.http import files
 from epdserve.entrypoints.http.convert import chat_request, completion_requests
 from epdserve.entrypoints.http.errors import ApiError, LastResort
 from epdserve.entrypoints.http.options import HttpOptions
@@ -166,7 +168,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
     async def serve(request: Request, reqs: list[serve_pb2.GenerateRequest], shape: Shape, stream: bool,
                     include_usage: bool):
         try:
-            streams = [scheduler.generate(req, deadline()) for req in reqs]
+            streams = [scheduler.generate(req, deadline(), files.owner(request, key is not None)) for req in reqs]
         except Exception as e:  # not started: no stream observed it
             raise internal("handing the request to the scheduler", e) from None
         try:
@@ -214,6 +216,8 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
         shape = Shape(False, rid, model_name, body.return_token_ids)
         return await serve(request, reqs, shape, body.stream,
                            bool(body.stream_options and body.stream_options.include_usage))
+
+    files.add_routes(app, scheduler, check, admitted, _read_body, opts.max_body_bytes, key is not None)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -11,7 +11,7 @@ also takes vLLM's -1 (off, as 0 is); the fields only refused later have OpenAI's
 best_of 1..128, logprobs and top_logprobs 0..20, penalties -2..2, logit_bias -100..100 by token
 id); a float is finite (NaN and Infinity, which JSON parsers take, are refused). A content part's
 `type` is any string here; `convert` refuses the ones epdserve does not take (`input_audio`,
-`file`, ...) by name.
+...) by name.
 """
 from __future__ import annotations
 
@@ -83,13 +83,19 @@ class ImageUrl(BaseModel):
     detail: str | None = None
 
 
+class FileRef(BaseModel):
+    file_id: str | None = None  # an upload's id (POST /v1/files)
+    model_config = ConfigDict(extra="ignore")
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str  # text, image_url, video_url; others are refused by name in convert
+    type: str  # text, image_url, video_url, file; others are refused by name in convert
     text: str | None = None
     image_url: ImageUrl | None = None
     video_url: ImageUrl | None = None  # a data: URL of a video's container bytes (mp4, webm, ...)
+    file: FileRef | None = None  # OpenAI's file part: {"file": {"file_id": ...}}, an uploaded image
 
 
 class ChatMessage(BaseModel):
