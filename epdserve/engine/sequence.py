@@ -93,6 +93,8 @@ class Sequence:
     media_spans: list | None = None  # (key, extra, first, end) per media item (engine/prefix_hash.py)
     media_identity: tuple = ()  # decode-only: (key, extra, num_tokens) per media item, for the prefix cache
     decode_clock: tuple[float, int] | None = None  # step budget: (when it started decoding here, outputs then)
+    prefill_limit: int | None = None  # pipelined prefill: prompt tokens [0, limit) may be computed now (None: all)
+    pipeline: object | None = None  # its engine/pipelined_prefill.PipelineState while media are still missing
 
     @property
     def prompt_len(self) -> int:
