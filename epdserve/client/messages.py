@@ -1,7 +1,7 @@
 """What `Client` and `AsyncClient` send and receive: the request built from a prompt or chat
 messages, images, videos and sampling keywords (`build_request`), and the results read back
 (`GenerateResult`, `Delta`, `Usage`, `Timing`), with `EPDServeError` for a failed call and
-`MediaKey` for media already in the MM Store. Imports nothing of the client package.
+`MediaKey` for media already in the MM Store, `FileId` for an upload. Imports nothing of the client package.
 """
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 class MediaKey(str):
     """An image referenced by its MM Store key instead of its bytes."""
+
+
+class FileId(str):
+    """An image this caller uploaded (`Client.upload`), referenced by its file id."""
 
 
 class EPDServeError(Exception):
@@ -147,6 +151,8 @@ def sampling_proto(kwargs: dict) -> common_pb2.SamplingParams:
 
 
 def media_proto(image) -> common_pb2.Media:
+    if isinstance(image, FileId):
+        return common_pb2.Media(file_id=str(image))
     if isinstance(image, MediaKey):
         return common_pb2.Media(key=str(image))
     if isinstance(image, dict) and "key" in image:
