@@ -7,6 +7,7 @@ last encode ended, and the other E still serves."""
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -66,15 +67,16 @@ def test_e_killed_while_the_third_image_encodes_loses_nothing(deployment, offlin
     sched, procs = deployment
     prompt = f"compare {PH} with {PH} and with {PH} please"
     images = [image(61), image(62), jpeg_bytes(procedural_image(1280, 720, seed=63))]
-    with Client(sched.address, timeout=300) as c:
+    with Client(sched.address, timeout=300) as c, ThreadPoolExecutor(1) as pool:
         stream = c.generate_stream(prompt, images=images, max_tokens=8, ignore_eos=True, request_id="kill-e")
+        consumed = pool.submit(list, stream)  # the call goes out as the stream is read
         found = []
         wait_until(lambda: found.append(_encoder_of_item(sched, "kill-e", 2)) or found[-1] is not None,
                    60, "the third image's Encode call")
         victim, in_flight = found[-1]
         assert in_flight, "the third image's Encode answered before it could be killed"
         procs[victim].send_signal(signal.SIGKILL)
-        deltas = list(stream)
+        deltas = consumed.result(300)
     tokens = [t for d in deltas for t in d.token_ids]
     assert tokens == offline(prompt, images, 8, ignore_eos=True)
     last = deltas[-1]
