@@ -23,6 +23,9 @@ class MediaKey(str):
     """An image referenced by its MM Store key instead of its bytes."""
 
 
+FILE_URL = "epdserve-file://"  # an image_url naming an upload (the HTTP front's form too)
+
+
 class FileId(str):
     """An image this caller uploaded (`Client.upload`), referenced by its file id."""
 
@@ -177,11 +180,16 @@ def _part_proto(part) -> serve_pb2.ContentPart:
     if kind == "image":
         return serve_pb2.ContentPart(image=media_proto(MediaKey(part["key"]) if "key" in part else part["image"]))
     if kind == "image_url":
+        url = part["image_url"]["url"] if isinstance(part.get("image_url"), dict) else part.get("image_url")
+        if isinstance(url, str) and url.startswith(FILE_URL):
+            return serve_pb2.ContentPart(image=common_pb2.Media(file_id=url[len(FILE_URL):]))
         return serve_pb2.ContentPart(image=common_pb2.Media(data=image_url_bytes(part["image_url"])))
+    if kind == "file" and isinstance(part.get("file"), dict) and part["file"].get("file_id"):
+        return serve_pb2.ContentPart(image=common_pb2.Media(file_id=part["file"]["file_id"]))  # an upload
     if kind in ("video", "video_url"):  # container bytes or a path; or a data: URL
         video = part["video"] if kind == "video" else image_url_bytes(part["video_url"], "video_url")
         return serve_pb2.ContentPart(video=video_proto(video, part.get("video_options")))
-    raise ValueError(unsupported_part(kind, ("text", "image", "image_url", "video", "video_url")))
+    raise ValueError(unsupported_part(kind, ("text", "image", "image_url", "file", "video", "video_url")))
 
 
 def chat_proto(messages: list[dict], add_generation_prompt: bool = True) -> serve_pb2.Chat:

@@ -9,6 +9,7 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - scheduler.py       Scheduler: queues, request states, the block manager's only owner; schedule / update
 - encode_stage.py    EncodeStage: media features from the FeatureProvider or the vision tower
 - encode_plan.py     encode batching under a vision-token budget: round-robin, videos by temporal patches
+- pipelined_prefill.py  per-item E->P pipelining: prefill up to the first media item whose features are missing
 - step_budget.py     StepBudget: the prefill chunk and vision blocks a step may add beside its decodes (TPOT SLO)
 - model_runner.py    ModelRunner: one packed forward over a scheduled batch, then sampling
 - lm/                LeanLM: the fused LM forward (weights, rotary tables, the layer loop)

@@ -14,6 +14,8 @@ import redis
 
 pytest.importorskip("epdserve.instance.host")
 
+from epdserve import Client  # noqa: E402
+from epdserve.client import FileId  # noqa: E402
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc  # noqa: E402
 from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
 from tests.entrypoints.http_harness import RunningFront, data_url  # noqa: E402
@@ -140,6 +142,14 @@ def test_grpc_upload_and_file_id(deployment):
                                                           sampling=sampling), timeout=120)
         assert list(ref.token_ids) == list(carried.token_ids)
         assert ref.usage.cached_vision_tokens == ref.usage.vision_tokens == up.num_tokens
+        with Client(sched.address, timeout=120) as c:  # the Python client: FileId, and a chat's file part
+            assert c.get_upload(up.file_id).file_id == up.file_id
+            assert c.generate(prompt, images=[FileId(up.file_id)], max_tokens=6).token_ids == list(carried.token_ids)
+            chat = [{"role": "user", "content": [{"type": "text", "text": "Describe"},
+                                                 {"type": "file", "file": {"file_id": up.file_id}}]}]
+            by_url = [{"role": "user", "content": [{"type": "text", "text": "Describe"}, {
+                "type": "image_url", "image_url": {"url": f"epdserve-file://{up.file_id}"}}]}]
+            assert c.chat(chat, max_tokens=4).token_ids == c.chat(by_url, max_tokens=4).token_ids
         assert stub.DeleteUpload(serve_pb2.UploadRef(file_id=up.file_id), timeout=30).deleted
         with pytest.raises(grpc.RpcError) as e:
             stub.GetUpload(serve_pb2.UploadRef(file_id=up.file_id), timeout=10)
