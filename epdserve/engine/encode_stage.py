@@ -9,7 +9,9 @@ Per media item, in order of preference:
    counted in `recomputes`. An item without raw media cannot be recomputed: that request fails.
    An item whose bytes came undecoded (`MediaItem.load_input`: the features were expected in the
    store) is decoded only now, when it must be recomputed.
-Encoding runs under a vision-token budget per engine step, across requests, round-robin; a
+Encoding runs under a vision-token budget per engine step, across requests, round-robin (an
+encode-only engine feeding pipelined prefill takes one item of a request per call, so each is
+stored and announced as soon as it is done, engine/pipelined_prefill.py); a
 video over the budget is encoded a few temporal patches per step (engine/encode_plan.py), and
 its features are stored once, whole, when its last slice is done. While requests decode, the
 engine's step-time budget may also cut one encoder call at its vision blocks: a `SlicedEncode`
@@ -45,13 +47,15 @@ class SlicedEncode:
 
 class EncodeStage:
     def __init__(self, adapter: VLMAdapter, features: FeatureProvider, *, encodes: bool, prefills: bool,
-                 wait_s: float, token_budget: int, stats: EngineStats, budget: StepBudget | None = None):
+                 wait_s: float, token_budget: int, stats: EngineStats, budget: StepBudget | None = None,
+                 per_item: bool = False):
         self.adapter = adapter
         self.features = features
         self.encodes = encodes
         self.prefills = prefills
         self.wait_s = wait_s
         self.token_budget = token_budget
+        self.per_item = per_item  # one item of a request per encoder call: each stored as soon as it is done
         self.stats = stats
         self.pending: list[Sequence] = []
         self.jobs: dict[str, EncodeJob] = {}  # media key -> its encoding in progress
@@ -121,7 +125,7 @@ class EncodeStage:
         else:
             order = sorted(live, key=lambda s: self._served.get(s.request_id, -1))  # stable: then arrival
             slices, served = pack([(s, [self.jobs[m.key] for m in s.media if m.key in self.jobs]) for s in order],
-                                  self.token_budget)
+                                  self.token_budget, 1 if self.per_item else None)
             for seq in served:
                 self._served[seq.request_id] = self._steps
                 seq.timings.setdefault("encode_start", time.time())
