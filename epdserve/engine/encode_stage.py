@@ -9,9 +9,9 @@ Per media item, in order of preference:
    counted in `recomputes`. An item without raw media cannot be recomputed: that request fails.
    An item whose bytes came undecoded (`MediaItem.load_input`: the features were expected in the
    store) is decoded only now, when it must be recomputed.
-Encoding runs under a vision-token budget per engine step, across requests, round-robin (an
-encode-only engine feeding pipelined prefill takes one item of a request per call, so each is
-stored and announced as soon as it is done, engine/pipelined_prefill.py); a
+Encoding runs under a vision-token budget per engine step, across requests, round-robin (with
+`encode_per_item`, an encode-only engine takes one item of a request per call, so each is stored
+and announced as soon as it is done, for pipelined prefill); a
 video over the budget is encoded a few temporal patches per step (engine/encode_plan.py), and
 its features are stored once, whole, when its last slice is done. While requests decode, the
 engine's step-time budget may also cut one encoder call at its vision blocks: a `SlicedEncode`

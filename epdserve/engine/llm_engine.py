@@ -89,7 +89,7 @@ class LLMEngine:
         self.encoder = EncodeStage(
             a, self.features, encodes=config.encodes, prefills=config.prefills, wait_s=config.feature_wait_s,
             token_budget=config.encode_token_budget, stats=self.stats, budget=self.budget,
-            per_item=config.pipelined_prefill and config.encodes and not config.prefills,
+            per_item=config.encode_per_item and config.encodes and not config.prefills,
         )
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []

@@ -85,6 +85,7 @@ class InstanceConfig:
     encode_token_budget: int = same_as(EngineConfig, "encode_token_budget")
     feature_wait_s: float = same_as(EngineConfig, "feature_wait_s", default=5.0)
     pipelined_prefill: bool = same_as(EngineConfig, "pipelined_prefill")
+    encode_per_item: bool = same_as(EngineConfig, "encode_per_item")
     kv_timeout_s: float = setting(30.0, help="a KV transfer that makes no progress this long fails its request")
     kv_connect_timeout_s: float = setting(60.0, help="setting up a KV pair with a P or D gives up after this long")
     kv_hop: str = setting("auto", choices=KV_HOP_CHOICES, help=KV_HOP_HELP)

@@ -128,9 +128,8 @@ def test_golden_tokens_hold_under_a_small_budget(request, arch, budget):
 def test_small_request_is_not_held_behind_ten_images(qwen2_vl_tiny):
     imgs = [jpeg_bytes(procedural_image(56, 56, 100 + i)) for i in range(10)]  # 4 vision tokens each
     small = jpeg_bytes(procedural_image(56, 56, 7))
-    # an E batching a request's items (no pipelined prefill downstream: it takes 2 of them a call)
-    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", roles="E", encode_token_budget=8,
-                                 pipelined_prefill=False), features=LocalFeatureProvider())
+    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", roles="E", encode_token_budget=8),
+                    features=LocalFeatureProvider())
     eng.add_request(eng.build_request("many", " ".join([PH] * 10), imgs))
     eng.step()  # "many" is under way when "small" arrives
     eng.add_request(eng.build_request("small", f"one {PH}", [small]))
