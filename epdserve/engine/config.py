@@ -61,7 +61,7 @@ class EngineConfig:
     encode_per_item: bool = setting(
         False, help="E: encode one media item of a request per encoder call, so that each is stored and its "
                     "prefill side told as soon as it is done (more overlap for pipelined prefill; fewer batched "
-                    "items per call; default off: on this project's 2-core CPU it slowed encoding, "
+                    "items per call; default off: no reliable win on this project's 2-core CPU, "
                     "docs/uploads-and-pipelining.md)")
     enforce_eager: bool = setting(
         False, help="run every step eagerly: no captured decode graphs (CUDA captures one per batch-size bucket "
