@@ -56,14 +56,17 @@ def test_launch_forwards_what_was_given_by_field():
     argv = instance_argv({**merged, "block_size": 64, "max_model_len": 99, "feature_wait_s": 2.0,
                           "encode_token_budget": 5, "stream_interval_ms": 1.0, "slo_tpot_ms": 80.0,
                           "no_step_budget": True, "no_prefix_caching": True, "kv_hop": "host",
-                          "enforce_eager": True})
+                          "enforce_eager": True, "no_pipelined_prefill": True,
+                          "encode_per_item": True})
     cfg = _instance(argv)
     assert (cfg.kv_cache_bytes, cfg.block_size, cfg.max_model_len, cfg.slo_tpot_ms) == (32 << 20, 64, 99, 80.0)
     assert cfg.kv_hop == "host"
     assert cfg.step_budget is False and "--no-step-budget" in argv
     assert cfg.enable_prefix_caching is False and cfg.enforce_eager is True
-    # flags without a value: --no-step-budget, --no-prefix-caching, --enforce-eager
-    assert len(argv) == 2 * len(FORWARDED) - 3
+    assert cfg.pipelined_prefill is False and "--no-pipelined-prefill" in argv and cfg.encode_per_item is True
+    # flags without a value: --no-step-budget, --no-prefix-caching, --enforce-eager, --no-pipelined-prefill,
+    # --encode-per-item
+    assert len(argv) == 2 * len(FORWARDED) - 5
 
 
 def test_launch_slo_reaches_the_engines_the_controller_and_the_planner():

@@ -8,7 +8,9 @@ Modules:
   mode), `serve_runner` (drive one workload, record the client's view), `openai_backend` (the
   same through an OpenAI-compatible HTTP server), `roster_watch` (role changes during a run),
   `shift` (the `shift` workload, traffic whose shape changes mid-run), `multiturn` (the
-  `multiturn` workload: conversations, TTFT per turn), `multiturn_runner` (closed loop per
+  `multiturn` workload: conversations, TTFT per turn), `upload_ask` (the `upload-then-ask`
+  workload: upload, think, ask by file id, beside bytes-carrying and image-less asks),
+  `multiturn_runner` (closed loop per
   conversation), `multiturn_report` (its per-turn tables), `report` (rows, tables, figures),
   `spread` (bootstrap spread of a ratio between runs);
 - `multiturn_bench`: the prefix cache on / off and cache-aware / least-load routing on the

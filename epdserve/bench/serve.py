@@ -15,7 +15,9 @@ changes the traffic's shape mid-run (image-heavy -> text-heavy -> mixed) and add
 figures and a timeline PNG (bench/shift.py). `--workload multiturn` runs `--conversations`
 conversations of `--turns` turns over their images, each turn after the previous answer plus
 `--think-time-s`, conversations started at the request rate, and adds TTFT per turn
-(bench/multiturn.py).
+(bench/multiturn.py). `--workload upload-then-ask` uploads an image (encoded at upload), waits
+`--think-time-s`, asks about it by file id, beside the same question carrying the bytes and
+without an image (bench/upload_ask.py). `--workload multi-image`: 4 images of 640x360 a request.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from epdserve.bench.multiturn_report import turn_summary
 from epdserve.bench.report import latency_summary, markdown, plot, request_rows
 from epdserve.bench.roster_watch import RosterWatch
 from epdserve.bench.serve_runner import ClientBackend, RunConfig, run_requests, send_one
+from epdserve.bench.upload_ask import UPLOAD_THEN_ASK, UploadAskConfig, run_upload_ask, upload_ask_config
+from epdserve.bench.upload_ask import summary_line as upload_summary
 from epdserve.bench.shift import DEFAULT_PHASES, SHIFT, ShiftConfig, annotate_rows, build_shift, phase_metrics, shift_config
 from epdserve.commands import add_command
 from epdserve.settings import add_flags, from_flags
@@ -80,7 +84,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--workload", default="sharegpt4o",
                    help=f"comma-separated presets: {','.join(PRESETS)}, or {SHIFT}: image-heavy -> text-heavy -> "
                         f"mixed in one run, arrivals continuous, metrics per phase, or {MULTITURN}: conversations "
-                        "over their images, TTFT per turn (the rate: conversations per second) (default sharegpt4o)")
+                        "over their images, TTFT per turn (the rate: conversations per second), or "
+                        f"{UPLOAD_THEN_ASK}: upload an image, think, ask by file id, beside the same question "
+                        "carrying its bytes and without an image (default sharegpt4o)")
     w.add_argument("--shift-phases", metavar="PRESET[:F],...",
                    help=f"with --workload {SHIFT}: its phases in order, each optionally with a factor on the request "
                         "rate, e.g. image-heavy,text-heavy:3,mixed:2 (default image-heavy,text-heavy,mixed)")
@@ -119,8 +125,12 @@ def workload_configs(args) -> list[WorkloadConfig]:
         if name == MULTITURN:
             out.append(multiturn_config(args))
             continue
+        if name == UPLOAD_THEN_ASK:
+            out.append(upload_ask_config(args))
+            continue
         if name not in PRESETS and name != SHIFT:
-            raise SystemExit(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}, {SHIFT}, {MULTITURN}")
+            raise SystemExit(f"unknown workload {name!r}; presets: {', '.join(PRESETS)}, {SHIFT}, {MULTITURN}, "
+                             f"{UPLOAD_THEN_ASK}")
         changes: dict = {"seed": args.seed}
         if args.num_requests:
             changes["num_requests"] = args.num_requests
@@ -164,8 +174,8 @@ def parse_phases(spec: str | None) -> tuple[tuple[str, ...], tuple[float, ...]]:
     return tuple(names), (tuple(factors) if any(f != 1.0 for f in factors) else ())
 
 
-def describe(cfg: WorkloadConfig | ShiftConfig | MultiturnConfig) -> str:
-    if isinstance(cfg, (ShiftConfig, MultiturnConfig)):
+def describe(cfg: WorkloadConfig | ShiftConfig | MultiturnConfig | UploadAskConfig) -> str:
+    if isinstance(cfg, (ShiftConfig, MultiturnConfig, UploadAskConfig)):
         return cfg.summary()
     img = f"{cfg.images_min}" if cfg.images_min == cfg.images_max else f"{cfg.images_min}-{cfg.images_max}"
     mix = "/".join(f"{n}:{w:g}" for n, w in cfg.resolution_mix)
@@ -205,8 +215,9 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
         for i, rate in enumerate(parse_rates(rates, cfg.name)):
             run_cfg = cfg.with_(seed=cfg.seed + 1000 * i)  # fresh images per rate, same for every target
             multiturn = isinstance(run_cfg, MultiturnConfig)
+            upload_ask = isinstance(run_cfg, UploadAskConfig)
             shift = build_shift(run_cfg, rate, args.burstiness) if isinstance(run_cfg, ShiftConfig) else None
-            requests = shift.requests if shift else None if multiturn else build_workload(run_cfg)
+            requests = shift.requests if shift else None if multiturn or upload_ask else build_workload(run_cfg)
             rc = RunConfig(rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                            seed=run_cfg.seed, progress=not args.no_progress, label=f"{label} {cfg.name} {rate:g}/s")
             t0, load0 = time.time(), _load()
@@ -215,6 +226,8 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
             with watch:
                 if multiturn:
                     records, extra = run_multiturn(backend, run_cfg, rc, slo)
+                elif upload_ask:
+                    records, extra = run_upload_ask(backend, run_cfg, rc, slo)
                 else:
                     records = run_requests(backend, requests, rc, offsets=shift.offsets if shift else None)
             m = compute_metrics(records, slo)
@@ -229,7 +242,8 @@ def run_target(backend, label: str, workloads: list[WorkloadConfig], rates: str,
             _log(f"[{label}] {cfg.name} @ {rc.describe()}: {m['completed']}/{m['num_requests']} ok, "
                  f"goodput {m['goodput']:.3f} req/s, SLO {100 * m['slo_attainment']:.0f}%, "
                  f"TTFT p50 {m['ttft_ms']['median'] or 0:.0f} ms, {latency_summary(m)}"
-                 + (f", {turn_summary(extra['turns'])}" if "turns" in extra else ""))
+                 + (f", {turn_summary(extra['turns'])}" if "turns" in extra else "")
+                 + (f"; {upload_summary(extra)}" if "upload_then_ask" in extra else ""))
             save()
 
 

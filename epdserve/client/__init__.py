@@ -11,7 +11,8 @@
 
 `prompt` follows the offline API's convention (one `<|vision_start|><|image_pad|><|vision_end|>`
 per image, images in order); token ids work too (`prompt=[...]`). An image is bytes (an encoded
-file), a PIL image (sent as PNG), a path, or `MediaKey(key)` for media already in the MM Store
+file), a PIL image (sent as PNG), a path, or `MediaKey(key)` for media already in the MM Store (or `FileId(id)` for an image uploaded with
+`Client.upload`, encoded at upload)
 (a previous result's `media_keys`). Chat content parts: text, `image` / `image_url`, and
 `{"type": "video", "video": bytes or path, "video_options": {...}}` / `video_url` (a data: URL).
 Every `SamplingParams` field is a keyword (max_tokens,
@@ -45,6 +46,7 @@ from epdserve.client.messages import (
     Delta,
     EPDServeError,
     GenerateResult,
+    FileId,
     MediaKey,
     Timing,
     TokenLogprobs,
@@ -54,5 +56,5 @@ from epdserve.client.messages import (
 from epdserve.client.resume import RetryPolicy
 from epdserve.client.sync import Client
 
-__all__ = ["Client", "AsyncClient", "EPDServeError", "MediaKey", "GenerateResult", "Delta", "Usage", "Timing",
-           "TokenLogprobs", "RetryPolicy", "build_request"]
+__all__ = ["Client", "AsyncClient", "EPDServeError", "MediaKey", "FileId", "GenerateResult", "Delta", "Usage",
+           "Timing", "TokenLogprobs", "RetryPolicy", "build_request"]

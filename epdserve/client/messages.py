@@ -1,7 +1,7 @@
 """What `Client` and `AsyncClient` send and receive: the request built from a prompt or chat
 messages, images, videos and sampling keywords (`build_request`), and the results read back
 (`GenerateResult`, `Delta`, `Usage`, `Timing`), with `EPDServeError` for a failed call and
-`MediaKey` for media already in the MM Store. Imports nothing of the client package.
+`MediaKey` for media already in the MM Store, `FileId` for an upload. Imports nothing of the client package.
 """
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.
 
 class MediaKey(str):
     """An image referenced by its MM Store key instead of its bytes."""
+
+
+FILE_URL = "epdserve-file://"  # an image_url naming an upload (the HTTP front's form too)
+
+
+class FileId(str):
+    """An image this caller uploaded (`Client.upload`), referenced by its file id."""
 
 
 class EPDServeError(Exception):
@@ -168,6 +175,8 @@ def sampling_proto(kwargs: dict) -> common_pb2.SamplingParams:
 
 
 def media_proto(image) -> common_pb2.Media:
+    if isinstance(image, FileId):
+        return common_pb2.Media(file_id=str(image))
     if isinstance(image, MediaKey):
         return common_pb2.Media(key=str(image))
     if isinstance(image, dict) and "key" in image:
@@ -192,11 +201,16 @@ def _part_proto(part) -> serve_pb2.ContentPart:
     if kind == "image":
         return serve_pb2.ContentPart(image=media_proto(MediaKey(part["key"]) if "key" in part else part["image"]))
     if kind == "image_url":
+        url = part["image_url"]["url"] if isinstance(part.get("image_url"), dict) else part.get("image_url")
+        if isinstance(url, str) and url.startswith(FILE_URL):
+            return serve_pb2.ContentPart(image=common_pb2.Media(file_id=url[len(FILE_URL):]))
         return serve_pb2.ContentPart(image=common_pb2.Media(data=image_url_bytes(part["image_url"])))
+    if kind == "file" and isinstance(part.get("file"), dict) and part["file"].get("file_id"):
+        return serve_pb2.ContentPart(image=common_pb2.Media(file_id=part["file"]["file_id"]))  # an upload
     if kind in ("video", "video_url"):  # container bytes or a path; or a data: URL
         video = part["video"] if kind == "video" else image_url_bytes(part["video_url"], "video_url")
         return serve_pb2.ContentPart(video=video_proto(video, part.get("video_options")))
-    raise ValueError(unsupported_part(kind, ("text", "image", "image_url", "video", "video_url")))
+    raise ValueError(unsupported_part(kind, ("text", "image", "image_url", "file", "video", "video_url")))
 
 
 def chat_proto(messages: list[dict], add_generation_prompt: bool = True) -> serve_pb2.Chat:

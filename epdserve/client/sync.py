@@ -71,6 +71,17 @@ class Client(SchedulerConnection):
                             **sampling)
         return self._stream(req, timeout)
 
+    def upload(self, data: bytes, filename: str = "", timeout: float | None = None) -> serve_pb2.UploadedMedia:
+        """Upload one image, encoded at once; pass `FileId(result.file_id)` as an image later."""
+        return self._call(self._stub.UploadMedia, serve_pb2.UploadMediaRequest(data=data, filename=filename), timeout)
+
+    def get_upload(self, file_id: str) -> serve_pb2.UploadedMedia:
+        return self._call(self._stub.GetUpload, serve_pb2.UploadRef(file_id=file_id), None)
+
+    def delete_upload(self, file_id: str) -> bool:
+        """Forget an upload (its features leave the MM Store)."""
+        return self._call(self._stub.DeleteUpload, serve_pb2.UploadRef(file_id=file_id), None).deleted
+
     def abort(self, request_id: str) -> bool:
         return self._call(self._stub.Abort, serve_pb2.AbortRequest(request_id=request_id), None).found
 

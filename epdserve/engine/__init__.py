@@ -11,6 +11,7 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - encode_plan.py     encode batching under a vision-token budget: round-robin, videos by temporal patches
 - grammar.py         structured outputs: xgrammar grammars compiled once per schema, one matcher per request, the token mask
 - structured_output.py  StructuredOutput: the constraint a request's output follows (part of SamplingParams)
+- pipelined_prefill.py  per-item E->P pipelining: prefill up to the first media item whose features are missing
 - step_budget.py     StepBudget: the prefill chunk and vision blocks a step may add beside its decodes (TPOT SLO)
 - model_runner.py    ModelRunner: one packed forward over a scheduled batch, then sampling
 - lm/                LeanLM: the fused LM forward (weights, rotary tables, the layer loop)

@@ -60,6 +60,16 @@ class EngineConfig:
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "
              "while requests decode (their TPOT then stalls behind them)")
     feature_wait_s: float = setting(0.0, check=(">=", 0), help="P: wait this long for E's features, then recompute")
+    pipelined_prefill: bool = setting(
+        True, negate="--no-pipelined-prefill",
+        help="P waits for every media item's features before it prefills a prompt (default: it prefills the "
+             "prompt in order up to the first item whose features have not arrived, and goes on as each item "
+             "lands; engine/pipelined_prefill.py)")
+    encode_per_item: bool = setting(
+        False, help="E: encode one media item of a request per encoder call, so that each is stored and its "
+                    "prefill side told as soon as it is done (more overlap for pipelined prefill; fewer batched "
+                    "items per call; default off: no reliable win on this project's 2-core CPU, "
+                    "docs/uploads-and-pipelining.md)")
     enforce_eager: bool = setting(
         False, help="run every step eagerly: no captured decode graphs (CUDA captures one per batch-size bucket "
                     "at start-up and replays it for each decode-only step; CPU and NPU always run eagerly)")

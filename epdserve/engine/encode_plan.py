@@ -84,10 +84,13 @@ class Slice:
         return (self.end - self.start) * self.job.tokens_per_patch
 
 
-def pack(queues: list[tuple[Sequence, list[EncodeJob]]], budget: int) -> tuple[list[Slice], list[Sequence]]:
+def pack(queues: list[tuple[Sequence, list[EncodeJob]]], budget: int, per_request: int | None = None
+         ) -> tuple[list[Slice], list[Sequence]]:
     """One encoder call's slices, and the requests served. `queues`: each request's unfinished
     jobs in prompt order, the requests in serving order (least recently served first). Reserves
-    the slices (advances `next_patch`); a job's slices within one call are merged into one."""
+    the slices (advances `next_patch`); a job's slices within one call are merged into one.
+    `per_request`: at most this many slices of one request per call (an E feeding pipelined
+    prefill: each item is stored, and its prefill side told, as soon as it is done)."""
     out: list[Slice] = []
     served: list[Sequence] = []
     room, blocked = budget, set()
@@ -111,5 +114,7 @@ def pack(queues: list[tuple[Sequence, list[EncodeJob]]], budget: int) -> tuple[l
             if not any(r is seq for r in served):
                 served.append(seq)
             progressed = True
+            if per_request is not None and sum(1 for x in out if any(x.job is j for j in jobs)) >= per_request:
+                blocked.add(id(seq))
         if not progressed:
             return out, served

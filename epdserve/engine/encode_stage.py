@@ -7,7 +7,11 @@ Per media item, in order of preference:
 3. a prefill-only engine waits up to `wait_s` (polled each step, never blocking the loop) for
    the feature to arrive, then recomputes it with its own vision encoder — same output,
    counted in `recomputes`. An item without raw media cannot be recomputed: that request fails.
-Encoding runs under a vision-token budget per engine step, across requests, round-robin; a
+   An item whose bytes came undecoded (`MediaItem.load_input`: the features were expected in the
+   store) is decoded only now, when it must be recomputed.
+Encoding runs under a vision-token budget per engine step, across requests, round-robin (with
+`encode_per_item`, an encode-only engine takes one item of a request per call, so each is stored
+and announced as soon as it is done, for pipelined prefill); a
 video over the budget is encoded a few temporal patches per step (engine/encode_plan.py), and
 its features are stored once, whole, when its last slice is done. While requests decode, the
 engine's step-time budget may also cut one encoder call at its vision blocks: a `SlicedEncode`
@@ -43,13 +47,15 @@ class SlicedEncode:
 
 class EncodeStage:
     def __init__(self, adapter: VLMAdapter, features: FeatureProvider, *, encodes: bool, prefills: bool,
-                 wait_s: float, token_budget: int, stats: EngineStats, budget: StepBudget | None = None):
+                 wait_s: float, token_budget: int, stats: EngineStats, budget: StepBudget | None = None,
+                 per_item: bool = False):
         self.adapter = adapter
         self.features = features
         self.encodes = encodes
         self.prefills = prefills
         self.wait_s = wait_s
         self.token_budget = token_budget
+        self.per_item = per_item  # one item of a request per encoder call: each stored as soon as it is done
         self.stats = stats
         self.pending: list[Sequence] = []
         self.jobs: dict[str, EncodeJob] = {}  # media key -> its encoding in progress
@@ -101,6 +107,12 @@ class EncodeStage:
                         m.wait_since = now
                     if self.wait_s > 0:
                         continue
+                if m.input is None and m.load_input is not None:
+                    try:  # its bytes came undecoded (the features were expected in the store)
+                        m.input = m.load_input()
+                    except Exception as e:  # noqa: BLE001 - the scheduler decoded them once already
+                        failed.append((seq, f"media {m.key}: cannot decode its bytes to recompute it: {e}"))
+                        break
                 if m.input is None:
                     failed.append((seq, f"features of media {m.key} are not in the store and its bytes were not sent"))
                     break
@@ -113,7 +125,7 @@ class EncodeStage:
         else:
             order = sorted(live, key=lambda s: self._served.get(s.request_id, -1))  # stable: then arrival
             slices, served = pack([(s, [self.jobs[m.key] for m in s.media if m.key in self.jobs]) for s in order],
-                                  self.token_budget)
+                                  self.token_budget, 1 if self.per_item else None)
             for seq in served:
                 self._served[seq.request_id] = self._steps
                 seq.timings.setdefault("encode_start", time.time())

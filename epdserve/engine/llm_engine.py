@@ -5,7 +5,9 @@ Public API (the only way in for workers, transfer and benchmarks):
   bad input raises InvalidRequestError);
 - `add_request(EngineRequest)`: the one intake, for every role. Media go to the encode stage
   first; a request with `kv_transfer=RemotePrefill` gets its blocks reserved now (MemoryError
-  if there is no room) and waits for its KV; the rest wait to be scheduled;
+  if there is no room) and waits for its KV; the rest wait to be scheduled. With pipelined
+  prefill (the default), a request whose media are still arriving is scheduled at once, its
+  prompt prefilled up to the first item not yet there (engine/pipelined_prefill.py);
 - `step()`: encode pending media, schedule, run one packed forward, update; returns
   `RequestOutput`s (a request is `finished` once no more outputs come from this engine). While
   requests decode, the step-time budget (engine/step_budget.py, `slo_tpot_ms`) sizes the step's
@@ -32,7 +34,9 @@ from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.engine.loaded_model import LoadedModel, load_model
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.prefix_hash import PrefixHasher
+from epdserve.engine import pipelined_prefill
 from epdserve.engine.outputs import RequestOutput, make_output
+from epdserve.engine.pipelined_prefill import PipelineState
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.scheduler import Scheduler, StepSchedulerConfig
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
@@ -87,6 +91,7 @@ class LLMEngine:
         self.encoder = EncodeStage(
             a, self.features, encodes=config.encodes, prefills=config.prefills, wait_s=config.feature_wait_s,
             token_budget=config.encode_token_budget, stats=self.stats, budget=self.budget,
+            per_item=config.encode_per_item and config.encodes and not config.prefills,
         )
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
@@ -139,6 +144,8 @@ class LLMEngine:
             self._skip_cached_media(seq)
         if any(m.features is None for m in seq.media):
             self.encoder.add(seq)
+            if self._pipelines(seq):
+                self._start_pipeline(seq)
         elif self.config.computes:
             self.scheduler.add(seq)  # may raise MemoryError (remote KV: no room for its blocks)
         else:
@@ -146,6 +153,29 @@ class LLMEngine:
             self._outputs.append(make_output(seq))
             return
         self._seqs[rid] = seq
+
+    def _pipelines(self, seq: Sequence) -> bool:
+        """Is `seq` prefilled while its media still arrive (engine/pipelined_prefill.py)?"""
+        return self.config.pipelined_prefill and self.config.prefills and not isinstance(seq.kv_transfer, RemotePrefill)
+
+    def _start_pipeline(self, seq: Sequence) -> None:
+        """Text embeddings now, each item's rows as it lands; scheduled once a token may be computed."""
+        a = self.model.adapter
+        seq.pipeline = PipelineState.of(seq, (a.image_token_id, a.video_token_id))
+        seq.prompt_embeds = self.runner.build_prompt_embeds(seq.prompt_token_ids, [])
+        self._advance_pipeline(seq)
+
+    def _advance_pipeline(self, seq: Sequence) -> None:
+        """Take the items that landed; hand the request to the scheduler once it can compute a token."""
+        try:
+            pipelined_prefill.advance(seq)
+        except ValueError as e:
+            self.encoder.remove(seq)
+            self.scheduler.fail(seq, f"media features do not fit the prompt: {e}")
+            self._emit(seq)
+            return
+        if seq.state is RequestState.WAITING_FOR_FEATURES and seq.prefill_limit > seq.num_computed_tokens:
+            self.scheduler.add(seq)
 
     def _skip_cached_media(self, seq: Sequence) -> None:
         """Media wholly inside the prompt's cached prefix are neither encoded nor fetched: their
@@ -249,7 +279,13 @@ class LLMEngine:
         for seq, message in failed:
             self.scheduler.fail(seq, message)
             self._emit(seq)
+        for seq in [s for s in self.encoder.pending if s.pipeline is not None]:
+            self._advance_pipeline(seq)
         for seq in ready:
+            if seq.pipeline is not None:  # pipelined: every item is in; the rest of the prompt may go
+                self._advance_pipeline(seq)
+                seq.pipeline, seq.prefill_limit = None, None
+                continue
             if not self.config.computes:  # encode-only: features stored, done
                 seq.state = RequestState.HANDED_OFF
                 self._emit(seq)

@@ -9,11 +9,13 @@ connector's worker side runs inside the forward: `start_load_kv` before it,
 layer i while layer i+1 computes), `wait_for_save` at the end. Block tables come with the batch;
 the runner never sees the block manager. Qwen3-VL's DeepStack features of the visual tokens in
 a step's prompt chunks are added to the hidden states after the first LM layers, as transformers
-does. Decode-only steps replay a captured graph where the platform has graphs
+does (a pipelined prompt's chunk never reaches an item whose features have not arrived: only the
+items ahead of the first missing one are passed on). Decode-only steps replay a captured graph where the platform has graphs
 (engine/graph_runner.py); `enforce_eager` turns that off.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from array import array
@@ -197,8 +199,8 @@ class ModelRunner:
         for item in batch:
             seq = item.seq
             if seq.media and item.start < seq.prompt_len:
-                found = chunk_deepstack(seq.prompt_token_ids, visual, [m.features for m in seq.media],
-                                        item.start, item.end)
+                arrived = list(itertools.takewhile(lambda f: f is not None, (m.features for m in seq.media)))
+                found = chunk_deepstack(seq.prompt_token_ids, visual, arrived, item.start, item.end)
                 if found is not None:
                     rows.extend(offset + r for r in found[0])
                     per_item.append(found[1])

@@ -8,6 +8,8 @@ step-time budget's prefill tokens when given) and a request cap:
 2. running requests in the middle of a chunked prefill continue;
 3. waiting requests are admitted in arrival order while budget, cap and blocks allow; a prompt
    longer than the remaining budget is chunked.
+A request whose media are still arriving (pipelined prefill, engine/pipelined_prefill.py) is
+prefilled only up to its `prefill_limit`; it waits there, running, until the limit rises.
 With a prefix cache (`BlockManager(prefix_caching=True)` and a `PrefixHasher`), a request about
 to be admitted first takes the longest cached run of its prompt's full blocks
 (`reuse_prefix`), and every step records the hashes of the full blocks it computed.
@@ -304,10 +306,12 @@ class Scheduler:
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         start = seq.num_computed_tokens
-        n = min(budget, seq.num_tokens - start)
+        end = seq.num_tokens if seq.prefill_limit is None else min(seq.num_tokens, seq.prefill_limit)
+        n = min(budget, end - start)
         if n <= 0 or not self._blocks.can_grow(seq.request_id, start + n):
             return None
         table = self._blocks.grow(seq.request_id, start + n)
+        seq.timings.setdefault("prefill_start", time.time())
         return ScheduledSeq(seq, start, n, table[:])
 
     def _cache_full_blocks(self, seq: Sequence, computed: int) -> None:

@@ -14,6 +14,7 @@ ended (stop, length, abort, error); it stays None for a request handed to the ne
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,13 +51,14 @@ class DetokState:
 @dataclass
 class MediaItem:
     key: str
-    input: MediaInput | None  # None when the request referenced a stored key only
+    input: MediaInput | None  # None when the request referenced a stored key only (or `load_input` has it)
     num_tokens: int
     grid_thw: torch.Tensor
     features: list[torch.Tensor] | None = None
     from_store: bool = False  # features came from the cache / MM Store, encoder skipped
     wait_since: float | None = None  # prefill-only: when this engine started waiting for the feature
     timing: str | None = None  # a video's sampling spec, as the request gave it: its prefix-cache identity
+    load_input: Callable[[], MediaInput] | None = None  # bytes kept undecoded: decodes them if a recompute needs them
 
 
 @dataclass(eq=False)  # identity: `seq in scheduler.running` must not compare every field
@@ -96,6 +98,8 @@ class Sequence:
     grammar: object | None = None  # structured output: its GrammarState (engine/grammar.py)
     cache_salt: str = ""  # the request's cache salt: its first block's parent (prefix_hash.first_parent)
     decode_clock: tuple[float, int] | None = None  # step budget: (when it started decoding here, outputs then)
+    prefill_limit: int | None = None  # pipelined prefill: prompt tokens [0, limit) may be computed now (None: all)
+    pipeline: object | None = None  # its engine/pipelined_prefill.PipelineState while media are still missing
 
     @property
     def prompt_len(self) -> int:

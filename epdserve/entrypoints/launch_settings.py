@@ -29,7 +29,8 @@ from epdserve.slo import SLO
 STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), the scheduler (5), the MM Store (5)
 
 # InstanceConfig fields launch offers, forwarded to every instance (max_model_len also to the scheduler)
-FORWARDED = ("kv_cache_bytes", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s",
+FORWARDED = ("kv_cache_bytes", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s", "pipelined_prefill",
+             "encode_per_item",
              "encode_token_budget", "colocation", "stream_interval_ms", "slo_tpot_ms", "step_budget",
              "enable_prefix_caching", "enforce_eager", "kv_hop")
 

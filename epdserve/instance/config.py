@@ -85,6 +85,8 @@ class InstanceConfig:
     max_model_len: int | None = same_as(EngineConfig, "max_model_len")
     encode_token_budget: int = same_as(EngineConfig, "encode_token_budget")
     feature_wait_s: float = same_as(EngineConfig, "feature_wait_s", default=5.0)
+    pipelined_prefill: bool = same_as(EngineConfig, "pipelined_prefill")
+    encode_per_item: bool = same_as(EngineConfig, "encode_per_item")
     kv_timeout_s: float = setting(30.0, check=(">", 0),
                                   help="a KV transfer that makes no progress this long fails its request")
     kv_connect_timeout_s: float = setting(60.0, check=(">", 0),

@@ -1,7 +1,8 @@
 """Conversions between the internal protobuf messages and the engine's types (instance side).
 
 - `media_items`: MediaRef list → engine MediaItems (bytes preprocessed here, so a corrupt image
-  fails its request before it is queued);
+  fails its request before it is queued; bytes marked `in_store` — features stored before, the
+  scheduler decoded them already — are decoded only if the engine must recompute them);
 - `timings_to_proto`: an engine timings dict → StageTimings;
 - `token_delta`: a RequestOutput → TokenDelta; `coalesce`: consecutive outputs of one request
   → one (their new tokens, log probabilities and text joined), so a stream sends one message for
@@ -40,7 +41,12 @@ def media_items(engine, refs, *, wait_for_features: bool = True) -> list[MediaIt
     for i, ref in enumerate(refs):
         if not ref.key:
             raise InvalidRequestError(f"media item {i} has no key")
-        if ref.data:
+        if ref.data and ref.in_store and not ref.HasField("video") and len(ref.grid_thw) == 3 and ref.num_tokens:
+            item = MediaItem(key=ref.key, input=None, num_tokens=int(ref.num_tokens),
+                             grid_thw=torch.tensor(list(ref.grid_thw), dtype=torch.long),
+                             load_input=_lazy_image(engine, bytes(ref.data), int(ref.num_tokens), i))
+            item.wait_since = float("-inf")  # in the store or not: nothing is on its way
+        elif ref.data:
             if ref.HasField("video"):  # a video: decoded and sampled as the scheduler did
                 m = engine.processor.preprocess_video(bytes(ref.data), video_options_from_proto(ref.video))
             else:
@@ -60,6 +66,17 @@ def media_items(engine, refs, *, wait_for_features: bool = True) -> list[MediaIt
             item.wait_since = float("-inf")  # nothing is on its way: recompute without waiting
         items.append(item)
     return items
+
+
+def _lazy_image(engine, data: bytes, num_tokens: int, i: int):
+    """Decode `data` when the engine must recompute the item (its features left the store)."""
+    def load():
+        m = engine.processor.preprocess_image(data)
+        if m.num_tokens != num_tokens:
+            raise InvalidRequestError(f"media item {i}: the image expands to {m.num_tokens} tokens, "
+                                      f"the request says {num_tokens}")
+        return m
+    return load
 
 
 def timings_to_proto(timings: dict[str, float], **extra: float) -> common_pb2.StageTimings:

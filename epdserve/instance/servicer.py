@@ -1,6 +1,7 @@
 """The `Instance` gRPC service of one instance process: routes each RPC to its stage worker.
 
-RPC → worker: Encode → E, Prefill → P, Decode → D, Generate → the coupled (PD/EPD) worker;
+RPC → worker: Encode → E, Prefill → P, Decode → D, Generate → the coupled (PD/EPD) worker,
+DropMedia → E (features of a deleted upload leave the MM Store);
 KvStore → the host's KV pair store (decode peers rendezvous and read batch headers there).
 An RPC for a stage this instance does not run answers FAILED_PRECONDITION. Each handler waits
 on its request's handle; a cancelled or broken call aborts the request on the worker
@@ -220,6 +221,12 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
 
     def GetLoad(self, request, context):
         return self.host.status()
+
+    def DropMedia(self, request, context):
+        w = self._worker("E", context)
+        drop = w.engine.features.drop
+        dropped = self._guard(context, lambda: w.call(lambda: sum(1 for k in request.keys if drop(k))).result(CALL_TIMEOUT_S))
+        return instance_pb2.DropMediaResponse(dropped=dropped)
 
     def KvStore(self, request, context):
         return serve_kv_store(self.host.pair_store, request, context)

@@ -29,6 +29,11 @@ PRESETS = {
     # sides), short outputs: every sampled frame is encoded, the load EPD exists for
     "video": _CPU.with_(name="video", num_requests=12, video_share=1.0, output_len_mean=12, output_len_std=3,
                         output_len_min=4, output_len_max=24),
+    # (e) four full 640x360 images a request, a few output tokens: TTFT is encode + prefill, what
+    # per-item E->P pipelining overlaps (engine/pipelined_prefill.py; run it one at a time)
+    "multi-image": _CPU.with_(name="multi-image", num_requests=8, images_min=4, images_max=4, resolution_scale=1.0,
+                              resolution_mix=(("360p", 1.0),), output_len_mean=8, output_len_std=0,
+                              output_len_min=8, output_len_max=8),
 }
 # The request-rate sweep of each preset (req/s) on that CPU: about 40% and 80% of what the
 # monolithic deployment sustains, measured with the presets above.

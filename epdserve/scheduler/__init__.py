@@ -18,6 +18,8 @@ One sentence per module:
 - pressure.py    stage pressure over a sliding window: how far each stage (E, P, D) is past what it should carry
 - controller.py  the `--mode auto` role controller: which instance should switch roles, when, and why
 - coupling.py    the controller's coupling moves: fold prefill and decode into one engine, or split them
+- uploads.py     Uploads: uploaded images by file id, scoped to the caller's identity, with a life and a byte bound
+- upload_service.py  encode on upload: validate, key, send to an E at once; get; delete (features dropped)
 """
 from epdserve.scheduler.config import SchedulerConfig
 

@@ -65,10 +65,12 @@ class AttemptReport:
 
 
 def merge_timings(into: common_pb2.StageTimings, new: common_pb2.StageTimings) -> None:
-    """Field-wise: the first nonzero value wins (stages report their own fields)."""
+    """Field-wise: the first nonzero value wins (stages report their own fields), except
+    `encode_end`: the latest one (a request's media spread over several E instances are encoded
+    when the last of them is; pipelined prefill may start before it)."""
     for f in common_pb2.StageTimings.DESCRIPTOR.fields:
         v = getattr(new, f.name)
-        if v and not getattr(into, f.name):
+        if v and (not getattr(into, f.name) or (f.name == "encode_end" and v > getattr(into, f.name))):
             setattr(into, f.name, v)
 
 

@@ -87,6 +87,11 @@ class SchedulerConfig:
     prefix_index_size: int = setting(
         131_072, check=(">=", 1), metavar="N",
         help="cache-aware routing: prompt block digests remembered per instance, in its registered block size (LRU)")
+    upload_ttl_s: float = setting(3600.0, check=(">", 0),
+                                  help="an uploaded file's life in seconds (/v1/files, UploadMedia; uploads.py); the "
+                                       "MM Store's own TTL bounds its features, recomputed from the kept bytes")
+    upload_max_bytes: int = setting(1 << 30, check=(">=", 1),
+                                    help="uploaded bytes the scheduler keeps for recomputation (LRU beyond)")
 
     def __post_init__(self):
         if self.max_pixels_in_flight is None:

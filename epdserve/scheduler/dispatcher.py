@@ -58,6 +58,8 @@ from epdserve.scheduler.preprocess import PreparedRequest, RequestPreprocessor
 from epdserve.scheduler.prompt_chunks import PromptChunker
 from epdserve.scheduler.registry import InstanceRecord, InstanceRegistry
 from epdserve.scheduler.routing import Router
+from epdserve.scheduler.upload_service import UploadService
+from epdserve.scheduler.uploads import Uploads
 from epdserve.security.tenants import DEFAULT_TENANT, cache_salt
 
 MAX_CACHE_SALT_CHARS = 256
@@ -83,6 +85,9 @@ class StoredKeys:
 
     def __contains__(self, key: str) -> bool:
         return key in self._keys
+
+    def discard(self, key: str) -> None:
+        self._keys.pop(key, None)
 
 
 class RequestRun:
@@ -286,7 +291,8 @@ class Dispatcher:
         self.pixels = PixelBudget(config.max_pixels_in_flight)
         self.chunker = PromptChunker((preprocessor.image_token_id, preprocessor.processor.video_token_id)) \
             if router.cache_aware else None
-        self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
+        self.pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
+        self.uploads = UploadService(self, Uploads(config.upload_ttl_s, config.upload_max_bytes))
         registry.on_down(self._instance_down)
 
     @property
@@ -326,8 +332,8 @@ class Dispatcher:
             if req.request_id and (tenant, req.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
             loop = asyncio.get_running_loop()
-            prep, prefix = await loop.run_in_executor(self._pool, self._prepare, req, self.registry.namespace,
-                                                      self._block_sizes(), salt)
+            prep, prefix = await loop.run_in_executor(self.pool, self._prepare, req, self.registry.namespace,
+                                                      self._block_sizes(), salt, tenant)
             if (tenant, prep.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
             run = RequestRun(self, prep, arrival, deadline, tenant, salt)
@@ -358,10 +364,11 @@ class Dispatcher:
         return {r.block_size for r in self.registry.records() if r.role_set.prefills}
 
     def _prepare(self, req: serve_pb2.GenerateRequest, namespace: str, block_sizes: set[int],
-                 salt: str = "") -> tuple[PreparedRequest, dict[int, list[bytes]]]:
+                 salt: str = "", tenant: str = DEFAULT_TENANT) -> tuple[PreparedRequest, dict[int, list[bytes]]]:
         """In a worker thread: the prepared request and, for cache-aware routing, its prompt's block
-        hashes in each of `block_sizes` (both keyed by the request's cache `salt`)."""
-        prep = self.preprocessor.prepare(req, namespace, salt)
+        hashes in each of `block_sizes` (both keyed by the request's cache `salt`); media sent by
+        file id are `tenant`'s uploads."""
+        prep = self.preprocessor.prepare(req, namespace, salt, lambda file_id: self.uploads.get(tenant, file_id))
         if self.chunker is None:
             return prep, {}
         return prep, self.chunker.by_block_size(prep.prompt_token_ids, prep.media, block_sizes, salt)
@@ -405,4 +412,4 @@ class Dispatcher:
             run.abort()
         if self.background:
             await asyncio.wait(list(self.background), timeout=2.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,7 +1,7 @@
 """`RequestError`: why a public request failed, as the gRPC status code the client receives.
 
 Only these codes reach clients: INVALID_ARGUMENT (bad media, bad parameters),
-RESOURCE_EXHAUSTED (queues full), UNAVAILABLE (no healthy instance of a needed role, or every
+RESOURCE_EXHAUSTED (queues full), NOT_FOUND (an upload's file id: uploads.py), UNAVAILABLE (no healthy instance of a needed role, or every
 retry used up), DEADLINE_EXCEEDED, CANCELLED. `InstanceError` is one instance's failure inside
 the system; `classify` says what the scheduler does about it.
 """
@@ -25,6 +25,10 @@ class RequestError(Exception):
     @classmethod
     def unavailable(cls, message: str) -> RequestError:
         return cls(grpc.StatusCode.UNAVAILABLE, message)
+
+    @classmethod
+    def not_found(cls, message: str) -> RequestError:
+        return cls(grpc.StatusCode.NOT_FOUND, message)
 
     @classmethod
     def exhausted(cls, message: str) -> RequestError:

@@ -11,7 +11,9 @@ expands to its per-temporal-patch timestamps and pad tokens (media then in promp
 scheduler learned from earlier requests), each under the cache salt of the request that sent
 its bytes (its tenant's, `security/tenants.py`): a key another tenant sent answers exactly as a
 key never seen does (INVALID_ARGUMENT, "unknown media key"), so keys neither cross tenants nor
-tell which exist.
+tell which exist. Media sent by file id are the
+caller's tenant's uploads (uploads.py: key, grid and bytes, never decoded again; NOT_FOUND when
+the tenant has no such file).
 
 Thread-safe: `prepare` runs in worker threads (it is CPU work), the index takes a lock.
 """
@@ -116,9 +118,15 @@ class RequestPreprocessor:
     def model_type(self) -> str:
         return self.config.model_type
 
-    def prepare(self, req: serve_pb2.GenerateRequest, namespace: str, salt: str = "") -> PreparedRequest:
+    def prepare_upload(self, data: bytes, namespace: str, salt: str = "") -> PreparedMedia:
+        """An uploaded image decoded, preprocessed and keyed as a request's, under its tenant's
+        cache `salt` (upload_service.py)."""
+        return self._media(common_pb2.Media(data=data), namespace, "the file", salt)
+
+    def prepare(self, req: serve_pb2.GenerateRequest, namespace: str, salt: str = "", files=None) -> PreparedRequest:
         """Validate, tokenize, decode media, expand placeholders; media keyed under the request's
-        cache `salt` (`security/tenants.py`). Raises RequestError."""
+        cache `salt` (`security/tenants.py`). Raises RequestError. `files(file_id)`: the caller's
+        uploaded file (uploads.py; NOT_FOUND if none), for media sent by file id."""
         try:
             params = sampling_from_proto(req.sampling)
         except InvalidRequestError as e:
@@ -143,7 +151,7 @@ class RequestPreprocessor:
             raise RequestError.invalid(str(e)) from None
         if media and not namespace:
             raise RequestError.unavailable("no instance has reported its media namespace yet")
-        prepared = [self._media(m, namespace, label, salt) for m, label in zip(media, media_labels(media))]
+        prepared = [self._media(m, namespace, label, salt, files) for m, label in zip(media, media_labels(media))]
         keys = [m.key for m in prepared]  # in the client's order
         try:
             expanded, order = self.processor.expand_media(ids, prepared)
@@ -200,9 +208,18 @@ class RequestPreprocessor:
         mm = rendered["multi_modal_data"]
         return rendered["prompt"], [*mm["image"], *mm.get("video", [])]  # each kind in prompt order
 
-    def _media(self, m: common_pb2.Media, namespace: str, label: str, salt: str = "") -> PreparedMedia:
+    def _media(self, m: common_pb2.Media, namespace: str, label: str, salt: str = "", files=None) -> PreparedMedia:
         """One media item of the request; `label` names it in errors ("image 2", "video 1")."""
         which = m.WhichOneof("source")
+        if which == "file_id":
+            if m.HasField("video"):
+                raise RequestError.invalid(f"{label}: uploads are images; a video is sent as its bytes")
+            if files is None:
+                raise RequestError.not_found(f"{label}: no file {m.file_id!r}")
+            f = files(m.file_id)  # NOT_FOUND: unknown, expired, deleted or another caller's
+            if not f.key.startswith(namespace + ":"):
+                raise RequestError.not_found(f"{label}: file {m.file_id!r} was uploaded for another model")
+            return PreparedMedia(f.key, f.data, list(f.grid_thw), f.num_tokens)
         if m.HasField("video"):
             if which != "data":
                 raise RequestError.invalid(f"{label}: a video is sent as its bytes (no keys for videos)")
@@ -210,8 +227,8 @@ class RequestPreprocessor:
                 mi = self.processor.preprocess_video(bytes(m.data), video_options_from_proto(m.video))
             except InvalidRequestError as e:
                 raise RequestError.invalid(_about(label, e)) from None
-            return PreparedMedia(media_key(mi.raw, namespace, self.media_secret, salt), bytes(m.data), [int(x) for x in mi.grid_thw.tolist()],
-                                 mi.num_tokens, "video", mi.expansion, m.video)
+            return PreparedMedia(media_key(mi.raw, namespace, self.media_secret, salt), bytes(m.data),
+                                 [int(x) for x in mi.grid_thw.tolist()], mi.num_tokens, "video", mi.expansion, m.video)
         if which == "data":
             try:
                 mi = self.processor.preprocess_image(bytes(m.data))

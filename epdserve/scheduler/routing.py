@@ -161,6 +161,19 @@ class Router:
             lease.add(rec, "E", sum(media_tokens[i] for i in items))
         return plan, lease
 
+    def encoder(self, media_tokens: int) -> tuple[InstanceRecord, WorkLease] | None:
+        """An E instance for one item encoded outside any request (an upload), its work leased;
+        None when the deployment has no E instance (prefilling instances encode inline)."""
+        if not self.registry.candidates("E"):
+            return None
+        rec, lease = self._pick("E", set(), {}), WorkLease()
+        lease.add(rec, "E", media_tokens)
+        return rec, lease
+
+    def encoders(self) -> list[InstanceRecord]:
+        """Every routable E instance (a deleted upload's features are dropped through one)."""
+        return list(self.registry.candidates("E"))
+
     def _pick_prefill(self, role: str, avoid: set[str], prefix: dict[int, list[bytes]] | None,
                       prompt_tokens: int) -> tuple[InstanceRecord, int]:
         """The prefilling instance ("PD" or "P") and the prompt tokens it probably holds."""

@@ -21,6 +21,7 @@ from epdserve.scheduler.errors import RequestError
 from epdserve.scheduler.preprocess import IMAGE_PLACEHOLDER
 from epdserve.scheduler.registry import InstanceRegistry, RegistryError
 from epdserve.security.tenants import DEFAULT_TENANT
+from epdserve.scheduler.upload_service import to_proto
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,26 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     async def Abort(self, request, context):
         return serve_pb2.AbortResponse(found=self.dispatcher.abort(request.request_id,
                                                                    caller_tenant(context, self.tenant_of)))
+
+    async def UploadMedia(self, request, context):
+        try:
+            f = await self.dispatcher.uploads.upload(bytes(request.data), caller_tenant(context, self.tenant_of), request.filename)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return to_proto(f)
+
+    async def GetUpload(self, request, context):
+        try:
+            return to_proto(self.dispatcher.uploads.get(caller_tenant(context, self.tenant_of), request.file_id))
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def DeleteUpload(self, request, context):
+        try:
+            await self.dispatcher.uploads.delete(caller_tenant(context, self.tenant_of), request.file_id)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return serve_pb2.DeleteUploadResponse(deleted=True)
 
     async def GetModelInfo(self, request, context):
         pp = self.dispatcher.preprocessor

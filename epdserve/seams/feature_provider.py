@@ -6,7 +6,8 @@ their contracts. In short:
   features of one media item and tells the target prefill side (an event, in the MM Store);
 - prefill side: `load(key, timeout_s)` returns the features, waiting at most `timeout_s`, or
   None, in which case the prefill stage recomputes them with its own vision encoder;
-- `stats()` returns one `FeatureStats` snapshot whatever the implementation.
+- `stats()` returns one `FeatureStats` snapshot whatever the implementation;
+- `drop(key)` forgets a key's features (a deleted upload).
 `LocalFeatureProvider` keeps features in this process (a `ByteLRU`): the engine's default when
 it is given none. The MM Store implementation (`MMStoreFeatureProvider`) lives in
 epdserve.transfer.mm_store; the interface sits in seams/ (below engine/ and transfer/) so that
@@ -99,6 +100,11 @@ class FeatureProvider(ABC):
         returned tensors may be shared with a cache: read them, never modify them in place.
         """
 
+    def drop(self, key: str) -> bool:
+        """Forget ``key``'s features (a deleted upload); True if they were there. Later `load`s
+        miss, so prefill recomputes. Default: nothing to drop."""
+        return False
+
     def stats(self) -> FeatureStats:
         """A snapshot of this provider's counters; cheap, never touches the network."""
         return FeatureStats()
@@ -140,6 +146,10 @@ class LocalFeatureProvider(FeatureProvider):
             else:
                 self._hits += 1
             return feats
+
+    def drop(self, key):
+        with self._lock:
+            return self._lru.pop(key, None) is not None
 
     def stats(self) -> FeatureStats:
         with self._lock:

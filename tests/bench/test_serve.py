@@ -181,3 +181,18 @@ def test_launcher_reports_an_early_exit_with_its_output(tmp_path):
     with pytest.raises(LaunchError, match="(?s)exited with 2.*bad flag"):
         with launched("fake", "m", argv=[sys.executable, "-c", script], log_dir=str(tmp_path)):
             pass
+
+
+def test_multi_image_and_upload_then_ask_workloads():
+    from epdserve.bench.upload_ask import UploadAskConfig, spread
+
+    multi, upload = workload_configs(_args(argv=["--workload", "multi-image,upload-then-ask", "--num-requests", "3",
+                                                 "--think-time-s", "0.5", "--output-len", "5"]))
+    assert (multi.images_min, multi.images_max, multi.resolution_scale, multi.num_requests) == (4, 4, 1.0, 3)
+    assert dict(multi.resolution_mix) == {"360p": 1.0}
+    assert isinstance(upload, UploadAskConfig)
+    assert (upload.num_requests, upload.think_time_s, upload.max_tokens, upload.width, upload.height) == \
+        (3, 0.5, 5, 640, 360)
+    assert spread([10.0, 20.0, 30.0, 40.0, 50.0]) == {"n": 5, "p25": 20.0, "median": 30.0, "p75": 40.0,
+                                                       "min": 10.0, "max": 50.0}
+    assert spread([])["median"] is None

@@ -51,6 +51,16 @@ def _seq(rid):
     return Sequence(rid, [], SamplingParams())
 
 
+def test_pack_one_item_per_request_feeds_pipelined_prefill():
+    """An E for pipelined prefill: one item of a request per call (each stored as soon as it is
+    done), other requests' items still batched beside it."""
+    a, b = _seq("a"), _seq("b")
+    imgs = [_job(f"img{i}", 1, 10) for i in range(3)]
+    slices, served = pack([(a, imgs), (b, [_job("small", 1, 4), _job("small2", 1, 4)])], budget=100, per_request=1)
+    assert [s.job.item.key for s in slices] == ["img0", "small"] and served == [a, b]
+    assert [s.job.item.key for s in pack([(a, imgs)], budget=100, per_request=1)[0]] == ["img1"]
+
+
 def test_pack_round_robin_cuts_videos_and_never_images():
     a, b = _seq("a"), _seq("b")
     imgs = [_job(f"img{i}", 1, 10) for i in range(3)]

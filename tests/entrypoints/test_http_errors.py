@@ -71,9 +71,9 @@ def test_a_corrupt_image_is_named_not_a_repr_and_the_others_carry_on(served):
 @pytest.mark.parametrize("part, message", [
     ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "audio input is not supported"),
     ({"type": "file", "file": {"file_data": "data:application/pdf;base64,JVBERi0=", "filename": "a.pdf"}},
-     "file input is not supported"),
+     "file input is supported only as an uploaded image's file.file_id (POST /v1/files)"),
     ({"type": "hologram", "hologram": {}},
-     "content part type 'hologram' is not supported; supported: text, image_url, video_url"),
+     "content part type 'hologram' is not supported; supported: text, image_url, video_url, file"),
 ])
 def test_unsupported_content_parts_are_400_by_name(served, part, message):
     _, front = served
@@ -131,7 +131,7 @@ class FailingScheduler:
         if req.prompt == FAIL_HANDOFF:
             raise KeyError("<epdserve.scheduler.Run object at 0xdeadbeef>")
         if req.prompt != FAIL_STREAM:
-            return self._server.generate(req, deadline)
+            return self._server.generate(req, deadline, owner)
 
         async def broken():
             raise RuntimeError("<epdserve.scheduler.Run object at 0xdeadbeef> went wrong")

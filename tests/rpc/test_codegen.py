@@ -98,9 +98,10 @@ def test_messages_cover_the_contract():
 
     assert fields == {f.name for f in dc_fields(SamplingParams)}
     assert set(serve_pb2.DESCRIPTOR.services_by_name["EPDServe"].methods_by_name) == {
-        "Generate", "GenerateStream", "Abort", "GetModelInfo", "GetServerInfo"}
+        "Generate", "GenerateStream", "Abort", "GetModelInfo", "GetServerInfo", "UploadMedia", "GetUpload",
+        "DeleteUpload"}
     assert set(instance_pb2.DESCRIPTOR.services_by_name["Instance"].methods_by_name) == {
-        "Encode", "Prefill", "Decode", "Generate", "Abort", "GetLoad", "SwitchRoles", "KvStore"}
+        "Encode", "Prefill", "Decode", "Generate", "Abort", "GetLoad", "SwitchRoles", "KvStore", "DropMedia"}
     assert set(instance_pb2.DESCRIPTOR.services_by_name["Registry"].methods_by_name) == {
         "Register", "Heartbeat", "Deregister"}
 

@@ -19,7 +19,8 @@ own 404 (no such route) and 405 (wrong method) too, and an unexpected exception 
 client that disconnects cancels its generations, which aborts them on every instance (the
 dispatcher's cancellation path); so does a failed prompt of a list its siblings. /health needs
 no key; /metrics needs the scrape token (or, without one, the single API key) with `metrics_auth`,
-and never a tenant's key from the keys file: its counts are every tenant's. With metrics, every response of any route (a 401 on
+and never a tenant's key from the keys file: its counts are every tenant's. /v1/files (files.py) uploads images, encoded at upload, that chat content references by id (a
+tenant's files are its own). With metrics, every response of any route (a 401 on
 /v1/models, a 404 for an unknown path, a 405) is also counted by route and HTTP status
 (`epdserve.metrics.http_responses`).
 """
@@ -35,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from epdserve.entrypoints.http import files
 from epdserve.entrypoints.http.convert import chat_request, completion_requests
 from epdserve.entrypoints.http.errors import ApiError, LastResort
 from epdserve.entrypoints.http.fence import Fence, HostAllowList
@@ -246,6 +248,8 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
         shape = Shape(False, rid, model_name, body.return_token_ids, logprobs=logprobs_format(body, False))
         return await serve(request, reqs, shape, body.stream,
                            bool(body.stream_options and body.stream_options.include_usage), body.n)
+
+    files.add_routes(app, scheduler, check, admitted, _read_body, opts.max_body_bytes)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -9,9 +9,11 @@ the body's field names (`top_k`, `prompt[1][4]`: a prompt's token ids inside the
 vocabulary), and a value protobuf refuses to hold is a 400 too, so no number reaches the
 scheduler that it would refuse, and none is a 500.
 
-Content parts: `text`, `image_url`, `video_url`; any other type is a 400 that names it ("audio
-input is not supported", "file input is not supported", "content part type 'x' is not
-supported; supported: ..."). Errors about media name the item as the scheduler's do ("image 2",
+Content parts: `text`, `image_url`, `video_url`, `file`; any other type is a 400 that names it
+("audio input is not supported", "content part type 'x' is not supported; supported: ...").
+An uploaded image (POST /v1/files) is referenced as ``image_url.url = "epdserve-file://<file
+id>"`` or as OpenAI's ``{"type": "file", "file": {"file_id": "<file id>"}}``; the scheduler
+resolves the id for the caller (404 when it is not the caller's, expired or deleted). Errors about media name the item as the scheduler's do ("image 2",
 from 1, each kind apart), where it came from and where it sits in the body: "image 2
 (image/jpeg data URL, messages[0].content[1]) is not a readable image (12 bytes): ...".
 """
@@ -34,8 +36,9 @@ from epdserve.request_errors import InvalidRequestError, MediaError
 from epdserve.rpc import common_pb2, serve_pb2
 from epdserve.rpc.choices import choice_requests
 from epdserve.rpc.ranges import RangeError, check_sampling, check_token_ids
+from epdserve.scheduler.uploads import FILE_URL_SCHEME
 
-SUPPORTED_PARTS = ("text", "image_url", "video_url")  # content part types the HTTP front takes
+SUPPORTED_PARTS = ("text", "image_url", "video_url", "file")  # content part types the HTTP front takes
 
 
 def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None,
@@ -122,6 +125,9 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
             elif part.type == "image_url":
                 images += 1
                 out.content.add(image=await _image(part, where, f"image {images}", opts))
+            elif part.type == "file":
+                images += 1
+                out.content.add(image=_file(part, where))
             else:
                 why = unsupported_part(part.type, SUPPORTED_PARTS)
                 raise ApiError(400, f"{where}: {why}", param=f"{where}.type")
@@ -149,6 +155,8 @@ async def _image(part, where: str, label: str, opts: HttpOptions) -> common_pb2.
     if part.image_url is None:
         raise ApiError(400, f"{where}: an image_url part needs image_url.url", param=f"{where}.image_url")
     url = part.image_url.url
+    if url.startswith(FILE_URL_SCHEME):
+        return common_pb2.Media(file_id=url[len(FILE_URL_SCHEME):])
     name = f"{label} ({source(url)}, {where})"
     data = await image_bytes(url, opts, name)
     try:
@@ -156,6 +164,14 @@ async def _image(part, where: str, label: str, opts: HttpOptions) -> common_pb2.
     except MediaError as e:
         raise ApiError(400, str(e.naming(name)), param=f"{where}.image_url") from None
     return common_pb2.Media(data=data)
+
+
+def _file(part, where: str) -> common_pb2.Media:
+    """A `file` part: an uploaded image by id (the scheduler resolves it for this caller)."""
+    if part.file is None or not part.file.file_id:
+        raise ApiError(400, f"{where}: file input is supported only as an uploaded image's file.file_id "
+                            "(POST /v1/files)", param=f"{where}.type")
+    return common_pb2.Media(file_id=part.file.file_id)
 
 
 def _video(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:

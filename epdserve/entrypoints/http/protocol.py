@@ -123,13 +123,19 @@ class ImageUrl(BaseModel):
     detail: str | None = None
 
 
+class FileRef(BaseModel):
+    file_id: str | None = None  # an upload's id (POST /v1/files)
+    model_config = ConfigDict(extra="ignore")
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str  # text, image_url, video_url; others are refused by name in convert
+    type: str  # text, image_url, video_url, file; others are refused by name in convert
     text: str | None = None
     image_url: ImageUrl | None = None
     video_url: ImageUrl | None = None  # a data: URL of a video's container bytes (mp4, webm, ...)
+    file: FileRef | None = None  # OpenAI's file part: {"file": {"file_id": ...}}, an uploaded image
 
 
 class ChatMessage(BaseModel):

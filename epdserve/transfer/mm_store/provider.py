@@ -109,6 +109,14 @@ class MMStoreFeatureProvider(FeatureProvider):
             except StoreUnavailableError:
                 pass
 
+    def drop(self, key: str) -> bool:
+        if self.cache is not None:
+            self.cache.discard(key)
+        try:
+            return self.store.delete(key)
+        except StoreUnavailableError:
+            return False
+
     def stats(self) -> FeatureStats:
         """The path's counters with the local cache's size and the store's health.
         The store's own counters (gets, puts, corrupt values ...) are `self.store.stats()`."""
