@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from epdserve.engine.grammar import check as check_grammar
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.structured_output import StructuredOutput
 from epdserve.request_errors import InvalidRequestError
@@ -38,6 +37,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"bad sampling parameters: {e}") from None
     if params.structured is not None:
+        from epdserve.engine.grammar import check as check_grammar  # xgrammar and torch: only when asked
+
         check_grammar(params.structured)
     return params
 

@@ -131,7 +131,7 @@ class FailingScheduler:
         if req.prompt == FAIL_HANDOFF:
             raise KeyError("<epdserve.scheduler.Run object at 0xdeadbeef>")
         if req.prompt != FAIL_STREAM:
-            return self._server.generate(req, deadline, owner)
+            return self._server.generate(req, deadline, tenant)
 
         async def broken():
             raise RuntimeError("<epdserve.scheduler.Run object at 0xdeadbeef> went wrong")

@@ -53,7 +53,7 @@ def deployment(qwen2_vl_tiny):
 def _encoder_of_item(sched, rid: str, item: int):
     """(instance id, its Encode still in flight) for prompt item `item` of request `rid`, or None."""
     def look():
-        run = sched.server.dispatcher.runs.get(rid)
+        run = sched.server.dispatcher.runs.get(("", rid))  # (tenant, request id): the default tenant
         if run is None or run.attempt is None:
             return None
         for rec, items in run.attempt.plan.encodes:

@@ -62,9 +62,3 @@ def test_byte_bound_drops_least_recently_used_and_delete_forgets():
     with pytest.raises(RequestError) as e:
         _add(u, "", b"y" * 26)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-def test_caller_identity():
-    assert caller_identity(None) == caller_identity("") == ""
-    assert caller_identity("k1") != caller_identity("k2") and len(caller_identity("k1")) == 32
-    assert "k1" not in caller_identity("k1")

@@ -97,6 +97,21 @@ def test_a_post_that_is_not_json_is_refused(open_front):
     assert status == 415
 
 
+def test_a_cross_site_upload_form_is_refused_but_the_files_api_is_not(open_front):
+    """/v1/files takes multipart (OpenAI's Files API), which a cross-site form can send: a browser's
+    Origin naming a host off the allow-list is refused before the body is read; a client without
+    one (the openai client sends none) reaches the route, whose own checks answer."""
+    body = b"--x\r\nContent-Disposition: form-data; name=purpose\r\n\r\nvision\r\n--x--\r\n"
+    form = {"Content-Type": "multipart/form-data; boundary=x"}
+    status, got = call(open_front, "POST", "/v1/files", body, {**form, "Origin": "http://evil.example"})
+    assert status == 403 and "cross-site" in got["error"]["message"], got
+    status, got = call(open_front, "POST", "/v1/files", body, form)
+    assert status not in (403, 415), got  # past the fence: the route says what is missing (the file part)
+    port = open_front.address.rsplit(":", 1)[1]
+    status, got = call(open_front, "POST", "/v1/files", body, {**form, "Origin": f"http://127.0.0.1:{port}"})
+    assert status not in (403, 415), got
+
+
 def test_metrics_on_a_keyed_loopback_front_need_the_scrape_token(keyed_front):
     assert call(keyed_front, "GET", "/metrics")[0] == 401
     assert call(keyed_front, "GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})[0] == 401

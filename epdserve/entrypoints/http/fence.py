@@ -12,7 +12,10 @@ web page cannot cross.
   is given; a keyed front beyond loopback without it (a Kubernetes Service, an ingress: names
   the process cannot know) answers any Host, its key being what a rebound page cannot send.
 - **JSON only on POST** (a cross-origin ``text/plain`` POST needs no CORS preflight, and was
-  parsed as JSON): a POST whose Content-Type is not ``application/json`` is refused with 415.
+  parsed as JSON): a POST whose Content-Type is not ``application/json`` is refused with 415;
+  the one exception is ``multipart/form-data`` on ``/v1/files`` (OpenAI's Files API takes no
+  other), which a cross-site form could send too: there a request whose ``Origin`` header (every
+  browser sends one on a cross-origin POST) names a host off the allow-list is refused with 403.
 
 Both answer in OpenAI's error shape (`errors.ApiError`) and are counted as every response is.
 """
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from urllib.parse import urlsplit
 
 from epdserve.entrypoints.http.errors import ApiError
 from epdserve.security.exposure import is_loopback
 
 _ANY = ("", "0.0.0.0", "::", "[::]", "*")
+UPLOAD_PATH = "/v1/files"  # multipart bodies are OpenAI's Files API's (files.py)
 
 
 def _name(host: str) -> str:
@@ -101,7 +106,12 @@ class Fence:
                                     f"one of its addresses, or add the name to --allowed-hosts")
         elif scope["method"] == "POST":
             media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if media_type != "application/json":
+            if media_type == "multipart/form-data" and scope.get("path") == UPLOAD_PATH:
+                origin = headers.get("origin")
+                if origin is not None and not self.hosts.allows(urlsplit(origin).netloc or origin):
+                    refusal = ApiError(403, f"an upload from the web page at {origin!r} is not served here "
+                                            f"(a cross-site guard); add its host to --allowed-hosts")
+            elif media_type != "application/json":
                 refusal = ApiError(415, f"POST bodies must be 'Content-Type: application/json', got "
                                         f"{media_type or 'none'!r}")
         if refusal is None:
