@@ -206,14 +206,16 @@ def test_cancelled_stream_frees_its_kv_blocks(deployment):
 
 
 @pytest.fixture(scope="module")
-def forgeries(qwen2_vl_tiny):
-    """Issue 35's attacks (tests/security/test_forged_identity.py) and the answers their victims are owed."""
-    gen = ReferenceGenerator(qwen2_vl_tiny)
+def forgeries(references):
+    """Issue 35's attacks (tests/security/test_forged_identity.py) and the answers their victims are
+    owed, from transformers' own processor and `generate` (`tests.hf_oracle`)."""
+    gen = references["gen"]
     a, b = colliding_ppms()
     chat, _, forged = forged_chat(gen.tokenizer)
-    return dict(a=a, b=b, chat=chat, forged=forged, want_a=gen.generate(IMAGE_PROMPT, [a], max_tokens=MAX_TOKENS),
-                want_b=gen.generate(IMAGE_PROMPT, [b], max_tokens=MAX_TOKENS),
-                want_chat=gen.generate(chat, [], max_tokens=MAX_TOKENS))
+    return dict(a=a, b=b, chat=chat, forged=forged,
+                want_a=gen.generate(IMAGE_PROMPT, [a], MAX_TOKENS, ignore_eos=True),
+                want_b=gen.generate(IMAGE_PROMPT, [b], MAX_TOKENS, ignore_eos=True),
+                want_chat=gen.generate(chat, [], MAX_TOKENS, ignore_eos=True))
 
 
 def test_forged_identities_get_their_own_answers(deployment, forgeries):
