@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("epdserve.instance.host")
 
 from epdserve import Client  # noqa: E402
 from epdserve.model.demo_images import jpeg_bytes, procedural_image  # noqa: E402

@@ -12,7 +12,6 @@ import openai
 import pytest
 import redis
 
-pytest.importorskip("epdserve.instance.host")
 
 from epdserve import Client  # noqa: E402
 from epdserve.client import FileId  # noqa: E402
