@@ -1,6 +1,7 @@
 """Test harness: a scheduler (SchedulerThread) in front of real EngineInstances, and helpers."""
 from __future__ import annotations
 
+import subprocess
 import time
 
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
@@ -17,6 +18,25 @@ def wait_until(cond, timeout_s: float = 30.0, what: str = "condition"):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def await_instances(sched: SchedulerThread, procs, n: int, timeout_s: float = 300.0) -> None:
+    """Wait for `n` instance processes (`procs`) to register; fails at once when one of them died."""
+    wait_until(lambda: len(sched.call(sched.server.registry.records)) == n or
+               any(p.poll() is not None for p in procs), timeout_s, f"{n} instances to register")
+    assert all(p.poll() is None for p in procs), "an instance process died at start"
+
+
+def stop_processes(procs, grace_s: float = 30.0) -> None:
+    """SIGTERM every process still running, then SIGKILL those not gone within `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def start_scheduler(model_dir, instances=(), observer=None, **overrides) -> SchedulerThread:

@@ -15,7 +15,7 @@ import pytest
 from epdserve import Client  # noqa: E402
 from epdserve.model.demo_images import jpeg_bytes, procedural_image  # noqa: E402
 from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
-from tests.scheduler.harness import PH, image, start_scheduler, wait_until  # noqa: E402
+from tests.scheduler.harness import PH, await_instances, image, start_scheduler, stop_processes, wait_until  # noqa: E402
 from tests.scheduler.test_scheduler_disaggregated import _INSTANCE_MAIN  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -32,19 +32,10 @@ def deployment(qwen2_vl_tiny):
              sched.server.internal_address, "--mm-store", store.url, "--instance-id", iid, "--kv-cache-mb", "32",
              "--no-core-split", "--feature-wait-s", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_until(lambda: len(sched.call(sched.server.registry.records)) == 4 or
-                   any(p.poll() is not None for p in procs.values()), 300, "four instances to register")
-        assert all(p.poll() is None for p in procs.values()), "an instance process died at start"
+        await_instances(sched, list(procs.values()), 4)
         yield sched, procs
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(list(procs.values()))
         sched.stop()
         store.stop()
 

@@ -16,7 +16,7 @@ from epdserve import Client
 from epdserve.metrics.serving import ServingMetrics
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
 from epdserve.transfer.mm_store.server import LocalRedisServer
-from tests.scheduler.harness import PH, image, mixed_prompts, start_scheduler, wait_until
+from tests.scheduler.harness import PH, await_instances, image, mixed_prompts, start_scheduler, stop_processes, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,19 +42,10 @@ def deployment(qwen2_vl_tiny):
              sched.server.internal_address, "--mm-store", store.url, "--instance-id", iid, "--kv-cache-mb", "32", "--no-core-split"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_until(lambda: len(sched.call(sched.server.registry.records)) == 4 or
-                   any(p.poll() is not None for p in procs.values()), 300, "four instances to register")
-        assert all(p.poll() is None for p in procs.values()), "an instance process died at start"
+        await_instances(sched, list(procs.values()), 4)
         yield sched, procs
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(list(procs.values()))
         sched.stop()
         store.stop()
 

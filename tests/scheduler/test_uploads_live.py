@@ -18,7 +18,7 @@ from epdserve.client import FileId  # noqa: E402
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc  # noqa: E402
 from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
 from tests.entrypoints.http_harness import RunningFront, data_url  # noqa: E402
-from tests.scheduler.harness import image, start_scheduler, wait_until  # noqa: E402
+from tests.scheduler.harness import await_instances, image, start_scheduler, stop_processes, wait_until  # noqa: E402
 from tests.scheduler.test_scheduler_disaggregated import _INSTANCE_MAIN  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -35,21 +35,13 @@ def deployment(qwen2_vl_tiny):
         for iid, roles in (("e0", "E"), ("pd0", "PD"))]
     front = None
     try:
-        wait_until(lambda: len(sched.call(sched.server.registry.records)) == 2 or
-                   any(p.poll() is not None for p in procs), 300, "two instances to register")
-        assert all(p.poll() is None for p in procs), "an instance process died at start"
+        await_instances(sched, procs, 2)
         front = RunningFront(sched)
         yield sched, front, store
     finally:
         if front is not None:
             front.stop()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         sched.stop()
         store.stop()
 
