@@ -229,7 +229,11 @@ def test_named_tool_choice_is_a_structured_output_on_its_parameters(deployed):
                                               max_tokens=200, stream=True))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert calls[0].function.name == "get_weather" and all(tc.index == 0 for tc in calls)
-    assert "".join(tc.function.arguments or "" for tc in calls) == call.function.arguments  # greedy: the same
+    # the streamed deltas assemble into one call on the same schema (not compared to the letter: the
+    # second request reuses the first's cached prefix, and on the random-weight model the enum's
+    # values can be a near-tie that a cached prefix's last-bit differences flip; CI saw "C" vs "F")
+    jsonschema.validate(json.loads("".join(tc.function.arguments or "" for tc in calls)),
+                        WEATHER["function"]["parameters"])
 
 
 def test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders(deployed):
