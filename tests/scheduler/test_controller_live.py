@@ -75,8 +75,13 @@ def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplo
             t = threading.Thread(target=traffic)
             t.start()
             try:
-                wait_until(lambda: any(d.outcome is Outcome.MOVE for d in controller.decisions), timeout_s=120,
-                           what="a move")
+                moves = []  # kept as seen: `decisions` holds only the recent ones, a long run pushes the move out
+
+                def moved() -> bool:
+                    moves.extend(sched.call(lambda: [d for d in controller.decisions if d.outcome is Outcome.MOVE]))
+                    return bool(moves)
+
+                wait_until(moved, timeout_s=120, what="a move")
                 def switched(now) -> bool:  # one roster snapshot: roles and draining as of the same moment
                     return sorted(s.roles for s in now.values()) != before and not any(s.draining for s in now.values())
 
@@ -88,7 +93,7 @@ def test_the_controller_moves_an_instance_and_loses_nothing(qwen2_vl_tiny, caplo
                 t.join(300)
             assert not t.is_alive() and errors == []
             assert sorted(outs) == sent  # every request sent was answered
-            move = next(d for d in controller.decisions if d.outcome is Outcome.MOVE)
+            move = moves[0]
             assert move.reason and move.move.from_roles != move.move.to_roles
             assert len(roster(sched)) == 3 and outs
             for j, tokens in outs.items():
