@@ -6,6 +6,7 @@ import asyncio
 import base64
 import http.client
 import json
+from contextlib import contextmanager
 
 from epdserve.entrypoints.http import HttpFront, HttpOptions
 from epdserve.metrics import ServingMetrics
@@ -26,6 +27,31 @@ def metered_scheduler(model_dir, instances=(), **overrides) -> tuple[SchedulerTh
     wait_until(lambda: want <= {r.instance_id for r in sched.call(sched.server.registry.records)},
                what="instances to join")
     return sched, metrics
+
+
+@contextmanager
+def metered_deployment(model_dir, instances, served_model_name: str = "tiny-vl"):
+    """A metered scheduler, in-process `InstanceHost`s for `instances` ((instance id, roles) each;
+    4 MiB of KV cache) and an HTTP front: yields (scheduler, front); stops all of it after."""
+    from epdserve.instance.config import InstanceConfig
+    from epdserve.instance.host import InstanceHost
+
+    sched, metrics = metered_scheduler(model_dir, heartbeat_interval_s=0.2)
+    hosts, front = [], None
+    try:
+        for iid, roles in instances:
+            hosts.append(InstanceHost(InstanceConfig(
+                roles=roles, model=str(model_dir), scheduler=sched.server.internal_address,
+                instance_id=iid, kv_cache_bytes=4 << 20)).start())
+        wait_until(lambda: len(sched.call(sched.server.registry.records)) == len(hosts), 120, "instances to register")
+        front = RunningFront(sched, metrics, served_model_name=served_model_name)
+        yield sched, front
+    finally:
+        if front is not None:
+            front.stop()
+        for h in hosts:
+            h.stop()
+        sched.stop()
 
 
 class RunningFront:

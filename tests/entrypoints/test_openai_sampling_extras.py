@@ -24,11 +24,9 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from epdserve import AsyncClient, Client
-from epdserve.instance.config import InstanceConfig
-from epdserve.instance.host import InstanceHost
 from epdserve.model.loader import load_checkpoint
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
-from tests.entrypoints.http_harness import RunningFront, metered_scheduler
+from tests.entrypoints.http_harness import metered_deployment
 from tests.instance.harness import wait_until
 
 MODES = {"monolithic": (("epd0", "EPD"),), "P-D": (("p0", "P+E"), ("d0", "D"))}
@@ -39,23 +37,9 @@ BLOCK = 16  # the CPU platform's KV block size
 
 @pytest.fixture(scope="module", params=sorted(MODES))
 def deployment(request, qwen2_vl_tiny):
-    sched, metrics = metered_scheduler(qwen2_vl_tiny, heartbeat_interval_s=0.2)
-    hosts, front = [], None
-    try:
-        for iid, roles in MODES[request.param]:
-            hosts.append(InstanceHost(InstanceConfig(
-                roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
-                instance_id=iid, kv_cache_bytes=4 << 20)).start())
-        wait_until(lambda: len(sched.call(sched.server.registry.records)) == len(hosts), 120, "instances to register")
-        front = RunningFront(sched, metrics, served_model_name="tiny-vl")
-        with openai.OpenAI(base_url=front.base_url, api_key="none", max_retries=0, timeout=120) as oai:
-            yield sched, oai
-    finally:
-        if front is not None:
-            front.stop()
-        for h in hosts:
-            h.stop()
-        sched.stop()
+    with metered_deployment(qwen2_vl_tiny, MODES[request.param]) as (sched, front), \
+            openai.OpenAI(base_url=front.base_url, api_key="none", max_retries=0, timeout=120) as oai:
+        yield sched, oai
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve import Client
-from epdserve.instance.config import InstanceConfig
-from epdserve.instance.host import InstanceHost
-from tests.entrypoints.http_harness import RunningFront, data_url, metered_scheduler
+from tests.entrypoints.http_harness import data_url, metered_deployment
 from tests.instance.harness import image, wait_until
 
 LONG = "You are a careful assistant who describes pictures in plain words for the user. " * 3
@@ -27,23 +25,8 @@ MODES = {"monolithic": (("epd0", "EPD"),), "P-D": (("p0", "P+E"), ("d0", "D"))}
 
 @pytest.fixture(scope="module", params=sorted(MODES))
 def deployment(request, qwen2_vl_tiny):
-    sched, metrics = metered_scheduler(qwen2_vl_tiny, heartbeat_interval_s=0.2)
-    hosts = []
-    front = None
-    try:
-        for iid, roles in MODES[request.param]:
-            hosts.append(InstanceHost(InstanceConfig(
-                roles=roles, model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
-                instance_id=iid, kv_cache_bytes=4 << 20)).start())
-        wait_until(lambda: len(sched.call(sched.server.registry.records)) == len(hosts), 120, "instances to register")
-        front = RunningFront(sched, metrics, served_model_name="tiny-vl")
+    with metered_deployment(qwen2_vl_tiny, MODES[request.param]) as (sched, front):
         yield sched, front, MODES[request.param][0][0]
-    finally:
-        if front is not None:
-            front.stop()
-        for h in hosts:
-            h.stop()
-        sched.stop()
 
 
 def _scrape(url: str) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
@@ -18,6 +19,27 @@ def wait_until(cond, timeout_s: float = 30.0, what: str = "condition"):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# `epdserve instance ...` without relying on the top-level CLI's command list
+INSTANCE_MAIN = (
+    "import argparse, logging, sys\n"
+    "from epdserve.entrypoints import instance_cli\n"
+    "p = argparse.ArgumentParser(); sub = p.add_subparsers(dest='command'); instance_cli.add_parser(sub)\n"
+    "a = p.parse_args(['instance', *sys.argv[1:]])\n"
+    "logging.basicConfig(level='WARNING')\n"
+    "sys.exit(a.func(a))\n"
+)
+
+
+def spawn_instance(model_dir, sched: SchedulerThread, mm_store_url: str, instance_id: str, roles: str,
+                   *extra: str) -> subprocess.Popen:
+    """An `epdserve instance` process registering with `sched`, on the MM Store at `mm_store_url`
+    (32 MiB of KV cache, no core split; `extra`: more flags), its output discarded."""
+    return subprocess.Popen(
+        [sys.executable, "-c", INSTANCE_MAIN, "--roles", roles, "--model", str(model_dir), "--scheduler",
+         sched.server.internal_address, "--mm-store", mm_store_url, "--instance-id", instance_id, "--kv-cache-mb", "32",
+         "--no-core-split", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def await_instances(sched: SchedulerThread, procs, n: int, timeout_s: float = 300.0) -> None:

@@ -5,8 +5,6 @@ the prompt up to that image meanwhile, recomputes it after its bounded wait: the
 completes with the offline engine's greedy tokens, its timing shows prefill started before the
 last encode ended, and the other E still serves."""
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,8 +13,7 @@ import pytest
 from epdserve import Client  # noqa: E402
 from epdserve.model.demo_images import jpeg_bytes, procedural_image  # noqa: E402
 from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
-from tests.scheduler.harness import PH, await_instances, image, start_scheduler, stop_processes, wait_until  # noqa: E402
-from tests.scheduler.test_scheduler_disaggregated import _INSTANCE_MAIN  # noqa: E402
+from tests.scheduler.harness import PH, await_instances, image, spawn_instance, start_scheduler, stop_processes, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +24,7 @@ def deployment(qwen2_vl_tiny):
     sched = start_scheduler(qwen2_vl_tiny, [])
     procs = {}
     for iid, roles in (("e0", "E"), ("e1", "E"), ("p0", "P"), ("d0", "D")):
-        procs[iid] = subprocess.Popen(
-            [sys.executable, "-c", _INSTANCE_MAIN, "--roles", roles, "--model", str(qwen2_vl_tiny), "--scheduler",
-             sched.server.internal_address, "--mm-store", store.url, "--instance-id", iid, "--kv-cache-mb", "32",
-             "--no-core-split", "--feature-wait-s", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs[iid] = spawn_instance(qwen2_vl_tiny, sched, store.url, iid, roles, "--feature-wait-s", "2")
     try:
         await_instances(sched, list(procs.values()), 4)
         yield sched, procs

@@ -3,8 +3,6 @@ Store (valkey) and a real P->D KV transfer: greedy outputs equal the offline eng
 image twice is served from the MM Store, a cancelled stream frees KV on P and D, and a D killed
 mid-run loses no request."""
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -16,20 +14,9 @@ from epdserve import Client
 from epdserve.metrics.serving import ServingMetrics
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
 from epdserve.transfer.mm_store.server import LocalRedisServer
-from tests.scheduler.harness import PH, await_instances, image, mixed_prompts, start_scheduler, stop_processes, wait_until
+from tests.scheduler.harness import PH, await_instances, image, mixed_prompts, spawn_instance, start_scheduler, stop_processes, wait_until
 
 pytestmark = pytest.mark.slow
-
-# `epdserve instance ...` without relying on the top-level CLI's command list
-_INSTANCE_MAIN = (
-    "import argparse, logging, sys\n"
-    "from epdserve.entrypoints import instance_cli\n"
-    "p = argparse.ArgumentParser(); sub = p.add_subparsers(dest='command'); instance_cli.add_parser(sub)\n"
-    "a = p.parse_args(['instance', *sys.argv[1:]])\n"
-    "logging.basicConfig(level='WARNING')\n"
-    "sys.exit(a.func(a))\n"
-)
-
 
 @pytest.fixture(scope="module")
 def deployment(qwen2_vl_tiny):
@@ -37,10 +24,7 @@ def deployment(qwen2_vl_tiny):
     sched = start_scheduler(qwen2_vl_tiny, [], observer=ServingMetrics())
     procs = {}
     for iid, roles in (("e0", "E"), ("p0", "P"), ("d0", "D"), ("d1", "D")):
-        procs[iid] = subprocess.Popen(
-            [sys.executable, "-c", _INSTANCE_MAIN, "--roles", roles, "--model", str(qwen2_vl_tiny), "--scheduler",
-             sched.server.internal_address, "--mm-store", store.url, "--instance-id", iid, "--kv-cache-mb", "32", "--no-core-split"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs[iid] = spawn_instance(qwen2_vl_tiny, sched, store.url, iid, roles)
     try:
         await_instances(sched, list(procs.values()), 4)
         yield sched, procs

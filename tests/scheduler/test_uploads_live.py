@@ -4,8 +4,6 @@ greedy tokens equal to the same chat carrying the image's bytes, the features re
 store (E was not asked again) — gets and deletes it (then 404). Features gone from the store
 while the file lives are recomputed from the kept bytes (same tokens). The gRPC UploadMedia and
 `Media.file_id` do the same."""
-import subprocess
-import sys
 
 import grpc
 import openai
@@ -18,8 +16,7 @@ from epdserve.client import FileId  # noqa: E402
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc  # noqa: E402
 from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
 from tests.entrypoints.http_harness import RunningFront, data_url  # noqa: E402
-from tests.scheduler.harness import await_instances, image, start_scheduler, stop_processes, wait_until  # noqa: E402
-from tests.scheduler.test_scheduler_disaggregated import _INSTANCE_MAIN  # noqa: E402
+from tests.scheduler.harness import await_instances, image, spawn_instance, start_scheduler, stop_processes, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +25,7 @@ pytestmark = pytest.mark.slow
 def deployment(qwen2_vl_tiny):
     store = LocalRedisServer().start()
     sched = start_scheduler(qwen2_vl_tiny, [])
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", _INSTANCE_MAIN, "--roles", roles, "--model", str(qwen2_vl_tiny), "--scheduler",
-         sched.server.internal_address, "--mm-store", store.url, "--instance-id", iid, "--kv-cache-mb", "32",
-         "--no-core-split"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for iid, roles in (("e0", "E"), ("pd0", "PD"))]
+    procs = [spawn_instance(qwen2_vl_tiny, sched, store.url, iid, roles) for iid, roles in (("e0", "E"), ("pd0", "PD"))]
     front = None
     try:
         await_instances(sched, procs, 2)

@@ -27,9 +27,8 @@ KEY, SCRAPE = "sk-fence-test", "scrape-fence-test"
 
 
 @pytest.fixture(autouse=True)
-def _no_env_secrets(monkeypatch):
-    for name in ("EPDSERVE_API_KEY", "EPDSERVE_CLUSTER_TOKEN", "EPDSERVE_METRICS_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
+def _no_env_secrets(no_env_secrets):
+    """Every test here runs without credentials from the environment (conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,8 @@ GREEDY = {"max_tokens": 2, "ignore_eos": True}
 
 
 @pytest.fixture(autouse=True)
-def _no_env_secrets(monkeypatch):
-    for name in ("EPDSERVE_API_KEY", "EPDSERVE_CLUSTER_TOKEN", "EPDSERVE_METRICS_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
+def _no_env_secrets(no_env_secrets):
+    """Every test here runs without credentials from the environment (conftest.py)."""
 
 
 @pytest.fixture(scope="module")
