@@ -90,15 +90,19 @@ def test_one_of_two_d_killed_mid_run_every_request_completes(deployment, offline
     sched, procs = deployment
     prompts = [(f"Survive {i} {PH}" if i % 2 else f"Survive {i}", [image(i)] if i % 2 else []) for i in range(8)]
     with Client(sched.address, timeout=300) as c:
-        streams = [c.generate_stream(p, images=im, max_tokens=40, ignore_eos=True) for p, im in prompts]
+        streams = [c.generate_stream(p, images=im, max_tokens=200, ignore_eos=True) for p, im in prompts]
         got = [list(next(s).token_ids) + list(next(s).token_ids) for s in streams]  # all past the first decode
-        assert _load(sched, "d0").running_requests > 0  # d0 decodes some of them: killing it cuts them off
-        procs["d0"].send_signal(signal.SIGKILL)
+        # the router may place all eight on one D (cache-aware routing): kill whichever decodes more
+        running = {iid: _load(sched, iid).running_requests for iid in ("d0", "d1")}
+        victim = max(running, key=running.get)
+        survivor = "d1" if victim == "d0" else "d0"
+        assert running[victim] > 0  # the victim decodes some of them: killing it cuts them off
+        procs[victim].send_signal(signal.SIGKILL)
         for s, toks in zip(streams, got):
             for d in s:
                 toks.extend(d.token_ids)
     for (p, im), toks in zip(prompts, got):
-        assert toks == offline(p, im, 40, ignore_eos=True)
+        assert toks == offline(p, im, 200, ignore_eos=True)
     metrics = sched.server.observer
-    assert metrics.registry.get_sample_value("epdserve:request_retries_total") >= 1  # d0's requests moved to d1
-    assert sched.call(lambda: sched.server.registry.get("d1").health) == 1  # HEALTHY
+    assert metrics.registry.get_sample_value("epdserve:request_retries_total") >= 1  # the victim's requests moved
+    assert sched.call(lambda: sched.server.registry.get(survivor).health) == 1  # HEALTHY
