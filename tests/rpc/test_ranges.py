@@ -1,11 +1,10 @@
 """`epdserve.rpc.ranges`, the numeric rules both fronts share: what each rule says, that a value
 on each side of every bound is judged right, NaN and infinity refused, token ids judged whatever
-their size (Python ints past int64 included), the first bad one named by its index, and a prompt
-of a million ids checked in milliseconds (the dispatcher runs it on the event loop)."""
+their size (Python ints past int64 included), the first bad one named by its index, also in a prompt
+of a million ids (how fast that is: benchmarks/range_check.py; timers stay out of tests)."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -78,16 +77,10 @@ def test_token_ids_any_size_first_bad_named():
         check_sampling(common_pb2.SamplingParams(stop_token_ids=[2, -2]))
 
 
-def test_a_million_prompt_ids_take_milliseconds():
+def test_a_million_prompt_ids_are_checked_and_the_first_bad_one_named():
     req = serve_pb2.GenerateRequest(resume_token_ids=[1, 2])
     req.prompt_token_ids.ids.extend(range(1 << 20))
-    t = time.perf_counter()
-    check_request(req, vocab_size=1 << 20)
-    took = time.perf_counter() - t
-    t = time.perf_counter()
-    assert not [x for x in req.prompt_token_ids.ids if not 0 <= x < 1 << 20]  # the Python loop it replaced
-    loop = time.perf_counter() - t
-    assert took < loop / 5, (took, loop)  # ~2 ms against ~100 (compared, not absolute: CI machines are busy)
+    check_request(req, vocab_size=1 << 20)  # every id in range: passes
     req.prompt_token_ids.ids.append(1 << 20)
     with pytest.raises(RangeError, match=rf"^prompt_token_ids\[{1 << 20}\] "):
         check_request(req, vocab_size=1 << 20)
