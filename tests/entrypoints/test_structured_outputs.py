@@ -1,12 +1,13 @@
-"""Structured outputs through real deployments (`epdserve launch`, monolithic and P-D, tiny
-random-weight demo model): greedy output under a JSON-schema grammar equals transformers'
-`generate` with xgrammar's own logits processor (xgrammar.contrib.hf) applying the same grammar,
-token for token, in both modes (in P-D, P masks the first token and D replays it into a fresh
-matcher); 20 requests (half with an image) through the official `openai` client are all valid
+"""Structured outputs through real deployments (`epdserve launch`, each of the six modes of
+`epdserve.instance.modes.MODES`, tiny random-weight demo model): greedy output under a JSON-schema
+grammar equals transformers' `generate` with xgrammar's own logits processor
+(xgrammar.contrib.hf) applying the same grammar, token for token, in every mode (in the split
+modes P masks the first token and D replays it into a fresh matcher); 20 requests (half with an image) through the official `openai` client are all valid
 under `jsonschema` and end with `stop` (the matcher reached an accepting state); the client's
 `chat.completions.parse` with a pydantic model returns the parsed object; vLLM's extras
 (`structured_outputs`, `guided_choice`, `guided_regex`) and gRPC's `structured` keyword work;
-a bad constraint is a 400 naming its field."""
+a bad constraint is a 400 naming its field; the README's OpenAI examples and docs/openai.md's
+run as pasted against the P-D deployment."""
 from __future__ import annotations
 
 import base64
@@ -28,6 +29,7 @@ import pydantic
 from epdserve import Client
 from epdserve.client.messages import build_request
 from epdserve.engine.grammar import tokenizer_info
+from epdserve.instance.modes import MODES
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.loader import eos_token_ids
 from epdserve.model.reference import ReferenceGenerator
@@ -38,6 +40,8 @@ pytestmark = pytest.mark.slow
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_MARK = "<!-- openai-examples:"  # the README's OpenAI examples: its python blocks up to the next heading
 MODEL = "demo"  # the docs' --served-model-name
 READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) .* http=(?P<http>http://\S+)")
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -64,9 +68,17 @@ def _docs_blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", DOCS.read_text(), re.S)
 
 
-@pytest.fixture(scope="module", params=["monolithic", "P-D"])
+def _readme_examples() -> list[str]:
+    """The python blocks after the README's marker, up to the next heading."""
+    text = README.read_text()
+    start = text.index(README_MARK)
+    end = text.find("\n#", start)
+    return re.findall(r"```python\n(.*?)```", text[start:end if end != -1 else None], re.S)
+
+
+@pytest.fixture(scope="module", params=MODES)
 def deployed(request, qwen2_vl_tiny):
-    """docs/openai.md's launch line (P-D; the other mode's config in its place), on the tiny model
+    """docs/openai.md's launch line (P-D; each other mode's config in its place), on the tiny model
     and free ports."""
     line = next(x for lang, code in _docs_blocks() if lang == "bash" for x in code.splitlines()
                 if x.startswith("epdserve launch "))
@@ -267,3 +279,24 @@ def test_docs_examples_run_as_pasted(deployed):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.strip(), code  # every block prints what it got
+
+
+def test_readme_openai_examples_run_as_pasted(deployed):
+    """The README's OpenAI examples (structured outputs in every spelling, parse with a pydantic
+    model, n with logprobs, penalties and logit_bias, a named tool call, the refusals), pasted in
+    order into one process, against this P-D deployment: each block asserts what it shows, so a
+    claim that stops holding fails here. Substitutions: the address, and the README launch's model
+    id (/tmp/demo) for this deployment's served name."""
+    mode, _, _, http = deployed
+    if mode != "P-D":
+        pytest.skip("one split mode runs the README's examples")
+    blocks = _readme_examples()
+    assert len(blocks) >= 6 and all("assert " in b and "print(" in b for b in blocks), blocks
+    code = "\n".join(blocks).replace("http://127.0.0.1:8000", http).replace('"/tmp/demo"', f'"{MODEL}"')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPDSERVE_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    for field in ("best_of", "echo", "suffix", "tool_choice", "n", "top_logprobs"):  # the refusals the README lists
+        assert f"\n{field} -> 400 " in "\n" + out, out
+    assert "get_weather" in out and "kind=<Kind." in out, out
