@@ -101,22 +101,15 @@ class GrammarState:
             if self.matcher.is_terminated() or self.rejected:
                 break
             if not self.matcher.accept_token(output_token_ids[i]):
-                # cannot happen for tokens sampled under this grammar; a peer that compiled the
-                # grammar differently (another tokenizer) could: the request is ended (stop tokens only)
-                self.rejected = f"output token {i} ({output_token_ids[i]}) does not follow the grammar"
-                log.error("structured output: %s; ending the request", self.rejected)
+                self.reject(i, output_token_ids[i])
         self.accepted = len(output_token_ids)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of `bitmask`: the tokens allowed next. A terminated matcher (it accepted a
-        stop token and ignore_eos goes on) or a rejected replay allows the stop tokens only."""
-        if not self.rejected and not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-            return
-        bitmask[row].zero_()
-        for t in self.matcher.stop_token_ids:
-            bit = t % 32
-            bitmask[row, t // 32] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32's sign bit
+    def reject(self, i: int, token: int) -> None:
+        """Output token `i` was refused: cannot happen for tokens sampled under this grammar; a
+        peer that compiled the grammar differently (another tokenizer) could. The request is
+        ended (stop tokens only)."""
+        self.rejected = f"output token {i} ({token}) does not follow the grammar"
+        log.error("structured output: %s; ending the request", self.rejected)
 
     @property
     def completed(self) -> bool:
@@ -172,18 +165,107 @@ class GrammarBackend:
             raise InvalidRequestError(_why(c, e)) from None
 
 
-def mask_logits(logits: torch.Tensor, rows: list[tuple[int, GrammarState, list[int]]]) -> None:
-    """In place: each (row, state, output tokens so far) of `logits` [N, V] keeps only the tokens
-    its grammar allows next (the others become -inf)."""
-    if not rows:
+class TokenMasker:
+    """One engine's grammar mask: a bitmask preallocated once (xgrammar's layout, on the host,
+    grown only if a step samples more rows than it has) that xgrammar's batched fill writes and
+    xgrammar's kernel applies. `backend`: "cpu" (xgrammar's C++ kernel) for CPU logits, "triton"
+    for CUDA logits when triton is installed, else "torch_native" (xgrammar's plain torch ops:
+    shift, and, masked_fill — NPU and any other device; its own "auto" would pick torch.compile
+    for devices it does not know). Off the CPU the bitmask is copied into a device twin (one copy
+    of the step's rows)."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", rows: int = 8,
+                 backend: str | None = None, max_threads: int | str = "auto"):
+        import xgrammar as xgr
+
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.backend = backend or _backend_for(self.device)
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+        self._stop_rows: dict[tuple[int, ...], torch.Tensor] = {}  # stop-only rows, per stop set
+        self._alloc(rows)
+
+    def _alloc(self, rows: int) -> None:
+        import xgrammar as xgr
+
+        self.bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)
+        if self.device.type == "cuda":
+            self.bitmask = self.bitmask.pin_memory()
+        self._device_bitmask = None if self.device.type == "cpu" else torch.empty_like(self.bitmask, device=self.device)
+
+    def __call__(self, logits: torch.Tensor, rows: list[tuple[int, "GrammarState", list[int]]]) -> None:
+        """In place: each (row, state, output tokens so far) of `logits` [N, V] keeps only the
+        tokens its grammar allows next (the others become -inf)."""
+        if not rows:
+            return
+        n = logits.shape[0]
+        if n > self.bitmask.shape[0]:
+            self._alloc(max(n, 2 * self.bitmask.shape[0]))
+        sync_states(rows)
+        live, live_rows = [], []
+        for r, state, _ in rows:
+            if state.rejected or state.matcher.is_terminated():
+                self.bitmask[r].copy_(self._stop_row(state.matcher.stop_token_ids))
+            else:
+                live.append(state.matcher)
+                live_rows.append(r)
+        if live:
+            self._batch.batch_fill_next_token_bitmask(live, self.bitmask, live_rows)
+        import xgrammar as xgr
+
+        bitmask = self.bitmask
+        if self._device_bitmask is not None:
+            self._device_bitmask[:n].copy_(self.bitmask[:n], non_blocking=True)
+            bitmask = self._device_bitmask
+        xgr.apply_token_bitmask_inplace(logits, bitmask[:n], vocab_size=min(self.vocab_size, logits.shape[-1]),
+                                        indices=[r for r, _, _ in rows], backend=self.backend)
+
+    def _stop_row(self, stop_ids) -> torch.Tensor:
+        key = tuple(stop_ids)
+        row = self._stop_rows.get(key)
+        if row is None:
+            row = self._stop_rows[key] = torch.zeros(self.bitmask.shape[1], dtype=torch.int32)
+            for t in key:
+                bit = t % 32
+                row[t // 32] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32's sign bit
+        return row
+
+
+def _backend_for(device: torch.device) -> str:
+    """xgrammar's kernel for logits on `device` (see TokenMasker)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        import importlib.util
+
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch_native"
+    return "torch_native"
+
+
+def sync_states(rows: list[tuple[int, "GrammarState", list[int]]]) -> None:
+    """Every state fed the output tokens it has not seen: the usual step's one new token per
+    live matcher in one batched call (xgrammar's batch_accept_token); a state already in sync
+    costs a comparison; anything else (a replay, a terminated or rejected matcher) through
+    `GrammarState.sync`."""
+    import xgrammar as xgr
+
+    one, tokens = [], []
+    for _, state, out in rows:
+        behind = len(out) - state.accepted
+        if behind == 1 and not state.rejected and not state.matcher.is_terminated():
+            one.append(state)
+            tokens.append(out[-1])
+        elif behind:
+            state.sync(out)
+    if not one:
         return
-    n, vocab = len(rows), logits.shape[-1]
-    bitmask = torch.zeros((n, (vocab + 31) // 32), dtype=torch.int32)
-    for i, (_, state, tokens) in enumerate(rows):
-        state.sync(tokens)
-        state.fill(bitmask, i)
-    dev = logits.device
-    bits = torch.arange(32, dtype=torch.int32, device=dev)
-    allowed = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab]
-    idx = torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=dev)
-    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(allowed == 0, float("-inf")))
+    for state, ok, tok in zip(one, xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in one], tokens),
+                              tokens):
+        if not ok:
+            state.reject(state.accepted, tok)
+        state.accepted += 1
+
+
+def mask_logits(logits: torch.Tensor, rows: list[tuple[int, GrammarState, list[int]]]) -> None:
+    """`TokenMasker` for one call (tests, tools): allocates its bitmask each time; an engine keeps one."""
+    if rows:
+        TokenMasker(logits.shape[-1], logits.device, rows=logits.shape[0])(logits, rows)

@@ -22,7 +22,7 @@ from array import array
 
 import torch
 
-from epdserve.engine.grammar import mask_logits
+from epdserve.engine.grammar import TokenMasker
 from epdserve.engine.graph_runner import DecodeGraphs
 from epdserve.engine.kv_cache import PagedKVCache
 from epdserve.engine.lm.forward import LeanLM
@@ -64,6 +64,8 @@ class ModelRunner:
         self.buffers = StepBuffers(self.device, platform)
         self.inputs_s = 0.0
         self.graphs: DecodeGraphs | None = None
+        self.masker: TokenMasker | None = None  # structured outputs' bitmask, built at the first grammar
+        self._max_batch = max_batch
         moe = any(w.moe is not None for w in lm.layers)
         if platform.has_graphs and not enforce_eager and not moe and not _layerwise(connector):
             bs = kv_cache.spec.block_size
@@ -211,8 +213,7 @@ class ModelRunner:
         layers = [torch.cat([f[i] for f in per_item]).to(dev, dtype) for i in range(len(per_item[0]))]
         return torch.tensor(rows, dtype=torch.long, device=dev), layers
 
-    @staticmethod
-    def _sample_rows(batch: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor) -> list[int | None]:
+    def _sample_rows(self, batch: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor) -> list[int | None]:
         """Raw log probabilities (for the rows that ask), then bias and penalties, then sampling;
         each item's `TokenLogprob` lands on it (`ScheduledSeq.logprob`)."""
         result: list[int | None] = [None] * len(batch)
@@ -220,7 +221,11 @@ class ModelRunner:
         want = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
         lp = log_probs(logits, want)  # raw: before bias, penalties, the grammar's mask and temperature
         apply_processors(logits, seqs)
-        mask_logits(logits, [(j, s.grammar, s.output_token_ids) for j, s in enumerate(seqs) if s.grammar is not None])
+        grammars = [(j, s.grammar, s.output_token_ids) for j, s in enumerate(seqs) if s.grammar is not None]
+        if grammars:
+            if self.masker is None:
+                self.masker = TokenMasker(logits.shape[-1], logits.device, rows=self._max_batch)
+            self.masker(logits, grammars)
         toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for k, t in zip(sampling, toks):
             result[k] = t
