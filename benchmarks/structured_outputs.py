@@ -128,14 +128,16 @@ def throughput(model: str, batch: int, tokens: int, rounds: int) -> dict:
 
 
 def mask_cost(model: str, batch: int, steps: int = 64, repeats: int = 5) -> dict:
-    """The grammar's own work per decode step at `batch` rows: sync (accept the last token), fill
-    the bitmask, apply it (engine/grammar.py mask_logits), on random logits — no model. The token
-    taken is an alphabetic one where the grammar allows one, so each row stays inside FREE_TEXT's
-    string (the state with the most tokens to check) instead of closing it early."""
+    """The grammar's own work per decode step at `batch` rows, no model, on random logits, split
+    as the engine runs it (engine/grammar.py TokenMasker, one per engine): sync (each matcher
+    accepts the token sampled last step), fill (xgrammar's batched bitmask fill), apply
+    (xgrammar's CPU kernel). The token taken is an alphabetic one where the grammar allows one,
+    so each row stays inside FREE_TEXT's string (the state with the most tokens to check)
+    instead of closing it early."""
     import torch
 
     from epdserve import LLM
-    from epdserve.engine.grammar import mask_logits
+    from epdserve.engine.grammar import TokenMasker, sync_states
     from epdserve.engine.structured_output import StructuredOutput
 
     eng = LLM(model=model, device="cpu").engine
@@ -144,26 +146,39 @@ def mask_cost(model: str, batch: int, steps: int = 64, repeats: int = 5) -> dict
     gen = torch.Generator().manual_seed(0)
     tok = eng.tokenizer
     wordy = torch.tensor([tok.convert_ids_to_tokens(i).isalpha() if i < len(tok) else False for i in range(vocab)])
-    per_step, cpu_per_step = [], []
+    masker = TokenMasker(vocab, "cpu", rows=batch)
+    parts = ("sync", "fill", "apply")
+    wall: dict[str, list[float]] = {p: [] for p in parts}
+    cpu: dict[str, list[float]] = {p: [] for p in parts}
     for _ in range(repeats):
         states = [eng.grammars.matcher(c) for _ in range(batch)]
         outs: list[list[int]] = [[] for _ in range(batch)]
-        t = cpu = 0.0
+        t = dict.fromkeys(parts, 0.0)
+        tc = dict.fromkeys(parts, 0.0)
         for _ in range(steps):
             logits = torch.randn(batch, vocab, generator=gen)
-            t0, c0 = time.perf_counter(), time.process_time()
-            mask_logits(logits, [(i, s, o) for i, (s, o) in enumerate(zip(states, outs))])
-            t += time.perf_counter() - t0
-            cpu += time.process_time() - c0
+            rows = [(i, s, o) for i, (s, o) in enumerate(zip(states, outs))]
+            for part, fn in (("sync", lambda: sync_states(rows)), ("fill", lambda: masker.fill(rows, batch)),
+                             ("apply", lambda: masker.apply(logits, rows))):
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                t[part] += time.perf_counter() - t0
+                tc[part] += time.process_time() - c0
             for o, token in zip(outs, (logits + 100.0 * wordy).argmax(-1).tolist()):
                 o.append(token)
-        per_step.append(t / steps * 1e3)
-        cpu_per_step.append(cpu / steps * 1e3)
+        for p in parts:
+            wall[p].append(t[p] / steps * 1e3)
+            cpu[p].append(tc[p] / steps * 1e3)
+    total = [sum(wall[p][i] for p in parts) for i in range(repeats)]
+    total_cpu = [sum(cpu[p][i] for p in parts) for i in range(repeats)]
+
+    def med(xs):
+        return round(statistics.median(xs), 3)
+
     return {"part": "mask", "batch": batch, "vocab": vocab, "steps": steps, "repeats": repeats,
-            "ms_per_step": round(statistics.median(per_step), 3),
-            "range": [round(min(per_step), 3), round(max(per_step), 3)],
-            "cpu_ms_per_step": round(statistics.median(cpu_per_step), 3),
-            "cpu_range": [round(min(cpu_per_step), 3), round(max(cpu_per_step), 3)]}
+            "ms_per_step": med(total), "range": [round(min(total), 3), round(max(total), 3)],
+            "cpu_ms_per_step": med(total_cpu), "cpu_range": [round(min(total_cpu), 3), round(max(total_cpu), 3)],
+            **{f"{p}_ms": med(wall[p]) for p in parts}, **{f"{p}_cpu_ms": med(cpu[p]) for p in parts}}
 
 
 def compile_cost(model: str, repeats: int = 5) -> dict:

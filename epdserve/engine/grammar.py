@@ -195,12 +195,16 @@ class TokenMasker:
     def __call__(self, logits: torch.Tensor, rows: list[tuple[int, "GrammarState", list[int]]]) -> None:
         """In place: each (row, state, output tokens so far) of `logits` [N, V] keeps only the
         tokens its grammar allows next (the others become -inf)."""
-        if not rows:
-            return
-        n = logits.shape[0]
+        if rows:
+            sync_states(rows)
+            self.fill(rows, logits.shape[0])
+            self.apply(logits, rows)
+
+    def fill(self, rows: list[tuple[int, "GrammarState", list[int]]], n: int) -> None:
+        """The bitmask's rows for synced states (of a step with `n` logits rows): xgrammar's
+        batched fill for the live matchers, the stop-only row for terminated / rejected ones."""
         if n > self.bitmask.shape[0]:
             self._alloc(max(n, 2 * self.bitmask.shape[0]))
-        sync_states(rows)
         live, live_rows = [], []
         for r, state, _ in rows:
             if state.rejected or state.matcher.is_terminated():
@@ -210,9 +214,12 @@ class TokenMasker:
                 live_rows.append(r)
         if live:
             self._batch.batch_fill_next_token_bitmask(live, self.bitmask, live_rows)
+
+    def apply(self, logits: torch.Tensor, rows: list[tuple[int, "GrammarState", list[int]]]) -> None:
+        """The filled rows applied to `logits` (on its device, with `backend`'s kernel)."""
         import xgrammar as xgr
 
-        bitmask = self.bitmask
+        n, bitmask = logits.shape[0], self.bitmask
         if self._device_bitmask is not None:
             self._device_bitmask[:n].copy_(self.bitmask[:n], non_blocking=True)
             bitmask = self._device_bitmask
