@@ -10,9 +10,9 @@ request, the allowed-token bitmask applied to the logits before sampling.
 - `GrammarBackend`: one engine's compiler. `matcher(constraint)` compiles a `StructuredOutput`
   (cached: an LRU keyed by the tokenizer's fingerprint, the kind and the spec text, so a schema
   is compiled once per engine) and returns a fresh `GrammarState`. A constraint xgrammar cannot
-  compile (a bad schema, regex or grammar) raises InvalidRequestError. Compiling runs in the
-  engine's loop, at `add_request`: a new schema costs the step it arrives in its compile time
-  (docs/openai.md measures it). A resumed attempt (a retry elsewhere, or a client's
+  compile (a bad schema, regex or grammar) raises InvalidRequestError. The engine compiles off
+  its loop (engine/grammar_compile.py: `cached`, `compile_uncached` on a worker, `add`, `state`);
+  `compile` / `matcher` are the synchronous path (tools, benchmarks). A resumed attempt (a retry elsewhere, or a client's
   resume_token_ids: the output so far joins the prompt) replays the prompt's last
   `replay_prompt_tokens` into the new matcher. JSON is compact (xgrammar's `any_whitespace=False`, vLLM's
   `disable_any_whitespace`): no whitespace between tokens, so a model cannot spend its tokens on
@@ -23,10 +23,11 @@ request, the allowed-token bitmask applied to the logits before sampling.
   (a fresh matcher replays the tokens so far — exact, and one `accept_token` per replayed
   token). A terminated matcher (it accepted a stop token) ignores what follows and allows only
   stop tokens from then on (with ignore_eos the output goes on with stop tokens to max_tokens).
-- `mask_logits(logits, rows)`: fills the bitmask of each constrained row on the host
-  (xgrammar's fill), uploads it with one copy and applies it with plain torch ops (shift, and,
-  masked_fill): the same code on CPU, CUDA and NPU, one call for every constrained row of the
-  step.
+- `TokenMasker` (one per engine, the model runner's): each step, `sync_states` feeds every
+  matcher its new token (one batched xgrammar call for the usual one token per row), xgrammar's
+  batched fill writes the constrained rows of a bitmask preallocated once, and xgrammar applies
+  it — its C++ kernel on CPU, Triton on CUDA, its plain torch ops (shift, and, masked_fill)
+  on NPU and any other device. `mask_logits(logits, rows)`: the same for one call.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class GrammarState:
     """One request's matcher; `accepted`: how many of its output tokens it has consumed."""
 
     def __init__(self, matcher):
-        self.matcher = matcher
+        self.matcher = matcher  # None while the grammar compiles (engine/grammar_compile.py)
         self.accepted = 0
         self.rejected: str | None = None  # a replayed token the grammar refused (see `sync`)
 
@@ -112,6 +113,11 @@ class GrammarState:
         log.error("structured output: %s; ending the request", self.rejected)
 
     @property
+    def ready(self) -> bool:
+        """The grammar is compiled: the request may be scheduled (engine/scheduler.py checks)."""
+        return self.matcher is not None
+
+    @property
     def completed(self) -> bool:
         """The output so far is a whole sentence of the grammar."""
         return self.matcher.is_terminated() or self.matcher.is_completed()
@@ -127,31 +133,55 @@ class GrammarBackend:
         self._cache: LRUCache = LRUCache(maxsize=cache_size)
         self.compiles = 0  # cache misses (tests, benchmarks)
 
-    def compile(self, c: StructuredOutput):
-        key = (self._fingerprint, c.kind, c.spec)
-        compiled = self._cache.get(key)
-        if compiled is None:
-            compiled = self._cache[key] = self._compile(c)
-            self.compiles += 1
+    def key(self, c: StructuredOutput) -> tuple:
+        return (self._fingerprint, c.kind, c.spec)
+
+    def cached(self, c: StructuredOutput):
+        """The compiled grammar of `c` if it is in the cache, else None."""
+        return self._cache.get(self.key(c))
+
+    def add(self, c: StructuredOutput, compiled):
+        """Cache `compiled` (the grammar of `c`, compiled by `compile_uncached`); returns it."""
+        self._cache[self.key(c)] = compiled
+        self.compiles += 1
         return compiled
+
+    def compile(self, c: StructuredOutput):
+        """The compiled grammar of `c`, from the cache or compiled now (synchronously)."""
+        compiled = self.cached(c)
+        return compiled if compiled is not None else self.add(c, self.compile_uncached(c))
 
     def matcher(self, c: StructuredOutput, replay=()) -> GrammarState:
         """A fresh matcher for `c` that has consumed `replay` (a resumed attempt's output so far,
         the prompt's tail); InvalidRequestError when the grammar refuses one of them."""
+        return self.state(self.compile(c), c, replay)
+
+    @staticmethod
+    def state(compiled, c: StructuredOutput, replay=()) -> GrammarState:
+        """A fresh matcher of the compiled grammar of `c`, `replay` consumed (see `matcher`)."""
         import xgrammar as xgr
 
-        m = xgr.GrammarMatcher(self.compile(c))
+        m = xgr.GrammarMatcher(compiled)
         for i, t in enumerate(replay):
             if not m.is_terminated() and not m.accept_token(int(t)):
                 raise InvalidRequestError(f"resumed output token {i} ({t}) does not follow the {c.kind} structured output")
         return GrammarState(m)
 
-    def _compile(self, c: StructuredOutput):
+    def prepare(self) -> None:
+        """Build the compiler (xgrammar's view of the vocabulary) if not built yet."""
         import xgrammar as xgr
 
         if self._compiler is None:
             info = tokenizer_info(self._tokenizer, self.vocab_size, self._stops)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the LRU above is the cache
+
+    def compile_uncached(self, c: StructuredOutput):
+        """Compile `c` (no cache; safe on a worker thread once `prepare` ran: xgrammar's compile
+        holds no Python state); InvalidRequestError when xgrammar refuses it."""
+        self.prepare()
+        return self._compile(c)
+
+    def _compile(self, c: StructuredOutput):
         try:
             if c.kind in ("json", "json_object"):
                 schema = c.spec if c.kind == "json" else '{"type": "object"}'

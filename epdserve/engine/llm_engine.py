@@ -30,6 +30,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.encode_stage import EncodeStage
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.grammar import GrammarBackend
+from epdserve.engine.grammar_compile import GrammarCompiles
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.engine.loaded_model import LoadedModel, load_model
 from epdserve.engine.model_runner import ModelRunner
@@ -85,6 +86,7 @@ class LLMEngine:
             log.info("captured decode graphs for batch sizes %s in %.2f s", self.runner.graphs.buckets, capture_s)
         self.features = features or LocalFeatureProvider()
         self.grammars = GrammarBackend(self.model.tokenizer, a.text_config.vocab_size, self.model.eos_token_ids)
+        self.grammar_compiles = GrammarCompiles(self.grammars)  # new grammars compile off the loop
         self.stats = EngineStats()
         # only an engine that decodes has inter-token gaps to protect
         self.budget = StepBudget(config.slo_tpot_ms / 1000.0) if config.step_budget and config.decodes else None
@@ -125,13 +127,13 @@ class LLMEngine:
                        kv_transfer=req.kv_transfer, num_vision_tokens_hint=req.num_vision_tokens,
                        media_identity=tuple(req.media_identity), cache_salt=req.cache_salt)
         self._validate(seq)
-        if req.params.structured is not None and self.config.computes:  # compiled here (cached per schema)
+        if req.params.structured is not None and self.config.computes:  # a new grammar: not scheduled until compiled
             c = req.params.structured
             if c.replay_prompt_tokens > seq.prompt_len:
                 raise InvalidRequestError(f"replay_prompt_tokens={c.replay_prompt_tokens} exceeds the prompt "
                                           f"({seq.prompt_len} tokens)")
-            seq.grammar = self.grammars.matcher(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
-                                                if c.replay_prompt_tokens else ())
+            seq.grammar = self.grammar_compiles.start(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
+                                                      if c.replay_prompt_tokens else ())
         seq.timings["arrival"] = time.time()
         if req.params.seed is not None:  # a decode side continues a remote sampler: another stream
             seed = req.params.seed + (1 if isinstance(req.kv_transfer, RemotePrefill) else 0)
@@ -208,6 +210,8 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is None or seq.state.done:
             return
+        if seq.grammar is not None and not seq.grammar.ready:
+            self.grammar_compiles.discard(seq.grammar)
         self.encoder.remove(seq)
         self.scheduler.abort(seq)
         self._emit(seq)
@@ -218,13 +222,16 @@ class LLMEngine:
         return bool(self.encoder.pending or self.scheduler.has_work() or self._outputs)
 
     def has_pending_transfers(self) -> bool:
-        """Requests wait on the KV connector (poll `step` soon, it is cheap when idle)."""
-        return self.scheduler.has_pending_transfers()
+        """Requests wait on the KV connector or on a grammar's compile (poll `step` soon, it is
+        cheap when idle)."""
+        return self.scheduler.has_pending_transfers() or self.grammar_compiles.pending
 
     def step(self) -> list[RequestOutput]:
         t_start, encode_s = time.perf_counter(), 0.0
         for seq in self.scheduler.poll_connector():
             self._emit(seq)
+        if self.grammar_compiles.pending:
+            self._grammars_compiled()
         plan = self._plan()
         if self.encoder.pending:
             t = time.perf_counter()
@@ -249,6 +256,20 @@ class LLMEngine:
                                        time.perf_counter() - t1)
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _grammars_compiled(self) -> None:
+        """Requests whose grammar compiled may be scheduled from now; a failed compile fails its
+        requests alone (not retryable: the constraint is the request's)."""
+        failed = dict((id(state), why) for state, why in self.grammar_compiles.poll())
+        for seq in [s for s in self._seqs.values() if s.grammar is not None and id(s.grammar) in failed]:
+            if not seq.state.done:
+                self.encoder.remove(seq)
+                self.scheduler.fail(seq, failed[id(seq.grammar)])
+                self._emit(seq)
+
+    def close(self) -> None:
+        """Release what the engine runs besides its loop (the grammar compile pool)."""
+        self.grammar_compiles.close()
 
     def _fail_batch(self, batch, message: str) -> None:
         if self.kv_connector is not None:

@@ -8,6 +8,8 @@ step-time budget's prefill tokens when given) and a request cap:
 2. running requests in the middle of a chunked prefill continue;
 3. waiting requests are admitted in arrival order while budget, cap and blocks allow; a prompt
    longer than the remaining budget is chunked.
+A request whose structured output's grammar is still compiling is neither admitted nor decoded
+(the others pass it) until it is ready (engine/grammar_compile.py).
 A request whose media are still arriving (pipelined prefill, engine/pipelined_prefill.py) is
 prefilled only up to its `prefill_limit`; it waits there, running, until the limit rises.
 With a prefix cache (`BlockManager(prefix_caching=True)` and a `PrefixHasher`), a request about
@@ -192,7 +194,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         # 1. decodes (oldest first, so preemption takes the newest)
-        for seq in sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.arrival):
+        for seq in sorted((s for s in self.running if not s.in_prefill and _grammar_ready(s)), key=lambda s: s.arrival):
             if seq not in self.running:
                 continue  # preempted below by an older request's growth
             while not self._blocks.can_grow(seq.request_id, seq.num_tokens):
@@ -220,14 +222,16 @@ class Scheduler:
         # 3. admissions
         chunked = self.config.chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if _grammar_ready(s)), None)
+            if seq is None:
+                break
             if not chunked and seq.num_tokens - seq.num_computed_tokens > budget and out:
                 break
             self.reuse_prefix(seq)
             item = self._prefill_chunk(seq, budget if chunked else max(budget, seq.num_tokens))
             if item is None:
                 break  # not enough free blocks: wait for running requests to finish
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._count_prefix(seq)
             seq.state = S.RUNNING
             self.running.append(seq)
@@ -333,3 +337,9 @@ class Scheduler:
         seq.state = S.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _grammar_ready(seq: Sequence) -> bool:
+    """A request whose structured output is still compiling (engine/grammar_compile.py) waits:
+    not admitted, not decoded (a decode side's request may get its KV first)."""
+    return seq.grammar is None or seq.grammar.ready

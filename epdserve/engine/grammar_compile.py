@@ -1,0 +1,106 @@
+"""Grammar compiles off the engine loop: a request whose structured output is not compiled yet
+waits while a small thread pool (the engine's own) compiles it; every other request goes on.
+
+- `GrammarCompiles(backend, workers)`: one per engine, around its `GrammarBackend` (the cache).
+  `start(c, replay)` returns the request's `GrammarState` at once: ready when the grammar is in
+  the cache (a hit is synchronous, no thread involved), else pending (`state.ready` False, no
+  matcher yet) while a worker compiles it. The scheduler does not schedule a request whose
+  grammar is pending (admission and decodes skip it), so no token is sampled without its mask.
+  The same new constraint asked for by several requests is compiled once (they share the
+  compile in flight). A constraint that `check` refuses still raises InvalidRequestError at
+  `start` (the request is refused at add, as before).
+- `poll()` (the engine, at the start of each step, on its own thread): the compiles that ended.
+  A compiled grammar joins the cache and each of its waiting states gets its matcher (a resumed
+  attempt's tokens replayed); returns the states whose compile or replay failed, with the
+  reason (the engine fails those requests alone, not retryable).
+- `pending`: compiles in flight (the worker polls the engine soon, as for KV transfers);
+  `close()`: the pool shut down (also when the engine is collected).
+xgrammar's compile is C++ that runs without the GIL (measured in
+benchmarks/structured_outputs.py's `compile` part: the engine thread keeps running while a
+worker compiles), so a compile costs the loop nothing but a core. The cache and the matchers
+are touched only on the engine's thread; workers only compile.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from epdserve.engine.grammar import GrammarBackend, GrammarState, check
+from epdserve.engine.structured_output import StructuredOutput
+from epdserve.request_errors import InvalidRequestError
+
+
+class GrammarCompiles:
+    """One engine's compiles in flight (see the module docstring)."""
+
+    def __init__(self, backend: GrammarBackend, workers: int = 1):
+        self.backend = backend
+        self.workers = workers
+        # a test seam: called on the worker before each compile (a test blocks it to hold a compile)
+        self.before_compile: Callable[[StructuredOutput], None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._finalizer = None
+        self._lock = threading.Lock()  # the compiler's first build (its TokenizerInfo) happens on a worker
+        # cache key -> (the constraint, its compile, the states waiting for it with their replay)
+        self._inflight: dict[tuple, tuple[StructuredOutput, Future, list[tuple[GrammarState, tuple]]]] = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._inflight)
+
+    def start(self, c: StructuredOutput, replay=()) -> GrammarState:
+        """The request's grammar state: ready (a cached grammar, the replay applied:
+        InvalidRequestError when the grammar refuses it) or pending (compiling)."""
+        compiled = self.backend.cached(c)
+        if compiled is not None:
+            return self.backend.state(compiled, c, replay)
+        key = self.backend.key(c)
+        if key not in self._inflight:
+            check(c)  # a constraint that cannot parse is refused now, at add
+            self._inflight[key] = (c, self._executor().submit(self._compile, c), [])
+        state = GrammarState(None)
+        self._inflight[key][2].append((state, tuple(replay)))
+        return state
+
+    def poll(self) -> list[tuple[GrammarState, str]]:
+        """Finish the compiles that ended (see the module docstring); the failed states and why."""
+        failed: list[tuple[GrammarState, str]] = []
+        for key in [k for k, (_, fut, _) in self._inflight.items() if fut.done()]:
+            c, fut, waiting = self._inflight.pop(key)
+            try:
+                compiled = self.backend.add(c, fut.result())
+            except Exception as e:  # InvalidRequestError: xgrammar refused it; anything else: its bug
+                why = str(e) if isinstance(e, InvalidRequestError) else f"the structured output failed to compile: {e!r}"
+                failed.extend((state, why) for state, _ in waiting)
+                continue
+            for state, replay in waiting:
+                try:
+                    state.matcher = self.backend.state(compiled, c, replay).matcher
+                except InvalidRequestError as e:
+                    failed.append((state, str(e)))
+        return failed
+
+    def discard(self, state: GrammarState) -> None:
+        """A request that waited is gone (aborted): its state is no longer set (the compile goes on
+        into the cache)."""
+        for _, _, waiting in self._inflight.values():
+            waiting[:] = [w for w in waiting if w[0] is not state]
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="grammar-compile")
+            self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        return self._pool
+
+    def _compile(self, c: StructuredOutput):
+        if self.before_compile is not None:
+            self.before_compile(c)
+        with self._lock:
+            self.backend.prepare()
+        return self.backend.compile_uncached(c)
