@@ -89,12 +89,22 @@ def _choice_grammar(choices: list[str]) -> str:
 
 
 class GrammarState:
-    """One request's matcher; `accepted`: how many of its output tokens it has consumed."""
+    """One request's matcher; `accepted`: how many of its output tokens it has consumed; `live`:
+    the matcher takes tokens (neither terminated nor rejected: kept here, so the step asks
+    xgrammar only when a stop token was accepted)."""
 
     def __init__(self, matcher):
-        self.matcher = matcher  # None while the grammar compiles (engine/grammar_compile.py)
         self.accepted = 0
         self.rejected: str | None = None  # a replayed token the grammar refused (see `sync`)
+        self.matcher = None  # None while the grammar compiles (engine/grammar_compile.py)
+        self.live, self.stops = False, frozenset()
+        if matcher is not None:
+            self.attach(matcher)
+
+    def attach(self, matcher) -> None:
+        """The matcher, once its grammar is compiled (it may have consumed a replay)."""
+        self.matcher, self.stops = matcher, frozenset(matcher.stop_token_ids)
+        self.live = not matcher.is_terminated()
 
     def sync(self, output_token_ids) -> None:
         """Feed the matcher the output tokens it has not seen yet."""
@@ -104,6 +114,16 @@ class GrammarState:
             if not self.matcher.accept_token(output_token_ids[i]):
                 self.reject(i, output_token_ids[i])
         self.accepted = len(output_token_ids)
+        self.live = not self.rejected and not self.matcher.is_terminated()
+
+    def accepted_one(self, token: int, ok: bool) -> None:
+        """The batched accept (`sync_states`) fed the matcher `token`; `ok`: it took it."""
+        if not ok:
+            self.reject(self.accepted, token)
+            self.live = False
+        elif token in self.stops:
+            self.live = not self.matcher.is_terminated()
+        self.accepted += 1
 
     def reject(self, i: int, token: int) -> None:
         """Output token `i` was refused: cannot happen for tokens sampled under this grammar; a
@@ -237,8 +257,8 @@ class TokenMasker:
             self._alloc(max(n, 2 * self.bitmask.shape[0]))
         live, live_rows = [], []
         for r, state, _ in rows:
-            if state.rejected or state.matcher.is_terminated():
-                self.bitmask[r].copy_(self._stop_row(state.matcher.stop_token_ids))
+            if not state.live:
+                self.bitmask[r].copy_(self._stop_row(state.stops))
             else:
                 live.append(state.matcher)
                 live_rows.append(r)
@@ -257,7 +277,7 @@ class TokenMasker:
                                         indices=[r for r, _, _ in rows], backend=self.backend)
 
     def _stop_row(self, stop_ids) -> torch.Tensor:
-        key = tuple(stop_ids)
+        key = tuple(sorted(stop_ids))
         row = self._stop_rows.get(key)
         if row is None:
             row = self._stop_rows[key] = torch.zeros(self.bitmask.shape[1], dtype=torch.int32)
@@ -288,7 +308,7 @@ def sync_states(rows: list[tuple[int, "GrammarState", list[int]]]) -> None:
     one, tokens = [], []
     for _, state, out in rows:
         behind = len(out) - state.accepted
-        if behind == 1 and not state.rejected and not state.matcher.is_terminated():
+        if behind == 1 and state.live:
             one.append(state)
             tokens.append(out[-1])
         elif behind:
@@ -297,9 +317,7 @@ def sync_states(rows: list[tuple[int, "GrammarState", list[int]]]) -> None:
         return
     for state, ok, tok in zip(one, xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in one], tokens),
                               tokens):
-        if not ok:
-            state.reject(state.accepted, tok)
-        state.accepted += 1
+        state.accepted_one(tok, ok)
 
 
 def mask_logits(logits: torch.Tensor, rows: list[tuple[int, GrammarState, list[int]]]) -> None:

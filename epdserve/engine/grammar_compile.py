@@ -77,7 +77,7 @@ class GrammarCompiles:
                 continue
             for state, replay in waiting:
                 try:
-                    state.matcher = self.backend.state(compiled, c, replay).matcher
+                    state.attach(self.backend.state(compiled, c, replay).matcher)
                 except InvalidRequestError as e:
                     failed.append((state, str(e)))
         return failed
