@@ -4,7 +4,8 @@ deployments (`epdserve launch`, each mode given), checked with `jsonschema`; (2)
 cost to decode throughput at batch 32 on the offline engine, with and without a grammar,
 alternated round by round (the machine's speed drifts; pairs cancel it), per wall second and per
 CPU second; (3) the grammar's own work per decode step at batch 32 (no model: sync, fill, apply
-on random logits); (4) the compile time of a new schema and of a cached one.
+on random logits, each timed); (4) the compile time of a new schema, of a cached one and of a
+big one, and how much of the engine thread's loop survives a compile on the engine's pool.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/structured_outputs.py --model DIR [--modes monolithic,P-D]
         [--requests 200] [--batch 32] [--tokens 64] [--rounds 5]
@@ -181,12 +182,24 @@ def mask_cost(model: str, batch: int, steps: int = 64, repeats: int = 5) -> dict
             **{f"{p}_ms": med(wall[p]) for p in parts}, **{f"{p}_cpu_ms": med(cpu[p]) for p in parts}}
 
 
+def big_schema(tag: str, fields: int = 40) -> dict:
+    """SCHEMA with `fields` optional enum fields more (a bigger compile); `tag` makes it new."""
+    extra = {f"field_{tag}_{i}": {"enum": [f"v{j}" for j in range(12)]} for i in range(fields)}
+    return dict(SCHEMA, properties=dict(SCHEMA["properties"], kind={"enum": ["cat", tag]}, **extra))
+
+
 def compile_cost(model: str, repeats: int = 5) -> dict:
+    """A new schema's compile and a cached one's (synchronous, `GrammarBackend.matcher`); then
+    whether a compile blocks the engine's thread: a big new schema compiled by the engine's
+    pool (engine/grammar_compile.py) while this thread spins a Python loop, its iterations per
+    ms against the same loop with no compile (1.0: the compile took nothing from the loop but
+    a core; ~0: it held the GIL)."""
     from epdserve import LLM
+    from epdserve.engine.grammar_compile import GrammarCompiles
     from epdserve.engine.structured_output import StructuredOutput
 
     backend = LLM(model=model, device="cpu").engine.grammars
-    first, cached = [], []
+    first, cached, big = [], [], []
     for i in range(repeats):  # a new schema each time (a different enum value): a real compile
         schema = dict(SCHEMA, properties=dict(SCHEMA["properties"], kind={"enum": ["cat", f"thing{i}"]}))
         c = StructuredOutput("json", json.dumps(schema))
@@ -196,11 +209,37 @@ def compile_cost(model: str, repeats: int = 5) -> dict:
         backend.matcher(c)
         first.append((t1 - t0) * 1e3)
         cached.append((time.perf_counter() - t1) * 1e3)
+    compiles, progress = GrammarCompiles(backend), []
+    for i in range(repeats):
+        c = StructuredOutput("json", json.dumps(big_schema(f"big{i}")))
+        t0 = time.perf_counter()
+        backend.compile_uncached(c)
+        big.append((time.perf_counter() - t0) * 1e3)
+        c = StructuredOutput("json", json.dumps(big_schema(f"pool{i}")))
+        state, n, t0 = compiles.start(c), 0, time.perf_counter()
+        while not state.ready:
+            compiles.poll()
+            n += 1
+        span = time.perf_counter() - t0
+        during = n / span
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < span:
+            compiles.poll()
+            n += 1
+        progress.append(during / (n / span))
+    compiles.close()
+
+    def stat(xs, nd=2):
+        return round(statistics.median(xs), nd), [round(min(xs), nd), round(max(xs), nd)]
+
     return {"part": "compile", "vocab": backend.vocab_size, "repeats": repeats,
-            "first_ms": round(statistics.median(first), 2), "first_range": [round(min(first), 2), round(max(first), 2)],
-            "cached_ms": round(statistics.median(cached), 3),
-            "cached_range": [round(min(cached), 3), round(max(cached), 3)],
-            "note": "a new schema each repeat; the first repeat also builds xgrammar's TokenizerInfo"}
+            "first_ms": stat(first)[0], "first_range": stat(first)[1],
+            "cached_ms": stat(cached, 3)[0], "cached_range": stat(cached, 3)[1],
+            "big_ms": stat(big)[0], "big_range": stat(big)[1],
+            "loop_progress_during_pool_compile": stat(progress)[0], "loop_progress_range": stat(progress)[1],
+            "note": "a new schema each repeat; the first repeat also builds xgrammar's TokenizerInfo; big: "
+                    "SCHEMA + 40 optional enum fields; loop progress: the engine thread's loop rate while the "
+                    "pool compiles a big schema / its rate alone"}
 
 
 def main():

@@ -273,8 +273,11 @@ class TokenMasker:
         if self._device_bitmask is not None:
             self._device_bitmask[:n].copy_(self.bitmask[:n], non_blocking=True)
             bitmask = self._device_bitmask
+        indices = [r for r, _, _ in rows]
+        if len(indices) == n:  # every row constrained (rows are distinct): no index list to walk
+            indices = None
         xgr.apply_token_bitmask_inplace(logits, bitmask[:n], vocab_size=min(self.vocab_size, logits.shape[-1]),
-                                        indices=[r for r, _, _ in rows], backend=self.backend)
+                                        indices=indices, backend=self.backend)
 
     def _stop_row(self, stop_ids) -> torch.Tensor:
         key = tuple(sorted(stop_ids))
