@@ -81,3 +81,15 @@ def test_cpu_kernel_and_plain_ops_agree_over_steps(engine):
     mask_logits(via_function, _states(engine))
     TokenMasker(vocab, "cpu")(ref, _states(engine))
     assert torch.equal(ref, via_function)
+
+
+def test_every_row_constrained_takes_the_same_mask(engine):
+    """All rows constrained (no index list handed to xgrammar) masks as a partial batch does."""
+    vocab = engine.grammars.vocab_size
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))
+    packed = logits[[0, 2, 3]].clone()
+    TokenMasker(vocab, "cpu")(logits, _states(engine))
+    for backend in ("cpu", "torch_native"):
+        got = packed.clone()
+        TokenMasker(vocab, "cpu", backend=backend)(got, [(i, s, o) for i, (_, s, o) in enumerate(_states(engine))])
+        assert torch.equal(got, logits[[0, 2, 3]]), backend
