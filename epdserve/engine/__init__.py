@@ -10,6 +10,7 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - encode_stage.py    EncodeStage: media features from the FeatureProvider or the vision tower
 - encode_plan.py     encode batching under a vision-token budget: round-robin, videos by temporal patches
 - grammar.py         structured outputs: xgrammar grammars compiled once per schema, one matcher per request, the token mask
+- grammar_compile.py new grammars compiled on the engine's thread pool, off its loop (the request waits, the others go on)
 - structured_output.py  StructuredOutput: the constraint a request's output follows (part of SamplingParams)
 - pipelined_prefill.py  per-item E->P pipelining: prefill up to the first media item whose features are missing
 - step_budget.py     StepBudget: the prefill chunk and vision blocks a step may add beside its decodes (TPOT SLO)
