@@ -196,8 +196,8 @@ class GrammarBackend:
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the LRU above is the cache
 
     def compile_uncached(self, c: StructuredOutput):
-        """Compile `c` (no cache; safe on a worker thread once `prepare` ran: xgrammar's compile
-        holds no Python state); InvalidRequestError when xgrammar refuses it."""
+        """Compile `c` (no cache: it touches neither the cache nor a matcher, so a worker thread
+        may run it; `prepare` once under a lock first); InvalidRequestError when xgrammar refuses it."""
         self.prepare()
         return self._compile(c)
 
