@@ -15,10 +15,10 @@ waits while a small thread pool (the engine's own) compiles it; every other requ
   reason (the engine fails those requests alone, not retryable).
 - `pending`: compiles in flight (the worker polls the engine soon, as for KV transfers);
   `close()`: the pool shut down (also when the engine is collected).
-xgrammar's compile is C++ that runs without the GIL (measured in
-benchmarks/structured_outputs.py's `compile` part: the engine thread keeps running while a
-worker compiles), so a compile costs the loop nothing but a core. The cache and the matchers
-are touched only on the engine's thread; workers only compile.
+Most of xgrammar's compile runs without the GIL, not all of it (benchmarks/structured_outputs.py's
+`compile` part: during a ~125 ms compile of a 400-field schema the engine thread's longest stall
+was ~30 ms; docs/openai.md), so a compile costs the loop a fraction of its time, not all of it.
+The cache and the matchers are touched only on the engine's thread; workers only compile.
 """
 from __future__ import annotations
 

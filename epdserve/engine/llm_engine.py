@@ -218,8 +218,11 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the loop
     def has_unfinished(self) -> bool:
-        """Work to compute now (the loop should step again at once)."""
-        return bool(self.encoder.pending or self.scheduler.has_work() or self._outputs)
+        """Work to compute now (the loop should step again at once). Requests that only wait for
+        their grammar's compile are not (`has_pending_transfers`: poll soon, do not spin)."""
+        s = self.scheduler
+        return bool(self.encoder.pending or self._outputs or s.running
+                    or any(q.grammar is None or q.grammar.ready for q in s.waiting))
 
     def has_pending_transfers(self) -> bool:
         """Requests wait on the KV connector or on a grammar's compile (poll `step` soon, it is

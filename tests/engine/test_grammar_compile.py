@@ -4,7 +4,8 @@ compile hook until the test lets it go), a running neighbour gets a token every 
 constrained request waits unscheduled; once compiled its greedy output equals transformers'
 `generate` with xgrammar's own logits processor, token for token. A cached grammar is ready at
 once (no compile); a compile that fails fails its request alone; a request aborted while its
-grammar compiles is gone and the compile still lands in the cache."""
+grammar compiles is gone and the compile still lands in the cache; an engine whose only work is
+a compile says so (poll soon, nothing to step now)."""
 import json
 import threading
 
@@ -130,6 +131,7 @@ def test_a_request_aborted_while_compiling_is_gone_and_the_compile_is_kept(llm, 
     c = StructuredOutput("json", json.dumps(_big_schema("aborted")))
     _add(eng, "gone", SamplingParams(max_tokens=20, structured=c))
     assert hold.entered.wait(300)
+    assert not eng.has_unfinished() and eng.has_pending_transfers()  # a worker polls, it does not spin
     eng.abort("gone")
     aborted = [o for o in eng.step() if o.request_id == "gone"]
     assert aborted and aborted[-1].finish_reason == "abort"
