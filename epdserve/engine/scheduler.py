@@ -18,6 +18,8 @@ prompt's KV is imported (the connector is told through `num_remote_tokens` /
 `on_blocks_allocated`); the KV it imports is hashed like computed KV and serves later imports.
 `update(batch, sampled)` is the step's postprocessing: computed counts, appended tokens, stop
 checks, finishing (blocks freed, or held while the KV connector still uses them).
+A request with n choices counts n against `max_num_seqs` from its admission; at its first token
+its choices fork (`fork`, engine/sequence_group.py) sharing its full prompt blocks.
 `poll_connector()` applies the connector's finished transfers: received KV starts a request's
 decode, finished sends free held blocks. The scheduler never touches tensors.
 """
@@ -44,6 +46,7 @@ class ScheduledSeq:
     num_tokens: int
     block_ids: array | tuple[int, ...] = ()  # the request's block table for this step (an int64 copy)
     logprob: object = None  # the sampled token's TokenLogprob (engine/logprobs.py), when the request asks
+    forks: list | None = None  # a group's first token: (token, TokenLogprob) of choices 1..n-1 (engine/sequence_group.py)
 
     @property
     def end(self) -> int:
@@ -154,6 +157,31 @@ class Scheduler:
         seq.error, seq.finish_reason, seq.retryable = message, "error", retryable
         self.finish(seq)
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Start `child`, a choice of `parent` forked at its first token (engine/sequence_group.py):
+        it shares the parent's full prompt blocks; the partial last one is copied into a block of
+        its own, returned as (source, destination) for the device copy. With no block free, the
+        choice waits to recompute its last partial block, like a preempted request."""
+        bs, p = self._blocks.block_size, parent.prompt_len
+        table = self._blocks.table(parent.request_id)
+        self._blocks.adopt(child.request_id, list(table[: p // bs]))
+        if p % bs and not self._blocks.can_grow(child.request_id, p):
+            child.num_computed_tokens = p // bs * bs
+            child.state = S.WAITING
+            self.waiting.appendleft(child)
+            return None
+        pair = None
+        if p % bs:
+            pair = (table[p // bs], self._blocks.grow(child.request_id, p)[p // bs])
+        child.num_computed_tokens = p
+        child.state = S.RUNNING
+        self.running.append(child)
+        return pair
+
+    @property
+    def block_size(self) -> int:
+        return self._blocks.block_size
+
     # ---------------------------------------------------------------- queries
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -219,7 +247,8 @@ class Scheduler:
                 budget -= item.num_tokens
         # 3. admissions
         chunked = self.config.chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        width = sum(s.width for s in self.running)  # a group counts its n choices from its admission
+        while self.waiting and budget > 0 and width + self.waiting[0].width <= self.config.max_num_seqs:
             seq = self.waiting[0]
             if not chunked and seq.num_tokens - seq.num_computed_tokens > budget and out:
                 break
@@ -231,6 +260,7 @@ class Scheduler:
             self._count_prefix(seq)
             seq.state = S.RUNNING
             self.running.append(seq)
+            width += seq.width
             out.append(item)
             budget -= item.num_tokens
         if out and self.connector is not None:
