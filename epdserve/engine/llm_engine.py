@@ -158,6 +158,7 @@ class LLMEngine:
             self._outputs.append(make_output(seq))
             return
         self._seqs[rid] = seq
+        self._reserve_choices(seq)
 
     def _pipelines(self, seq: Sequence) -> bool:
         """Is `seq` prefilled while its media still arrive (engine/pipelined_prefill.py)?"""
@@ -214,9 +215,21 @@ class LLMEngine:
         n = seq.params.n
         if n == 1:
             return
-        if not self.config.decodes or isinstance(seq.kv_transfer, RemotePrefill):
-            raise InvalidRequestError(f"n={n}: this engine's role ({self.config.roles}) serves one choice per request")
-        seq.group = sequence_group.ChoiceGroup.of(seq.params.seed, n, self.model.device)
+        if not self.config.computes:
+            raise InvalidRequestError(f"n={n}: this engine's role ({self.config.roles}) computes no tokens")
+        if not isinstance(seq.kv_transfer, RemotePrefill):  # a decode side forks at its KV's arrival instead
+            seq.group = sequence_group.ChoiceGroup.of(seq.params.seed, n, self.model.device)
+
+    def _reserve_choices(self, seq: Sequence) -> None:
+        """Decode side, n > 1: the choices wait with the request for its one KV import (their
+        blocks reserved now, the prompt's shared), each continuing its own remote sampler."""
+        if seq.params.n == 1 or not isinstance(seq.kv_transfer, RemotePrefill):
+            return
+        seed = seq.params.seed
+        gens = sequence_group.ChoiceGroup.of(None if seed is None else seed + 1, seq.params.n, self.model.device)
+        children = [self.forker.child(seq, j, gens.generators[j - 1]) for j in range(1, seq.params.n)]
+        self.scheduler.reserve_choices(seq, children)
+        self._seqs.update((c.request_id, c) for c in children)
 
     def _choice_matcher(self, seq: Sequence):
         """A forked choice's own grammar matcher (what add_request gives a request)."""
@@ -254,6 +267,7 @@ class LLMEngine:
         if batch:
             t0 = time.perf_counter()
             try:
+                self.kv_cache.copy_blocks(self.scheduler.take_block_copies())  # received groups' choices
                 sampled = self.runner.execute(batch)
                 if self.budget is not None:
                     self.budget.record_step(sum(item.num_tokens for item in batch), time.perf_counter() - t0)

@@ -1,8 +1,8 @@
 """Sequence groups: a request with n > 1 choices (`SamplingParams.n`), its prompt prefilled once.
 
 The request's own `Sequence` is choice 0 and carries a `ChoiceGroup` (the generators of choices
-1..n-1, seeded `seed + j` as `rpc/choices.choice_seed` says, so a seeded group reproduces the
-n seeded single requests it replaces) until it forks. The prompt is computed once, as one
+1..n-1, seeded `seed + j`, `choice_seed`: what the fronts gave the n requests a group replaces,
+so a seeded group reproduces them) until it forks. The prompt is computed once, as one
 sequence. At the step that samples its first token the runner draws n tokens from the same
 last-position logits row, after bias, penalties and the grammar's mask, each with its own choice's
 generator (`draw_choices`: the row is the same for every choice, whose outputs are all still
@@ -17,6 +17,13 @@ matcher (a fresh one; it replays its own output), its own penalty counts and log
 it is recomputed from the prompt and its own output (prompt embeddings and positions are the
 parent's, shared read-only). A group that ends before its first token (an error, an abort) ends
 every choice: each of the n choices gets exactly one finished output (`unforked_ends`).
+
+Split modes: the prefill side draws the n first tokens the same way but forks nothing (`Forker`);
+its KV crosses to the decode side once. The decode side reserves the choices with the request
+(`Scheduler.reserve_choices`: the full prompt blocks shared, the rest each its own) and starts
+them when the KV and the n first tokens are in (`FinishedTransfer.choice_tokens`), each copying
+the prompt's partial last block (`Scheduler.block_copies`, copied before the next forward) and
+sampling on with its own generator (seed + j + 1, as a decode side continues a remote sampler).
 """
 from __future__ import annotations
 
@@ -95,6 +102,10 @@ class Forker:
     the scheduler's update, while every parent still holds its blocks)."""
 
     def __init__(self, scheduler, kv_cache, matcher):
+        """On a prefill-only engine (`hands_off`) nothing forks: choices 1..n-1 end here with their
+        first token (handed off, or finished by it), which go to the decode side with the one KV
+        transfer; the decode side made their sequences when it reserved the KV
+        (`Scheduler.reserve_choices`) and starts them when it arrives."""
         self.scheduler, self.kv_cache = scheduler, kv_cache
         self.matcher = matcher  # (seq) -> a fresh GrammarState for its structured output
 
@@ -111,7 +122,15 @@ class Forker:
                 continue
             now = time.time()
             for j, (tok, logprob) in enumerate(forks, 1):
-                child = self._child(parent, j, group.generators[j - 1])
+                child = self.child(parent, j, group.generators[j - 1])
+                if self.scheduler.config.hands_off:  # prefill side: the first token goes, with the KV, to D
+                    child.output_token_ids.append(tok)
+                    child.output_logprobs += [logprob] if logprob is not None else []
+                    child.timings.setdefault("first_token", now)
+                    self.scheduler.stop_checker.update(child)
+                    child.state = RequestState.FINISHED if child.finish_reason else RequestState.HANDED_OFF
+                    out.append(child)
+                    continue
                 pair = self.scheduler.fork(parent, child)
                 child.output_token_ids.append(tok)
                 if logprob is not None:
@@ -126,7 +145,8 @@ class Forker:
         self.kv_cache.copy_blocks(copies)
         return out
 
-    def _child(self, parent: Sequence, j: int, generator) -> Sequence:
+    def child(self, parent: Sequence, j: int, generator) -> Sequence:
+        """Choice j of `parent`: its prompt (shared, read-only) and what was computed of it, no output."""
         bs = self.scheduler.block_size
         child = Sequence(
             child_id(parent.request_id, j), parent.prompt_token_ids, parent.params, media=list(parent.media),
