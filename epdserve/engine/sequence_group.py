@@ -117,9 +117,9 @@ class Forker:
             parent, forks = item.seq, item.forks
             if not forks:
                 continue
-            group, parent.group = parent.group, None
-            if parent.state is not RequestState.RUNNING:
+            if parent.state is not RequestState.RUNNING:  # it ends unforked (`unforked_ends`)
                 continue
+            group, parent.group = parent.group, None
             now = time.time()
             for j, (tok, logprob) in enumerate(forks, 1):
                 child = self.child(parent, j, group.generators[j - 1])
