@@ -124,3 +124,56 @@ def test_choices_cross_once_and_equal_single_requests(qwen2_vl_tiny):
     assert [results["greedy"][j] for j in range(3)] == [want] * 3
     assert sent["group"] == sent["greedy"] == sent["s0"] > 0  # one KV transfer for all n
     assert all_free
+
+
+def _steps(engines, until, limit_s: float = 60.0) -> list:
+    outs, deadline = [], time.monotonic() + limit_s
+    while not until(outs):
+        assert time.monotonic() < deadline, "no progress"
+        for e in engines:
+            outs.extend(e.step())
+    return outs
+
+
+def test_decode_side_group_aborted_or_stopped_by_a_first_token_frees_every_block(qwen2_vl_tiny):
+    from epdserve.bench.kv_prefix_reuse import PDPair
+
+    pair = PDPair(qwen2_vl_tiny, d_cache=False)
+    try:
+        ids = pair.p.build_request("x", PROMPT, [], SamplingParams()).prompt_token_ids
+        # aborted while its KV is awaited: every choice ends, every reserved block is free again
+        pair.d.add_request(EngineRequest("a", ids, [], SamplingParams(max_tokens=8, n=3),
+                                         kv_transfer=RemotePrefill("p0")))
+        assert pair.d.load_report()["free_kv_blocks"] < pair.d.load_report()["total_kv_blocks"]
+        pair.d.abort("a")
+        ends = _steps([pair.d], lambda o: len(o) >= 3)
+        assert sorted((o.index, o.finish_reason) for o in ends) == [(j, "abort") for j in range(3)]
+        _steps([pair.d], lambda _: not pair.d.has_pending_transfers())
+        r = pair.d.load_report()
+        assert r["free_kv_blocks"] == r["total_kv_blocks"]
+        # one choice's first token (P's) is a stop token: it ends on arrival, the others decode on
+        sp = dict(max_tokens=MAX_TOKENS, ignore_eos=True, n=3, temperature=1.0, seed=4)
+        pair.p.add_request(pair.p.build_request("b", PROMPT, [], SamplingParams(**sp)))  # P alone: the first tokens
+        firsts = {o.index: o.token_ids[0] for o in _steps([pair.p], lambda o: len(o) >= 3)}
+        stopped = next((j for j in (1, 2) if firsts[j] != firsts[0]), None)
+        assert stopped is not None, "the seeds should give different first tokens"
+        params = SamplingParams(**sp, stop_token_ids=[firsts[stopped]])
+        pair.d.add_request(EngineRequest("c", ids, [], params, kv_transfer=RemotePrefill("p0")))
+        req = pair.p.build_request("c", PROMPT, [], params)
+        req.kv_transfer = RemoteDecode("d0", pair.rx.reserved_blocks("c"), pair.rx.cached_tokens("c"))
+        pair.p.add_request(req)
+        f = {o.index: o for o in _steps([pair.p], lambda o: len(o) >= 3)}
+        assert f[stopped].finish_reason == "stop" and f[0].finish_reason is None
+        pair.rx.set_first_token("c", f[0].token_ids[0], f[0].rope_delta, [f[j].token_ids[0] for j in (1, 2)])
+        ends = {o.index: o for o in _steps([pair.p, pair.d], lambda o: sum(x.finished for x in o) >= 3) if o.finished}
+        assert ends[stopped].finish_reason == "stop" and ends[stopped].token_ids == [firsts[stopped]]
+        for j in set(range(3)) - {stopped}:  # on to max_tokens, or until they sample the stop token themselves
+            o = ends[j]
+            assert o.token_ids[0] == f[j].token_ids[0] and o.error is None
+            assert len(o.token_ids) == MAX_TOKENS or (o.finish_reason == "stop" and o.token_ids[-1] == firsts[stopped])
+        _steps([pair.p, pair.d], lambda _: not pair.p.has_pending_transfers() and not pair.d.has_unfinished())
+        for e in (pair.p, pair.d):
+            r = e.load_report()
+            assert r["free_kv_blocks"] == r["total_kv_blocks"]
+    finally:
+        pair.close()
