@@ -108,3 +108,17 @@ def test_choice_ids_are_kept_for_the_group(qwen2_vl_tiny):
     eng.add_request(eng.build_request("x-c2", PROMPT, params=SamplingParams(max_tokens=3)))  # not one of x's
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=0)
+
+
+def test_a_choice_with_no_block_for_its_copy_recomputes_the_partial_block(qwen2_vl_tiny):
+    ref = LLM(model=qwen2_vl_tiny, device="cpu").generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+    probe = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu"))
+    n_prompt = len(probe.build_request("p", PROMPT).prompt_token_ids)
+    assert n_prompt % 16 and -(-(n_prompt + 8) // 16) == 3, "the prompt and its output fill 3 blocks"
+    # 4 blocks: the parent holds 3, choice 1 takes the last for its copy, choice 2 waits for one
+    tight = LLM(model=qwen2_vl_tiny, device="cpu", kv_cache_bytes=4 * probe.kv_cache.spec.bytes_per_block())
+    out = tight.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True, n=3))[0]
+    assert _ids(out) == [ref[0].outputs[0].token_ids] * 3
+    # choice 2 recomputed its partial block and its first token, nothing else
+    assert tight.engine.stats.as_dict()["prompt_tokens"] == n_prompt + n_prompt % 16 + 1
+    assert all_blocks_free(tight.engine)
