@@ -19,8 +19,9 @@ from epdserve.instance.sampling_wire import structured_to_proto
 from epdserve.model.chat import image_url_bytes, unsupported_part
 from epdserve.rpc import common_pb2, serve_pb2
 
-# the keywords a generation takes: SamplingParams' fields but the scheduler's own bookkeeping
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "resumed_outputs")
+# the keywords a generation takes: SamplingParams' fields but the scheduler's own bookkeeping and
+# `n` (the wire carries one choice per request: `Client.generate_choices` sends n, rpc/choices.py)
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("resumed_outputs", "n"))
 
 
 class MediaKey(str):

@@ -67,6 +67,16 @@ class PagedKVCache:
         self.keys[layer].index_copy_(0, idx, key)
         self.values[layer].index_copy_(0, idx, value)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src → dst (every layer, keys and values), on the device."""
+        if not pairs:
+            return
+        dev = self.keys[0].device
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=dev)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=dev)
+        for cache in (*self.keys, *self.values):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
     def read_blocks(self, layer: int, block_ids: list[int]):
         """Whole blocks (key, value) [len(block_ids), block_size, kv_heads, head_dim] (copies)."""
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.keys[layer].device)

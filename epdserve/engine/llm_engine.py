@@ -12,7 +12,9 @@ Public API (the only way in for workers, transfer and benchmarks):
   `RequestOutput`s (a request is `finished` once no more outputs come from this engine). While
   requests decode, the step-time budget (engine/step_budget.py, `slo_tpot_ms`) sizes the step's
   prefill chunk and how many vision blocks of an encode it runs, from costs measured online;
-- `abort(id)`, `has_unfinished()`, `has_pending_transfers()`, `load_report()`.
+A request with `params.n > 1` is prefilled once and forks into its n choices at its first token
+(engine/sequence_group.py); its outputs say which choice (`RequestOutput.index`).
+- `abort(id)` (every choice of it), `has_unfinished()`, `has_pending_transfers()`, `load_report()`.
 Stages run: `EngineConfig.roles`. KV moves between instances only through the `KVConnector`,
 media features through the `FeatureProvider`, both given at construction.
 """
@@ -39,6 +41,7 @@ from epdserve.engine import pipelined_prefill
 from epdserve.engine.outputs import RequestOutput, make_output
 from epdserve.engine.pipelined_prefill import PipelineState
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine import sequence_group
 from epdserve.engine.scheduler import Scheduler, StepSchedulerConfig
 from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
@@ -95,6 +98,7 @@ class LLMEngine:
             token_budget=config.encode_token_budget, stats=self.stats, budget=self.budget,
             per_item=config.encode_per_item and config.encodes and not config.prefills,
         )
+        self.forker = sequence_group.Forker(self.scheduler, self.kv_cache, self._choice_matcher)
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
@@ -127,6 +131,7 @@ class LLMEngine:
                        kv_transfer=req.kv_transfer, num_vision_tokens_hint=req.num_vision_tokens,
                        media_identity=tuple(req.media_identity), cache_salt=req.cache_salt)
         self._validate(seq)
+        self._start_group(seq)
         if req.params.structured is not None and self.config.computes:  # a new grammar: not scheduled until compiled
             c = req.params.structured
             if c.replay_prompt_tokens > seq.prompt_len:
@@ -155,6 +160,7 @@ class LLMEngine:
             self._outputs.append(make_output(seq))
             return
         self._seqs[rid] = seq
+        self._reserve_choices(seq)
 
     def _pipelines(self, seq: Sequence) -> bool:
         """Is `seq` prefilled while its media still arrive (engine/pipelined_prefill.py)?"""
@@ -205,16 +211,43 @@ class LLMEngine:
         if self.config.computes and seq.prompt_len >= self.max_model_len:
             raise InvalidRequestError(f"prompt is {seq.prompt_len} tokens; the model's context is {self.max_model_len}")
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed now, or once a transfer still using them ends."""
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.state.done:
+    def _start_group(self, seq: Sequence) -> None:
+        """n > 1: the choices' generators, kept until they fork (engine/sequence_group.py)."""
+        sequence_group.check(seq, self._seqs, self.config.max_num_seqs)
+        n = seq.params.n
+        if n == 1:
             return
-        if seq.grammar is not None and not seq.grammar.ready:
-            self.grammar_compiles.discard(seq.grammar)
-        self.encoder.remove(seq)
-        self.scheduler.abort(seq)
-        self._emit(seq)
+        if not self.config.computes:
+            raise InvalidRequestError(f"n={n}: this engine's role ({self.config.roles}) computes no tokens")
+        if not isinstance(seq.kv_transfer, RemotePrefill):  # a decode side forks at its KV's arrival instead
+            seq.group = sequence_group.ChoiceGroup.of(seq.params.seed, n, self.model.device)
+
+    def _reserve_choices(self, seq: Sequence) -> None:
+        """Decode side, n > 1: the choices wait with the request for its one KV import (their
+        blocks reserved now, the prompt's shared), each continuing its own remote sampler."""
+        if seq.params.n == 1 or not isinstance(seq.kv_transfer, RemotePrefill):
+            return
+        seed = seq.params.seed
+        gens = sequence_group.ChoiceGroup.of(None if seed is None else seed + 1, seq.params.n, self.model.device)
+        children = [self.forker.child(seq, j, gens.generators[j - 1]) for j in range(1, seq.params.n)]
+        self.scheduler.reserve_choices(seq, children)
+        self._seqs.update((c.request_id, c) for c in children)
+
+    def _choice_matcher(self, seq: Sequence):
+        """A forked choice's own grammar matcher (what add_request gives a request)."""
+        c = seq.params.structured
+        return self.grammars.matcher(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
+                                     if c.replay_prompt_tokens else ())
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (each of its choices); blocks are freed now, or once a transfer still
+        using them ends."""
+        for seq in [s for s in self._seqs.values() if s.output_id == request_id and not s.state.done]:
+            if seq.grammar is not None and not seq.grammar.ready:
+                self.grammar_compiles.discard(seq.grammar)
+            self.encoder.remove(seq)
+            self.scheduler.abort(seq)
+            self._emit(seq)
 
     # ---------------------------------------------------------------- the loop
     def has_unfinished(self) -> bool:
@@ -244,6 +277,7 @@ class LLMEngine:
         if batch:
             t0 = time.perf_counter()
             try:
+                self.kv_cache.copy_blocks(self.scheduler.take_block_copies())  # received groups' choices
                 sampled = self.runner.execute(batch)
                 if self.budget is not None:
                     self.budget.record_step(sum(item.num_tokens for item in batch), time.perf_counter() - t0)
@@ -252,6 +286,9 @@ class LLMEngine:
                 self._fail_batch(batch, f"step failed: {e}")
             else:
                 t1 = time.perf_counter()
+                for seq in self.forker.fork(batch):  # n > 1: the choices start at the first token
+                    self._seqs[seq.request_id] = seq
+                    self._emit(seq)
                 for seq in self.scheduler.update(batch, sampled):
                     self._emit(seq)
                 inputs_s = self.runner.inputs_s  # host time inside execute
@@ -327,6 +364,7 @@ class LLMEngine:
         self._outputs.append(make_output(seq))
         if seq.state.done:  # a KV_HELD request's id stays taken in the scheduler until its blocks go
             self._seqs.pop(seq.request_id, None)
+            self._outputs += sequence_group.unforked_ends(seq)  # n > 1 ended before its first token
 
     def load_report(self) -> dict[str, int]:
         r, enc = self.scheduler.load(), self.encoder

@@ -27,6 +27,7 @@ from epdserve.engine.graph_runner import DecodeGraphs
 from epdserve.engine.kv_cache import PagedKVCache
 from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.logits_process import apply_processors
+from epdserve.engine.sequence_group import draw_choices
 from epdserve.engine.logprobs import gather, log_probs
 from epdserve.engine.sampler import sample
 from epdserve.engine.scheduler import ScheduledSeq
@@ -227,6 +228,7 @@ class ModelRunner:
                 self.masker = TokenMasker(logits.shape[-1], logits.device, rows=self._max_batch)
             self.masker(logits, grammars)
         toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        draw_choices([batch[k] for k in sampling], seqs, logits, lp, want)  # n > 1: the other choices' first tokens
         for k, t in zip(sampling, toks):
             result[k] = t
         if lp is not None:

@@ -34,6 +34,7 @@ class RequestOutput:
     # TokenLogprob (engine/logprobs.py) of the new tokens sampled by this engine, when asked (a
     # decode side's first output token is P's: its log probabilities came with P's answer)
     new_logprobs: list = field(default_factory=list)
+    index: int = 0  # which of the request's n choices (SamplingParams.n) these tokens belong to
 
     @classmethod
     def failed(cls, request_id: str, message: str) -> "RequestOutput":
@@ -83,7 +84,7 @@ def make_output(seq: Sequence) -> RequestOutput:
     new = ids[seq.emitted_tokens :]
     seq.emitted_tokens = len(ids)
     return RequestOutput(
-        request_id=seq.request_id,
+        request_id=seq.output_id,
         new_token_ids=new,
         new_text=StopChecker.text_delta(seq),
         token_ids=list(ids) if done else OutputTokens(ids, len(ids)),
@@ -100,6 +101,7 @@ def make_output(seq: Sequence) -> RequestOutput:
         rope_delta=seq.rope_delta,
         timings=dict(seq.timings),
         new_logprobs=_new_logprobs(seq),
+        index=seq.choice,
     )
 
 

@@ -29,7 +29,8 @@ class SamplingParams:
     penalties count them as output. `logprobs` (None: off) asks for the sampled token's log
     probability and that many top alternatives (engine/logprobs.py). `structured`: the grammar the output must follow
     (engine/grammar.py masks every sampled token with it, greedy included, after the logits
-    processors), or None.
+    processors), or None. `n`: how many choices (OpenAI's `n`): the prompt is prefilled once and
+    the choices fork at the first token, choice j sampling with seed + j (engine/sequence_group.py).
     """
 
     max_tokens: int = 16
@@ -49,6 +50,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     resumed_outputs: int = 0
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,6 +83,8 @@ class SamplingParams:
             raise ValueError("logit_bias keys must be token ids >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.resumed_outputs < 0:
             raise ValueError(f"resumed_outputs must be >= 0, got {self.resumed_outputs}")
 

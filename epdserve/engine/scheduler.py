@@ -20,6 +20,8 @@ prompt's KV is imported (the connector is told through `num_remote_tokens` /
 `on_blocks_allocated`); the KV it imports is hashed like computed KV and serves later imports.
 `update(batch, sampled)` is the step's postprocessing: computed counts, appended tokens, stop
 checks, finishing (blocks freed, or held while the KV connector still uses them).
+A request with n choices counts n against `max_num_seqs` from its admission; at its first token
+its choices fork (`fork`, engine/sequence_group.py) sharing its full prompt blocks.
 `poll_connector()` applies the connector's finished transfers: received KV starts a request's
 decode, finished sends free held blocks. The scheduler never touches tensors.
 """
@@ -46,6 +48,7 @@ class ScheduledSeq:
     num_tokens: int
     block_ids: array | tuple[int, ...] = ()  # the request's block table for this step (an int64 copy)
     logprob: object = None  # the sampled token's TokenLogprob (engine/logprobs.py), when the request asks
+    forks: list | None = None  # a group's first token: (token, TokenLogprob) of choices 1..n-1 (engine/sequence_group.py)
 
     @property
     def end(self) -> int:
@@ -84,6 +87,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV
         self.held: dict[str, Sequence] = {}  # KV_HELD
+        self.remote_choices: dict[str, list[Sequence]] = {}  # a remote-KV group's choices 1..n-1, until its KV is in
+        self.block_copies: list[tuple[int, int]] = []  # (source, destination) for the engine to copy before a forward
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- requests in / out
@@ -97,9 +102,12 @@ class Scheduler:
         total = min(seq.prompt_len + seq.params.max_tokens, self.stop_checker.max_model_len)
         rid = seq.request_id
         self.reuse_prefix(seq)  # a prefix imported here before: only the rest arrives (on_blocks_allocated)
-        if not self._blocks.can_grow(rid, total):
+        # n > 1: its choices share the full prompt blocks and reserve the rest (reserve_choices)
+        choices = (seq.params.n - 1) * (self._blocks.blocks_needed(total) - seq.prompt_len // self._blocks.block_size)
+        if not self._blocks.can_grow(rid, total, reserve=choices):
             self._blocks.free(rid)
-            raise MemoryError(f"not enough free KV blocks for {total} tokens ({self._blocks.num_free} free)")
+            raise MemoryError(f"not enough free KV blocks for {seq.params.n} x {total} tokens "
+                              f"({self._blocks.num_free} free)")
         table = self._blocks.grow(rid, total)  # whole request up front: an imported one is never preempted
         try:
             self.connector.on_blocks_allocated(seq, list(table))
@@ -145,6 +153,10 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.remote.pop(seq.request_id, None)
+        for child in self.remote_choices.pop(seq.request_id, []):  # a remote group ended before its KV came
+            if not child.state.done:
+                child.finish_reason, child.error, child.retryable = seq.finish_reason, seq.error, seq.retryable
+                self.finish(child)
         if self.connector is not None and self.connector.request_finished(seq):
             seq.state = S.KV_HELD
             self.held[seq.request_id] = seq
@@ -155,6 +167,52 @@ class Scheduler:
     def fail(self, seq: Sequence, message: str, retryable: bool = False) -> None:
         seq.error, seq.finish_reason, seq.retryable = message, "error", retryable
         self.finish(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Start `child`, a choice of `parent` forked at its first token (engine/sequence_group.py):
+        it shares the parent's full prompt blocks; the partial last one is copied into a block of
+        its own, returned as (source, destination) for the device copy. With no block free, the
+        choice waits to recompute its last partial block, like a preempted request."""
+        bs, p = self._blocks.block_size, parent.prompt_len
+        table = self._blocks.table(parent.request_id)
+        self._blocks.adopt(child.request_id, list(table[: p // bs]))
+        if p % bs and not self._blocks.can_grow(child.request_id, p):
+            child.num_computed_tokens = p // bs * bs
+            child.state = S.WAITING
+            self.waiting.appendleft(child)
+            return None
+        pair = None
+        if p % bs:
+            pair = (table[p // bs], self._blocks.grow(child.request_id, p)[p // bs])
+        child.num_computed_tokens = p
+        child.state = S.RUNNING
+        self.running.append(child)
+        return pair
+
+    def reserve_choices(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Decode side, n > 1: the KV of `parent` (reserved, expected) serves its choices too. Each
+        choice shares its full prompt blocks and reserves its own for the rest, up front like the
+        parent (an imported request is never preempted); MemoryError (nothing kept) without room."""
+        bs, p = self._blocks.block_size, parent.prompt_len
+        total = min(p + parent.params.max_tokens, self.stop_checker.max_model_len)
+        shared = list(self._blocks.table(parent.request_id)[: p // bs])
+        need = len(children) * (self._blocks.blocks_needed(total) - len(shared))
+        if need > self._blocks.num_free:
+            raise MemoryError(f"not enough free KV blocks for {len(children) + 1} choices of {total} tokens "
+                              f"({self._blocks.num_free} free)")
+        for child in children:
+            self._blocks.adopt(child.request_id, shared)
+            self._blocks.grow(child.request_id, total)
+            child.state = S.WAITING_FOR_REMOTE_KV
+        self.remote_choices[parent.request_id] = children
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        out, self.block_copies = self.block_copies, []
+        return out
+
+    @property
+    def block_size(self) -> int:
+        return self._blocks.block_size
 
     # ---------------------------------------------------------------- queries
     def has_work(self) -> bool:
@@ -221,9 +279,10 @@ class Scheduler:
                 budget -= item.num_tokens
         # 3. admissions
         chunked = self.config.chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = next((s for s in self.waiting if _grammar_ready(s)), None)
-            if seq is None:
+        width = sum(s.width for s in self.running)  # a group counts its n choices from its admission
+        while self.waiting and budget > 0:
+            seq = next((s for s in self.waiting if _grammar_ready(s)), None)  # a grammar compiling waits
+            if seq is None or width + seq.width > self.config.max_num_seqs:
                 break
             if not chunked and seq.num_tokens - seq.num_computed_tokens > budget and out:
                 break
@@ -235,6 +294,7 @@ class Scheduler:
             self._count_prefix(seq)
             seq.state = S.RUNNING
             self.running.append(seq)
+            width += seq.width
             out.append(item)
             budget -= item.num_tokens
         if out and self.connector is not None:
@@ -291,9 +351,30 @@ class Scheduler:
 
     # ---------------------------------------------------------------- internals
     def _received(self, seq: Sequence, ft: FinishedTransfer) -> list[Sequence]:
+        children = [c for c in self.remote_choices.pop(seq.request_id, []) if not c.state.done]
+        if ft.error is None and ft.first_token is not None and len(ft.choice_tokens) < len(children):
+            ft = FinishedTransfer(ft.request_id, f"{len(ft.choice_tokens)} choice first tokens for "
+                                                 f"{len(children) + 1} choices")
         if ft.error is not None or ft.first_token is None:
-            self.fail(seq, f"KV transfer failed: {ft.error or 'no first token'}", retryable=True)
-            return [seq]
+            for s in [seq] + children:
+                self.fail(s, f"KV transfer failed: {ft.error or 'no first token'}", retryable=True)
+            return [seq] + children
+        changed = [c for c in children if self._start_choice(seq, c, ft)]
+        return changed + self._start_received(seq, ft)
+
+    def _start_choice(self, parent: Sequence, child: Sequence, ft: FinishedTransfer) -> bool:
+        """A choice of a received group starts on its own first token (P's); the prompt's partial
+        last block is copied into its own. True when that token already ended it."""
+        bs, p = self._blocks.block_size, parent.prompt_len
+        if self._start_received(child, FinishedTransfer(ft.request_id, None, ft.choice_tokens[child.choice - 1],
+                                                        ft.rope_delta)):
+            return True
+        if p % bs:  # copied before the next forward (LLMEngine.step), while no one has written it
+            self.block_copies.append((self._blocks.table(parent.request_id)[p // bs],
+                                      self._blocks.table(child.request_id)[p // bs]))
+        return False
+
+    def _start_received(self, seq: Sequence, ft: FinishedTransfer) -> list[Sequence]:
         seq.timings["kv_transfer_end"] = time.time()
         seq.rope_delta = ft.rope_delta
         seq.num_computed_tokens = seq.prompt_len

@@ -100,6 +100,19 @@ class Sequence:
     decode_clock: tuple[float, int] | None = None  # step budget: (when it started decoding here, outputs then)
     prefill_limit: int | None = None  # pipelined prefill: prompt tokens [0, limit) may be computed now (None: all)
     pipeline: object | None = None  # its engine/pipelined_prefill.PipelineState while media are still missing
+    group: object | None = None  # n > 1, until the choices fork: its engine/sequence_group.ChoiceGroup
+    group_id: str | None = None  # a forked choice (index > 0): the request it belongs to
+    choice: int = 0  # which of the request's n choices this sequence is
+
+    @property
+    def output_id(self) -> str:
+        """The request id its outputs carry (a forked choice's internal id is `<id>-c<j>`)."""
+        return self.group_id or self.request_id
+
+    @property
+    def width(self) -> int:
+        """Running sequences it will be once its choices fork (1 once they have)."""
+        return self.group.n if self.group is not None else 1
 
     @property
     def prompt_len(self) -> int:

@@ -70,17 +70,24 @@ class LLM:
             except InvalidRequestError as e:  # this request fails alone
                 failed[rid] = RequestOutput.failed(rid, str(e))
             ids.append(rid)
-        done: dict[str, RequestOutput] = dict(failed)
-        logprobs: dict[str, list] = {r: [] for r in ids}
-        while len(done) < len(ids):
+        # one finished output per choice (SamplingParams.n; a refused request has one)
+        want = {r: (1 if r in failed or p is None else p.n) for r, p in zip(ids, params)}
+        done: dict[tuple[str, int], RequestOutput] = {(r, 0): o for r, o in failed.items()}
+        logprobs: dict[tuple[str, int], list] = {}
+        while len(done) < sum(want.values()):
             for out in self.engine.step():
-                logprobs[out.request_id].extend(out.new_logprobs)
+                key = (out.request_id, out.index)
+                logprobs.setdefault(key, []).extend(out.new_logprobs)
                 if out.finished:
-                    done[out.request_id] = out
-        outs = [_to_generate_output(done[r], p) for r, p in zip(ids, prompts)]
-        for r, o, sp in zip(ids, outs, params):
+                    done[key] = out
+        outs = []
+        for r, prompt, sp in zip(ids, prompts, params):
+            o = _to_generate_output(done[(r, 0)], prompt)
+            o.outputs = [_completion(done[(r, j)], j) for j in range(want[r])]
             if sp is not None and sp.logprobs is not None:
-                o.outputs[0].logprobs = logprobs[r]
+                for j, c in enumerate(o.outputs):
+                    c.logprobs = logprobs.get((r, j), [])
+            outs.append(o)
         return outs
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True):
@@ -118,9 +125,13 @@ def _to_generate_output(out: RequestOutput, prompt) -> GenerateOutput:
     return GenerateOutput(
         request_id=out.request_id,
         prompt=prompt,
-        outputs=[CompletionOutput(0, out.text, out.token_ids, out.finish_reason)],
+        outputs=[_completion(out, 0)],
         error=out.error,
         num_prompt_tokens=out.num_prompt_tokens,
         num_vision_tokens=out.num_vision_tokens,
         metrics=out.timings,
     )
+
+
+def _completion(out: RequestOutput, index: int) -> CompletionOutput:
+    return CompletionOutput(index, out.text, out.token_ids, out.finish_reason)

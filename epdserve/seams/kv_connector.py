@@ -48,6 +48,7 @@ class FinishedTransfer:
     error: str | None = None  # None: sent and acknowledged / received into the blocks
     first_token: int | None = None  # receiving: the first output token the prefill side sampled
     rope_delta: int = 0  # receiving: the prompt's M-RoPE delta (text position of token i = i + delta)
+    choice_tokens: tuple[int, ...] = ()  # receiving, n > 1: the first tokens of choices 1..n-1
 
 
 class KVConnector(ABC):

@@ -7,7 +7,8 @@ received by the pair's thread, straight into them). When the scheduler found a p
 prompt in this engine's prefix cache (KV imported or decoded here for an earlier turn), those
 whole blocks are already in place: only the blocks after them are expected, and
 `cached_tokens` tells the prefill side (through the reservation) to send only those. The prefill side's first token and M-RoPE
-delta arrive through the control plane: `set_first_token`. `get_finished` reports a request as
+delta arrive through the control plane: `set_first_token` (a request with n > 1 choices: the
+first tokens of choices 1..n-1 too, `choice_tokens`; its KV crosses once for all of them). `get_finished` reports a request as
 received once both are in (or failed), and counts it in `counters` (bytes received: whole
 blocks received, every layer's K and V; `bytes_skipped`: the cached blocks that did not travel;
 failures: receives that failed, not requests aborted here). An
@@ -50,6 +51,7 @@ class _Incoming:
     kv_done: bool = False
     first_token: int | None = None
     rope_delta: int = 0
+    choice_tokens: tuple[int, ...] = ()  # n > 1: P's first tokens of choices 1..n-1
     aborted: bool = False  # the engine let go; report it once the receiver is done with the blocks
     quarantined: bool = False  # failed, but a receive that outlived its pair may still write the blocks
 
@@ -119,12 +121,14 @@ class LayerwiseRecvConnector(KVConnector):
         """Prompt tokens whose KV this engine held already (whole blocks): not to be sent."""
         return self._incoming[request_id].skip * self._block_size
 
-    def set_first_token(self, request_id: str, token: int, rope_delta: int) -> None:
-        """The prefill side's first token; KeyError if the request is not (any more) expected."""
+    def set_first_token(self, request_id: str, token: int, rope_delta: int, choice_tokens=()) -> None:
+        """The prefill side's first token (and, n > 1, its other choices' first tokens); KeyError if
+        the request is not (any more) expected."""
         inc = self._incoming.get(request_id)
         if inc is None or inc.aborted:
             raise KeyError(request_id)
         inc.first_token, inc.rope_delta = int(token), int(rope_delta)
+        inc.choice_tokens = tuple(int(t) for t in choice_tokens)
 
     # ------------------------------------------------------------------ scheduler side
     def num_remote_tokens(self, seq) -> int:
@@ -179,7 +183,7 @@ class LayerwiseRecvConnector(KVConnector):
         for rid, inc in list(self._incoming.items()):
             if inc.kv_done and inc.first_token is not None:
                 del self._incoming[rid]
-                done.append(FinishedTransfer(rid, None, inc.first_token, inc.rope_delta))
+                done.append(FinishedTransfer(rid, None, inc.first_token, inc.rope_delta, inc.choice_tokens))
         self.counters.leaked_communicators = self.receiver.leaked_communicators
         return [], done
 
