@@ -20,7 +20,7 @@ temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, skip_s
 presence_penalty, frequency_penalty, repetition_penalty, logit_bias={token id: bias}, and
 logprobs=k: each result's / delta's `logprobs` then holds a `TokenLogprobs` per token).
 OpenAI's `n`: `generate_choices(prompt, n=4, ...)` (or `chat=messages`) returns n results, the
-prompt prefilled once (epdserve.rpc.choices).
+prompt prefilled once (one request with sampling.n: a sequence group; each delta's `index` its choice).
 Failures raise `EPDServeError` carrying the gRPC status code. Leaving a `generate_stream` loop
 early (break, exception, close) cancels the call, which aborts the request on every instance.
 

@@ -15,10 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epdserve.client.connection import SchedulerConnection, retry_policy
-from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
+from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, collect_choices, \
+    delta_from
 from epdserve.client.resume import Resumption, RetryPolicy
 from epdserve.rpc import serve_pb2
-from epdserve.rpc.choices import choice_requests
 
 
 class AsyncClient(SchedulerConnection):
@@ -51,20 +51,18 @@ class AsyncClient(SchedulerConnection):
     async def generate_choices(self, prompt=None, images=None, *, n: int, request_id: str = "",
                                timeout: float | None = None, chat: list[dict] | None = None,
                                **sampling) -> list[GenerateResult]:
-        """As `Client.generate_choices`: the first choice alone until its second message, then the rest."""
-        reqs = choice_requests(build_request(prompt, images, chat=chat, request_id=request_id, **sampling), n)
-        lead = self._stream(reqs[0], timeout)
-        ahead = [await lead.__anext__()]
-        if not ahead[0].finished:  # its second message: in P-D, D's prefix cache holds the prompt by then
-            ahead.append(await lead.__anext__())
-
-        async def one(r):
-            return collect([d async for d in self._stream(r, timeout)])
-
-        async def head():
-            return collect([*ahead, *[d async for d in lead]])
-
-        return list(await asyncio.gather(head(), *(one(r) for r in reqs[1:])))
+        """As `Client.generate_choices`: one request with n choices (sampling.n)."""
+        req = build_request(prompt, images, chat=chat, request_id=request_id, **sampling)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if n == 1:
+            return [collect([d async for d in self._stream(req, timeout)])]
+        req.sampling.n = n
+        once = self._stream_once(req, timeout if timeout is not None else self.timeout)
+        try:
+            return collect_choices([d async for d in once], n)
+        finally:
+            await once.aclose()
 
     def chat_stream(self, messages: list[dict], *, add_generation_prompt: bool = True, request_id: str = "",
                     timeout: float | None = None, **sampling) -> AsyncIterator[Delta]:

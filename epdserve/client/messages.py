@@ -20,7 +20,7 @@ from epdserve.model.chat import image_url_bytes, unsupported_part
 from epdserve.rpc import common_pb2, serve_pb2
 
 # the keywords a generation takes: SamplingParams' fields but the scheduler's own bookkeeping and
-# `n` (the wire carries one choice per request: `Client.generate_choices` sends n, rpc/choices.py)
+# `n` (`Client.generate_choices` takes it: its results are n, not one)
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("resumed_outputs", "n"))
 
 
@@ -150,6 +150,7 @@ class Delta:
     timing: Timing | None = None
     media_keys: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    index: int = 0  # the choice (generate_choices' n) this message belongs to
 
 
 # ---------------------------------------------------------------- requests out
@@ -282,9 +283,17 @@ def logprobs_from(ps) -> list[TokenLogprobs]:
 
 def delta_from(d: serve_pb2.GenerateDelta) -> Delta:
     if not d.finished:
-        return Delta(d.request_id, list(d.token_ids), d.text, logprobs=logprobs_from(d.logprobs))
+        return Delta(d.request_id, list(d.token_ids), d.text, logprobs=logprobs_from(d.logprobs), index=d.index)
     return Delta(d.request_id, list(d.token_ids), d.text, True, d.finish_reason, usage_from(d.usage),
-                 timing_from(d.timing), list(d.media_keys), logprobs_from(d.logprobs))
+                 timing_from(d.timing), list(d.media_keys), logprobs_from(d.logprobs), d.index)
+
+
+def collect_choices(deltas, n: int) -> list[GenerateResult]:
+    """The n `GenerateResult`s of one stream of n choices (each delta's `index`), in index order."""
+    per: list[list[Delta]] = [[] for _ in range(n)]
+    for d in deltas:
+        per[d.index].append(d)
+    return [collect(ds) for ds in per]
 
 
 def collect(deltas) -> GenerateResult:

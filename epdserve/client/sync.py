@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epdserve.client.connection import SchedulerConnection, retry_policy
-from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, delta_from
+from epdserve.client.messages import Delta, EPDServeError, GenerateResult, build_request, collect, collect_choices, \
+    delta_from
 from epdserve.client.resume import Resumption, RetryPolicy
 from epdserve.rpc import serve_pb2
-from epdserve.rpc.choices import choice_requests
 
 
 class Client(SchedulerConnection):
@@ -53,17 +52,16 @@ class Client(SchedulerConnection):
                          timeout: float | None = None, chat: list[dict] | None = None,
                          **sampling) -> list[GenerateResult]:
         """OpenAI's `n`: `n` results for one prompt (or `chat` messages), each its own sequence
-        (seeded: seed + j). The first runs alone until its second message is out, then the others
-        start: their prompts hit the prefix caches it filled (epdserve.rpc.choices)."""
-        reqs = choice_requests(build_request(prompt, images, chat=chat, request_id=request_id, **sampling), n)
-        lead = self._stream(reqs[0], timeout)
-        ahead = [next(lead)]
-        if not ahead[0].finished:  # its second message: in P-D, D's prefix cache holds the prompt by then
-            ahead.append(next(lead))
-        with ThreadPoolExecutor(max(1, n - 1)) as pool:
-            rest = [pool.submit(lambda r: collect(list(self._stream(r, timeout))), r) for r in reqs[1:]]
-            head = collect([*ahead, *lead])
-            return [head] + [f.result() for f in rest]
+        (seeded: seed + j), served as one request whose prompt is prefilled once (a sequence group:
+        sampling.n). Not resumed on another scheduler once its output started (a group does not
+        resume; UNAVAILABLE raises)."""
+        req = build_request(prompt, images, chat=chat, request_id=request_id, **sampling)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if n == 1:
+            return [collect(list(self._stream(req, timeout)))]
+        req.sampling.n = n
+        return collect_choices(self._stream_once(req, timeout if timeout is not None else self.timeout), n)
 
     def chat_stream(self, messages: list[dict], *, add_generation_prompt: bool = True, request_id: str = "",
                     timeout: float | None = None, **sampling) -> Iterator[Delta]:

@@ -4,8 +4,8 @@
   fails its request before it is queued; bytes marked `in_store` — features stored before, the
   scheduler decoded them already — are decoded only if the engine must recompute them);
 - `timings_to_proto`: an engine timings dict → StageTimings;
-- `token_delta`: a RequestOutput → TokenDelta; `coalesce`: consecutive outputs of one request
-  → one (their new tokens, log probabilities and text joined), so a stream sends one message for
+- `token_delta`: a RequestOutput → TokenDelta (its choice index too); `coalesce`: consecutive outputs of
+  one request's choice → one (their new tokens, log probabilities and text joined), so a stream sends one message for
   what queued up;
 - `logprobs_to_proto`: an engine `TokenLogprob` → common.TokenLogprobs.
 """
@@ -115,6 +115,7 @@ def token_delta(out: RequestOutput, request_id: str | None = None, **timing_extr
         num_cached_vision_tokens=out.num_cached_vision_tokens,
         num_cached_tokens=out.num_cached_tokens,
         logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
+        index=out.index,
     )
     if out.finished:
         d.timings.CopyFrom(timings_to_proto(out.timings, finished=time.time(), **timing_extra))

@@ -67,7 +67,7 @@ class DecodeWorker(StageWorker):
                 ) -> tuple[RequestHandle, Reservation]:
         """`media`: `media_identity` of the request's media (empty: a prompt with media is not cached);
         `cache_salt`: the request's (its first block's hash, as at P)."""
-        handle = RequestHandle(request_id)
+        handle = RequestHandle(request_id, params.n)
 
         def run() -> Reservation:
             if request_id in self.handles:
@@ -89,10 +89,11 @@ class DecodeWorker(StageWorker):
 
         return handle, self.call(run).result(CALL_TIMEOUT_S)
 
-    def begin(self, request_id: str, first_token: int, rope_delta: int) -> Future:
+    def begin(self, request_id: str, first_token: int, rope_delta: int, choice_tokens=()) -> Future:
+        """`choice_tokens`: n > 1, the first tokens P sampled for choices 1..n-1."""
         def run() -> None:
             try:
-                self.connector.set_first_token(request_id, first_token, rope_delta)
+                self.connector.set_first_token(request_id, first_token, rope_delta, choice_tokens)
             except KeyError:
                 raise TransientError(f"request {request_id!r} is not reserved here (any more)") from None
 

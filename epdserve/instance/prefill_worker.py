@@ -31,7 +31,7 @@ class PrefillWorker(StageWorker):
     # ---------------------------------------------------------------- gRPC threads
     def prefill(self, req: EngineRequest, rdzv: PairRendezvous) -> RequestHandle:
         """`req.kv_transfer` is the RemoteDecode; `rdzv` the pair D named (this side's rank 0)."""
-        handle = RequestHandle(req.request_id)
+        handle = RequestHandle(req.request_id, req.params.n)
 
         def admit():
             if req.request_id in self.handles:

@@ -23,7 +23,8 @@ from epdserve.rpc.ranges import check_sampling
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens",
              "min_p")
 # the logits processors' and log probabilities' (proto fields 40-59)
-_OPTIONAL_PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "resumed_outputs")
+_OPTIONAL_PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "resumed_outputs",
+                        "n")
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -84,9 +85,9 @@ def structured_to_proto(c: StructuredOutput) -> common_pb2.StructuredOutput:
 
 
 def set_processing(p: common_pb2.SamplingParams, s: SamplingParams) -> None:
-    """The logits processors' and log probabilities' fields of `s` onto `p` (only those not off)."""
+    """The logits processors', log probabilities' and choices' (n) fields of `s` onto `p` (only those not off)."""
     for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                      ("resumed_outputs", 0)):
+                      ("resumed_outputs", 0), ("n", 1)):
         if getattr(s, name) != off:
             setattr(p, name, getattr(s, name))
     if s.logprobs is not None:

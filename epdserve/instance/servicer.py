@@ -63,14 +63,16 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                 self._fail(context, ev)
             return ev
 
-    def _next_delta(self, handle, context, streamed: bool):
-        """The next stream message's output: the next event and whatever else the request has
-        queued, joined; once the request has `streamed` a token, held up to the instance's
-        stream interval to gather more (the first token is never held)."""
+    def _next_deltas(self, handle, context, streamed: bool, unfinished: int):
+        """The next stream messages' outputs: the next event and whatever else the request has
+        queued, joined per choice (one output per choice index, in the order they came); once the
+        request has `streamed` a token, held up to the instance's stream interval to gather more
+        (the first token is never held). Stops gathering once its `unfinished` choices all ended."""
         outs = [self._wait(handle, context)]
+        ended = int(outs[-1].finished)
         hold = self.host.config.stream_interval_ms / 1e3 if streamed else 0.0
         deadline = time.monotonic() + hold
-        while not outs[-1].finished:
+        while ended < unfinished:
             left = deadline - time.monotonic()
             try:
                 ev = handle.get(left) if left > 0 else handle.events.get_nowait()
@@ -79,7 +81,11 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             if isinstance(ev, BaseException):
                 self._fail(context, ev)
             outs.append(ev)
-        return convert.coalesce(outs)
+            ended += int(ev.finished)
+        by_index: dict[int, list] = {}
+        for o in outs:
+            by_index.setdefault(o.index, []).append(o)
+        return [convert.coalesce(group) for group in by_index.values()]
 
     def _guard(self, context, fn):
         try:
@@ -128,7 +134,11 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         rdzv = PairRendezvous(dec.pair.host, int(dec.pair.port), dec.pair.pair_name, 0)
         handle = self._guard(context, lambda: w.prefill(j, rdzv))
         context.add_callback(lambda: w.abort(rid))
-        out = self._wait(handle, context)
+        outs = {}  # choice index -> its output (each ends here: handed off, or finished by its first token)
+        while len(outs) < j.params.n:
+            o = self._wait(handle, context)
+            outs[o.index] = o
+        out = outs[0]
         first = out.token_ids[0] if out.token_ids else 0
         t = dict(out.timings)
         t.setdefault("prefill_start", t.get("encode_end") or t.get("arrival", 0.0))
@@ -147,6 +157,12 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         )
         if out.new_logprobs:  # the first token's, sampled here (it reaches the client through the scheduler)
             resp.first_logprobs.CopyFrom(convert.logprobs_to_proto(out.new_logprobs[0]))
+        for k in range(1, j.params.n):  # the group's other choices: their first tokens go to D with the one KV
+            o = outs[k]
+            c = resp.choices.add(index=k, token_id=o.token_ids[0] if o.token_ids else 0, text=o.text,
+                                 finish_reason=o.finish_reason or "")
+            if o.new_logprobs:
+                c.logprobs.CopyFrom(convert.logprobs_to_proto(o.new_logprobs[0]))
         return resp
 
     # ---------------------------------------------------------------- D
@@ -178,12 +194,13 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             w.abort(rid)
             return  # the scheduler closed the call: the first token ended the request
         start = nxt.start
-        self._guard(context, lambda: w.begin(rid, start.first_token_id, start.rope_delta).result(CALL_TIMEOUT_S))
-        while True:
-            out = self._next_delta(handle, context, streamed=True)  # D's first token came from P
-            yield instance_pb2.DecodeOutput(delta=convert.token_delta(out, rid))
-            if out.finished:
-                return
+        self._guard(context, lambda: w.begin(rid, start.first_token_id, start.rope_delta,
+                                             list(start.choice_first_token_ids)).result(CALL_TIMEOUT_S))
+        unfinished = params.n  # every choice ends on D (one whose first token at P ended it too, at once)
+        while unfinished:
+            for out in self._next_deltas(handle, context, True, unfinished):  # D's first tokens came from P
+                yield instance_pb2.DecodeOutput(delta=convert.token_delta(out, rid))
+                unfinished -= int(out.finished)
 
     # ---------------------------------------------------------------- PD / EPD
     def Generate(self, request, context):
@@ -198,16 +215,15 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
 
         handle = self._guard(context, submit)
         context.add_callback(lambda: w.abort(rid))
-        streamed = False
-        while True:
-            out = self._next_delta(handle, context, streamed)
-            streamed = streamed or bool(out.new_token_ids)
-            extra = {}
-            if out.token_ids and "first_token" in out.timings:
-                extra["prefill_start"] = out.timings.get("encode_end") or out.timings.get("arrival", 0.0)
-            yield convert.token_delta(out, rid, **extra)
-            if out.finished:
-                return
+        streamed, unfinished = False, handle.n
+        while unfinished:  # until every choice (SamplingParams.n) finished
+            for out in self._next_deltas(handle, context, streamed, unfinished):
+                streamed = streamed or bool(out.new_token_ids)
+                extra = {}
+                if out.token_ids and "first_token" in out.timings:
+                    extra["prefill_start"] = out.timings.get("encode_end") or out.timings.get("arrival", 0.0)
+                yield convert.token_delta(out, rid, **extra)
+                unfinished -= int(out.finished)
 
     # ---------------------------------------------------------------- control
     def Abort(self, request, context):

@@ -80,10 +80,13 @@ def _add_counters(counts: common_pb2.Load, stats: dict, kv, role: str) -> None:
 
 
 class RequestHandle:
-    """Where the loop thread puts one request's events for the gRPC thread serving it."""
+    """Where the loop thread puts one request's events for the gRPC thread serving it: the outputs
+    of each of its `n` choices (SamplingParams.n, `RequestOutput.index`), until all n finished."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, n: int = 1):
         self.request_id = request_id
+        self.n = n
+        self.unfinished = n  # choices with no finished output yet (loop thread)
         self.events: queue.Queue = queue.Queue()
         self.closed = False
 
@@ -123,7 +126,7 @@ class StageWorker:
     # ---------------------------------------------------------------- other threads
     def submit(self, req: EngineRequest) -> RequestHandle:
         """Queue `req` in the engine; its outputs go to the returned handle (bad input raises)."""
-        handle = RequestHandle(req.request_id)
+        handle = RequestHandle(req.request_id, req.params.n)
 
         def add():
             if req.request_id in self.handles:
@@ -280,12 +283,15 @@ class StageWorker:
             self.deliver(out)
 
     def deliver(self, out: RequestOutput) -> None:
-        """One engine output to its request's handle (an error output as the exception)."""
+        """One engine output to its request's handle (an error output as the exception); the handle
+        is done here once every choice of the request finished."""
         handle = self.handles.get(out.request_id)
         if handle is None:
             return
         if out.finished:
-            del self.handles[out.request_id]
+            handle.unfinished -= 1
+            if handle.unfinished <= 0:
+                del self.handles[out.request_id]
         handle.put(output_error(out) if out.error is not None else out)
 
     def on_step_error(self) -> None:

@@ -157,8 +157,10 @@ class ServingMetrics:
             t0, t1 = getattr(d.timing, a), getattr(d.timing, b)
             if t0 and t1 and t1 >= t0:
                 self.stage.labels(stage).observe(t1 - t0)
-        self.prompt_tokens.inc(d.usage.prompt_tokens)
         self.generation_tokens.inc(n)
+        if d.index:  # choice j > 0 of a group (sampling.n): its prompt, media and retries were counted with choice 0
+            return
+        self.prompt_tokens.inc(d.usage.prompt_tokens)
         self.vision_tokens.inc(d.usage.vision_tokens)
         self.cached_vision_tokens.inc(d.usage.cached_vision_tokens)
         run = scheduler.dispatcher.runs.get((tenant, d.request_id)) if scheduler.dispatcher is not None else None

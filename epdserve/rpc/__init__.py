@@ -12,7 +12,7 @@ Use the modules from here, never from epdserve.proto_gen directly:
 - servers.py     health + reflection on a server and its serving status
 - ranges.py      the numeric ranges of a public generation request, the rules both fronts check
 - video_spec.py  a video's per-request sampling options ↔ the `VideoSpec` message
-- choices.py     a request as its n choices (OpenAI's `n`), as both fronts send them
+- choice_streams.py  one stream of n choices (OpenAI's `n`) as n streams, as both fronts read it
 
 Of epdserve it imports only proto_gen, net and request_errors: nothing of the engine or above (the
 conversion of sampling params to the engine's type is `epdserve.instance.sampling_wire`).

@@ -66,11 +66,13 @@ REPETITION_PENALTY = Range(0, math.inf, integer=False, lo_open=True, note="1 tur
 LOGIT_BIAS = Range(-100, 100, integer=False)
 LOGPROBS = Range(0, 20, note="top alternatives per token")
 RESUMED_OUTPUTS = Range(0, INT32_MAX)
+CHOICES = Range(1, 128, note="choices of one prompt (OpenAI's n)")
 
 # SamplingParams' optional numbers (stop_token_ids: token ids)
 SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": SEED,
             "min_p": MIN_P, "presence_penalty": PENALTY, "frequency_penalty": PENALTY,
-            "repetition_penalty": REPETITION_PENALTY, "logprobs": LOGPROBS, "resumed_outputs": RESUMED_OUTPUTS}
+            "repetition_penalty": REPETITION_PENALTY, "logprobs": LOGPROBS, "resumed_outputs": RESUMED_OUTPUTS,
+            "n": CHOICES}
 
 
 class RangeError(InvalidRequestError):

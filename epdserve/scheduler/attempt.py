@@ -6,7 +6,8 @@ Coupled (PD/EPD instance): `Generate`, streaming TokenDelta. Disaggregated: `Dec
 to their E instances as concurrent `Encode` calls whose answers only feed usage and timing;
 a failed Encode costs nothing but P's bounded wait (P recomputes the features).
 
-`Attempt.run()` yields `Piece`s (new tokens) and raises `InstanceError` when an instance fails
+`Attempt.run()` yields `Piece`s (new tokens of choice `Piece.index`; with sampling.n > 1 the attempt
+serves the n choices as one group, and ends once every one finished) and raises `InstanceError` when an instance fails
 (or is killed because the registry marked it DOWN). `close()` cancels every live call and sends
 `Abort` for the attempt's id to every instance it touched, in the background (idempotent; also
 the path when the client cancels).
@@ -40,6 +41,7 @@ class Piece:
     finished: bool = False
     finish_reason: str = ""
     logprobs: list = field(default_factory=list)  # common.TokenLogprobs per token, when the request asks
+    index: int = 0  # the choice (sampling.n > 1) these tokens belong to
 
 
 @dataclass
@@ -97,6 +99,11 @@ class Attempt:
         self._prefill_done = False  # P answered: the rest is D's (a P that goes now costs nothing)
         self._closed = False
 
+    @property
+    def choices(self) -> int:
+        """How many choices this attempt serves as one group (sampling.n)."""
+        return max(1, self.inputs.sampling.n)
+
     # ---------------------------------------------------------------- driving
     async def run(self) -> AsyncIterator[Piece]:
         for rec, items in self.plan.encodes:  # tasks in plan.encodes' order
@@ -117,7 +124,7 @@ class Attempt:
             timeout=self._timeout(),
         )
         self._calls.append(call)
-        first = True
+        first, unfinished = True, self.choices
         while True:
             d = await self._rpc(rec, "generate", call.read())
             if d is grpc.aio.EOF:
@@ -128,8 +135,10 @@ class Attempt:
                 first = False
                 self.report.reported_cached_tokens = d.num_cached_vision_tokens
                 self.report.kv_cached_tokens = d.num_cached_tokens
-            yield self._piece(rec, "generate", d)
-            if d.finished:
+            piece = self._piece(rec, "generate", d)
+            unfinished -= int(piece.finished)
+            yield piece
+            if not unfinished:
                 return
 
     async def _run_disaggregated(self, p: InstanceRecord, d: InstanceRecord) -> AsyncIterator[Piece]:
@@ -159,12 +168,21 @@ class Attempt:
         self.report.recomputed.update(resp.recomputed_keys)
         self.report.reported_cached_tokens = resp.num_cached_vision_tokens
         self.report.kv_cached_tokens = resp.num_cached_tokens
-        yield Piece([resp.first_token_id], resp.first_text, bool(resp.finish_reason), resp.finish_reason,
-                    [resp.first_logprobs] if resp.HasField("first_logprobs") else [])
-        if resp.finish_reason:
+        if len(resp.choices) != self.choices - 1:
+            raise InstanceError(p.instance_id, "prefill", grpc.StatusCode.ABORTED,
+                                f"{len(resp.choices) + 1} first tokens for {self.choices} choices")
+        pieces = [Piece([resp.first_token_id], resp.first_text, bool(resp.finish_reason), resp.finish_reason,
+                        [resp.first_logprobs] if resp.HasField("first_logprobs") else [])]
+        pieces += [Piece([c.token_id], c.text, bool(c.finish_reason), c.finish_reason,
+                         [c.logprobs] if c.HasField("logprobs") else [], c.index) for c in resp.choices]
+        done = {x.index for x in pieces if x.finished}
+        for piece in pieces:
+            yield piece
+        if len(done) == self.choices:
             self.close(abort=True)  # D frees its reservation, P its KV
             return
-        start = instance_pb2.DecodeStart(first_token_id=resp.first_token_id, rope_delta=resp.rope_delta)
+        start = instance_pb2.DecodeStart(first_token_id=resp.first_token_id, rope_delta=resp.rope_delta,
+                                         choice_first_token_ids=[c.token_id for c in resp.choices])
         await self._send(d, "decode", call.write(instance_pb2.DecodeInput(start=start)))
         await self._send(d, "decode", call.done_writing())
         while True:
@@ -175,8 +193,13 @@ class Attempt:
             if not out.HasField("delta"):
                 continue
             merge_timings(self.report.timings, out.delta.timings)
-            yield self._piece(d, "decode", out.delta)
-            if out.delta.finished:
+            piece = self._piece(d, "decode", out.delta)
+            if piece.index in done:  # ended by its first token at P: D ends it too, with nothing new
+                continue
+            if piece.finished:
+                done.add(piece.index)
+            yield piece
+            if len(done) == self.choices:
                 return
 
     async def _encode(self, rec: InstanceRecord, items: list[int]) -> None:
@@ -313,7 +336,7 @@ class Attempt:
             # abort/error we did not ask for (instance draining, KV import failed): retry
             raise InstanceError(rec.instance_id, stage, grpc.StatusCode.ABORTED,
                                 f"instance ended the request with {d.finish_reason or 'no reason'}")
-        return Piece(list(d.token_ids), d.text, d.finished, d.finish_reason, list(d.logprobs))
+        return Piece(list(d.token_ids), d.text, d.finished, d.finish_reason, list(d.logprobs), d.index)
 
     def _timeout(self) -> float | None:
         if self.inputs.deadline is None:

@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from epdserve.engine.sequence_group import choice_seed
 from epdserve.limits import LimitError, check_generate_request
 from epdserve.rpc import common_pb2, instance_pb2, serve_pb2
 from epdserve.rpc.ranges import RangeError, check_request
@@ -90,6 +91,14 @@ class StoredKeys:
         self._keys.pop(key, None)
 
 
+class _Split(Exception):
+    """A group's attempt failed after some of its choices had output: each unfinished choice goes on
+    as its own request (`RequestRun._merged`), resumed after its own output."""
+
+    def __init__(self, choices: list[int], next_try: int):
+        self.choices, self.next_try = choices, next_try
+
+
 class RequestRun:
     def __init__(self, dispatcher: Dispatcher, prep: PreparedRequest, arrival: float, deadline: float | None,
                  tenant: str = DEFAULT_TENANT, salt: str = ""):
@@ -101,8 +110,10 @@ class RequestRun:
             f"{prep.request_id}@{hashlib.sha256(tenant.encode()).hexdigest()[:12]}"
         self.deadline = deadline
         self.timing = common_pb2.StageTimings(arrival=arrival)
-        self.generated: list[int] = []
-        self.attempt: Attempt | None = None
+        self.n = max(1, prep.sampling.n)  # choices (OpenAI's n), served as one sequence group
+        self.outputs: list[list[int]] = [[] for _ in range(self.n)]  # each choice's tokens streamed so far
+        self.ended: dict[int, str] = {}  # choice -> its finish reason
+        self.live: set[Attempt] = set()  # attempts running now (one, or one per choice after a split)
         self.attempts: list[Attempt] = []
         self.first: Attempt | None = None  # the attempt that produced the first token
         self.first_at: float | None = None  # ... when it reached the scheduler (Unix seconds)
@@ -111,79 +122,165 @@ class RequestRun:
         self.prefix: dict[int, list[bytes]] = {}  # block size -> the prompt's block hashes (prompt_chunks.py)
         self._wake = asyncio.Event()
 
+    @property
+    def attempt(self) -> Attempt | None:
+        """The latest attempt (None before the first)."""
+        return self.attempts[-1] if self.attempts else None
+
+    @property
+    def generated(self) -> list[int]:
+        """Choice 0's output so far (the request's, when n is 1)."""
+        return self.outputs[0]
+
+    @generated.setter
+    def generated(self, ids: list[int]) -> None:
+        self.outputs[0] = list(ids)
+
     def abort(self) -> None:
         self.aborted = True
         self._wake.set()
-        if self.attempt is not None:
-            self.attempt.cancel(InstanceError("client", "attempt", grpc.StatusCode.CANCELLED, "aborted by the client"))
+        for a in list(self.live):
+            a.cancel(InstanceError("client", "attempt", grpc.StatusCode.CANCELLED, "aborted by the client"))
 
     def instance_down(self, rec: InstanceRecord) -> None:
-        if self.attempt is not None:
-            self.attempt.kill(rec.instance_id, f"instance {rec.instance_id} is down")
+        for a in list(self.live):
+            a.kill(rec.instance_id, f"instance {rec.instance_id} is down")
 
     async def events(self) -> AsyncIterator[serve_pb2.GenerateDelta]:
-        cfg, prep = self.d.config, self.prep
-        avoid: set[str] = set()
-        last_error: InstanceError | None = None
+        """The public stream: every choice's deltas (`index`), each choice's last one finished with
+        its usage; the n choices run as one group, and each unfinished one alone after a failure
+        that came once some had output (`_Split`)."""
         finished = False
+        avoid: set[str] = set()
         try:
-            for n in range(1, cfg.max_attempts + 1):
-                if self.aborted:
-                    break
-                attempt = await self._routed_attempt(n, avoid)
-                try:
-                    async for piece in attempt.run():
-                        if piece.token_ids and self.first is None:
-                            self.first, self.first_at = attempt, time.time()
-                        self.generated.extend(piece.token_ids)
-                        if piece.finished:
-                            finished = True
+            split = None
+            try:
+                async for j, piece in self._lane(tuple(range(self.n)), 1, avoid):
+                    delta = self._delta(j, piece)
+                    if delta is not None:
+                        yield delta
+            except _Split as e:
+                split = e
+            if split is not None:
+                async for j, piece in self._merged(split, avoid):
+                    delta = self._delta(j, piece)
+                    if delta is not None:
+                        yield delta
+            if self.aborted:
+                for j in range(self.n):
+                    if j not in self.ended:
+                        self.ended[j] = "abort"
+                        yield self._final(j, [], "", "abort")
+            finished = True
+        finally:
+            for a in self.attempts:  # closed already unless it failed or the client left
+                a.close(abort=not finished)
+
+    async def _lane(self, choices: tuple[int, ...], first_try: int, avoid: set[str]):
+        """`choices` (one, or the whole group) as attempts `first_try`.. until they all finished:
+        (choice, Piece) as they come. Retried (resumed after what was streamed) on an instance's
+        failure; a group that fails once some choice had output raises `_Split`."""
+        cfg, prep = self.d.config, self.prep
+        last_error: InstanceError | None = None
+        for n in range(first_try, cfg.max_attempts + 1):
+            if self.aborted:
+                return
+            attempt = await self._routed_attempt(n, avoid, choices)
+            self.live.add(attempt)
+            try:
+                async for piece in attempt.run():
+                    j = choices[piece.index] if piece.index < len(choices) else None
+                    if j is None or j in self.ended:
+                        continue
+                    if piece.token_ids and self.first is None:
+                        self.first, self.first_at = attempt, time.time()
+                    self.outputs[j].extend(piece.token_ids)
+                    if piece.finished:
+                        self.ended[j] = piece.finish_reason
+                        if all(c in self.ended for c in choices):
                             await attempt.encode_results()
                             attempt.close(abort=False)
                             self._learn_stored(attempt)
-                            yield self._final(piece.token_ids, piece.text, piece.finish_reason, piece.logprobs)
-                            return
-                        if piece.token_ids or piece.text:
-                            yield serve_pb2.GenerateDelta(request_id=prep.request_id, token_ids=piece.token_ids,
-                                                          text=piece.text, logprobs=piece.logprobs)
-                except InstanceError as e:
-                    attempt.close(abort=True)
-                    self._learn_stored(attempt)
-                    if self.aborted:
-                        break
-                    last_error = e
-                    self._handle_failure(e, avoid)
-                    log.warning("request %s attempt %d failed (%s); %s", prep.request_id, n, e,
-                                "retrying" if n < cfg.max_attempts else "giving up")
-                    if n < cfg.max_attempts:
-                        await self._backoff(n)
-            if self.aborted:
-                finished = True
-                yield self._final([], "", "abort")
+                    yield j, piece
                 return
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if last_error and last_error.action is Action.BUSY \
-                else grpc.StatusCode.UNAVAILABLE
-            raise RequestError(code, f"request {prep.request_id} failed after {cfg.max_attempts} attempts: {last_error}")
+            except InstanceError as e:
+                attempt.close(abort=True)
+                self._learn_stored(attempt)
+                if self.aborted:
+                    return
+                last_error = e
+                self._handle_failure(e, avoid)
+                log.warning("request %s attempt %d failed (%s); %s", prep.request_id, n, e,
+                            "retrying" if n < cfg.max_attempts else "giving up")
+                if n < cfg.max_attempts:
+                    await self._backoff(n)
+                    if len(choices) > 1 and any(self.outputs[c] for c in choices):
+                        raise _Split([c for c in choices if c not in self.ended], n + 1) from None
+            finally:
+                self.live.discard(attempt)
+        if self.aborted:
+            return
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if last_error and last_error.action is Action.BUSY \
+            else grpc.StatusCode.UNAVAILABLE
+        raise RequestError(code, f"request {prep.request_id} failed after {cfg.max_attempts} attempts: {last_error}")
+
+    async def _merged(self, split: _Split, avoid: set[str]):
+        """Each of `split.choices` as its own lane, concurrently: their (choice, Piece) merged."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(j: int) -> None:
+            try:
+                async for item in self._lane((j,), split.next_try, set(avoid)):
+                    await queue.put(item)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put(e)
+                return
+            await queue.put(None)
+
+        pumps = [asyncio.ensure_future(pump(j)) for j in split.choices]
+        try:
+            running = len(pumps)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
         finally:
-            if self.attempt is not None:
-                self.attempt.close(abort=not finished)
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    def _delta(self, j: int, piece) -> serve_pb2.GenerateDelta | None:
+        if piece.finished:
+            return self._final(j, piece.token_ids, piece.text, piece.finish_reason, piece.logprobs)
+        if piece.token_ids or piece.text:
+            return serve_pb2.GenerateDelta(request_id=self.prep.request_id, token_ids=piece.token_ids,
+                                           text=piece.text, logprobs=piece.logprobs, index=j)
+        return None
 
     # ---------------------------------------------------------------- pieces
-    async def _routed_attempt(self, n: int, avoid: set[str]) -> Attempt:
+    async def _routed_attempt(self, n: int, avoid: set[str], choices: tuple[int, ...] = (0,)) -> Attempt:
         """Start attempt `n`; while a role has no instance only because one is switching roles,
         wait for it (up to `switch_wait_s`) instead of failing the request."""
         deadline = time.monotonic() + self.d.config.switch_wait_s
         while True:
             try:
-                return self._start_attempt(n, avoid)
+                return self._start_attempt(n, avoid, choices)
             except RequestError as e:
                 if e.code != grpc.StatusCode.UNAVAILABLE or not self.d.registry.switching() \
                         or time.monotonic() > deadline or self.aborted:
                     raise
             await asyncio.sleep(_SWITCH_POLL_S)
 
-    def _start_attempt(self, n: int, avoid: set[str]) -> Attempt:
+    def _start_attempt(self, n: int, avoid: set[str], choices: tuple[int, ...] = (0,)) -> Attempt:
+        """Attempt `n` at `choices`: the whole group (sampling.n as asked), or one choice of it alone
+        (n unset, seeded seed + j as the group seeds it), after its own output so far."""
         prep, d = self.prep, self.d
+        group = len(choices) > 1
+        generated = [] if group else self.outputs[choices[0]]
         media_tokens = [m.num_tokens for m in prep.media]
         seen: set[str] = set()
         encode = []
@@ -191,9 +288,10 @@ class RequestRun:
             if m.data and m.key not in d.stored and m.key not in seen:
                 encode.append(i)
             seen.add(m.key)
-        prompt = prep.prompt_token_ids + self.generated
-        remaining = prep.max_tokens - len(self.generated)
-        plan, lease = d.router.plan(len(prompt), remaining, media_tokens, encode, avoid, prefix=self.prefix)
+        prompt = prep.prompt_token_ids + generated
+        remaining = prep.max_tokens - len(generated)
+        plan, lease = d.router.plan(len(prompt), remaining * len(choices), media_tokens, encode, avoid,
+                                    prefix=self.prefix)
         encoding = {prep.media[i].key for _, items in plan.encodes for i in items}
         refs = [
             instance_pb2.MediaRef(key=m.key, data=m.data, grid_thw=m.grid_thw, num_tokens=m.num_tokens,
@@ -204,14 +302,18 @@ class RequestRun:
         sampling.CopyFrom(prep.sampling)
         sampling.max_tokens = remaining
         if sampling.HasField("structured"):  # the resumed output joins the prompt: the grammar replays it
-            sampling.structured.replay_prompt_tokens = len(self.generated)
-        if self.generated:  # the penalties count the resumed tokens as output (engine/logits_process.py)
-            sampling.resumed_outputs = sampling.resumed_outputs + len(self.generated)
-        inputs = AttemptInputs(f"{self.wire_id}#{n}", prompt, refs, sampling, prep.num_vision_tokens, self.deadline,
-                               self.salt)
+            sampling.structured.replay_prompt_tokens = len(generated)
+        if generated:  # the penalties count the resumed tokens as output (engine/logits_process.py)
+            sampling.resumed_outputs = sampling.resumed_outputs + len(generated)
+        wire_id = f"{self.wire_id}#{n}"
+        if self.n > 1 and not group:  # one choice of the group, alone: its own id and seed
+            sampling.ClearField("n")
+            if sampling.HasField("seed"):
+                sampling.seed = choice_seed(sampling.seed, choices[0])
+            wire_id = f"{self.wire_id}.c{choices[0]}#{n}"
+        inputs = AttemptInputs(wire_id, prompt, refs, sampling, prep.num_vision_tokens, self.deadline, self.salt)
         attempt = Attempt(inputs, plan, lease, d.channels, d.registry, d.background)
         attempt.encoded_keys = encoding
-        self.attempt = attempt
         self.attempts.append(attempt)
         if not self.timing.dispatched:
             self.timing.dispatched = time.time()
@@ -239,21 +341,22 @@ class RequestRun:
         for key in attempt.report.already_stored:  # answered: it is in the store now
             self.d.stored.add(key)
 
-    def _final(self, token_ids: list[int], text: str, reason: str, logprobs=()) -> serve_pb2.GenerateDelta:
+    def _final(self, j: int, token_ids: list[int], text: str, reason: str, logprobs=()) -> serve_pb2.GenerateDelta:
+        """Choice j's last message: its finish reason, and usage with its own output tokens."""
         for a in self.attempts:
             merge_timings(self.timing, a.report.timings)
         self.timing.finished = time.time()
         return serve_pb2.GenerateDelta(
             request_id=self.prep.request_id, token_ids=token_ids, text=text, finished=True, finish_reason=reason,
-            usage=self._usage(), timing=self.timing, media_keys=self.prep.media_keys, logprobs=logprobs,
+            usage=self._usage(j), timing=self.timing, media_keys=self.prep.media_keys, logprobs=logprobs, index=j,
         )
 
-    def _usage(self) -> common_pb2.Usage:
+    def _usage(self, j: int = 0) -> common_pb2.Usage:
         prep = self.prep
         vision = prep.num_vision_tokens
         return common_pb2.Usage(
             prompt_tokens=len(prep.prompt_token_ids), prompt_text_tokens=len(prep.prompt_token_ids) - vision,
-            vision_tokens=vision, cached_vision_tokens=self._cached_vision_tokens(), output_tokens=len(self.generated),
+            vision_tokens=vision, cached_vision_tokens=self._cached_vision_tokens(), output_tokens=len(self.outputs[j]),
             cached_tokens=min(self.first.report.kv_cached_tokens, len(prep.prompt_token_ids)) if self.first else 0,
         )
 
@@ -390,6 +493,9 @@ class Dispatcher:
         """The output a resuming client already has (its ids checked with the rest: `check_request`):
         the run continues after it."""
         ids = list(req.resume_token_ids)
+        if ids and req.sampling.n > 1:
+            raise RequestError.invalid("resume_token_ids cannot resume a request with sampling.n > 1 "
+                                       "(whose output is n choices)")
         if len(ids) >= prep.max_tokens:
             raise RequestError.invalid(f"{len(ids)} resume_token_ids leave nothing of max_tokens={prep.max_tokens}")
         return ids

@@ -75,6 +75,9 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
 
     async def Generate(self, request, context):
         out = serve_pb2.GenerateResponse()
+        if request.sampling.n > 1:  # one response holds one choice: n of them stream (each message its index)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "sampling.n > 1 is served by GenerateStream (each choice's messages carry its index)")
         try:
             async for d in self._generate(request, context):
                 out.request_id = d.request_id

@@ -89,9 +89,9 @@ def reference(hf, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
     return out.sequences[0, len(PROMPT):].tolist(), torch.cat(out.logits).float()
 
 
-def _prefix_hits(sched) -> int:
-    """Prompt tokens the instances took from their prefix caches (their heartbeats' figure)."""
-    return sum(r.load.prefix_hit_tokens for r in sched.call(sched.server.registry.records))
+def _prefix_queried(sched) -> int:
+    """Prompt tokens the prefilling instances looked up in their prefix caches (their heartbeats' figure)."""
+    return sum(r.load.prefix_queried_tokens for r in sched.call(sched.server.registry.records) if "P" in r.roles)
 
 
 def _kv_sent(sched) -> int:
@@ -176,18 +176,21 @@ def test_n_choices(deployment):
     assert all(c.model_extra["token_ids"] == greedy for c in r.choices)
     assert r.usage.completion_tokens == 4 * MAX
     long = [(7 * i + 3) % 1900 for i in range(100)]  # 100 tokens: whole blocks the siblings can reuse
-    before = _prefix_hits(sched)
+    _kv_sent(sched)  # the heartbeats after the requests above
+    before = _prefix_queried(sched)
     r = oai.completions.create(model="tiny-vl", prompt=long, max_tokens=2, temperature=0, n=4)
     assert r.usage.prompt_tokens == 100 and r.usage.completion_tokens == 8  # the prompt counts once (OpenAI's usage)
-    # prefilled once: the other three choices' prompts came from the prefilling instance's prefix cache
-    wait_until(lambda: _prefix_hits(sched) - before >= 3 * (100 // BLOCK * BLOCK - BLOCK), 30, "prefix hits reported")
+    # prefilled once: one sequence group, its prompt scheduled (and looked up) once, not once per choice
+    wait_until(lambda: _prefix_queried(sched) - before >= 100, 30, "prefix lookups reported")
+    _kv_sent(sched)  # two more heartbeats: nothing else came
+    assert _prefix_queried(sched) - before == 100
     if any(rec.roles == "D" for rec in sched.call(sched.server.registry.records)):  # P-D: one KV transfer, then blocks
         before = _kv_sent(sched)
         completion(oai, prompt=long[::-1], max_tokens=2)
         one = _kv_sent(sched) - before  # the whole prompt's KV (7 blocks)
         completion(oai, prompt=[t + 1 for t in long], max_tokens=2, n=4)
         four = _kv_sent(sched) - before - one
-        assert one > 0 and four <= one + 3 * one // 7  # the siblings each send the last block only
+        assert one > 0 and four == one  # one KV transfer for the four choices
     chunks = list(oai.chat.completions.create(model="tiny-vl", messages=[{"role": "user", "content": "hi"}], n=2,
                                               max_tokens=3, stream=True, stream_options={"include_usage": True},
                                               extra_body={"ignore_eos": True}))

@@ -96,8 +96,7 @@ def test_messages_cover_the_contract():
 
     from epdserve.engine.sampling_params import SamplingParams
 
-    # n: the engines serve it as one sequence group; the wire does not carry it yet (rpc/choices.py)
-    assert fields == {f.name for f in dc_fields(SamplingParams)} - {"n"}
+    assert fields == {f.name for f in dc_fields(SamplingParams)}
     assert set(serve_pb2.DESCRIPTOR.services_by_name["EPDServe"].methods_by_name) == {
         "Generate", "GenerateStream", "Abort", "GetModelInfo", "GetServerInfo", "UploadMedia", "GetUpload",
         "DeleteUpload"}

@@ -8,7 +8,8 @@ converts it to `GenerateRequest`s (one per prompt: /v1/completions takes at most
 `max_prompts_per_call` prompts), each run as the caller's tenant, with its `cache_salt`; checks the scheduler's input limits
 (`epdserve.limits`: 400, or 413 for a message too large) and runs them through
 `SchedulerServer.generate`, the path the gRPC API takes, concurrently (with `n` choices, each
-prompt's first choice alone until its second message, then its siblings: `_firsts`). A body
+prompt is one request with sampling.n, a sequence group whose stream is read apart by choice:
+rpc/choice_streams.py). A body
 pydantic refuses is a 400 in one sentence (`validation.explain`). A generation request refused before that (400,
 401, 404, 413) or failing there unexpectedly (500) is counted in the metrics' requests by status,
 under the gRPC code of the same outcome (the scheduler's observer counts the rest, 500s
@@ -49,6 +50,7 @@ from epdserve.entrypoints.http.validation import explain
 from epdserve.limits import LimitError, check_generate_request
 from epdserve.metrics.http_responses import CountResponses
 from epdserve.rpc import serve_pb2
+from epdserve.rpc.choice_streams import choice_streams
 from epdserve.scheduler.errors import RequestError
 from epdserve.security.secrets import bearer
 from epdserve.security.tenants import DEFAULT_TENANT
@@ -197,7 +199,8 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
                     include_usage: bool, n: int = 1):
         try:
             tenant = caller_tenant(request)
-            streams = [scheduler.generate(req, deadline(), tenant) for req in reqs]
+            # prompt i's choice j at i * n + j (vLLM's order): one stream per request, read apart by choice
+            streams = [s for req in reqs for s in choice_streams(scheduler.generate(req, deadline(), tenant), n)]
         except Exception as e:  # not started: no stream observed it
             raise internal("handing the request to the scheduler", e) from None
         try:
@@ -229,8 +232,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             return body, within_limits(reqs), plan
 
         body, reqs, plan = await admitted(admit())
-        shape = Shape(True, reqs[0].request_id.rsplit("-c", 1)[0] if body.n > 1 else reqs[0].request_id,
-                      model_name, body.return_token_ids, tools=plan, logprobs=logprobs_format(body, True))
+        shape = Shape(True, reqs[0].request_id, model_name, body.return_token_ids, tools=plan, logprobs=logprobs_format(body, True))
         return await serve(request, reqs, shape, body.stream,
                            bool(body.stream_options and body.stream_options.include_usage), body.n)
 
@@ -293,44 +295,9 @@ async def _all(coros):
 
 
 async def _firsts(streams: list, n: int):
-    """Each stream's first delta. With n choices per prompt (streams i*n .. i*n+n-1), a prompt's
-    first choice runs alone until its second message is out (or its end): its prompt's KV is then
-    in the prefilling instance's prefix cache and, in P-D, in D's too (D caches a prompt's blocks
-    at its first decode step). Its siblings start then: their prompts hit those caches, so the
-    prompt is prefilled once and, in P-D, only its last block crosses to D again. The message
-    read ahead is put back (`streams[k]` becomes a `_PushedBack`)."""
-    if n == 1:
-        return await _all([_next(s) for s in streams])
-    leaders = list(range(0, len(streams), n))
-    out = dict(zip(leaders, await _all([_next(streams[k]) for k in leaders])))
-
-    async def second(k):
-        if not out[k].finished:
-            streams[k] = _PushedBack(await _next(streams[k]), streams[k])
-
-    await _all([second(k) for k in leaders])
-    rest = [k for k in range(len(streams)) if k % n]
-    out.update(zip(rest, await _all([_next(streams[k]) for k in rest])))
-    return [out[k] for k in range(len(streams))]
-
-
-class _PushedBack:
-    """`stream` with `item` read ahead of it put back in front."""
-
-    def __init__(self, item, stream):
-        self.item, self.stream = item, stream
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.item is not None:
-            item, self.item = self.item, None
-            return item
-        return await self.stream.__anext__()
-
-    async def aclose(self):
-        await self.stream.aclose()
+    """Each stream's first delta (a prompt's n choices are one request, its streams one stream read
+    apart by choice: rpc/choice_streams.py)."""
+    return await _all([_next(s) for s in streams])
 
 
 async def _close(streams) -> None:

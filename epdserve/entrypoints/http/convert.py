@@ -34,7 +34,6 @@ from epdserve.model.chat import unsupported_part
 from epdserve.model.processor import open_image
 from epdserve.request_errors import InvalidRequestError, MediaError
 from epdserve.rpc import common_pb2, serve_pb2
-from epdserve.rpc.choices import choice_requests
 from epdserve.rpc.ranges import RangeError, check_sampling, check_token_ids
 from epdserve.scheduler.uploads import FILE_URL_SCHEME
 
@@ -145,8 +144,9 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
         sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens, structured),
         cache_salt=body.cache_salt or "",
     )
-    # started by app.serve's `_firsts`: the first alone, then its siblings
-    return choice_requests(one, body.n), plan
+    if body.n > 1:  # one request, its n choices one sequence group (read apart by rpc/choice_streams.py)
+        one.sampling.n = body.n
+    return [one], plan
 
 
 async def _image(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
@@ -201,6 +201,8 @@ def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size:
                             f"(send the rest in further calls)", param="prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     params = sampling(body, max_model_len, body.max_tokens)
+    if body.n > 1:  # each prompt's n choices: one sequence group (choice index: prompt i's j-th at i * n + j)
+        params.n = body.n
     reqs = []
     for i, p in enumerate(prompts):
         req = serve_pb2.GenerateRequest(request_id=rid if not many else f"{rid}-{i}", sampling=params,
@@ -209,7 +211,7 @@ def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size:
             req.prompt = p
         else:
             _token_ids(req, p, f"prompt[{i}]" if many else "prompt", vocab_size)
-        reqs.extend(choice_requests(req, body.n))  # choice index: prompt i's j-th at i * n + j (vLLM's order)
+        reqs.append(req)
     return rid, reqs
 
 
