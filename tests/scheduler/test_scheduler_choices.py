@@ -1,0 +1,97 @@
+"""n > 1 as one sequence group (sampling.n) through a scheduler and instance *processes*, P-D (a
+real P->D KV transfer, two D) and monolithic (one EPD): greedy choices each equal the offline
+engine's output, itself checked against transformers' `generate` (the `offline` fixture); a
+coupled instance's Generate stream carries every choice's tokens under its index and ends after
+the last one finished; and a D killed mid-group loses no choice: each unfinished choice resumes
+alone, after its own output, on the other D (the output unchanged)."""
+import signal
+
+import grpc
+import pytest
+
+import epdserve.entrypoints.instance_cli  # noqa: F401  an import regression fails here, never skips the file
+from epdserve import Client
+from epdserve.metrics.serving import ServingMetrics
+from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc
+from epdserve.transfer.mm_store.server import LocalRedisServer
+from tests.scheduler.harness import await_instances, spawn_instance, start_scheduler, stop_processes
+
+pytestmark = pytest.mark.slow
+
+MODES = {"P-D": (("p0", "P"), ("d0", "D"), ("d1", "D")), "monolithic": (("epd0", "EPD"),)}
+PROMPT = "Three choices of one prompt, prefilled once"
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def deployment(request, qwen2_vl_tiny):
+    store = LocalRedisServer().start()
+    sched = start_scheduler(qwen2_vl_tiny, [], observer=ServingMetrics())
+    procs = {iid: spawn_instance(qwen2_vl_tiny, sched, store.url, iid, roles) for iid, roles in MODES[request.param]}
+    try:
+        await_instances(sched, list(procs.values()), len(procs))
+        yield request.param, sched, procs
+    finally:
+        stop_processes(list(procs.values()))
+        sched.stop()
+        store.stop()
+
+
+def _instance(sched, iid):
+    return sched.call(lambda: sched.server.registry.get(iid))
+
+
+def test_greedy_choices_each_equal_transformers(deployment, offline):
+    _, sched, _ = deployment
+    want = offline(PROMPT, [], 12, ignore_eos=True)
+    with Client(sched.address, timeout=300) as c:
+        got = c.generate_choices(PROMPT, n=3, max_tokens=12, ignore_eos=True)
+    assert [g.token_ids for g in got] == [want] * 3
+    assert [g.usage.output_tokens for g in got] == [12] * 3  # each choice's own count
+    assert len({g.usage.prompt_tokens for g in got}) == 1
+
+
+def test_coupled_generate_streams_each_choice_under_its_index(deployment):
+    mode, sched, _ = deployment
+    if mode != "monolithic":
+        pytest.skip("the coupled instance's Generate stream (P-D: tests/transfer/test_kv_engine_choices.py)")
+    rec = _instance(sched, "epd0")
+    req = instance_pb2.InstanceGenerateRequest(request_id="group-1", prompt_token_ids=[11, 52, 93, 52, 11, 7],
+                                               sampling=common_pb2.SamplingParams(n=3, max_tokens=5, ignore_eos=True))
+    with grpc.insecure_channel(rec.address) as ch:
+        deltas = list(instance_pb2_grpc.InstanceStub(ch).Generate(req, timeout=120))
+    per = {j: [t for d in deltas if d.index == j for t in d.token_ids] for j in range(3)}
+    assert {j: len(t) for j, t in per.items()} == {0: 5, 1: 5, 2: 5} and per[0] == per[1] == per[2]
+    assert sorted(d.index for d in deltas if d.finished) == [0, 1, 2]
+    assert deltas[-1].finished and all(d.request_id == "group-1" for d in deltas)
+
+
+def test_d_killed_mid_group_each_choice_resumes_alone(deployment, offline):
+    mode, sched, procs = deployment
+    if mode != "P-D":
+        pytest.skip("two D to move to: P-D only")
+    req = serve_pb2.GenerateRequest(prompt=PROMPT, sampling=common_pb2.SamplingParams(n=3, max_tokens=200,
+                                                                                      ignore_eos=True))
+    toks: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    with grpc.insecure_channel(sched.address) as ch:
+        stream = serve_pb2_grpc.EPDServeStub(ch).GenerateStream(req, timeout=300)
+        for d in stream:  # every choice past its first decode step: the group is on one D
+            toks[d.index].extend(d.token_ids)
+            if all(len(t) >= 2 for t in toks.values()):
+                break
+        running = {}
+        for iid in ("d0", "d1"):
+            with grpc.insecure_channel(_instance(sched, iid).address) as ich:
+                running[iid] = instance_pb2_grpc.InstanceStub(ich).GetLoad(instance_pb2.GetLoadRequest(),
+                                                                           timeout=10).load.running_requests
+        victim = max(running, key=running.get)
+        assert running[victim] == 3  # the group's three choices, decoding there
+        procs[victim].send_signal(signal.SIGKILL)
+        ends = []
+        for d in stream:
+            toks[d.index].extend(d.token_ids)
+            if d.finished:
+                ends.append((d.index, d.finish_reason, d.usage.output_tokens))
+    want = offline(PROMPT, [], 200, ignore_eos=True)
+    assert toks == {0: want, 1: want, 2: want}
+    assert sorted(ends) == [(j, "length", 200) for j in range(3)]
+    assert sched.server.observer.registry.get_sample_value("epdserve:request_retries_total") >= 1
