@@ -5,7 +5,7 @@ proto field holds (int32 counts and token ids, int64 seed), narrowed to what the
 it (max_tokens >= 1; top_k >= 0, 0 off; top_p in (0, 1]; min_p in [0, 1]; temperature finite and
 >= 0; token ids >= 0 and, for a prompt or a logit_bias key, inside the model's vocabulary;
 presence/frequency penalties in [-2, 2], repetition_penalty > 0, logit_bias values in [-100, 100],
-logprobs 0..20; NaN and infinity nowhere).
+logprobs 0..20, n (choices) 1..128 as the HTTP front's; NaN and infinity nowhere).
 
 `check_request(req, vocab_size)` raises `RangeError` naming the first field out of range
 ("sampling.top_k must be an integer in [0, 2147483647] (0 turns it off), got -3"): the
@@ -66,7 +66,7 @@ REPETITION_PENALTY = Range(0, math.inf, integer=False, lo_open=True, note="1 tur
 LOGIT_BIAS = Range(-100, 100, integer=False)
 LOGPROBS = Range(0, 20, note="top alternatives per token")
 RESUMED_OUTPUTS = Range(0, INT32_MAX)
-CHOICES = Range(1, 128, note="choices of one prompt (OpenAI's n)")
+CHOICES = Range(1, 128, note="choices of one prompt")
 
 # SamplingParams' optional numbers (stop_token_ids: token ids)
 SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "seed": SEED,
