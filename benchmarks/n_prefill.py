@@ -5,7 +5,7 @@ Two paths. ``--mode engine`` / ``--mode engine-P-D`` measure the sequence group
 first token; in P-D one KV transfer for all n, D forking on the imported blocks) on engines in
 this process: one coupled `LLMEngine`, or a prefill-only and a decode-only engine over one real
 gloo pair on loopback (epdserve/bench/kv_prefix_reuse.PDPair). ``--mode monolithic`` /
-``--mode P-D`` measure what the HTTP front does with n today (below). In each round a fresh
+``--mode P-D`` measure the same group through the HTTP front, the scheduler and the instances (below). In each round a fresh
 prompt of ``--prompt-tokens`` random token ids goes with n=1 and another with n=4 (the order
 alternates round by round); the ratios are n=4 / n=1, median [min, max] over rounds.
 
@@ -27,10 +27,11 @@ Engine modes measure the prefilling engine's `prompt_tokens` and `prefill_s`, th
 time (`time.process_time`, every thread) and wall time over the request until its n choices
 ended, and in engine-P-D the KV bytes P sent (`LayerwiseSendConnector.counters.bytes`).
 
-How n works (epdserve/rpc/choices.py, epdserve/entrypoints/http/app.py `_firsts`): the first
-choice runs alone until its second message is out (or it ended), then the other n-1 start; their
-prompts hit the prefix caches the first one filled (P's, and D's in P-D), so each computes, and
-sends to D, only the prompt's last block.
+How n works on the HTTP path: the front sends one request with sampling.n (each prompt's n
+choices one sequence group; rpc/choice_streams.py reads its one stream apart by choice index), the
+scheduler relays it as one attempt, P prefills the prompt once and draws the n first tokens
+(PrefillResponse.choices), its KV crosses to D once, and D forks the choices on it
+(DecodeStart.choice_first_token_ids).
 """
 from __future__ import annotations
 
