@@ -10,6 +10,12 @@ held until its first token or its end) → prepared
 stream to the client as instances produce them → the last delta carries finish reason, usage
 and timing.
 
+Choices (sampling.n > 1, OpenAI's n): the n choices run as one sequence group (one attempt, the
+prompt prefilled once); every message carries its choice's `index`, each choice's last one is
+finished with its own usage. The run keeps one output list per choice: a group that fails before
+any output is retried whole; after some, each unfinished choice goes on alone (its own attempts,
+seed + j, resumed after its own output as below), concurrently, so no choice is lost.
+
 Retries, and the resume rule: when an instance fails mid-request (dies, is marked DOWN, its
 stream breaks, or it reports a transient failure) the attempt is closed (calls cancelled,
 Abort sent to its instances) and a new attempt starts elsewhere, with a fresh attempt id
@@ -43,6 +49,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 
 import grpc
 
@@ -154,18 +161,20 @@ class RequestRun:
         avoid: set[str] = set()
         try:
             split = None
-            try:
-                async for j, piece in self._lane(tuple(range(self.n)), 1, avoid):
-                    delta = self._delta(j, piece)
-                    if delta is not None:
-                        yield delta
+            try:  # aclosing: a client that leaves closes the lanes at once (no retry starts after it)
+                async with aclosing(self._lane(tuple(range(self.n)), 1, avoid)) as lane:
+                    async for j, piece in lane:
+                        delta = self._delta(j, piece)
+                        if delta is not None:
+                            yield delta
             except _Split as e:
                 split = e
             if split is not None:
-                async for j, piece in self._merged(split, avoid):
-                    delta = self._delta(j, piece)
-                    if delta is not None:
-                        yield delta
+                async with aclosing(self._merged(split, avoid)) as lanes:
+                    async for j, piece in lanes:
+                        delta = self._delta(j, piece)
+                        if delta is not None:
+                            yield delta
             if self.aborted:
                 for j in range(self.n):
                     if j not in self.ended:

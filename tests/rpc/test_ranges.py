@@ -33,6 +33,7 @@ def test_each_rule_says_what_it_allows():
         "repetition_penalty": "a finite number > 0 (1 turns it off)",
         "logprobs": "an integer in [0, 20] (top alternatives per token)",
         "resumed_outputs": "an integer in [0, 2147483647]",
+        "n": "an integer in [1, 128] (choices of one prompt)",
     }
 
 
