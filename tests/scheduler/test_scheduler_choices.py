@@ -65,6 +65,26 @@ def test_coupled_generate_streams_each_choice_under_its_index(deployment):
     assert deltas[-1].finished and all(d.request_id == "group-1" for d in deltas)
 
 
+def _upto(ids: list[int], stop: int) -> list[int]:
+    return ids[: ids.index(stop) + 1] if stop in ids else ids
+
+
+def test_a_choice_ended_by_its_first_token_ends_alone(deployment):
+    """Choice 0's first token is a stop token (in P-D it ends at P): the others decode on, each
+    its seeded output up to that token."""
+    _, sched, _ = deployment
+    kw = dict(max_tokens=8, ignore_eos=True, temperature=1.0)
+    with Client(sched.address, timeout=300) as c:
+        seed = next(s for s in range(100) if len({g.token_ids[0] for g in c.generate_choices(
+            PROMPT, n=3, max_tokens=1, temperature=1.0, seed=s)}) == 3)  # three different first tokens
+        free = c.generate_choices(PROMPT, n=3, seed=seed, **kw)
+        stop = free[0].token_ids[0]
+        got = c.generate_choices(PROMPT, n=3, seed=seed, stop_token_ids=[stop], **kw)
+    assert got[0].token_ids == [stop] and got[0].finish_reason == "stop"
+    assert [g.token_ids for g in got[1:]] == [_upto(g.token_ids, stop) for g in free[1:]]
+    assert all(g.finish_reason == ("stop" if stop in g.token_ids else "length") for g in got)
+
+
 def test_d_killed_mid_group_each_choice_resumes_alone(deployment, offline):
     mode, sched, procs = deployment
     if mode != "P-D":
