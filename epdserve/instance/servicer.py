@@ -5,7 +5,9 @@ DropMedia → E (features of a deleted upload leave the MM Store);
 KvStore → the host's KV pair store (decode peers rendezvous and read batch headers there).
 An RPC for a stage this instance does not run answers FAILED_PRECONDITION. Each handler waits
 on its request's handle; a cancelled or broken call aborts the request on the worker
-(`context.add_callback`). Failures map to status codes as errors.py says.
+(`context.add_callback`). Failures map to status codes as errors.py says. A request with n > 1
+choices (SamplingParams.n, one sequence group): Generate and Decode stream each choice's tokens
+under its index and end after all n finished; Prefill answers once all n first tokens are out.
 """
 from __future__ import annotations
 
