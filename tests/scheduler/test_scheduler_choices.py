@@ -2,7 +2,8 @@
 real P->D KV transfer, two D) and monolithic (one EPD): greedy choices each equal the offline
 engine's output, itself checked against transformers' `generate` (the `offline` fixture); a
 coupled instance's Generate stream carries every choice's tokens under its index and ends after
-the last one finished; and a D killed mid-group loses no choice: each unfinished choice resumes
+the last one finished; a choice ended by its first token ends alone; what n cannot do (out of
+1..128, the unary Generate, a resumed group) is INVALID_ARGUMENT; and a D killed mid-group loses no choice: each unfinished choice resumes
 alone, after its own output, on the other D (the output unchanged)."""
 import signal
 
@@ -63,6 +64,26 @@ def test_coupled_generate_streams_each_choice_under_its_index(deployment):
     assert {j: len(t) for j, t in per.items()} == {0: 5, 1: 5, 2: 5} and per[0] == per[1] == per[2]
     assert sorted(d.index for d in deltas if d.finished) == [0, 1, 2]
     assert deltas[-1].finished and all(d.request_id == "group-1" for d in deltas)
+
+
+def test_what_n_cannot_do_is_invalid_argument_naming_it(deployment):
+    _, sched, _ = deployment
+
+    def req(**kw):
+        return serve_pb2.GenerateRequest(prompt=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=4, **kw))
+
+    with grpc.insecure_channel(sched.address) as ch:
+        stub = serve_pb2_grpc.EPDServeStub(ch)
+        for r, says in ((req(n=0), "sampling.n"), (req(n=129), "sampling.n"), (req(n=2), "GenerateStream")):
+            call = stub.Generate if says == "GenerateStream" else lambda x, timeout: list(stub.GenerateStream(x, timeout=timeout))
+            with pytest.raises(grpc.RpcError) as e:
+                call(r, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in e.value.details()
+        resumed = req(n=2)
+        resumed.resume_token_ids.extend([11])
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GenerateStream(resumed, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "resume_token_ids" in e.value.details()
 
 
 def _upto(ids: list[int], stop: int) -> list[int]:
