@@ -5,8 +5,8 @@ Two paths. ``--mode engine`` / ``--mode engine-P-D`` measure the sequence group
 first token; in P-D one KV transfer for all n, D forking on the imported blocks) on engines in
 this process: one coupled `LLMEngine`, or a prefill-only and a decode-only engine over one real
 gloo pair on loopback (epdserve/bench/kv_prefix_reuse.PDPair). ``--mode monolithic`` /
-``--mode P-D`` measure the same group through the HTTP front, the scheduler and the instances (below). In each round a fresh
-prompt of ``--prompt-tokens`` random token ids goes with n=1 and another with n=4 (the order
+``--mode P-D`` measure the same group through the HTTP front, the scheduler and the instances
+(below). In each round a fresh prompt of ``--prompt-tokens`` random token ids goes with n=1 and another with n=4 (the order
 alternates round by round); the ratios are n=4 / n=1, median [min, max] over rounds.
 
 Front modes: one deployment in this process (a scheduler with its OpenAI front and real `InstanceHost`s:

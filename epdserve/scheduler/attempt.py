@@ -6,11 +6,11 @@ Coupled (PD/EPD instance): `Generate`, streaming TokenDelta. Disaggregated: `Dec
 to their E instances as concurrent `Encode` calls whose answers only feed usage and timing;
 a failed Encode costs nothing but P's bounded wait (P recomputes the features).
 
-`Attempt.run()` yields `Piece`s (new tokens of choice `Piece.index`; with sampling.n > 1 the attempt
-serves the n choices as one group, and ends once every one finished) and raises `InstanceError` when an instance fails
-(or is killed because the registry marked it DOWN). `close()` cancels every live call and sends
-`Abort` for the attempt's id to every instance it touched, in the background (idempotent; also
-the path when the client cancels).
+`Attempt.run()` yields `Piece`s (new tokens of choice `Piece.index`; with sampling.n > 1 the
+attempt serves the n choices as one group, and ends once every one finished) and raises
+`InstanceError` when an instance fails (or is killed because the registry marked it DOWN).
+`close()` cancels every live call and sends `Abort` for the attempt's id to every instance it
+touched, in the background (idempotent; also the path when the client cancels).
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ real P->D KV transfer, two D) and monolithic (one EPD): greedy choices each equa
 engine's output, itself checked against transformers' `generate` (the `offline` fixture); a
 coupled instance's Generate stream carries every choice's tokens under its index and ends after
 the last one finished; a choice ended by its first token ends alone; what n cannot do (out of
-1..128, the unary Generate, a resumed group) is INVALID_ARGUMENT; and a D killed mid-group loses no choice: each unfinished choice resumes
-alone, after its own output, on the other D (the output unchanged)."""
+1..128, the unary Generate, a resumed group) is INVALID_ARGUMENT; and a D killed mid-group loses
+no choice: each unfinished choice resumes alone, after its own output, on the other D (the output
+unchanged)."""
 import signal
 
 import grpc
@@ -74,10 +75,12 @@ def test_what_n_cannot_do_is_invalid_argument_naming_it(deployment):
 
     with grpc.insecure_channel(sched.address) as ch:
         stub = serve_pb2_grpc.EPDServeStub(ch)
+        def stream(x, timeout):
+            return list(stub.GenerateStream(x, timeout=timeout))
+
         for r, says in ((req(n=0), "sampling.n"), (req(n=129), "sampling.n"), (req(n=2), "GenerateStream")):
-            call = stub.Generate if says == "GenerateStream" else lambda x, timeout: list(stub.GenerateStream(x, timeout=timeout))
             with pytest.raises(grpc.RpcError) as e:
-                call(r, timeout=60)
+                (stub.Generate if says == "GenerateStream" else stream)(r, timeout=60)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in e.value.details()
         resumed = req(n=2)
         resumed.resume_token_ids.extend([11])

@@ -232,7 +232,8 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             return body, within_limits(reqs), plan
 
         body, reqs, plan = await admitted(admit())
-        shape = Shape(True, reqs[0].request_id, model_name, body.return_token_ids, tools=plan, logprobs=logprobs_format(body, True))
+        shape = Shape(True, reqs[0].request_id, model_name, body.return_token_ids, tools=plan,
+                      logprobs=logprobs_format(body, True))
         return await serve(request, reqs, shape, body.stream,
                            bool(body.stream_options and body.stream_options.include_usage), body.n)
 
