@@ -3,9 +3,9 @@ real P->D KV transfer, two D) and monolithic (one EPD): greedy choices each equa
 engine's output, itself checked against transformers' `generate` (the `offline` fixture); a
 coupled instance's Generate stream carries every choice's tokens under its index and ends after
 the last one finished; a choice ended by its first token ends alone; what n cannot do (out of
-1..128, the unary Generate, a resumed group) is INVALID_ARGUMENT; and a D killed mid-group loses
-no choice: each unfinished choice resumes alone, after its own output, on the other D (the output
-unchanged)."""
+1..128, the unary Generate, a resumed group) is INVALID_ARGUMENT; and a D that fails the group
+after P handed it off (ABORTED, as a failed KV import answers) or is killed mid-group loses no
+choice: each unfinished choice resumes alone, after its own output (the output unchanged)."""
 import signal
 
 import grpc
@@ -109,24 +109,61 @@ def test_a_choice_ended_by_its_first_token_ends_alone(deployment):
     assert all(g.finish_reason == ("stop" if stop in g.token_ids else "length") for g in got)
 
 
+def _running(sched) -> dict[str, int]:
+    out = {}
+    for iid in ("d0", "d1"):
+        with grpc.insecure_channel(_instance(sched, iid).address) as ch:
+            out[iid] = instance_pb2_grpc.InstanceStub(ch).GetLoad(instance_pb2.GetLoadRequest(),
+                                                                  timeout=10).load.running_requests
+    return out
+
+
+def _group_stream(sched, ch, request_id: str, max_tokens: int):
+    req = serve_pb2.GenerateRequest(request_id=request_id, prompt=PROMPT, sampling=common_pb2.SamplingParams(
+        n=3, max_tokens=max_tokens, ignore_eos=True))
+    return serve_pb2_grpc.EPDServeStub(ch).GenerateStream(req, timeout=300)
+
+
+def test_d_failing_the_group_after_p_handed_it_off_resumes_each_choice(deployment, offline):
+    """D fails the group mid-decode with ABORTED (what a failed KV import answers, P having handed
+    choices 1..n-1 off with their first tokens): each choice resumes alone, output unchanged."""
+    mode, sched, _ = deployment
+    if mode != "P-D":
+        pytest.skip("P hands choices off to D: P-D only")
+    retries = sched.server.observer.registry.get_sample_value
+    before = retries("epdserve:request_retries_total") or 0
+    toks: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    with grpc.insecure_channel(sched.address) as ch:
+        stream = _group_stream(sched, ch, "failing-group", 200)
+        for d in stream:
+            toks[d.index].extend(d.token_ids)
+            if all(len(t) >= 2 for t in toks.values()):
+                break
+        running = _running(sched)
+        holder = max(running, key=running.get)
+        assert running[holder] == 3
+        with grpc.insecure_channel(_instance(sched, holder).address) as ich:  # the attempt's id there: "<id>#1"
+            stub = instance_pb2_grpc.InstanceStub(ich)
+            assert stub.Abort(instance_pb2.InstanceAbortRequest(request_id="failing-group#1"), timeout=10).found
+        for d in stream:
+            toks[d.index].extend(d.token_ids)
+    want = offline(PROMPT, [], 200, ignore_eos=True)
+    assert toks == {0: want, 1: want, 2: want}
+    assert retries("epdserve:request_retries_total") - before == 3  # one attempt per choice after the group's
+
+
 def test_d_killed_mid_group_each_choice_resumes_alone(deployment, offline):
     mode, sched, procs = deployment
     if mode != "P-D":
         pytest.skip("two D to move to: P-D only")
-    req = serve_pb2.GenerateRequest(prompt=PROMPT, sampling=common_pb2.SamplingParams(n=3, max_tokens=200,
-                                                                                      ignore_eos=True))
     toks: dict[int, list[int]] = {0: [], 1: [], 2: []}
     with grpc.insecure_channel(sched.address) as ch:
-        stream = serve_pb2_grpc.EPDServeStub(ch).GenerateStream(req, timeout=300)
+        stream = _group_stream(sched, ch, "killed-group", 200)
         for d in stream:  # every choice past its first decode step: the group is on one D
             toks[d.index].extend(d.token_ids)
             if all(len(t) >= 2 for t in toks.values()):
                 break
-        running = {}
-        for iid in ("d0", "d1"):
-            with grpc.insecure_channel(_instance(sched, iid).address) as ich:
-                running[iid] = instance_pb2_grpc.InstanceStub(ich).GetLoad(instance_pb2.GetLoadRequest(),
-                                                                           timeout=10).load.running_requests
+        running = _running(sched)
         victim = max(running, key=running.get)
         assert running[victim] == 3  # the group's three choices, decoding there
         procs[victim].send_signal(signal.SIGKILL)
