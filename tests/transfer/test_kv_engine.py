@@ -6,7 +6,6 @@ and the tokens D decodes after importing it equal transformers' `generate`.
 """
 from __future__ import annotations
 
-import queue
 import sys
 import time
 
@@ -21,10 +20,10 @@ from epdserve.model.reference import ReferenceGenerator
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
 from epdserve.transfer.kv import (
-    LayerwiseRecvConnector, LayerwiseSendConnector, PairRendezvous, PairState, RendezvousServer,
+    LayerwiseRecvConnector, LayerwiseSendConnector, PairState, RendezvousServer,
 )
 from epdserve.transfer.kv.checks import blocks_digest
-from tests.transfer.test_kv_transfer import Peer, _cfg, _commands, _emit
+from tests.transfer.test_kv_transfer import Peer, _cfg, _emit, _engine_commands
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_TOKENS = 8
@@ -49,19 +48,8 @@ def _decode_engine_peer() -> None:
     torch.set_num_threads(1)
     rx = LayerwiseRecvConnector(sys.argv[2], _cfg())  # the instance id names its pairs
     eng = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", roles="D"), kv_connector=rx)
-    cmds, prompt_blocks = _commands(), {}
-    _emit(event="up")
-    while True:
-        try:
-            cmd = cmds.get(timeout=0.002)
-        except queue.Empty:
-            cmd = {"cmd": None}
-        if cmd["cmd"] == "quit":
-            rx.close()
-            return
-        if cmd["cmd"] == "connect":
-            rdzv = PairRendezvous.from_json(cmd["rdzv"])
-            _emit(event="connecting", pair_name=rx.pair_for("p0", rdzv.host, rdzv.port).pair_name)
+    prompt_blocks = {}
+    for cmd in _engine_commands(rx):
         if cmd["cmd"] == "reserve":
             rid, ids = cmd["request_id"], cmd["prompt_token_ids"]
             sp = SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True)

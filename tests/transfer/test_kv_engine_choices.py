@@ -5,7 +5,6 @@ with its seed (seed + j), greedy choices equal transformers' `generate`, the gro
 equal a single request's, and both sides free every block."""
 from __future__ import annotations
 
-import queue
 import sys
 import time
 
@@ -16,10 +15,10 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
-from epdserve.transfer.kv import LayerwiseRecvConnector, LayerwiseSendConnector, PairRendezvous, PairState, \
+from epdserve.transfer.kv import LayerwiseRecvConnector, LayerwiseSendConnector, PairState, \
     RendezvousServer
 from tests.hf_oracle import HFOracle
-from tests.transfer.test_kv_transfer import Peer, _cfg, _commands, _emit
+from tests.transfer.test_kv_transfer import Peer, _cfg, _emit, _engine_commands
 
 PROMPT = "a prompt for three choices, prefilled once and sent once"
 MAX_TOKENS = 6
@@ -31,19 +30,7 @@ def _decode_choices_peer() -> None:
     rx = LayerwiseRecvConnector(sys.argv[2], _cfg())
     eng = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", roles="D", enable_prefix_caching=False),
                     kv_connector=rx)
-    cmds = _commands()
-    _emit(event="up")
-    while True:
-        try:
-            cmd = cmds.get(timeout=0.002)
-        except queue.Empty:
-            cmd = {"cmd": None}
-        if cmd["cmd"] == "quit":
-            rx.close()
-            return
-        if cmd["cmd"] == "connect":
-            rdzv = PairRendezvous.from_json(cmd["rdzv"])
-            _emit(event="connecting", pair_name=rx.pair_for("p0", rdzv.host, rdzv.port).pair_name)
+    for cmd in _engine_commands(rx):
         if cmd["cmd"] == "reserve":
             rid = cmd["request_id"]
             eng.add_request(EngineRequest(rid, cmd["prompt_token_ids"], [], SamplingParams(**cmd["params"]),

@@ -87,6 +87,26 @@ def _commands() -> queue.Queue:
     return q
 
 
+def _engine_commands(rx):
+    """A decode-engine peer's command loop: says "up", answers `connect` (a pair to P's rendezvous),
+    closes `rx` and ends at `quit`; yields every other command, or {"cmd": None} when none came
+    within 2 ms (the peer steps its engine either way)."""
+    cmds = _commands()
+    _emit(event="up")
+    while True:
+        try:
+            cmd = cmds.get(timeout=0.002)
+        except queue.Empty:
+            cmd = {"cmd": None}
+        if cmd["cmd"] == "quit":
+            rx.close()
+            return
+        if cmd["cmd"] == "connect":
+            rdzv = PairRendezvous.from_json(cmd["rdzv"])
+            _emit(event="connecting", pair_name=rx.pair_for("p0", rdzv.host, rdzv.port).pair_name)
+        yield cmd
+
+
 def _decode_peer() -> None:
     """A decode instance: reserves blocks on `expect`, receives, reports digests, frees blocks."""
     cache = PagedKVCache(_spec(), NUM_BLOCKS)
