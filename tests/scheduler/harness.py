@@ -4,9 +4,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
+from epdserve.transfer.mm_store.server import LocalRedisServer
 
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -87,3 +89,20 @@ def mixed_prompts(n: int) -> list[tuple[str, list[bytes]]]:
         text = f"Request {i}: " + " and ".join(f"{PH}" for _ in range(k)) + (" describe." if k else " say hi.")
         out.append((text, [image(10 * i + j) for j in range(k)]))
     return out
+
+
+@contextmanager
+def instance_deployment(model_dir, instances, *extra: str, observer=None):
+    """A real MM Store, a scheduler and one instance process per (instance id, roles) of
+    `instances` (`extra`: flags for every instance), registered; yields (scheduler, {id: process},
+    store) and stops them all."""
+    store = LocalRedisServer().start()
+    sched = start_scheduler(model_dir, [], observer=observer)
+    procs = {iid: spawn_instance(model_dir, sched, store.url, iid, roles, *extra) for iid, roles in instances}
+    try:
+        await_instances(sched, list(procs.values()), len(procs))
+        yield sched, procs, store
+    finally:
+        stop_processes(list(procs.values()))
+        sched.stop()
+        store.stop()

@@ -12,26 +12,16 @@ import pytest
 
 from epdserve import Client  # noqa: E402
 from epdserve.model.demo_images import jpeg_bytes, procedural_image  # noqa: E402
-from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
-from tests.scheduler.harness import PH, await_instances, image, spawn_instance, start_scheduler, stop_processes, wait_until  # noqa: E402
+from tests.scheduler.harness import image, instance_deployment, PH, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def deployment(qwen2_vl_tiny):
-    store = LocalRedisServer().start()
-    sched = start_scheduler(qwen2_vl_tiny, [])
-    procs = {}
-    for iid, roles in (("e0", "E"), ("e1", "E"), ("p0", "P"), ("d0", "D")):
-        procs[iid] = spawn_instance(qwen2_vl_tiny, sched, store.url, iid, roles, "--feature-wait-s", "2")
-    try:
-        await_instances(sched, list(procs.values()), 4)
+    instances = (("e0", "E"), ("e1", "E"), ("p0", "P"), ("d0", "D"))
+    with instance_deployment(qwen2_vl_tiny, instances, "--feature-wait-s", "2") as (sched, procs, _):
         yield sched, procs
-    finally:
-        stop_processes(list(procs.values()))
-        sched.stop()
-        store.stop()
 
 
 def _encoder_of_item(sched, rid: str, item: int):

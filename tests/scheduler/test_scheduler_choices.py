@@ -15,8 +15,7 @@ import epdserve.entrypoints.instance_cli  # noqa: F401  an import regression fai
 from epdserve import Client
 from epdserve.metrics.serving import ServingMetrics
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc
-from epdserve.transfer.mm_store.server import LocalRedisServer
-from tests.scheduler.harness import await_instances, spawn_instance, start_scheduler, stop_processes
+from tests.scheduler.harness import instance_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +25,8 @@ PROMPT = "Three choices of one prompt, prefilled once"
 
 @pytest.fixture(scope="module", params=sorted(MODES))
 def deployment(request, qwen2_vl_tiny):
-    store = LocalRedisServer().start()
-    sched = start_scheduler(qwen2_vl_tiny, [], observer=ServingMetrics())
-    procs = {iid: spawn_instance(qwen2_vl_tiny, sched, store.url, iid, roles) for iid, roles in MODES[request.param]}
-    try:
-        await_instances(sched, list(procs.values()), len(procs))
+    with instance_deployment(qwen2_vl_tiny, MODES[request.param], observer=ServingMetrics()) as (sched, procs, _):
         yield request.param, sched, procs
-    finally:
-        stop_processes(list(procs.values()))
-        sched.stop()
-        store.stop()
 
 
 def _instance(sched, iid):

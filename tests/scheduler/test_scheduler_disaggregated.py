@@ -13,25 +13,15 @@ import epdserve.instance.host  # noqa: F401
 from epdserve import Client
 from epdserve.metrics.serving import ServingMetrics
 from epdserve.rpc import instance_pb2, instance_pb2_grpc
-from epdserve.transfer.mm_store.server import LocalRedisServer
-from tests.scheduler.harness import PH, await_instances, image, mixed_prompts, spawn_instance, start_scheduler, stop_processes, wait_until
+from tests.scheduler.harness import image, instance_deployment, mixed_prompts, PH, wait_until
 
 pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def deployment(qwen2_vl_tiny):
-    store = LocalRedisServer().start()
-    sched = start_scheduler(qwen2_vl_tiny, [], observer=ServingMetrics())
-    procs = {}
-    for iid, roles in (("e0", "E"), ("p0", "P"), ("d0", "D"), ("d1", "D")):
-        procs[iid] = spawn_instance(qwen2_vl_tiny, sched, store.url, iid, roles)
-    try:
-        await_instances(sched, list(procs.values()), 4)
+    instances = (("e0", "E"), ("p0", "P"), ("d0", "D"), ("d1", "D"))
+    with instance_deployment(qwen2_vl_tiny, instances, observer=ServingMetrics()) as (sched, procs, _):
         yield sched, procs
-    finally:
-        stop_processes(list(procs.values()))
-        sched.stop()
-        store.stop()
 
 
 def _load(sched, iid):

@@ -14,29 +14,20 @@ import redis
 from epdserve import Client  # noqa: E402
 from epdserve.client import FileId  # noqa: E402
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc  # noqa: E402
-from epdserve.transfer.mm_store.server import LocalRedisServer  # noqa: E402
 from tests.entrypoints.http_harness import RunningFront, data_url  # noqa: E402
-from tests.scheduler.harness import await_instances, image, spawn_instance, start_scheduler, stop_processes, wait_until  # noqa: E402
+from tests.scheduler.harness import image, instance_deployment  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def deployment(qwen2_vl_tiny):
-    store = LocalRedisServer().start()
-    sched = start_scheduler(qwen2_vl_tiny, [])
-    procs = [spawn_instance(qwen2_vl_tiny, sched, store.url, iid, roles) for iid, roles in (("e0", "E"), ("pd0", "PD"))]
-    front = None
-    try:
-        await_instances(sched, procs, 2)
+    with instance_deployment(qwen2_vl_tiny, (("e0", "E"), ("pd0", "PD"))) as (sched, _, store):
         front = RunningFront(sched)
-        yield sched, front, store
-    finally:
-        if front is not None:
+        try:
+            yield sched, front, store
+        finally:
             front.stop()
-        stop_processes(procs)
-        sched.stop()
-        store.stop()
 
 
 def _chat(oai, part, max_tokens=6):
