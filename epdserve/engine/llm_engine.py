@@ -98,7 +98,7 @@ class LLMEngine:
             token_budget=config.encode_token_budget, stats=self.stats, budget=self.budget,
             per_item=config.encode_per_item and config.encodes and not config.prefills,
         )
-        self.forker = sequence_group.Forker(self.scheduler, self.kv_cache, self._choice_matcher)
+        self.forker = sequence_group.Forker(self.scheduler, self.kv_cache, self.grammars)
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
@@ -232,12 +232,6 @@ class LLMEngine:
         children = [self.forker.child(seq, j, gens.generators[j - 1]) for j in range(1, seq.params.n)]
         self.scheduler.reserve_choices(seq, children)
         self._seqs.update((c.request_id, c) for c in children)
-
-    def _choice_matcher(self, seq: Sequence):
-        """A forked choice's own grammar matcher (what add_request gives a request)."""
-        c = seq.params.structured
-        return self.grammars.matcher(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
-                                     if c.replay_prompt_tokens else ())
 
     def abort(self, request_id: str) -> None:
         """Stop a request (each of its choices); blocks are freed now, or once a transfer still

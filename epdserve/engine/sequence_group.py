@@ -101,13 +101,20 @@ class Forker:
     """Forks a step's groups into their choices (the engine calls it between the forward and
     the scheduler's update, while every parent still holds its blocks)."""
 
-    def __init__(self, scheduler, kv_cache, matcher):
+    def __init__(self, scheduler, kv_cache, grammars):
         """On a prefill-only engine (`hands_off`) nothing forks: choices 1..n-1 end here with their
         first token (handed off, or finished by it), which go to the decode side with the one KV
         transfer; the decode side made their sequences when it reserved the KV
         (`Scheduler.reserve_choices`) and starts them when it arrives."""
         self.scheduler, self.kv_cache = scheduler, kv_cache
-        self.matcher = matcher  # (seq) -> a fresh GrammarState for its structured output
+        self.grammars = grammars  # the engine's GrammarBackend: each choice's own matcher (not the engine: no cycle)
+
+    def choice_matcher(self, seq: Sequence):
+        """A forked choice's own grammar matcher (what add_request gives a request; the grammar is
+        compiled by then, the parent's)."""
+        c = seq.params.structured
+        return self.grammars.matcher(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
+                                     if c.replay_prompt_tokens else ())
 
     def fork(self, batch: list) -> list[Sequence]:
         """The choices forked this step, each with its first token (some already finished)."""
@@ -158,7 +165,7 @@ class Forker:
             timings=dict(parent.timings), group_id=parent.request_id, choice=j,
         )
         if parent.grammar is not None:
-            child.grammar = self.matcher(child)
+            child.grammar = self.choice_matcher(child)
         return child
 
 
