@@ -43,10 +43,9 @@ def test_greedy_choices_each_equal_transformers(deployment, offline):
     assert len({g.usage.prompt_tokens for g in got}) == 1
 
 
+@pytest.mark.parametrize("deployment", ["monolithic"], indirect=True)
 def test_coupled_generate_streams_each_choice_under_its_index(deployment):
-    mode, sched, _ = deployment
-    if mode != "monolithic":
-        pytest.skip("the coupled instance's Generate stream (P-D: tests/transfer/test_kv_engine_choices.py)")
+    _, sched, _ = deployment
     rec = _instance(sched, "epd0")
     req = instance_pb2.InstanceGenerateRequest(request_id="group-1", prompt_token_ids=[11, 52, 93, 52, 11, 7],
                                                sampling=common_pb2.SamplingParams(n=3, max_tokens=5, ignore_eos=True))
@@ -115,12 +114,11 @@ def _group_stream(sched, ch, request_id: str, max_tokens: int):
     return serve_pb2_grpc.EPDServeStub(ch).GenerateStream(req, timeout=300)
 
 
+@pytest.mark.parametrize("deployment", ["P-D"], indirect=True)
 def test_d_failing_the_group_after_p_handed_it_off_resumes_each_choice(deployment, offline):
     """D fails the group mid-decode with ABORTED (what a failed KV import answers, P having handed
     choices 1..n-1 off with their first tokens): each choice resumes alone, output unchanged."""
-    mode, sched, _ = deployment
-    if mode != "P-D":
-        pytest.skip("P hands choices off to D: P-D only")
+    _, sched, _ = deployment
     retries = sched.server.observer.registry.get_sample_value
     before = retries("epdserve:request_retries_total") or 0
     toks: dict[int, list[int]] = {0: [], 1: [], 2: []}
@@ -143,10 +141,9 @@ def test_d_failing_the_group_after_p_handed_it_off_resumes_each_choice(deploymen
     assert retries("epdserve:request_retries_total") - before == 3  # one attempt per choice after the group's
 
 
+@pytest.mark.parametrize("deployment", ["P-D"], indirect=True)
 def test_d_killed_mid_group_each_choice_resumes_alone(deployment, offline):
-    mode, sched, procs = deployment
-    if mode != "P-D":
-        pytest.skip("two D to move to: P-D only")
+    _, sched, procs = deployment
     toks: dict[int, list[int]] = {0: [], 1: [], 2: []}
     with grpc.insecure_channel(sched.address) as ch:
         stream = _group_stream(sched, ch, "killed-group", 200)
