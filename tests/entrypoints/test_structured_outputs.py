@@ -163,10 +163,9 @@ def test_openai_parse_with_a_pydantic_model(deployed):
     assert isinstance(r.choices[0].message.parsed, Thing)
 
 
+@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
 def test_vllm_extras_and_grpc_keyword(deployed):
-    mode, grpc_address, oai, _ = deployed
-    if mode != "monolithic":
-        pytest.skip("the spellings are the front's; one mode checks them")
+    _, grpc_address, oai, _ = deployed
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}], max_tokens=20,
                                     extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
     assert r.choices[0].message.content in ("yes", "no", "maybe")
@@ -187,10 +186,9 @@ def test_vllm_extras_and_grpc_keyword(deployed):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
 ])
+@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
 def test_a_bad_constraint_is_a_400_naming_its_field(deployed, body, field):
-    mode, _, oai, _ = deployed
-    if mode != "monolithic":
-        pytest.skip("validation is the front's; one mode checks it")
+    _, _, oai, _ = deployed
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                     extra_body=body)
@@ -208,14 +206,9 @@ FORCED = {"guided_choice": ['Sure. <tool_call>\n{"name": "get_weather", "argumen
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-def _monolithic_only(deployed):
-    if deployed[0] != "monolithic":
-        pytest.skip("tool calls are the front's and the scheduler's; one mode checks them")
-    return deployed[2]
-
-
+@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
 def test_auto_tool_calls_are_parsed_whole_and_streamed(deployed):
-    oai = _monolithic_only(deployed)
+    oai = deployed[2]
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=FORCED)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure."
@@ -230,8 +223,9 @@ def test_auto_tool_calls_are_parsed_whole_and_streamed(deployed):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
+@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
 def test_named_tool_choice_is_a_structured_output_on_its_parameters(deployed):
-    oai = _monolithic_only(deployed)
+    oai = deployed[2]
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=200)
     (call,) = r.choices[0].message.tool_calls
@@ -248,8 +242,9 @@ def test_named_tool_choice_is_a_structured_output_on_its_parameters(deployed):
                         WEATHER["function"]["parameters"])
 
 
+@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
 def test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders(deployed):
-    oai = _monolithic_only(deployed)
+    oai = deployed[2]
     auto = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=2)
     none = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=2)
     plain = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
@@ -267,10 +262,9 @@ def test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders(dep
     assert e.value.body["param"] == "tool_choice"
 
 
+@pytest.mark.parametrize("deployed", ["P-D"], indirect=True)
 def test_docs_examples_run_as_pasted(deployed):
-    mode, grpc_address, _, http = deployed
-    if mode != "P-D":
-        pytest.skip("docs/openai.md launches P-D")
+    _, grpc_address, _, http = deployed
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPDSERVE_")}
     blocks = [code for lang, code in _docs_blocks() if lang == "python"]
     assert len(blocks) >= 3
@@ -281,15 +275,14 @@ def test_docs_examples_run_as_pasted(deployed):
         assert r.stdout.strip(), code  # every block prints what it got
 
 
+@pytest.mark.parametrize("deployed", ["P-D"], indirect=True)
 def test_readme_openai_examples_run_as_pasted(deployed):
     """The README's OpenAI examples (structured outputs in every spelling, parse with a pydantic
     model, n with logprobs, penalties and logit_bias, a named tool call, the refusals), pasted in
     order into one process, against this P-D deployment: each block asserts what it shows, so a
     claim that stops holding fails here. Substitutions: the address, and the README launch's model
     id (/tmp/demo) for this deployment's served name."""
-    mode, _, _, http = deployed
-    if mode != "P-D":
-        pytest.skip("one split mode runs the README's examples")
+    _, _, _, http = deployed
     blocks = _readme_examples()
     assert len(blocks) >= 6 and all("assert " in b and "print(" in b for b in blocks), blocks
     code = "\n".join(blocks).replace("http://127.0.0.1:8000", http).replace('"/tmp/demo"', f'"{MODEL}"')
