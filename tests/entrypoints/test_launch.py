@@ -242,9 +242,8 @@ def test_instances_answer_health_and_report_their_roles(deployment):
         assert status(stub(i.address, TOKEN)).instance_id == i.instance_id
 
 
+@pytest.mark.parametrize("deployment", ["E-P-D"], indirect=True)  # its two D instances
 def test_killing_one_of_two_decode_instances_loses_no_request(deployment, references):
-    if deployment.mode != "E-P-D":
-        pytest.skip("runs on the E-P-D deployment (two D instances)")
     decoders = [i for i in deployment.instances() if i.roles == "D"]
     assert len(decoders) == 2
     with Client(deployment.address, timeout=300) as c, ThreadPoolExecutor(16) as pool:
