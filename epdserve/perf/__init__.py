@@ -12,6 +12,6 @@ package and never each other. Modules:
 - `clips`: seeded synthetic MP4 clips for the video workload;
 - `serving_metrics`: `RequestRecord`, `SLO`, `compute_metrics` and `stats` (TTFT, TPOT, ITL,
   goodput, the TTFT split by stage), with vLLM's and SGLang's definitions;
-- `profile_report`: the profile report's format, `interp` and `unloaded_ttft`;
+- `profile_report`: the profile report's format, `interp`, `cost_at` and `unloaded_ttft`;
 - `profiler`: `run_profile`, the measurements behind a profile (torch imported only when it runs).
 """

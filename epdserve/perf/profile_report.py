@@ -7,8 +7,9 @@ The report is one JSON object with "benchmark": "profile" and, among others:
 - "decode": per batch size, {"batch_size", "decode_ms_per_step", "context_tokens", ...};
 - "kv_bytes_per_token", "text_tokens_per_request", "per_request" (bytes moved per request),
   "unloaded_ttft" (`unloaded_ttft` below).
-`interp` reads a cost between (and past) the measured points; the planner's cost curves and
-`unloaded_ttft` use it. Pure Python: no torch, no engine.
+`interp` reads a value between (and past) the measured points; `cost_at` is the one reading of a
+*cost* off them (never below zero: a line extrapolated from two noisy points can cross it), which the
+planner's cost curves and `unloaded_ttft` both use. Pure Python: no torch, no engine.
 """
 from __future__ import annotations
 
@@ -24,15 +25,30 @@ def interp(xs: list[float], ys: list[float], x: float) -> float:
     return pts[-1][1]
 
 
+def cost_at(xs: list[float], ys: list[float], x: float) -> float:
+    """A cost (ms) at x read off measured points: `interp`, 0 at x <= 0, and never below zero."""
+    if x <= 0:
+        return 0.0
+    return max(0.0, interp(xs, ys, x))
+
+
 def unloaded_ttft(report: dict) -> list[dict]:
     """Estimated TTFT of one request alone on one device, per image size: preprocess + encode +
-    prefill of (vision + text) tokens, from the measured points. The floor any SLO must clear."""
+    prefill of (vision + text) tokens, from the measured points. The floor any SLO must clear.
+
+    Each row carries its parts ("preprocess_ms", "encode_ms", "prefill_ms"; "ttft_ms" is their sum):
+    preprocess and encode are the measured figures of that image size, prefill is read off the
+    prefill points with `cost_at` (so it is never negative)."""
     xs = [p["prompt_tokens"] for p in report["prefill"]]
     ys = [p["prefill_ms"] for p in report["prefill"]]
     text = report["text_tokens_per_request"]
-    rows = [{"request": "text-only", "prompt_tokens": text, "ttft_ms": interp(xs, ys, text)}]
-    for v in report["vision"]:
-        n = v["vision_tokens"] + text
-        rows.append({"request": f"1 x {v['resolution']}", "prompt_tokens": n,
-                     "ttft_ms": v["preprocess_ms"] + v["encode_ms"] + interp(xs, ys, n)})
+    stages = [("text-only", text, 0.0, 0.0)]
+    stages += [(f"1 x {v['resolution']}", v["vision_tokens"] + text, v["preprocess_ms"], v["encode_ms"])
+               for v in report["vision"]]
+    rows = []
+    for request, n, preprocess_ms, encode_ms in stages:
+        prefill_ms = cost_at(xs, ys, n)
+        rows.append({"request": request, "prompt_tokens": n, "preprocess_ms": preprocess_ms,
+                     "encode_ms": encode_ms, "prefill_ms": prefill_ms,
+                     "ttft_ms": preprocess_ms + encode_ms + prefill_ms})
     return rows

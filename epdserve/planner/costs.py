@@ -5,7 +5,7 @@ tokens, images batched), `preprocess_ms(vision_tokens)` (JPEG decode + image pro
 the scheduler), `prefill_ms(prompt_tokens)`, `decode_ms(batch_size)` (one step of a continuous
 batch at the profile's decode context) and `transfer_ms(bytes)` over a link of `link_gbps` GB/s
 plus a fixed latency. Each function is piecewise linear through the measured points and extended
-linearly past the ends (`perf.profile_report.interp`), never below zero. Byte counts come from the
+linearly past the ends, never below zero (`perf.profile_report.cost_at`). Byte counts come from the
 profile too: feature bytes per vision token (E→P) and KV bytes per prompt token (P→D).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from epdserve.perf.profile_report import interp
+from epdserve.perf.profile_report import cost_at
 from epdserve.planner.reports import read_report
 
 DEFAULT_LINK_GBPS = 1.0  # loopback gloo / Redis on one CPU host (README 'Layerwise P→D KV transfer')
@@ -32,9 +32,7 @@ class Curve:
     ys: tuple[float, ...]
 
     def __call__(self, x: float) -> float:
-        if x <= 0:
-            return 0.0
-        return max(0.0, interp(list(self.xs), list(self.ys), x))
+        return cost_at(list(self.xs), list(self.ys), x)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from epdserve.entrypoints.cli import main
-from epdserve.perf.profile_report import interp
+from epdserve.perf.profile_report import cost_at, interp, unloaded_ttft
 from epdserve.perf.profiler import parse_resolution, run_profile
 
 
@@ -27,7 +27,32 @@ def test_profile_reports_every_stage_with_consistent_bytes(qwen2_vl_tiny):
     assert rep["per_request"][2]["kv_bytes"] == (64 + 10) * kv_tok
     est = rep["unloaded_ttft"]
     assert [u["request"] for u in est] == ["text-only", "1 x 56x56", "1 x 224x224"]
-    assert est[2]["ttft_ms"] > rep["vision"][1]["encode_ms"] and est[0]["prompt_tokens"] == 10
+    assert [u["prompt_tokens"] for u in est] == [10, 4 + 10, 64 + 10]
+    assert est[0]["preprocess_ms"] == est[0]["encode_ms"] == 0.0
+    for u, v in zip(est[1:], rep["vision"]):  # each image row's parts are that size's measured figures
+        assert (u["preprocess_ms"], u["encode_ms"]) == (v["preprocess_ms"], v["encode_ms"])
+    xs, ys = [p["prompt_tokens"] for p in rep["prefill"]], [p["prefill_ms"] for p in rep["prefill"]]
+    for u in est:
+        assert u["prefill_ms"] == cost_at(xs, ys, u["prompt_tokens"]) >= 0.0
+        assert u["ttft_ms"] == pytest.approx(u["preprocess_ms"] + u["encode_ms"] + u["prefill_ms"])
+
+
+def test_unloaded_ttft_never_extrapolates_prefill_below_zero():
+    """Two noisy prefill points whose line crosses zero above the shortest prompt (CI once saw it:
+    an estimated TTFT smaller than the encode it includes): the prefill part is clamped at 0."""
+    report = {"prefill": [{"prompt_tokens": 16, "prefill_ms": 2.0}, {"prompt_tokens": 64, "prefill_ms": 30.0}],
+              "vision": [{"resolution": "112x112", "vision_tokens": 32, "preprocess_ms": 1.5, "encode_ms": 7.0}],
+              "text_tokens_per_request": 2}
+    rows = unloaded_ttft(report)
+    assert interp([16, 64], [2.0, 30.0], 2) < 0  # the bare line goes negative there
+    assert [r["prefill_ms"] for r in rows] == [0.0, interp([16, 64], [2.0, 30.0], 34)]
+    assert rows[1]["prefill_ms"] > 0 and rows[1]["ttft_ms"] == pytest.approx(1.5 + 7.0 + rows[1]["prefill_ms"])
+    assert rows[0]["ttft_ms"] == 0.0
+
+
+def test_cost_at_is_zero_at_and_below_zero_size():
+    assert cost_at([10, 20], [5.0, 6.0], 0) == 0.0 and cost_at([10, 20], [5.0, 6.0], -3) == 0.0
+    assert cost_at([10, 20], [1.0, 2.0], 15) == pytest.approx(1.5)
 
 
 def test_interp_is_piecewise_linear():
