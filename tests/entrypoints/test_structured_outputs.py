@@ -45,6 +45,7 @@ README_MARK = "<!-- openai-examples:"  # the README's OpenAI examples: its pytho
 MODEL = "demo"  # the docs' --served-model-name
 READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) .* http=(?P<http>http://\S+)")
 PH = "<|vision_start|><|image_pad|><|vision_end|>"
+SEED = 0  # the sampled json_object choices' seed: some end on "stop", some on "length"
 
 # nested objects and enums only: a random-weight model under the grammar reaches its end
 SCHEMA = {
@@ -171,13 +172,15 @@ def test_vllm_extras_and_grpc_keyword(deployed):
     assert r.choices[0].message.content in ("yes", "no", "maybe")
     r = oai.completions.create(model=MODEL, prompt="a number:", max_tokens=20, extra_body={"guided_regex": "[0-9]{3}"})
     assert re.fullmatch("[0-9]{3}", r.choices[0].text)
-    # greedy: this checks the spelling reaches the grammar; sampled validity is test_twenty_requests_...'s.
-    # (A sampled json_object reply once came back cut short without finish_reason "length" in CI, not
-    # reproduced in 400 sampled tries here: under investigation, docs/openai.md "Known gaps".)
+    # sampled (temperature 1; seeded, so every run gets the same choices): a choice ends on "stop" only
+    # once its object is complete, or on "length" cut by max_tokens -- not JSON then ("Unterminated
+    # string starting at char 1" when its first key is cut), so the reason is checked before parsing.
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json"}], max_tokens=200,
-                                    temperature=0, response_format={"type": "json_object"})
-    c = r.choices[0]
-    assert c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict), (c.finish_reason, c.message.content)
+                                    temperature=1.0, seed=SEED, n=8, response_format={"type": "json_object"})
+    for c in r.choices:
+        assert c.finish_reason in ("stop", "length"), (c.finish_reason, c.message.content)
+        assert c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict), c.message.content
+    assert {c.finish_reason for c in r.choices} == {"stop", "length"}, ("pick a seed whose choices end both ways", [c.finish_reason for c in r.choices])
     with Client(grpc_address, timeout=300) as c:
         g = c.generate("pick", max_tokens=20, structured={"choice": ["left", "right"]})
     assert g.text in ("left", "right")
