@@ -47,17 +47,14 @@ def test_a_scheduler_back_later_than_the_old_budget_loses_nothing():
     prompt, n = "a lost scheduler", 40
     with TokenScheduler(token_delay_s=0.02) as sched:
         with Client(sched.address, timeout=60, retry_deadline_s=15, **BACKOFF) as c:
-            ids, t0, restarter = [], 0.0, None
+            ids, restarter = [], None
             for d in c.generate_stream(prompt, max_tokens=n):
                 ids.extend(d.token_ids)
                 if len(ids) == 10 and restarter is None:
                     sched.kill()
-                    t0 = time.monotonic()
-                    restarter = _restart_later(sched, OLD_BUDGET_S + 1.5)
-            down_s = time.monotonic() - t0
+                    restarter = _restart_later(sched, OLD_BUDGET_S + 1.5)  # down longer than the old budget
             restarter.join()
             assert ids == tokens_for(prompt, n) and c.retried >= 9  # more tries than the old count allowed
-            assert down_s > OLD_BUDGET_S + 1.5
 
 
 @pytest.mark.timeout(120)
@@ -85,9 +82,7 @@ def test_async_client_resumes_the_same_way():
 
 def test_past_the_deadline_the_call_is_unavailable():
     with Client(f"127.0.0.1:{free_port()}", retry_deadline_s=1.0, **BACKOFF) as c:
-        t0 = time.monotonic()
         with pytest.raises(EPDServeError) as e:
             c.generate("anyone?", max_tokens=4)
-        took = time.monotonic() - t0
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
-    assert 1.0 <= took < 4.0 and c.retried >= 5  # 0.05, 0.1, 0.2, 0.2 ... until the deadline
+    assert c.retried >= 5  # 0.05, 0.1, 0.2, 0.2 ... until the deadline, then UNAVAILABLE

@@ -95,7 +95,11 @@ def test_structured_choices_each_follow_the_grammar(llm):
     singles = [llm.generate(PROMPT, SamplingParams(seed=3 + j, **kw))[0].outputs[0] for j in range(3)]
     group = llm.generate(PROMPT, SamplingParams(seed=3, n=3, **kw))[0].outputs
     assert [g.token_ids for g in group] == [s.token_ids for s in singles]
+    # seeds 3-5 end two of the choices on the grammar's own end (`{}`, then EOS): without the
+    # grammar's mask none ends on stop (every one runs to the length) or starts with `{`
+    assert any(g.finish_reason == "stop" for g in group), [(g.finish_reason, g.text) for g in group]
     for g in group:
+        assert g.text.startswith("{"), g.text
         if g.finish_reason == "stop":
             assert isinstance(json.loads(g.text), dict)
 

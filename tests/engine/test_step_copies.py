@@ -1,7 +1,8 @@
-"""The NPU copy model of tests/fakes/host_reads.py (torch_npu's CopyKernelOpApi.cpp: a blocking
-or pageable host→device copy synchronizes the stream, a non_blocking one from pinned memory does
-not), and the engine step's budget under it: one pinned non-blocking upload and one read of the
-sampled tokens (issue 36 item 2)."""
+"""The step's host→device copies under the NPU copy model of tests/fakes/host_reads.py (torch_npu's
+CopyKernelOpApi.cpp: a blocking or pageable host→device copy synchronizes the stream, a
+non_blocking one from pinned memory does not): `StepBuffers` uploads a step's integers with one
+pinned non-blocking copy through two alternating host buffers, and the engine step's budget is one
+such upload and one read of the sampled tokens (issue 36 item 2)."""
 from __future__ import annotations
 
 import pytest
@@ -10,55 +11,74 @@ import torch
 from tests.engine.test_step_host_reads import _runner, _seq  # the step harness (imports transformers first)
 from epdserve.engine.scheduler import ScheduledSeq
 from epdserve.engine.step_buffers import StepBuffers
+from epdserve.ops.attention_meta import StepPacker
 from epdserve.ops.portable import PortableOps
+from epdserve.platform.cpu import CpuPlatform
 from tests.fakes.host_reads import HostReads
 
 DEV = "cpu"  # the stand-in device: what an upload names
 
 
-def test_a_blocking_host_to_device_copy_is_a_sync():
-    copies = HostReads()
+def _packed(*parts: list[int]) -> StepPacker:
+    packer = StepPacker()
+    for values in parts:
+        packer.add(values, torch.int64)
+    return packer
+
+
+def _bytes(values: list[int]) -> torch.Tensor:
+    return torch.frombuffer(_packed(values).buf, dtype=torch.uint8)
+
+
+def _stage(capacity: int = 1 << 16) -> StepBuffers:
+    """`StepBuffers` on its accelerator path (pinned host buffers, one non-blocking copy) on the
+    stand-in device; allocated lazily at the first upload, so inside the counter, which is where
+    the stand-in can pin (tests/fakes/host_reads.py)."""
+    return StepBuffers(torch.device(DEV), CpuPlatform(), capacity=capacity, stage=True)
+
+
+def test_an_upload_is_one_pinned_non_blocking_copy_and_no_sync():
+    bufs, copies = _stage(), HostReads()
     with copies:
-        torch.zeros(4).to(DEV)  # non_blocking=False: aclrtSynchronizeStream before the memcpy
-    assert copies.counts() == {"h2d": 1, "d2h": 0, "syncs": 1}
+        views = bufs.upload(_packed([1, 2, 3], [7] * 5))
+    assert copies.counts() == {"h2d": 1, "d2h": 0, "syncs": 0}, copies.copies
+    assert copies.copies[0].pinned and copies.copies[0].non_blocking and copies.copies[0].call == "copy_"
+    assert [v.tolist() for v in views] == [[1, 2, 3], [7] * 5]
 
 
-def test_a_non_blocking_copy_from_pageable_memory_is_a_sync():
-    copies = HostReads()
+def test_steps_alternate_two_host_buffers_over_one_device_buffer():
+    """Step k+1 packs into the other host buffer: step k's bytes stay where its copy reads them."""
+    bufs, copies = _stage(), HostReads()
     with copies:
-        torch.zeros(4).to(DEV, non_blocking=True)  # malloc'd memory: process_unregistered_mem_location_type
-    assert copies.counts() == {"h2d": 1, "d2h": 0, "syncs": 1}
+        first = bufs.upload(_packed([1, 2]))
+        host_first = bufs._host[0][:16].clone()
+        second = bufs.upload(_packed([3, 4]))
+        third = bufs.upload(_packed([5, 6]))
+    assert copies.counts() == {"h2d": 3, "d2h": 0, "syncs": 0}
+    assert torch.equal(host_first, _bytes([1, 2])) and torch.equal(bufs._host[0][:16], _bytes([5, 6]))
+    assert torch.equal(bufs._host[1][:16], _bytes([3, 4]))  # the third step packed into the other one
+    assert first[0].untyped_storage().data_ptr() == second[0].untyped_storage().data_ptr() == third[0].untyped_storage().data_ptr()
+    assert third[0].tolist() == [5, 6]
 
 
-def test_a_non_blocking_copy_from_pinned_memory_is_not_a_sync():
-    copies = HostReads()
+def test_a_step_larger_than_the_buffers_grows_them_and_still_copies_once():
+    bufs, copies = _stage(capacity=16), HostReads()
     with copies:
-        staged = torch.empty(4, pin_memory=True)
-        staged.copy_(torch.arange(4.0))  # host to host: no copy to count
-        staged.to(DEV, non_blocking=True)
-        pinned = torch.ones(3).pin_memory()
-        resident = torch.empty(3, device=DEV)  # no data: nothing copied
-        resident.copy_(pinned, non_blocking=True)
+        bufs.upload(_packed([1, 2]))
+        big = bufs.upload(_packed(list(range(100))))
+    assert bufs.capacity >= 800
     assert copies.counts() == {"h2d": 2, "d2h": 0, "syncs": 0}
-    assert all(c.pinned and c.non_blocking for c in copies.copies)
+    assert big[0].tolist() == list(range(100))
 
 
-def test_a_factory_with_data_copies_blocking_and_a_value_read_is_a_blocking_d2h():
-    copies = HostReads()
+def test_on_the_cpu_nothing_is_copied_and_a_dest_gets_the_bytes():
+    bufs, copies = StepBuffers(torch.device("cpu"), CpuPlatform()), HostReads()
+    dest = torch.zeros(64, dtype=torch.uint8)
     with copies:
-        t = torch.tensor([1, 2, 3], device=DEV)  # tensor_new.cpp: built on the host, copied non_blocking=False
-        t.tolist()
-        t.cpu()
-    assert copies.counts() == {"h2d": 1, "d2h": 2, "syncs": 3}
-    assert [c.call for c in copies.copies] == ["tensor", "tolist", "cpu"]
-
-
-def test_a_copy_into_a_resident_tensor_from_pageable_memory_is_a_sync():
-    copies = HostReads()
-    with copies:
-        resident = torch.empty(3, device=DEV)
-        resident.copy_(torch.ones(3), non_blocking=True)
-    assert copies.counts() == {"h2d": 1, "d2h": 0, "syncs": 1}
+        views = bufs.upload(_packed([4, 5, 6]))
+        into = bufs.upload(_packed([8, 9]), dest=dest)
+    assert copies.counts() == {"h2d": 0, "d2h": 0, "syncs": 0} and bufs.capacity == 0
+    assert views[0].tolist() == [4, 5, 6] and into[0].tolist() == [8, 9] and dest[:16].view(torch.int64).tolist() == [8, 9]
 
 
 def _decode_step_counts(mixed: bool = False) -> tuple[dict, list]:

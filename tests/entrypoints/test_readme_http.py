@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.entrypoints.launch_harness import launched
+from tests.tools import require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,7 @@ def section_blocks(title: str) -> list[tuple[str, str]]:
 
 
 def test_readme_http_examples_run_as_pasted(qwen2_vl_tiny):
-    if shutil.which("curl") is None:
-        pytest.skip("curl is not installed: the README's curl example needs it")
+    require_tool("curl", why="the README's curl example needs it")
     blocks = section_blocks("OpenAI-compatible HTTP API")
     launch_block = next(code for lang, code in blocks if lang == "bash" and "epdserve launch" in code)
     python_block = next(code for lang, code in blocks if lang == "python" and "from openai import OpenAI" in code)

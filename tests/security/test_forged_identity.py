@@ -13,7 +13,9 @@ feature cache and prefix cache) and at the block manager; every launched mode do
 """
 from __future__ import annotations
 
+import hashlib
 import io
+from array import array
 
 import pytest
 import xxhash
@@ -68,7 +70,27 @@ def test_the_pair_is_two_valid_images_with_one_old_key_and_two_new_ones(pair):
 
 def test_the_forged_block_collides_under_the_old_block_hash():
     assert FORGED_BLOCK != CHAT_BLOCK and old_block_hash(FORGED_BLOCK) == old_block_hash(CHAT_BLOCK)
-    assert block_key(FIRST_PARENT, bytes(8 * 16)).digest != block_key(FIRST_PARENT, bytes(8 * 15) + b"\1" + bytes(7)).digest
+    forged, chat = (block_key(FIRST_PARENT, array("q", ids).tobytes()) for ids in (FORGED_BLOCK, CHAT_BLOCK))
+    assert forged.digest != chat.digest  # under the block hash the engine uses, no collision
+
+
+def test_the_block_hash_is_sha256_and_the_media_key_keyed_blake2b():
+    """The hashes themselves, pinned by known answers: a block's digest is SHA-256 of its content
+    (a fast unkeyed hash such as xxh3-64 is what FORGED_BLOCK collides under), a media key is
+    BLAKE2b-128 keyed by the deployment secret (an unkeyed or public-secret hash lets anyone aim
+    two images at one key)."""
+    ids = bytes(range(128))  # one block of 16 int64 token ids
+    first = block_key(FIRST_PARENT, ids)
+    assert first.content == FIRST_PARENT + ids
+    assert first.digest == hashlib.sha256(FIRST_PARENT + ids).digest()
+    assert first.digest.hex() == "b68b7a862ea33e58fdfdf197c204a68ca3695473efdd111b09120f0f5bd7ae9e"
+    assert block_key(first.digest, ids).digest == hashlib.sha256(first.digest + ids).digest()  # chained
+    secret = MediaKeySecret("a pinned test secret")
+    key = hashlib.blake2b(b"a pinned test secret", digest_size=32, person=b"epdserve-mkey").digest()
+    want = hashlib.blake2b(b"image bytes", digest_size=16, key=key, person=b"epdserve-media").hexdigest()
+    assert media_key(b"image bytes", "ns", secret) == "ns:" + want == "ns:96f3ae4762cc52b5cb7eeaea0cbb901d"
+    assert MediaKeySecret("another secret").digest(b"image bytes") != want  # the key is the secret's
+    assert secret.digest(b"image bytes", "tenant") == "0ff978c309038aa94507545bf3acf8e1"
 
 
 def test_offline_b_then_a_gets_a_its_own_answer(qwen2_vl_tiny, pair, ref):

@@ -21,9 +21,10 @@ from epdserve.transfer.mm_store import (
     feature_counters,
 )
 from epdserve.transfer.mm_store.connection import PASSWORD_ENV
-from tests.transfer.redis_topologies import RedisClusterProcesses, have_redis_tools
+from tests.tools import require_tool
+from tests.transfer.redis_topologies import RedisClusterProcesses
 
-pytestmark = pytest.mark.skipif(not have_redis_tools(), reason="needs redis-server and redis-cli")
+require_tool("redis-server", "redis-cli", why="Debian's redis-server package", module=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,11 @@ import pytest
 
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.transfer.mm_store import RedisConnection, RedisMMStore
-from tests.transfer.redis_topologies import RedisClusterProcesses, have_redis_tools
+from tests.tools import require_tool
+from tests.transfer.redis_topologies import RedisClusterProcesses
 from tests.transfer.test_mm_engine import PH, SP, Stages, _image
 
-pytestmark = pytest.mark.skipif(not have_redis_tools(), reason="needs redis-server and redis-cli")
+require_tool("redis-server", "redis-cli", why="Debian's redis-server package", module=True)
 
 
 @pytest.mark.timeout(300)

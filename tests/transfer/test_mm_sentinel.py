@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from epdserve.transfer.mm_store import RedisConnection, RedisMMStore, StoreUnavailableError
-from tests.transfer.redis_topologies import RedisSentinelProcesses, have_redis_tools
+from tests.tools import require_tool
+from tests.transfer.redis_topologies import RedisSentinelProcesses
 
-pytestmark = pytest.mark.skipif(not have_redis_tools(), reason="needs redis-server and redis-cli")
+require_tool("redis-server", "redis-cli", why="Debian's redis-server package", module=True)
 
 
 @pytest.mark.timeout(120)
