@@ -59,7 +59,10 @@ class EngineConfig:
         True, negate="--no-step-budget",
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "
              "while requests decode (their TPOT then stalls behind them)")
-    feature_wait_s: float = setting(0.0, check=(">=", 0), help="P: wait this long for E's features, then recompute")
+    # read only by an engine that prefills without encoding (a P whose E is another instance): 0 would
+    # recompute every item whose features have not landed yet, throwing E's work away
+    feature_wait_s: float = setting(
+        5.0, check=(">=", 0), help="P: wait this long for E's features, then recompute them itself")
     pipelined_prefill: bool = setting(
         True, negate="--no-pipelined-prefill",
         help="P waits for every media item's features before it prefills a prompt (default: it prefills the "
