@@ -150,3 +150,32 @@ def test_every_command_shows_the_same_default(flag):
     assert len(set(shown.values())) == 1, shown
     if default is not None:
         assert set(shown.values()) == {str(default)}, (field.name, shown)
+
+
+def _declared_envs() -> set[str]:
+    """The environment variables `setting(..., env=...)` declarations read."""
+    envs = set()
+    for _, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _name(node) == "setting":
+                env = _kw(node, "env")
+                if isinstance(env, ast.Constant):
+                    envs.add(env.value)
+    return envs
+
+
+def test_a_setting_from_the_environment_is_read_only_through_its_declaration():
+    """`EngineConfig.ops` declares EPDSERVE_OPS: no module reads such a variable by hand
+    (os.environ.get / os.getenv / os.environ[...]); `settings.read_env` / `env_value` do."""
+    envs = _declared_envs()
+    assert "EPDSERVE_OPS" in envs
+    for rel, tree in _sources():
+        for node in ast.walk(tree):
+            key = None
+            if isinstance(node, ast.Call) and _name(node) in ("get", "getenv", "pop") and node.args:
+                key = node.args[0]
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "environ":
+                key = node.slice
+            if isinstance(key, ast.Constant) and key.value in envs:
+                raise AssertionError(f"{rel}:{node.lineno} reads {key.value} by hand; read the setting declaring it")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epdserve.roles import RoleSet, normalize_roles, role_set
-from epdserve.settings import check_settings, same_as, setting
+from epdserve.settings import check_settings, read_env, same_as, setting
 from epdserve.slo import SLO
 
 
@@ -77,15 +77,17 @@ class EngineConfig:
         False, help="run every step eagerly: no captured decode graphs (CUDA captures one per batch-size bucket "
                     "at start-up and replays it for each decode-only step; CPU and NPU always run eagerly)")
     seed: int = 0
-    ops: str | None = None  # paged operators: native | portable; None: $EPDSERVE_OPS, else the platform's best
+    ops: str | None = setting(
+        None, choices=("native", "portable"), env="EPDSERVE_OPS",
+        help="paged and LM-layer operators: native (csrc/) or portable (torch); not set: $EPDSERVE_OPS, else the "
+             "platform's best (ops/select.py)")
 
     def __post_init__(self):
         self.roles = normalize_roles(self.roles)
         if self.slo_tpot_ms is None:
             raise ValueError("slo_tpot_ms must be set: the step budget counts against it")
+        read_env(self)  # ops not given: $EPDSERVE_OPS
         check_settings(self)  # the bounds and choices declared on the fields
-        if self.ops not in (None, "native", "portable"):
-            raise ValueError(f"ops must be native|portable, got {self.ops!r}")
 
     @property
     def role_set(self) -> RoleSet:
