@@ -9,7 +9,10 @@ that one declaration:
 - `same_as(cls, name)` declares a field of another settings class as a copy of this one (the
   instance's `block_size` is the engine's), `shared_values(src, cls)` reads those copies back;
 - `check_settings(obj)` (called from each class's `__post_init__`) checks every field against its
-  declared `check` bound and `choices`, so a copy made with `same_as` is checked as its original.
+  declared `check` bound and `choices`, so a copy made with `same_as` is checked as its original;
+- a setting declared with `env="EPDSERVE_..."` takes its value from that environment variable when
+  it is not given (None): `read_env(obj)` (from `__post_init__`, before the checks) fills it in,
+  typed as the field, `env_value(cls, name)` reads it alone; nothing else reads the variable.
 
 A flag's value is in the flag's unit (`--kv-cache-mb 256`); `to_field` turns it into the field's
 (`256 << 20` bytes), `from_field` back. A `negate` flag is a store_true that sets a True-by-default
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from dataclasses import MISSING
 from typing import Any, Callable
@@ -39,6 +43,7 @@ class Setting:
     required: bool = False
     action: type | str | None = None  # an argparse Action class taking one value (e.g. commands.FlagsArg), or "append"
     check: tuple[str, float] | None = None  # a bound on the value: (">", 0) or (">=", 1); None values pass
+    env: str | None = None  # an environment variable (EPDSERVE_...) giving the value when it is not given
 
 
 def setting(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **kw) -> Any:
@@ -77,6 +82,32 @@ def check_settings(obj: Any) -> None:
             raise ValueError(f"{f.name} must be one of {', '.join(map(str, s.choices))}, got {v!r}")
         if s.check and not _CHECKS[s.check[0]](v, s.check[1]):
             raise ValueError(f"{f.name} must be {s.check[0]} {s.check[1]:g}, got {v}")
+
+
+def read_env(obj: Any) -> None:
+    """Fill each setting of `obj` that is not given (None) and declares an `env` variable from that
+    variable, when it is set (see `env_value`)."""
+    for f, s in settings_of(type(obj)):
+        if s.env and getattr(obj, f.name) is None:
+            v = env_value(type(obj), f.name)
+            if v is not None:
+                object.__setattr__(obj, f.name, v)  # frozen settings classes too
+
+
+def env_value(cls: type, name: str) -> Any:
+    """The value the environment gives setting `name` of `cls` (its declared `env` variable), typed
+    as the field (a choice lower-cased); None when the variable is unset or empty. Raises
+    ValueError naming the variable for a value outside the setting's choices."""
+    f, s = next((f, s) for f, s in settings_of(cls) if f.name == name)
+    raw = os.environ.get(s.env or "", "").strip()
+    if not raw:
+        return None
+    v = (s.type or _scalar(typing.get_type_hints(cls)[f.name]))(raw)
+    if s.choices:
+        v = v.lower() if isinstance(v, str) else v
+        if v not in s.choices:
+            raise ValueError(f"{s.env} must be one of {', '.join(map(str, s.choices))}, got {raw!r}")
+    return v
 
 
 def shared_values(src: Any, cls: type) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The settings every part shares are declared once (epdserve/settings.py, epdserve/slo.py): the SLO
-pair, the KV block size, the KV cache size and the device each have exactly one `setting(...)`
-declaration in the package, no hand-written flag and no second default (`same_as(..., default=X)`;
-`default=None`, "not given", is allowed),
+pair, the KV block size, the KV cache size, the device and the KV transfer's settings (`--kv-*`,
+`KVTransferConfig`'s) each have exactly one `setting(...)`
+declaration in the package, no hand-written flag; no setting anywhere gets a second default
+(`same_as(..., default=X)`; `default=None`, "not given", is allowed),
 and every command that offers one shows the same default in its `--help`."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.entrypoints.cli import build_parser
 from epdserve.settings import flag_defaults, flag_name, settings_of
 from epdserve.slo import SLO
+from epdserve.transfer.kv import KVTransferConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "epdserve"
 
@@ -27,6 +29,11 @@ SHARED = {
     "--block-size": (EngineConfig, "engine/config.py"),
     "--kv-cache-mb": (EngineConfig, "engine/config.py"),
     "--device": (EngineConfig, "engine/config.py"),
+    "--kv-timeout-s": (KVTransferConfig, "transfer/kv/config.py"),
+    "--kv-connect-timeout-s": (KVTransferConfig, "transfer/kv/config.py"),
+    "--kv-hop": (KVTransferConfig, "transfer/kv/config.py"),
+    "--kv-pair-rebuilds": (KVTransferConfig, "transfer/kv/config.py"),
+    "--kv-pair-rebuild-window-s": (KVTransferConfig, "transfer/kv/config.py"),
 }
 # the commands that offer each one (`epdserve ...` words; "benchmarks/x.py" for the scripts)
 OFFERED = {
@@ -37,6 +44,11 @@ OFFERED = {
     "--block-size": ["launch", "instance", "bench kv-transfer"],
     "--kv-cache-mb": ["launch", "instance"],
     "--device": ["launch", "instance", "doctor", "profile", "bench device"],
+    "--kv-timeout-s": ["instance"],
+    "--kv-connect-timeout-s": ["instance"],
+    "--kv-hop": ["launch", "instance", "bench device"],
+    "--kv-pair-rebuilds": ["instance"],
+    "--kv-pair-rebuild-window-s": ["instance"],
 }
 # `--device` flags that mean something else, with their own choices: which co-location to measure
 # (CPU cores or NPU streams; CUDA has none) and the NPU first-run steps (an NPU tool)
@@ -78,7 +90,7 @@ def test_each_shared_setting_is_declared_once(flag):
 
 
 def test_no_command_writes_a_shared_flag_by_hand_or_gives_it_a_second_default():
-    fields = {f.name for cls, _ in SHARED.values() for f, s in settings_of(cls) if flag_name(f, s) in SHARED}
+    """No hand-written shared flag; no `same_as` anywhere gives its setting a default of its own."""
     for rel, tree in _sources():
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
@@ -89,8 +101,7 @@ def test_no_command_writes_a_shared_flag_by_hand_or_gives_it_a_second_default():
                     raise AssertionError(f"{rel}:{node.lineno} adds {flag} by hand; add_flags from its field")
             if _name(node) == "same_as" and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
                 default = _kw(node, "default")  # None is "not given" (the k8s renderer passes nothing then)
-                if node.args[1].value in fields and default is not None and not (
-                        isinstance(default, ast.Constant) and default.value is None):
+                if default is not None and not (isinstance(default, ast.Constant) and default.value is None):
                     raise AssertionError(f"{rel}:{node.lineno} gives {node.args[1].value} a second default")
 
 
@@ -139,3 +150,32 @@ def test_every_command_shows_the_same_default(flag):
     assert len(set(shown.values())) == 1, shown
     if default is not None:
         assert set(shown.values()) == {str(default)}, (field.name, shown)
+
+
+def _declared_envs() -> set[str]:
+    """The environment variables `setting(..., env=...)` declarations read."""
+    envs = set()
+    for _, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _name(node) == "setting":
+                env = _kw(node, "env")
+                if isinstance(env, ast.Constant):
+                    envs.add(env.value)
+    return envs
+
+
+def test_a_setting_from_the_environment_is_read_only_through_its_declaration():
+    """`EngineConfig.ops` declares EPDSERVE_OPS: no module reads such a variable by hand
+    (os.environ.get / os.getenv / os.environ[...]); `settings.read_env` / `env_value` do."""
+    envs = _declared_envs()
+    assert "EPDSERVE_OPS" in envs
+    for rel, tree in _sources():
+        for node in ast.walk(tree):
+            key = None
+            if isinstance(node, ast.Call) and _name(node) in ("get", "getenv", "pop") and node.args:
+                key = node.args[0]
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "environ":
+                key = node.slice
+            if isinstance(key, ast.Constant) and key.value in envs:
+                raise AssertionError(f"{rel}:{node.lineno} reads {key.value} by hand; read the setting declaring it")

@@ -32,17 +32,17 @@ def test_the_instance_hands_the_engine_its_own_settings():
     engine = EngineConfig(**shared_values(cfg, EngineConfig), roles="PD")
     assert (engine.max_num_seqs, engine.feature_wait_s, engine.dtype) == (7, 1.5, "float32")
     assert engine.kv_cache_bytes == cfg.kv_cache_bytes and engine.model == "/m"
-    shared = {f.name for f in dataclasses.fields(InstanceConfig) if "epdserve_same_as" in f.metadata}
+    shared = {f.name for f in dataclasses.fields(InstanceConfig)
+              if f.metadata.get("epdserve_same_as", (None,))[0] is EngineConfig}
     assert len(shared_values(cfg, EngineConfig)) == len(shared) >= 8
 
 
-def test_an_engine_setting_has_one_help_text():
-    engine = {f.name: s for f, s in settings_of(EngineConfig)}
+def test_an_engine_or_kv_transfer_setting_has_one_help_text():
     inst = {f.name: (f, s) for f, s in settings_of(InstanceConfig)}
     for name, (f, s) in inst.items():
         owner = f.metadata.get("epdserve_same_as")
         if owner:
-            assert s is engine[owner[1]], name
+            assert s is dict((g.name, t) for g, t in settings_of(owner[0]))[owner[1]], name
 
 
 def test_launch_forwards_what_was_given_by_field():
@@ -106,3 +106,25 @@ def test_validation_is_declared_on_the_field_and_carried_by_same_as():
             make()
     with pytest.raises(ValueError, match="kv_cache_bytes must be >= 1"):
         InstanceConfig(roles="PD", model="/m", kv_cache_bytes=0)
+
+
+def test_feature_wait_has_one_default_that_waits_for_e():
+    """`feature_wait_s` is read only by an engine that prefills without encoding (a P whose E is
+    another instance): its one default waits for E, in the engine and in every instance."""
+    assert EngineConfig(model="/m").feature_wait_s == InstanceConfig(roles="P", model="/m").feature_wait_s > 0
+    assert _instance([]).feature_wait_s == EngineConfig(model="/m").feature_wait_s
+
+
+def test_the_instance_hands_its_kv_pairs_the_transfer_settings():
+    """The `--kv-*` settings are `KVTransferConfig`'s, declared there once: every one is an
+    instance flag, and what the flags say is what the instance's KV pairs get."""
+    from epdserve.transfer.kv import KVTransferConfig
+
+    offered = {f.metadata["epdserve_same_as"][1] for f in dataclasses.fields(InstanceConfig)
+               if f.metadata.get("epdserve_same_as", (None,))[0] is KVTransferConfig}
+    assert offered == {f.name for f, _ in settings_of(KVTransferConfig)}
+    assert _instance([]).kv_transfer() == KVTransferConfig()
+    kv = _instance(["--kv-timeout-s", "7", "--kv-connect-timeout-s", "9", "--kv-hop", "host", "--kv-pair-rebuilds",
+                    "3", "--kv-pair-rebuild-window-s", "11"]).kv_transfer()
+    assert (kv.timeout_s, kv.connect_timeout_s, kv.hop, kv.max_pair_rebuilds, kv.pair_rebuild_window_s) == \
+        (7.0, 9.0, "host", 3, 11.0)

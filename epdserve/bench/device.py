@@ -68,6 +68,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     from epdserve.engine.config import EngineConfig
     from epdserve.settings import add_flags
+    from epdserve.transfer.kv import KVTransferConfig
 
     add_flags(p, EngineConfig, ["device"])
     p.add_argument("--out", default="device-check", help="directory for the report and logs (default ./device-check)")
@@ -85,8 +86,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--modes", default=",".join(ALL_MODES), help="modes launched (default: all six)")
     g.add_argument("--serve-tokens", type=int, default=16, help="greedy tokens per request (default 16)")
     g.add_argument("--serve-jobs", type=int, help="modes launched at once (default: 3 on an accelerator, 1 on CPU)")
-    g.add_argument("--kv-hop", choices=("auto", "device", "host"), default="auto",
-                   help="the launches' --kv-hop (default auto: host where a P and a D share an accelerator)")
+    add_flags(g, KVTransferConfig, ["hop"])  # the launches' --kv-hop
     g = p.add_argument_group("perf")
     g.add_argument("--perf-size", choices=("tiny", "small", "2b"), help="demo size (default: 2b on an accelerator, "
                                                                        "small on CPU)")

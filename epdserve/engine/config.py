@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epdserve.roles import RoleSet, normalize_roles, role_set
-from epdserve.settings import check_settings, same_as, setting
+from epdserve.settings import check_settings, read_env, same_as, setting
 from epdserve.slo import SLO
 
 
@@ -59,7 +59,10 @@ class EngineConfig:
         True, negate="--no-step-budget",
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "
              "while requests decode (their TPOT then stalls behind them)")
-    feature_wait_s: float = setting(0.0, check=(">=", 0), help="P: wait this long for E's features, then recompute")
+    # read only by an engine that prefills without encoding (a P whose E is another instance): 0 would
+    # recompute every item whose features have not landed yet, throwing E's work away
+    feature_wait_s: float = setting(
+        5.0, check=(">=", 0), help="P: wait this long for E's features, then recompute them itself")
     pipelined_prefill: bool = setting(
         True, negate="--no-pipelined-prefill",
         help="P waits for every media item's features before it prefills a prompt (default: it prefills the "
@@ -74,15 +77,17 @@ class EngineConfig:
         False, help="run every step eagerly: no captured decode graphs (CUDA captures one per batch-size bucket "
                     "at start-up and replays it for each decode-only step; CPU and NPU always run eagerly)")
     seed: int = 0
-    ops: str | None = None  # paged operators: native | portable; None: $EPDSERVE_OPS, else the platform's best
+    ops: str | None = setting(
+        None, choices=("native", "portable"), env="EPDSERVE_OPS",
+        help="paged and LM-layer operators: native (csrc/) or portable (torch); not set: $EPDSERVE_OPS, else the "
+             "platform's best (ops/select.py)")
 
     def __post_init__(self):
         self.roles = normalize_roles(self.roles)
         if self.slo_tpot_ms is None:
             raise ValueError("slo_tpot_ms must be set: the step budget counts against it")
+        read_env(self)  # ops not given: $EPDSERVE_OPS
         check_settings(self)  # the bounds and choices declared on the fields
-        if self.ops not in (None, "native", "portable"):
-            raise ValueError(f"ops must be native|portable, got {self.ops!r}")
 
     @property
     def role_set(self) -> RoleSet:

@@ -201,7 +201,13 @@ def _env() -> Check:
 
 
 def _native_ops(plat) -> Check:
-    choice = os.environ.get("EPDSERVE_OPS", "").strip().lower()
+    from epdserve.engine.config import EngineConfig
+    from epdserve.settings import env_value
+
+    try:
+        choice = env_value(EngineConfig, "ops")  # $EPDSERVE_OPS, as every engine reads it
+    except ValueError as e:
+        return Check("native ops", Status.FAIL, str(e), "set EPDSERVE_OPS to native or portable, or unset it")
     if choice == "portable":
         return Check("native ops", Status.OK, "portable operators chosen (EPDSERVE_OPS=portable)")
     if plat.name == "npu":

@@ -2,7 +2,8 @@
 
 Its fields are the `epdserve instance` flags (epdserve/settings.py): `add_instance_args(parser)`
 adds them, `from_args(args)` reads them back, and `epdserve launch` forwards the ones it offers by
-field. Fields `same_as` an `EngineConfig` field are the engine's setting, handed on unchanged.
+field. Fields `same_as` an `EngineConfig` field are the engine's setting, handed on unchanged; the
+`kv_*` fields are `KVTransferConfig`'s settings, handed to the KV pairs (`kv_transfer`).
 """
 from __future__ import annotations
 
@@ -13,16 +14,10 @@ from epdserve.engine.config import EngineConfig
 from epdserve.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list
 from epdserve.instance.colocation import POLICIES, check_policy
-from epdserve.settings import add_flags, check_settings, from_flags, same_as, setting
+from epdserve.settings import add_flags, check_settings, from_flags, same_as, setting, shared_values
+from epdserve.transfer.kv import KVTransferConfig, PairNetwork
 
 SWITCH_OVERLAP = ("auto", "on", "off")
-KV_HOP_CHOICES = ("auto", "device", "host")
-KV_HOP_HELP = (
-    "how P->D KV bytes travel: device = the device's own backend straight between KV blocks (gloo on CPU, NCCL on "
-    "CUDA, HCCL on NPU); host = gloo between host buffers, each layer's blocks copied device -> pinned host -> "
-    "host -> device (for a P and a D on one accelerator: NCCL refuses two ranks on one device); a P and its D must "
-    "use the same. auto (default): device, unless `epdserve launch` puts a P and a D on the same accelerator, "
-    "when it passes host to every instance")
 COLOCATION_HELP = (
     "how E shares the device with P/D: split = fixed shares (disjoint cores, NPU stream core limits); yield = every "
     "core for whoever has work, E at the lowest priority (SCHED_IDLE threads) so P/D steps take the CPU cores back "
@@ -84,21 +79,14 @@ class InstanceConfig:
     max_num_batched_tokens: int = same_as(EngineConfig, "max_num_batched_tokens")
     max_model_len: int | None = same_as(EngineConfig, "max_model_len")
     encode_token_budget: int = same_as(EngineConfig, "encode_token_budget")
-    feature_wait_s: float = same_as(EngineConfig, "feature_wait_s", default=5.0)
+    feature_wait_s: float = same_as(EngineConfig, "feature_wait_s")
     pipelined_prefill: bool = same_as(EngineConfig, "pipelined_prefill")
     encode_per_item: bool = same_as(EngineConfig, "encode_per_item")
-    kv_timeout_s: float = setting(30.0, check=(">", 0),
-                                  help="a KV transfer that makes no progress this long fails its request")
-    kv_connect_timeout_s: float = setting(60.0, check=(">", 0),
-                                          help="setting up a KV pair with a P or D gives up after this long")
-    kv_hop: str = setting("auto", choices=KV_HOP_CHOICES, help=KV_HOP_HELP)
-    kv_pair_rebuilds: int = setting(
-        8, check=(">=", 0),
-        help="D: at most this many rebuilds of the KV pair with one P within --kv-pair-rebuild-window-s; "
-                "beyond it requests from that P fail as retryable (rerouted): each pair that broke mid-transfer "
-                "may leave an HCCL communicator behind (default 8)")
-    kv_pair_rebuild_window_s: float = setting(600.0, check=(">", 0),
-                                              help="D: the window of --kv-pair-rebuilds, seconds (default 600)")
+    kv_timeout_s: float = same_as(KVTransferConfig, "timeout_s")
+    kv_connect_timeout_s: float = same_as(KVTransferConfig, "connect_timeout_s")
+    kv_hop: str = same_as(KVTransferConfig, "hop")
+    kv_pair_rebuilds: int = same_as(KVTransferConfig, "max_pair_rebuilds")
+    kv_pair_rebuild_window_s: float = same_as(KVTransferConfig, "pair_rebuild_window_s")
     grpc_threads: int = setting(128, check=(">=", 1), help="calls this instance serves at once (default 128)")
     feature_cache_bytes: int = setting(
         4 << 30, flag="--feature-cache-mb", check=(">=", 1), to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20,
@@ -120,10 +108,10 @@ class InstanceConfig:
         if self.scheduler is not None and (not self.schedulers or any(":" not in s for s in self.schedulers)):
             raise ValueError(f"scheduler must be host:port (several: comma-separated), got {self.scheduler!r}")
 
-    @property
-    def kv_transfer_hop(self) -> str:
-        """The hop this instance's KV pairs use: "host" only when asked for (auto is the device's)."""
-        return "host" if self.kv_hop == "host" else "device"
+    def kv_transfer(self, network: PairNetwork | None = None) -> KVTransferConfig:
+        """The config of this instance's KV pairs: its `kv_*` settings (`same_as` KVTransferConfig's),
+        reached through `network`."""
+        return KVTransferConfig(**shared_values(self, KVTransferConfig), network=network)
 
     @property
     def schedulers(self) -> list[str]:

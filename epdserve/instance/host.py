@@ -50,7 +50,7 @@ from epdserve.security.interceptors import AuthInterceptor, cluster_metadata, me
 from epdserve.settings import shared_values
 from epdserve.security.options import InstanceSecurity
 from epdserve.security.tls import channel_credentials, server_credentials
-from epdserve.transfer.kv import KVTransferConfig, PairNetwork, PairStoreHost
+from epdserve.transfer.kv import PairNetwork, PairStoreHost
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +199,7 @@ class InstanceHost:
         cpu = cfg.device.startswith("cpu")
         if cpu and len(roles) > 1 and cfg.split_cores:
             core_sets = worker_core_sets(cfg.colocation, roles, cfg.cores or available_cores(), weights)
-        kv_config = KVTransferConfig(timeout_s=cfg.kv_timeout_s, connect_timeout_s=cfg.kv_connect_timeout_s,
-                                     network=PairNetwork.for_instance(cfg.host, self.security, self._pair_store),
-                                     hop=cfg.kv_transfer_hop, max_pair_rebuilds=cfg.kv_pair_rebuilds,
-                                     pair_rebuild_window_s=cfg.kv_pair_rebuild_window_s)
+        kv_config = cfg.kv_transfer(PairNetwork.for_instance(cfg.host, self.security, self._pair_store))
         workers, by_role = [], {}
         for rs, cores, weight in zip(sets, core_sets, weights):
             role = rs.name

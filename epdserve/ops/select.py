@@ -1,8 +1,9 @@
 """Which paged operators an engine uses: `paged_ops(platform)`; which fused LM-layer operators
 its lean LM forward uses: `layer_ops(platform)`, chosen the same way.
 
-`EPDSERVE_OPS=native|portable` chooses explicitly (native where there are no native operators,
-the NPU's included, is an error, not a silent fallback). Unset: the NPU uses torch_npu's kernels;
+The choice is the caller's (`EngineConfig.ops`, which `EPDSERVE_OPS=native|portable` sets when
+not given: declared there, read nowhere else): native where there are no native operators, the
+NPU's included, is an error, not a silent fallback. Unset: the NPU uses torch_npu's kernels;
 the CPU uses the native csrc/ operators when they build, else the portable ones — saying so
 once, with the reason; with `CI=true` a native build that fails raises instead (CI must never
 go green on the fallback). CUDA has no native kernels yet: portable.
@@ -30,9 +31,9 @@ class NativeOpsUnavailable(RuntimeError):
 
 
 def _choice(choice: str | None) -> str:
-    choice = (choice if choice is not None else os.environ.get("EPDSERVE_OPS", "")).strip().lower()
+    choice = (choice or "").strip().lower()
     if choice and choice not in CHOICES:
-        raise ValueError(f"EPDSERVE_OPS must be one of {', '.join(CHOICES)}, got {choice!r}")
+        raise ValueError(f"ops must be one of {', '.join(CHOICES)}, got {choice!r}")
     return choice
 
 

@@ -34,5 +34,5 @@ def test_an_explicit_flag_wins_and_is_not_added_again():
 
 
 def test_the_instance_setting_resolves_auto_to_the_device_hop():
-    assert InstanceConfig(roles="D", model="m").kv_transfer_hop == "device"
-    assert InstanceConfig(roles="D", model="m", kv_hop="host").kv_transfer_hop == "host"
+    assert InstanceConfig(roles="D", model="m").kv_transfer().hop == "device"
+    assert InstanceConfig(roles="D", model="m", kv_hop="host").kv_transfer().hop == "host"

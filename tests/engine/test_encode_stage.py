@@ -64,7 +64,7 @@ def test_missing_feature_is_recomputed_with_same_output(qwen2_vl_tiny, ref):
 
 
 def test_missing_feature_without_bytes_fails_only_that_request(qwen2_vl_tiny):
-    pd = _engine(qwen2_vl_tiny, "PD", LocalFeatureProvider())
+    pd = _engine(qwen2_vl_tiny, "PD", LocalFeatureProvider(), feature_wait_s=0.0)  # no E: fail at once
     bad = pd.build_request("bad", f"x {PH}", [jpeg_bytes(procedural_image(56, 56, 1))], SP)
     bad.media[0].input = None  # the client referenced a stored key only
     pd.add_request(bad)

@@ -26,6 +26,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from epdserve.engine.config import EngineConfig
 from epdserve.ops.layer_ops import PortableLayerOps
 from epdserve.ops.native_layer_ops import NativeLayerOps, load_native_layer_ops
 from epdserve.ops.select import NativeOpsUnavailable, layer_ops
@@ -300,11 +301,10 @@ def test_layer_ops_selection(monkeypatch):
     assert isinstance(layer_ops(cpu), NativeLayerOps)
     assert layer_ops(cpu, "native").name == "native"
     assert layer_ops(cpu, "portable").name == "portable"
-    monkeypatch.setenv("EPDSERVE_OPS", "portable")
-    assert layer_ops(cpu).name == "portable"
-    monkeypatch.setenv("EPDSERVE_OPS", "fast")
+    monkeypatch.setenv("EPDSERVE_OPS", "portable")  # the engine's `ops` setting, when not given
+    assert layer_ops(cpu, EngineConfig(model="unused").ops).name == "portable"
     with pytest.raises(ValueError, match="native, portable"):
-        layer_ops(cpu)
+        layer_ops(cpu, "fast")
     monkeypatch.delenv("EPDSERVE_OPS")
     assert layer_ops(CudaPlatform()).name == "portable"
     with pytest.raises(NativeOpsUnavailable, match="CPU kernels only"):
@@ -328,10 +328,12 @@ def test_layer_ops_on_npu(monkeypatch):
 PROBE = """
 import logging
 logging.basicConfig(level=logging.WARNING)
+from epdserve.engine.config import EngineConfig
 from epdserve.ops.select import layer_ops
 from epdserve.platform import get_platform
 try:
-    print("ops:", layer_ops(get_platform("cpu")).name, layer_ops(get_platform("cpu")).name)
+    choice = EngineConfig(model="unused").ops  # $EPDSERVE_OPS, as an engine reads it
+    print("ops:", layer_ops(get_platform("cpu"), choice).name, layer_ops(get_platform("cpu"), choice).name)
 except Exception as e:
     print("raised:", type(e).__name__, e)
 """

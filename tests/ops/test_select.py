@@ -1,4 +1,4 @@
-"""Choosing the paged operators: EPDSERVE_OPS, the fallback when the native build fails (said
+"""Choosing the paged operators: EPDSERVE_OPS (the engine's `ops` setting when not given), the fallback when the native build fails (said
 once), and CI=true refusing that fallback. The failing build is real: a subprocess whose PATH
 has no ninja and whose build cache is empty."""
 import os
@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from epdserve.engine.config import EngineConfig
 from epdserve.ops.select import NativeOpsUnavailable, paged_ops
 from epdserve.platform import get_platform
 from epdserve.platform.cuda import CudaPlatform
@@ -14,11 +15,12 @@ from epdserve.platform.cuda import CudaPlatform
 PROBE = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING)
+from epdserve.engine.config import EngineConfig
 from epdserve.ops.select import paged_ops
 from epdserve.platform import get_platform
-from epdserve.platform.cuda import CudaPlatform
 try:
-    print("ops:", paged_ops(get_platform("cpu")).name, paged_ops(get_platform("cpu")).name)
+    choice = EngineConfig(model="unused").ops  # $EPDSERVE_OPS, as an engine reads it
+    print("ops:", paged_ops(get_platform("cpu"), choice).name, paged_ops(get_platform("cpu"), choice).name)
 except Exception as e:
     print("raised:", type(e).__name__, e)
 """
@@ -35,11 +37,16 @@ def test_explicit_choice(monkeypatch):
     cpu = get_platform("cpu")
     assert paged_ops(cpu, "portable").name == "portable"
     assert paged_ops(cpu, "native").name == "native"
-    monkeypatch.setenv("EPDSERVE_OPS", "portable")
-    assert paged_ops(cpu).name == "portable"
+    monkeypatch.setenv("EPDSERVE_OPS", "portable")  # the engine's `ops` setting, when not given
+    assert EngineConfig(model="unused").ops == "portable" and EngineConfig(model="unused", ops="native").ops == "native"
+    assert paged_ops(cpu, EngineConfig(model="unused").ops).name == "portable"
+    monkeypatch.setenv("EPDSERVE_OPS", " Native ")
+    assert EngineConfig(model="unused").ops == "native"
     monkeypatch.setenv("EPDSERVE_OPS", "fast")
+    with pytest.raises(ValueError, match="EPDSERVE_OPS must be one of native, portable"):
+        EngineConfig(model="unused")
     with pytest.raises(ValueError, match="native, portable"):
-        paged_ops(cpu)
+        paged_ops(cpu, "fast")
 
 
 def test_failed_build_falls_back_once_with_the_reason(tmp_path):
@@ -67,5 +74,5 @@ def test_native_on_npu_is_an_error_not_a_silent_switch(monkeypatch):
 
     monkeypatch.setenv("EPDSERVE_OPS", "native")
     with pytest.raises(NativeOpsUnavailable, match="EPDSERVE_OPS=native: no native paged operators for npu"):
-        paged_ops(Npu())
+        paged_ops(Npu(), EngineConfig(model="unused").ops)
     assert paged_ops(Npu(), "portable").name == "portable"

@@ -50,7 +50,9 @@ class Stages:
         self.e_prov = MMStoreFeatureProvider(store, "E", default_target=self.target)
         self.p_prov = MMStoreFeatureProvider(store, "PD", instance_id=self.target)
         self.e = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="E"), features=self.e_prov)
-        self.p = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="PD"), features=self.p_prov)
+        # E's encode is over before P gets the request: a feature P does not find is gone, recompute at once
+        self.p = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="PD", feature_wait_s=0.0),
+                           features=self.p_prov)
         assert self.e.model.namespace == self.p.model.namespace
 
     def encode(self, rid, prompt, images):
