@@ -25,7 +25,7 @@ import time
 
 import grpc
 
-from epdserve.bench.serve_launch import launched
+from epdserve.deploy.local.launched import launched
 from epdserve.client import Client
 from epdserve.rpc import instance_pb2, instance_pb2_grpc, serve_pb2, serve_pb2_grpc
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
