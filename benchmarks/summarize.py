@@ -4,7 +4,7 @@ A benchmark writes its raw records (every request's latencies and stage times) w
 points; they stay out of git. What the repository keeps of a run is one Markdown file per figure:
 what was run (the command, its `--out` shown as `$OUT/NAME.json`), the commit, the machine, when,
 and the tables — the benchmark's own Markdown (`RAW.md`, written beside the JSON by `bench serve`,
-`vs_transformers_serve.py`, `multiturn.py`, `switch_gap.py`; or the report's `markdown` field),
+`vs_transformers_serve.py`, `multiturn.py`; or the report's `markdown` field),
 else the JSON itself with every per-request list left out.
 
     python benchmarks/summarize.py $OUT/sweep-mixed-split.json                      # → benchmarks/results/sweep-mixed-split.md

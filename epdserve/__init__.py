@@ -31,6 +31,8 @@ Package map, bottom to top (the layers of .importlinter's contract; docs/archite
 - planner/         `epdserve plan`: predict every mode's and split's SLO goodput, pick one
 - client/          `Client` / `AsyncClient`: the gRPC client library of a running deployment
 - entrypoints/     the `epdserve` command, the HTTP front and the offline `LLM`
+- checks/          beside entrypoints: does this machine and install work (`epdserve doctor`'s checks, the device
+                   check, the NPU checks)
 - bench/           `epdserve bench ...` and `epdserve profile`: configurations measured side by side
 """
 import os

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The device check, `epdserve bench device`, in one call on a machine with a GPU (or an NPU, or only
+# The device check, `epdserve bench device` (epdserve/checks/device), in one call on a machine with a GPU (or an NPU, or only
 # the CPU) and no package index: from the repository's root,
 #
 #   bash scripts/device_check.sh --wheels .whl --out "$OUT"
@@ -9,7 +9,7 @@
 #               resolution, and run from there and the repository (PYTHONPATH); without it the
 #               installed packages are used as they are
 # --python PY   the interpreter (default python3)
-# Every other argument goes to `epdserve bench device` (see `--help`): --out DIR, --parts
+# Every other argument goes to `epdserve bench device` (epdserve/checks/device) (see `--help`): --out DIR, --parts
 # exact,serve,perf, --device cuda|npu|cpu, --exact-timeout/--serve-timeout/--perf-timeout S, ...
 # Launches start their own password-protected MM Store (the password reaches the children in their
 # environment only), on a free port. Prints one RESULT line per part, then the Markdown report; the

@@ -4,7 +4,7 @@
 #
 #   scripts/npu_first_run.sh [OUT_DIR]        # default ./npu-first-run: each step's rows and log
 #
-# Steps (epdserve/bench/npu_first_run.py says what each checks and against which source):
+# Steps (epdserve/checks/npu/first_run.py says what each checks and against which source):
 #   versions  driver / CANN / torch_npu against the table (epdserve/platform/npu_versions.py)
 #   probe     the operator schemas, and one tiny attention call the CANN must answer rightly
 #   matrix    head_dim 64/128 x bf16/fp16 x all-decode / decode+chunk / fresh prompt against the
@@ -52,7 +52,7 @@ for step in "${STEPS[@]}"; do
   t=${STEP_TIMEOUT_S:-${LIMIT[$step]}}
   echo "npu_first_run.sh: $step (timeout $t s) ..." >&2
   rc=0
-  timeout -k 10 "$t" "$PYTHON" -m epdserve.bench.npu_first_run "$step" --device "$DEVICE" --out-dir "$OUT" \
+  timeout -k 10 "$t" "$PYTHON" -m epdserve.checks.npu.first_run "$step" --device "$DEVICE" --out-dir "$OUT" \
     --model "${MODEL:-}" > "$OUT/$step.tsv" 2> "$OUT/$step.log" || rc=$?
   cat "$OUT/$step.tsv" >> "$rows"
   if (( rc == 124 || rc == 137 )); then

@@ -52,7 +52,7 @@ OFFERED = {
 }
 # `--device` flags that mean something else, with their own choices: which co-location to measure
 # (CPU cores or NPU streams; CUDA has none) and the NPU first-run steps (an NPU tool)
-OTHER_DEVICE_FLAGS = {"bench/colocation.py", "bench/npu_first_run.py"}
+OTHER_DEVICE_FLAGS = {"bench/colocation.py", "checks/npu/first_run.py"}
 
 
 def _sources():

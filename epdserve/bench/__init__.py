@@ -1,11 +1,14 @@
 """The benchmarks: `epdserve bench ...` and `epdserve profile`, each measuring configurations side by side.
 
+Acceptance checks (does this machine and install work: `bench device`, the NPU first run) are
+`epdserve.checks`'s.
+
 Owns running workloads and measurements and reporting them; what a workload, a metric and a
 profile are is `epdserve.perf` (shared with the planner; bench never imports the planner).
 Modules:
 - `cli`: the `bench` command group (`BENCHMARKS`, only the named benchmark imported);
-- `serve`: `bench serve`, live deployments' modes side by side; `serve_launch` (start / stop one
-  mode), `serve_runner` (drive one workload, record the client's view), `openai_backend` (the
+- `serve`: `bench serve`, live deployments' modes side by side (each mode started and stopped by
+  `deploy.local.launched`); `serve_runner` (drive one workload, record the client's view), `openai_backend` (the
   same through an OpenAI-compatible HTTP server), `roster_watch` (role changes during a run),
   `shift` (the `shift` workload, traffic whose shape changes mid-run), `multiturn` (the
   `multiturn` workload: conversations, TTFT per turn), `upload_ask` (the `upload-then-ask`
@@ -27,15 +30,8 @@ Modules:
 - `kv_prefix_reuse`: KV bytes per turn over the P->D hop with D's prefix cache on / off
   (benchmarks/kv_prefix_reuse_bench.py; `PDPair`, a P and a D engine over one gloo pair);
 - `ops`: `bench ops`, native against portable paged operators;
-- `colocation`: `bench colocation`, co-located encode against decode, per policy;
-- `colocation_npu`: `bench colocation --device npu`, each stage's kernels under the profiler against its core limit;
-- `npu_first_run`: the steps of scripts/npu_first_run.sh (versions, schema probe, kernel matrix, HCCL pair
-  with a peer killed, core limits, PD against transformers), one table row each;
-- `npu_kernel_details`: reads torch_npu's profiler kernel_details.csv, names kernels over their limit;
-- `device`: `bench device`, the device check (GPU / NPU / CPU; scripts/device_check.sh):
-  `device_part` (one part in its own process), `device_env` (settings, checkpoints, prompts,
-  clocks), `device_exact` (LLM vs transformers per family), `device_serve` (every mode launched),
-  `device_perf` (decode speed, memory floor), `device_profile` (operators per token),
-  `device_served` (served TPOT alone), `device_report` (its Markdown);
+- `colocation`: `bench colocation`, co-located encode against decode, per policy (`--device npu`:
+  `epdserve.checks.npu.colocation`);
+- `cli` also lists `bench device`, the device check, which lives in `epdserve.checks.device`;
 - `profile`: the `epdserve profile` command (the measurements: `perf.profiler`).
 """

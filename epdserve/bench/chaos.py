@@ -256,7 +256,7 @@ def markdown(rep: Report) -> str:
 
 
 def run(args) -> int:
-    from epdserve.bench.serve_launch import launched
+    from epdserve.deploy.local.launched import launched
 
     model = args.model
     if model is None:

@@ -15,7 +15,7 @@ BENCHMARKS = {
                      "serving benchmark: TTFT/TPOT/ITL/E2EL, goodput under SLOs, modes side by side"),
     "ops": Command("epdserve.bench.ops", "paged operators: native (csrc/) vs portable torch"),
     "chaos": Command("epdserve.bench.chaos", "kill -9 instances, MM Store and scheduler under load; report losses"),
-    "device": Command("epdserve.bench.device", "device check: exactness vs transformers, every mode served, decode "
+    "device": Command("epdserve.checks.device.check", "device check: exactness vs transformers, every mode served, decode "
                                                "speed vs transformers and the memory floor (GPU / NPU / CPU)"),
     "colocation": Command("epdserve.bench.colocation", "decode step time with co-located encode busy vs idle, per policy"),
 }

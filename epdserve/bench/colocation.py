@@ -48,7 +48,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "npu"), default="cpu",
                    help="cpu: the policy comparison above; npu: the hardware check that each stage's kernels keep to "
-                        "its core limit (profiler kernel_details Block Dim; bench/colocation_npu.py)")
+                        "its core limit (profiler kernel_details Block Dim; checks/npu/colocation.py)")
     p.add_argument("--npu-share", type=float, default=0.5, help="npu: each stage stream's share of the cores (default 0.5)")
     p.add_argument("--out", default="bench-colocation.json", help="JSON report path (default: bench-colocation.json)")
     p.set_defaults(func=run)
@@ -57,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.device == "npu":
-        from epdserve.bench import colocation_npu
+        from epdserve.checks.npu import colocation as colocation_npu
 
         return colocation_npu.run(args)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch_all(args, workloads, rates, slo, report, save) -> None:
-    from epdserve.bench.serve_launch import LaunchError, launched, variant_args, variant_mode
+    from epdserve.deploy.local.launched import LaunchError, launched, variant_args, variant_mode
 
     model = args.model
     if not model:

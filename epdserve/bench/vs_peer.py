@@ -158,7 +158,7 @@ def _run_peer(a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> 
 
 
 def _run_mode(mode: str, a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:
-    from epdserve.bench.serve_launch import LaunchError, launched, variant_args, variant_mode
+    from epdserve.deploy.local.launched import LaunchError, launched, variant_args, variant_mode
 
     label = f"epdserve-{mode}"
     _log(f"[{label}] launching ...")

@@ -9,9 +9,6 @@ One sentence per module:
 - fronts.py         the scheduler's fronts beside gRPC: HTTP, Prometheus metrics, their security options
 - http/             the OpenAI-compatible HTTP front (FastAPI + uvicorn)
 - llm.py            `LLM` / `SamplingParams`: the offline API in vLLM's shape
-- doctor_cli.py     `epdserve doctor`: what this machine has for epdserve, as a table, and what to fix
-- doctor_checks.py  the checks behind `epdserve doctor`, one `Check` each
-- doctor_npu.py     doctor's Ascend rows: driver / CANN / torch_npu against the table, what the core-limit API documents
-- npu_pins.py       the torch / torch_npu pins of the NPU extras, for doctor's exact-pin fix
+- doctor_cli.py     `epdserve doctor`: what this machine has for epdserve, as a table, and what to fix (its checks: epdserve/checks/)
 - build_ops_cli.py  `epdserve build-ops`: build the native operators (csrc/) ahead of time
 """

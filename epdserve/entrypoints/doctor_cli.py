@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from epdserve.entrypoints.doctor_checks import Status, run_checks  # torch: not imported for --help
+    from epdserve.checks.doctor import Status, run_checks  # torch: not imported for --help
 
     checks = run_checks(mode=args.mode, mm_store=args.mm_store, scheduler=args.scheduler, device=args.device,
                         timeout_s=args.timeout)
@@ -46,7 +46,7 @@ def run(args) -> int:
 
 
 def format_table(checks) -> str:
-    """`checks`: `doctor_checks.Check`s, as a table."""
+    """`checks`: `epdserve.checks.doctor.Check`s, as a table."""
     rows = [("check", "status", "detail")] + [(c.name, c.status.value, c.detail) for c in checks]
     w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
     lines = [f"{a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]

@@ -197,7 +197,7 @@ class NpuPlatform(Platform):
     def profile_kernels(self, directory: str):
         """A context whose NPU kernels the profiler writes to `directory`, kernel_details.csv
         included: Level0, no AI Core metrics, text export (torch_npu/profiler experimental_config.py,
-        profiler.py `profile`, `tensorboard_trace_handler`; the CSV's columns: bench/npu_kernel_details.py)."""
+        profiler.py `profile`, `tensorboard_trace_handler`; the CSV's columns: checks/npu/kernel_details.py)."""
         prof = self._torch_npu().profiler
         cfg = prof._ExperimentalConfig(profiler_level=prof.ProfilerLevel.Level0, aic_metrics=prof.AiCMetrics.AiCoreNone,
                                        export_type=prof.ExportType.Text)

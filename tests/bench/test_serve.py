@@ -11,7 +11,7 @@ import pytest
 
 from epdserve.bench.report import latency_summary, markdown, plot
 from epdserve.bench.serve import add_parser, parse_rates, run_target, workload_configs
-from epdserve.bench.serve_launch import LaunchError, launched, parse_ready
+from epdserve.deploy.local.launched import LaunchError, launched, parse_ready
 from epdserve.bench.serve_runner import RunConfig, fields_of, run_requests, send_one
 from epdserve.perf.arrivals import arrival_times
 from epdserve.perf.serving_metrics import SLO

@@ -4,7 +4,7 @@ import json
 import psutil
 import pytest
 
-from epdserve.bench.serve_launch import launched
+from epdserve.deploy.local.launched import launched
 from epdserve.entrypoints.cli import main
 
 WORKLOAD = ["--workload", "mixed", "--num-requests", "6", "--output-len", "4", "--output-len-std", "1",

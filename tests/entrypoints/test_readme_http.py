@@ -32,7 +32,7 @@ def section_blocks(title: str) -> list[tuple[str, str]]:
 
 def test_readme_http_examples_run_as_pasted(qwen2_vl_tiny):
     require_tool("curl", why="the README's curl example needs it")
-    blocks = section_blocks("OpenAI-compatible HTTP API")
+    blocks = section_blocks("First request")
     launch_block = next(code for lang, code in blocks if lang == "bash" and "epdserve launch" in code)
     python_block = next(code for lang, code in blocks if lang == "python" and "from openai import OpenAI" in code)
     curl_block = next(code for lang, code in blocks if lang == "bash" and code.startswith("curl "))

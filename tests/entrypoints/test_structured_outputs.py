@@ -40,8 +40,8 @@ pytestmark = pytest.mark.slow
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
-README = Path(__file__).resolve().parents[2] / "README.md"
-README_MARK = "<!-- openai-examples:"  # the README's OpenAI examples: its python blocks up to the next heading
+README = Path(__file__).resolve().parents[2] / "docs" / "openai-examples.md"  # moved out of README.md (issue 46)
+README_MARK = "<!-- openai-examples:"  # the OpenAI examples the README points to: python blocks up to the next heading
 MODEL = "demo"  # the docs' --served-model-name
 READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) .* http=(?P<http>http://\S+)")
 PH = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -82,7 +82,7 @@ def test_the_command_line_exits_1_on_a_failure(capsys):
 def test_doctor_shows_the_rows_with_the_fake_torch_npu(monkeypatch):
     import importlib.metadata
 
-    from epdserve.entrypoints import doctor_checks
+    from epdserve.checks import doctor as doctor_checks
     from tests.fakes.torch_npu_fake import FakeTorchNpu
 
     FakeTorchNpu(line="2.9.0", cann="9.1.0", driver="25.5.0").install(monkeypatch)

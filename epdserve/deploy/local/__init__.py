@@ -9,6 +9,7 @@ One sentence per module:
 - supervisor.py      when a dead child is started again: capped backoff, and the crash loop that ends it
 - signals.py         how every epdserve process learns it must stop, with no lock in a signal handler
 - launcher_process.py `epdserve launch` as another program's child (bench, tests): started, its ready line read, stopped
+- launched.py        `launched(mode, model)`: one mode launched for a benchmark or a check, yielded once ready, stopped
 
 `epdserve launch` (entrypoints/launch.py) is its command line; cluster deployments start the
 same `epdserve scheduler` / `epdserve instance` processes themselves (scripts/).

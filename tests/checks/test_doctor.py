@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from epdserve.entrypoints.cli import main
-from epdserve.entrypoints.doctor_checks import Status, cann_version, run_checks
-from epdserve.entrypoints.npu_pins import npu_fix
+from epdserve.checks.doctor import Status, cann_version, run_checks
+from epdserve.checks.npu.pins import npu_fix
 from epdserve.net import free_port
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
 from epdserve.transfer.mm_store import LocalRedisServer

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from epdserve.entrypoints.npu_pins import npu_fix
+from epdserve.checks.npu.pins import npu_fix
 from epdserve.platform.npu import torch_npu_installed
 
 
@@ -57,7 +57,7 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
         _cuda(),
     ]
     if npu_installed or device == "npu":
-        from epdserve.entrypoints.doctor_npu import core_limits_row, versions_row
+        from epdserve.checks.npu.doctor_rows import core_limits_row, versions_row
 
         checks += [versions_row(Check, Status, cann_version), core_limits_row(Check, Status)]
     plat, dev = _device(device)

@@ -13,7 +13,7 @@ import os
 import statistics
 import time
 
-from epdserve.bench.device_env import TEXT, CheckConfig
+from epdserve.checks.device.env import TEXT, CheckConfig
 
 
 def one_stream_tpot_ms(client, tokens: int) -> tuple[float | None, float | None]:
@@ -43,7 +43,7 @@ def _median(xs) -> float | None:
 def served_tpot_ms(cfg: CheckConfig, model: str, dtype: str, tokens: int, repeats: int = 3) -> dict:
     """{"served_tpot_b1_ms", "served_client_tpot_b1_ms", "served_ready_s"} of a monolithic deployment
     of `model` in `dtype`."""
-    from epdserve.bench.serve_launch import launched
+    from epdserve.deploy.local.launched import launched
     from epdserve.client import Client
 
     logs = os.path.join(cfg.work_dir, "perf-logs")

@@ -9,7 +9,7 @@ at Level0 with NPU activity — the lightest level that writes kernel_details.cs
 op-plugin torch_npu-set_stream_limit.md example uses Level2, which adds CANN's columns). The
 limit read back (`torch.npu.get_stream_limit(stream)`, or `get_device_limit` where the stage
 stream stayed unrestricted) is what each kernel's Block Dim is held to
-(bench/npu_kernel_details.py). A kernel over its limit is a failed check, named; the table and
+(checks/npu/kernel_details.py). A kernel over its limit is a failed check, named; the table and
 the JSON say so per stage. Only runs with an NPU; elsewhere it stops with the reason.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pathlib
 import tempfile
 import threading
 
-from epdserve.bench.npu_kernel_details import check, failures, find_kernel_details, read_kernels
+from epdserve.checks.npu.kernel_details import check, failures, find_kernel_details, read_kernels
 from epdserve.roles import ENCODE, PREFILL, STAGES
 
 IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -49,15 +49,15 @@ def run(args) -> int:
 
 class _NpuRig:
     def __init__(self, args):
-        from epdserve.bench.offline import default_model
         from epdserve.engine.config import EngineConfig
         from epdserve.engine.llm_engine import LLMEngine
         from epdserve.engine.loaded_model import load_model
         from epdserve.engine.sampling_params import SamplingParams
+        from epdserve.model.demo_cache import cached_demo_model
         from epdserve.seams.feature_provider import LocalFeatureProvider
 
         self.args = args
-        self.model_dir = pathlib.Path(args.model) if args.model else default_model(args.arch, size=args.size)
+        self.model_dir = pathlib.Path(args.model) if args.model else cached_demo_model(args.arch, args.size)
         c = EngineConfig(model=str(self.model_dir), device="npu")
         self._limit_whole_device()  # before the load's first operator: stream limits need it first
         self.model = load_model(c.model, c.device, c.dtype, c.max_model_len)

@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from epdserve.bench.device_env import (
+from epdserve.checks.device.env import (
     CheckConfig, PartResult, checkpoint, free_device_memory, greedy, llm_request, prompts,
 )
 
@@ -45,7 +45,7 @@ def run(cfg: CheckConfig, result: PartResult) -> None:
 
 
 def serve_mode(cfg: CheckConfig, mode: str, model: str, cases, want: list[list[int]]) -> dict:
-    from epdserve.bench.serve_launch import LaunchError, launched
+    from epdserve.deploy.local.launched import LaunchError, launched
     from epdserve.client import Client
 
     logs = os.path.join(cfg.work_dir, "serve-logs")

@@ -2,7 +2,7 @@
 one command each, each printing table rows `step<TAB>status<TAB>detail` (status ok / fail /
 refused / skip), exit 1 when a row failed:
 
-  python -m epdserve.bench.npu_first_run versions   driver / CANN / torch_npu against the table
+  python -m epdserve.checks.npu.first_run versions   driver / CANN / torch_npu against the table
                                                      (platform/npu_versions.py)
   ... probe     the operator schemas (ops/npu_schema.py) and the start-up attention check
                 (ops/npu_attention_check.py: one tiny TND + paged call, bf16, head_dim 128)
@@ -51,8 +51,8 @@ def row(step: str, status: str, detail: str) -> bool:
 def versions(_args) -> bool:
     import importlib.metadata
 
-    from epdserve.entrypoints.doctor_checks import cann_version
-    from epdserve.entrypoints.doctor_npu import installed_versions
+    from epdserve.checks.doctor import cann_version
+    from epdserve.checks.npu.doctor_rows import installed_versions
     from epdserve.platform.npu_versions import check
 
     tnpu, cann, driver = installed_versions(cann_version)
@@ -150,7 +150,7 @@ def hccl(args) -> bool:
     platform = get_platform("npu")
     platform.set_thread_device(0)
     store = TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    peer = subprocess.Popen([sys.executable, "-m", "epdserve.bench.npu_first_run", "hccl-peer", "--device", args.device,
+    peer = subprocess.Popen([sys.executable, "-m", "epdserve.checks.npu.first_run", "hccl-peer", "--device", args.device,
                              "--port", str(store.port)], stdout=subprocess.PIPE, text=True)
     try:
         pg = platform.make_pair_group(store, 1, 2, timedelta(seconds=60), group_name="first-run")
@@ -234,7 +234,7 @@ STEPS = {"versions": versions, "probe": probe, "matrix": matrix, "hccl": hccl, "
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m epdserve.bench.npu_first_run", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m epdserve.checks.npu.first_run", description=__doc__.split("\n")[0])
     p.add_argument("step", choices=STEPS)
     p.add_argument("--device", default="npu")
     p.add_argument("--port", type=int, default=0)

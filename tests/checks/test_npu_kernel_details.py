@@ -1,4 +1,4 @@
-"""epdserve/bench/npu_kernel_details.py on CPU, against kernel_details.csv fixtures whose headers
+"""epdserve/checks/npu/kernel_details.py on CPU, against kernel_details.csv fixtures whose headers
 are copied from Ascend/pytorch torch_npu/profiler/analysis/prof_common_func/_csv_headers.py
 CsvHeaders.OP_SUMMARY_KERNEL_BASE_HEADERS — the header KernelViewParser.generate_view
 (prof_view/_kernel_view_parser.py) writes at Level0: "...,Block Dim" on v2.8.0-7.2.0 and
@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from epdserve.bench.npu_kernel_details import check, failures, find_kernel_details, read_kernels
+from epdserve.checks.npu.kernel_details import check, failures, find_kernel_details, read_kernels
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "npu_kernel_details"
 

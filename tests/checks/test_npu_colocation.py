@@ -1,4 +1,4 @@
-"""`epdserve bench colocation --device npu` (bench/colocation_npu.py): without an NPU it stops at
+"""`epdserve bench colocation --device npu` (checks/npu/colocation.py): without an NPU it stops at
 once with the reason — a SystemExit carrying a message, no traceback, no model built — and its
 table names every kernel over its stage's limit. The profiler run itself needs a real NPU."""
 import pathlib
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from epdserve.bench import colocation_npu
+from epdserve.checks.npu import colocation as colocation_npu
 
 
 def test_without_an_npu_the_check_stops_with_the_reason(monkeypatch):

@@ -3,12 +3,12 @@ command on whatever device this machine has (CUDA GPU, Ascend NPU, or the CPU), 
 index (only the repository and installed wheels; scripts/device_check.sh installs those).
 
 Owns the command (`add_parser` / `run`): its flags, the parts' `CheckConfig`, running each part
-(`device_part`) in a process of its own under its own timeout (a hang or a crash costs that part
+(`part`) in a process of its own under its own timeout (a hang or a crash costs that part
 only; its figures so far are kept), one `RESULT` line per part on stdout, and the report: JSON
-(`device-check.json`) and Markdown (`device-check.md`, `device_report`) in `--out`, beside each
+(`device-check.json`) and Markdown (`device-check.md`, `report`) in `--out`, beside each
 part's log (`<part>.log`) and the profiler tables (`profile-<dtype>.txt`).
 
-Parts: exact (`device_exact`), serve (`device_serve`), perf (`device_perf`).
+Parts: exact (`exact`), serve (`serve`), perf (`perf`).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def resolve_device(device: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace):
-    from epdserve.bench.device_env import CheckConfig
+    from epdserve.checks.device.env import CheckConfig
 
     dev = resolve_device(args.device)
     cpu = dev.startswith("cpu")
@@ -150,7 +150,7 @@ def device_facts(device: str) -> dict:
 
 def start_prebuild(cfg) -> subprocess.Popen:
     """Build the perf part's checkpoint in the background (CPU work, while the other parts use the
-    device); the perf part waits for it (`device_env.checkpoint`'s lock). Its log is in the work dir."""
+    device); the perf part waits for it (`env.checkpoint`'s lock). Its log is in the work dir."""
     from epdserve.deploy.local.procs import die_with_parent
 
     work = pathlib.Path(cfg.work_dir)
@@ -158,7 +158,7 @@ def start_prebuild(cfg) -> subprocess.Popen:
     conf = work / "prebuild.config.json"
     conf.write_text(cfg.to_json())
     with open(work / "prebuild.log", "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "epdserve.bench.device_part", "prebuild", str(conf),
+        return subprocess.Popen([sys.executable, "-m", "epdserve.checks.device.part", "prebuild", str(conf),
                                  str(work / "prebuild.result.json")], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=die_with_parent())
 
@@ -186,7 +186,7 @@ def run_part(part: str, cfg, timeout_s: float) -> dict:
     log = pathlib.Path(cfg.out_dir) / f"{part}.log"
     t0 = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "epdserve.bench.device_part", part, str(conf), str(result)],
+        proc = subprocess.Popen([sys.executable, "-m", "epdserve.checks.device.part", part, str(conf), str(result)],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=part_env(cfg.device))
         try:
             rc = proc.wait(timeout_s)
@@ -214,8 +214,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from epdserve.bench.device_part import summary
-    from epdserve.bench.device_report import markdown
+    from epdserve.checks.device.part import summary
+    from epdserve.checks.device.report import markdown
 
     parts = _csv(args.parts)
     unknown = sorted(set(parts) - set(PART_NAMES))

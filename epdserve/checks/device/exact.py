@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.bench.device_env import (
+from epdserve.checks.device.env import (
     CheckConfig, PartResult, checkpoint, common_prefix, free_device_memory, greedy, llm_request, prompts,
 )
 

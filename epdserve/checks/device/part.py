@@ -1,5 +1,5 @@
 """One part of `epdserve bench device`, in a process of its own (so a hang or a crash costs that
-part only): `python -m epdserve.bench.device_part PART CONFIG_JSON_FILE RESULT_JSON_FILE`
+part only): `python -m epdserve.checks.device.part PART CONFIG_JSON_FILE RESULT_JSON_FILE`
 (PART `prebuild`: only build the perf part's checkpoint, in the background of the other parts).
 
 Owns `PARTS` (part name → the module that runs it and sums it up in one line) and the part's
@@ -13,8 +13,8 @@ import json
 import sys
 import time
 
-PARTS = {"exact": "epdserve.bench.device_exact", "serve": "epdserve.bench.device_serve",
-         "perf": "epdserve.bench.device_perf"}
+PARTS = {"exact": "epdserve.checks.device.exact", "serve": "epdserve.checks.device.serve",
+         "perf": "epdserve.checks.device.perf"}
 
 
 def summary(part: str, data: dict) -> str:
@@ -25,12 +25,12 @@ def summary(part: str, data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from epdserve.bench.device_env import CheckConfig, PartResult
+    from epdserve.checks.device.env import CheckConfig, PartResult
 
     part, config_path, result_path = (sys.argv[1:] if argv is None else argv)[:3]
     cfg = CheckConfig.from_json(open(config_path).read())
     if part == "prebuild":
-        from epdserve.bench.device_env import checkpoint
+        from epdserve.checks.device.env import checkpoint
 
         t0 = time.monotonic()
         print(f"built {checkpoint(cfg, 'qwen2_vl', cfg.perf_size)} in {time.monotonic() - t0:.1f} s", flush=True)

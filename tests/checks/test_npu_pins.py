@@ -3,7 +3,7 @@ metadata), never a `X.*` wildcard that pip resolves to a .post build for another
 
 from packaging.specifiers import SpecifierSet
 
-from epdserve.entrypoints.npu_pins import extra_pins, npu_fix
+from epdserve.checks.npu.pins import extra_pins, npu_fix
 
 
 def test_the_extras_pins_are_read_from_the_installed_metadata():

@@ -6,8 +6,8 @@ Per dtype (bf16 on an accelerator; fp32 and bf16 on CPU, on the `small` demo mod
   `perf_tokens`-token and a 1-token greedy generate over `perf_tokens - 1` steps (prefill cancels
   out), median of `perf_repeats`; the batch's decode tok/s (batch / TPOT) and its end-to-end tok/s
   (batch x tokens / wall time, prefill included);
-- operators per decode token at batch 1 (`device_profile.ops_per_token`);
-- the served TPOT of one request alone (`device_served`, first dtype only) and its ratio to offline;
+- operators per decode token at batch 1 (`profile.ops_per_token`);
+- the served TPOT of one request alone (`served`, first dtype only) and its ratio to offline;
 - transformers' `generate` (eager, its own cache) at the same batch sizes, the same way;
 - the memory floor: the LM's parameter bytes / the device's memory bandwidth (`--bandwidth`,
   default 4.8e12 B/s on an H200, else unknown: "n/a"), and TPOT / floor.
@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from epdserve.bench.device_env import TEXT, CheckConfig, PartResult, checkpoint, free_device_memory, greedy, timed
+from epdserve.checks.device.env import TEXT, CheckConfig, PartResult, checkpoint, free_device_memory, greedy, timed
 
 KNOWN_BANDWIDTH = {"H200": 4.8e12}  # bytes/s, by a word of torch.cuda.get_device_name()
 
@@ -75,7 +75,7 @@ def run(cfg: CheckConfig, result: PartResult) -> None:
 
 def _epdserve(cfg: CheckConfig, model: str, dtype: str, fig: dict, save, served: bool) -> None:
     from epdserve import LLM
-    from epdserve.bench.device_profile import ops_per_token
+    from epdserve.checks.device.profile import ops_per_token
 
     n, b, reps = cfg.perf_tokens, cfg.perf_batch, cfg.perf_repeats
     llm = LLM(model, device=cfg.device, dtype=dtype, max_num_seqs=max(b, 1))
@@ -99,7 +99,7 @@ def _epdserve(cfg: CheckConfig, model: str, dtype: str, fig: dict, save, served:
     del llm
     free_device_memory(cfg.device)
     if served:
-        from epdserve.bench.device_served import served_tpot_ms
+        from epdserve.checks.device.served import served_tpot_ms
 
         try:
             fig.update(served_tpot_ms(cfg, model, dtype, n))

@@ -1,4 +1,4 @@
-"""Start one deployment mode with `epdserve launch` for a benchmark, and stop it afterwards.
+"""Start one deployment mode with `epdserve launch` for a benchmark or a check, and stop it afterwards.
 
 Owns `launched(...)`: a context manager that runs `epdserve launch --mode M --model DIR --port P`
 (P a free local port picked now) as a child process in its own session, drains its output into

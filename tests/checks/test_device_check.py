@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from epdserve.bench.device_report import markdown
+from epdserve.checks.device.report import markdown
 
 REPO = Path(__file__).resolve().parents[2]
 
