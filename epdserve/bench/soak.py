@@ -49,8 +49,9 @@ def add_parser(subparsers):
     p.add_argument("--max-tokens", type=int, default=12, help="output tokens of each greedy request (default 12)")
     p.add_argument("--sampled-max-tokens", type=int, default=48,
                    help="output tokens of the sampled json_object requests (default 48)")
-    p.add_argument("--back-timeout-s", type=float, default=180.0,
-                   help="a killed instance not back (roster whole) by then counts as not repaired (default 180)")
+    p.add_argument("--back-timeout-s", type=float, default=300.0,
+                   help="a killed instance not back (roster whole) by then counts as not repaired; the next kill "
+                        "waits for it (default 300)")
     p.add_argument("--launch-args", default=DEFAULT_LAUNCH_ARGS,
                    help=f"extra `epdserve launch` flags, one string (default {DEFAULT_LAUNCH_ARGS!r})")
     p.add_argument("--out", default="soak.json", help="JSON report; the Markdown summary goes beside it (.md)")
@@ -84,6 +85,7 @@ def soak(dep, token: str, items, expected, args) -> dict:
         warm = [send(c, it, seed=0) for it in items]
         instances = sum(1 for i in c.server_info().instances if i.health == 1)
     rss_start = rss_snapshot(dep.pid)
+    load_avg_start = os.getloadavg()
     load = SoakLoad(dep.address, items, args.concurrency).start()
     roles = [r.strip() for r in args.kill_roles.split(",") if r.strip()]
     try:
@@ -93,8 +95,10 @@ def soak(dep, token: str, items, expected, args) -> dict:
         sent = load.stop()
     load_s = time.monotonic() - load.t_start
     rss_end = rss_snapshot(dep.pid)
+    load_avg = {"start": [round(x, 2) for x in load_avg_start], "end": [round(x, 2) for x in os.getloadavg()]}
     return {"warmup": {k: v for k, v in tally(warm, expected).items() if k != "by_kind"},
             "requests": tally(sent, expected), "load_s": round(load_s, 1), "instances": instances,
+            "machine": {"cpus": os.cpu_count(), "load_avg_1_5_15m": load_avg},
             "kills": [k.to_dict() for k in kills],
             "rss": [row.to_dict() for row in rss_table(rss_start, rss_end)]}
 

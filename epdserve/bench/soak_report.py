@@ -60,6 +60,9 @@ def markdown(rep: dict) -> str:
              f"- model: {cfg['model']}; {cfg['per_role']} instance(s) per role; {cfg['concurrency']} clients; "
              f"greedy requests {cfg['max_tokens']} tokens; one instance killed every {cfg['kill_every_s']:g} s "
              f"(roles {cfg['kill_roles']})",
+             f"- machine: {rep['machine']['cpus']} CPUs; load average (1, 5, 15 min) after the warm-up "
+             f"{rep['machine']['load_avg_1_5_15m']['start']}, at the end {rep['machine']['load_avg_1_5_15m']['end']}; "
+             f"load ran {rep['load_s']:.0f} s",
              f"- lost: {rep['lost_definition']}", "",
              f"**sent {r['sent']}, answered {r['answered']}, lost {r['lost']}; compared with the offline engine "
              f"{r['compared']}, differing {r['differing']}; sampled json_object replies ended by the grammar "
