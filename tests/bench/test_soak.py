@@ -18,7 +18,7 @@ def _args(model, out) -> argparse.Namespace:
     return parser.parse_args(["soak", "--model", str(model), "--out", str(out), "--minutes", "0.25",
                               "--kill-every-min", "0.15", "--kill-roles", "E", "--per-role", "1",
                               "--concurrency", "2", "--max-tokens", "4", "--sampled-max-tokens", "16",
-                              "--back-timeout-s", "120"])
+                              "--back-timeout-s", "600"])
 
 
 def test_short_soak_kills_one_instance_and_counts_every_request(qwen2_vl_tiny, tmp_path):
