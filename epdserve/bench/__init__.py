@@ -22,6 +22,9 @@ Modules:
   (benchmarks/vs_transformers_serve.py); `peer` (the peer's venv and process), `peer_compare`
   (its comparison and aim-ratio tables);
 - `chaos`: `bench chaos`, faults under load; `chaos_faults` (find, kill, wait for recovery);
+- `soak`: `bench soak`, minutes of mixed traffic on E-P-D with instances killed; `soak_traffic`
+  (the catalogue and its offline outputs), `soak_load` (clients and kills), `soak_rss` (memory of
+  every process), `soak_report` (counters, Markdown);
 - `offline`: `bench offline`, the engine against transformers; `offline_configs`,
   `offline_workloads`, `offline_worker` (one configuration in its own process), `offline_report`;
 - `host`: `bench host`, host time per decode step;

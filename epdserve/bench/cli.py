@@ -17,6 +17,8 @@ BENCHMARKS = {
     "chaos": Command("epdserve.bench.chaos", "kill -9 instances, MM Store and scheduler under load; report losses"),
     "device": Command("epdserve.checks.device.check", "device check: exactness vs transformers, every mode served, decode "
                                                "speed vs transformers and the memory floor (GPU / NPU / CPU)"),
+    "soak": Command("epdserve.bench.soak", "minutes of mixed traffic on E-P-D with instances killed: losses, "
+                                           "outputs vs offline, RSS growth"),
     "colocation": Command("epdserve.bench.colocation", "decode step time with co-located encode busy vs idle, per policy"),
 }
 
