@@ -4,7 +4,7 @@ instance SIGKILLed every K minutes; is anything lost, does any output change, do
 Steps: the catalogue's expected outputs from the offline engine (bench/soak_traffic.py: text,
 images, video, n = 2, json_schema / json_object, upload-then-ask, multi-turn prefix reuse, sampled
 json_object), computed before the deployment starts; `epdserve launch --mode E-P-D` with
-`--per-role` instances of each role and the OpenAI HTTP front on (bench/serve_launch.py); a
+`--per-role` instances of each role and the OpenAI HTTP front on (deploy/local/launched.py); a
 warm-up (each item once, one at a time); the RSS of every process (bench/soak_rss.py); then
 `--concurrency` clients loop over the catalogue for `--minutes` while one instance is killed every
 `--kill-every-min` minutes, E, P, D in turn, the launcher's supervisor restarting it
@@ -104,7 +104,7 @@ def soak(dep, token: str, items, expected, args) -> dict:
 
 
 def run(args) -> int:
-    from epdserve.bench.serve_launch import launched
+    from epdserve.deploy.local.launched import launched
     from epdserve.bench.soak_report import markdown
     from epdserve.bench.soak_traffic import LOST_DEFINITION, catalogue, expected_outputs
 
