@@ -8,10 +8,20 @@ with OpenMP so that `at::parallel_for` splits work over the calling thread's tor
 Cache: `$EPDSERVE_OPS_CACHE`, else `~/.cache/epdserve/ops`, one folder per torch version and
 source hash, so a changed source or another torch never reuses a stale build. A build that is not
 cached says so on stderr while it runs (`build_progress.BuildProgress`); a cached one is silent.
+
+Concurrency and killed processes: torch's JIT guards a build with a lock *file*
+(`torch.utils.file_baton.FileBaton`, created with O_EXCL and removed in a `finally`); a process
+SIGKILLed while holding it (an instance killed as it starts: every `load()` takes it, cached or
+not, to run ninja) leaves the file behind, and every later `load()` of that folder then polls for
+it forever. So a finished build is marked by a stamp (`built`, written after the library loaded)
+and loaded straight from its `.so` with no lock at all; a build runs under an `fcntl.flock` on
+`build.flock` (the kernel drops it when its holder dies), which also makes a left-over torch lock
+file provably stale: whoever holds the flock removes it before calling torch.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -70,19 +80,56 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+STAMP = "built"
+
+
 @lru_cache(maxsize=None)  # a process loads the library once; torch.ops registration is process-wide
 def build_and_load(verbose: bool = False) -> Path:
     """Build (or reuse the cached build of) the operator library and load it; returns its folder.
 
     Raises whatever the compiler or loader raised (the caller decides whether to fall back)."""
-    from torch.utils.cpp_extension import load
-
-    _ninja_on_path()
     paths = sources()
     folder = build_dir(build_key(paths))
     folder.mkdir(parents=True, exist_ok=True)
-    cached = any(folder.glob("*.so"))
+    if not _load_built(folder):
+        with _build_lock(folder):
+            if not _load_built(folder):  # another process may have built it while this one waited
+                _build(folder, paths, verbose)
+    return folder
+
+
+def _load_built(folder: Path) -> bool:
+    """Load the library a finished build left in `folder` (no lock, no ninja); False if none."""
+    stamp = folder / STAMP
+    if not stamp.is_file():
+        return False
+    torch.ops.load_library(str(folder / stamp.read_text().strip()))
+    return True
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """One builder per folder across processes; released by the kernel if its holder is killed.
+    Holding it, torch's lock file can only be a dead process's: it is removed."""
+    with open(folder / "build.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build(folder: Path, paths: list[Path], verbose: bool) -> None:
+    """Run torch's JIT build into `folder`, load the result, then stamp the folder as built."""
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    cached = any(folder.glob("*.so"))  # an older build without a stamp: ninja only checks it
     with contextlib.nullcontext() if cached or verbose else BuildProgress(folder / "build.log"):
         load(name=folder.name, sources=[str(p) for p in paths], extra_cflags=list(CFLAGS),
              extra_ldflags=list(LDFLAGS), build_directory=str(folder), is_python_module=False, verbose=verbose)
-    return folder
+    built = max(folder.glob(f"{folder.name}*.so"), key=lambda p: p.stat().st_mtime)
+    tmp = folder / f"{STAMP}.{os.getpid()}"
+    tmp.write_text(built.name + "\n")
+    tmp.replace(folder / STAMP)  # atomic: a reader sees no stamp or a whole one
