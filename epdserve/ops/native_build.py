@@ -100,10 +100,11 @@ def build_and_load(verbose: bool = False) -> Path:
 
 def _load_built(folder: Path) -> bool:
     """Load the library a finished build left in `folder` (no lock, no ninja); False if none."""
-    stamp = folder / STAMP
-    if not stamp.is_file():
+    try:
+        so = (folder / STAMP).read_text().strip()
+    except FileNotFoundError:
         return False
-    torch.ops.load_library(str(folder / stamp.read_text().strip()))
+    torch.ops.load_library(str(folder / so))
     return True
 
 
@@ -112,12 +113,9 @@ def _build_lock(folder: Path):
     """One builder per folder across processes; released by the kernel if its holder is killed.
     Holding it, torch's lock file can only be a dead process's: it is removed."""
     with open(folder / "build.flock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            (folder / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _build(folder: Path, paths: list[Path], verbose: bool) -> None:
