@@ -102,7 +102,7 @@ def env_value(cls: type, name: str) -> Any:
     raw = os.environ.get(s.env or "", "").strip()
     if not raw:
         return None
-    v = (s.type or _scalar(typing.get_type_hints(cls)[f.name]))(raw)
+    v = (s.type or _scalar(setting_types(cls)[f.name]))(raw)
     if s.choices:
         v = v.lower() if isinstance(v, str) else v
         if v not in s.choices:
@@ -117,6 +117,19 @@ def shared_values(src: Any, cls: type) -> dict[str, Any]:
         owner = f.metadata.get("epdserve_same_as")
         if owner and owner[0] is cls:
             out[owner[1]] = getattr(src, f.name)
+    return out
+
+
+def setting_types(cls: type) -> dict[str, Any]:
+    """{name: type} of `cls`'s settings, each annotation resolved in its own class's module. Only
+    the settings' annotations are resolved: the class's other fields may name types their module
+    imports only for type checkers (a torch type, where `--help` must not import torch)."""
+    names = {f.name for f, _ in settings_of(cls)}
+    out: dict[str, Any] = {}
+    for base in reversed(cls.__mro__):
+        own = {n: a for n, a in vars(base).get("__annotations__", {}).items() if n in names}
+        if own:
+            out.update(typing.get_type_hints(type(base.__name__, (), {"__annotations__": own, "__module__": base.__module__})))
     return out
 
 
@@ -135,7 +148,7 @@ def dest(f: dataclasses.Field, s: Setting) -> str:
 def add_flags(parser, cls: type, names: typing.Iterable[str] | None = None, unset_default: bool = False) -> None:
     """Add the flags of `cls`'s settings (all, or `names` in that order) to `parser` (or a group).
     `unset_default`: every default is None ("not given"), for a caller that merges other sources."""
-    hints = typing.get_type_hints(cls)
+    hints = setting_types(cls)
     table = {f.name: (f, s) for f, s in settings_of(cls)}
     for name in names or table:
         f, s = table[name]

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from epdserve.engine.config import EngineConfig
 from epdserve.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list
 from epdserve.instance.colocation import POLICIES, check_policy
 from epdserve.settings import add_flags, check_settings, from_flags, same_as, setting, shared_values
-from epdserve.transfer.kv import KVTransferConfig, PairNetwork
+from epdserve.transfer.kv.config import KVTransferConfig
+
+if TYPE_CHECKING:  # network.py imports torch.distributed; `--help` must not
+    from epdserve.transfer.kv.network import PairNetwork
 
 SWITCH_OVERLAP = ("auto", "on", "off")
 COLOCATION_HELP = (

@@ -39,20 +39,22 @@ One sentence per module:
 - state.py           transfer and pair states the engine loop polls, and TransferCounters
 - checks.py          deterministic KV contents and digests, to check a transfer bit for bit
 """
-from epdserve.transfer.kv.config import KVTransferConfig
-from epdserve.transfer.kv.messages import BatchHeader, PairRendezvous, RequestEntry
-from epdserve.transfer.kv.network import PairNetwork
-from epdserve.transfer.kv.pair import PairConnection
-from epdserve.transfer.kv.pair_store import PairStoreHost, StoreFull
-from epdserve.transfer.kv.receiver import KVReceiver, RecvRequest
-from epdserve.transfer.kv.recv_connector import LayerwiseRecvConnector
-from epdserve.transfer.kv.rendezvous import RendezvousServer
-from epdserve.transfer.kv.send_connector import LayerwiseSendConnector, StalePairError
-from epdserve.transfer.kv.sender import KVSender, SendRequest
-from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
+import importlib
 
-__all__ = [
-    "BatchHeader", "KVReceiver", "KVSender", "KVTransferConfig", "LayerwiseRecvConnector", "LayerwiseSendConnector",
-    "PairConnection", "PairNetwork", "PairRendezvous", "PairState", "PairStoreHost", "RecvRequest", "RendezvousServer",
-    "RequestEntry", "SendRequest", "StalePairError", "StoreFull", "TransferState", "TransferStatus",
-]
+# name -> the module that defines it, imported on first use (PEP 562): `kv.config` (the settings
+# `--help` reads) must load without torch, which the other modules import.
+_WHERE = {
+    "KVTransferConfig": "config", "BatchHeader": "messages", "PairRendezvous": "messages",
+    "RequestEntry": "messages", "PairNetwork": "network", "PairConnection": "pair", "PairStoreHost": "pair_store",
+    "StoreFull": "pair_store", "KVReceiver": "receiver", "RecvRequest": "receiver",
+    "LayerwiseRecvConnector": "recv_connector", "RendezvousServer": "rendezvous",
+    "LayerwiseSendConnector": "send_connector", "StalePairError": "send_connector", "KVSender": "sender",
+    "SendRequest": "sender", "PairState": "state", "TransferState": "state", "TransferStatus": "state",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -7,10 +7,13 @@ config from them (`InstanceConfig.kv_transfer`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from epdserve.settings import check_settings, setting
-from epdserve.transfer.kv.host_hop import HOPS
-from epdserve.transfer.kv.network import PairNetwork  # a real import: the flags read the fields' types
+if TYPE_CHECKING:  # network.py imports torch.distributed; `--help` reads only the settings' types
+    from epdserve.transfer.kv.network import PairNetwork
+
+HOPS = ("device", "host")  # what may carry a pair's bytes (host_hop.py stages the second); no torch here: `--help` reads it
 
 KV_HOP_HELP = (
     "how P->D KV bytes travel: device = the device's own backend straight between KV blocks (gloo on CPU, NCCL on "

@@ -1,6 +1,6 @@
 """The host-staged KV hop: a pair's messages go device → host buffer → gloo → host buffer → device.
 
-Owns `HOPS`, `transport_platform` (which platform builds, waits on and breaks a pair's group for a
+Owns `transport_platform` (which platform builds, waits on and breaks a pair's group for a
 hop) and the staging of one message (`stage_send`, `stage_recv`, `StagedWork`).
 
 Why: two processes on one GPU cannot form an NCCL pair (NCCL refuses two ranks on the same
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-HOPS = ("device", "host")
+from epdserve.transfer.kv.config import HOPS
+
 
 
 def transport_platform(platform, hop: str):
