@@ -9,7 +9,8 @@ of any package (bench, planner, entrypoints) registers through it without import
 The command tables themselves live with their owners (`entrypoints/cli.py` COMMANDS,
 `bench/cli.py` BENCHMARKS).
 
-`Parser` (every epdserve parser) lets a `FlagsArg` option take a value that starts with `-`:
+`Parser` (every epdserve parser) shows each option's default from its declaration (`_ShowsDefaults`:
+no help string spells out "(default N)" by hand) and lets a `FlagsArg` option take a value that starts with `-`:
 `epdserve launch --scheduler-args "--allow-remote-images"` (plain argparse reads the value as an
 unknown option and stops with "expected one argument").
 """
@@ -36,10 +37,38 @@ class FlagsArg(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _ShowsDefaults:
+    """An option's help ends with its declared default, unless the help already speaks of its
+    default or there is none to show (None, a flag, empty)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if (not action.option_strings or "default" in text or d is None or d is argparse.SUPPRESS
+                or isinstance(d, bool) or d == "" or d == []):
+            return text
+        return f"{text} (default %(default)s)"
+
+
+class HelpFormatter(_ShowsDefaults, argparse.HelpFormatter):
+    """argparse's formatter, defaults shown from the declarations."""
+
+
+class RawDescriptionFormatter(_ShowsDefaults, argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (module docstrings), defaults shown from the declarations."""
+
+
+_OURS = {argparse.HelpFormatter: HelpFormatter, argparse.RawDescriptionHelpFormatter: RawDescriptionFormatter}
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but the word after a `FlagsArg` option is always that option's value (it is glued
-    to it as ``--opt=VALUE`` before parsing; words after a bare ``--`` are left alone). Its
-    sub-command parsers are `Parser`s too (argparse makes them of the parent's class)."""
+    to it as ``--opt=VALUE`` before parsing; words after a bare ``--`` are left alone), and help
+    formatted so that each option shows its declared default (asked for argparse's plain or
+    raw-description formatter, it gets ours of the same kind). Its sub-command parsers are `Parser`s too (argparse makes them of the parent's class)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kw):
+        super().__init__(*args, formatter_class=_OURS.get(formatter_class, formatter_class), **kw)
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)

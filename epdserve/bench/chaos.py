@@ -43,23 +43,23 @@ def add_parser(subparsers):
     p = add_command(subparsers, "chaos", run, "kill -9 instances, MM Store and scheduler under load; report losses",
                     __doc__)
     p.add_argument("--model", metavar="DIR", help="checkpoint (default: the small demo model, built once)")
-    p.add_argument("--mode", default="E-P-D", help="deployment mode (default E-P-D)")
-    p.add_argument("--per-role", type=int, default=2, help="instances of each role (default 2)")
+    p.add_argument("--mode", default="E-P-D", help="deployment mode")
+    p.add_argument("--per-role", type=int, default=2, help="instances of each role")
     p.add_argument("--faults", default=DEFAULT_FAULTS,
                    help=f"what to kill, in order: roles (E, P, D, EP, ...), mm_store, scheduler (default {DEFAULT_FAULTS})")
-    p.add_argument("--concurrency", type=int, default=4, help="clients looping over the workload (default 4)")
-    p.add_argument("--prompts", type=int, default=8, help="workload size; every second prompt has an image (default 8)")
-    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (default 16)")
-    p.add_argument("--warmup-s", type=float, default=5.0, help="load before the first fault (default 5)")
+    p.add_argument("--concurrency", type=int, default=4, help="clients looping over the workload")
+    p.add_argument("--prompts", type=int, default=8, help="workload size; every second prompt has an image")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    p.add_argument("--warmup-s", type=float, default=5.0, help="load before the first fault")
     p.add_argument("--fault-interval-s", type=float, default=5.0,
-                   help="load between one fault's repair and the next fault (default 5)")
+                   help="load between one fault's repair and the next fault")
     p.add_argument("--back-timeout-s", type=float, default=60.0, help="a fault not repaired by then fails the run")
     p.add_argument("--client-retry-deadline-s", type=float, default=None,
                    help="how long a client keeps resuming a request whose scheduler is lost, from the first "
                         "failure in a row (default: the client's, RetryPolicy.deadline_s = 60)")
     p.add_argument("--launch-args", default="--kv-cache-mb 32 --drain-timeout 2 --restart-backoff-s 0.2",
                    help="extra `epdserve launch` flags (one string)")
-    p.add_argument("--out", default="chaos.json", help="JSON report (default chaos.json)")
+    p.add_argument("--out", default="chaos.json", help="JSON report")
     p.add_argument("--requests-out", metavar="FILE", default=None,
                    help="also write each request of the load (sent, then answered with its token ids or its "
                         "error) as JSON Lines, for an independent check (default: not written)")

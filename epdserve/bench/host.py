@@ -30,13 +30,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the tiny demo model, built once "
                                                   "into a cache dir: host time hardly depends on the model's size)")
     p.add_argument("--arch", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl")
-    p.add_argument("--batch-size", type=int, default=64, help="requests decoding together (default 64)")
+    p.add_argument("--batch-size", type=int, default=64, help="requests decoding together")
     p.add_argument("--output-lens", type=_int_list, default=[128, 2000], metavar="L1,L2,...",
                    help="output lengths to sample host time at (default 128,2000)")
-    p.add_argument("--window", type=int, default=32, help="measured decode steps per length and repeat (default 32)")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
-    p.add_argument("--repeats", type=int, default=3, help="fresh batches, one after another (default 3)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--window", type=int, default=32, help="measured decode steps per length and repeat")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--repeats", type=int, default=3, help="fresh batches, one after another")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra EngineConfig field of every engine, e.g. ops=portable (repeatable)")

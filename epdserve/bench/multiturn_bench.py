@@ -51,8 +51,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", type=float, help="conversations started per second, Poisson (default 0.25; --quick 1)")
     add_flags(ap, SLO, SLO_FLAGS)
     ap.add_argument("--cache-off-arg", default="--no-prefix-caching",
-                    help="`epdserve launch` arguments that turn the prefix cache off (default --no-prefix-caching)")
-    ap.add_argument("--two-p-arg", default="--prefill 2", help="launch arguments of the 2-P targets (default --prefill 2)")
+                    help="`epdserve launch` arguments that turn the prefix cache off")
+    ap.add_argument("--two-p-arg", default="--prefill 2", help="launch arguments of the 2-P targets")
     ap.add_argument("--least-load-arg", default="--scheduler-args='--routing least-load'",
                     help="launch arguments of the least-load target, added to --two-p-arg, shell-quoted "
                          "(default: --scheduler-args='--routing least-load')")

@@ -46,18 +46,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all", help="which workload(s) to run (default: all)")
     p.add_argument("--num-requests", type=int, help="requests per workload (default: text 64, images 32)")
     p.add_argument("--output-len", type=int, help="output tokens per request (default: text 128, images 64)")
-    p.add_argument("--min-prompt-len", type=int, default=50, help="text workload: shortest prompt in tokens (default 50)")
-    p.add_argument("--max-prompt-len", type=int, default=400, help="text workload: longest prompt in tokens (default 400)")
-    p.add_argument("--image-size", type=int, default=448, help="images workload: image side in pixels (default 448)")
+    p.add_argument("--min-prompt-len", type=int, default=50, help="text workload: shortest prompt in tokens")
+    p.add_argument("--max-prompt-len", type=int, default=400, help="text workload: longest prompt in tokens")
+    p.add_argument("--image-size", type=int, default=448, help="images workload: image side in pixels")
     p.add_argument("--out", default="bench-offline.json", help="JSON report path (default: bench-offline.json)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per configuration (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per configuration")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--skip-baselines", action="store_true", help="run the engine only (no ratios, no token check)")
     p.add_argument("--baseline-requests", type=int, metavar="N",
                    help="run the slow one-at-a-time baseline on the first N requests only; its tok/s is over "
                         "those N (marked 'subset' in the table) and the token check covers them")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run every configuration R times, interleaved (A B C A B C ...), and report medians (default 1)")
+                   help="run every configuration R times, interleaved (A B C A B C ...), and report medians")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra EngineConfig field for the engine run, e.g. max_num_batched_tokens=4096 (repeatable)")
     p.set_defaults(func=run)

@@ -51,11 +51,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"images to encode: names ({','.join(RESOLUTIONS)}) or WxH (default {DEFAULT_RESOLUTIONS})")
     p.add_argument("--prompt-lens", default=DEFAULT_PROMPT_LENS, help=f"prefill lengths (default {DEFAULT_PROMPT_LENS})")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help=f"decode batch sizes (default {DEFAULT_BATCH_SIZES})")
-    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per batch size (default 8)")
-    p.add_argument("--decode-context", type=int, default=128, help="prompt tokens of each decoding request (default 128)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point after one warm-up (default 3)")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per batch size")
+    p.add_argument("--decode-context", type=int, default=128, help="prompt tokens of each decoding request")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point after one warm-up")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", default="profile.json", help="JSON path (default profile.json)")
+    p.add_argument("--out", default="profile.json", help="JSON path")
     return p
 
 

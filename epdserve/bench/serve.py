@@ -67,7 +67,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--no-vllm-extras", action="store_true",
                    help="with --backend openai: send no vLLM extras (ignore_eos, return_token_ids), for servers that "
                         "refuse unknown fields (transformers serve); outputs may then end early at EOS")
-    t.add_argument("--label", default="live", help="name of the --address target in the report (default live)")
+    t.add_argument("--label", default="live", help="name of the --address target in the report")
     t.add_argument("--modes", help=f"comma-separated modes to launch in turn ({','.join(MODES)}); "
                                    "the first is the baseline of the ratios. MODE#NAME is a variant of a mode with its "
                                    "own --mode-arg, e.g. 'P-D,P-D#2P' with --mode-arg 'P-D#2P=--prefill 2'")
@@ -79,7 +79,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "'E-P-D=--decode 2' (repeatable)")
     t.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of every launched deployment, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
-    t.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a ready line (default 600)")
+    t.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a ready line")
     w = p.add_argument_group("workload (a preset, with any knob overridden)")
     w.add_argument("--workload", default="sharegpt4o",
                    help=f"comma-separated presets: {','.join(PRESETS)}, or {SHIFT}: image-heavy -> text-heavy -> "
@@ -99,7 +99,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--output-len-range", metavar="MIN-MAX", help="clip output tokens to this range")
     w.add_argument("--text-only-share", type=float, help="share of text-only requests (mixed traffic)")
     w.add_argument("--repeated-image-share", type=float, help="share of image slots reusing an earlier image")
-    w.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
+    w.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     add_multiturn_arguments(w)
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", default="preset", metavar="R[,R...]",
@@ -107,7 +107,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "CPU-scaled sweep (default preset)")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals; 1 = Poisson")
     a.add_argument("--max-concurrency", type=int, help="at most this many requests in flight (closed loop with rate inf)")
-    a.add_argument("--warmup", type=int, default=2, help="warm-up requests per target, not measured (default 2)")
+    a.add_argument("--warmup", type=int, default=2, help="warm-up requests per target, not measured")
     s = p.add_argument_group("SLOs (scale them to the machine and say so)")
     add_flags(s, SLO)
     s.add_argument("--slo-note", default="", help="how the SLOs were scaled (goes into the report)")

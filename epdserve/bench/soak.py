@@ -40,15 +40,15 @@ def add_parser(subparsers):
     p = add_command(subparsers, "soak", run, "minutes of mixed traffic on E-P-D with instances killed: "
                                               "losses, outputs vs offline, RSS growth", __doc__)
     p.add_argument("--model", metavar="DIR", help="checkpoint (default: the tiny demo model, built once)")
-    p.add_argument("--minutes", type=float, default=30.0, help="length of the load (default 30)")
+    p.add_argument("--minutes", type=float, default=30.0, help="length of the load")
     p.add_argument("--kill-every-min", type=float, default=5.0,
-                   help="one instance SIGKILLed every this many minutes of load (default 5)")
+                   help="one instance SIGKILLed every this many minutes of load")
     p.add_argument("--kill-roles", default="E,P,D", help="the roles killed in turn (default E,P,D; empty: none)")
-    p.add_argument("--per-role", type=int, default=2, help="instances of each role (default 2)")
-    p.add_argument("--concurrency", type=int, default=4, help="clients looping over the catalogue (default 4)")
-    p.add_argument("--max-tokens", type=int, default=12, help="output tokens of each greedy request (default 12)")
+    p.add_argument("--per-role", type=int, default=2, help="instances of each role")
+    p.add_argument("--concurrency", type=int, default=4, help="clients looping over the catalogue")
+    p.add_argument("--max-tokens", type=int, default=12, help="output tokens of each greedy request")
     p.add_argument("--sampled-max-tokens", type=int, default=48,
-                   help="output tokens of the sampled json_object requests (default 48)")
+                   help="output tokens of the sampled json_object requests")
     p.add_argument("--back-timeout-s", type=float, default=300.0,
                    help="a killed instance not back (roster whole) by then counts as not repaired; the next kill "
                         "waits for it (default 300)")

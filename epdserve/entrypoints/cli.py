@@ -45,7 +45,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         prog="epdserve",
         description="EPD-disaggregated serving for vision-language models (Encode / Prefill / Decode).",
     )
-    parser.add_argument("--log-level", default="INFO", help="python logging level (default INFO)")
+    parser.add_argument("--log-level", default="INFO", help="python logging level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_commands(sub, COMMANDS, argv)
     return parser

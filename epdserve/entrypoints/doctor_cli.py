@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mm-store", default=None, help="redis://host:port of an MM Store that must answer")
     p.add_argument("--scheduler", default=None, help="HOST:PORT of a scheduler that must answer")
     add_flags(p, EngineConfig, ["device"])
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each named server (default 2)")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each named server")
 
 
 def run(args) -> int:

@@ -43,7 +43,7 @@ def add_front_flags(p) -> None:
                         "addresses (never cloud metadata); an entry matches the URL's host exactly, '.example.com' "
                         "every name under example.com (default: any host whose addresses are all public)")
     g.add_argument("--image-fetch-timeout", type=float, default=10.0,
-                   help="seconds for one remote image's whole fetch, redirects and body included (default 10)")
+                   help="seconds for one remote image's whole fetch, redirects and body included")
     g.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024, help="per image (default 20 MiB)")
     g.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024,
                    help="larger HTTP request bodies are refused with 413 (default 64 MiB)")

@@ -169,7 +169,8 @@ def spec_from_args(args):
         mm_store_max_bytes=int(merged["mm_store_max_mb"]) << 20,
         restart=RestartPolicy(first_backoff_s=float(merged["restart_backoff_s"]),
                               max_backoff_s=float(merged["restart_backoff_max_s"]),
-                              max_restarts=int(merged["max_restarts"])),
+                              max_restarts=int(merged["max_restarts"]),
+                              stable_after_s=float(merged["restart_stable_s"])),
     )
 
 

@@ -65,15 +65,15 @@ class LaunchSettings:
         None, help="checkpoint directory (default: a built-in tiny random-weight demo checkpoint, built once into "
                    "$EPDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/epdserve, else ~/.cache/epdserve: it shows the "
                    "deployment working, its answers are noise)")
-    encode: int = setting(1, help="E workers (default 1): in EP-D / ED-P the co-located ones count and the rest are "
+    encode: int = setting(1, help="E workers: in EP-D / ED-P the co-located ones count and the rest are "
                                   "E-only instances; monolithic ignores it")
     prefill: int = setting(1, help="P instances (EP / PD / EPD instances in those modes)")
     decode: int = setting(1, help="D instances (ED instances in ED-P)")
     mm_store: str | None = setting(None, help="MM Store URL: redis://host:port, redis+cluster://h:p,h:p,... or "
                                               "redis+sentinel://h:p,.../service (default: a private local server)")
     mm_store_max_mb: int = setting(4096, help="memory bound of the private MM Store server, least recently used "
-                                              "features evicted (MiB, default 4096)")
-    host: str = setting("127.0.0.1", help="address the scheduler binds and instances advertise (default 127.0.0.1)")
+                                              "features evicted (MiB)")
+    host: str = setting("127.0.0.1", help="address the scheduler binds and instances advertise")
     port: int = setting(0, help="scheduler's public port (default 0: a free port)")
     device: str = same_as(EngineConfig, "device")
     devices: str | None = setting(None, help="accelerator ids handed to instances round-robin, e.g. 0,1,2,3 "
@@ -111,15 +111,18 @@ class LaunchSettings:
         None, help="PEM CA both sides trust: the Registry and the instances' ports refuse a peer whose certificate "
                    "does not chain to it")
     drain_timeout: float = setting(
-        10.0, help="on stop, instances let calls in flight finish for up to this many seconds (default 10); the "
+        10.0, help="on stop, instances let calls in flight finish for up to this many seconds; the "
                    f"launcher exits within this + {STOP_MARGIN_S:.0f} s, always")
     restart_backoff_s: float = setting(
-        0.5, help="a dead child (instance, scheduler, MM Store server) is started again after this (default 0.5), "
+        0.5, help="a dead child (instance, scheduler, MM Store server) is started again after this, "
                   "doubling with each exit in a row")
-    restart_backoff_max_s: float = setting(10.0, help="cap of that backoff (default 10)")
+    restart_backoff_max_s: float = setting(10.0, help="cap of that backoff")
     max_restarts: int = setting(
-        5, help="exits in a row (each within 60 s of its start) before a child counts as crash-looping and is left "
-                "dead (default 5; the scheduler's ends the deployment)")
+        5, help="exits in a row (each within --restart-stable-s of its start) before a child counts as crash-looping "
+                "and is left dead (the scheduler's ends the deployment)")
+    restart_stable_s: float = setting(
+        60.0, check=(">", 0), help="a child that ran this many seconds is healthy again: its count of exits in a row "
+                                   "starts over")
 
 
 def add_launch_flags(p) -> None:

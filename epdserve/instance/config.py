@@ -91,10 +91,10 @@ class InstanceConfig:
     kv_hop: str = same_as(KVTransferConfig, "hop")
     kv_pair_rebuilds: int = same_as(KVTransferConfig, "max_pair_rebuilds")
     kv_pair_rebuild_window_s: float = same_as(KVTransferConfig, "pair_rebuild_window_s")
-    grpc_threads: int = setting(128, check=(">=", 1), help="calls this instance serves at once (default 128)")
+    grpc_threads: int = setting(128, check=(">=", 1), help="calls this instance serves at once")
     feature_cache_bytes: int = setting(
         4 << 30, flag="--feature-cache-mb", check=(">=", 1), to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20,
-        help="P: image features kept in this process, LRU (MiB, default 4096); the MM Store holds the rest")
+        help="P: image features kept in this process, LRU, MiB; the MM Store holds the rest")
     switch_overlap: str = setting("auto", choices=SWITCH_OVERLAP, help=SWITCH_OVERLAP_HELP)
 
     def __post_init__(self):

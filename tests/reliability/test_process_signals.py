@@ -87,7 +87,8 @@ def _healthy_roster(address: str, want: int) -> bool:
 
 
 def test_signals_under_load_restarts_and_a_killed_launcher(qwen2_vl_tiny, references):
-    dep = launch(qwen2_vl_tiny, "--mode", "monolithic", "--drain-timeout", str(DRAIN_S), "--max-restarts", "1")
+    dep = launch(qwen2_vl_tiny, "--mode", "monolithic", "--drain-timeout", str(DRAIN_S), "--max-restarts", "1",
+                 "--restart-stable-s", "3600")  # the store's second death counts as a crash loop however late it lands
     everyone = family(dep.proc.pid)
     ports = [dep.address, dep.mm_store]
     try:

@@ -24,7 +24,7 @@ from epdserve.scheduler.registry import InstanceRecord
 from epdserve.scheduler.routing import Plan, WorkLease
 
 
-async def _killed_while_opening(silent_address: str, connected: threading.Event) -> tuple[InstanceError, float]:
+async def _killed_while_opening(silent_address: str, connected: threading.Event) -> InstanceError:
     p = InstanceRecord("P-1", "P", "127.0.0.1:1")  # never reached: D is asked first
     d = InstanceRecord("D-1", "D", silent_address)
     channels = ChannelPool()
@@ -41,12 +41,11 @@ async def _killed_while_opening(silent_address: str, connected: threading.Event)
     while not connected.is_set() and not task.done() and time.monotonic() < deadline:
         await asyncio.sleep(0.01)  # until the channel reached the silent peer: the write waits on its preface
     assert connected.is_set() and not task.done()
-    t0 = loop.time()
     attempt.kill("D-1", "instance D-1 is down")
     try:
-        await asyncio.wait_for(task, timeout=5.0)
+        await asyncio.wait_for(task, timeout=60.0)  # a bound for a hang, not a timing
     except InstanceError as e:
-        return e, loop.time() - t0
+        return e
     finally:
         attempt.close(abort=False)
         await channels.close()
@@ -68,14 +67,13 @@ def test_kill_wakes_a_decode_write_that_the_stream_never_sent():
 
         threading.Thread(target=accept, daemon=True).start()
         try:
-            err, seconds = asyncio.run(_killed_while_opening(f"127.0.0.1:{silent.getsockname()[1]}", connected))
+            err = asyncio.run(_killed_while_opening(f"127.0.0.1:{silent.getsockname()[1]}", connected))
         finally:
             for conn in held:
                 conn.close()
     assert err.instance_id == "D-1"
     assert err.code == grpc.StatusCode.UNAVAILABLE
-    assert "down" in err.message
-    assert seconds < 2.0
+    assert "down" in err.message  # the kill's reason: the silent peer never answers, so only the kill ends the call
 
 
 def test_an_attempt_killed_before_it_starts_raises_without_calling():

@@ -81,10 +81,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("exact")
     g.add_argument("--archs", default="qwen2_vl,qwen2_5_vl,qwen3_vl,qwen3_vl_moe", help="families checked")
     g.add_argument("--exact-dtypes", help="dtypes checked (default: float32,bfloat16 on an accelerator, float32 on CPU)")
-    g.add_argument("--exact-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
+    g.add_argument("--exact-tokens", type=int, default=24, help="greedy tokens per prompt")
     g = p.add_argument_group("serve")
     g.add_argument("--modes", default=",".join(ALL_MODES), help="modes launched (default: all six)")
-    g.add_argument("--serve-tokens", type=int, default=16, help="greedy tokens per request (default 16)")
+    g.add_argument("--serve-tokens", type=int, default=16, help="greedy tokens per request")
     g.add_argument("--serve-jobs", type=int, help="modes launched at once (default: 3 on an accelerator, 1 on CPU)")
     add_flags(g, KVTransferConfig, ["hop"])  # the launches' --kv-hop
     g = p.add_argument_group("perf")
@@ -92,8 +92,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                                        "small on CPU)")
     g.add_argument("--perf-dtypes", help="dtypes timed (default: bfloat16 on an accelerator, float32,bfloat16 on CPU)")
     g.add_argument("--perf-tokens", type=int, help="new tokens per timed generate (default 65; CPU 33)")
-    g.add_argument("--perf-batch", type=int, default=32, help="the large batch (default 32)")
-    g.add_argument("--perf-repeats", type=int, default=3, help="timed runs per figure, median (default 3)")
+    g.add_argument("--perf-batch", type=int, default=32, help="the large batch")
+    g.add_argument("--perf-repeats", type=int, default=3, help="timed runs per figure, median")
     g.add_argument("--no-served", action="store_true", help="skip the served TPOT (no launch in perf)")
     g.add_argument("--no-transformers", action="store_true", help="skip transformers' generate timings")
     g.add_argument("--bandwidth", type=float, help="device memory bandwidth in bytes/s for the floor (default: "
