@@ -8,8 +8,8 @@ import torch
 from epdserve import LLM, SamplingParams
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 TOKENS = 16
 
 

@@ -15,9 +15,9 @@ from epdserve.engine.sequence import MediaItem, Sequence
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.seams.feature_provider import LocalFeatureProvider
+from tests.harness import PH
 
 FIXTURES = Path(__file__).parents[1] / "model" / "fixtures" / "video"
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 VID = "<|vision_start|><|video_pad|><|vision_end|>"
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
 

@@ -8,8 +8,8 @@ from epdserve.seams.feature_provider import LocalFeatureProvider
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
 
 

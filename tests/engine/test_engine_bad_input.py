@@ -2,8 +2,7 @@
 from tests.engine.blocks import all_blocks_free
 from epdserve import LLM, SamplingParams
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
+from tests.harness import PH
 
 
 def test_bad_requests_fail_alone(qwen2_vl_tiny):

@@ -5,8 +5,7 @@ from tests.engine.blocks import all_blocks_free
 from epdserve import LLM, SamplingParams
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
+from tests.harness import PH
 
 
 @pytest.fixture(scope="module", params=[(arch, ops) for arch in ("qwen2_vl", "qwen2_5_vl")

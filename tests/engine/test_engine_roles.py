@@ -16,8 +16,8 @@ from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.transfer.kv import KVTransferConfig, LayerwiseRecvConnector, LayerwiseSendConnector, RendezvousServer
 from tests.engine.blocks import all_blocks_free
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 CFG = KVTransferConfig(timeout_s=20.0, bootstrap_timeout_s=20.0, connect_timeout_s=20.0)
 
 

@@ -6,8 +6,7 @@ from epdserve import LLM, SamplingParams
 from epdserve.engine.kv_cache import KVCacheSpec
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
+from tests.harness import PH
 
 
 @pytest.fixture(scope="module")

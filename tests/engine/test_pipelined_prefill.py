@@ -15,8 +15,8 @@ from epdserve.engine.llm_engine import LLMEngine
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.seams.feature_provider import LocalFeatureProvider
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPT = f"first look at this {PH} then at that one {PH} and finally {PH}; compare all three"
 

@@ -9,8 +9,8 @@ from epdserve.engine.llm_engine import LLMEngine
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, fp32: the tiny demo
 

@@ -6,8 +6,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
+from tests.harness import PH
 
 
 def _run(eng, rid, prompt, images):

@@ -6,8 +6,8 @@ from tests.engine.blocks import all_blocks_free
 from epdserve import LLM, SamplingParams
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 ARCHS = ("qwen3_vl", "qwen3_vl_moe")
 
 

@@ -10,8 +10,7 @@ from epdserve.engine.step_budget import HEADROOM, UNLIMITED, LinearCost, StepBud
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from tests.engine.test_encode_stage import _drain
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
+from tests.harness import PH
 
 
 def test_linear_cost_fits_a_line_and_waits_for_two_sizes():

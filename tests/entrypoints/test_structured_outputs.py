@@ -35,6 +35,7 @@ from epdserve.model.loader import eos_token_ids
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import serve_pb2_grpc
 from tests.entrypoints.launch_harness import launched
+from tests.harness import PH
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,6 @@ README = Path(__file__).resolve().parents[2] / "docs" / "openai-examples.md"  # 
 README_MARK = "<!-- openai-examples:"  # the OpenAI examples the README points to: python blocks up to the next heading
 MODEL = "demo"  # the docs' --served-model-name
 READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) .* http=(?P<http>http://\S+)")
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 SEED = 0  # the sampled json_object choices' seed: some end on "stop", some on "length"
 
 # nested objects and enums only: a random-weight model under the grammar reaches its end

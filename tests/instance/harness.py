@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import queue
-import time
 
 import grpc
 
@@ -10,8 +9,7 @@ from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.rpc import common_pb2, instance_pb2, instance_pb2_grpc
 from epdserve.seams.media_keys import MediaKeySecret, media_key
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
+from tests.harness import PH, wait_until  # noqa: F401 - re-exported to the package's tests
 
 
 def image(seed: int, w: int = 112, h: int = 84) -> bytes:
@@ -97,13 +95,3 @@ def run_disaggregated(e_stub, p_stub, d_stub, rid: str, req: Prepared, sampling,
     return tokens, pre, last, enc
 
 
-def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition"):
-    """Poll `predicate` until it returns a truthy value (returned) or fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling another process's state; nothing to block on

@@ -7,8 +7,7 @@ import torch
 from epdserve.engine.loaded_model import load_model
 from epdserve.model.demo_images import procedural_image
 from epdserve.model.vision_stages import VisionRun, sliceable
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
+from tests.harness import PH
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])

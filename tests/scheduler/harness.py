@@ -3,24 +3,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
 from epdserve.transfer.mm_store.server import LocalRedisServer
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def wait_until(cond, timeout_s: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.harness import PH, wait_until  # noqa: F401 - re-exported to the package's tests
 
 
 # `epdserve instance ...` without relying on the top-level CLI's command list

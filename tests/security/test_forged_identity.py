@@ -29,8 +29,8 @@ from epdserve.model.chat import chat_to_prompt
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.seams.media_keys import MediaKeySecret, media_key
 from tests.security.xxh3_forge import colliding_ppms, old_block_hash
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_PROMPT = f"Describe {PH} in detail please, what do you see in this picture right now?"
 CHAT = [{"role": "user", "content": [{"type": "text", "text": "Hello there, how are you today?"}]}]
 MAX_TOKENS = 8

@@ -35,9 +35,9 @@ from epdserve.security.options import SchedulerSecurity
 from epdserve.security.tenants import TenantKeys, cache_salt
 from tests.instance.harness import wait_until
 from tests.scheduler.harness import image
+from tests.harness import PH
 
 ALICE, BOB = "sk-alice-0b1e5a", "sk-bob-77c2d9"
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 # 3 full 16-token blocks and more before the PIN: a shared prefix would be a hit of >= 48 tokens
 SECRET = ("You are the assistant of the bank's branch office. Never reveal the customer's data to anyone. "
           "The customer's card PIN is 4821 and the account number is 77")

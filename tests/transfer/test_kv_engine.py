@@ -24,8 +24,8 @@ from epdserve.transfer.kv import (
 )
 from epdserve.transfer.kv.checks import blocks_digest
 from tests.transfer.test_kv_transfer import Peer, _cfg, _emit, _engine_commands
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_TOKENS = 8
 
 

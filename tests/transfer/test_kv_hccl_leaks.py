@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
-import time
 from types import SimpleNamespace
 
 import grpc
@@ -44,17 +43,11 @@ from epdserve.transfer.kv import KVSender, KVTransferConfig, PairState, Rendezvo
 from epdserve.transfer.kv.recv_connector import LayerwiseRecvConnector
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN
 from tests.fakes.torch_npu_fake import FakeTorchNpu
+from tests.harness import wait_until
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.bfloat16)
 CFG = KVTransferConfig(timeout_s=1.0, bootstrap_timeout_s=10.0, connect_timeout_s=10.0)
 STATS = {"steps": 0, "host_s": 0.0, "forward_s": 0.0, "vision_s": 0.0, "batch_requests": 0}
-
-
-def _until(done, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 class _Stalled:
@@ -69,12 +62,12 @@ class _Stalled:
         rdzv = self.conn.pair_for("p0", self.server.host, self.server.port)
         pair = self.tx.connect("d0", rdzv.for_peer())
         assert pair.wait_ready(10), pair.error
-        _until(lambda: self.conn.receiver.pair_state("p0") is PairState.READY, "D's pair did not connect")
+        wait_until(lambda: self.conn.receiver.pair_state("p0") is PairState.READY, 10.0, "D's pair did not connect")
         seq = SimpleNamespace(request_id="stalled", prompt_len=8, num_computed_tokens=0, kv_transfer=RemotePrefill("p0"))
         self.conn.on_blocks_allocated(seq, [1, 2, 3])
         self.tx.begin_batch([SendRequest("stalled", "d0", (3, 4), (1, 2), 8)])  # and never a layer
         self.failed = []
-        _until(self._failed, "the stalled transfer did not fail")
+        wait_until(self._failed, 10.0, "the stalled transfer did not fail")
         self.tx.abort_batch("peer stalled")
 
     def _failed(self) -> bool:

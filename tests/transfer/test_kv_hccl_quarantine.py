@@ -19,17 +19,11 @@ from epdserve.transfer.kv import KVReceiver, KVSender, KVTransferConfig, RecvReq
 from epdserve.transfer.kv.recv_connector import LayerwiseRecvConnector
 from epdserve.transfer.kv.state import TransferState, TransferStatus
 from tests.fakes.torch_npu_fake import FakeTorchNpu
+from tests.harness import wait_until
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.bfloat16)
 CFG = KVTransferConfig(timeout_s=1.0, bootstrap_timeout_s=10.0, connect_timeout_s=10.0)
 EXEC_TIMEOUT_S = 4.0
-
-
-def _until(done, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_a_stalled_receive_quarantines_its_blocks_until_it_ends(monkeypatch):
@@ -48,11 +42,11 @@ def test_a_stalled_receive_quarantines_its_blocks_until_it_ends(monkeypatch):
         assert all(p.wait_ready(10) for p in pairs), [p.error for p in pairs]
         rx.expect(RecvRequest("stalled", "p0", (1, 2), 8))
         tx.begin_batch([SendRequest("stalled", "a", (3, 4), (1, 2), 8)])  # and never a layer
-        _until(lambda: rx.status("stalled").state.finished, "the stalled transfer did not fail")
+        wait_until(lambda: rx.status("stalled").state.finished, 10.0, "the stalled transfer did not fail")
         assert rx.status("stalled").state is TransferState.FAILED
         assert rx.quarantined("stalled") and rx.pop_released() == []  # the receive may still write
         tx.abort_batch("peer stalled")
-        _until(lambda: rx.pop_released() == ["stalled"], "not released at HCCL_EXEC_TIMEOUT", EXEC_TIMEOUT_S + 5)
+        wait_until(lambda: rx.pop_released() == ["stalled"], EXEC_TIMEOUT_S + 5, "not released at HCCL_EXEC_TIMEOUT")
         assert not rx.quarantined("stalled")
     finally:
         tx.close()

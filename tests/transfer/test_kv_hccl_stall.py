@@ -5,7 +5,6 @@ are untouched: no stream of ours is HCCL's (platform/npu_streams.py). Over tests
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from epdserve.transfer.kv import (
 )
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN
 from tests.fakes.torch_npu_fake import FakeTorchNpu
+from tests.harness import wait_until
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.bfloat16)
 CFG = KVTransferConfig(timeout_s=1.0, bootstrap_timeout_s=10.0, connect_timeout_s=10.0)
@@ -32,19 +32,12 @@ def fake(monkeypatch):
     return fake
 
 
-def _until(done, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def _transfer(tx, rx, rid: str, peer_of_tx: str, peer_of_rx: str) -> None:
     rx.expect(RecvRequest(rid, peer_of_rx, (1, 2), 8))
     tx.begin_batch([SendRequest(rid, peer_of_tx, (3, 4), (1, 2), 8)])
     for layer in range(SPEC.num_layers):
         tx.save_layer(layer)
-    _until(lambda: tx.status(rid).state.finished and rx.status(rid).state.finished, f"{rid} did not finish")
+    wait_until(lambda: tx.status(rid).state.finished and rx.status(rid).state.finished, 10.0, f"{rid} did not finish")
 
 
 def test_a_stalled_pair_fails_only_that_pair(fake):
@@ -63,7 +56,7 @@ def test_a_stalled_pair_fails_only_that_pair(fake):
         # and time out; D breaks the pair while they run.
         rx_a.expect(RecvRequest("stalled", "p0", (1, 2), 8))
         tx.begin_batch([SendRequest("stalled", "a", (3, 4), (1, 2), 8)])
-        _until(lambda: rx_a.status("stalled").state.finished, "the stalled transfer did not fail")
+        wait_until(lambda: rx_a.status("stalled").state.finished, 10.0, "the stalled transfer did not fail")
         assert rx_a.status("stalled").state is TransferState.FAILED and rx_a.pair_state("p0") is PairState.BROKEN
         destroys = fake.of("HcclCommDestroy")
         assert (1, HCCL_E_AGAIN) in [e[2:] for e in destroys]
@@ -83,7 +76,7 @@ def test_a_stalled_pair_fails_only_that_pair(fake):
         pairs[1].interrupt()
         assert [e[2:] for e in fake.of("HcclCommDestroy") if e[2] == 1] == [(1, HCCL_E_AGAIN)]
         # At HCCL_EXEC_TIMEOUT the stuck receive fails (a device task exception) and frees its stream.
-        _until(lambda: not fake.stuck.held(*stuck), "the stuck stream was not freed", EXEC_TIMEOUT_S + 5)
+        wait_until(lambda: not fake.stuck.held(*stuck), EXEC_TIMEOUT_S + 5, "the stuck stream was not freed")
     finally:
         tx.close()
         rx_a.close()

@@ -19,6 +19,7 @@ from epdserve.platform.cpu import CpuPlatform
 from epdserve.transfer.kv import KVSender, KVTransferConfig, PairState, RendezvousServer, SendRequest, TransferState
 from epdserve.transfer.kv.recv_connector import LayerwiseRecvConnector, PairRebuildsExhausted
 from epdserve.transfer.kv.receiver import RecvRequest
+from tests.harness import wait_until
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
 WINDOW_S = 8.0  # a pair whose P never comes breaks after connect_timeout_s + timeout_s (0.7 s)
@@ -26,15 +27,8 @@ CFG = KVTransferConfig(timeout_s=0.5, bootstrap_timeout_s=10.0, connect_timeout_
                        pair_rebuild_window_s=WINDOW_S)
 
 
-def _until(done, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def _broken(conn: LayerwiseRecvConnector, peer: str = "p0") -> None:
-    _until(lambda: conn.receiver.pair_state(peer) is PairState.BROKEN, "the pair did not break")
+    wait_until(lambda: conn.receiver.pair_state(peer) is PairState.BROKEN, 10.0, "the pair did not break")
 
 
 def test_a_peer_whose_pair_keeps_breaking_is_refused_until_the_window_passes(caplog):
@@ -61,18 +55,18 @@ def test_a_peer_whose_pair_keeps_breaking_is_refused_until_the_window_passes(cap
         assert len(warned) == 1 and "could not build the process group" in warned[0], warned  # once, and why
 
         # Once the first rebuild leaves the window, the pair is built again, and this time P comes.
-        _until(lambda: time.monotonic() - start > WINDOW_S + 0.2, "", WINDOW_S + 5)
+        wait_until(lambda: time.monotonic() - start > WINDOW_S + 0.2, WINDOW_S + 5, "")
         rdzv = conn.pair_for("p0", server.host, server.port)
         assert rdzv.pair_name == "p0>d0/g3"
         tx = KVSender(PagedKVCache(SPEC, 8), CpuPlatform(), CFG)
         tx.cache.keys[0].fill_(3.0)
         tx.connect("d0", rdzv.for_peer())
-        _until(lambda: conn.receiver.pair_state("p0") is PairState.READY, "the rebuilt pair did not connect")
+        wait_until(lambda: conn.receiver.pair_state("p0") is PairState.READY, 10.0, "the rebuilt pair did not connect")
         conn.receiver.expect(RecvRequest("r", "p0", (1, 2), 8))
         tx.begin_batch([SendRequest("r", "d0", (3, 4), (1, 2), 8)])
         for layer in range(SPEC.num_layers):
             tx.save_layer(layer)
-        _until(lambda: conn.receiver.status("r").state.finished, "the transfer did not finish")
+        wait_until(lambda: conn.receiver.status("r").state.finished, 10.0, "the transfer did not finish")
         assert conn.receiver.status("r").state is TransferState.DONE
         assert torch.equal(conn.receiver.cache.keys[0][1:3], tx.cache.keys[0][3:5])
         # A healthy pair is reused: no rebuild counted.
@@ -116,7 +110,7 @@ def test_the_decode_worker_fails_a_capped_peer_as_retryable(qwen2_vl_tiny):
         for i in range(2):  # the first build, then the one rebuild allowed
             _, res = worker.reserve(f"r{i}", [1, 2, 3, 4, 5], params, "p0", server.host, server.port)
             assert res.rdzv.pair_name == f"p0>d0/g{i}"
-            _until(lambda: worker.connector.receiver.pair_state("p0") is PairState.BROKEN, "the pair did not break")
+            wait_until(lambda: worker.connector.receiver.pair_state("p0") is PairState.BROKEN, 10.0, "the pair did not break")
         with pytest.raises(TransientError, match="rebuilt 1 times in the last 60 s") as e:
             worker.reserve("r2", [1, 2, 3, 4, 5], params, "p0", server.host, server.port)
         assert status_for(e.value).name == "ABORTED"

@@ -20,8 +20,8 @@ from epdserve.model.reference import ReferenceGenerator
 from epdserve.transfer.mm_store import LocalRedisServer, RedisConnection, RedisMMStore
 from epdserve.seams.media_keys import MediaKeySecret, media_key
 from epdserve.transfer.mm_store.provider import MMStoreFeatureProvider
+from tests.harness import PH
 
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
