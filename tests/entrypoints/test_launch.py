@@ -1,5 +1,7 @@
 """`epdserve launch --config configs/<mode>.yaml` for each of the six modes, as real processes on
-CPU with the tiny demo model, called through `epdserve.Client`.
+CPU with the tiny demo model, called through `epdserve.Client` and the OpenAI HTTP front; launched
+by docs/openai.md's launch line (its config swapped for each mode's), so that the structured-output
+cases of `tests/entrypoints/structured_cases.py`, imported below, run on the same deployments.
 
 One deployment per mode (module-scoped, torn down before the next starts): its teardown sends
 SIGTERM to the launcher and checks that it exits 0 and that none of its processes is left
@@ -25,6 +27,7 @@ import pytest
 
 from epdserve.client import Client, EPDServeError
 from epdserve.rpc import common_pb2, serve_pb2, serve_pb2_grpc
+from tests.entrypoints.structured_cases import docs_launch_args
 from tests.hf_oracle import HFOracle
 from tests.instance.harness import PH, image, status, stub, wait_until
 from tests.security.test_forged_identity import IMAGE_PROMPT, forged_chat
@@ -35,7 +38,7 @@ pytestmark = pytest.mark.slow
 MODES = ["monolithic", "P-D", "E-P-D", "EP-D", "ED-P", "E-PD"]
 EXTRA = {"E-P-D": ["--decode", "2"]}
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-READY = re.compile(r"^epdserve ready: grpc://(\S+) mode=(\S+)")
+READY = re.compile(r"^epdserve ready: grpc://(?P<address>\S+) mode=(?P<mode>\S+).* http=(?P<http>http://\S+)")
 MAX_TOKENS = 8
 TOKEN = "launch-test-cluster-token"  # the deployments' cluster token: instance addresses and calls need it
 
@@ -46,6 +49,7 @@ class Deployed:
     address: str
     proc: subprocess.Popen
     output: list[str]
+    http: str  # the OpenAI front's URL
     log_dir: Path | None = None  # --log-dir: the children's logs (scheduler.log, ...)
 
     def instances(self):
@@ -60,8 +64,8 @@ class Deployed:
 
 
 def _launch(mode: str, model: Path, extra: tuple[str, ...] = ()) -> Deployed:
-    argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", "--config", str(CONFIGS / f"{mode}.yaml"),
-            "--model", str(model), "--kv-cache-mb", "16", "--feature-wait-s", "20", *EXTRA.get(mode, []), *extra]
+    flags = [str(model) if a == "/tmp/demo" else a for a in docs_launch_args(CONFIGS / f"{mode}.yaml")]
+    argv = [sys.executable, "-m", "epdserve.entrypoints.cli", "launch", *flags, "--kv-cache-mb", "16", "--feature-wait-s", "20", *EXTRA.get(mode, []), *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1", EPDSERVE_CLUSTER_TOKEN=TOKEN))
     output: list[str] = []
@@ -73,7 +77,7 @@ def _launch(mode: str, model: Path, extra: tuple[str, ...] = ()) -> Deployed:
             output.append(line)
             m = READY.match(line)
             if m and not ready.is_set():
-                found.update(address=m.group(1), mode=m.group(2))
+                found.update(m.groupdict())
                 ready.set()
         ready.set()
 
@@ -83,7 +87,7 @@ def _launch(mode: str, model: Path, extra: tuple[str, ...] = ()) -> Deployed:
         raise AssertionError(f"launch --mode {mode} never printed its ready line:\n{''.join(output[-40:])}")
     assert found["mode"] == mode
     log_dir = Path(extra[extra.index("--log-dir") + 1]) if "--log-dir" in extra else None
-    return Deployed(mode, found["address"], proc, output, log_dir)
+    return Deployed(mode, found["address"], proc, output, found["http"], log_dir)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -240,6 +244,17 @@ def test_instances_answer_health_and_report_their_roles(deployment):
     for i in deployment.instances():
         assert i.health == common_pb2.HEALTHY
         assert status(stub(i.address, TOKEN)).instance_id == i.instance_id
+
+
+# the structured-output cases on these deployments (imported here, before the kill below, which
+# runs last in its mode's group); pytest collects the names a module holds
+from tests.entrypoints.structured_cases import (  # noqa: E402,F401
+    deployed, reference, test_a_bad_constraint_is_a_400_naming_its_field, test_a_resumed_request_replays_its_output_into_the_grammar,
+    test_auto_tool_calls_are_parsed_whole_and_streamed, test_docs_examples_run_as_pasted,
+    test_greedy_under_a_grammar_equals_transformers, test_named_tool_choice_is_a_structured_output_on_its_parameters,
+    test_openai_parse_with_a_pydantic_model, test_readme_openai_examples_run_as_pasted,
+    test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders,
+    test_twenty_requests_half_with_an_image_are_schema_valid, test_vllm_extras_and_grpc_keyword)
 
 
 @pytest.mark.parametrize("deployment", ["E-P-D"], indirect=True)  # its two D instances

@@ -31,6 +31,7 @@ from epdserve.deploy.kube.podview import container_argv, container_env
 from epdserve.deploy.kube.ports import Ports
 from epdserve.deploy.kube.render import pod_templates, render
 from epdserve.deploy.kube.values import KubeValues
+from epdserve.ops.native_build import cache_root
 from tests.kube.kubelet_probe import probe, probe_port
 
 _POD_SUFFIX = "bcdfghjklmnpqrstvwxz2456789"  # the letters a ReplicaSet's pod names end in
@@ -137,7 +138,7 @@ class LoopbackCluster:
         self._net = f"127.{random.randrange(1, 255)}.{random.randrange(0, 255)}"
         self._next_host = 2
         self.models = self.root / "models"
-        self.ops_cache = self.root / "image-ops"
+        self.ops_cache = cache_root()  # the suite's own: the image's, built once (`prepare`)
 
     # --- the objects ---------------------------------------------------------------------------
 
@@ -165,9 +166,10 @@ class LoopbackCluster:
 
     def prepare(self) -> None:
         """What exists before a pod starts, both at once: the image's native operators
-        (Dockerfile: `RUN epdserve build-ops` into its EPDSERVE_OPS_CACHE; a pod never compiles them,
-        and a pod killed while torch's extension loader holds its lock file leaves it in this
-        cluster's cache only) and the demo checkpoint, written once by the init container's own
+        (Dockerfile: `RUN epdserve build-ops` into its EPDSERVE_OPS_CACHE; here the suite's cache,
+        where the build ran once for every test: a stamped build loads without a lock, and a build
+        holds an flock that dies with its holder, so a killed pod leaves nothing behind) and the
+        demo checkpoint, written once by the init container's own
         command: every pod's init container writes the same files (one seed), so one copy serves
         every pod's `/models`."""
         [init] = {json.dumps(c, sort_keys=True): c for _, spec in pod_templates(self.objects)

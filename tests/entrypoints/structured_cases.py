@@ -1,13 +1,15 @@
-"""Structured outputs through real deployments (`epdserve launch`, each of the six modes of
-`epdserve.instance.modes.MODES`, tiny random-weight demo model): greedy output under a JSON-schema
-grammar equals transformers' `generate` with xgrammar's own logits processor
-(xgrammar.contrib.hf) applying the same grammar, token for token, in every mode (in the split
-modes P masks the first token and D replays it into a fresh matcher); 20 requests (half with an image) through the official `openai` client are all valid
-under `jsonschema` and end with `stop` (the matcher reached an accepting state); the client's
-`chat.completions.parse` with a pydantic model returns the parsed object; vLLM's extras
-(`structured_outputs`, `guided_choice`, `guided_regex`) and gRPC's `structured` keyword work;
-a bad constraint is a 400 naming its field; the README's OpenAI examples and docs/openai.md's
-run as pasted against the P-D deployment."""
+"""Structured outputs through real deployments: test_launch.py's six (`epdserve launch`, each mode
+of `epdserve.instance.modes.MODES`, tiny random-weight demo model, launched by docs/openai.md's
+launch line with each mode's config in its place) run these cases, imported there, so that one
+deployment per mode serves both files' tests. Greedy output under a JSON-schema grammar equals
+transformers' `generate` with xgrammar's own logits processor (xgrammar.contrib.hf) applying the
+same grammar, token for token, in every mode (in the split modes P masks the first token and D
+replays it into a fresh matcher); 20 requests (half with an image) through the official `openai`
+client are all valid under `jsonschema` and end with `stop` (the matcher reached an accepting
+state); the client's `chat.completions.parse` with a pydantic model returns the parsed object;
+vLLM's extras (`structured_outputs`, `guided_choice`, `guided_regex`) and gRPC's `structured`
+keyword work; a bad constraint is a 400 naming its field; the README's OpenAI examples and
+docs/openai.md's run as pasted against the P-D deployment."""
 from __future__ import annotations
 
 import base64
@@ -29,22 +31,16 @@ import pydantic
 from epdserve import Client
 from epdserve.client.messages import build_request
 from epdserve.engine.grammar import tokenizer_info
-from epdserve.instance.modes import MODES
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.loader import eos_token_ids
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import serve_pb2_grpc
-from tests.entrypoints.launch_harness import launched
 from tests.harness import PH
 
-pytestmark = pytest.mark.slow
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
 README = Path(__file__).resolve().parents[2] / "docs" / "openai-examples.md"  # moved out of README.md (issue 46)
 README_MARK = "<!-- openai-examples:"  # the OpenAI examples the README points to: python blocks up to the next heading
 MODEL = "demo"  # the docs' --served-model-name
-READY = re.compile(r"^epdserve ready: grpc://(?P<grpc>\S+) .* http=(?P<http>http://\S+)")
 SEED = 0  # the sampled json_object choices' seed: some end on "stop", some on "length"
 
 # nested objects and enums only: a random-weight model under the grammar reaches its end
@@ -77,19 +73,21 @@ def _readme_examples() -> list[str]:
     return re.findall(r"```python\n(.*?)```", text[start:end if end != -1 else None], re.S)
 
 
-@pytest.fixture(scope="module", params=MODES)
-def deployed(request, qwen2_vl_tiny):
-    """docs/openai.md's launch line (P-D; each other mode's config in its place), on the tiny model
-    and free ports."""
+def docs_launch_args(config: Path) -> list[str]:
+    """docs/openai.md's launch line, its flags after `epdserve launch`, with free ports and CONFIG in
+    place of the P-D config; the model directory (/tmp/demo) is left for the caller to swap."""
     line = next(x for lang, code in _docs_blocks() if lang == "bash" for x in code.splitlines()
                 if x.startswith("epdserve launch "))
-    swap = {"/tmp/demo": str(qwen2_vl_tiny), "8000": "0", "50051": "0",
-            "configs/P-D.yaml": str(CONFIGS / f"{request.param}.yaml")}
-    argv = [swap.get(a, a) for a in shlex.split(line.split("&")[0])[2:]] + ["--kv-cache-mb", "16"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPDSERVE_")}
-    with launched(argv, env, READY) as (found, _):
-        with openai.OpenAI(base_url=found["http"] + "/v1", api_key="none", max_retries=0, timeout=300) as oai:
-            yield request.param, found["grpc"], oai, found["http"]
+    swap = {"8000": "0", "50051": "0", "configs/P-D.yaml": str(config)}
+    return [swap.get(a, a) for a in shlex.split(line.split("&")[0])[2:]]
+
+
+@pytest.fixture
+def deployed(deployment):
+    """(mode, gRPC address, an `openai` client on the HTTP front, the front's URL) of test_launch.py's
+    deployment."""
+    with openai.OpenAI(base_url=deployment.http + "/v1", api_key="none", max_retries=0, timeout=300) as oai:
+        yield deployment.mode, deployment.address, oai, deployment.http
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +162,7 @@ def test_openai_parse_with_a_pydantic_model(deployed):
     assert isinstance(r.choices[0].message.parsed, Thing)
 
 
-@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
+@pytest.mark.parametrize("deployment", ["monolithic"], indirect=True)
 def test_vllm_extras_and_grpc_keyword(deployed):
     _, grpc_address, oai, _ = deployed
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}], max_tokens=20,
@@ -193,7 +191,7 @@ def test_vllm_extras_and_grpc_keyword(deployed):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
 ])
-@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
+@pytest.mark.parametrize("deployment", ["monolithic"], indirect=True)
 def test_a_bad_constraint_is_a_400_naming_its_field(deployed, body, field):
     _, _, oai, _ = deployed
     with pytest.raises(openai.BadRequestError) as e:
@@ -213,7 +211,7 @@ FORCED = {"guided_choice": ['Sure. <tool_call>\n{"name": "get_weather", "argumen
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
+@pytest.mark.parametrize("deployment", ["monolithic"], indirect=True)
 def test_auto_tool_calls_are_parsed_whole_and_streamed(deployed):
     oai = deployed[2]
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=FORCED)
@@ -230,7 +228,7 @@ def test_auto_tool_calls_are_parsed_whole_and_streamed(deployed):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
-@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
+@pytest.mark.parametrize("deployment", ["monolithic"], indirect=True)
 def test_named_tool_choice_is_a_structured_output_on_its_parameters(deployed):
     oai = deployed[2]
     choice = {"type": "function", "function": {"name": "get_weather"}}
@@ -249,7 +247,7 @@ def test_named_tool_choice_is_a_structured_output_on_its_parameters(deployed):
                         WEATHER["function"]["parameters"])
 
 
-@pytest.mark.parametrize("deployed", ["monolithic"], indirect=True)
+@pytest.mark.parametrize("deployment", ["monolithic"], indirect=True)
 def test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders(deployed):
     oai = deployed[2]
     auto = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=2)
@@ -269,7 +267,7 @@ def test_tool_choice_none_leaves_the_tools_out_and_a_tool_round_trip_renders(dep
     assert e.value.body["param"] == "tool_choice"
 
 
-@pytest.mark.parametrize("deployed", ["P-D"], indirect=True)
+@pytest.mark.parametrize("deployment", ["P-D"], indirect=True)
 def test_docs_examples_run_as_pasted(deployed):
     _, grpc_address, _, http = deployed
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPDSERVE_")}
@@ -282,7 +280,7 @@ def test_docs_examples_run_as_pasted(deployed):
         assert r.stdout.strip(), code  # every block prints what it got
 
 
-@pytest.mark.parametrize("deployed", ["P-D"], indirect=True)
+@pytest.mark.parametrize("deployment", ["P-D"], indirect=True)
 def test_readme_openai_examples_run_as_pasted(deployed):
     """The README's OpenAI examples (structured outputs in every spelling, parse with a pydantic
     model, n with logprobs, penalties and logit_bias, a named tool call, the refusals), pasted in
