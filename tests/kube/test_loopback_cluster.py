@@ -7,7 +7,6 @@ greedy outputs equal to transformers' generate, and under steady load a D Deploy
 would (a new pod, new name and IP): no request lost, every output exact."""
 from __future__ import annotations
 
-import time
 import urllib.error
 import urllib.request
 
@@ -18,6 +17,7 @@ from epdserve.deploy.kube.meta import instance_name, scheduler_name
 from epdserve.deploy.kube.values import KubeValues
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import common_pb2
+from tests.harness import wait_until
 from tests.instance.harness import PH, image, status, stub
 from tests.kube.kubelet_probe import PROBES, probe
 from tests.kube.pod_harness import LoopbackCluster, Pod, loopback_ports
@@ -52,13 +52,10 @@ def healthy(c: LoopbackCluster) -> list[dict[str, common_pb2.InstanceStatus]]:
     return out
 
 
-def wait_until(check, timeout_s: float, what: str, c: LoopbackCluster) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s\n" + "\n".join(
-                f"== {p.name}\n{p.tail(1500)}" for p in c.pods))
-        time.sleep(0.25)
+def wait_for(check, timeout_s: float, what: str, c: LoopbackCluster):
+    """`tests.harness.wait_until`, with every pod's log tail when it times out."""
+    return wait_until(check, timeout_s, what, interval_s=0.25,
+                      detail=lambda: "\n".join(f"== {p.name}\n{p.tail(1500)}" for p in c.pods))
 
 
 def registered(c: LoopbackCluster, ids: set[str]) -> bool:
@@ -75,7 +72,7 @@ def cluster(tmp_path_factory):
     with LoopbackCluster(values, tmp_path_factory.mktemp("loopback-cluster")) as c:
         c.start_all()
         ids = {instance_id(c, p) for p in instance_pods(c)}
-        wait_until(lambda: registered(c, ids), 240, "every instance healthy on every scheduler", c)
+        wait_for(lambda: registered(c, ids), 240, "every instance healthy on every scheduler", c)
         yield c
 
 
@@ -113,10 +110,10 @@ def test_scale_up_and_a_killed_pod_under_load_lose_nothing(cluster, references):
         added = cluster.start_pod(d)
         cluster.wait_ready([added])
         added_id = instance_id(cluster, added)
-        wait_until(lambda: (s := healthy(cluster)[0].get(added_id)) is not None and s.load.kv_received_bytes > 0,
+        wait_for(lambda: (s := healthy(cluster)[0].get(added_id)) is not None and s.load.kv_received_bytes > 0,
                    240, "the added D pod receiving KV", cluster)
         # kill -9 the old pod while it decodes; the Deployment starts a replacement
-        wait_until(lambda: (s := healthy(cluster)[0].get(old_id)) is not None and s.load.running_requests > 0,
+        wait_for(lambda: (s := healthy(cluster)[0].get(old_id)) is not None and s.load.running_requests > 0,
                    120, "the old D pod decoding", cluster)
         before = load.done
         old.kill()
@@ -124,7 +121,7 @@ def test_scale_up_and_a_killed_pod_under_load_lose_nothing(cluster, references):
         assert (replacement.name, replacement.ip) != (old.name, old.ip)
         cluster.wait_ready([replacement])
         now = {added_id, instance_id(cluster, replacement)}
-        wait_until(lambda: registered(cluster, now) and load.done > before + 6, 240,
+        wait_for(lambda: registered(cluster, now) and load.done > before + 6, 240,
                    "the replacement registered, requests going on", cluster)
     assert not load.errors, load.errors
     assert load.done > before + 6
