@@ -84,8 +84,12 @@ def test_a_rebound_host_name_is_refused_on_every_route(open_front):
                                                             "Content-Type": "application/json"})
         assert status == 400 and "Host" in got["error"]["message"], (path, got)
     port = open_front.address.rsplit(":", 1)[1]
-    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "epd.internal"):  # loopback and --allowed-hosts pass
-        assert call(open_front, "GET", "/health", headers={"Host": host})[0] == 200
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "epd.internal", f"[::1]:{port}", "[::1]"):
+        assert call(open_front, "GET", "/health", headers={"Host": host})[0] == 200  # loopback, --allowed-hosts
+    # a loopback name with anything but :PORT after it is not loopback (the text after it was ignored)
+    for host in ("[::1]evil.example", "[::1]:80evil", "[::1", "localhost:evil.example", "127.0.0.1:"):
+        status, got = call(open_front, "GET", "/health", headers={"Host": host})
+        assert status == 400 and "Host" in got["error"]["message"], (host, got)
 
 
 def test_a_post_that_is_not_json_is_refused(open_front):

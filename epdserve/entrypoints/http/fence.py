@@ -33,12 +33,20 @@ UPLOAD_PATH = "/v1/files"  # multipart bodies are OpenAI's Files API's (files.py
 
 
 def _name(host: str) -> str:
-    """A Host header's host part, lower-case, without port, brackets or a trailing dot."""
+    """A Host header's host part, lower-case, without port, brackets or a trailing dot; "" (a name
+    nothing allows) when anything but ``:PORT`` follows the host (``[::1]evil``,
+    ``localhost:evil``): what follows is never ignored."""
     host = host.strip().lower()
     if host.startswith("["):
-        host = host[1:host.find("]")] if "]" in host else host[1:]
+        end = host.find("]")
+        rest = host[end + 1:] if end != -1 else None
+        if rest is None or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+            return ""
+        host = host[1:end]
     elif host.count(":") == 1:
-        host = host.rsplit(":", 1)[0]
+        host, port = host.rsplit(":", 1)
+        if not port.isdigit():
+            return ""
     return host.rstrip(".")
 
 
