@@ -143,15 +143,15 @@ class EPDServeServicer(serve_pb2_grpc.EPDServeServicer):
     def _status(self, record, insider: bool):
         """An instance as a caller may see it: whole for a cluster-token holder; for anyone else
         without where it runs (address, KV endpoint, pid, host name, model path) and, where tenants
-        share the deployment, without the prefix-cache counters, which count every tenant's hits
-        (an oracle of the others' prompts)."""
+        share the deployment, without the prefix-cache counters and the feature cache's hit rate,
+        which count every tenant's hits (an oracle of the others' prompts and images)."""
         st = record.to_proto()
         if not insider:
             for name in ("address", "kv_endpoint", "pid", "model"):
                 st.ClearField(name)
             st.compute = st.compute.split("@", 1)[0]  # the device, not the host's name
             if self.multi_tenant:
-                for name in ("prefix_queried_tokens", "prefix_hit_tokens", "prefix_cache_hit_rate"):
+                for name in ("prefix_queried_tokens", "prefix_hit_tokens", "prefix_cache_hit_rate", "mm_cache_hit_rate"):
                     st.load.ClearField(name)
         return st
 

@@ -34,6 +34,7 @@ from epdserve.scheduler import SchedulerConfig, SchedulerThread
 from epdserve.security.options import SchedulerSecurity
 from epdserve.security.tenants import TenantKeys, cache_salt
 from tests.instance.harness import wait_until
+from epdserve.transfer.mm_store.server import LocalRedisServer
 from tests.scheduler.harness import image
 from tests.harness import PH
 
@@ -62,8 +63,9 @@ def tenants(qwen2_vl_tiny, keys_file):
     sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), probe_interval_s=0.2,
                                             max_requests_per_tenant=1), security=security)
     sched.start()
-    host = InstanceHost(InstanceConfig(roles="PD", model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
-                                       kv_cache_bytes=8 << 20)).start()
+    store = LocalRedisServer().start()  # features through the MM Store: the feature cache counts its hits
+    host = InstanceHost(InstanceConfig(roles="EPD", model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
+                                       kv_cache_bytes=8 << 20, mm_store=store.url)).start()
     front = HttpFront(sched.server, HttpOptions(tenants=security.tenants, metrics_token="scrape-token"))
     asyncio.run_coroutine_threadsafe(front.start(), sched.loop).result(30)
     try:
@@ -74,6 +76,7 @@ def tenants(qwen2_vl_tiny, keys_file):
         asyncio.run_coroutine_threadsafe(front.stop(), sched.loop).result(30)
         host.stop()
         sched.stop()
+        store.stop()
 
 
 def post(front, path, body, key=None, headers=None):
@@ -208,8 +211,15 @@ def test_server_info_shows_a_tenant_neither_hosts_nor_paths_nor_shared_counters(
     sched, front = tenants
     cached(front, ALICE, SECRET)
     cached(front, ALICE, SECRET)  # hits: the shared counters move
+    with Client(sched.address, timeout=120, api_key=ALICE) as a:
+        for opening in ("Look", "See"):  # one image after two prefixes: the second a feature-cache hit
+            a.generate(f"{opening}: {PH}", [image(11)], **GREEDY)
+    # the roster (the insider's view) has the hit before bob looks: his zero is the field withheld
+    wait_until(lambda: any(r.load.mm_cache_hit_rate > 0 for r in sched.call(lambda: list(sched.server.registry.records()))),
+               what="the feature cache's hit in the roster")
     with Client(sched.address, timeout=30, api_key=BOB) as c:
         info = c.server_info()
     text = str(info)
     assert info.instances and str(qwen2_vl_tiny) not in text and socket.gethostname() not in text
     assert info.prefix_cache_hit_rate == 0 and all(i.load.prefix_hit_tokens == 0 for i in info.instances)
+    assert all(i.load.mm_cache_hit_rate == 0 for i in info.instances)
