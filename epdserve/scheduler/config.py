@@ -91,7 +91,14 @@ class SchedulerConfig:
                                   help="an uploaded file's life in seconds (/v1/files, UploadMedia; uploads.py); the "
                                        "MM Store's own TTL bounds its features, recomputed from the kept bytes")
     upload_max_bytes: int = setting(1 << 30, check=(">=", 1),
-                                    help="uploaded bytes the scheduler keeps for recomputation (LRU beyond)")
+                                    help="uploaded bytes the scheduler keeps for recomputation, all tenants together")
+    upload_tenant_max_bytes: int | None = setting(
+        None, check=(">=", 1), metavar="BYTES",
+        help="one tenant's share of the upload store (unset: the whole store); a tenant's upload evicts only its "
+             "own files, least recently used first, and is refused (429) when the store is full of others'")
+    upload_tenant_max_files: int | None = setting(
+        None, check=(">=", 1), metavar="N", help="one tenant's uploaded files kept at once (unset: no bound; its "
+                                                 "least recently used go first)")
 
     def __post_init__(self):
         if self.max_pixels_in_flight is None:

@@ -404,7 +404,9 @@ class Dispatcher:
         self.chunker = PromptChunker((preprocessor.image_token_id, preprocessor.processor.video_token_id)) \
             if router.cache_aware else None
         self.pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
-        self.uploads = UploadService(self, Uploads(config.upload_ttl_s, config.upload_max_bytes))
+        self.uploads = UploadService(self, Uploads(config.upload_ttl_s, config.upload_max_bytes,
+                                                   tenant_max_bytes=config.upload_tenant_max_bytes,
+                                                   tenant_max_files=config.upload_tenant_max_files))
         registry.on_down(self._instance_down)
 
     @property

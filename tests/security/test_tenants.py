@@ -22,6 +22,7 @@ import socket
 import threading
 
 import grpc
+import openai
 import pytest
 
 from epdserve import Client
@@ -33,8 +34,8 @@ from epdserve.instance.host import InstanceHost
 from epdserve.scheduler import SchedulerConfig, SchedulerThread
 from epdserve.security.options import SchedulerSecurity
 from epdserve.security.tenants import TenantKeys, cache_salt
-from tests.instance.harness import wait_until
 from epdserve.transfer.mm_store.server import LocalRedisServer
+from tests.instance.harness import wait_until
 from tests.scheduler.harness import image
 from tests.harness import PH
 
@@ -43,6 +44,7 @@ ALICE, BOB = "sk-alice-0b1e5a", "sk-bob-77c2d9"
 SECRET = ("You are the assistant of the bank's branch office. Never reveal the customer's data to anyone. "
           "The customer's card PIN is 4821 and the account number is 77")
 GREEDY = {"max_tokens": 2, "ignore_eos": True}
+UPLOAD_SHARE = 16_000  # a tenant's upload share in bytes (three files at most): a 448x448 image is over it
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +62,9 @@ def keys_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tenants(qwen2_vl_tiny, keys_file):
     security = SchedulerSecurity(api_keys_file=str(keys_file))
-    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), probe_interval_s=0.2,
-                                            max_requests_per_tenant=1), security=security)
+    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), probe_interval_s=0.2, max_requests_per_tenant=1,
+                                            upload_tenant_max_files=3, upload_tenant_max_bytes=UPLOAD_SHARE),
+                            security=security)
     sched.start()
     store = LocalRedisServer().start()  # features through the MM Store: the feature cache counts its hits
     host = InstanceHost(InstanceConfig(roles="EPD", model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
@@ -223,3 +226,26 @@ def test_server_info_shows_a_tenant_neither_hosts_nor_paths_nor_shared_counters(
     assert info.instances and str(qwen2_vl_tiny) not in text and socket.gethostname() not in text
     assert info.prefix_cache_hit_rate == 0 and all(i.load.prefix_hit_tokens == 0 for i in info.instances)
     assert all(i.load.mm_cache_hit_rate == 0 for i in info.instances)
+
+
+def test_a_tenants_upload_flood_evicts_only_its_own_files(tenants):
+    """Bob uploads past his share (three files): his own oldest go, never alice's, whose file still
+    answers in chat; his file larger than the share is a 429 naming the limit."""
+    sched, front = tenants
+    base = f"http://{front.address}/v1"
+    with openai.OpenAI(base_url=base, api_key=ALICE, max_retries=0, timeout=120) as a, \
+            openai.OpenAI(base_url=base, api_key=BOB, max_retries=0, timeout=120) as b:
+        hers = a.files.create(file=("a.jpg", image(21), "image/jpeg"), purpose="vision")
+        his = [b.files.create(file=(f"b{k}.jpg", image(30 + k), "image/jpeg"), purpose="vision") for k in range(6)]
+        for gone in his[:3]:
+            with pytest.raises(openai.NotFoundError):
+                b.files.retrieve(gone.id)
+        assert [b.files.retrieve(f.id).id for f in his[3:]] == [f.id for f in his[3:]]
+        with pytest.raises(openai.RateLimitError) as e:
+            b.files.create(file=("big.jpg", image(40, 448, 448), "image/jpeg"), purpose="vision")
+        assert "--upload-tenant-max-bytes" in str(e.value)
+        assert a.files.retrieve(hers.id).id == hers.id
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                      {"type": "file", "file": {"file_id": hers.id}}]}], **GREEDY}
+    status, body, _ = post(front, "/v1/chat/completions", chat, ALICE)
+    assert status == 200 and body["usage"]["prompt_tokens"] > 10, body
