@@ -62,6 +62,10 @@ class SchedulerConfig:
         None, check=(">=", 1), metavar="N",
         help="requests one tenant (an API key of --api-keys-file) may have in flight before RESOURCE_EXHAUSTED / "
              "HTTP 429 with Retry-After (default: only --max-requests)")
+    max_sequences_per_tenant: int | None = setting(
+        None, check=(">=", 1), metavar="N",
+        help="sequences one tenant may have in flight, a request of n choices counting n, before RESOURCE_EXHAUSTED / "
+             "HTTP 429; a request with n above it is refused at once (400) (unset: no bound)")
     max_pixels_in_flight: int | None = setting(
         None, check=(">=", 1), metavar="N",
         help="pixels that the media of the requests in flight declare (images, and every frame of a video the "

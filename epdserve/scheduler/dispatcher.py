@@ -397,6 +397,7 @@ class Dispatcher:
         preprocessor.index.capacity = config.media_index_size
         self.runs: dict[tuple[str, str], RequestRun] = {}  # (tenant, request id) -> its run
         self._per_tenant: dict[str, int] = {}  # tenant -> requests admitted
+        self._seqs_per_tenant: dict[str, int] = {}  # tenant -> their sequences (n each)
         self.finished_listeners: list = []  # each finished request: listener(ttft_s, tpot_s, ok, media, age_s) (the role controller)
         self.background: set[asyncio.Task] = set()
         self._admitted = 0
@@ -432,6 +433,9 @@ class Dispatcher:
         if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise RequestError.invalid(f"cache_salt is {len(req.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
         salt = cache_salt(tenant, req.cache_salt)
+        n, seq_quota = max(1, req.sampling.n), self.config.max_sequences_per_tenant
+        if seq_quota is not None and n > seq_quota:
+            raise RequestError.invalid(f"n={n} sequences exceed a tenant's limit ({seq_quota}: --max-sequences-per-tenant)")
         held = self.pixels.take(pixels)  # INVALID_ARGUMENT first: a request that never fits is no "retry later"
         if self._admitted >= self.config.max_requests_in_flight:
             held.release()
@@ -440,8 +444,14 @@ class Dispatcher:
         if quota is not None and mine >= quota:
             held.release()
             raise RequestError.exhausted(f"this tenant has {mine} requests in flight (its limit {quota})")
+        seqs = self._seqs_per_tenant.get(tenant, 0)
+        if seq_quota is not None and seqs + n > seq_quota:
+            held.release()
+            raise RequestError.exhausted(f"this tenant has {seqs} sequences in flight; {n} more exceed its limit "
+                                         f"({seq_quota}: --max-sequences-per-tenant)")
         self._admitted += 1
         self._per_tenant[tenant] = mine + 1
+        self._seqs_per_tenant[tenant] = seqs + n
         try:
             if req.request_id and (tenant, req.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
@@ -466,11 +476,12 @@ class Dispatcher:
                 self._report_finished(run, ok)
         finally:
             self._admitted -= 1
-            left = self._per_tenant[tenant] - 1
-            if left:
-                self._per_tenant[tenant] = left
-            else:
-                del self._per_tenant[tenant]
+            for counts, k in ((self._per_tenant, 1), (self._seqs_per_tenant, n)):
+                left = counts[tenant] - k
+                if left:
+                    counts[tenant] = left
+                else:
+                    del counts[tenant]
             held.release()
 
     def _block_sizes(self) -> set[int]:

@@ -63,7 +63,7 @@ def keys_file(tmp_path_factory):
 def tenants(qwen2_vl_tiny, keys_file):
     security = SchedulerSecurity(api_keys_file=str(keys_file))
     sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), probe_interval_s=0.2, max_requests_per_tenant=1,
-                                            upload_tenant_max_files=3, upload_tenant_max_bytes=UPLOAD_SHARE),
+                                            max_sequences_per_tenant=4, upload_tenant_max_files=3, upload_tenant_max_bytes=UPLOAD_SHARE),
                             security=security)
     sched.start()
     store = LocalRedisServer().start()  # features through the MM Store: the feature cache counts its hits
@@ -171,6 +171,16 @@ def test_a_tenant_past_its_quota_gets_429_and_others_are_served(tenants):
         assert status == 429 and resp.getheader("Retry-After") == "1", body
         assert cached(front, BOB, "bob is served meanwhile") == 0
         stream.close()
+
+
+def test_n_counts_against_a_tenants_sequences(tenants):
+    """n choices are n sequences: n above the tenant's limit (4) is refused at once, naming it;
+    n at the limit is served, every choice."""
+    front = tenants[1]
+    status, body, _ = post(front, "/v1/completions", {"prompt": "many", "n": 5, **GREEDY}, BOB)
+    assert status == 400 and "--max-sequences-per-tenant" in body["error"]["message"], body
+    status, body, _ = post(front, "/v1/completions", {"prompt": "many", "n": 4, **GREEDY}, BOB)
+    assert status == 200 and len(body["choices"]) == 4, body
 
 
 def test_unknown_keys_are_refused_on_both_fronts(tenants):
