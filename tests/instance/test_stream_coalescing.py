@@ -1,7 +1,10 @@
 """Stream coalescing on an instance: with a stream interval, a request's tokens after the first
-travel in fewer messages, the first token alone and at once, and the tokens are unchanged
-(greedy, against transformers' generate)."""
+travel in fewer messages, the first message goes at once (never held for the interval; it
+carries whatever the engine had already queued, so under load it may hold more than one token),
+and the tokens are unchanged (greedy, against transformers' generate)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -9,6 +12,8 @@ from epdserve.engine.outputs import RequestOutput
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.convert import coalesce
 from epdserve.instance.host import InstanceHost
+from epdserve.instance.servicer import InstanceServicer
+from epdserve.instance.worker import RequestHandle
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.rpc import common_pb2, instance_pb2
 from tests.instance.harness import PH, Prepared, image, stub
@@ -39,5 +44,23 @@ def test_tokens_after_the_first_travel_together(pd_host, qwen2_vl_tiny):
         sampling=common_pb2.SamplingParams(max_tokens=12, ignore_eos=True)), timeout=120))
     tokens = [t for d in deltas for t in d.token_ids]
     assert tokens == ref.generate(prompt, images, max_tokens=12)
-    assert len(deltas[0].token_ids) == 1  # the first token is never held
     assert len(deltas) < len(tokens) and deltas[-1].finished
+
+
+def _out(tokens: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", tokens, "", tokens, "", finished)
+
+
+def test_the_first_message_is_never_held_and_joins_what_is_queued():
+    """Before a request has streamed anything its next message waits for nothing: with an hour's
+    stream interval, one queued output goes out alone at once (held, this test would hang); two
+    queued outputs go out joined."""
+    servicer = InstanceServicer(SimpleNamespace(config=SimpleNamespace(stream_interval_ms=3_600_000)))
+    handle = RequestHandle("r")
+    handle.put(_out([5]))
+    (first,) = servicer._next_deltas(handle, None, streamed=False, unfinished=1)
+    assert first.new_token_ids == [5]
+    handle.put(_out([6]))
+    handle.put(_out([7], finished=True))
+    (joined,) = servicer._next_deltas(handle, None, streamed=False, unfinished=1)
+    assert joined.new_token_ids == [6, 7] and joined.finished
