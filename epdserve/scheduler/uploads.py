@@ -72,16 +72,12 @@ class Uploads:
         f = UploadedFile(f"file-{secrets.token_hex(12)}", owner, filename, data, key, list(grid_thw), num_tokens,
                          now, now + self.ttl_s)
         with self._lock:
-            for fid in [fid for fid, x in self._files.items() if x.expires_at <= now]:
-                self._drop(fid)
-            mine = self._owned.get(owner, [0, 0])
-            while mine[0] + size > self.tenant_max_bytes or (
-                    self.tenant_max_files is not None and mine[1] + 1 > self.tenant_max_files):
-                self._drop(self._oldest_of(owner))  # the share holds this file alone: some of its own exist
-                mine = self._owned.get(owner, [0, 0])
-            while self._bytes + size > self.max_bytes:
+            if self._over(owner, size):  # expired files of anyone first: they are dead already
+                for fid in [fid for fid, x in self._files.items() if x.expires_at <= now]:
+                    self._drop(fid)
+            while self._over(owner, size):  # then the owner's own, least recently used first
                 victim = self._oldest_of(owner)
-                if victim is None:
+                if victim is None:  # only the store's bound is left: the room is other tenants' files
                     raise RequestError.exhausted(
                         f"the upload store is full ({self.max_bytes} bytes: --upload-max-bytes) with other tenants' "
                         "files, which are never evicted for another's; retry when they expire, or lower "
@@ -116,6 +112,12 @@ class Uploads:
     def __len__(self) -> int:
         with self._lock:
             return len(self._files)
+
+    def _over(self, owner: str, size: int) -> bool:
+        """Would a file of `size` bytes put `owner`'s share or the store past a bound?"""
+        held_bytes, held_files = self._owned.get(owner, (0, 0))
+        return (held_bytes + size > self.tenant_max_bytes or self._bytes + size > self.max_bytes
+                or (self.tenant_max_files is not None and held_files + 1 > self.tenant_max_files))
 
     def _oldest_of(self, owner: str) -> str | None:
         return next((fid for fid, f in self._files.items() if f.owner == owner), None)

@@ -22,6 +22,7 @@ Both answer in OpenAI's error shape (`errors.ApiError`) and are counted as every
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from urllib.parse import urlsplit
 
@@ -29,6 +30,7 @@ from epdserve.entrypoints.http.errors import ApiError
 from epdserve.security.exposure import is_loopback
 
 _ANY = ("", "0.0.0.0", "::", "[::]", "*")
+_PORT = re.compile(r"(:[0-9]+)?")  # what may follow a Host header's host: nothing, or ASCII digits of a port
 UPLOAD_PATH = "/v1/files"  # multipart bodies are OpenAI's Files API's (files.py)
 
 
@@ -39,13 +41,12 @@ def _name(host: str) -> str:
     host = host.strip().lower()
     if host.startswith("["):
         end = host.find("]")
-        rest = host[end + 1:] if end != -1 else None
-        if rest is None or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+        if end == -1 or not _PORT.fullmatch(host[end + 1:]):
             return ""
         host = host[1:end]
     elif host.count(":") == 1:
         host, port = host.rsplit(":", 1)
-        if not port.isdigit():
+        if not _PORT.fullmatch(":" + port):
             return ""
     return host.rstrip(".")
 
