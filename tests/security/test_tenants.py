@@ -138,7 +138,7 @@ def test_another_tenants_media_key_answers_as_an_unknown_key(tenants):
             answers.append((e.value.code, e.value.details.replace(k, "KEY")))
         assert answers[0] == answers[1] and answers[0][0] == grpc.StatusCode.INVALID_ARGUMENT
         assert "unknown media key" in answers[0][1]
-        try:  # alice's own key is known to her (its features may be gone from a store-less instance)
+        try:  # alice's own key is known to her (its features may be gone from the MM Store by then)
             a.generate(f"Again {PH}", [MediaKey(key)], **GREEDY)
         except EPDServeError as e:
             assert "unknown media key" not in e.details
