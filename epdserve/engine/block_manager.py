@@ -92,6 +92,19 @@ class BlockManager:
             del self._tables[request_id]
             self._seen.pop(request_id, None)
 
+    def hold(self, blocks) -> None:
+        """One more reference to each of `blocks`, owned by no request (a pending device copy
+        reads or writes them): nothing else gets them until `release`."""
+        for b in blocks:
+            if self._refs[b] == 0 and self._cached_free.pop(b, None) is None:
+                self._free.remove(b)
+            self._refs[b] += 1
+
+    def release(self, blocks) -> None:
+        """Drop the references `hold` took."""
+        for b in blocks:
+            self._release(b)
+
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat slot indices of token positions [start, end)."""
         table, bs = self._tables[request_id], self.block_size

@@ -1,5 +1,9 @@
 """LLMEngine: one engine's step loop — encode → schedule → execute → update.
 
+A step is three calls on one contract (engine/step_contract.py): `Scheduler.schedule` plans a
+frozen `ScheduledStep`, `ModelRunner.execute` returns a `StepResult`, `Scheduler.update` applies
+it (forks, tokens, stops, frees) and names the requests with something new to emit.
+
 Public API (the only way in for workers, transfer and benchmarks):
 - `build_request(id, prompt, images, params)`: raw prompt → `EngineRequest` (preprocessing;
   bad input raises InvalidRequestError);
@@ -71,6 +75,7 @@ class LLMEngine:
         ops.check_kv_spec(spec, a.num_heads, self.model.device)  # refuse at start-up what the kernels refuse
         self.kv_cache = PagedKVCache(spec, num_blocks, self.model.device)
         self.kv_connector = kv_connector
+        self.grammars = GrammarBackend(self.model.tokenizer, a.text_config.vocab_size, self.model.eos_token_ids)
         if kv_connector is not None:
             kv_connector.register_kv_cache(self.kv_cache, self.platform)
         self.scheduler = Scheduler(
@@ -78,7 +83,7 @@ class LLMEngine:
                             hands_off=not config.decodes),
             BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching),
             StopChecker(self.model.tokenizer, self.model.eos_token_ids, self.max_model_len), kv_connector,
-            PrefixHasher(config.block_size, (a.image_token_id, a.video_token_id)),
+            PrefixHasher(config.block_size, (a.image_token_id, a.video_token_id)), self.grammars,
         )
         self.runner = ModelRunner(a, self.model.lm, self.kv_cache, ops,
                                   layer_ops(self.platform, config.ops), self.platform, kv_connector,
@@ -88,7 +93,6 @@ class LLMEngine:
         if capture_s:
             log.info("captured decode graphs for batch sizes %s in %.2f s", self.runner.graphs.buckets, capture_s)
         self.features = features or LocalFeatureProvider()
-        self.grammars = GrammarBackend(self.model.tokenizer, a.text_config.vocab_size, self.model.eos_token_ids)
         self.grammar_compiles = GrammarCompiles(self.grammars)  # new grammars compile off the loop
         self.stats = EngineStats()
         # only an engine that decodes has inter-token gaps to protect
@@ -98,7 +102,6 @@ class LLMEngine:
             token_budget=config.encode_token_budget, stats=self.stats, budget=self.budget,
             per_item=config.encode_per_item and config.encodes and not config.prefills,
         )
-        self.forker = sequence_group.Forker(self.scheduler, self.kv_cache, self.grammars)
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
@@ -229,7 +232,7 @@ class LLMEngine:
             return
         seed = seq.params.seed
         gens = sequence_group.ChoiceGroup.of(None if seed is None else seed + 1, seq.params.n, self.model.device)
-        children = [self.forker.child(seq, j, gens.generators[j - 1]) for j in range(1, seq.params.n)]
+        children = [self.scheduler.forker.child(seq, j, gens.generators[j - 1]) for j in range(1, seq.params.n)]
         self.scheduler.reserve_choices(seq, children)
         self._seqs.update((c.request_id, c) for c in children)
 
@@ -267,29 +270,34 @@ class LLMEngine:
             t = time.perf_counter()
             self._encode_step(plan)
             encode_s = time.perf_counter() - t
-        batch = self.scheduler.schedule(plan(0, encode_s).prefill_tokens if plan else None)
-        if batch:
-            t0 = time.perf_counter()
-            try:
-                self.kv_cache.copy_blocks(self.scheduler.take_block_copies())  # received groups' choices
-                sampled = self.runner.execute(batch)
-                if self.budget is not None:
-                    self.budget.record_step(sum(item.num_tokens for item in batch), time.perf_counter() - t0)
-            except Exception as e:  # the batch's requests fail (retryable); the engine goes on
-                log.exception("engine step failed")
-                self._fail_batch(batch, f"step failed: {e}")
-            else:
-                t1 = time.perf_counter()
-                for seq in self.forker.fork(batch):  # n > 1: the choices start at the first token
-                    self._seqs[seq.request_id] = seq
-                    self._emit(seq)
-                for seq in self.scheduler.update(batch, sampled):
-                    self._emit(seq)
-                inputs_s = self.runner.inputs_s  # host time inside execute
-                self.stats.record_step(batch, t0 - t_start - encode_s, inputs_s, t1 - t0 - inputs_s,
-                                       time.perf_counter() - t1)
+        step = self.scheduler.schedule(plan(0, encode_s).prefill_tokens if plan else None)
+        if step.rows or step.block_copies:
+            self._run(step, t_start + encode_s)
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _run(self, step, scheduled_from: float) -> None:
+        """Execute `step` and apply its result; a forward that raises fails the step's requests
+        (retryable) and the engine goes on."""
+        t0 = time.perf_counter()
+        try:
+            result = self.runner.execute(step)
+        except Exception as e:
+            log.exception("engine step failed")
+            if self.kv_connector is not None:
+                self.kv_connector.abort_step(f"step failed: {e}")
+            for seq in self.scheduler.step_failed(step, f"step failed: {e}"):
+                self._emit(seq)
+            return
+        t1 = time.perf_counter()
+        if self.budget is not None and step.rows:
+            self.budget.record_step(step.num_tokens, t1 - t0)
+        for seq in self.scheduler.update(step, result):
+            self._seqs.setdefault(seq.request_id, seq)  # a choice forked this step
+            self._emit(seq)
+        if step.rows:
+            self.stats.record_step(step.rows, t0 - scheduled_from, result.inputs_s, t1 - t0 - result.inputs_s,
+                                   time.perf_counter() - t1)
 
     def _grammars_compiled(self) -> None:
         """Requests whose grammar compiled may be scheduled from now; a failed compile fails its
@@ -304,14 +312,6 @@ class LLMEngine:
     def close(self) -> None:
         """Release what the engine runs besides its loop (the grammar compile pool)."""
         self.grammar_compiles.close()
-
-    def _fail_batch(self, batch, message: str) -> None:
-        if self.kv_connector is not None:
-            self.kv_connector.abort_step(message)
-        for item in batch:
-            if not item.seq.state.done:
-                self.scheduler.fail(item.seq, message, retryable=True)
-                self._emit(item.seq)
 
     def _plan(self) -> Callable[..., StepPlan] | None:
         """This step's plan (engine/step_budget.py): `plan(patches, spent)` for `patches` of encode

@@ -1,9 +1,12 @@
-"""Model runner: turns a scheduled batch into one packed forward pass and sampled tokens.
+"""Model runner: turns a `ScheduledStep` into one packed forward pass and a `StepResult`.
 
-Owns the device-side work of a step: packing its inputs (token ids, M-RoPE positions, rows that
+`execute(step)` (engine/step_contract.py) runs the step's block copies, then the forward, then
+the sampler, and returns what it drew; it assigns nothing on the scheduler's objects (it reads
+each row's request for its inputs). Owns the device-side work of a step: packing its inputs (token ids, M-RoPE positions, rows that
 sample, the attention metadata) into one buffer uploaded with one copy (engine/step_buffers.py),
 text embeddings with media features spliced in, the lean LM forward (engine/lm/), the LM head on
-the rows that sample, the structured outputs' grammar masks (engine/grammar.py) and the sampler. The step reads one thing back: the sampled tokens. The KV
+the rows that sample, and the sampler (engine/sampler.py `StepSampler`: bias, penalties, grammar
+mask, tokens, a group's choices). The step reads one thing back: the sampled tokens. The KV
 connector's worker side runs inside the forward: `start_load_kv` before it,
 `wait_for_layer_load(i)` before layer i, `save_kv_layer(i)` after it (the P→D transfer sends
 layer i while layer i+1 computes), `wait_for_save` at the end. Block tables come with the batch;
@@ -22,16 +25,12 @@ from array import array
 
 import torch
 
-from epdserve.engine.grammar import TokenMasker
 from epdserve.engine.graph_runner import DecodeGraphs
 from epdserve.engine.kv_cache import PagedKVCache
 from epdserve.engine.lm.forward import LeanLM
-from epdserve.engine.logits_process import apply_processors
-from epdserve.engine.sequence_group import draw_choices
-from epdserve.engine.logprobs import gather, log_probs
-from epdserve.engine.sampler import sample
-from epdserve.engine.scheduler import ScheduledSeq
+from epdserve.engine.sampler import StepSampler
 from epdserve.engine.step_buffers import StepBuffers
+from epdserve.engine.step_contract import ScheduledStep, StepResult, StepRow
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.deepstack import chunk_deepstack
 from epdserve.ops.attention_meta import RequestSpan, StepPacker, plan_attention_meta
@@ -63,10 +62,8 @@ class ModelRunner:
         self.connector = connector
         self.device = adapter.device
         self.buffers = StepBuffers(self.device, platform)
-        self.inputs_s = 0.0
         self.graphs: DecodeGraphs | None = None
-        self.masker: TokenMasker | None = None  # structured outputs' bitmask, built at the first grammar
-        self._max_batch = max_batch
+        self.sampler = StepSampler(max_batch)
         moe = any(w.moe is not None for w in lm.layers)
         if platform.has_graphs and not enforce_eager and not moe and not _layerwise(connector):
             bs = kv_cache.spec.block_size
@@ -106,15 +103,18 @@ class ModelRunner:
         return emb
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> list[int | None]:
-        """Run one step; returns the sampled token per item (None where the item only prefilled a chunk)."""
+    def execute(self, step: ScheduledStep) -> StepResult:
+        """Run one step: its block copies, its forward, its sampling."""
         t0 = time.perf_counter()
-        if all(item.num_tokens == 1 and item.start >= item.seq.prompt_len and item.samples for item in batch):
-            return self._decode(batch, t0)
-        return self._mixed(batch, t0)
+        self.kv_cache.copy_blocks(list(step.block_copies))
+        if not step.rows:
+            return StepResult((), (), ())
+        if step.decode_only:
+            return self._decode(step.rows, t0)
+        return self._mixed(step, t0)
 
     # ------------------------------------------------------------------ decode-only steps
-    def _decode(self, batch: list[ScheduledSeq], t0: float) -> list[int | None]:
+    def _decode(self, batch: tuple[StepRow, ...], t0: float) -> StepResult:
         bs = self.kv_cache.spec.block_size
         ids, slots, ctx, tables = array("q"), array("q"), array("q"), []
         pos = array("q")
@@ -129,13 +129,13 @@ class ModelRunner:
         self._ensure_positions(max(pos) + 1)
         key = self.graphs.key(batch) if self.graphs is not None else None
         if key is not None:
-            self.inputs_s = time.perf_counter() - t0
+            inputs_s = time.perf_counter() - t0
             try:
                 logits = self.graphs.run(key, ids, (pos, pos, pos), slots, ctx, tables)
             except Exception as e:  # a new bucket that failed to capture: eager from now on
                 self._graphs_off(e)
             else:
-                return self._sample_rows(batch, list(range(len(batch))), logits)
+                return self._sample(batch, logits, inputs_s)
         spans = [RequestSpan(k, 1, c, t) for k, (c, t) in enumerate(zip(ctx, tables))]
         p = StepPacker()
         i_ids = p.add(ids, torch.int64)
@@ -143,14 +143,14 @@ class ModelRunner:
         build = plan_attention_meta(p, spans, slots, self.kv_cache, self.ops)
         up = self.buffers.upload(p)
         meta = build(up)
-        self.inputs_s = time.perf_counter() - t0
+        inputs_s = time.perf_counter() - t0
         hidden = self.lm.embed(up[i_ids])
         normed = self.lm.forward(hidden, up[i_pos], meta, self.layer_ops, self.connector)
-        return self._sample_rows(batch, list(range(len(batch))), self.lm.logits(normed).float())
+        return self._sample(batch, self.lm.logits(normed).float(), inputs_s)
 
     # ------------------------------------------------------------------ steps with prompt chunks
-    def _mixed(self, batch: list[ScheduledSeq], t0: float) -> list[int | None]:
-        bs = self.kv_cache.spec.block_size
+    def _mixed(self, step: ScheduledStep, t0: float) -> StepResult:
+        batch, bs = step.rows, self.kv_cache.spec.block_size
         ids, slots, spans, sample_rows = array("q"), array("q"), [], []
         pos: list[list[int]] = [[], [], []]
         embed_rows: list[tuple[int, torch.Tensor]] = []
@@ -181,19 +181,18 @@ class ModelRunner:
         for off, rows in embed_rows:
             hidden[off : off + rows.shape[0]] = rows
         deepstack = self._deepstack(batch, hidden) if self.adapter.num_deepstack else None
-        self.inputs_s = time.perf_counter() - t0  # host time of building this step's inputs (EngineStats)
+        inputs_s = time.perf_counter() - t0  # host time of building this step's inputs (EngineStats)
         normed = self.lm.forward(hidden, up[i_pos], meta, self.layer_ops, self.connector, deepstack)
         if not sample_rows:
-            return [None] * len(batch)
-        logits = self.lm.logits(normed.index_select(0, up[i_rows])).float()
-        sampling = [k for k, item in enumerate(batch) if item.samples]
-        return self._sample_rows(batch, sampling, logits)
+            return StepResult((None,) * len(batch), (None,) * len(batch), (None,) * len(batch), inputs_s)
+        return self._sample(step.sampling, self.lm.logits(normed.index_select(0, up[i_rows])).float(), inputs_s,
+                            batch)
 
     def _ensure_positions(self, length: int) -> None:
         if self.lm.rotary.ensure(length) and self.graphs is not None:
             self.graphs.reset()  # the graphs read the tables that were replaced
 
-    def _deepstack(self, batch: list[ScheduledSeq], hidden: torch.Tensor):
+    def _deepstack(self, batch: tuple[StepRow, ...], hidden: torch.Tensor):
         """(packed rows of the visual tokens in this step's prompt chunks, per deepstack layer their
         features), or None when the step has none."""
         rows: list[int] = []
@@ -214,24 +213,15 @@ class ModelRunner:
         layers = [torch.cat([f[i] for f in per_item]).to(dev, dtype) for i in range(len(per_item[0]))]
         return torch.tensor(rows, dtype=torch.long, device=dev), layers
 
-    def _sample_rows(self, batch: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor) -> list[int | None]:
-        """Raw log probabilities (for the rows that ask), then bias and penalties, then sampling;
-        each item's `TokenLogprob` lands on it (`ScheduledSeq.logprob`)."""
-        result: list[int | None] = [None] * len(batch)
-        seqs = [batch[k].seq for k in sampling]
-        want = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
-        lp = log_probs(logits, want)  # raw: before bias, penalties, the grammar's mask and temperature
-        apply_processors(logits, seqs)
-        grammars = [(j, s.grammar, s.output_token_ids) for j, s in enumerate(seqs) if s.grammar is not None]
-        if grammars:
-            if self.masker is None:
-                self.masker = TokenMasker(logits.shape[-1], logits.device, rows=self._max_batch)
-            self.masker(logits, grammars)
-        toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        draw_choices([batch[k] for k in sampling], seqs, logits, lp, want)  # n > 1: the other choices' first tokens
-        for k, t in zip(sampling, toks):
-            result[k] = t
-        if lp is not None:
-            for r, entry in zip(want, gather(lp, [toks[r] for r in want], [seqs[r].params.logprobs for r in want])):
-                batch[sampling[r]].logprob = entry
-        return result
+    def _sample(self, sampling, logits: torch.Tensor, inputs_s: float, rows=None) -> StepResult:
+        """The step's result from the logits of its `sampling` rows (in sample-row order) among
+        `rows` (every row of the step; default: `sampling`, a step where every row samples)."""
+        toks, logprobs, choices = self.sampler(logits, [r.seq for r in sampling])
+        if rows is None or len(rows) == len(sampling):
+            return StepResult(tuple(toks), tuple(logprobs), tuple(choices), inputs_s)
+        per_row: list = [(None, None, None)] * len(rows)
+        for k, r in enumerate(rows):
+            if r.sample_row is not None:
+                per_row[k] = (toks[r.sample_row], logprobs[r.sample_row], choices[r.sample_row])
+        t, lp, ch = zip(*per_row)
+        return StepResult(t, lp, ch, inputs_s)

@@ -18,8 +18,10 @@ to be admitted first takes the longest cached run of its prompt's full blocks
 A remote-KV request (decode role) takes its cached prefix at `add`, so that only the rest of its
 prompt's KV is imported (the connector is told through `num_remote_tokens` /
 `on_blocks_allocated`); the KV it imports is hashed like computed KV and serves later imports.
-`update(batch, sampled)` is the step's postprocessing: computed counts, appended tokens, stop
-checks, finishing (blocks freed, or held while the KV connector still uses them).
+`schedule()` returns a frozen `ScheduledStep` (engine/step_contract.py): the rows, and every block
+copy pending. `update(step, result)` is the step's postprocessing, from the runner's returned
+`StepResult`: a group's choices fork, computed counts, appended tokens, stop checks, finishing
+(blocks freed, or held while the KV connector still uses them); `step_failed` when the forward raised.
 A request with n choices counts n against `max_num_seqs` from its admission; at its first token
 its choices fork (`fork`, engine/sequence_group.py) sharing its full prompt blocks.
 `poll_connector()` applies the connector's finished transfers: received KV starts a request's
@@ -29,40 +31,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from array import array
 from dataclasses import dataclass
 
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.prefix_hash import PrefixHasher
 from epdserve.engine.sequence import RequestState, Sequence
+from epdserve.engine.sequence_group import Forker
+from epdserve.engine.step_contract import ScheduledStep, StepResult
 from epdserve.engine.stop_checker import StopChecker
 from epdserve.seams.kv_connector import FinishedTransfer, KVConnector
 
 S = RequestState
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # first token index computed this step
-    num_tokens: int
-    block_ids: array | tuple[int, ...] = ()  # the request's block table for this step (an int64 copy)
-    logprob: object = None  # the sampled token's TokenLogprob (engine/logprobs.py), when the request asks
-    forks: list | None = None  # a group's first token: (token, TokenLogprob) of choices 1..n-1 (engine/sequence_group.py)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """A token is sampled when this step reaches the last known token of the request."""
-        return self.end == self.seq.num_tokens
-
-    def slots(self, block_size: int) -> list[int]:
-        """Flat cache slots of the tokens computed this step."""
-        t = self.block_ids
-        return [t[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)]
 
 
 @dataclass(frozen=True)
@@ -75,7 +54,7 @@ class StepSchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: StepSchedulerConfig, blocks: BlockManager, stop_checker: StopChecker,
-                 connector: KVConnector | None = None, hasher: PrefixHasher | None = None):
+                 connector: KVConnector | None = None, hasher: PrefixHasher | None = None, grammars=None):
         self.config = config
         self._blocks = blocks
         self.hasher = hasher if blocks.prefix_caching else None
@@ -88,8 +67,9 @@ class Scheduler:
         self.remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV
         self.held: dict[str, Sequence] = {}  # KV_HELD
         self.remote_choices: dict[str, list[Sequence]] = {}  # a remote-KV group's choices 1..n-1, until its KV is in
-        self.block_copies: list[tuple[int, int]] = []  # (source, destination) for the engine to copy before a forward
+        self.block_copies: list[tuple[int, int]] = []  # (source, destination), both held: for the next step
         self.num_preemptions = 0
+        self.forker = Forker(self, grammars)  # n > 1: a group's choices at its first token
 
     # ---------------------------------------------------------------- requests in / out
     def add(self, seq: Sequence) -> None:
@@ -168,11 +148,11 @@ class Scheduler:
         seq.error, seq.finish_reason, seq.retryable = message, "error", retryable
         self.finish(seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start `child`, a choice of `parent` forked at its first token (engine/sequence_group.py):
         it shares the parent's full prompt blocks; the partial last one is copied into a block of
-        its own, returned as (source, destination) for the device copy. With no block free, the
-        choice waits to recompute its last partial block, like a preempted request."""
+        its own before the next forward (`block_copies`). With no block free, the choice waits to
+        recompute its last partial block, like a preempted request."""
         bs, p = self._blocks.block_size, parent.prompt_len
         table = self._blocks.table(parent.request_id)
         self._blocks.adopt(child.request_id, list(table[: p // bs]))
@@ -180,14 +160,12 @@ class Scheduler:
             child.num_computed_tokens = p // bs * bs
             child.state = S.WAITING
             self.waiting.appendleft(child)
-            return None
-        pair = None
+            return
         if p % bs:
-            pair = (table[p // bs], self._blocks.grow(child.request_id, p)[p // bs])
+            self._copy_block(table[p // bs], self._blocks.grow(child.request_id, p)[p // bs])
         child.num_computed_tokens = p
         child.state = S.RUNNING
         self.running.append(child)
-        return pair
 
     def reserve_choices(self, parent: Sequence, children: list[Sequence]) -> None:
         """Decode side, n > 1: the KV of `parent` (reserved, expected) serves its choices too. Each
@@ -206,9 +184,11 @@ class Scheduler:
             child.state = S.WAITING_FOR_REMOTE_KV
         self.remote_choices[parent.request_id] = children
 
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        out, self.block_copies = self.block_copies, []
-        return out
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy `src` into `dst` before the next forward; both are held until that step has run
+        (nothing else gets them, nothing imports into them, before the copy reads them)."""
+        self._blocks.hold((src, dst))
+        self.block_copies.append((src, dst))
 
     @property
     def block_size(self) -> int:
@@ -246,11 +226,12 @@ class Scheduler:
         return sum(s.num_tokens - s.num_computed_tokens for s in self.running if s.in_prefill) + \
             sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
 
-    def schedule(self, prefill_budget: int | None = None) -> list[ScheduledSeq]:
-        """This step's work; `prefill_budget` caps the prefill tokens beside the decodes
-        (engine/step_budget.py), None: only `max_num_batched_tokens` does."""
+    def schedule(self, prefill_budget: int | None = None) -> ScheduledStep:
+        """This step's work (engine/step_contract.py): its rows, and every block copy pending;
+        `prefill_budget` caps the prefill tokens beside the decodes (engine/step_budget.py), None:
+        only `max_num_batched_tokens` does."""
         budget = self.config.max_num_batched_tokens
-        out: list[ScheduledSeq] = []
+        out: list[tuple[Sequence, int, int, list[int]]] = []  # (request, start, tokens, block table)
         # 1. decodes (oldest first, so preemption takes the newest)
         for seq in sorted((s for s in self.running if not s.in_prefill and _grammar_ready(s)), key=lambda s: s.arrival):
             if seq not in self.running:
@@ -260,12 +241,11 @@ class Scheduler:
                 if victim is None:
                     break
                 self._preempt(victim)
-                out = [s for s in out if s.seq is not victim]
+                out = [span for span in out if span[0] is not victim]
             if not self._blocks.can_grow(seq.request_id, seq.num_tokens):
                 self._preempt(seq)
                 continue
-            table = self._blocks.grow(seq.request_id, seq.num_tokens)
-            out.append(ScheduledSeq(seq, seq.num_tokens - 1, 1, table[:]))
+            out.append((seq, seq.num_tokens - 1, 1, self._blocks.grow(seq.request_id, seq.num_tokens)))
             budget -= 1
         if prefill_budget is not None:
             budget = min(budget, prefill_budget)
@@ -273,10 +253,10 @@ class Scheduler:
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0:
                 break
-            item = self._prefill_chunk(seq, budget)
-            if item:
-                out.append(item)
-                budget -= item.num_tokens
+            span = self._prefill_chunk(seq, budget)
+            if span:
+                out.append(span)
+                budget -= span[2]
         # 3. admissions
         chunked = self.config.chunked_prefill
         width = sum(s.width for s in self.running)  # a group counts its n choices from its admission
@@ -287,34 +267,48 @@ class Scheduler:
             if not chunked and seq.num_tokens - seq.num_computed_tokens > budget and out:
                 break
             self.reuse_prefix(seq)
-            item = self._prefill_chunk(seq, budget if chunked else max(budget, seq.num_tokens))
-            if item is None:
+            span = self._prefill_chunk(seq, budget if chunked else max(budget, seq.num_tokens))
+            if span is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.remove(seq)
             self._count_prefix(seq)
             seq.state = S.RUNNING
             self.running.append(seq)
             width += seq.width
-            out.append(item)
-            budget -= item.num_tokens
-        if out and self.connector is not None:
-            self.connector.build_step(out)
-        return out
+            out.append(span)
+            budget -= span[2]
+        step = ScheduledStep.of(out, self.block_copies)
+        self.block_copies = []
+        if step.rows and self.connector is not None:
+            self.connector.build_step(step.rows)
+        return step
 
-    def update(self, batch: list[ScheduledSeq], sampled: list[int | None]) -> list[Sequence]:
-        """Apply one forward's results; returns the requests with a new token or a new end."""
-        touched = self.poll_connector()  # a send refused or finished in this step is known before finishing
+    def step_failed(self, step: ScheduledStep, message: str) -> list[Sequence]:
+        """The forward of `step` raised: its requests fail (retryable), its copies' blocks go."""
+        self._blocks.release(b for pair in step.block_copies for b in pair)
+        failed = [row.seq for row in step.rows if not row.seq.state.done]
+        for seq in failed:
+            self.fail(seq, message, retryable=True)
+        return failed
+
+    def update(self, step: ScheduledStep, result: StepResult) -> list[Sequence]:
+        """Apply one forward's results: a group's choices fork, tokens are appended, stops
+        checked, finished requests' blocks freed (or held for the connector). Returns the
+        requests with a new token or a new end, the new choices first."""
+        self._blocks.release(b for pair in step.block_copies for b in pair)  # copied: the holds go
+        touched = self.forker.fork(step, result)
+        touched += self.poll_connector()  # a send refused or finished in this step is known before finishing
         now = time.time()
-        for item, tok in zip(batch, sampled):
-            seq = item.seq
-            seq.num_computed_tokens = item.end
+        for row, tok, logprob in zip(step.rows, result.tokens, result.logprobs):
+            seq = row.seq
+            seq.num_computed_tokens = row.end
             if self.hasher is not None:  # a block that filled up may serve later prompts
-                self._cache_full_blocks(seq, item.end)
+                self._cache_full_blocks(seq, row.end)
             if tok is None or seq.state is not S.RUNNING:
                 continue
             seq.output_token_ids.append(tok)
-            if item.logprob is not None:
-                seq.output_logprobs.append(item.logprob)
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
             if len(seq.output_token_ids) == 1:
                 seq.timings.setdefault("first_token", now)
             elif seq.kv_transfer is not None:
@@ -369,9 +363,8 @@ class Scheduler:
         if self._start_received(child, FinishedTransfer(ft.request_id, None, ft.choice_tokens[child.choice - 1],
                                                         ft.rope_delta)):
             return True
-        if p % bs:  # copied before the next forward (LLMEngine.step), while no one has written it
-            self.block_copies.append((self._blocks.table(parent.request_id)[p // bs],
-                                      self._blocks.table(child.request_id)[p // bs]))
+        if p % bs:  # copied before the next forward, while no one has written it
+            self._copy_block(self._blocks.table(parent.request_id)[p // bs], self._blocks.table(child.request_id)[p // bs])
         return False
 
     def _start_received(self, seq: Sequence, ft: FinishedTransfer) -> list[Sequence]:
@@ -389,7 +382,7 @@ class Scheduler:
         self.running.append(seq)
         return []
 
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> tuple[Sequence, int, int, list[int]] | None:
         start = seq.num_computed_tokens
         end = seq.num_tokens if seq.prefill_limit is None else min(seq.num_tokens, seq.prefill_limit)
         n = min(budget, end - start)
@@ -397,7 +390,7 @@ class Scheduler:
             return None
         table = self._blocks.grow(seq.request_id, start + n)
         seq.timings.setdefault("prefill_start", time.time())
-        return ScheduledSeq(seq, start, n, table[:])
+        return seq, start, n, table
 
     def _cache_full_blocks(self, seq: Sequence, computed: int) -> None:
         """Hash the request's full blocks among its `computed` tokens into the prefix cache, once a

@@ -3,15 +3,16 @@
 The request's own `Sequence` is choice 0 and carries a `ChoiceGroup` (the generators of choices
 1..n-1, seeded `seed + j`, `choice_seed`: what the fronts gave the n requests a group replaces,
 so a seeded group reproduces them) until it forks. The prompt is computed once, as one
-sequence. At the step that samples its first token the runner draws n tokens from the same
+sequence. At the step that samples its first token the sampler draws n tokens from the same
 last-position logits row, after bias, penalties and the grammar's mask, each with its own choice's
-generator (`draw_choices`: the row is the same for every choice, whose outputs are all still
-empty). Before the step's update, `fork` makes choices 1..n-1: each a `Sequence` with the
+generator (engine/sampler.py `draw_choices`: the row is the same for every choice, whose outputs
+are all still empty), returned in the step's result (`StepResult.choices`). The scheduler's
+update first calls `fork`, which makes choices 1..n-1: each a `Sequence` with the
 internal id ``<id>-c<j>`` (block tables, the scheduler's queues) whose outputs say request
 ``<id>``, `index` j (`Sequence.output_id`, `RequestOutput.index`). A choice shares the parent's
 full prompt blocks by reference count; the partial last block (the one the choices go on writing)
-is copied on the device into a block of its own (`Scheduler.fork`, `PagedKVCache.copy_blocks`), so
-no shared block is ever written, and a block is freed when its last holder lets it go. From there
+is copied on the device into a block of its own before the next forward (`Scheduler.fork` puts
+the copy in the next step's `block_copies`, engine/step_contract.py), so no shared block is ever written, and a block is freed when its last holder lets it go. From there
 each choice is an ordinary sequence: its own stop checks and detokenization, its own grammar
 matcher (a fresh one; it replays its own output), its own penalty counts and logprobs; preempted,
 it is recomputed from the prompt and its own output (prompt embeddings and positions are the
@@ -32,9 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epdserve.engine.logprobs import gather
 from epdserve.engine.outputs import RequestOutput
-from epdserve.engine.sampler import sample
 from epdserve.engine.sequence import RequestState, Sequence
 from epdserve.request_errors import InvalidRequestError
 
@@ -80,33 +79,16 @@ def check(seq: Sequence, in_flight, max_num_seqs: int) -> None:
         raise ValueError(f"request id {clash[0]!r} (a choice of {seq.request_id!r}) is already in flight")
 
 
-def draw_choices(items: list, seqs: list[Sequence], logits: torch.Tensor, lp: torch.Tensor | None,
-                 want: list[int]) -> None:
-    """For each row r of `logits` (processed, masked) whose sequence is a group at its first
-    token, draw choices 1..n-1 from that row with their own generators; (token, TokenLogprob or
-    None) per choice lands on `items[r].forks`."""
-    for r, seq in enumerate(seqs):
-        g = seq.group
-        if g is None or seq.output_token_ids:
-            continue
-        m = g.n - 1
-        toks = sample(logits[r].expand(m, -1), [seq.params] * m, g.generators)
-        lps = [None] * m
-        if lp is not None and r in want:
-            lps = gather(lp[[want.index(r)] * m], toks, [seq.params.logprobs] * m)
-        items[r].forks = list(zip(toks, lps))
-
-
 class Forker:
-    """Forks a step's groups into their choices (the engine calls it between the forward and
-    the scheduler's update, while every parent still holds its blocks)."""
+    """Forks a step's groups into their choices (the scheduler's update calls it first, while
+    every parent still holds its blocks)."""
 
-    def __init__(self, scheduler, kv_cache, grammars):
+    def __init__(self, scheduler, grammars):
         """On a prefill-only engine (`hands_off`) nothing forks: choices 1..n-1 end here with their
         first token (handed off, or finished by it), which go to the decode side with the one KV
         transfer; the decode side made their sequences when it reserved the KV
         (`Scheduler.reserve_choices`) and starts them when it arrives."""
-        self.scheduler, self.kv_cache = scheduler, kv_cache
+        self.scheduler = scheduler
         self.grammars = grammars  # the engine's GrammarBackend: each choice's own matcher (not the engine: no cycle)
 
     def choice_matcher(self, seq: Sequence):
@@ -116,12 +98,12 @@ class Forker:
         return self.grammars.matcher(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
                                      if c.replay_prompt_tokens else ())
 
-    def fork(self, batch: list) -> list[Sequence]:
-        """The choices forked this step, each with its first token (some already finished)."""
+    def fork(self, step, result) -> list[Sequence]:
+        """The choices forked by `step` (its `StepResult`), each with its first token (some
+        already finished)."""
         out: list[Sequence] = []
-        copies: list[tuple[int, int]] = []
-        for item in batch:
-            parent, forks = item.seq, item.forks
+        for row, forks in zip(step.rows, result.choices):
+            parent = row.seq
             if not forks:
                 continue
             if parent.state is not RequestState.RUNNING:  # it ends unforked (`unforked_ends`)
@@ -138,7 +120,7 @@ class Forker:
                     child.state = RequestState.FINISHED if child.finish_reason else RequestState.HANDED_OFF
                     out.append(child)
                     continue
-                pair = self.scheduler.fork(parent, child)
+                self.scheduler.fork(parent, child)
                 child.output_token_ids.append(tok)
                 if logprob is not None:
                     child.output_logprobs.append(logprob)
@@ -146,10 +128,7 @@ class Forker:
                 self.scheduler.stop_checker.update(child)
                 if child.finish_reason is not None:
                     self.scheduler.finish(child)
-                elif pair is not None:
-                    copies.append(pair)
                 out.append(child)
-        self.kv_cache.copy_blocks(copies)
         return out
 
     def child(self, parent: Sequence, j: int, generator) -> Sequence:

@@ -74,7 +74,8 @@ class KVConnector(ABC):
         ValueError to refuse (the scheduler then frees the blocks and the request is not added)."""
 
     def build_step(self, batch) -> None:
-        """Before a forward: `batch` (list of ScheduledSeq, each with its block ids) is what runs.
+        """Before a forward: `batch` (the step's rows, engine/step_contract.py `StepRow`: request,
+        span, block ids) is what runs.
         A request whose prompt completes in this step and that has a `RemoteDecode` starts
         sending here. A transfer that cannot begin is reported failed by `get_finished`."""
 

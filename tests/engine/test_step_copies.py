@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.engine.test_step_host_reads import _runner, _seq  # the step harness (imports transformers first)
-from epdserve.engine.scheduler import ScheduledSeq
+from epdserve.engine.step_contract import ScheduledStep
 from epdserve.engine.step_buffers import StepBuffers
 from epdserve.ops.attention_meta import StepPacker
 from epdserve.ops.portable import PortableOps
@@ -87,7 +87,7 @@ def _decode_step_counts(mixed: bool = False) -> tuple[dict, list]:
     decode and a prompt."""
     runner = _runner(2, PortableOps())
     seqs = [_seq(1, 5), _seq(2, 9)]
-    out = runner.execute([ScheduledSeq(s, 0, s.prompt_len, (k,)) for k, s in enumerate(seqs)])
+    out = runner.execute(ScheduledStep.of([(s, 0, s.prompt_len, (k,)) for k, s in enumerate(seqs)])).tokens
     for s, t in zip(seqs, out):
         s.output_token_ids.append(t)
         s.num_computed_tokens = s.prompt_len
@@ -96,13 +96,14 @@ def _decode_step_counts(mixed: bool = False) -> tuple[dict, list]:
     copies = HostReads()
     copies.mark(*runner.adapter.hf.parameters(), *runner.adapter.hf.buffers(), *runner.lm.tensors(),
                 *runner.kv_cache.keys, *runner.kv_cache.values)
-    items = [ScheduledSeq(s, s.prompt_len, 1, (k,)) for k, s in enumerate(seqs)]
+    items = [(s, s.prompt_len, 1, (k,)) for k, s in enumerate(seqs)]
     if mixed:
         fresh = _seq(3, 7)
-        items.append(ScheduledSeq(fresh, 0, fresh.prompt_len, (2,)))
+        items.append((fresh, 0, fresh.prompt_len, (2,)))
+    step = ScheduledStep.of(items)
     with copies:
-        runner.execute(items)  # allocates the pinned and device buffers, then uploads
-        runner.execute(items)  # the same step again: the buffers are reused
+        runner.execute(step)  # allocates the pinned and device buffers, then uploads
+        runner.execute(step)  # the same step again: the buffers are reused
     return copies.counts(), copies.copies
 
 

@@ -16,8 +16,8 @@ from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.engine.scheduler import ScheduledSeq
 from epdserve.engine.sequence import Sequence
+from epdserve.engine.step_contract import ScheduledStep
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.demo import PRESETS, demo_config
 from epdserve.ops.npu_ops import NpuPagedOps
@@ -55,11 +55,12 @@ def _seq(i: int, n: int) -> Sequence:
     return s
 
 
-def _step(runner, items, reads: HostReads | None = None):
+def _step(runner, spans, reads: HostReads | None = None):
+    """Run one step of (request, start, tokens, block table) spans; its sampled tokens."""
     if reads is None:
-        return runner.execute(items)
+        return runner.execute(ScheduledStep.of(spans)).tokens
     with reads:
-        return runner.execute(items)
+        return runner.execute(ScheduledStep.of(spans)).tokens
 
 
 def _counted(runner, npu_calls, items) -> tuple[list, list]:
@@ -90,11 +91,11 @@ def ops_name(request):
 def _prefill_then_decode(runner, npu_calls):
     """Two prompts prefilled, then (counted) one decode step of both."""
     seqs = [_seq(1, 5), _seq(2, 9)]
-    out = _step(runner, [ScheduledSeq(s, 0, s.prompt_len, (k,)) for k, s in enumerate(seqs)])
+    out = _step(runner, [(s, 0, s.prompt_len, (k,)) for k, s in enumerate(seqs)])
     for s, t in zip(seqs, out):
         s.output_token_ids.append(t)
         s.num_computed_tokens = s.prompt_len
-    return _counted(runner, npu_calls, [ScheduledSeq(s, s.prompt_len, 1, (k,)) for k, s in enumerate(seqs)])
+    return _counted(runner, npu_calls, [(s, s.prompt_len, 1, (k,)) for k, s in enumerate(seqs)])
 
 
 def test_a_decode_step_reads_the_device_once_whatever_the_layer_count(ops_name):
@@ -116,12 +117,12 @@ def test_a_mixed_step_is_one_attention_call_per_layer_and_one_read(npu_calls):
     calls = npu_calls
     runner = _runner(3, NpuPagedOps())
     long, dec = _seq(3, 200), _seq(4, 6)
-    _step(runner, [ScheduledSeq(long, 0, 130, (0, 1)), ScheduledSeq(dec, 0, 6, (2,))])
+    _step(runner, [(long, 0, 130, (0, 1)), (dec, 0, 6, (2,))])
     dec.output_token_ids.append(5)
     dec.num_computed_tokens = 6
     fresh = _seq(5, 140)
-    reads, fia = _counted(runner, calls, [ScheduledSeq(long, 130, 70, (0, 1)), ScheduledSeq(fresh, 0, 140, (3, 4)),
-                                          ScheduledSeq(dec, 6, 1, (2,))])
+    reads, fia = _counted(runner, calls, [(long, 130, 70, (0, 1)), (fresh, 0, 140, (3, 4)),
+                                          (dec, 6, 1, (2,))])
     assert len(fia) == 3
     assert [r[0] for r in reads] == ["tolist"], reads
     call = [c for c in calls if c[0] == FIA][0][2]
