@@ -51,6 +51,8 @@ from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.engine.step_budget import StepBudget, StepPlan
 from epdserve.engine.stop_checker import StopChecker
+from epdserve.engine.tp.group import RankFailure, TPGroup
+from epdserve.engine.tp.shard import TPShard, check_degree, head_map
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import layer_ops, paged_ops
 from epdserve.request_errors import InvalidRequestError
@@ -69,10 +71,15 @@ class LLMEngine:
         a = self.model.adapter
         self.platform, self.max_model_len = self.model.platform, self.model.max_model_len
         config.block_size = config.block_size or self.platform.kv_block_size  # NPU kernels want 128
-        spec = KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, config.block_size, self.model.dtype)
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            self._check_tp(kv_connector)
+        q_heads, kv_heads = head_map(a.num_heads, a.num_kv_heads, TPShard(0, tp))
+        spec = KVCacheSpec(a.num_layers, len(kv_heads), a.head_dim, config.block_size, self.model.dtype)
         num_blocks = spec.blocks_for_budget(config.kv_cache_bytes)
         ops = paged_ops(self.platform, config.ops)
-        ops.check_kv_spec(spec, a.num_heads, self.model.device)  # refuse at start-up what the kernels refuse
+        ops.check_kv_spec(spec, len(q_heads), self.model.device)  # refuse at start-up what the kernels refuse
+        self.tp = self._start_tp(num_blocks) if tp > 1 else None
         self.kv_cache = PagedKVCache(spec, num_blocks, self.model.device)
         self.kv_connector = kv_connector
         self.grammars = GrammarBackend(self.model.tokenizer, a.text_config.vocab_size, self.model.eos_token_ids)
@@ -88,7 +95,8 @@ class LLMEngine:
         self.runner = ModelRunner(a, self.model.lm, self.kv_cache, ops,
                                   layer_ops(self.platform, config.ops), self.platform, kv_connector,
                                   max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager or tp > 1)  # TP decode runs eagerly
+        self.runner.tp = self.tp
         capture_s = self.runner.capture_graphs()
         if capture_s:
             log.info("captured decode graphs for batch sizes %s in %.2f s", self.runner.graphs.buckets, capture_s)
@@ -105,6 +113,26 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
+
+    def _check_tp(self, kv_connector) -> None:
+        """Refuse at start-up a degree or a set-up tensor parallelism does not cover yet."""
+        a, tp = self.model.adapter, self.config.tensor_parallel_size
+        check_degree(tp, a.num_heads, a.num_kv_heads, int(a.text_config.intermediate_size))
+        if any(w.moe is not None for w in self.model.lm.layers):
+            raise ValueError(f"tensor_parallel_size={tp}: {self.model.checkpoint.model_type} has sparse (MoE) layers; "
+                             "expert parallelism is not supported yet: run it at tensor_parallel_size=1")
+        if kv_connector is not None:
+            raise ValueError(f"tensor_parallel_size={tp} with a KV connector (a disaggregated P or D engine) is not "
+                             "supported yet: KV crossing between ranks of different degrees is issue 48's")
+
+    def _start_tp(self, num_blocks: int) -> TPGroup:
+        """Ranks 1..tp-1 started and joined; rank 0's LM cut to its own shard."""
+        c, m = self.config, self.model
+        group = TPGroup(self.platform, c.tensor_parallel_size, dict(
+            model=c.model, device=c.device, dtype=str(m.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
+            num_blocks=num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs, ops=c.ops))
+        m.lm.shard(TPShard(0, c.tensor_parallel_size), group.reduce)
+        return group
 
     tokenizer = property(lambda self: self.model.tokenizer)
     processor = property(lambda self: self.model.processor)
@@ -282,6 +310,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             result = self.runner.execute(step)
+        except RankFailure:
+            raise  # a tensor-parallel rank is gone: the instance ends as a whole (engine/tp/group.py)
         except Exception as e:
             log.exception("engine step failed")
             if self.kv_connector is not None:
@@ -310,8 +340,11 @@ class LLMEngine:
                 self._emit(seq)
 
     def close(self) -> None:
-        """Release what the engine runs besides its loop (the grammar compile pool)."""
+        """Release what the engine runs besides its loop (the grammar compile pool, the
+        tensor-parallel ranks)."""
         self.grammar_compiles.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def _plan(self) -> Callable[..., StepPlan] | None:
         """This step's plan (engine/step_budget.py): `plan(patches, spent)` for `patches` of encode

@@ -25,6 +25,7 @@ from array import array
 
 import torch
 
+from epdserve.engine.forward_inputs import ForwardInputs
 from epdserve.engine.graph_runner import DecodeGraphs
 from epdserve.engine.kv_cache import PagedKVCache
 from epdserve.engine.lm.forward import LeanLM
@@ -64,6 +65,9 @@ class ModelRunner:
         self.buffers = StepBuffers(self.device, platform)
         self.graphs: DecodeGraphs | None = None
         self.sampler = StepSampler(max_batch)
+        self.tp = None  # rank 0 of a tensor-parallel group: its engine/tp/group.py TPGroup
+        self._inputs_at = 0.0  # when the last forward's inputs were ready (EngineStats' inputs_s)
+        self._copies: tuple = ()  # the step's block copies, for the other ranks
         moe = any(w.moe is not None for w in lm.layers)
         if platform.has_graphs and not enforce_eager and not moe and not _layerwise(connector):
             bs = kv_cache.spec.block_size
@@ -107,7 +111,10 @@ class ModelRunner:
         """Run one step: its block copies, its forward, its sampling."""
         t0 = time.perf_counter()
         self.kv_cache.copy_blocks(list(step.block_copies))
+        self._copies = step.block_copies  # the other ranks copy them before this step's forward too
         if not step.rows:
+            if self.tp is not None and step.block_copies:
+                self.tp.send(None, step.block_copies)
             return StepResult((), (), ())
         if step.decode_only:
             return self._decode(step.rows, t0)
@@ -126,9 +133,9 @@ class ModelRunner:
             slots.append(t[i // bs] * bs + i % bs)
             ctx.append(i + 1)
             tables.append(t)
-        self._ensure_positions(max(pos) + 1)
         key = self.graphs.key(batch) if self.graphs is not None else None
         if key is not None:
+            self._ensure_positions(max(pos) + 1)
             inputs_s = time.perf_counter() - t0
             try:
                 logits = self.graphs.run(key, ids, (pos, pos, pos), slots, ctx, tables)
@@ -136,22 +143,14 @@ class ModelRunner:
                 self._graphs_off(e)
             else:
                 return self._sample(batch, logits, inputs_s)
-        spans = [RequestSpan(k, 1, c, t) for k, (c, t) in enumerate(zip(ctx, tables))]
-        p = StepPacker()
-        i_ids = p.add(ids, torch.int64)
-        i_pos = p.add(pos * 3, torch.int64, (3, len(batch)))
-        build = plan_attention_meta(p, spans, slots, self.kv_cache, self.ops)
-        up = self.buffers.upload(p)
-        meta = build(up)
-        inputs_s = time.perf_counter() - t0
-        hidden = self.lm.embed(up[i_ids])
-        normed = self.lm.forward(hidden, up[i_pos], meta, self.layer_ops, self.connector)
-        return self._sample(batch, self.lm.logits(normed).float(), inputs_s)
+        spans = tuple(RequestSpan(k, 1, c, t) for k, (c, t) in enumerate(zip(ctx, tables)))
+        normed = self.forward(ForwardInputs(ids, pos * 3, spans, slots, max(pos)))
+        return self._sample(batch, self.lm.logits(normed).float(), self._inputs_at - t0)
 
     # ------------------------------------------------------------------ steps with prompt chunks
     def _mixed(self, step: ScheduledStep, t0: float) -> StepResult:
         batch, bs = step.rows, self.kv_cache.spec.block_size
-        ids, slots, spans, sample_rows = array("q"), array("q"), [], []
+        ids, slots, spans, sample_rows = array("q"), array("q"), [], array("q")
         pos: list[list[int]] = [[], [], []]
         embed_rows: list[tuple[int, torch.Tensor]] = []
         offset, top = 0, 0
@@ -169,32 +168,52 @@ class ModelRunner:
             offset += item.num_tokens
             if item.samples:
                 sample_rows.append(offset - 1)
-        self._ensure_positions(top + 1)
+        deepstack = self._deepstack(batch) if self.adapter.num_deepstack else None
+        normed = self.forward(ForwardInputs(ids, array("q", pos[0] + pos[1] + pos[2]), tuple(spans), slots, top,
+                                             sample_rows, tuple(embed_rows), deepstack))
+        inputs_s = self._inputs_at - t0  # host time of building this step's inputs (EngineStats)
+        if normed is None:
+            return StepResult((None,) * len(batch), (None,) * len(batch), (None,) * len(batch), inputs_s)
+        return self._sample(step.sampling, self.lm.logits(normed).float(), inputs_s, batch)
+
+    # ------------------------------------------------------------------ the forward (every rank)
+    def forward(self, f: ForwardInputs) -> torch.Tensor | None:
+        """The LM over one step's packed tokens: the normed hidden states of the rows whose logits
+        are wanted (`f.sample_rows`; every row when None), None when no row is. Under tensor
+        parallelism rank 0 sends `f` to the other ranks first, which run this same call
+        (engine/tp/worker.py)."""
+        if self.tp is not None:
+            self.tp.send(f, self._copies)
+        self._ensure_positions(f.top_position + 1)
+        T = len(f.ids)
         p = StepPacker()
-        i_ids = p.add(ids, torch.int64)
-        i_pos = p.add(array("q", pos[0] + pos[1] + pos[2]), torch.int64, (3, offset))
-        i_rows = p.add(sample_rows, torch.int64)
-        build = plan_attention_meta(p, spans, slots, self.kv_cache, self.ops)
+        i_ids = p.add(f.ids, torch.int64)
+        i_pos = p.add(f.positions, torch.int64, (3, T))
+        i_rows = p.add(f.sample_rows, torch.int64) if f.sample_rows is not None else None
+        build = plan_attention_meta(p, list(f.spans), f.slots, self.kv_cache, self.ops)
         up = self.buffers.upload(p)
         meta = build(up)
         hidden = self.lm.embed(up[i_ids])
-        for off, rows in embed_rows:
-            hidden[off : off + rows.shape[0]] = rows
-        deepstack = self._deepstack(batch, hidden) if self.adapter.num_deepstack else None
-        inputs_s = time.perf_counter() - t0  # host time of building this step's inputs (EngineStats)
+        for off, rows in f.embed_rows:
+            hidden[off : off + rows.shape[0]] = rows.to(hidden.device, hidden.dtype)
+        deepstack = None
+        if f.deepstack is not None:
+            rows, layers = f.deepstack
+            deepstack = (torch.tensor(rows, dtype=torch.long, device=hidden.device),
+                         [t.to(hidden.device, hidden.dtype) for t in layers])
+        self._inputs_at = time.perf_counter()
         normed = self.lm.forward(hidden, up[i_pos], meta, self.layer_ops, self.connector, deepstack)
-        if not sample_rows:
-            return StepResult((None,) * len(batch), (None,) * len(batch), (None,) * len(batch), inputs_s)
-        return self._sample(step.sampling, self.lm.logits(normed.index_select(0, up[i_rows])).float(), inputs_s,
-                            batch)
+        if i_rows is None:
+            return normed
+        return normed.index_select(0, up[i_rows]) if f.sample_rows else None
 
     def _ensure_positions(self, length: int) -> None:
         if self.lm.rotary.ensure(length) and self.graphs is not None:
             self.graphs.reset()  # the graphs read the tables that were replaced
 
-    def _deepstack(self, batch: tuple[StepRow, ...], hidden: torch.Tensor):
+    def _deepstack(self, batch: tuple[StepRow, ...]):
         """(packed rows of the visual tokens in this step's prompt chunks, per deepstack layer their
-        features), or None when the step has none."""
+        features, where the features are), or None when the step has none."""
         rows: list[int] = []
         per_item: list[list[torch.Tensor]] = []
         offset, visual = 0, (self.adapter.image_token_id, self.adapter.video_token_id)
@@ -209,9 +228,7 @@ class ModelRunner:
             offset += item.num_tokens
         if not rows:
             return None
-        dev, dtype = hidden.device, hidden.dtype
-        layers = [torch.cat([f[i] for f in per_item]).to(dev, dtype) for i in range(len(per_item[0]))]
-        return torch.tensor(rows, dtype=torch.long, device=dev), layers
+        return tuple(rows), [torch.cat([f[i] for f in per_item]) for i in range(len(per_item[0]))]
 
     def _sample(self, sampling, logits: torch.Tensor, inputs_s: float, rows=None) -> StepResult:
         """The step's result from the logits of its `sampling` rows (in sample-row order) among

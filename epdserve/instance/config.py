@@ -76,6 +76,7 @@ class InstanceConfig:
     slo_tpot_ms: float = same_as(EngineConfig, "slo_tpot_ms")
     step_budget: bool = same_as(EngineConfig, "step_budget")
     enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
+    tensor_parallel_size: int = same_as(EngineConfig, "tensor_parallel_size")
     enable_prefix_caching: bool = same_as(EngineConfig, "enable_prefix_caching")
     kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_bytes")
     block_size: int | None = same_as(EngineConfig, "block_size")

@@ -14,6 +14,9 @@ features to their rows, and continue, as transformers' `_deepstack_process` does
 connector's hooks bracket each layer (`wait_for_layer_load(i)` before, `save_kv_layer(i)`
 after). Nothing in the loop reads the device or branches on tensor values, so a decode step can
 be captured as a graph (engine/graph_runner.py).
+Under tensor parallelism (`shard`, engine/tp/shard.py) a rank holds its heads and MLP columns
+only, and `reduce` sums the output projection's and the MLP's partial results over the group
+(one all-reduce each per layer) before the residual add.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from epdserve.engine.lm.rotary import RotaryTable
 from epdserve.engine.lm.weights import LeanLayerWeights, drop_hf_layers, layer_weights
+from epdserve.engine.tp.shard import TPShard, head_map, shard_layer
 from epdserve.ops.attention_meta import AttentionMeta
 from epdserve.ops.layer_ops import LayerOps
 from epdserve.ops.paged_attention import paged_attend
@@ -43,12 +47,26 @@ class LeanLM:
         self.norm_weight = adapter.norm.weight.detach()
         self.lm_head_t = adapter.lm_head.weight.detach().t()
         self.eps = float(tc.rms_norm_eps)
-        self.num_heads, self.num_kv_heads, self.head_dim = adapter.num_heads, adapter.num_kv_heads, adapter.head_dim
-        self.q_width = self.num_heads * self.head_dim
-        self.kv_width = self.num_kv_heads * self.head_dim
-        self.qkv_split = (self.q_width, self.kv_width, self.kv_width)
+        self.head_dim = adapter.head_dim
+        self._set_heads(adapter.num_heads, adapter.num_kv_heads)
         self.scale = self.head_dim ** -0.5
         self.rotary = RotaryTable(adapter.rotary, self.head_dim, max_positions, adapter.dtype, adapter.device)
+        self.reduce = None  # tensor parallelism: sums a partial result over the group, in place
+
+    def _set_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.q_width = num_heads * self.head_dim
+        self.kv_width = num_kv_heads * self.head_dim
+        self.qkv_split = (self.q_width, self.kv_width, self.kv_width)
+
+    def shard(self, shard: TPShard, reduce) -> None:
+        """Keep `shard`'s part of every layer (engine/tp/shard.py), layer by layer so the whole
+        layers go as their slices come; `reduce(t)` sums `t` over the group in place."""
+        q, kv = head_map(self.num_heads, self.num_kv_heads, shard)
+        for i, w in enumerate(self.layers):
+            self.layers[i] = shard_layer(w, self.num_heads, self.num_kv_heads, self.head_dim, shard)
+        self._set_heads(len(q), len(kv))
+        self.reduce = reduce
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward reads (weights, rotary tables), each once."""
@@ -96,11 +114,15 @@ class LeanLM:
             q, k = ops.rotary(q, k, cos, sin)
             o = paged_attend(q, k, v, i, meta, self.scale)
             h = _proj(o.reshape(T, qw), w.o_t, w.o_bias)
+            if self.reduce is not None:
+                self.reduce(h)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, self.eps)
             if w.moe is None:
                 h = torch.mm(ops.silu_and_mul(torch.mm(x, w.gate_up_t)), w.down_t)
             else:
                 h = w.moe(x.unsqueeze(0))[0]
+            if self.reduce is not None and w.moe is None:
+                self.reduce(h)
             if deepstack is not None and i < len(deepstack[1]):
                 rows = deepstack[0]
                 h = residual + h

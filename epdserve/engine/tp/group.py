@@ -1,0 +1,153 @@
+"""`TPGroup`: rank 0's side of a tensor-parallel instance — the rank processes, the group, and
+each forward's inputs sent to the other ranks.
+
+Rank 0 is the engine's own process: it schedules, samples and runs the LM head. Ranks 1..tp-1
+are processes of their own (`python -m epdserve.engine.tp.worker`, started with a plain
+`subprocess`, so a user's script is never imported again as `multiprocessing`'s spawn would),
+each on its own device (`rank_device`). Before each forward rank 0 sends every other rank the
+step's `ForwardInputs` (engine/forward_inputs.py) and its block copies, pickled, over a socket
+pair inherited by the rank; the ranks then run the same forward, meeting in two all-reduces per
+layer on a group the platform builds (`Platform.make_pair_group`: gloo on the CPU, NCCL on CUDA,
+HCCL on the NPU). The inputs go over the socket, not the group, so an idle rank blocks on its
+socket with no collective timing out; a rank sees rank 0's end as the socket's end and exits.
+
+Failure: a rank that died (its socket closed, its process gone) or a collective that failed or
+outlived `timeout_s` raises `RankFailure`. The engine does not catch it: the instance ends as a
+whole and its supervisor restarts it; no half-alive instance serves.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 120.0  # a rank waits this long in an all-reduce for the others (one layer's work apart)
+START_TIMEOUT_S = 600.0  # a rank's process start and checkpoint load
+
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the instance cannot go on."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank other than 0 needs to build its part (JSON on its command line)."""
+
+    model: str
+    device: str
+    dtype: str
+    max_model_len: int
+    rank: int
+    size: int
+    store_port: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    ops: str | None
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank `rank`'s device: "cpu" for every rank; "cuda" / "npu:2" → the base index plus the rank."""
+    name, _, idx = device.partition(":")
+    if name == "cpu":
+        return "cpu"
+    return f"{name}:{(int(idx) if idx.isdigit() else 0) + rank}"
+
+
+def make_group(platform, store, rank: int, size: int, timeout_s: float):
+    """The platform's group of the `size` ranks over `store` (built by every rank at once)."""
+    platform.prepare_pair_groups()
+    return platform.make_pair_group(store, rank, size, timedelta(seconds=timeout_s), group_name="tp",
+                                    host="127.0.0.1" if platform.name == "cpu" else None)
+
+
+def all_reduce(pg, tensor) -> None:
+    """Sum `tensor` over the group in place; RankFailure when a rank is gone or late."""
+    try:
+        pg.allreduce([tensor]).wait()
+    except RuntimeError as e:
+        raise RankFailure(f"tensor-parallel all-reduce failed (a rank died or hung): {e}") from e
+
+
+class TPGroup:
+    def __init__(self, platform, size: int, spec: dict, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+        """Start ranks 1..size-1 for `spec` (RankSpec's fields but rank, size and store_port) and
+        join them in a group; returns once every rank has loaded its part."""
+        from torch.distributed import TCPStore
+
+        self.size, self.platform = size, platform
+        self._store = TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
+                               wait_for_workers=False)
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        try:
+            for rank in range(1, size):
+                mine, theirs = socket.socketpair()
+                rs = RankSpec(**spec, rank=rank, size=size, store_port=self._store.port, timeout_s=timeout_s)
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "epdserve.engine.tp.worker", str(theirs.fileno()), json.dumps(asdict(rs))],
+                    pass_fds=[theirs.fileno()], env=dict(os.environ)))
+                theirs.close()
+                self._conns.append(Connection(mine.detach()))
+            self.pg = make_group(platform, self._store, 0, size, timeout_s)
+            for rank, conn in enumerate(self._conns, 1):
+                self._await_ready(rank, conn)
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor-parallel group of %d ranks ready (%s)", size, platform.dist_backend)
+
+    def _await_ready(self, rank: int, conn: Connection) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not conn.poll(1.0):
+            if self._procs[rank - 1].poll() is not None:
+                raise RankFailure(f"tensor-parallel rank {rank} exited with {self._procs[rank - 1].returncode} "
+                                  f"while loading (its log is above)")
+            if time.monotonic() > deadline:
+                raise RankFailure(f"tensor-parallel rank {rank} did not load within {START_TIMEOUT_S:g} s")
+        try:
+            msg = conn.recv_bytes()
+        except EOFError:
+            msg = b""
+        if msg != b"ready":
+            raise RankFailure(f"tensor-parallel rank {rank} failed to start: {msg.decode(errors='replace')}")
+
+    def reduce(self, tensor) -> None:
+        all_reduce(self.pg, tensor)
+
+    def send(self, inputs, block_copies=()) -> None:
+        """Send one forward's inputs (and the block copies before it) to every other rank."""
+        payload = pickle.dumps((tuple(block_copies), inputs.to_host() if inputs is not None else None),
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), 1):
+            try:
+                conn.send_bytes(payload)
+            except OSError as e:
+                raise RankFailure(f"tensor-parallel rank {rank} is gone (exit {proc.poll()}): {e}") from e
+
+    def close(self) -> None:
+        """End every rank (told to stop, then terminated if it lingers)."""
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+                conn.close()
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._conns, self._procs = [], []

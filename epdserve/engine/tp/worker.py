@@ -1,0 +1,82 @@
+"""A tensor-parallel rank other than 0: `python -m epdserve.engine.tp.worker FD SPEC_JSON`.
+
+Started by rank 0 (engine/tp/group.py) with one end of a socket pair as file descriptor FD.
+Loads the checkpoint, keeps its shard of the LM (engine/tp/shard.py; the vision tower is
+released: rank 0 encodes), builds a KV cache for its own KV heads with rank 0's block count,
+joins the group, says "ready", then runs each forward rank 0 sends (engine/forward_inputs.py)
+until rank 0 says stop or its socket ends. What goes wrong while loading is sent back as the
+start-up error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+log = logging.getLogger("epdserve.tp.worker")
+
+
+def serve(spec, conn: Connection) -> None:
+    import torch
+    from torch.distributed import TCPStore
+    from datetime import timedelta
+
+    from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
+    from epdserve.engine.loaded_model import load_model
+    from epdserve.engine.model_runner import ModelRunner
+    from epdserve.engine.tp.group import START_TIMEOUT_S, all_reduce, make_group
+    from epdserve.engine.tp.shard import TPShard
+    from epdserve.ops.select import layer_ops, paged_ops
+
+    store = TCPStore("127.0.0.1", spec.store_port, spec.size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
+    model = load_model(spec.model, spec.device, spec.dtype, spec.max_model_len)
+    pg = make_group(model.platform, store, spec.rank, spec.size, spec.timeout_s)
+    a, lm = model.adapter, model.lm
+    lm.shard(TPShard(spec.rank, spec.size), lambda t: all_reduce(pg, t))
+    a.base.visual = None  # rank 0 encodes the media
+    kv = PagedKVCache(KVCacheSpec(a.num_layers, lm.num_kv_heads, a.head_dim, spec.block_size, model.dtype),
+                      spec.num_blocks, model.device)
+    ops = paged_ops(model.platform, spec.ops)
+    runner = ModelRunner(a, lm, kv, ops, layer_ops(model.platform, spec.ops), model.platform, None,
+                         max_batch=spec.max_num_seqs, max_model_len=spec.max_model_len, enforce_eager=True)
+    conn.send_bytes(b"ready")
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return  # rank 0 is gone
+        if msg is None:
+            return
+        copies, inputs = msg
+        with torch.inference_mode():
+            kv.copy_blocks(list(copies))
+            if inputs is not None:
+                runner.forward(inputs)
+
+
+def main(argv: list[str]) -> int:
+    from epdserve.engine.tp.group import RankFailure, RankSpec
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-rank %(levelname)s %(name)s: %(message)s")
+    conn = Connection(int(argv[0]))
+    spec = RankSpec(**json.loads(argv[1]))
+    try:
+        serve(spec, conn)
+    except RankFailure as e:
+        log.error("rank %d: %s", spec.rank, e)
+        return 1
+    except Exception as e:
+        log.error("rank %d failed: %s", spec.rank, traceback.format_exc())
+        try:
+            conn.send_bytes(f"rank {spec.rank}: {type(e).__name__}: {e}".encode())
+        except OSError:
+            pass
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
