@@ -1,0 +1,84 @@
+"""Tensor parallelism inside an instance (engine/tp/, issue 47 item 2), its ranks processes over
+gloo on loopback: greedy outputs at TP2 (Qwen2-VL; Qwen3-VL, DeepStack included) and at TP4
+(Qwen2.5-VL, whose 2 KV heads are each held by two ranks) equal transformers' `generate` token for
+token on one mixed batch of text, images and a video (a part at a near tie of transformers' own
+logits would be printed, not hidden); a degree that does not split the model and a sparse model
+are refused at start-up; a rank killed mid-run ends the engine with RankFailure, never half a
+model serving."""
+from __future__ import annotations
+
+import pytest
+
+from epdserve import LLM, SamplingParams
+from epdserve.engine.tp.group import RankFailure
+from epdserve.engine.tp.shard import check_degree, head_map, TPShard, valid_degrees
+from epdserve.model.demo_images import jpeg_bytes, procedural_image
+from tests.engine.blocks import all_blocks_free
+from tests.engine.test_video import _checked_cases
+from tests.harness import PH
+from tests.hf_oracle import HFOracle, assert_same_greedy
+
+TOKENS = 10
+PROMPTS = [
+    ("the quick brown fox jumps over the lazy dog", []),
+    (f"what is in {PH} here", [jpeg_bytes(procedural_image(112, 84, 1))]),
+    (f"a {PH} b {PH} c {PH} compare them", [jpeg_bytes(procedural_image(w, h, s))
+                                            for w, h, s in ((100, 76, 2), (56, 140, 3), (171, 113, 4))]),
+]
+DEGREES = [("qwen2_vl", 2), ("qwen3_vl", 2), ("qwen2_5_vl", 4)]
+_llms: dict = {}  # (arch, tp) -> LLM, shared by this module's tests, closed at its end
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_llms():
+    yield
+    for llm in _llms.values():
+        llm.engine.close()
+
+
+def _llm(request, arch: str, tp: int) -> LLM:
+    if (arch, tp) not in _llms:
+        _llms[arch, tp] = LLM(model=request.getfixturevalue(f"{arch}_tiny"), device="cpu", tensor_parallel_size=tp)
+    return _llms[arch, tp]
+
+
+@pytest.mark.parametrize("arch, tp", DEGREES, ids=[f"{a}-tp{t}" for a, t in DEGREES])
+def test_greedy_outputs_equal_transformers(request, arch, tp):
+    model_dir = request.getfixturevalue(f"{arch}_tiny")
+    llm = _llm(request, arch, tp)
+    lm, a = llm.engine.model.lm, llm.engine.model.adapter
+    q, kv = head_map(a.num_heads, a.num_kv_heads, TPShard(0, tp))
+    assert (lm.num_heads, lm.num_kv_heads) == (len(q), len(kv)) == (a.num_heads // tp, max(1, a.num_kv_heads // tp))
+    assert llm.engine.kv_cache.spec.num_kv_heads == len(kv)  # rank 0's cache holds its own KV heads only
+    videos = _checked_cases(model_dir, arch)
+    inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
+    outs = llm.generate(inputs + [v for v, _ in videos], SamplingParams(max_tokens=TOKENS, ignore_eos=True))
+    assert all(o.error is None for o in outs)
+    oracle = HFOracle(model_dir)
+    for (prompt, imgs), out in zip(PROMPTS, outs):
+        want, margins = oracle.generate_with_margins(prompt, imgs, TOKENS)
+        assert_same_greedy(out.outputs[0].token_ids, want, margins, f"{arch} TP{tp} {prompt!r}")
+    for (_, rec), out in zip(videos, outs[len(PROMPTS):]):  # transformers' own video pipeline's tokens
+        assert out.outputs[0].token_ids == rec["greedy_tokens"], rec["video_file"]
+    assert all_blocks_free(llm.engine)
+
+
+def test_a_killed_rank_ends_the_engine_with_rank_failure(request):
+    llm = _llm(request, "qwen2_5_vl", 4)
+    rank = llm.engine.tp._procs[1]  # rank 2
+    rank.kill()
+    rank.wait()
+    with pytest.raises(RankFailure, match="rank"):
+        llm.generate(["one more"], SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def test_a_degree_that_does_not_split_the_model_is_refused_with_the_valid_ones():
+    assert valid_degrees(4, 2, 128) == [1, 2, 4]
+    assert valid_degrees(28, 4, 18944) == [1, 2, 4]  # Qwen2-VL-7B's shapes: 28 heads, 4 KV heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*4 attention heads, 2 KV heads.*valid degrees: 1, 2, 4"):
+        check_degree(3, 4, 2, 128)
+
+
+def test_a_sparse_model_is_refused_at_start_up(qwen3_vl_moe_tiny):
+    with pytest.raises(ValueError, match="expert parallelism is not supported yet"):
+        LLM(model=qwen3_vl_moe_tiny, device="cpu", tensor_parallel_size=2)
