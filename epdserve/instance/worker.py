@@ -15,6 +15,7 @@ sleeps on its queue (with a short timeout while transfers are pending).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import Callable
 
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.outputs import RequestOutput
+from epdserve.engine.tp.group import RankFailure
 from epdserve.instance.colocation import enter_stage_thread
 from epdserve.instance.errors import TransientError, output_error
 from epdserve.instance.stage_stream import npu_stage_operators, open_stage_stream
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0  # longest wait for the loop thread to take a call (it runs between steps)
 _POLL_S = 0.002  # queue wait while only transfers are pending
 _IDLE_S = 0.5  # queue wait when nothing at all is pending
+RANK_FAILURE_EXIT = 75  # a tensor-parallel rank died: the instance exits whole (EX_TEMPFAIL: try again)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,12 @@ class StageWorker:
                         break
                     try:
                         self.tick()
+                    except RankFailure as e:  # half a model cannot serve: the instance ends, its supervisor restarts it
+                        self.on_step_error()
+                        log.critical("%s: %s; the instance exits (status %d) to be restarted whole", self.name, e,
+                                     RANK_FAILURE_EXIT)
+                        logging.shutdown()
+                        os._exit(RANK_FAILURE_EXIT)
                     except Exception:
                         log.exception("%s: step failed", self.name)
                         self.on_step_error()

@@ -9,9 +9,12 @@ start-up error.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import os
 import pickle
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -57,8 +60,22 @@ def serve(spec, conn: Connection) -> None:
                 runner.forward(inputs)
 
 
+def _die_with_parent() -> None:
+    """Linux: this rank is killed when rank 0's process ends, however it ends (even while this
+    rank is stuck in a collective or a kernel and would never read its socket's end)."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # rank 0 ended before the request took
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     from epdserve.engine.tp.group import RankFailure, RankSpec
+
+    _die_with_parent()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-rank %(levelname)s %(name)s: %(message)s")
     conn = Connection(int(argv[0]))
