@@ -14,7 +14,10 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - structured_output.py  StructuredOutput: the constraint a request's output follows (part of SamplingParams)
 - pipelined_prefill.py  per-item E->P pipelining: prefill up to the first media item whose features are missing
 - step_budget.py     StepBudget: the prefill chunk and vision blocks a step may add beside its decodes (TPOT SLO)
-- model_runner.py    ModelRunner: one packed forward over a scheduled batch, then sampling
+- step_contract.py   the step contract: ScheduledStep (frozen rows + block copies) from schedule(), StepResult from execute()
+- model_runner.py    ModelRunner: execute(step) — one packed forward over a scheduled batch, then sampling
+- forward_inputs.py  ForwardInputs: one forward's host inputs (what rank 0 sends the other TP ranks)
+- tp/                tensor parallelism inside an instance: the shard map, the rank processes, the group
 - lm/                LeanLM: the fused LM forward (weights, rotary tables, the layer loop)
 - step_buffers.py    StepBuffers: pinned host / device buffers, one upload a step
 - graph_runner.py    DecodeGraphs: decode steps replayed from captured graphs (CUDA)

@@ -52,7 +52,7 @@ from epdserve.engine.stats import EngineStats
 from epdserve.engine.step_budget import StepBudget, StepPlan
 from epdserve.engine.stop_checker import StopChecker
 from epdserve.engine.tp.group import RankFailure, TPGroup
-from epdserve.engine.tp.shard import TPShard, check_degree, head_map
+from epdserve.engine.tp.shard import TPShard, head_map
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import layer_ops, paged_ops
 from epdserve.request_errors import InvalidRequestError
@@ -67,12 +67,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None,
                  features: FeatureProvider | None = None, kv_connector: KVConnector | None = None):
         self.config = config
-        self.model = model or load_model(config.model, config.device, config.dtype, config.max_model_len)
+        tp = config.tensor_parallel_size
+        self.model = model or load_model(config.model, config.device, config.dtype, config.max_model_len,
+                                         shard=TPShard(0, tp))
         a = self.model.adapter
         self.platform, self.max_model_len = self.model.platform, self.model.max_model_len
         config.block_size = config.block_size or self.platform.kv_block_size  # NPU kernels want 128
-        tp = config.tensor_parallel_size
-        if tp > 1:
+        if tp > 1 or self.model.lm.shard.size > 1:
             self._check_tp(kv_connector)
         q_heads, kv_heads = head_map(a.num_heads, a.num_kv_heads, TPShard(0, tp))
         spec = KVCacheSpec(a.num_layers, len(kv_heads), a.head_dim, config.block_size, self.model.dtype)
@@ -115,23 +116,24 @@ class LLMEngine:
         self._arrivals = itertools.count()
 
     def _check_tp(self, kv_connector) -> None:
-        """Refuse at start-up a degree or a set-up tensor parallelism does not cover yet."""
-        a, tp = self.model.adapter, self.config.tensor_parallel_size
-        check_degree(tp, a.num_heads, a.num_kv_heads, int(a.text_config.intermediate_size))
-        if any(w.moe is not None for w in self.model.lm.layers):
-            raise ValueError(f"tensor_parallel_size={tp}: {self.model.checkpoint.model_type} has sparse (MoE) layers; "
-                             "expert parallelism is not supported yet: run it at tensor_parallel_size=1")
+        """Refuse at start-up a set-up tensor parallelism does not cover yet (load_model refused
+        the degrees that do not split the model)."""
+        tp = self.config.tensor_parallel_size
+        if self.model.lm.shard != TPShard(0, tp):
+            raise ValueError(f"tensor_parallel_size={tp} but the model was loaded for rank {self.model.lm.shard.rank} "
+                             f"of {self.model.lm.shard.size}")
         if kv_connector is not None:
             raise ValueError(f"tensor_parallel_size={tp} with a KV connector (a disaggregated P or D engine) is not "
                              "supported yet: KV crossing between ranks of different degrees is issue 48's")
 
     def _start_tp(self, num_blocks: int) -> TPGroup:
-        """Ranks 1..tp-1 started and joined; rank 0's LM cut to its own shard."""
+        """Ranks 1..tp-1 started and joined (each reads its own part of the checkpoint); rank 0's
+        LM sums over them."""
         c, m = self.config, self.model
         group = TPGroup(self.platform, c.tensor_parallel_size, dict(
             model=c.model, device=c.device, dtype=str(m.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
             num_blocks=num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs, ops=c.ops))
-        m.lm.shard(TPShard(0, c.tensor_parallel_size), group.reduce)
+        m.lm.reduce = group.reduce
         return group
 
     tokenizer = property(lambda self: self.model.tokenizer)

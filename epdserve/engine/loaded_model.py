@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from epdserve.engine.lm.forward import LeanLM
+from epdserve.engine.tp.shard import TPShard, check_degree
 from epdserve.model.adapter import VLMAdapter
+from epdserve.model.lm_layers import read_layers
 from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoint, max_model_len
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.platform import get_platform
@@ -54,10 +56,13 @@ class LoadedModel:
 
 
 def load_model(model: str, device: str = "auto", dtype: str = "auto", context_len: int | None = None,
-               media_secret: MediaKeySecret | None = None) -> LoadedModel:
+               media_secret: MediaKeySecret | None = None, shard: TPShard = TPShard(0, 1)) -> LoadedModel:
     """Load `model` (a checkpoint directory) on the platform `device` names ("auto": npu, cuda, cpu).
     `media_secret`: what media keys computed here are keyed with (default: the process's,
-    `MediaKeySecret.of_process()`).
+    `MediaKeySecret.of_process()`). `shard`: the tensor-parallel rank whose part of the LM's
+    decoder layers this process holds (model/lm_layers.py reads only those slices; a degree that
+    does not split the model, or a sparse model at a degree above 1, is refused before any weight
+    is read).
 
     dtype "auto" is fp32 on CPU (the exactness oracle's dtype) and bf16 on accelerators."""
     platform = get_platform(device)
@@ -68,8 +73,10 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     log.info("loading model %s (%s of weights) on %s as %s ...", model, size, platform.device(),
              str(tdtype).removeprefix("torch."))
     started = time.monotonic()
-    ckpt = load_checkpoint(model, platform.device(), tdtype)
+    dense = _check_shard(model, shard)
+    ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=dense)
     a = VLMAdapter(ckpt.model)
+    layers = read_layers(model, a.text_config, shard, tdtype, platform.device()) if dense else None
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
                                     a.text_config.vocab_size, video=ckpt.video)
@@ -77,11 +84,27 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     log.info("loaded model %s in %.1f s", model, time.monotonic() - started)
     return LoadedModel(
         model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a,
-        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings)), processor=processor,
+        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings), layers, shard), processor=processor,
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
         media_secret=media_secret or MediaKeySecret.of_process(),
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
     )
+
+
+def _check_shard(model: str, shard: TPShard) -> bool:
+    """Whether the checkpoint's decoder layers are dense (read by model/lm_layers.py); ValueError
+    for a degree the model cannot take."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model, local_files_only=True)
+    tc = config.text_config
+    dense = not getattr(tc, "num_experts", 0)
+    if shard.size > 1:
+        check_degree(shard.size, tc.num_attention_heads, tc.num_key_value_heads, int(tc.intermediate_size))
+        if not dense:
+            raise ValueError(f"tensor_parallel_size={shard.size}: {config.model_type} has sparse (MoE) layers; expert "
+                             "parallelism is not supported yet: run it at tensor_parallel_size=1")
+    return dense
 
 
 def _index(device: str) -> int | None:

@@ -115,9 +115,11 @@ class InstanceHost:
 
                 self._store = RedisMMStore(cfg.mm_store)
             from epdserve.engine.loaded_model import load_model
+            from epdserve.engine.tp.shard import TPShard
 
             self._limit_device()  # before the load's first operator (set_device_limit: once per process)
-            self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len)
+            self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len,
+                                    shard=TPShard(0, cfg.tensor_parallel_size))
             self._compute = compute_id(self.model.device, cfg.cores, socket.gethostname())
             self._ready_timeout_s = ready_timeout_s
             self._start_workers(ready_timeout_s)

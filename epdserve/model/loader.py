@@ -32,8 +32,13 @@ class LoadedCheckpoint:
     video: object = None  # model.video.VideoOptions: the checkpoint's video defaults (None: no video input)
 
 
-def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Load model, tokenizer and image processor from `path` with no network access."""
+def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    without_lm_layers: bool = False) -> LoadedCheckpoint:
+    """Load model, tokenizer and image processor from `path` with no network access.
+
+    `without_lm_layers`: transformers builds the model with no decoder layers in its language
+    model (their tensors in the files are skipped, never read; model/lm_layers.py reads them);
+    the config still says how many the checkpoint has."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -43,7 +48,10 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type not in SUPPORTED_ARCHS:
         raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if without_lm_layers:
+        model = _without_lm_layers(path, config, dtype)
+    else:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
@@ -53,6 +61,29 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
 
         video = VideoOptions.from_checkpoint(path, VIDEO_ARCHS[config.model_type])
     return LoadedCheckpoint(path, model, tokenizer, image_processor, config.model_type, video)
+
+
+def _without_lm_layers(path: Path, config, dtype: torch.dtype):
+    """The model built from a config with 0 decoder layers; the real counts put back after."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+
+    tc = config.text_config
+    layers, types = tc.num_hidden_layers, getattr(tc, "layer_types", None)
+    tc.num_hidden_layers = 0
+    if types is not None:
+        tc.layer_types = []
+    quiet = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would list every skipped layer tensor as unexpected
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(quiet)
+    for c in {id(tc): tc, id(model.config.text_config): model.config.text_config}.values():  # it may keep a copy
+        c.num_hidden_layers = layers
+        if types is not None:
+            c.layer_types = types
+    return model
 
 
 def max_model_len(text_config, override: int | None = None) -> int:

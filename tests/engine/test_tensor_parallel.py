@@ -63,6 +63,17 @@ def test_greedy_outputs_equal_transformers(request, arch, tp):
     assert all_blocks_free(llm.engine)
 
 
+def test_the_group_listens_on_loopback_only(request):
+    import psutil
+
+    llm = _llm(request, "qwen2_vl", 2)
+    store_port = llm.engine.tp._store.port
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert ("127.0.0.1", store_port) in listening, listening  # the rendezvous store, on loopback
+    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+
+
 def test_a_killed_rank_ends_the_engine_with_rank_failure(request):
     llm = _llm(request, "qwen2_5_vl", 4)
     rank = llm.engine.tp._procs[1]  # rank 2

@@ -15,7 +15,7 @@ connector's hooks bracket each layer (`wait_for_layer_load(i)` before, `save_kv_
 after). Nothing in the loop reads the device or branches on tensor values, so a decode step can
 be captured as a graph (engine/graph_runner.py).
 Under tensor parallelism (`shard`, engine/tp/shard.py) a rank holds its heads and MLP columns
-only, and `reduce` sums the output projection's and the MLP's partial results over the group
+only (model/lm_layers.py reads just those), and `reduce` sums the output projection's and the MLP's partial results over the group
 (one all-reduce each per layer) before the residual add.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from epdserve.engine.lm.rotary import RotaryTable
 from epdserve.engine.lm.weights import LeanLayerWeights, drop_hf_layers, layer_weights
-from epdserve.engine.tp.shard import TPShard, head_map, shard_layer
+from epdserve.engine.tp.shard import TPShard, head_map
 from epdserve.ops.attention_meta import AttentionMeta
 from epdserve.ops.layer_ops import LayerOps
 from epdserve.ops.paged_attention import paged_attend
@@ -38,17 +38,24 @@ class LeanLM:
     """The fused weights of the LM (built once per process from the loaded model) and its forward;
     stateless across calls, so engines on several threads may share it."""
 
-    def __init__(self, adapter, max_positions: int):
+    def __init__(self, adapter, max_positions: int, layers: list[LeanLayerWeights] | None = None,
+                 shard: TPShard = TPShard(0, 1)):
+        """`layers`: the decoder layers read by model/lm_layers.py (`shard`'s part of them), else
+        they are taken from transformers' own layers (which are then released)."""
         tc = adapter.text_config
         lm = adapter.base.language_model
-        self.layers: list[LeanLayerWeights] = [layer_weights(layer) for layer in lm.layers]
-        drop_hf_layers(lm)
+        if layers is None:
+            layers = [layer_weights(layer) for layer in lm.layers]
+            drop_hf_layers(lm)
+        self.layers: list[LeanLayerWeights] = layers
+        self.shard = shard
         self.embed_weight = adapter.embed.weight.detach()
         self.norm_weight = adapter.norm.weight.detach()
         self.lm_head_t = adapter.lm_head.weight.detach().t()
         self.eps = float(tc.rms_norm_eps)
         self.head_dim = adapter.head_dim
-        self._set_heads(adapter.num_heads, adapter.num_kv_heads)
+        q, kv = head_map(adapter.num_heads, adapter.num_kv_heads, shard)
+        self._set_heads(len(q), len(kv))
         self.scale = self.head_dim ** -0.5
         self.rotary = RotaryTable(adapter.rotary, self.head_dim, max_positions, adapter.dtype, adapter.device)
         self.reduce = None  # tensor parallelism: sums a partial result over the group, in place
@@ -58,15 +65,6 @@ class LeanLM:
         self.q_width = num_heads * self.head_dim
         self.kv_width = num_kv_heads * self.head_dim
         self.qkv_split = (self.q_width, self.kv_width, self.kv_width)
-
-    def shard(self, shard: TPShard, reduce) -> None:
-        """Keep `shard`'s part of every layer (engine/tp/shard.py), layer by layer so the whole
-        layers go as their slices come; `reduce(t)` sums `t` over the group in place."""
-        q, kv = head_map(self.num_heads, self.num_kv_heads, shard)
-        for i, w in enumerate(self.layers):
-            self.layers[i] = shard_layer(w, self.num_heads, self.num_kv_heads, self.head_dim, shard)
-        self._set_heads(len(q), len(kv))
-        self.reduce = reduce
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward reads (weights, rotary tables), each once."""

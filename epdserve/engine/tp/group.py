@@ -80,15 +80,29 @@ def all_reduce(pg, tensor) -> None:
         raise RankFailure(f"tensor-parallel all-reduce failed (a rank died or hung): {e}") from e
 
 
+def loopback_store(size: int):
+    """The group's rendezvous store, listening on 127.0.0.1 only (a TCPStore bound by itself
+    listens on every interface: so it is handed a socket bound here, `master_listen_fd`)."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(max(size, 8))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return TCPStore("127.0.0.1", port, size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
+                    wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns the socket now
+
+
 class TPGroup:
     def __init__(self, platform, size: int, spec: dict, timeout_s: float = COLLECTIVE_TIMEOUT_S):
         """Start ranks 1..size-1 for `spec` (RankSpec's fields but rank, size and store_port) and
         join them in a group; returns once every rank has loaded its part."""
-        from torch.distributed import TCPStore
-
         self.size, self.platform = size, platform
-        self._store = TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
-                               wait_for_workers=False)
+        self._store = loopback_store(size)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         try:
@@ -151,3 +165,4 @@ class TPGroup:
                 proc.kill()
                 proc.wait()
         self._conns, self._procs = [], []
+        self.pg = self._store = None  # the store's listener goes with it

@@ -8,15 +8,12 @@ them when tp divides the KV heads, else — tp a multiple of KVH — the one KV 
 share, which tp/KVH ranks then hold alike (vLLM's `num_kv_head_replicas`). Each rank's KV cache
 holds its own KV heads only. Norms (Qwen3's per-head q/k norms too), the embedding and the LM
 head are replicated: every rank holds them whole (the LM head runs on rank 0 only). A bias of a
-row-parallel projection is added by rank 0 alone, so the sum counts it once.
+row-parallel projection is added by rank 0 alone, so the sum counts it once. model/lm_layers.py
+reads each rank's slices from the checkpoint by this map.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-import torch
-
-from epdserve.engine.lm.weights import LeanLayerWeights
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -50,32 +47,3 @@ def head_map(num_heads: int, num_kv_heads: int, shard: TPShard) -> tuple[range, 
         return q, range(shard.rank * k, (shard.rank + 1) * k)
     kv = shard.rank * num_kv_heads // shard.size
     return q, range(kv, kv + 1)
-
-
-def _cols(heads: range, head_dim: int, offset: int = 0) -> list[int]:
-    return list(range(offset + heads.start * head_dim, offset + heads.stop * head_dim))
-
-
-def shard_layer(w: LeanLayerWeights, num_heads: int, num_kv_heads: int, head_dim: int,
-                shard: TPShard) -> LeanLayerWeights:
-    """The rank's slice of one layer's lean weights (each slice a fresh contiguous tensor, stored
-    transposed as the lean forward reads it)."""
-    if w.moe is not None:
-        raise ValueError("tensor parallelism of a sparse (MoE) layer is not supported yet (expert parallelism: "
-                         "issue 47 item 3); run Qwen3-VL-MoE at tensor_parallel_size=1")
-    q, kv = head_map(num_heads, num_kv_heads, shard)
-    qw, kw = num_heads * head_dim, num_kv_heads * head_dim
-    rows = _cols(q, head_dim) + _cols(kv, head_dim, qw) + _cols(kv, head_dim, qw + kw)
-    idx = torch.tensor(rows, device=w.qkv_t.device)
-    qkv = w.qkv_t.t().index_select(0, idx).contiguous()  # [local out, hidden]
-    o_in = torch.tensor(_cols(q, head_dim), device=w.o_t.device)
-    o = w.o_t.t().index_select(1, o_in).contiguous()  # [hidden, local q width]
-    inter = w.down_t.shape[0]
-    part = inter // shard.size
-    mine = list(range(shard.rank * part, (shard.rank + 1) * part))
-    gu_rows = torch.tensor(mine + [inter + i for i in mine], device=w.gate_up_t.device)
-    gate_up = w.gate_up_t.t().index_select(0, gu_rows).contiguous()  # [2 local I, hidden]
-    down = w.down_t.t().index_select(1, torch.tensor(mine, device=w.down_t.device)).contiguous()  # [hidden, local I]
-    return replace(
-        w, qkv_t=qkv.t(), qkv_bias=None if w.qkv_bias is None else w.qkv_bias.index_select(0, idx).contiguous(),
-        o_t=o.t(), o_bias=w.o_bias if shard.rank == 0 else None, gate_up_t=gate_up.t(), down_t=down.t())

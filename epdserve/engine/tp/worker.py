@@ -1,8 +1,8 @@
 """A tensor-parallel rank other than 0: `python -m epdserve.engine.tp.worker FD SPEC_JSON`.
 
 Started by rank 0 (engine/tp/group.py) with one end of a socket pair as file descriptor FD.
-Loads the checkpoint, keeps its shard of the LM (engine/tp/shard.py; the vision tower is
-released: rank 0 encodes), builds a KV cache for its own KV heads with rank 0's block count,
+Loads the checkpoint with only its shard of the LM's decoder layers (model/lm_layers.py; the
+vision tower is released: rank 0 encodes), builds a KV cache for its own KV heads with rank 0's block count,
 joins the group, says "ready", then runs each forward rank 0 sends (engine/forward_inputs.py)
 until rank 0 says stop or its socket ends. What goes wrong while loading is sent back as the
 start-up error.
@@ -35,10 +35,10 @@ def serve(spec, conn: Connection) -> None:
     from epdserve.ops.select import layer_ops, paged_ops
 
     store = TCPStore("127.0.0.1", spec.store_port, spec.size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
-    model = load_model(spec.model, spec.device, spec.dtype, spec.max_model_len)
+    model = load_model(spec.model, spec.device, spec.dtype, spec.max_model_len, shard=TPShard(spec.rank, spec.size))
     pg = make_group(model.platform, store, spec.rank, spec.size, spec.timeout_s)
     a, lm = model.adapter, model.lm
-    lm.shard(TPShard(spec.rank, spec.size), lambda t: all_reduce(pg, t))
+    lm.reduce = lambda t: all_reduce(pg, t)
     a.base.visual = None  # rank 0 encodes the media
     kv = PagedKVCache(KVCacheSpec(a.num_layers, lm.num_kv_heads, a.head_dim, spec.block_size, model.dtype),
                       spec.num_blocks, model.device)

@@ -1,0 +1,108 @@
+"""The language model's decoder layers read straight from a checkpoint's safetensors files, each
+rank reading only its own slices (issue 47 item 5).
+
+transformers builds the rest of the model (vision tower, embedding, final norm, LM head, rotary
+tables: `loader.load_checkpoint(..., without_lm_layers=True)`); the decoder layers, most of the
+weights, are never built as transformers modules. For layer i this reads, memory-mapped
+(`safe_open(...).get_slice`): the rank's rows of q/k/v (its query heads, its KV heads) and
+their biases, the rank's input columns of o_proj, its rows of gate/up and input columns of
+down_proj (`engine/tp/shard.py` `head_map`, the MLP split in tp equal parts), and the norms
+whole. Nothing outside those slices is read into memory, on any rank (tests/model/
+test_lm_layers.py counts every tensor the reader hands out). The slices are converted to the
+model dtype and fused as the lean forward reads them (`engine/lm/weights.py` `LeanLayerWeights`:
+QKV and gate-up concatenated, every weight stored transposed).
+
+Both layouts of the checkpoints in the wild are read: transformers 5's
+(`model.language_model.layers.N.`) and the hub's Qwen2-VL / Qwen2.5-VL one (`model.layers.N.`),
+as transformers' own key mapping renames them. Sparse (MoE) layers are not read here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from epdserve.engine.lm.weights import LeanLayerWeights
+from epdserve.engine.tp.shard import TPShard, head_map
+
+_PREFIXES = ("model.language_model.layers.{}.", "model.layers.{}.")
+
+
+class SafetensorsReader:
+    """A checkpoint's tensors by name across its safetensors files, memory-mapped: `get` reads a
+    tensor or a range of its rows or columns, nothing more."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        path = Path(path)
+        index = path / "model.safetensors.index.json"
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+            else sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} has no safetensors files")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
+        """The tensor `name`, or only `rows` (of dim 0) / `cols` (of dim 1) of it."""
+        try:
+            h = self._where[name]
+        except KeyError:
+            raise KeyError(f"the checkpoint has no tensor {name!r}") from None
+        if rows is None and cols is None:
+            return h.get_tensor(name)
+        sl = h.get_slice(name)
+        if cols is None:
+            return sl[rows.start:rows.stop]
+        return sl[:, cols.start:cols.stop] if rows is None else sl[rows.start:rows.stop, cols.start:cols.stop]
+
+
+def layer_prefix(reader: SafetensorsReader, i: int) -> str:
+    for p in _PREFIXES:
+        if p.format(i) + "input_layernorm.weight" in reader:
+            return p.format(i)
+    raise KeyError(f"the checkpoint has no decoder layer {i} (looked for {', '.join(p.format(i) for p in _PREFIXES)})")
+
+
+def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, dtype: torch.dtype,
+               device: torch.device | str) -> LeanLayerWeights:
+    """Decoder layer i's lean weights, `shard`'s part of them (see the module docstring)."""
+    p = layer_prefix(reader, i)
+    H, KVH = text_config.num_attention_heads, text_config.num_key_value_heads
+    d = getattr(text_config, "head_dim", None) or text_config.hidden_size // H
+    q, kv = head_map(H, KVH, shard)
+    qr, kr = range(q.start * d, q.stop * d), range(kv.start * d, kv.stop * d)
+    part = text_config.intermediate_size // shard.size
+    mlp = range(shard.rank * part, (shard.rank + 1) * part)
+
+    def get(name, rows=None, cols=None, optional=False):
+        if optional and p + name not in reader:
+            return None
+        return reader.get(p + name, rows, cols).to(device=device, dtype=dtype)
+
+    qkv = torch.cat([get("self_attn.q_proj.weight", qr), get("self_attn.k_proj.weight", kr),
+                     get("self_attn.v_proj.weight", kr)])
+    biases = [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))]
+    qkv_bias = None
+    if any(b is not None for b in biases):
+        qkv_bias = torch.cat([b if b is not None else torch.zeros(len(r), dtype=dtype, device=device)
+                              for b, r in zip(biases, (qr, kr, kr))])
+    o_bias = get("self_attn.o_proj.bias", optional=True) if shard.rank == 0 else None  # the sum counts it once
+    gate_up = torch.cat([get("mlp.gate_proj.weight", mlp), get("mlp.up_proj.weight", mlp)])
+    return LeanLayerWeights(
+        qkv_t=qkv.t(), qkv_bias=qkv_bias, o_t=get("self_attn.o_proj.weight", cols=qr).contiguous().t(), o_bias=o_bias,
+        input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
+        q_norm=get("self_attn.q_norm.weight", optional=True), k_norm=get("self_attn.k_norm.weight", optional=True),
+        gate_up_t=gate_up.t(), down_t=get("mlp.down_proj.weight", cols=mlp).contiguous().t(), moe=None)
+
+
+def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,
+                device: torch.device | str) -> list[LeanLayerWeights]:
+    """Every decoder layer's lean weights, `shard`'s part (dense models)."""
+    reader = SafetensorsReader(path)
+    return [read_layer(reader, i, text_config, shard, dtype, device) for i in range(text_config.num_hidden_layers)]
