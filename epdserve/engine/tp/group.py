@@ -55,6 +55,8 @@ class RankSpec:
     max_num_seqs: int
     ops: str | None
     timeout_s: float = COLLECTIVE_TIMEOUT_S
+    cores: list[int] | None = None  # CPU: the cores this rank's threads run on
+    threads: int | None = None  # CPU: its intra-op threads
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -63,6 +65,21 @@ def rank_device(device: str, rank: int) -> str:
     if name == "cpu":
         return "cpu"
     return f"{name}:{(int(idx) if idx.isdigit() else 0) + rank}"
+
+
+def rank_cores(device: str, size: int) -> list[tuple[list[int], int]] | None:
+    """CPU: each rank's (cores, intra-op threads) out of the cores the calling thread may use —
+    disjoint shares while there are at least as many cores as ranks, else every core shared and
+    the threads divided — so `size` ranks' thread teams do not oversubscribe the cores each
+    would otherwise take whole; None on an accelerator (a rank has its own device)."""
+    if not device.startswith("cpu"):
+        return None
+    from epdserve.instance.affinity import available_cores, split_cores
+
+    cores = available_cores()
+    if len(cores) < size:
+        return [(cores, max(1, len(cores) // size))] * size
+    return [(share, len(share)) for share in split_cores(size, cores)]
 
 
 def make_group(platform, store, rank: int, size: int, timeout_s: float):
@@ -105,10 +122,17 @@ class TPGroup:
         self._store = loopback_store(size)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
+        shares = rank_cores(spec["device"], size)
+        if shares is not None:  # rank 0's team: the calling thread's (its cores stay as they are)
+            import torch
+
+            torch.set_num_threads(shares[0][1])
         try:
             for rank in range(1, size):
                 mine, theirs = socket.socketpair()
-                rs = RankSpec(**spec, rank=rank, size=size, store_port=self._store.port, timeout_s=timeout_s)
+                cores, threads = shares[rank] if shares is not None else (None, None)
+                rs = RankSpec(**spec, rank=rank, size=size, store_port=self._store.port, timeout_s=timeout_s,
+                              cores=cores, threads=threads)
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-m", "epdserve.engine.tp.worker", str(theirs.fileno()), json.dumps(asdict(rs))],
                     pass_fds=[theirs.fileno()], env=dict(os.environ)))

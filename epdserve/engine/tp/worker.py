@@ -34,6 +34,9 @@ def serve(spec, conn: Connection) -> None:
     from epdserve.engine.tp.shard import TPShard
     from epdserve.ops.select import layer_ops, paged_ops
 
+    if spec.cores is not None:  # CPU: this rank's share of the cores (group.py rank_cores)
+        os.sched_setaffinity(0, spec.cores)
+        torch.set_num_threads(spec.threads)
     store = TCPStore("127.0.0.1", spec.store_port, spec.size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
     model = load_model(spec.model, spec.device, spec.dtype, spec.max_model_len, shard=TPShard(spec.rank, spec.size))
     pg = make_group(model.platform, store, spec.rank, spec.size, spec.timeout_s)
