@@ -46,8 +46,11 @@ CANN_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann
 
 
 def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: str | None = None,
-               device: str = "auto", timeout_s: float = 2.0) -> list[Check]:
-    """Every check, in table order. `mode`: what the machine must support (None: report only)."""
+               device: str = "auto", timeout_s: float = 2.0, tensor_parallel_size: int = 1,
+               model: str | None = None) -> list[Check]:
+    """Every check, in table order. `mode`: what the machine must support (None: report only).
+    `tensor_parallel_size` > 1: the instance's ranks must each find a device (and, with `model`,
+    the degree must split the model's heads)."""
     npu_installed = torch_npu_installed()
     checks = [
         Check("python", Status.OK, f"{py_platform.python_version()} ({py_platform.machine()})"),
@@ -67,6 +70,8 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
         checks.append(_mode(mode, kv_hop, plat))
     if plat is not None:
         checks += [_dist_backend(plat, kv_hop), _native_ops(plat)]
+    if tensor_parallel_size > 1 or model:
+        checks.append(_tensor_parallel(plat, device, tensor_parallel_size, model))
     checks += [_env(), _mm_store(mm_store, mode, timeout_s), _scheduler(scheduler, mode, timeout_s)]
     return checks
 
@@ -153,6 +158,44 @@ def _device(device: str):
     env = plat.visible_devices_env
     visible = f" ({env}={os.environ[env]})" if env and env in os.environ else ""
     return plat, Check("devices", Status.OK, f"platform {plat.name}: {count}{visible}")
+
+
+def _tensor_parallel(plat, device: str, tp: int, model: str | None) -> Check:
+    """One instance at degree `tp` needs `tp` devices from its own index on (rank r on index + r,
+    engine/tp/group.py rank_device); on the CPU its ranks share the cores; with `model`, tp must
+    split the model's attention heads, KV heads and MLP (engine/tp/shard.py check_degree)."""
+    name = "tensor parallel"
+    if model:
+        from transformers import AutoConfig
+
+        from epdserve.engine.tp.shard import check_degree
+
+        try:
+            tc = AutoConfig.from_pretrained(model, local_files_only=True).text_config
+            check_degree(tp, tc.num_attention_heads, tc.num_key_value_heads, int(tc.intermediate_size))
+        except (OSError, ValueError) as e:
+            return Check(name, Status.FAIL, str(e).splitlines()[0],
+                         "pick a degree the message lists" if isinstance(e, ValueError) and "valid degrees" in str(e)
+                         else f"check that {model} is a checkpoint directory")
+        if getattr(tc, "num_experts", 0) and tp > 1:
+            return Check(name, Status.FAIL, f"{model} has sparse (MoE) layers: expert parallelism is not supported yet",
+                         "run it at --tensor-parallel-size 1")
+    if plat is None:
+        return Check(name, Status.FAIL, f"degree {tp}: no platform to place its ranks on", "see the devices row")
+    if plat.name == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if cores < tp:
+            return Check(name, Status.WARN, f"degree {tp} on {cores} CPU core(s): its ranks share cores",
+                         "fewer ranks than cores is what pays on a CPU")
+        return Check(name, Status.OK, f"degree {tp}: {cores // tp} CPU core(s) per rank")
+    _, _, idx = device.partition(":")
+    first = int(idx) if idx.isdigit() else 0
+    count = plat.device_count()
+    if first + tp > count:
+        env = plat.visible_devices_env
+        return Check(name, Status.FAIL, f"degree {tp} from {plat.name}:{first} needs {first + tp} devices, "
+                     f"{count} visible", f"make {tp} devices visible ({env}) or lower --tensor-parallel-size")
+    return Check(name, Status.OK, f"degree {tp}: ranks on {plat.name}:{first}..{first + tp - 1}")
 
 
 def _needs_kv_hop(mode: str) -> bool:

@@ -2,7 +2,9 @@
 
 Rows: python, torch, torch_npu (version matches torch? imports?), CANN (from
 $ASCEND_HOME_PATH/<arch>-linux/ascend_toolkit_install.info), CUDA, devices of the platform,
-the mode's instances (with --mode), the dist backend for the P->D KV hop, the native paged
+the mode's instances (with --mode), one instance's tensor-parallel degree (with
+--tensor-parallel-size: enough devices from its index on; with --model: the degree splits the
+model), the dist backend for the P->D KV hop, the native paged
 operators (built for this torch or not; nothing is built), the HCCL / Gloo environment, the
 MM Store (--mm-store: does it answer INFO; else: can launch start a private one) and
 the scheduler (--scheduler: does GetServerInfo answer). Nothing is installed or started.
@@ -24,7 +26,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mode", choices=MODES, default=None, help="fail when this deployment mode cannot run here")
     p.add_argument("--mm-store", default=None, help="redis://host:port of an MM Store that must answer")
     p.add_argument("--scheduler", default=None, help="HOST:PORT of a scheduler that must answer")
-    add_flags(p, EngineConfig, ["device"])
+    add_flags(p, EngineConfig, ["device", "tensor_parallel_size"])
+    p.add_argument("--model", default=None,
+                   help="a checkpoint directory: fail when --tensor-parallel-size does not split it")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each named server")
 
 
@@ -32,7 +36,7 @@ def run(args) -> int:
     from epdserve.checks.doctor import Status, run_checks  # torch: not imported for --help
 
     checks = run_checks(mode=args.mode, mm_store=args.mm_store, scheduler=args.scheduler, device=args.device,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, tensor_parallel_size=args.tensor_parallel_size, model=args.model)
     print(format_table(checks))
     fixes = [c for c in checks if c.status is not Status.OK and c.fix]
     if fixes:

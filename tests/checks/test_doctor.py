@@ -139,3 +139,11 @@ def test_scheduler_answering_unauthenticated_says_set_the_api_key(capsys, monkey
         monkeypatch.setenv("EPDSERVE_API_KEY", "doctor-api-key")
         rc, out = doctor(capsys, "--scheduler", sched.address)
         assert rc == 0 and f"{sched.address} answers" in row(out, "scheduler"), out
+
+
+def test_tensor_parallel_degree_is_checked_against_the_model(capsys, qwen2_vl_tiny):
+    rc, out = doctor(capsys, "--device", "cpu", "--tensor-parallel-size", "3", "--model", str(qwen2_vl_tiny))
+    assert rc == 1, out
+    assert " fail " in row(out, "tensor parallel") and "valid degrees: 1, 2, 4" in row(out, "tensor parallel")
+    rc, out = doctor(capsys, "--device", "cpu", "--tensor-parallel-size", "2", "--model", str(qwen2_vl_tiny))
+    assert rc == 0 and " fail " not in row(out, "tensor parallel"), out
