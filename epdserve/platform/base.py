@@ -112,18 +112,27 @@ class Platform(ABC):
     # Env the backend reads when a group is built: its watchdog must not take the process down
     # when one pair fails (a stalled or dead peer fails that pair's transfers only).
     pair_group_env: tuple[tuple[str, str], ...] = ()
+    # A tensor-parallel group wants the opposite: its watchdog ends the process when a collective
+    # fails or outlives the group's timeout (a rank that died or hangs), so the instance is
+    # restarted whole (engine/tp/group.py). The two never share a process: a TP engine refuses a
+    # KV connector (llm_engine.py _check_tp), and HCCL reads its variable once per process.
+    tp_group_env: tuple[tuple[str, str], ...] = ()
 
-    def prepare_pair_groups(self) -> None:
-        """Set `pair_group_env` (unless the operator set it) before the first pair group."""
-        for name, value in self.pair_group_env:
+    def prepare_pair_groups(self, tensor_parallel: bool = False) -> None:
+        """Set `pair_group_env` (`tp_group_env` for a tensor-parallel group), unless the operator
+        set it, before the first group."""
+        for name, value in self.tp_group_env if tensor_parallel else self.pair_group_env:
             current = os.environ.setdefault(name, value)
             if current != value:
-                log.warning("%s=%s is set: the %s watchdog may take this process down when one KV pair "
-                            "times out (epdserve would use %s)", name, current, self.dist_backend, value)
+                what = "not end this process when a tensor-parallel collective fails" if tensor_parallel else \
+                    "take this process down when one KV pair times out"
+                log.warning("%s=%s is set: the %s watchdog may %s (epdserve would use %s)", name, current,
+                            self.dist_backend, what, value)
 
     def make_pair_group(self, store, rank: int, world_size: int, timeout, group_name: str = "",
-                        host: str | None = None):
+                        host: str | None = None, tensor_parallel: bool = False):
         """Build a process group over `store` without a global world (stateless group).
+        `tensor_parallel`: the group of a TP instance's ranks (its watchdog env: `tp_group_env`).
 
         `group_name` identifies the group where the backend needs it (HCCL's group_id). `host`:
         the local address its sockets bind where the backend takes one per group (gloo); NCCL

@@ -43,7 +43,7 @@ class CpuPlatform(Platform):
         # it is called, so the waiter blocks, with the same deadline as the device backends.
         work.wait(timedelta(seconds=timeout_s))
 
-    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None, tensor_parallel=False):
         from torch.distributed import ProcessGroupGloo
 
         if host is None:  # torch's default device: the hostname's address, or GLOO_SOCKET_IFNAME

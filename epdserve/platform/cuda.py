@@ -39,14 +39,17 @@ class CudaPlatform(Platform):
 
     # ProcessGroupNCCL's watchdog: 0 = no handling (a failed pair is aborted by us, not the process)
     pair_group_env = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0"),)
+    # 1 = TearDown (ProcessGroupNCCL.hpp ErrorHandlingMode): a TP collective that fails or outlives
+    # the group's timeout ends the process, which its supervisor restarts
+    tp_group_env = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),)
 
     def set_thread_device(self, index: int = 0) -> None:
         torch.cuda.set_device(index)
 
-    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None, tensor_parallel=False):
         from torch.distributed import ProcessGroupNCCL
 
-        self.prepare_pair_groups()
+        self.prepare_pair_groups(tensor_parallel)
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return ProcessGroupNCCL(store, rank, world_size, opts)

@@ -211,6 +211,8 @@ class NpuPlatform(Platform):
     # TORCH_HCCL_HIGH_PRIORITY unset/0: HCCL's streams come from pool 0, ours from pool 1
     # (ProcessGroupHCCL.cpp getNPUStreamByCurrentType; npu_streams.py).
     pair_group_env = (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "0"), ("TORCH_HCCL_HIGH_PRIORITY", "0"))
+    # TP: torch_npu's default, TearDown — the watchdog's rethrow ends the process (see above)
+    tp_group_env = (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "1"), ("TORCH_HCCL_HIGH_PRIORITY", "0"))
 
     def stuck_work_bound_s(self) -> float | None:
         """HCCL_EXEC_TIMEOUT: a receive that survived `abort_hccl_comm` (HcclCommDestroy returned
@@ -240,9 +242,9 @@ class NpuPlatform(Platform):
         except Exception as e:  # must not raise: the pair is dead either way
             log.warning("abort_hccl_comm failed: %s", e)
 
-    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None):
+    def make_pair_group(self, store, rank, world_size, timeout, group_name="", host=None, tensor_parallel=False):
         # As torch_npu's registry/distributed.py and vllm-ascend's netloader_pg.py build it.
-        self.prepare_pair_groups()
+        self.prepare_pair_groups(tensor_parallel)
         torch_npu = self._torch_npu()
         c10d = torch_npu._C._distributed_c10d
         opts = c10d.ProcessGroupHCCL.Options()

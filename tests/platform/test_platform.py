@@ -79,6 +79,15 @@ def test_npu_pair_group_turns_the_teardown_watchdog_off(fake_npu):
     assert [e[1] for e in fake_npu.events if e[1] in ("abort_hccl_comm", "pg.abort")] == ["abort_hccl_comm"]
 
 
+def test_npu_tensor_parallel_group_keeps_the_teardown_watchdog(fake_npu):
+    """A TP group's failed or hung collective must end the process (the instance restarts whole)."""
+    from epdserve.platform.npu import PLATFORM as npu
+
+    pg = npu.make_pair_group(torch.distributed.HashStore(), 0, 2, datetime.timedelta(seconds=5), group_name="tp",
+                             tensor_parallel=True)
+    assert os.environ["TORCH_HCCL_ASYNC_ERROR_HANDLING"] == "1" and pg.error_handling == 1
+
+
 def test_an_operator_choice_of_teardown_is_kept_and_named(fake_npu, monkeypatch, caplog):
     from epdserve.platform.npu import PLATFORM as npu
 

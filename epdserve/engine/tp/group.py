@@ -12,7 +12,10 @@ HCCL on the NPU). The inputs go over the socket, not the group, so an idle rank 
 socket with no collective timing out; a rank sees rank 0's end as the socket's end and exits.
 
 Failure: a rank that died (its socket closed, its process gone) or a collective that failed or
-outlived `timeout_s` raises `RankFailure`. The engine does not catch it: the instance ends as a
+outlived `timeout_s` raises `RankFailure` (gloo: the wait's own timeout). On CUDA and the NPU a
+collective's wait does not block the host, so the bound is the backend's watchdog, left in
+TearDown for a TP group (`Platform.tp_group_env`, the opposite of the KV pairs' setting): it ends
+the process when a collective fails or outlives the group's timeout. The engine does not catch it: the instance ends as a
 whole and its supervisor restarts it; no half-alive instance serves.
 """
 from __future__ import annotations
@@ -84,8 +87,8 @@ def rank_cores(device: str, size: int) -> list[tuple[list[int], int]] | None:
 
 def make_group(platform, store, rank: int, size: int, timeout_s: float):
     """The platform's group of the `size` ranks over `store` (built by every rank at once)."""
-    platform.prepare_pair_groups()
     return platform.make_pair_group(store, rank, size, timedelta(seconds=timeout_s), group_name="tp",
+                                    tensor_parallel=True,
                                     host="127.0.0.1" if platform.name == "cpu" else None)
 
 
