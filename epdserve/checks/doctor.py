@@ -163,7 +163,7 @@ def _device(device: str):
 def _tensor_parallel(plat, device: str, tp: int, model: str | None) -> Check:
     """One instance at degree `tp` needs `tp` devices from its own index on (rank r on index + r,
     engine/tp/group.py rank_device); on the CPU its ranks share the cores; with `model`, tp must
-    split the model's attention heads, KV heads and MLP (engine/tp/shard.py check_degree)."""
+    split the model's attention heads, KV heads, MLP and experts (engine/tp/shard.py check_degree)."""
     name = "tensor parallel"
     if model:
         from transformers import AutoConfig
@@ -172,14 +172,12 @@ def _tensor_parallel(plat, device: str, tp: int, model: str | None) -> Check:
 
         try:
             tc = AutoConfig.from_pretrained(model, local_files_only=True).text_config
-            check_degree(tp, tc.num_attention_heads, tc.num_key_value_heads, int(tc.intermediate_size))
+            check_degree(tp, tc.num_attention_heads, tc.num_key_value_heads, int(tc.intermediate_size),
+                         getattr(tc, "num_experts", 0) or 0)
         except (OSError, ValueError) as e:
             return Check(name, Status.FAIL, str(e).splitlines()[0],
                          "pick a degree the message lists" if isinstance(e, ValueError) and "valid degrees" in str(e)
                          else f"check that {model} is a checkpoint directory")
-        if getattr(tc, "num_experts", 0) and tp > 1:
-            return Check(name, Status.FAIL, f"{model} has sparse (MoE) layers: expert parallelism is not supported yet",
-                         "run it at --tensor-parallel-size 1")
     if plat is None:
         return Check(name, Status.FAIL, f"degree {tp}: no platform to place its ranks on", "see the devices row")
     if plat.name == "cpu":

@@ -80,10 +80,10 @@ class EngineConfig:
         1, check=(">=", 1),
         help="ranks the language model is split over, one process and one device each (rank r on the device "
              "index after --device's plus r; all on the CPU there): each rank holds its share of the attention "
-             "heads and MLP columns and its KV heads' cache, rank 0 schedules, encodes media and samples "
-             "(engine/tp/). Must divide the attention heads and MLP width, and divide the KV heads or be a multiple "
-             "of them (start-up names the valid degrees). Dense models only for now (not Qwen3-VL-MoE); not with "
-             "a KV connector (disaggregated P or D)")
+             "heads and MLP columns (a MoE model's experts: expert parallelism) and its KV heads' cache, rank 0 "
+             "schedules, encodes media and samples (engine/tp/). Must divide the attention heads, the MLP width and "
+             "the experts, and divide the KV heads or be a multiple of them (start-up names the valid degrees); not "
+             "with a KV connector (disaggregated P or D)")
     seed: int = 0
     ops: str | None = setting(
         None, choices=("native", "portable"), env="EPDSERVE_OPS",

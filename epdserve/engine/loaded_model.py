@@ -61,8 +61,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     `media_secret`: what media keys computed here are keyed with (default: the process's,
     `MediaKeySecret.of_process()`). `shard`: the tensor-parallel rank whose part of the LM's
     decoder layers this process holds (model/lm_layers.py reads only those slices; a degree that
-    does not split the model, or a sparse model at a degree above 1, is refused before any weight
-    is read).
+    does not split the model is refused before any weight is read).
 
     dtype "auto" is fp32 on CPU (the exactness oracle's dtype) and bf16 on accelerators."""
     platform = get_platform(device)
@@ -73,10 +72,10 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     log.info("loading model %s (%s of weights) on %s as %s ...", model, size, platform.device(),
              str(tdtype).removeprefix("torch."))
     started = time.monotonic()
-    dense = _check_shard(model, shard)
-    ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=dense)
+    own = _check_shard(model, shard)
+    ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
-    layers = read_layers(model, a.text_config, shard, tdtype, platform.device()) if dense else None
+    layers = read_layers(model, a.text_config, shard, tdtype, platform.device()) if own else None
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
                                     a.text_config.vocab_size, video=ckpt.video)
@@ -92,19 +91,16 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
 
 
 def _check_shard(model: str, shard: TPShard) -> bool:
-    """Whether the checkpoint's decoder layers are dense (read by model/lm_layers.py); ValueError
-    for a degree the model cannot take."""
+    """Whether model/lm_layers.py reads the LM's decoder layers (every model, except a sparse one
+    at tensor_parallel_size 1: that keeps transformers' own expert block, the oracle's very
+    arithmetic); ValueError for a degree the model cannot take."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model, local_files_only=True)
-    tc = config.text_config
-    dense = not getattr(tc, "num_experts", 0)
+    tc = AutoConfig.from_pretrained(model, local_files_only=True).text_config
+    experts = getattr(tc, "num_experts", 0) or 0
     if shard.size > 1:
-        check_degree(shard.size, tc.num_attention_heads, tc.num_key_value_heads, int(tc.intermediate_size))
-        if not dense:
-            raise ValueError(f"tensor_parallel_size={shard.size}: {config.model_type} has sparse (MoE) layers; expert "
-                             "parallelism is not supported yet: run it at tensor_parallel_size=1")
-    return dense
+        check_degree(shard.size, tc.num_attention_heads, tc.num_key_value_heads, int(tc.intermediate_size), experts)
+    return not experts or shard.size > 1
 
 
 def _index(device: str) -> int | None:

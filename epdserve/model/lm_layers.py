@@ -14,7 +14,8 @@ QKV and gate-up concatenated, every weight stored transposed).
 
 Both layouts of the checkpoints in the wild are read: transformers 5's
 (`model.language_model.layers.N.`) and the hub's Qwen2-VL / Qwen2.5-VL one (`model.layers.N.`),
-as transformers' own key mapping renames them. Sparse (MoE) layers are not read here.
+as transformers' own key mapping renames them. A sparse (MoE) layer's router is read whole and
+only the rank's experts of its fused expert tensors (engine/lm/experts.py).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
+from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.weights import LeanLayerWeights
-from epdserve.engine.tp.shard import TPShard, head_map
+from epdserve.engine.tp.shard import TPShard, expert_range, head_map, sparse_layer
 
 _PREFIXES = ("model.language_model.layers.{}.", "model.layers.{}.")
 
@@ -47,6 +49,9 @@ class SafetensorsReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def shape(self, name: str) -> list[int]:
+        return self._where[name].get_slice(name).get_shape()
 
     def get(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
         """The tensor `name`, or only `rows` (of dim 0) / `cols` (of dim 1) of it."""
@@ -93,12 +98,39 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
         qkv_bias = torch.cat([b if b is not None else torch.zeros(len(r), dtype=dtype, device=device)
                               for b, r in zip(biases, (qr, kr, kr))])
     o_bias = get("self_attn.o_proj.bias", optional=True) if shard.rank == 0 else None  # the sum counts it once
-    gate_up = torch.cat([get("mlp.gate_proj.weight", mlp), get("mlp.up_proj.weight", mlp)])
+    if sparse_layer(text_config, i):
+        gate_up_t = down_t = None
+        moe = _experts(reader, p, text_config, shard, get)
+    else:
+        gate_up_t = torch.cat([get("mlp.gate_proj.weight", mlp), get("mlp.up_proj.weight", mlp)]).t()
+        down_t, moe = get("mlp.down_proj.weight", cols=mlp).contiguous().t(), None
     return LeanLayerWeights(
         qkv_t=qkv.t(), qkv_bias=qkv_bias, o_t=get("self_attn.o_proj.weight", cols=qr).contiguous().t(), o_bias=o_bias,
         input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
         q_norm=get("self_attn.q_norm.weight", optional=True), k_norm=get("self_attn.k_norm.weight", optional=True),
-        gate_up_t=gate_up.t(), down_t=get("mlp.down_proj.weight", cols=mlp).contiguous().t(), moe=None)
+        gate_up_t=gate_up_t, down_t=down_t, moe=moe)
+
+
+def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get) -> ExpertShard:
+    """A sparse layer's router (whole) and the rank's experts (`expert_range`), in transformers
+    5's layout: gate_up [E, 2 I, hidden], down [E, hidden, I]. Checkpoints written before it
+    hold both transposed ([E, hidden, 2 I], [E, I, hidden]): read by shape, as transformers'
+    own conversion does (conversion_mapping.py "qwen3_vl_moe": Transpose(1, 2, check_dims=True),
+    which keeps a tensor already of the expected shape)."""
+    h, inter = text_config.hidden_size, text_config.moe_intermediate_size
+    mine = expert_range(text_config.num_experts, shard)
+
+    def experts(name: str, want: tuple[int, int]) -> torch.Tensor:
+        shape = tuple(reader.shape(p + name)[1:])
+        t = get(name, mine)
+        if shape == want:
+            return t
+        if shape == want[::-1]:
+            return t.transpose(1, 2).contiguous()
+        raise ValueError(f"{p}{name}: expert shape {shape}, expected {want} or {want[::-1]}")
+
+    return ExpertShard(get("mlp.gate.weight"), experts("mlp.experts.gate_up_proj", (2 * inter, h)),
+                       experts("mlp.experts.down_proj", (h, inter)), mine.start, text_config.num_experts_per_tok)
 
 
 def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,

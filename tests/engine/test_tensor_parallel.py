@@ -2,8 +2,9 @@
 gloo on loopback: greedy outputs at TP2 (Qwen2-VL; Qwen3-VL, DeepStack included) and at TP4
 (Qwen2.5-VL, whose 2 KV heads are each held by two ranks) equal transformers' `generate` token for
 token on one mixed batch of text, images and a video (a part at a near tie of transformers' own
-logits would be printed, not hidden); a degree that does not split the model and a sparse model
-are refused at start-up; a rank killed mid-run ends the engine with RankFailure, never half a
+logits would be printed, not hidden); Qwen3-VL-MoE at TP2 splits its experts over the ranks
+(expert parallelism) and equals transformers too; a degree that does not split the model (its
+heads, MLP or experts) is refused at start-up; a rank killed mid-run ends the engine with RankFailure, never half a
 model serving."""
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ PROMPTS = [
     (f"a {PH} b {PH} c {PH} compare them", [jpeg_bytes(procedural_image(w, h, s))
                                             for w, h, s in ((100, 76, 2), (56, 140, 3), (171, 113, 4))]),
 ]
-DEGREES = [("qwen2_vl", 2), ("qwen3_vl", 2), ("qwen2_5_vl", 4)]
+DEGREES = [("qwen2_vl", 2), ("qwen3_vl", 2), ("qwen3_vl_moe", 2), ("qwen2_5_vl", 4)]
 _llms: dict = {}  # (arch, tp) -> LLM, shared by this module's tests, closed at its end
 
 
@@ -90,6 +91,10 @@ def test_a_degree_that_does_not_split_the_model_is_refused_with_the_valid_ones()
         check_degree(3, 4, 2, 128)
 
 
-def test_a_sparse_model_is_refused_at_start_up(qwen3_vl_moe_tiny):
-    with pytest.raises(ValueError, match="expert parallelism is not supported yet"):
-        LLM(model=qwen3_vl_moe_tiny, device="cpu", tensor_parallel_size=2)
+def test_experts_must_split_too_and_each_rank_holds_its_own(request):
+    assert valid_degrees(4, 2, 128, num_experts=6) == [1, 2]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*6 experts\); valid degrees: 1, 2"):
+        check_degree(4, 4, 2, 128, num_experts=6)
+    llm = _llm(request, "qwen3_vl_moe", 2)
+    sparse = [w.moe for w in llm.engine.model.lm.layers if w.moe is not None]
+    assert sparse and all((m.first, m.num_local, m.router.shape[0]) == (0, 4, 8) for m in sparse)  # rank 0: experts 0-3

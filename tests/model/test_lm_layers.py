@@ -15,9 +15,9 @@ from epdserve.model.loader import load_checkpoint
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _share(name: str, tp: int, kv_heads: int) -> float:
+def _share(name: str, tp: int, kv_heads: int) -> float:  # experts: 1 / tp, as the projections
     """The part of tensor `name` one rank of `tp` holds."""
-    if "norm" in name:
+    if "norm" in name or name.endswith("mlp.gate.weight"):  # norms, a sparse layer's router: whole
         return 1.0
     if "k_proj" in name or "v_proj" in name:
         return max(kv_heads // tp, 1) / kv_heads  # past kv_heads ranks: one head each, replicated
@@ -26,10 +26,11 @@ def _share(name: str, tp: int, kv_heads: int) -> float:
     return 1 / tp
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_each_rank_reads_only_its_own_slices(qwen2_5_vl_tiny, monkeypatch, tp):
-    tc = AutoConfig.from_pretrained(qwen2_5_vl_tiny).text_config
-    whole = SafetensorsReader(qwen2_5_vl_tiny)
+@pytest.mark.parametrize("arch, tp", [("qwen2_5_vl", 1), ("qwen2_5_vl", 2), ("qwen2_5_vl", 4), ("qwen3_vl_moe", 2)])
+def test_each_rank_reads_only_its_own_slices(request, monkeypatch, arch, tp):
+    model = request.getfixturevalue(f"{arch}_tiny")
+    tc = AutoConfig.from_pretrained(model).text_config
+    whole = SafetensorsReader(model)
     reads: list[tuple[str, torch.Tensor]] = []
     real_get = SafetensorsReader.get
 
@@ -42,7 +43,7 @@ def test_each_rank_reads_only_its_own_slices(qwen2_5_vl_tiny, monkeypatch, tp):
     parts: dict[str, list[torch.Tensor]] = {}
     for rank in range(tp):
         reads.clear()
-        read_layers(qwen2_5_vl_tiny, tc, TPShard(rank, tp), torch.float32, "cpu")
+        read_layers(model, tc, TPShard(rank, tp), torch.float32, "cpu")
         assert reads, "nothing read"
         for name, t in list(reads):
             full = real_get(whole, name)  # not counted
@@ -51,8 +52,11 @@ def test_each_rank_reads_only_its_own_slices(qwen2_5_vl_tiny, monkeypatch, tp):
                 f"rank {rank} of {tp} read {tuple(t.shape)} of {name} {tuple(full.shape)}: not its {share:g}")
             parts.setdefault(name, []).append(t)
     p0 = layer_prefix(whole, 0)
-    for n in PROJ:  # the ranks' slices, put together, are the checkpoint's tensors
-        name = p0 + ("mlp." if n in ("gate_proj", "up_proj", "down_proj") else "self_attn.") + n + ".weight"
+    sparse = bool(getattr(tc, "num_experts", 0))
+    names = PROJ[:4] + (("experts.gate_up_proj", "experts.down_proj") if sparse else PROJ[4:])
+    for n in names:  # the ranks' slices, put together, are the checkpoint's tensors
+        mlp = n.startswith("experts.") or n in ("gate_proj", "up_proj", "down_proj")
+        name = p0 + ("mlp." if mlp else "self_attn.") + n + ("" if n.startswith("experts.") else ".weight")
         dim = 1 if n in ("o_proj", "down_proj") else 0
         got = torch.cat(parts[name], dim)
         if n in ("k_proj", "v_proj") and tp > tc.num_key_value_heads:  # each head held by tp/kv_heads ranks

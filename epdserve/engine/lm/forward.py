@@ -16,7 +16,8 @@ after). Nothing in the loop reads the device or branches on tensor values, so a 
 be captured as a graph (engine/graph_runner.py).
 Under tensor parallelism (`shard`, engine/tp/shard.py) a rank holds its heads and MLP columns
 only (model/lm_layers.py reads just those), and `reduce` sums the output projection's and the MLP's partial results over the group
-(one all-reduce each per layer) before the residual add.
+(one all-reduce each per layer) before the residual add; a sparse layer's experts are split
+over the ranks (engine/lm/experts.py) and summed by the same all-reduce.
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ class LeanLM:
                 h = torch.mm(ops.silu_and_mul(torch.mm(x, w.gate_up_t)), w.down_t)
             else:
                 h = w.moe(x.unsqueeze(0))[0]
-            if self.reduce is not None and w.moe is None:
+            if self.reduce is not None:  # a sparse layer's part: its rank's experts (engine/lm/experts.py)
                 self.reduce(h)
             if deepstack is not None and i < len(deepstack[1]):
                 rows = deepstack[0]
