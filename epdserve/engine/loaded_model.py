@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from epdserve.engine.lm.forward import LeanLM
+from epdserve.engine.lm.shard_loader import read_layers
 from epdserve.engine.tp.shard import TPShard, check_degree
 from epdserve.model.adapter import VLMAdapter
-from epdserve.model.lm_layers import read_layers
 from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoint, max_model_len
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.platform import get_platform
@@ -60,7 +60,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     """Load `model` (a checkpoint directory) on the platform `device` names ("auto": npu, cuda, cpu).
     `media_secret`: what media keys computed here are keyed with (default: the process's,
     `MediaKeySecret.of_process()`). `shard`: the tensor-parallel rank whose part of the LM's
-    decoder layers this process holds (model/lm_layers.py reads only those slices; a degree that
+    decoder layers this process holds (engine/lm/shard_loader.py reads only those slices; a degree that
     does not split the model is refused before any weight is read).
 
     dtype "auto" is fp32 on CPU (the exactness oracle's dtype) and bf16 on accelerators."""
@@ -91,7 +91,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
 
 
 def _check_shard(model: str, shard: TPShard) -> bool:
-    """Whether model/lm_layers.py reads the LM's decoder layers (every model, except a sparse one
+    """Whether engine/lm/shard_loader.py reads the LM's decoder layers (every model, except a sparse one
     at tensor_parallel_size 1: that keeps transformers' own expert block, the oracle's very
     arithmetic); ValueError for a degree the model cannot take."""
     from transformers import AutoConfig

@@ -5,7 +5,6 @@ rendering, the demo checkpoints and the transformers reference. The errors its i
 `epdserve.request_errors` (below every layer that raises or maps them).
 
 - loader.py          a checkpoint directory, offline: model, tokenizer, image processor, context length
-- lm_layers.py       the LM's decoder layers read from the safetensors files, one TP rank's slices only
 - adapter.py         VLMAdapter: the vision encoder and the language model of one HF model
 - vision_stages.py   VisionRun: one vision-tower forward run a few blocks at a time (the same features)
 - deepstack.py       Qwen3-VL DeepStack: which rows of a prompt chunk get which visual features

@@ -37,7 +37,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
     """Load model, tokenizer and image processor from `path` with no network access.
 
     `without_lm_layers`: transformers builds the model with no decoder layers in its language
-    model (their tensors in the files are skipped, never read; model/lm_layers.py reads them);
+    model (their tensors in the files are skipped, never read; engine/lm/shard_loader.py reads them);
     the config still says how many the checkpoint has."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

@@ -5,6 +5,8 @@ of one token, empty batches; fp32 exactly-ish, bf16 / fp16 within their rounding
 decode kernel reads the cache in place: it must not depend on what lies outside a request's
 blocks, which the "poisoned" test checks by filling every other block with NaN.
 """
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -114,6 +116,10 @@ def test_opcheck_every_operator():
 # order of the BLAS call inside it, which was read off torch 2.13's MKL on an AVX512 CPU.
 # Another BLAS or CPU may order its sums otherwise: there the test is skipped.
 _TORCH_ORDER = torch.backends.mkl.is_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+# torch's fp16 GEMM was read on a CPU without AVX512-FP16; on one with it (Sapphire Rapids, seen
+# 2026-12-06: 6 % of the outputs off, by up to 3 units in the last place) MKL computes fp16 with
+# the CPU's own fp16 arithmetic, which the kernel does not reproduce.
+_FP16_ORDER = _TORCH_ORDER and "avx512_fp16" not in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
 
 
 def _sdpa_case(seed, dtype, heads, kvh, d, ctx, batch=2, bs=16):
@@ -143,7 +149,7 @@ def test_decode_bf16_equals_torch_sdpa(heads, kvh, d, ctx):
     assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} elements differ"
 
 
-@pytest.mark.skipif(not _TORCH_ORDER, reason="the summation order reproduced is MKL's on AVX512")
+@pytest.mark.skipif(not _FP16_ORDER, reason="the fp16 arithmetic reproduced is MKL's on AVX512 without AVX512-FP16")
 @pytest.mark.parametrize("heads,kvh,d,ctx", SDPA_SHAPES)
 def test_decode_fp16_within_one_ulp_of_torch_sdpa(heads, kvh, d, ctx):
     # fp16 follows the same arithmetic; torch's fp16 GEMM differs from the bf16 one in a few

@@ -1,8 +1,10 @@
-"""The lean language-model forward the engine runs (transformers stays the loader, the vision
-tower and the reference):
+"""The lean language-model forward the engine runs (transformers stays the vision tower and the
+reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoint's files):
 
-- weights.py   LeanLayerWeights: one decoder layer's weights, QKV and gate-up fused, read from the
-               transformers modules by their checkpoint names
+- weights.py   LeanLayerWeights: one decoder layer's weights, QKV and gate-up fused (from the
+               transformers modules by their checkpoint names, or as engine/lm/shard_loader.py reads them)
+- experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
+- shard_loader.py  the decoder layers read from the safetensors files, one tensor-parallel rank's slices only
 - rotary.py    RotaryTable: M-RoPE cos/sin of every position, gathered per token once a step
 - forward.py   LeanLM: the layer loop over packed tokens (LayerOps between the matmuls, paged
                attention, KV-connector hooks, DeepStack), no host decision per layer

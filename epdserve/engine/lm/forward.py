@@ -15,7 +15,7 @@ connector's hooks bracket each layer (`wait_for_layer_load(i)` before, `save_kv_
 after). Nothing in the loop reads the device or branches on tensor values, so a decode step can
 be captured as a graph (engine/graph_runner.py).
 Under tensor parallelism (`shard`, engine/tp/shard.py) a rank holds its heads and MLP columns
-only (model/lm_layers.py reads just those), and `reduce` sums the output projection's and the MLP's partial results over the group
+only (engine/lm/shard_loader.py reads just those), and `reduce` sums the output projection's and the MLP's partial results over the group
 (one all-reduce each per layer) before the residual add; a sparse layer's experts are split
 over the ranks (engine/lm/experts.py) and summed by the same all-reduce.
 """
@@ -41,7 +41,7 @@ class LeanLM:
 
     def __init__(self, adapter, max_positions: int, layers: list[LeanLayerWeights] | None = None,
                  shard: TPShard = TPShard(0, 1)):
-        """`layers`: the decoder layers read by model/lm_layers.py (`shard`'s part of them), else
+        """`layers`: the decoder layers read by engine/lm/shard_loader.py (`shard`'s part of them), else
         they are taken from transformers' own layers (which are then released)."""
         tc = adapter.text_config
         lm = adapter.base.language_model

@@ -10,7 +10,7 @@ holds its own KV heads only. Norms (Qwen3's per-head q/k norms too), the embeddi
 head are replicated: every rank holds them whole (the LM head runs on rank 0 only). A bias of a
 row-parallel projection is added by rank 0 alone, so the sum counts it once. A sparse (MoE)
 layer's experts are split over the ranks whole (`expert_range`: expert parallelism over the same
-group, engine/lm/experts.py); its router is replicated. model/lm_layers.py
+group, engine/lm/experts.py); its router is replicated. engine/lm/shard_loader.py
 reads each rank's slices from the checkpoint by this map.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than 0: `python -m epdserve.engine.tp.worker FD SPEC_JSON`.
 
 Started by rank 0 (engine/tp/group.py) with one end of a socket pair as file descriptor FD.
-Loads the checkpoint with only its shard of the LM's decoder layers (model/lm_layers.py; the
+Loads the checkpoint with only its shard of the LM's decoder layers (engine/lm/shard_loader.py; the
 vision tower is released: rank 0 encodes), builds a KV cache for its own KV heads with rank 0's block count,
 joins the group, says "ready", then runs each forward rank 0 sends (engine/forward_inputs.py)
 until rank 0 says stop or its socket ends. What goes wrong while loading is sent back as the
@@ -65,7 +65,9 @@ def serve(spec, conn: Connection) -> None:
 
 def _die_with_parent() -> None:
     """Linux: this rank is killed when rank 0's process ends, however it ends (even while this
-    rank is stuck in a collective or a kernel and would never read its socket's end)."""
+    rank is stuck in a collective or a kernel and would never read its socket's end). prctl(2)'s
+    "parent" is the thread that started the rank: the engine starts its group on the thread it
+    steps on (an instance worker's loop thread, the offline LLM's caller), which outlives it."""
     parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -2,13 +2,13 @@
 rank reading only its own slices (issue 47 item 5).
 
 transformers builds the rest of the model (vision tower, embedding, final norm, LM head, rotary
-tables: `loader.load_checkpoint(..., without_lm_layers=True)`); the decoder layers, most of the
+tables: `model/loader.py load_checkpoint(..., without_lm_layers=True)`); the decoder layers, most of the
 weights, are never built as transformers modules. For layer i this reads, memory-mapped
 (`safe_open(...).get_slice`): the rank's rows of q/k/v (its query heads, its KV heads) and
 their biases, the rank's input columns of o_proj, its rows of gate/up and input columns of
 down_proj (`engine/tp/shard.py` `head_map`, the MLP split in tp equal parts), and the norms
-whole. Nothing outside those slices is read into memory, on any rank (tests/model/
-test_lm_layers.py counts every tensor the reader hands out). The slices are converted to the
+whole. Nothing outside those slices is read into memory, on any rank (tests/engine/
+test_shard_loader.py counts every tensor the reader hands out). The slices are converted to the
 model dtype and fused as the lean forward reads them (`engine/lm/weights.py` `LeanLayerWeights`:
 QKV and gate-up concatenated, every weight stored transposed).
 

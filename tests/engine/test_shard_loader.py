@@ -1,4 +1,4 @@
-"""Sharded loading (model/lm_layers.py, issue 47 item 5): every tensor a rank reads from the
+"""Sharded loading (engine/lm/shard_loader.py, issue 47 item 5): every tensor a rank reads from the
 checkpoint's files is its own slice, never a whole projection it then cuts; the slices of all
 ranks put together are the checkpoint's tensors; transformers builds no decoder layer."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from transformers import AutoConfig
 
 from epdserve.engine.tp.shard import TPShard
-from epdserve.model import lm_layers
-from epdserve.model.lm_layers import SafetensorsReader, layer_prefix, read_layers
+from epdserve.engine.lm import shard_loader
+from epdserve.engine.lm.shard_loader import SafetensorsReader, layer_prefix, read_layers
 from epdserve.model.loader import load_checkpoint
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,7 +39,7 @@ def test_each_rank_reads_only_its_own_slices(request, monkeypatch, arch, tp):
         reads.append((name, t))
         return t
 
-    monkeypatch.setattr(lm_layers.SafetensorsReader, "get", counted)
+    monkeypatch.setattr(shard_loader.SafetensorsReader, "get", counted)
     parts: dict[str, list[torch.Tensor]] = {}
     for rank in range(tp):
         reads.clear()
