@@ -7,10 +7,9 @@ Three measurements, each in fresh processes so no run inherits another's threads
   TPOT = (time of N new tokens - time of 1 new token) / (N - 1) (as decode_tpot.py), --repeats per
   process, --rounds processes per degree alternated (TP1, TP2, TP1, TP2, ...) so a drift of the
   machine hits both; median with min and max over every repeat, and the ratio of the medians.
-- `load`: per rank of TP2 (and TP1), the growth of the process's peak resident set (VmHWM) over
-  its size just before `load_model`, against the checkpoint's file size. Memory-mapped file pages
-  a rank touches count in its resident set, so the figure covers what the reader maps, not only
-  what it keeps.
+- `load`: per rank of TP2 (and TP1), the growth of the process's resident set while `load_model`
+  runs (a second load in the process, sampled every 2 ms: `child_load`), against the checkpoint's
+  file size: all of it, and its anonymous part (the file pages a rank maps count in the first).
 - `send`: rank 0's time in `TPGroup.send` (pickling one forward's inputs and writing them to each
   rank's socket) per decode step, against the whole step's time on rank 0.
 
@@ -26,15 +25,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-
-def _peak_kb(pid: int | str = "self") -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0])
-    return fields
 
 
 def child_tpot(model: str, dtype: str, tp: int, batch: int, tokens: int, repeats: int) -> dict:
@@ -70,14 +60,43 @@ def child_tpot(model: str, dtype: str, tp: int, batch: int, tokens: int, repeats
 
 
 def child_load(model: str, dtype: str, rank: int, tp: int) -> dict:
-    import torch  # noqa: F401  (the runtime counted before the load)
+    """The load's own memory: the model is loaded once first (the imports and caches it brings
+    are not the load's) and dropped, then loaded again while a thread samples the resident set
+    every 2 ms: its peak growth, all of it (VmRSS) and the anonymous part (RssAnon: memory the load
+    allocates, without the file pages it maps, which the kernel may drop at will)."""
+    import gc
+    import threading
 
     from epdserve.engine.loaded_model import load_model
     from epdserve.engine.tp.shard import TPShard
 
-    before = _peak_kb()["VmRSS"]
+    def status() -> dict[str, int]:
+        out = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                out[key] = int(value.split()[0]) * 1024
+        return out
+
     load_model(model, "cpu", dtype, shard=TPShard(rank, tp))
-    return {"rss_before_kb": before, "peak_kb": _peak_kb()["VmHWM"]}
+    gc.collect()
+    base, peak, done = status(), {"VmRSS": 0, "RssAnon": 0}, threading.Event()
+
+    def sample():
+        while not done.is_set():
+            for k, v in status().items():
+                peak[k] = max(peak[k], v)
+            time.sleep(0.002)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    loaded = load_model(model, "cpu", dtype, shard=TPShard(rank, tp))
+    done.set()
+    t.join()
+    kept = status()
+    del loaded
+    return {"peak_growth_bytes": peak["VmRSS"] - base["VmRSS"], "peak_anon_growth_bytes": peak["RssAnon"] - base["RssAnon"],
+            "kept_bytes": kept["VmRSS"] - base["VmRSS"]}
 
 
 def _run_child(*args) -> dict:
@@ -93,7 +112,7 @@ def spread(xs: list[float], scale: float = 1e3) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tp", type=int, action="append", help="degrees to compare (default 1 and 2)")
     p.add_argument("--batch", type=int, action="append", help="decode batch sizes (default 1 and 32)")
@@ -101,17 +120,20 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="TPOT repeats per process")
     p.add_argument("--rounds", type=int, default=2, help="processes per degree, alternated")
     p.add_argument("--out", help="write the JSON report here too")
+    p.add_argument("--only", choices=("tpot", "load"), help="run one of the measurements")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         kind, *rest = json.loads(a.child)
         print(json.dumps((child_tpot if kind == "tpot" else child_load)(*rest)))
         return
+    if not a.model:
+        p.error("--model is required")
     degrees, batches = a.tp or [1, 2], a.batch or [1, 32]
     files = sum(f.stat().st_size for f in Path(a.model).glob("*.safetensors"))
     report: dict = {"model": a.model, "dtype": a.dtype, "cores": len(os.sched_getaffinity(0)),
                     "checkpoint_bytes": files, "tpot_ms": {}, "send_ms_per_step": {}, "load": {}}
-    for batch in batches:
+    for batch in batches if a.only != "load" else []:
         runs: dict[int, list[float]] = {tp: [] for tp in degrees}
         sends: dict[int, list[float]] = {tp: [] for tp in degrees}
         for _ in range(a.rounds):
@@ -125,12 +147,11 @@ def main() -> None:
         for tp in degrees[1:]:
             report["tpot_ms"][batch][f"ratio_tp{tp}_over_tp{degrees[0]}"] = statistics.median(runs[tp]) / base
     load_dtype = a.dtype
-    for tp in degrees:
+    for tp in degrees if a.only != "tpot" else []:
         for rank in range(tp):
             r = _run_child("load", a.model, load_dtype, rank, tp)
-            grown = (r["peak_kb"] - r["rss_before_kb"]) * 1024
-            report["load"][f"tp{tp}_rank{rank}"] = {**r, "peak_growth_bytes": grown,
-                                                    "over_checkpoint": grown / files}
+            report["load"][f"tp{tp}_rank{rank}"] = {**r, "peak_over_checkpoint": r["peak_growth_bytes"] / files,
+                                                    "peak_anon_over_checkpoint": r["peak_anon_growth_bytes"] / files}
     text = json.dumps(report, indent=1)
     print(text)
     if a.out:
