@@ -60,10 +60,11 @@ def child_tpot(model: str, dtype: str, tp: int, batch: int, tokens: int, repeats
 
 
 def child_load(model: str, dtype: str, rank: int, tp: int) -> dict:
-    """The load's own memory: the model is loaded once first (the imports and caches it brings
-    are not the load's) and dropped, then loaded again while a thread samples the resident set
-    every 2 ms: its peak growth, all of it (VmRSS) and the anonymous part (RssAnon: memory the load
-    allocates, without the file pages it maps, which the kernel may drop at will)."""
+    """The load's own memory, in a fresh process: the modules a load imports are imported first
+    (transformers' model class for the checkpoint, its tokenizer and processors: not the load's
+    memory), then a thread samples the resident set every 2 ms while `load_model` runs: its peak
+    growth, all of it (VmRSS) and the anonymous part (RssAnon: memory the load allocates, without
+    the file pages it maps, which the kernel may drop at will)."""
     import gc
     import threading
 
@@ -78,7 +79,10 @@ def child_load(model: str, dtype: str, rank: int, tp: int) -> dict:
                 out[key] = int(value.split()[0]) * 1024
         return out
 
-    load_model(model, "cpu", dtype, shard=TPShard(rank, tp))
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer  # noqa: F401
+
+    AutoModelForImageTextToText._model_mapping[type(AutoConfig.from_pretrained(model))]  # imports its modeling module
+    AutoTokenizer.from_pretrained(model)
     gc.collect()
     base, peak, done = status(), {"VmRSS": 0, "RssAnon": 0}, threading.Event()
 
@@ -149,9 +153,10 @@ def main() -> None:
     load_dtype = a.dtype
     for tp in degrees if a.only != "tpot" else []:
         for rank in range(tp):
-            r = _run_child("load", a.model, load_dtype, rank, tp)
-            report["load"][f"tp{tp}_rank{rank}"] = {**r, "peak_over_checkpoint": r["peak_growth_bytes"] / files,
-                                                    "peak_anon_over_checkpoint": r["peak_anon_growth_bytes"] / files}
+            runs = [_run_child("load", a.model, load_dtype, rank, tp) for _ in range(a.rounds)]
+            report["load"][f"tp{tp}_rank{rank}"] = {
+                k + "_over_checkpoint": spread([r[k + "_bytes"] / files for r in runs], 1)
+                for k in ("peak_growth", "peak_anon_growth", "kept")}
     text = json.dumps(report, indent=1)
     print(text)
     if a.out:

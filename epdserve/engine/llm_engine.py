@@ -132,7 +132,8 @@ class LLMEngine:
         c, m = self.config, self.model
         group = TPGroup(self.platform, c.tensor_parallel_size, dict(
             model=c.model, device=c.device, dtype=str(m.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
-            num_blocks=num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs, ops=c.ops))
+            num_blocks=num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs, ops=c.ops),
+            reduce_bytes=c.max_num_seqs * int(m.adapter.text_config.hidden_size) * m.dtype.itemsize)  # a decode step's
         m.lm.reduce = group.reduce
         return group
 

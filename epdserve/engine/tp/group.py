@@ -32,14 +32,15 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from epdserve.engine.tp.failure import RankFailure
+from epdserve.engine.tp import shm_reduce
+
+__all__ = ["RankFailure", "RankSpec", "TPGroup", "all_reduce", "make_group", "rank_cores", "rank_device"]
+
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a rank waits this long in an all-reduce for the others (one layer's work apart)
 START_TIMEOUT_S = 600.0  # a rank's process start and checkpoint load
-
-
-class RankFailure(RuntimeError):
-    """A tensor-parallel rank died or a collective failed: the instance cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class RankSpec:
     timeout_s: float = COLLECTIVE_TIMEOUT_S
     cores: list[int] | None = None  # CPU: the cores this rank's threads run on
     threads: int | None = None  # CPU: its intra-op threads
+    shm_path: str | None = None  # CPU: the shared-memory all-reduce's file (shm_reduce.py)
+    shm_capacity: int = 0
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -119,13 +122,20 @@ def loopback_store(size: int):
 
 
 class TPGroup:
-    def __init__(self, platform, size: int, spec: dict, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    def __init__(self, platform, size: int, spec: dict, timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                 reduce_bytes: int = 0):
         """Start ranks 1..size-1 for `spec` (RankSpec's fields but rank, size and store_port) and
-        join them in a group; returns once every rank has loaded its part."""
+        join them in a group; returns once every rank has loaded its part. `reduce_bytes`: the
+        largest all-reduce the shared-memory path takes on the CPU (a decode step's hidden
+        states; larger ones go through gloo); 0: gloo only."""
         self.size, self.platform = size, platform
         self._store = loopback_store(size)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
+        self._shm = None
+        capacity = -(-reduce_bytes // 64) * 64
+        shm_path = shm_reduce.create_file(size, capacity) \
+            if capacity and platform.name == "cpu" and shm_reduce.usable() else None
         shares = rank_cores(spec["device"], size)
         if shares is not None:  # rank 0's team: the calling thread's (its cores stay as they are)
             import torch
@@ -136,18 +146,24 @@ class TPGroup:
                 mine, theirs = socket.socketpair()
                 cores, threads = shares[rank] if shares is not None else (None, None)
                 rs = RankSpec(**spec, rank=rank, size=size, store_port=self._store.port, timeout_s=timeout_s,
-                              cores=cores, threads=threads)
+                              cores=cores, threads=threads, shm_path=shm_path, shm_capacity=capacity)
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-m", "epdserve.engine.tp.worker", str(theirs.fileno()), json.dumps(asdict(rs))],
                     pass_fds=[theirs.fileno()], env=dict(os.environ)))
                 theirs.close()
                 self._conns.append(Connection(mine.detach()))
             self.pg = make_group(platform, self._store, 0, size, timeout_s)
+            if shm_path:
+                self._shm = shm_reduce.ShmReduce(shm_path, 0, size, capacity, lambda t: all_reduce(self.pg, t),
+                                                 timeout_s, alive=self._ranks_alive)
             for rank, conn in enumerate(self._conns, 1):
                 self._await_ready(rank, conn)
         except BaseException:
             self.close()
             raise
+        finally:
+            if shm_path:
+                os.unlink(shm_path)  # every rank has it mapped (or failed): nothing left in /dev/shm
         log.info("tensor-parallel group of %d ranks ready (%s)", size, platform.dist_backend)
 
     def _await_ready(self, rank: int, conn: Connection) -> None:
@@ -166,7 +182,13 @@ class TPGroup:
             raise RankFailure(f"tensor-parallel rank {rank} failed to start: {msg.decode(errors='replace')}")
 
     def reduce(self, tensor) -> None:
-        all_reduce(self.pg, tensor)
+        if self._shm is not None:
+            self._shm(tensor)
+        else:
+            all_reduce(self.pg, tensor)
+
+    def _ranks_alive(self) -> bool:
+        return all(p.poll() is None for p in self._procs)
 
     def send(self, inputs, block_copies=()) -> None:
         """Send one forward's inputs (and the block copies before it) to every other rank."""
@@ -193,4 +215,6 @@ class TPGroup:
                 proc.kill()
                 proc.wait()
         self._conns, self._procs = [], []
-        self.pg = self._store = None  # the store's listener goes with it
+        if self._shm is not None:
+            self._shm.close()
+        self.pg = self._store = self._shm = None  # the store's listener goes with it

@@ -32,6 +32,7 @@ def serve(spec, conn: Connection) -> None:
     from epdserve.engine.model_runner import ModelRunner
     from epdserve.engine.tp.group import START_TIMEOUT_S, all_reduce, make_group
     from epdserve.engine.tp.shard import TPShard
+    from epdserve.engine.tp.shm_reduce import ShmReduce
     from epdserve.ops.select import layer_ops, paged_ops
 
     if spec.cores is not None:  # CPU: this rank's share of the cores (group.py rank_cores)
@@ -42,6 +43,9 @@ def serve(spec, conn: Connection) -> None:
     pg = make_group(model.platform, store, spec.rank, spec.size, spec.timeout_s)
     a, lm = model.adapter, model.lm
     lm.reduce = lambda t: all_reduce(pg, t)
+    if spec.shm_path:  # CPU: the shared-memory all-reduce; rank 0 has stopped waiting once it wrote to the socket
+        lm.reduce = ShmReduce(spec.shm_path, spec.rank, spec.size, spec.shm_capacity, lm.reduce, spec.timeout_s,
+                              alive=lambda: not conn.poll(0))
     a.base.visual = None  # rank 0 encodes the media
     kv = PagedKVCache(KVCacheSpec(a.num_layers, lm.num_kv_heads, a.head_dim, spec.block_size, model.dtype),
                       spec.num_blocks, model.device)
