@@ -66,6 +66,8 @@ class EncodeStage:
         self.encoder_calls = 0  # vision tower calls
         self.budget = budget  # the engine's step-time budget: measured vision costs go to it
         self._run: SlicedEncode | None = None  # an encoder call in flight across steps
+        # one whole encoder call; a tensor-parallel instance spreads it over its ranks (engine/tp/encode_dp.py)
+        self.encode: Callable[[list, list], list[list]] = adapter.encode_images
 
     def oldest_arrival(self) -> float:
         """Arrival order of the oldest request waiting for its media (inf: none)."""
@@ -161,7 +163,7 @@ class EncodeStage:
         blocks = vision_blocks(patches) if vision_blocks is not None else None
         if blocks is None or not sliceable(self.adapter.config.model_type):
             t0 = time.perf_counter()
-            feats = self.adapter.encode_images([pv for pv, _ in inputs], [g for _, g in inputs])
+            feats = self.encode([pv for pv, _ in inputs], [g for _, g in inputs])
             seconds = time.perf_counter() - t0
             self._record_vision(patches, len(self.adapter.vision_tower.blocks), seconds)
             self._finish(slices, feats, seconds)

@@ -51,6 +51,7 @@ from epdserve.engine.sequence import MediaItem, RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.engine.step_budget import StepBudget, StepPlan
 from epdserve.engine.stop_checker import StopChecker
+from epdserve.engine.tp.encode_dp import DataParallelEncoder
 from epdserve.engine.tp.group import RankFailure, TPGroup
 from epdserve.engine.tp.shard import TPShard, head_map
 from epdserve.model.processor import MediaInput
@@ -111,6 +112,8 @@ class LLMEngine:
             token_budget=config.encode_token_budget, stats=self.stats, budget=self.budget,
             per_item=config.encode_per_item and config.encodes and not config.prefills,
         )
+        if self.tp is not None:
+            self.encoder.encode = DataParallelEncoder(self.tp, a.encode_images, a.device)
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()

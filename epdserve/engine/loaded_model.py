@@ -73,8 +73,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
              str(tdtype).removeprefix("torch."))
     started = time.monotonic()
     own = _check_shard(model, shard)
-    ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own,
-                           without_vision_blocks=shard.rank > 0)  # a rank other than 0 never encodes
+    ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
     layers = read_layers(model, a.text_config, shard, tdtype, platform.device()) if own else None
     ctx = max_model_len(a.text_config, context_len)

@@ -33,13 +33,12 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    without_lm_layers: bool = False, without_vision_blocks: bool = False) -> LoadedCheckpoint:
+                    without_lm_layers: bool = False) -> LoadedCheckpoint:
     """Load model, tokenizer and image processor from `path` with no network access.
 
     `without_lm_layers`: transformers builds the model with no decoder layers in its language
     model (their tensors in the files are skipped, never read; engine/lm/shard_loader.py reads them);
-    `without_vision_blocks`: nor the vision tower's blocks (a tensor-parallel rank other than 0,
-    which never encodes). The config still says how many the checkpoint has."""
+    the config still says how many the checkpoint has."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -49,8 +48,8 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type not in SUPPORTED_ARCHS:
         raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
-    if without_lm_layers or without_vision_blocks:
-        model = _trimmed(path, config, dtype, without_lm_layers, without_vision_blocks)
+    if without_lm_layers:
+        model = _without_lm_layers(path, config, dtype)
     else:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()
@@ -64,30 +63,25 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype:
     return LoadedCheckpoint(path, model, tokenizer, image_processor, config.model_type, video)
 
 
-def _trimmed(path: Path, config, dtype: torch.dtype, lm_layers: bool, vision_blocks: bool):
-    """The model built from a config with 0 decoder layers (`lm_layers`) and / or 0 vision blocks
-    (`vision_blocks`); the real counts put back after."""
+def _without_lm_layers(path: Path, config, dtype: torch.dtype):
+    """The model built from a config with 0 decoder layers; the real counts put back after."""
     from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
-    tc, vc = config.text_config, config.vision_config
-    saved: list[tuple[str, str, object]] = []  # (which config, attribute, the checkpoint's value)
-    if lm_layers:
-        saved.append(("text_config", "num_hidden_layers", tc.num_hidden_layers))
-        if getattr(tc, "layer_types", None) is not None:
-            saved.append(("text_config", "layer_types", tc.layer_types))
-    if vision_blocks:
-        saved.append(("vision_config", "depth", vc.depth))
-    for which, name, value in saved:
-        setattr(getattr(config, which), name, [] if isinstance(value, list) else 0)
+    tc = config.text_config
+    saved = {"num_hidden_layers": tc.num_hidden_layers}
+    if getattr(tc, "layer_types", None) is not None:
+        saved["layer_types"] = tc.layer_types
+    for name, value in saved.items():
+        setattr(tc, name, [] if isinstance(value, list) else 0)
     quiet = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report would list every skipped tensor as unexpected
+    hf_logging.set_verbosity_error()  # its load report would list every skipped layer tensor as unexpected
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
     finally:
         hf_logging.set_verbosity(quiet)
-    for which, name, value in saved:
-        for c in (getattr(config, which), getattr(model.config, which)):  # it may keep a copy
+    for name, value in saved.items():
+        for c in (tc, model.config.text_config):  # it may keep a copy
             setattr(c, name, value)
     return model
 

@@ -3,7 +3,8 @@ gloo on loopback: greedy outputs at TP2 (Qwen2-VL; Qwen3-VL, DeepStack included)
 (Qwen2.5-VL, whose 2 KV heads are each held by two ranks) equal transformers' `generate` token for
 token on one mixed batch of text, images and a video (a part at a near tie of transformers' own
 logits would be printed, not hidden); Qwen3-VL-MoE at TP2 splits its experts over the ranks
-(expert parallelism) and equals transformers too; a degree that does not split the model (its
+(expert parallelism) and equals transformers too; every rank encodes a share of the media
+(the vision encoder data-parallel over the ranks); a degree that does not split the model (its
 heads, MLP or experts) is refused at start-up; a rank killed mid-run ends the engine with RankFailure, never half a
 model serving."""
 from __future__ import annotations
@@ -62,6 +63,8 @@ def test_greedy_outputs_equal_transformers(request, arch, tp):
     for (_, rec), out in zip(videos, outs[len(PROMPTS):]):  # transformers' own video pipeline's tokens
         assert out.outputs[0].token_ids == rec["greedy_tokens"], rec["video_file"]
     assert all_blocks_free(llm.engine)
+    by_rank = llm.engine.encoder.encode.items_by_rank  # the encoder ran data-parallel over the ranks
+    assert len(by_rank) == tp and all(n > 0 for n in by_rank), by_rank
 
 
 def test_the_group_listens_on_loopback_only(request):

@@ -192,13 +192,26 @@ class TPGroup:
 
     def send(self, inputs, block_copies=()) -> None:
         """Send one forward's inputs (and the block copies before it) to every other rank."""
-        payload = pickle.dumps((tuple(block_copies), inputs.to_host() if inputs is not None else None),
+        payload = pickle.dumps(("forward", tuple(block_copies), inputs.to_host() if inputs is not None else None),
                                protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), 1):
-            try:
-                conn.send_bytes(payload)
-            except OSError as e:
-                raise RankFailure(f"tensor-parallel rank {rank} is gone (exit {proc.poll()}): {e}") from e
+        for rank in range(1, self.size):
+            self.send_to(rank, payload)
+
+    def send_to(self, rank: int, payload: bytes) -> None:
+        """One pickled message to rank `rank` (`worker.py` says which it takes)."""
+        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
+        try:
+            conn.send_bytes(payload)
+        except OSError as e:
+            raise RankFailure(f"tensor-parallel rank {rank} is gone (exit {proc.poll()}): {e}") from e
+
+    def receive_from(self, rank: int):
+        """Rank `rank`'s answer to a message that has one (unpickled)."""
+        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
+        try:
+            return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            raise RankFailure(f"tensor-parallel rank {rank} is gone (exit {proc.poll()}): {e}") from e
 
     def close(self) -> None:
         """End every rank (told to stop, then terminated if it lingers)."""

@@ -1,10 +1,12 @@
 """A tensor-parallel rank other than 0: `python -m epdserve.engine.tp.worker FD SPEC_JSON`.
 
 Started by rank 0 (engine/tp/group.py) with one end of a socket pair as file descriptor FD.
-Loads the checkpoint with only its shard of the LM's decoder layers (engine/lm/shard_loader.py; the
-vision tower is released: rank 0 encodes), builds a KV cache for its own KV heads with rank 0's block count,
-joins the group, says "ready", then runs each forward rank 0 sends (engine/forward_inputs.py)
-until rank 0 says stop or its socket ends. What goes wrong while loading is sent back as the
+Loads the checkpoint with only its shard of the LM's decoder layers (engine/lm/shard_loader.py)
+and the vision tower whole, builds a KV cache for its own KV heads with rank 0's block count,
+joins the group, says "ready", then runs what rank 0 sends until rank 0 says stop or its socket
+ends: ("forward", block copies, ForwardInputs) — the same forward as rank 0's
+(engine/forward_inputs.py) — and ("encode", pixel values, grids) — its share of an encoder call,
+answered with the features (engine/tp/encode_dp.py). What goes wrong while loading is sent back as the
 start-up error.
 """
 from __future__ import annotations
@@ -46,7 +48,6 @@ def serve(spec, conn: Connection) -> None:
     if spec.shm_path:  # CPU: the shared-memory all-reduce; rank 0 has stopped waiting once it wrote to the socket
         lm.reduce = ShmReduce(spec.shm_path, spec.rank, spec.size, spec.shm_capacity, lm.reduce, spec.timeout_s,
                               alive=lambda: not conn.poll(0))
-    a.base.visual = None  # rank 0 encodes the media
     kv = PagedKVCache(KVCacheSpec(a.num_layers, lm.num_kv_heads, a.head_dim, spec.block_size, model.dtype),
                       spec.num_blocks, model.device)
     ops = paged_ops(model.platform, spec.ops)
@@ -60,11 +61,23 @@ def serve(spec, conn: Connection) -> None:
             return  # rank 0 is gone
         if msg is None:
             return
-        copies, inputs = msg
+        kind, *body = msg
         with torch.inference_mode():
-            kv.copy_blocks(list(copies))
-            if inputs is not None:
-                runner.forward(inputs)
+            if kind == "forward":
+                copies, inputs = body
+                kv.copy_blocks(list(copies))
+                if inputs is not None:
+                    runner.forward(inputs)
+            elif kind == "encode":  # its share of an encoder call (engine/tp/encode_dp.py)
+                conn.send_bytes(pickle.dumps(_encode(a, *body), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _encode(adapter, pixel_values, grids) -> tuple[str, object]:
+    """("ok", features on the host) or ("error", why): a bad input fails rank 0's step, not this rank."""
+    try:
+        return "ok", [[t.cpu() for t in feats] for feats in adapter.encode_images(pixel_values, grids)]
+    except Exception as e:  # noqa: BLE001 - sent back and raised on rank 0
+        return "error", f"{type(e).__name__}: {e}"
 
 
 def _die_with_parent() -> None:
