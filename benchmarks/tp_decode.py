@@ -98,9 +98,12 @@ def child_load(model: str, dtype: str, rank: int, tp: int) -> dict:
     done.set()
     t.join()
     kept = status()
+    layer_bytes = sum(t.numel() * t.element_size() for w in loaded.lm.layers for t in vars(w).values()
+                      if hasattr(t, "element_size")) + sum(t.numel() * t.element_size() for w in loaded.lm.layers
+                                                           if w.moe is not None for t in w.moe.parameters())
     del loaded
     return {"peak_growth_bytes": peak["VmRSS"] - base["VmRSS"], "peak_anon_growth_bytes": peak["RssAnon"] - base["RssAnon"],
-            "kept_bytes": kept["VmRSS"] - base["VmRSS"]}
+            "kept_bytes": kept["VmRSS"] - base["VmRSS"], "decoder_layers_bytes": layer_bytes}
 
 
 def _run_child(*args) -> dict:
@@ -156,7 +159,7 @@ def main() -> None:
             runs = [_run_child("load", a.model, load_dtype, rank, tp) for _ in range(a.rounds)]
             report["load"][f"tp{tp}_rank{rank}"] = {
                 k + "_over_checkpoint": spread([r[k + "_bytes"] / files for r in runs], 1)
-                for k in ("peak_growth", "peak_anon_growth", "kept")}
+                for k in ("peak_growth", "peak_anon_growth", "kept", "decoder_layers")}
     text = json.dumps(report, indent=1)
     print(text)
     if a.out:
