@@ -76,3 +76,14 @@ def test_the_report_prints_missing_figures_as_dashes():
     md = markdown(report)
     assert "| P-D | 9.0 | 3/3 | host |" in md and "| E-P-D | — | FAILED: not ready" in md
     assert "| decode TPOT, batch 1 | 34.70 ms | — | 0.555 ms (2.66 GB / bandwidth) |" in md
+
+
+def test_the_tp_part_runs_two_ranks_on_cpu_and_equals_transformers(tmp_path):
+    proc, report = _bench(tmp_path, "--parts", "tp", "--exact-tokens", "4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fig = report["parts"]["tp"]["figures"]
+    for arch in ("qwen2_vl", "qwen3_vl_moe"):
+        entry = fig[f"{arch}/tp2/float32"]
+        assert (entry["equal"], entry["of"]) == (3, 3), entry
+        assert all(n > 0 for n in entry["media_encoded_by_rank"]), entry  # both ranks encoded
+    assert "## tp: Tensor parallelism" in (tmp_path / "out" / "device-check.md").read_text()

@@ -5,6 +5,7 @@ Modules:
 - `part`: one part in its own process (`python -m epdserve.checks.device.part`);
 - `env`: what every part shares: settings, checkpoints, prompts, clocks;
 - `exact`: offline `LLM` greedy output against transformers per family;
+- `tp`: the same at tensor_parallel_size 2 (two devices; the CPU stands in for them);
 - `serve`: every deployment mode launched, its greedy tokens against the offline engine's;
 - `perf`: decode speed against transformers, the memory floor; `profile` (operators per token),
   `served` (the served TPOT of one request alone);

@@ -22,15 +22,15 @@ import sys
 import tempfile
 import time
 
-PART_NAMES = ("exact", "serve", "perf")
-TIMEOUT_ENV = "EPDSERVE_DEVICE_CHECK_{}_TIMEOUT_S"  # EXACT / SERVE / PERF: a part's default timeout
-DEFAULT_TIMEOUTS = {"exact": 120.0, "serve": 240.0, "perf": 200.0}  # an H200 run: ~75 + ~130 + ~170 s
+PART_NAMES = ("exact", "serve", "perf", "tp")
+TIMEOUT_ENV = "EPDSERVE_DEVICE_CHECK_{}_TIMEOUT_S"  # EXACT / SERVE / PERF / TP: a part's default timeout
+DEFAULT_TIMEOUTS = {"exact": 120.0, "serve": 240.0, "perf": 200.0, "tp": 150.0}  # an H200 run: ~75 + ~130 + ~170 s
 ALL_MODES = ("monolithic", "P-D", "E-PD", "EP-D", "ED-P", "E-P-D")
 
 
 DESCRIPTION = """\
 The device check of a machine with a GPU (cuda), an NPU (npu) or only the CPU, in one command that
-needs no package index. Three parts, each in its own process under its own timeout, each printing
+needs no package index. Four parts, each in its own process under its own timeout, each printing
 one RESULT line:
 
   exact  offline LLM(dtype=float32) greedy == transformers' greedy generate on the same device, for
@@ -44,10 +44,13 @@ one RESULT line:
          tok/s, transformers generate (eager) the same way, the memory floor (LM bytes /
          --bandwidth), device kernels and host ops per token (torch.profiler), and the served TPOT
          of one request alone against offline
+  tp     LLM(tensor_parallel_size=2), ranks on devices 0 and 1 (NCCL / HCCL; gloo and shared memory
+         on CPU), greedy == transformers' on one device, a dense family and the MoE one (experts
+         split over the ranks); skipped, saying so, with fewer than two devices
 
 Writes device-check.json and device-check.md (one table per part) into --out, beside each part's
-log. Timeouts default to exact 120 s, serve 240 s, perf 200 s (or
-EPDSERVE_DEVICE_CHECK_{EXACT,SERVE,PERF}_TIMEOUT_S): the whole check takes about 7 minutes on an
+log. Timeouts default to exact 120 s, serve 240 s, perf 200 s, tp 150 s (or
+EPDSERVE_DEVICE_CHECK_{EXACT,SERVE,PERF,TP}_TIMEOUT_S): the whole check takes about 7 minutes on an
 H200. scripts/device_check.sh installs wheels from a directory first (--wheels DIR) and runs this.
 """
 

@@ -14,7 +14,7 @@ import sys
 import time
 
 PARTS = {"exact": "epdserve.checks.device.exact", "serve": "epdserve.checks.device.serve",
-         "perf": "epdserve.checks.device.perf"}
+         "perf": "epdserve.checks.device.perf", "tp": "epdserve.checks.device.tp"}
 
 
 def summary(part: str, data: dict) -> str:

@@ -28,6 +28,13 @@ def _exact(fig: dict) -> list[str]:
     return rows
 
 
+def _tp(fig: dict) -> list[str]:
+    if "skipped" in fig:
+        return [f"skipped: {fig['skipped']}"]
+    return _exact(fig) + ["", "media encoded per rank: " + ", ".join(
+        f"{k} {v.get('media_encoded_by_rank')}" for k, v in fig.items() if isinstance(v, dict) and "equal" in v)]
+
+
 def _serve(fig: dict) -> list[str]:
     rows = ["| mode | ready (s) | served = offline | P→D KV hop |", "|---|---:|---:|---|"]
     for mode, v in fig.items():
@@ -72,7 +79,8 @@ def _perf(fig: dict) -> list[str]:
 
 TITLES = {"exact": "Exactness: offline LLM greedy vs transformers greedy `generate`, same device",
           "serve": "Every mode launched on the device: served greedy tokens vs offline",
-          "perf": "Decode speed, offline (and one request served)"}
+          "perf": "Decode speed, offline (and one request served)",
+          "tp": "Tensor parallelism: LLM(tensor_parallel_size=2) greedy vs transformers on one device"}
 
 
 def markdown(report: dict) -> str:
@@ -85,5 +93,5 @@ def markdown(report: dict) -> str:
         fig = entry.get("figures", {})
         if fig.get("error"):
             lines += [f"error: {fig['error']}", ""]
-        lines += {"exact": _exact, "serve": _serve, "perf": _perf}[part](fig) + [""]
+        lines += {"exact": _exact, "serve": _serve, "perf": _perf, "tp": _tp}[part](fig) + [""]
     return "\n".join(lines)
