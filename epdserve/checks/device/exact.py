@@ -32,17 +32,23 @@ def run(cfg: CheckConfig, result: PartResult) -> None:
                 outs = llm.generate([llm_request(p, imgs) for _, p, imgs in cases], greedy(cfg.exact_tokens))
                 del llm
                 free_device_memory(cfg.device)
-                got = [list(o.outputs[0].token_ids) for o in outs]
-                errors = [o.error for o in outs if getattr(o, "error", None)]
-                prefix = {name: common_prefix(g, w) for (name, _, _), g, w in zip(cases, got, want)}
-                entry = {"equal": sum(g == w for g, w in zip(got, want)), "of": len(cases),
-                         "common_prefix": prefix, "tokens": cfg.exact_tokens}
-                if errors:
-                    entry["errors"] = errors
-                result.set(key, entry)
+                result.set(key, agreement(cases, outs, want, cfg.exact_tokens))
             except Exception as e:  # one family's failure is reported; the others still run
                 result.set(key, {"error": f"{type(e).__name__}: {str(e)[:400]}"})
                 free_device_memory(cfg.device)
+
+
+def agreement(cases, outs, want: list[list[int]], tokens: int) -> dict:
+    """How many of `outs` (RequestOutputs) equal `want` (transformers' tokens), each case's
+    common prefix, and the errors of those that failed."""
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    entry = {"equal": sum(g == w for g, w in zip(got, want)), "of": len(cases),
+             "common_prefix": {name: common_prefix(g, w) for (name, _, _), g, w in zip(cases, got, want)},
+             "tokens": tokens}
+    errors = [o.error for o in outs if getattr(o, "error", None)]
+    if errors:
+        entry["errors"] = errors
+    return entry
 
 
 def summary(data: dict) -> str:

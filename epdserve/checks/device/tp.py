@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from epdserve.checks.device.env import (
-    CheckConfig, PartResult, checkpoint, common_prefix, free_device_memory, greedy, llm_request, prompts,
+    CheckConfig, PartResult, checkpoint, free_device_memory, greedy, llm_request, prompts,
 )
+from epdserve.checks.device.exact import agreement
 
 DEGREE = 2
 ARCHS = ("qwen2_vl", "qwen3_vl_moe")
@@ -46,14 +47,7 @@ def run(cfg: CheckConfig, result: PartResult) -> None:
             finally:
                 llm.engine.close()
             free_device_memory(cfg.device)
-            got = [list(o.outputs[0].token_ids) for o in outs]
-            entry = {"equal": sum(g == w for g, w in zip(got, want)), "of": len(cases),
-                     "common_prefix": {name: common_prefix(g, w) for (name, _, _), g, w in zip(cases, got, want)},
-                     "tokens": cfg.exact_tokens, "media_encoded_by_rank": by_rank}
-            errors = [o.error for o in outs if getattr(o, "error", None)]
-            if errors:
-                entry["errors"] = errors
-            result.set(key, entry)
+            result.set(key, {**agreement(cases, outs, want, cfg.exact_tokens), "media_encoded_by_rank": by_rank})
         except Exception as e:  # one family's failure is reported; the other still runs
             result.set(key, {"error": f"{type(e).__name__}: {str(e)[:400]}"})
             free_device_memory(cfg.device)
