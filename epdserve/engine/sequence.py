@@ -16,18 +16,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.model.processor import MediaInput
-
-if TYPE_CHECKING:  # types only: these modules import this one
-    from epdserve.engine.grammar import GrammarState
-    from epdserve.engine.pipelined_prefill import PipelineState
-    from epdserve.engine.sequence_group import ChoiceGroup
-    from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
 
 
 class RequestState(enum.Enum):
@@ -93,7 +86,7 @@ class Sequence:
     arrival: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     feature_target: str | None = None  # encode role: which prefill side gets the "feature stored" event
-    kv_transfer: RemoteDecode | RemotePrefill | None = None  # seams/kv_connector.py
+    kv_transfer: object | None = None  # RemoteDecode / RemotePrefill (seams.kv_connector)
     kv_error: str | None = None  # the KV connector failed this request's transfer
     num_vision_tokens_hint: int = 0  # decode-only: vision tokens in the remote prompt (reporting)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -102,12 +95,12 @@ class Sequence:
     block_hashes: list = field(default_factory=list)  # prefix-cache keys of full blocks so far (prefix_hash.BlockKey)
     media_spans: list | None = None  # (key, extra, first, end) per media item (engine/prefix_hash.py)
     media_identity: tuple = ()  # decode-only: (key, extra, num_tokens) per media item, for the prefix cache
-    grammar: GrammarState | None = None  # structured output (engine/grammar.py)
+    grammar: object | None = None  # structured output: its GrammarState (engine/grammar.py)
     cache_salt: str = ""  # the request's cache salt: its first block's parent (prefix_hash.first_parent)
     decode_clock: tuple[float, int] | None = None  # step budget: (when it started decoding here, outputs then)
     prefill_limit: int | None = None  # pipelined prefill: prompt tokens [0, limit) may be computed now (None: all)
-    pipeline: PipelineState | None = None  # while media are still missing (engine/pipelined_prefill.py)
-    group: ChoiceGroup | None = None  # n > 1, until the choices fork (engine/sequence_group.py)
+    pipeline: object | None = None  # its engine/pipelined_prefill.PipelineState while media are still missing
+    group: object | None = None  # n > 1, until the choices fork: its engine/sequence_group.ChoiceGroup
     group_id: str | None = None  # a forked choice (index > 0): the request it belongs to
     choice: int = 0  # which of the request's n choices this sequence is
 
