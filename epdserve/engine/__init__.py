@@ -18,6 +18,7 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - model_runner.py    ModelRunner: execute(step) — one packed forward over a scheduled batch, then sampling
 - forward_inputs.py  ForwardInputs: one forward's host inputs (what rank 0 sends the other TP ranks)
 - tp/                tensor parallelism inside an instance: the shard map, the rank processes, the group
+- tp_rank.py         a tensor-parallel rank other than 0 (its own process): the same forwards, its share of encodes
 - lm/                LeanLM: the fused LM forward (weights, rotary tables, the layer loop)
 - step_buffers.py    StepBuffers: pinned host / device buffers, one upload a step
 - graph_runner.py    DecodeGraphs: decode steps replayed from captured graphs (CUDA)

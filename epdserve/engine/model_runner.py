@@ -181,7 +181,7 @@ class ModelRunner:
         """The LM over one step's packed tokens: the normed hidden states of the rows whose logits
         are wanted (`f.sample_rows`; every row when None), None when no row is. Under tensor
         parallelism rank 0 sends `f` to the other ranks first, which run this same call
-        (engine/tp/worker.py)."""
+        (engine/tp_rank.py)."""
         if self.tp is not None:
             self.tp.send(f, self._copies)
         self._ensure_positions(f.top_position + 1)

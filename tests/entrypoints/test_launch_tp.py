@@ -44,7 +44,7 @@ def references(qwen2_vl_tiny):
 def _ranks(dep) -> list[psutil.Process]:
     """The instance's tensor-parallel ranks other than 0 (processes of their own)."""
     return [p for p in psutil.Process(dep.proc.pid).children(recursive=True)
-            if "epdserve.engine.tp.worker" in " ".join(p.cmdline())]
+            if "epdserve.engine.tp_rank" in " ".join(p.cmdline())]
 
 
 def _run(dep, during=None):

@@ -2,7 +2,7 @@
 each forward's inputs sent to the other ranks.
 
 Rank 0 is the engine's own process: it schedules, samples and runs the LM head. Ranks 1..tp-1
-are processes of their own (`python -m epdserve.engine.tp.worker`, started with a plain
+are processes of their own (`python -m epdserve.engine.tp_rank`, started with a plain
 `subprocess`, so a user's script is never imported again as `multiprocessing`'s spawn would),
 each on its own device (`rank_device`). Before each forward rank 0 sends every other rank the
 step's `ForwardInputs` (engine/forward_inputs.py) and its block copies, pickled, over a socket
@@ -148,7 +148,7 @@ class TPGroup:
                 rs = RankSpec(**spec, rank=rank, size=size, store_port=self._store.port, timeout_s=timeout_s,
                               cores=cores, threads=threads, shm_path=shm_path, shm_capacity=capacity)
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "epdserve.engine.tp.worker", str(theirs.fileno()), json.dumps(asdict(rs))],
+                    [sys.executable, "-m", "epdserve.engine.tp_rank", str(theirs.fileno()), json.dumps(asdict(rs))],
                     pass_fds=[theirs.fileno()], env=dict(os.environ)))
                 theirs.close()
                 self._conns.append(Connection(mine.detach()))
@@ -198,7 +198,7 @@ class TPGroup:
             self.send_to(rank, payload)
 
     def send_to(self, rank: int, payload: bytes) -> None:
-        """One pickled message to rank `rank` (`worker.py` says which it takes)."""
+        """One pickled message to rank `rank` (`engine/tp_rank.py` says which it takes)."""
         conn, proc = self._conns[rank - 1], self._procs[rank - 1]
         try:
             conn.send_bytes(payload)

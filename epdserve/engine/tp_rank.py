@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0: `python -m epdserve.engine.tp.worker FD SPEC_JSON`.
+"""A tensor-parallel rank other than 0: `python -m epdserve.engine.tp_rank FD SPEC_JSON`.
 
 Started by rank 0 (engine/tp/group.py) with one end of a socket pair as file descriptor FD.
 Loads the checkpoint with only its shard of the LM's decoder layers (engine/lm/shard_loader.py)
@@ -21,7 +21,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-log = logging.getLogger("epdserve.tp.worker")
+log = logging.getLogger("epdserve.tp_rank")
 
 
 def serve(spec, conn: Connection) -> None:
