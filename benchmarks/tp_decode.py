@@ -98,9 +98,7 @@ def child_load(model: str, dtype: str, rank: int, tp: int) -> dict:
     done.set()
     t.join()
     kept = status()
-    layer_bytes = sum(t.numel() * t.element_size() for w in loaded.lm.layers for t in vars(w).values()
-                      if hasattr(t, "element_size")) + sum(t.numel() * t.element_size() for w in loaded.lm.layers
-                                                           if w.moe is not None for t in w.moe.parameters())
+    layer_bytes = sum(t.numel() * t.element_size() for w in loaded.lm.layers for t in w.tensors())
     del loaded
     return {"peak_growth_bytes": peak["VmRSS"] - base["VmRSS"], "peak_anon_growth_bytes": peak["RssAnon"] - base["RssAnon"],
             "kept_bytes": kept["VmRSS"] - base["VmRSS"], "decoder_layers_bytes": layer_bytes}

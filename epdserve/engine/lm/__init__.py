@@ -3,6 +3,8 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 
 - weights.py   LeanLayerWeights: one decoder layer's weights, QKV and gate-up fused (from the
                transformers modules by their checkpoint names, or as engine/lm/shard_loader.py reads them)
+- linear.py    the linear-layer contract: a projection's weights held and applied by its method
+               (dense today; a tensor-parallel shard or, later, quantized weights plug in here)
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
 - shard_loader.py  the decoder layers read from the safetensors files, one tensor-parallel rank's slices only
 - rotary.py    RotaryTable: M-RoPE cos/sin of every position, gathered per token once a step

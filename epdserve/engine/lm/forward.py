@@ -31,10 +31,6 @@ from epdserve.ops.layer_ops import LayerOps
 from epdserve.ops.paged_attention import paged_attend
 
 
-def _proj(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
-
-
 class LeanLM:
     """The fused weights of the LM (built once per process from the loaded model) and its forward;
     stateless across calls, so engines on several threads may share it."""
@@ -72,9 +68,7 @@ class LeanLM:
         out = [self.embed_weight, self.norm_weight, self.lm_head_t, self.rotary.cos, self.rotary.sin,
                self.rotary.axis, self.rotary.cols]
         for w in self.layers:
-            out += [t for t in vars(w).values() if isinstance(t, torch.Tensor)]
-            if w.moe is not None:
-                out += list(w.moe.parameters())
+            out += w.tensors()
         return out
 
     def num_parameters(self) -> int:
@@ -105,19 +99,19 @@ class LeanLM:
             if connector is not None:
                 connector.wait_for_layer_load(i)
             x, residual = ops.add_rms_norm(h, residual, w.input_norm, self.eps)
-            qkv = _proj(x, w.qkv_t, w.qkv_bias)
+            qkv = w.qkv(x)
             q, k, v = qkv.split(self.qkv_split, dim=1)
             q, k, v = q.view(T, H, d), k.view(T, KVH, d), v.view(T, KVH, d)
             if w.q_norm is not None:
                 q, k = ops.rms_norm(q, w.q_norm, self.eps), ops.rms_norm(k, w.k_norm, self.eps)
             q, k = ops.rotary(q, k, cos, sin)
             o = paged_attend(q, k, v, i, meta, self.scale)
-            h = _proj(o.reshape(T, qw), w.o_t, w.o_bias)
+            h = w.o(o.reshape(T, qw))
             if self.reduce is not None:
                 self.reduce(h)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, self.eps)
             if w.moe is None:
-                h = torch.mm(ops.silu_and_mul(torch.mm(x, w.gate_up_t)), w.down_t)
+                h = w.down(ops.silu_and_mul(w.gate_up(x)))
             else:
                 h = w.moe(x.unsqueeze(0))[0]
             if self.reduce is not None:  # a sparse layer's part: its rank's experts (engine/lm/experts.py)

@@ -9,8 +9,8 @@ their biases, the rank's input columns of o_proj, its rows of gate/up and input 
 down_proj (`engine/tp/shard.py` `head_map`, the MLP split in tp equal parts), and the norms
 whole. Nothing outside those slices is read into memory, on any rank (tests/engine/
 test_shard_loader.py counts every tensor the reader hands out). The slices are converted to the
-model dtype and fused as the lean forward reads them (`engine/lm/weights.py` `LeanLayerWeights`:
-QKV and gate-up concatenated, every weight stored transposed).
+model dtype and handed to the linear-layer contract (`engine/lm/linear.py` `make_linear`: the rank's
+slices of QKV, of gate-up, of o and of down, each fused and held as its method holds them).
 
 Both layouts of the checkpoints in the wild are read: transformers 5's
 (`model.language_model.layers.N.`) and the hub's Qwen2-VL / Qwen2.5-VL one (`model.layers.N.`),
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from epdserve.engine.lm.experts import ExpertShard
+from epdserve.engine.lm.linear import make_linear
 from epdserve.engine.lm.weights import LeanLayerWeights
 from epdserve.engine.tp.shard import TPShard, expert_range, head_map, sparse_layer
 
@@ -90,25 +91,21 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
             return None
         return reader.get(p + name, rows, cols).to(device=device, dtype=dtype)
 
-    qkv = torch.cat([get("self_attn.q_proj.weight", qr), get("self_attn.k_proj.weight", kr),
-                     get("self_attn.v_proj.weight", kr)])
-    biases = [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))]
-    qkv_bias = None
-    if any(b is not None for b in biases):
-        qkv_bias = torch.cat([b if b is not None else torch.zeros(len(r), dtype=dtype, device=device)
-                              for b, r in zip(biases, (qr, kr, kr))])
+    qkv = make_linear([get("self_attn.q_proj.weight", qr), get("self_attn.k_proj.weight", kr),
+                       get("self_attn.v_proj.weight", kr)],
+                      [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))])
     o_bias = get("self_attn.o_proj.bias", optional=True) if shard.rank == 0 else None  # the sum counts it once
+    o = make_linear([get("self_attn.o_proj.weight", cols=qr).contiguous()], [o_bias])
     if sparse_layer(text_config, i):
-        gate_up_t = down_t = None
+        gate_up = down = None
         moe = _experts(reader, p, text_config, shard, get)
     else:
-        gate_up_t = torch.cat([get("mlp.gate_proj.weight", mlp), get("mlp.up_proj.weight", mlp)]).t()
-        down_t, moe = get("mlp.down_proj.weight", cols=mlp).contiguous().t(), None
+        gate_up = make_linear([get("mlp.gate_proj.weight", mlp), get("mlp.up_proj.weight", mlp)])
+        down, moe = make_linear([get("mlp.down_proj.weight", cols=mlp).contiguous()]), None
     return LeanLayerWeights(
-        qkv_t=qkv.t(), qkv_bias=qkv_bias, o_t=get("self_attn.o_proj.weight", cols=qr).contiguous().t(), o_bias=o_bias,
-        input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
+        qkv=qkv, o=o, input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
         q_norm=get("self_attn.q_norm.weight", optional=True), k_norm=get("self_attn.k_norm.weight", optional=True),
-        gate_up_t=gate_up_t, down_t=down_t, moe=moe)
+        gate_up=gate_up, down=down, moe=moe)
 
 
 def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get) -> ExpertShard:
