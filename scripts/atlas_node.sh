@@ -46,6 +46,9 @@
 #   REG_PORT         scheduler's internal port (instance registry)            [50052]
 #   MODE             mode name reported by the scheduler                      [E-P-D]
 #   ROLES            `preflight` only: the roles to size HBM for (`instances` takes them as argument)  [P]
+#   TENSOR_PARALLEL_SIZE  `preflight` only: NPUs per instance (an instance at --tensor-parallel-size N
+#                    holds 1/N of the weights on each of N NPUs): the NPU list must split into
+#                    groups of N, and each NPU is sized for its share            [1]
 #   KV_CACHE_MB      KV cache per P/D worker   [on NPU: what the preflight finds fits, at most 16384; with DEVICE=cpu the instance's default]
 #   HBM_MARGIN_MB    preflight: HBM each process needs beyond weights and KV cache (activations,
 #                    CANN/ATB workspaces, HCCL buffers, the runtime's context); an estimate, not a
@@ -245,9 +248,15 @@ preflight() {  # preflight NPU_LIST [ROLES]
   cann=$(cann_version) || die "preflight: CANN not found: source its set_env.sh or set ASCEND_ENV=/path/to/set_env.sh"
   echo "preflight: driver $drv, CANN $cann"
   check_versions "$drv" "$cann"
+  local tp=${TENSOR_PARALLEL_SIZE:-1}
+  [[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "preflight: TENSOR_PARALLEL_SIZE must be a positive integer, got '$tp'"
   weights=$(weights_mb "${MODEL:-}")
+  weights=$(( (weights + tp - 1) / tp ))  # each rank's share (the replicated embedding and vision tower are in the margin)
   if [[ -z "${MODEL:-}" ]]; then echo "preflight: MODEL unset: the HBM need counts KV cache and margin only" >&2; fi
   IFS=, read -ra devs <<< "$npus"
+  (( ${#devs[@]} % tp == 0 )) ||
+    die "preflight: TENSOR_PARALLEL_SIZE=$tp needs the NPU list in groups of $tp, got ${#devs[@]} NPU(s) ($npus)"
+  if (( tp > 1 )); then echo "preflight: ${#devs[@]} NPU(s), $(( ${#devs[@]} / tp )) instance(s) of $tp; ${weights} MB of weights per NPU"; fi
   for dev in "${devs[@]}"; do
     [[ "$dev" =~ ^[0-9]+$ ]] || die "preflight: NPU list must be comma-separated ids without spaces, got '$npus'"
     total="" free=""

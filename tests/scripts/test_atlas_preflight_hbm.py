@@ -98,3 +98,16 @@ def test_an_id_with_no_row_in_the_mapping_says_so(atlas_32g, tmp_path):
     out = subprocess.run(["bash", str(SCRIPT), "preflight", "7"], env=dict(atlas_32g, MODEL=str(_model(tmp_path, 4000))),
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "NPU 7 not found by `npu-smi info -m` (no row with that Chip Logic ID)" in out.stderr
+
+
+def test_tensor_parallel_sizes_each_npu_for_its_share_and_needs_whole_groups(atlas_32g, tmp_path):
+    model = str(_model(tmp_path, 40000))  # does not fit one 32 GB NPU
+    assert _preflight(atlas_32g, MODEL=model).returncode == 1
+    out = subprocess.run(["bash", str(SCRIPT), "preflight", "0,1"], env=dict(atlas_32g, MODEL=model, TENSOR_PARALLEL_SIZE="2"),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "2 NPU(s), 1 instance(s) of 2; 20000 MB of weights per NPU" in out.stdout
+    assert "NPU 1 ok" in out.stdout and "(20000 weights + " in out.stdout
+    out = subprocess.run(["bash", str(SCRIPT), "preflight", "0,1,2"], env=dict(atlas_32g, MODEL=model, TENSOR_PARALLEL_SIZE="2"),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "TENSOR_PARALLEL_SIZE=2 needs the NPU list in groups of 2, got 3 NPU(s) (0,1,2)" in out.stderr
