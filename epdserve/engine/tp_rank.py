@@ -2,7 +2,7 @@
 
 Started by rank 0 (engine/tp/group.py) with one end of a socket pair as file descriptor FD.
 Loads the checkpoint with only its shard of the LM's decoder layers (engine/lm/shard_loader.py)
-and the vision tower whole, builds a KV cache for its own KV heads with rank 0's block count,
+and the vision tower whole (the LM head is freed: rank 0 alone computes logits), builds a KV cache for its own KV heads with rank 0's block count,
 joins the group, says "ready", then runs what rank 0 sends until rank 0 says stop or its socket
 ends: ("forward", block copies, ForwardInputs) — the same forward as rank 0's
 (engine/forward_inputs.py) — and ("encode", pixel values, grids) — its share of an encoder call,
@@ -44,6 +44,7 @@ def serve(spec, conn: Connection) -> None:
     model = load_model(spec.model, spec.device, spec.dtype, spec.max_model_len, shard=TPShard(spec.rank, spec.size))
     pg = make_group(model.platform, store, spec.rank, spec.size, spec.timeout_s)
     a, lm = model.adapter, model.lm
+    _drop_lm_head(a, lm)
     lm.reduce = lambda t: all_reduce(pg, t)
     if spec.shm_path:  # CPU: the shared-memory all-reduce; rank 0 has stopped waiting once it wrote to the socket
         lm.reduce = ShmReduce(spec.shm_path, spec.rank, spec.size, spec.shm_capacity, lm.reduce, spec.timeout_s,
@@ -70,6 +71,17 @@ def serve(spec, conn: Connection) -> None:
                     runner.forward(inputs)
             elif kind == "encode":  # its share of an encoder call (engine/tp/encode_dp.py)
                 conn.send_bytes(pickle.dumps(_encode(a, *body), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _drop_lm_head(adapter, lm) -> None:
+    """Rank 0 alone computes logits: another rank frees the LM head (vocabulary x hidden, e.g.
+    2.5 GB in bf16 for Qwen2.5-VL-72B) unless it is the embedding's own weight (tied)."""
+    import torch
+
+    head = adapter.lm_head.weight
+    if head is not adapter.embed.weight and head.data_ptr() != adapter.embed.weight.data_ptr():
+        head.data = torch.empty(0, dtype=head.dtype, device=head.device)
+    lm.lm_head_t = None
 
 
 def _encode(adapter, pixel_values, grids) -> tuple[str, object]:
