@@ -21,6 +21,7 @@ from tests.harness import PH
 from tests.hf_oracle import HFOracle, assert_same_greedy
 
 TOKENS = 10
+KV_CACHE_BYTES = 32 << 20  # per rank (the default 1 GiB, held by four engines and their ranks, is 8 GiB)
 PROMPTS = [
     ("the quick brown fox jumps over the lazy dog", []),
     (f"what is in {PH} here", [jpeg_bytes(procedural_image(112, 84, 1))]),
@@ -36,11 +37,13 @@ def _close_llms():
     yield
     for llm in _llms.values():
         llm.engine.close()
+    _llms.clear()  # their KV caches go with them, not at the worker's end
 
 
 def _llm(request, arch: str, tp: int) -> LLM:
     if (arch, tp) not in _llms:
-        _llms[arch, tp] = LLM(model=request.getfixturevalue(f"{arch}_tiny"), device="cpu", tensor_parallel_size=tp)
+        _llms[arch, tp] = LLM(model=request.getfixturevalue(f"{arch}_tiny"), device="cpu", tensor_parallel_size=tp,
+                              kv_cache_bytes=KV_CACHE_BYTES)
     return _llms[arch, tp]
 
 

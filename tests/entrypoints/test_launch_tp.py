@@ -24,7 +24,7 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def deployment(qwen2_vl_tiny, tmp_path_factory):
-    dep = _launch("monolithic", qwen2_vl_tiny, ("--instance-args", "--tensor-parallel-size 2",
+    dep = _launch("monolithic", qwen2_vl_tiny, ("--instance-args", "--tensor-parallel-size 2 --kv-cache-mb 64",
                                                 "--log-dir", str(tmp_path_factory.mktemp("launch-tp"))))
     try:
         yield dep
