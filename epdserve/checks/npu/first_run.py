@@ -143,13 +143,12 @@ def _matrix_case(ops, portable, VarlenBatch, head_dim, dtype, q_lens, kv_lens, d
 
 # ---------------------------------------------------------------- HCCL pair, a peer killed
 def hccl(args) -> bool:
-    from torch.distributed import TCPStore
-
+    from epdserve.engine.tp.group import loopback_store
     from epdserve.platform import get_platform
 
     platform = get_platform("npu")
     platform.set_thread_device(0)
-    store = TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    store = loopback_store(2)  # listens on 127.0.0.1 only (a TCPStore binding itself takes every interface)
     peer = subprocess.Popen([sys.executable, "-m", "epdserve.checks.npu.first_run", "hccl-peer", "--device", args.device,
                              "--port", str(store.port)], stdout=subprocess.PIPE, text=True)
     try:
