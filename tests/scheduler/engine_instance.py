@@ -59,9 +59,14 @@ class _Servicer(instance_pb2_grpc.InstanceServicer):
         return self.inst.status()
 
 
+KV_CACHE_BYTES = 64 << 20  # ~130k tokens of the tiny model; the default 1 GiB, times the instances a
+# worker holds at once, took a CI worker past 12 GB
+
+
 class EngineInstance:
     def __init__(self, model_dir: str, instance_id: str, **engine_kwargs):
         self.instance_id = instance_id
+        engine_kwargs.setdefault("kv_cache_bytes", KV_CACHE_BYTES)
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", roles="EPD", **engine_kwargs))
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
