@@ -94,7 +94,7 @@ class _Rig:
         from epdserve.engine.llm_engine import LLMEngine
         from epdserve.engine.loaded_model import load_model
         from epdserve.engine.sampling_params import SamplingParams
-        from epdserve.instance.affinity import available_cores
+        from epdserve.platform.cores import available_cores
         from epdserve.seams.feature_provider import LocalFeatureProvider
 
         self.args, self.cores = args, available_cores()

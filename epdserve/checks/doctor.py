@@ -168,12 +168,11 @@ def _tensor_parallel(plat, device: str, tp: int, model: str | None) -> Check:
     if model:
         from transformers import AutoConfig
 
-        from epdserve.engine.tp.shard import check_degree
+        from epdserve.engine.tp.shard import check_model_degree
 
         try:
             tc = AutoConfig.from_pretrained(model, local_files_only=True).text_config
-            check_degree(tp, tc.num_attention_heads, tc.num_key_value_heads, int(tc.intermediate_size),
-                         getattr(tc, "num_experts", 0) or 0)
+            check_model_degree(tc, tp)
         except (OSError, ValueError) as e:
             return Check(name, Status.FAIL, str(e).splitlines()[0],
                          "pick a degree the message lists" if isinstance(e, ValueError) and "valid degrees" in str(e)

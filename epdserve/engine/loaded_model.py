@@ -20,7 +20,7 @@ import torch
 
 from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.lm.shard_loader import read_layers
-from epdserve.engine.tp.shard import TPShard, check_degree
+from epdserve.engine.tp.shard import TPShard, check_model_degree, num_experts
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoint, max_model_len
 from epdserve.model.processor import MultimodalProcessor
@@ -97,10 +97,9 @@ def _check_shard(model: str, shard: TPShard) -> bool:
     from transformers import AutoConfig
 
     tc = AutoConfig.from_pretrained(model, local_files_only=True).text_config
-    experts = getattr(tc, "num_experts", 0) or 0
     if shard.size > 1:
-        check_degree(shard.size, tc.num_attention_heads, tc.num_key_value_heads, int(tc.intermediate_size), experts)
-    return not experts or shard.size > 1
+        check_model_degree(tc, shard.size)
+    return not num_experts(tc) or shard.size > 1
 
 
 def _index(device: str) -> int | None:

@@ -79,7 +79,7 @@ def _drop_lm_head(adapter, lm) -> None:
     import torch
 
     head = adapter.lm_head.weight
-    if head is not adapter.embed.weight and head.data_ptr() != adapter.embed.weight.data_ptr():
+    if head.data_ptr() != adapter.embed.weight.data_ptr():
         head.data = torch.empty(0, dtype=head.dtype, device=head.device)
     lm.lm_head_t = None
 

@@ -28,7 +28,8 @@ import logging
 import os
 import threading
 
-from epdserve.instance.affinity import pin_worker_thread, split_cores
+from epdserve.instance.affinity import pin_worker_thread
+from epdserve.platform.cores import split_cores
 from epdserve.roles import role_set
 
 log = logging.getLogger(__name__)

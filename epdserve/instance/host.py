@@ -30,7 +30,8 @@ from concurrent import futures
 import grpc
 
 from epdserve.engine.config import EngineConfig
-from epdserve.instance.affinity import available_cores, compute_id
+from epdserve.instance.affinity import compute_id
+from epdserve.platform.cores import available_cores
 from epdserve.instance.colocation import device_share, stream_priority, worker_core_sets, yields
 from epdserve.instance.config import InstanceConfig
 from epdserve.instance.coupled_worker import CoupledWorker

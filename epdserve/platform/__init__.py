@@ -6,6 +6,7 @@ platform is asked for (or probed by `device="auto"`).
 One sentence per module:
 - base.py   the `Platform` contract: device handle, dist backend and pair groups, streams, core limits
 - cpu.py    CPU: gloo pair groups for KV transfer, and how to interrupt one
+- cores.py  the CPU cores this process may use and their split into disjoint sets
 - cuda.py   CUDA: NCCL for KV transfer, one CUDA stream per co-located stage
 - npu.py    Ascend NPU: device, HCCL, streams and core limits (torch_npu imported lazily)
 - npu_versions.py  the driver / CANN / torch_npu table (Ascend/pytorch COMPATIBILITY.en.md) and the check of a host against it

@@ -1,13 +1,12 @@
 """The shared-memory all-reduce of CPU tensor-parallel ranks (engine/tp/shm_reduce.py), between
-real processes: every call's sum is exact on both ranks however far apart they run (the two
-generations of slots are reused safely), a tensor over the capacity goes through the gloo group,
+real processes: every call's sum is exact on both ranks, also when rank 1 sums only after rank 0
+has written its next call (the two generations of slots reused safely; rank 1 is held back by
+waiting for that state), a tensor over the capacity goes through the gloo group,
 and a rank that is gone fails the other's wait with RankFailure instead of hanging it."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import random
-import time
 from datetime import timedelta
 
 import pytest
@@ -17,6 +16,7 @@ from epdserve.engine.tp import shm_reduce
 from epdserve.engine.tp.failure import RankFailure
 from epdserve.engine.tp.group import all_reduce, loopback_store, make_group
 from epdserve.platform import get_platform
+from tests.harness import wait_until
 
 pytestmark = pytest.mark.skipif(not shm_reduce.usable(), reason="the shared-memory path runs on x86-64 only")
 
@@ -29,19 +29,35 @@ def _contribution(rank: int, call: int, n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32) * (rank + 1) + call
 
 
+def _fits(call: int) -> bool:
+    return SIZES[call % len(SIZES)] * 4 <= CAPACITY
+
+
+class _Behind(shm_reduce.ShmReduce):
+    """Rank 1, made to run behind: on the calls marked `hold`, once every rank has arrived it
+    waits, before summing, until rank 0 has written its next call's slot and flag — the moment a
+    reused slot would be overwritten under its reader."""
+
+    hold = False
+
+    def _wait(self, flags, call):
+        super()._wait(flags, call)
+        if self.hold:
+            wait_until(lambda: any(f[0] >= call + 1 for f in self._flags), 30, "rank 0 in its next call")
+
+
 def _peer(path: str, port: int, results) -> None:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30))
     pg = make_group(get_platform("cpu"), store, 1, 2, 30)
-    reduce = shm_reduce.ShmReduce(path, 1, 2, CAPACITY, lambda t: all_reduce(pg, t), 30)
-    rng = random.Random(1)
+    reduce = _Behind(path, 1, 2, CAPACITY, lambda t: all_reduce(pg, t), 30)
     ok = True
     for call in range(CALLS):
         n = SIZES[call % len(SIZES)]
         t = _contribution(1, call, n)
-        if rng.random() < 0.2:
-            time.sleep(rng.random() * 0.01)  # run behind rank 0 now and then
+        # behind now and then: only where rank 0's next call also goes through the shared memory
+        reduce.hold = call % 3 == 0 and call + 1 < CALLS and _fits(call + 1)
         reduce(t)
         ok &= torch.equal(t, _contribution(0, call, n) + _contribution(1, call, n))
     results.put(ok)

@@ -5,7 +5,8 @@ import threading
 import pytest
 import torch
 
-from epdserve.instance.affinity import parse_core_list, pin_worker_thread, split_cores, thread_cores
+from epdserve.instance.affinity import parse_core_list, pin_worker_thread, thread_cores
+from epdserve.platform.cores import split_cores
 from epdserve.instance.modes import Pool, mode_pools
 from epdserve.roles import normalize_roles, parse_roles
 

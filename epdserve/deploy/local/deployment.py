@@ -235,7 +235,7 @@ class Deployment:
         """One core set per instance (in start order) when pinning CPU instances, else None."""
         if not (self.spec.pin_instances and self.spec.device.startswith("cpu")):
             return None
-        from epdserve.instance.affinity import split_cores
+        from epdserve.platform.cores import split_cores
         from epdserve.roles import role_set
 
         weights = [float(len(role_set(p.roles).stages)) for p in self.pools for _ in range(p.count)]  # EP > D

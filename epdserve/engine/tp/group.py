@@ -75,18 +75,18 @@ def rank_device(device: str, rank: int) -> str:
 
 def rank_cores(device: str, size: int) -> list[tuple[list[int], int]] | None:
     """CPU: each rank's (cores, intra-op threads) out of the cores this process may use —
-    disjoint, contiguous shares while there are at least as many cores as ranks (rank 0, which
-    also schedules and samples, takes the remainder), else every core shared and the threads
+    disjoint, contiguous shares while there are at least as many cores as ranks
+    (`platform/cores.py split_cores`: rank 0 first, the remainder to the first ranks), else every core shared and the threads
     divided — so `size` ranks' thread teams do not oversubscribe the cores each would otherwise
     take whole; None on an accelerator (a rank has its own device)."""
     if not device.startswith("cpu"):
         return None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < size:
+    from epdserve.platform.cores import available_cores, split_cores
+
+    cores = available_cores()
+    if len(cores) < size:  # every core shared (split_cores' answer too): the threads divided
         return [(cores, max(1, len(cores) // size))] * size
-    per = len(cores) // size
-    bounds = [0] + [len(cores) - (size - r) * per for r in range(1, size)] + [len(cores)]
-    return [(cores[a:b], b - a) for a, b in zip(bounds, bounds[1:])]
+    return [(share, len(share)) for share in split_cores(size, cores)]
 
 
 def make_group(platform, store, rank: int, size: int, timeout_s: float):

@@ -42,6 +42,17 @@ def check_degree(tp: int, num_heads: int, num_kv_heads: int, intermediate: int, 
                          f"{', '.join(map(str, valid))}")
 
 
+def num_experts(text_config) -> int:
+    """A sparse model's experts per layer (0: dense)."""
+    return getattr(text_config, "num_experts", 0) or 0
+
+
+def check_model_degree(text_config, tp: int) -> None:
+    """`check_degree` with a checkpoint's own numbers (its `config.json` text config)."""
+    check_degree(tp, text_config.num_attention_heads, text_config.num_key_value_heads,
+                 int(text_config.intermediate_size), num_experts(text_config))
+
+
 def expert_range(num_experts: int, shard: TPShard) -> range:
     """The experts `shard`'s rank holds (expert parallelism over the TP group)."""
     per = num_experts // shard.size
@@ -51,8 +62,7 @@ def expert_range(num_experts: int, shard: TPShard) -> range:
 def sparse_layer(text_config, i: int) -> bool:
     """Whether decoder layer i is a sparse (MoE) layer (transformers' Qwen3-VL-MoE rule:
     modeling_qwen3_vl_moe.py Qwen3VLMoeTextDecoderLayer)."""
-    experts = getattr(text_config, "num_experts", 0) or 0
-    return experts > 0 and i not in (getattr(text_config, "mlp_only_layers", None) or []) \
+    return num_experts(text_config) > 0 and i not in (getattr(text_config, "mlp_only_layers", None) or []) \
         and (i + 1) % getattr(text_config, "decoder_sparse_step", 1) == 0
 
 
