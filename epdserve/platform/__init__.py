@@ -17,8 +17,11 @@ from __future__ import annotations
 import importlib
 import logging
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-from epdserve.platform.base import Platform
+if TYPE_CHECKING:  # base.py imports torch; the package itself must not (platform/cores.py serves --help paths)
+    from epdserve.platform.base import Platform
+
 
 log = logging.getLogger(__name__)
 
