@@ -54,6 +54,7 @@ from epdserve.engine.stop_checker import StopChecker
 from epdserve.engine.tp.encode_dp import DataParallelEncoder
 from epdserve.engine.tp.group import RankFailure, TPGroup
 from epdserve.engine.tp.shard import TPShard, head_map
+from epdserve.kv_layout import KvLayout
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import layer_ops, paged_ops
 from epdserve.request_errors import InvalidRequestError
@@ -117,6 +118,13 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
+
+    def kv_layout(self) -> KvLayout:
+        """The registration record of this engine's KV (epdserve/kv_layout.py): the scheduler pairs
+        a P with a D only when their records map."""
+        a, c = self.model.adapter, self.config
+        return KvLayout(c.tensor_parallel_size, a.num_layers, a.num_kv_heads, a.head_dim, c.block_size,
+                        str(self.model.dtype).removeprefix("torch."), "")
 
     def _check_tp(self, kv_connector) -> None:
         """Refuse at start-up a set-up tensor parallelism does not cover yet (load_model refused

@@ -383,13 +383,19 @@ class InstanceHost:
         return next((w.engine.config.block_size for w in self.workers
                      if w.engine is not None and w.engine.config.computes), 0)
 
+    def _kv_layout(self) -> common_pb2.KvLayout | None:
+        """The registration record of the KV its engines hold (epdserve/kv_layout.py); None while
+        none is built (an encode-only instance)."""
+        engine = next((w.engine for w in self.workers if w.engine is not None and w.engine.config.computes), None)
+        return common_pb2.KvLayout(**engine.kv_layout().to_dict()) if engine is not None else None
+
     def status(self) -> common_pb2.InstanceStatus:
         cfg = self.config
         load = sum_loads([w.load for w in self.workers])
         st = common_pb2.InstanceStatus(
             instance_id=self.instance_id, roles=self.roles, address=f"{cfg.host}:{self.port}", model=cfg.model,
             load=load, pid=os.getpid(), draining=self.draining,
-            compute=self._compute, block_size=self._block_size(),
+            compute=self._compute, block_size=self._block_size(), kv_layout=self._kv_layout(),
         )
         if self.model is not None:
             st.media_namespace = self.model.namespace

@@ -4,7 +4,10 @@ A thread registers, then sends a Heartbeat every `heartbeat_interval_s` the sche
 for. A heartbeat answered `known=False` (the scheduler restarted or forgot us) registers again.
 A failed call is retried (tenacity) with exponential backoff capped at `max_backoff_s` until it
 succeeds or `stop()` is called, which also cuts the backoff wait short. An unreachable
-scheduler is logged once per outage, never fatal: the instance keeps serving calls it gets.
+scheduler is logged once per outage, never fatal: the instance keeps serving calls it gets. A
+refusal (FAILED_PRECONDITION: another model's instances, a KV layout that cannot pair) is logged
+as an error with the scheduler's reason, once per reason, and retried the same way: the roster may
+change (the conflicting instance leaves).
 `stop()` deregisters (best effort, short deadline).
 """
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Registrar:
         self._stub = instance_pb2_grpc.RegistryStub(self._channel)
         self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
         self._down_logged = False
+        self._refused = ""  # the scheduler's last refusal, logged once
+        self._closed = False
 
     def start(self) -> "Registrar":
         self._thread.start()
@@ -80,8 +85,15 @@ class Registrar:
             self._heartbeat()
 
     def _log_down(self, attempt: RetryCallState) -> None:
+        e = attempt.outcome.exception()
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # refused (roster conflict): say why, each new why once
+            if e.details() != self._refused:
+                self._refused = e.details()
+                log.error("scheduler %s refused to register this instance (it gets no work until the conflict "
+                          "is gone; retrying): %s", self.scheduler, e.details())
+            return
         if not self._down_logged:
-            log.warning("scheduler %s unreachable (%s); retrying", self.scheduler, attempt.outcome.exception().code())
+            log.warning("scheduler %s unreachable (%s); retrying", self.scheduler, e.code())
             self._down_logged = True
 
     def _register(self) -> None:
@@ -90,6 +102,7 @@ class Registrar:
         if resp.heartbeat_interval_s > 0:
             self.interval_s = resp.heartbeat_interval_s
         log.info("registered %s (%s) at %s with scheduler %s", st.instance_id, st.roles, st.address, self.scheduler)
+        self._refused = ""
         self.registered.set()
 
     def _register_status(self, status: common_pb2.InstanceStatus):
@@ -123,6 +136,10 @@ class Registrar:
                  reraise=True)(once)
 
     def stop(self, deregister: bool = True) -> None:
+        """Stop registering, deregister (best effort) and close the channel; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(self.rpc_timeout_s + 1.0)

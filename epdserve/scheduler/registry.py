@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from epdserve.kv_layout import KvLayout, pair_mismatch
 from epdserve.rpc import common_pb2
 from epdserve.roles import POOLS, RoleSet, normalize_roles, role_set
 from epdserve.scheduler.prompt_chunks import DEFAULT_BLOCK_SIZE
@@ -29,7 +30,8 @@ HEALTHY, SUSPECT, DOWN = common_pb2.HEALTHY, common_pb2.SUSPECT, common_pb2.DOWN
 
 
 class RegistryError(ValueError):
-    """A registration the scheduler refuses (bad roles, another model's media namespace)."""
+    """A registration the scheduler refuses (bad roles, another model's media namespace, a KV layout
+    that cannot map to a registered instance's on the other side of the P→D hop)."""
 
 
 @dataclass
@@ -54,6 +56,7 @@ class InstanceRecord:
     draining: bool = False  # switching roles: finishes what it holds, takes nothing new
     compute: str = ""  # InstanceStatus.compute: equal values share their compute
     block_size: int = DEFAULT_BLOCK_SIZE  # InstanceStatus.block_size: its engines' KV block (prefix hashes)
+    kv_layout: KvLayout | None = None  # InstanceStatus.kv_layout: its KV's registration record (None: holds no KV)
 
     @property
     def role_set(self) -> RoleSet:
@@ -86,6 +89,7 @@ class InstanceRecord:
             media_namespace=self.namespace, load=self.load, kv_endpoint=self.kv_endpoint, health=self.health,
             last_seen=self.last_seen, pid=self.pid, draining=self.draining, compute=self.compute,
             block_size=self.block_size,
+            kv_layout=common_pb2.KvLayout(**self.kv_layout.to_dict()) if self.kv_layout else None,
         )
 
 
@@ -117,6 +121,8 @@ class InstanceRegistry:
                         f"{status.instance_id} serves media namespace {ns!r} but {other.instance_id} serves "
                         f"{other.namespace!r}: one scheduler serves one model"
                     )
+        layout = KvLayout.from_message(status.kv_layout) if status.HasField("kv_layout") else None
+        self._check_pairs(status.instance_id, role_set(roles), layout)
         now = self.clock()
         rec = self._records.get(status.instance_id)
         if rec is None:
@@ -131,6 +137,7 @@ class InstanceRegistry:
         rec.pid = status.pid
         rec.compute = status.compute
         rec.block_size = status.block_size or DEFAULT_BLOCK_SIZE
+        rec.kv_layout = layout
         if status.draining != rec.draining:
             log.info("instance %s %s", rec.instance_id, "is draining (switching roles)" if status.draining
                      else "takes work again")
@@ -141,6 +148,25 @@ class InstanceRegistry:
         rec.health, rec.failures, rec.successes, rec.down_since = HEALTHY, 0, 0, None
         rec.last_seen = rec.last_heartbeat = now
         return rec
+
+    def _check_pairs(self, instance_id: str, roles: RoleSet, layout: KvLayout | None) -> None:
+        """RegistryError, naming both records, when `layout` cannot map to the KV layout of a routable
+        instance on the other side of the P→D hop (a P against each D, a D against each P)."""
+        if layout is None or not (roles.sends_kv or roles.receives_kv):
+            return
+        for other in self.records():
+            if other.instance_id == instance_id or other.kv_layout is None or other.health == DOWN:
+                continue
+            if roles.sends_kv and other.role_set.receives_kv:
+                p, d, names = layout, other.kv_layout, (instance_id, other.instance_id)
+            elif roles.receives_kv and other.role_set.sends_kv:
+                p, d, names = other.kv_layout, layout, (other.instance_id, instance_id)
+            else:
+                continue
+            why = pair_mismatch(p, d)
+            if why:
+                raise RegistryError(f"{instance_id} cannot pair with {other.instance_id}: the KV prefill instance "
+                                    f"{names[0]} computes cannot become decode instance {names[1]}'s: {why}")
 
     def heartbeat(self, instance_id: str, load: common_pb2.Load | None = None) -> bool:
         rec = self._records.get(instance_id)

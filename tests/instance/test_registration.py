@@ -84,3 +84,39 @@ def test_unreachable_scheduler_warns_once_and_stop_cuts_the_backoff_short(caplog
         reg.stop()
     assert not reg._thread.is_alive() and not reg.registered.is_set()
     assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_refused_registration_is_logged_once_with_the_reason_and_joins_when_the_conflict_leaves(
+        qwen2_vl_tiny, caplog):
+    """A D whose KV layout cannot pair with the registered P is refused (FAILED_PRECONDITION): the
+    instance logs the scheduler's reason once, as an error (not as "unreachable"), keeps retrying,
+    and joins once the P has left."""
+    caplog.set_level(logging.INFO, logger="epdserve.instance.registration")
+    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), port=free_port()))
+    sched.start()
+    layout = dict(degree=1, num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
+
+    def st(iid, roles, **kw):
+        return common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"127.0.0.1:{free_port()}",
+                                         kv_layout=common_pb2.KvLayout(**{**layout, **kw}))
+
+    p, d = st("p0", "P"), st("d0", "D", quantization="int8")
+    calls = []
+    p_reg = Registrar(sched.server.internal_address, lambda: p, max_backoff_s=0.2).start()
+    d_reg = None
+    try:
+        assert p_reg.registered.wait(30)
+        d_reg = Registrar(sched.server.internal_address, lambda: calls.append(1) or d, max_backoff_s=0.2).start()
+        wait_until(lambda: len(calls) >= 4, what="several refused attempts")
+        assert not d_reg.registered.is_set()
+        refusals = [r for r in caplog.records if "refused to register" in r.getMessage()]
+        assert len(refusals) == 1 and refusals[0].levelno == logging.ERROR
+        assert "d0 cannot pair with p0" in refusals[0].getMessage() and "weights int8" in refusals[0].getMessage()
+        assert not any("unreachable" in r.getMessage() for r in caplog.records)
+        p_reg.stop()  # deregisters: the conflict is gone
+        assert d_reg.registered.wait(30)
+    finally:
+        p_reg.stop()
+        if d_reg is not None:
+            d_reg.stop()
+        sched.stop()

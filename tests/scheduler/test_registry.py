@@ -142,3 +142,43 @@ def test_prober_hysteresis_against_real_health_servers():
     assert seen[0] == (HEALTHY, HEALTHY, SUSPECT)
     assert seen[1] == (HEALTHY, DOWN, DOWN)
     assert seen[2:] == [DOWN, HEALTHY]
+
+
+def _kv(**kw):
+    base = dict(degree=1, num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
+    return common_pb2.KvLayout(**{**base, **kw})
+
+
+def test_a_p_and_a_d_whose_kv_layouts_cannot_map_are_refused_at_registration():
+    reg = InstanceRegistry()
+    reg.register(status("d9", "D"))  # no record (an instance from before it): nothing to compare
+    s = status("p0", "P")
+    s.kv_layout.CopyFrom(_kv())
+    reg.register(s)
+    ok = status("d0", "D")
+    ok.kv_layout.CopyFrom(_kv())
+    assert reg.register(ok).kv_layout.dtype == "float32"
+    for field, value, why in (("dtype", "bfloat16", "dtype differs (float32 vs bfloat16)"),
+                              ("block_size", 128, "block_size differs (16 vs 128)"),
+                              ("num_kv_heads", 4, "num_kv_heads differs (2 vs 4)"),
+                              ("quantization", "int8", "quantized differently (unquantized vs int8)"),
+                              ("degree", 2, "not P TP1 to D TP2")):
+        bad = status("d1", "ED")
+        bad.kv_layout.CopyFrom(_kv(**{field: value}))
+        with pytest.raises(RegistryError) as e:
+            reg.register(bad)
+        assert why in str(e.value) and "d1 cannot pair with p0" in str(e.value)
+        assert "P: TP1 (KV heads rank0 0-1 of 2)" in str(e.value) and reg.get("d1") is None
+    # the same from the P side: a second P against the registered D
+    bad = status("p1", "P+E")
+    bad.kv_layout.CopyFrom(_kv(head_dim=16))
+    with pytest.raises(RegistryError, match="p1 cannot pair with d0: .* prefill instance p1 .* decode instance d0"):
+        reg.register(bad)
+    # coupled and encode instances never hop KV: any layout registers; so does a P when the D is down
+    for iid, roles in (("c0", "PD"), ("c1", "EPD")):
+        other = status(iid, roles)
+        other.kv_layout.CopyFrom(_kv(dtype="bfloat16"))
+        reg.register(other)
+    assert reg.register(s).kv_layout.head_dim == 8  # p0 again: compared with d0, not with its old self
+    reg.get("d0").health = DOWN
+    assert reg.register(bad).kv_layout.head_dim == 16

@@ -96,3 +96,27 @@ def test_one_of_two_d_killed_mid_run_every_request_completes(deployment, offline
     metrics = sched.server.observer
     assert metrics.registry.get_sample_value("epdserve:request_retries_total") >= 1  # the victim's requests moved
     assert sched.call(lambda: sched.server.registry.get(survivor).health) == 1  # HEALTHY
+
+
+def test_registration_refuses_a_decode_instance_whose_kv_cannot_pair(deployment):
+    """Each P and D registers its KV layout (epdserve/kv_layout.py); a D whose KV dtype differs from
+    the registered P's is refused at Register, the message naming both records, and the roster
+    keeps serving (issue 48 item 2)."""
+    sched, _ = deployment
+    recs = sched.call(lambda: {i: sched.server.registry.get(i) for i in ("e0", "p0", "d0")})
+    assert recs["e0"].kv_layout is None
+    p, d = recs["p0"].kv_layout, recs["d0"].kv_layout
+    assert p == d and p.degree == 1 and p.dtype == "float32" and p.quantization == ""
+    impostor = recs["d0"].to_proto()
+    impostor.instance_id = "d-bf16"
+    impostor.kv_layout.dtype = "bfloat16"
+    with grpc.insecure_channel(sched.server.internal_address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            instance_pb2_grpc.RegistryStub(ch).Register(instance_pb2.RegisterRequest(instance=impostor), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    msg = e.value.details()
+    assert "d-bf16 cannot pair with p0" in msg and "dtype differs (float32 vs bfloat16)" in msg
+    assert f"P: {p.describe()}" in msg and "D: TP1" in msg and ", bfloat16, weights unquantized" in msg
+    assert sched.call(lambda: sched.server.registry.get("d-bf16")) is None
+    with Client(sched.address, timeout=120) as c:
+        assert c.generate(f"Still paired {PH}", images=[image(5)], max_tokens=3).usage.output_tokens == 3

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epdserve.kv_layout import rank_kv_heads
+
 
 @dataclass(frozen=True)
 class TPShard:
@@ -67,11 +69,7 @@ def sparse_layer(text_config, i: int) -> bool:
 
 
 def head_map(num_heads: int, num_kv_heads: int, shard: TPShard) -> tuple[range, range]:
-    """(query heads, KV heads) of `shard`'s rank."""
+    """(query heads, KV heads) of `shard`'s rank (the KV heads by kv_layout.py's `rank_kv_heads`,
+    the rule the registration record states)."""
     per = num_heads // shard.size
-    q = range(shard.rank * per, (shard.rank + 1) * per)
-    if shard.size <= num_kv_heads:
-        k = num_kv_heads // shard.size
-        return q, range(shard.rank * k, (shard.rank + 1) * k)
-    kv = shard.rank * num_kv_heads // shard.size
-    return q, range(kv, kv + 1)
+    return range(shard.rank * per, (shard.rank + 1) * per), rank_kv_heads(num_kv_heads, shard.size, shard.rank)

@@ -1,0 +1,86 @@
+"""The registration record of an instance that holds request KV: what its KV looks like and how
+it is split over its ranks, so the scheduler can refuse a prefill–decode pair that cannot map at
+registration, with both records in the message, instead of at the first request.
+
+`KvLayout` carries the tensor-parallel degree, the KV head map (which of the model's KV heads each
+rank holds: `rank_kv_heads`, the rule engine/tp/shard.py splits by; this module imports nothing of
+epdserve, so every layer reads it, the scheduler's included), the layer count, head size,
+tokens per block, the KV dtype and the weights' quantization method ("" = the model dtype's own
+weights). `pair_mismatch(p, d)` says why P's KV cannot become D's, or None: the model's KV shape,
+block size and dtype must be equal (the hop sends whole blocks as raw bytes), the weights must be
+quantized alike (KV computed from other weights is another model's), and the hop must carry that
+pair of degrees
+(`HOP_DEGREES`: equal degree 1 today — a TP engine takes no KV connector, engine/llm_engine.py).
+It travels as `common.proto`'s `KvLayout` inside `InstanceStatus`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+HOP_DEGREES = frozenset({(1, 1)})  # (P degree, D degree) pairs the layerwise KV hop carries today
+
+
+def rank_kv_heads(num_kv_heads: int, degree: int, rank: int) -> range:
+    """The KV heads rank `rank` of `degree` holds: num_kv_heads/degree of them when the degree
+    divides them, else (a multiple of them) the one its query heads share."""
+    if degree <= num_kv_heads:
+        k = num_kv_heads // degree
+        return range(rank * k, (rank + 1) * k)
+    kv = rank * num_kv_heads // degree
+    return range(kv, kv + 1)
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    degree: int
+    num_layers: int
+    num_kv_heads: int  # the model's, over all ranks
+    head_dim: int
+    block_size: int
+    dtype: str  # "bfloat16", "float16", "float32"
+    quantization: str = ""  # the LM weights' method; "" = unquantized
+
+    def __post_init__(self):
+        for name in ("degree", "num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KvLayout.{name} must be >= 1, got {getattr(self, name)}")
+
+    def head_map(self) -> list[range]:
+        """The KV heads of each rank, rank 0 first."""
+        return [rank_kv_heads(self.num_kv_heads, self.degree, r) for r in range(self.degree)]
+
+    def describe(self) -> str:
+        """One line for messages: 'TP2 (KV heads rank0 0-1, rank1 2-3 of 4), 28 layers, head_dim 64, block 16,
+        bfloat16, weights bfloat16'."""
+        ranks = ", ".join(f"rank{r} {h.start}-{h.stop - 1}" for r, h in enumerate(self.head_map()))
+        return (f"TP{self.degree} (KV heads {ranks} of {self.num_kv_heads}), {self.num_layers} layers, "
+                f"head_dim {self.head_dim}, block {self.block_size}, {self.dtype}, "
+                f"weights {self.quantization or 'unquantized'}")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_message(cls, msg) -> "KvLayout | None":
+        """From a `common_pb2.KvLayout` (or anything with its fields); None when it is unset (degree 0:
+        an instance that holds no KV, or one from before the record existed)."""
+        if not msg.degree:
+            return None
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+def pair_mismatch(p: KvLayout, d: KvLayout) -> str | None:
+    """Why the KV P (the prefill side) computes cannot become D's (the decode side), or None."""
+    why = []
+    for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
+        if getattr(p, name) != getattr(d, name):
+            why.append(f"{name} differs ({getattr(p, name)} vs {getattr(d, name)})")
+    if p.quantization != d.quantization:
+        why.append(f"the weights are quantized differently ({p.quantization or 'unquantized'} vs "
+                   f"{d.quantization or 'unquantized'}): D would decode KV another model computed")
+    if not why and (p.degree, d.degree) not in HOP_DEGREES:
+        why.append(f"the KV hop carries KV between degrees {sorted(HOP_DEGREES)} only, not P TP{p.degree} "
+                   f"to D TP{d.degree}")
+    if not why:
+        return None
+    return f"{'; '.join(why)} — P: {p.describe()}; D: {d.describe()}"
