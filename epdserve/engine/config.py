@@ -84,6 +84,13 @@ class EngineConfig:
              "schedules, encodes media and samples (engine/tp/). Must divide the attention heads, the MLP width and "
              "the experts, and divide the KV heads or be a multiple of them (start-up names the valid degrees); not "
              "with a KV connector (disaggregated P or D)")
+    quantization: str | None = setting(
+        None, choices=("int8",),
+        help="the language model's attention and MLP weights, quantized at load from the checkpoint's: int8 = "
+             "int8 per output channel, activations and KV in --dtype (W8A16; CPU only, engine/lm/quant_linear.py). "
+             "Holds the decoder layers in about half the bf16 bytes; on this project's CPU with bfloat16 it decodes "
+             "faster at a batch of a few sequences and slower above (README 'Quantized models'). The vision encoder, "
+             "embedding and LM head stay in --dtype. A P and a D must use the same method (checked at registration)")
     seed: int = 0
     ops: str | None = setting(
         None, choices=("native", "portable"), env="EPDSERVE_OPS",

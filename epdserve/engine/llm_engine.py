@@ -71,7 +71,10 @@ class LLMEngine:
         self.config = config
         tp = config.tensor_parallel_size
         self.model = model or load_model(config.model, config.device, config.dtype, config.max_model_len,
-                                         shard=TPShard(0, tp))
+                                         shard=TPShard(0, tp), quantization=config.quantization)
+        if (self.model.quantization or None) != config.quantization:
+            raise ValueError(f"quantization={config.quantization} but the model was loaded with "
+                             f"{self.model.quantization or 'none'}")
         a = self.model.adapter
         self.platform, self.max_model_len = self.model.platform, self.model.max_model_len
         config.block_size = config.block_size or self.platform.kv_block_size  # NPU kernels want 128
@@ -124,7 +127,7 @@ class LLMEngine:
         a P with a D only when their records map."""
         a, c = self.model.adapter, self.config
         return KvLayout(c.tensor_parallel_size, a.num_layers, a.num_kv_heads, a.head_dim, c.block_size,
-                        str(self.model.dtype).removeprefix("torch."), "")
+                        str(self.model.dtype).removeprefix("torch."), self.model.quantization)
 
     def _check_tp(self, kv_connector) -> None:
         """Refuse at start-up a set-up tensor parallelism does not cover yet (load_model refused
@@ -143,7 +146,8 @@ class LLMEngine:
         c, m = self.config, self.model
         group = TPGroup(self.platform, c.tensor_parallel_size, dict(
             model=c.model, device=c.device, dtype=str(m.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
-            num_blocks=num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs, ops=c.ops),
+            num_blocks=num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs, ops=c.ops,
+            quantization=c.quantization),
             reduce_bytes=c.max_num_seqs * int(m.adapter.text_config.hidden_size) * m.dtype.itemsize)  # a decode step's
         m.lm.reduce = group.reduce
         return group

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from epdserve.engine.lm.forward import LeanLM
+from epdserve.engine.lm.linear import check_method
 from epdserve.engine.lm.shard_loader import read_layers
 from epdserve.engine.tp.shard import TPShard, check_model_degree, num_experts
 from epdserve.model.adapter import VLMAdapter
@@ -45,6 +46,7 @@ class LoadedModel:
     media_secret: MediaKeySecret  # what keys media computed here (engine.media_item): the process's
     eos_token_ids: set[int]
     max_model_len: int
+    quantization: str = ""  # the LM linears' method (engine/lm/linear.py); "" = dense, in `dtype`
 
     @property
     def tokenizer(self):
@@ -56,12 +58,15 @@ class LoadedModel:
 
 
 def load_model(model: str, device: str = "auto", dtype: str = "auto", context_len: int | None = None,
-               media_secret: MediaKeySecret | None = None, shard: TPShard = TPShard(0, 1)) -> LoadedModel:
+               media_secret: MediaKeySecret | None = None, shard: TPShard = TPShard(0, 1),
+               quantization: str | None = None) -> LoadedModel:
     """Load `model` (a checkpoint directory) on the platform `device` names ("auto": npu, cuda, cpu).
     `media_secret`: what media keys computed here are keyed with (default: the process's,
     `MediaKeySecret.of_process()`). `shard`: the tensor-parallel rank whose part of the LM's
     decoder layers this process holds (engine/lm/shard_loader.py reads only those slices; a degree that
-    does not split the model is refused before any weight is read).
+    does not split the model is refused before any weight is read). `quantization`: how the LM's
+    attention and MLP weights are held (engine/lm/linear.py `LINEAR_METHODS`; None: dense, in
+    `dtype`); a method the platform has no kernel for is refused before any weight is read.
 
     dtype "auto" is fp32 on CPU (the exactness oracle's dtype) and bf16 on accelerators."""
     platform = get_platform(device)
@@ -72,10 +77,11 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     log.info("loading model %s (%s of weights) on %s as %s ...", model, size, platform.device(),
              str(tdtype).removeprefix("torch."))
     started = time.monotonic()
+    method = check_method(quantization, platform.name)
     own = _check_shard(model, shard)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
-    layers = read_layers(model, a.text_config, shard, tdtype, platform.device()) if own else None
+    layers = read_layers(model, a.text_config, shard, tdtype, platform.device(), method) if own else None
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
                                     a.text_config.vocab_size, video=ckpt.video)
@@ -83,10 +89,11 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     log.info("loaded model %s in %.1f s", model, time.monotonic() - started)
     return LoadedModel(
         model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a,
-        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings), layers, shard), processor=processor,
+        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings), layers, shard, method), processor=processor,
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
         media_secret=media_secret or MediaKeySecret.of_process(),
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
+        quantization=quantization or "",
     )
 
 

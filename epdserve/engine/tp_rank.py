@@ -41,7 +41,8 @@ def serve(spec, conn: Connection) -> None:
         os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.threads)
     store = TCPStore("127.0.0.1", spec.store_port, spec.size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
-    model = load_model(spec.model, spec.device, spec.dtype, spec.max_model_len, shard=TPShard(spec.rank, spec.size))
+    model = load_model(spec.model, spec.device, spec.dtype, spec.max_model_len, shard=TPShard(spec.rank, spec.size),
+                       quantization=spec.quantization)
     pg = make_group(model.platform, store, spec.rank, spec.size, spec.timeout_s)
     a, lm = model.adapter, model.lm
     _drop_lm_head(a, lm)

@@ -77,6 +77,7 @@ class InstanceConfig:
     step_budget: bool = same_as(EngineConfig, "step_budget")
     enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
     tensor_parallel_size: int = same_as(EngineConfig, "tensor_parallel_size")
+    quantization: str | None = same_as(EngineConfig, "quantization")
     enable_prefix_caching: bool = same_as(EngineConfig, "enable_prefix_caching")
     kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_bytes")
     block_size: int | None = same_as(EngineConfig, "block_size")

@@ -120,7 +120,7 @@ class InstanceHost:
 
             self._limit_device()  # before the load's first operator (set_device_limit: once per process)
             self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.max_model_len,
-                                    shard=TPShard(0, cfg.tensor_parallel_size))
+                                    shard=TPShard(0, cfg.tensor_parallel_size), quantization=cfg.quantization)
             self._compute = compute_id(self.model.device, cfg.cores, socket.gethostname())
             self._ready_timeout_s = ready_timeout_s
             self._start_workers(ready_timeout_s)

@@ -6,16 +6,20 @@ what it holds (the forward's graph capture and parameter count read them). It is
 checkpoint's own tensors by its `method` (`LINEAR_METHODS`), given the parts it fuses (QKV's
 three, gate-up's two, or one) already cut to the rank's slice (engine/lm/shard_loader.py, or
 transformers' modules at tensor_parallel_size 1): a method sees whole [out, in] weights of its
-rank and decides how to hold them. `DenseLinear` is the only method today: the weights in the
+rank and decides how to hold them. `DenseLinear` ("dense", the default): the weights in the
 model dtype, fused and stored transposed ([in, out] views of row-major [out, in] tensors) so a
-call is one `mm` / `addmm` with no per-call transpose. A quantized method (int8 / int4 weights
-with their scales, W8A8) would read its scales by the same slices and apply its own kernel.
+call is one `mm` / `addmm` with no per-call transpose. `Int8Linear` ("int8",
+engine/lm/quant_linear.py): int8 weights per output channel, quantized from the rank's slice at
+load, applied by torch's int8 CPU kernel. `check_method` refuses, before any weight is read, a
+method the platform has no kernel for.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
+
+from epdserve.engine.lm.quant_linear import Int8Linear
 
 
 class Linear(Protocol):
@@ -47,7 +51,21 @@ class DenseLinear:
         return [self.t] if self.bias is None else [self.t, self.bias]
 
 
-LINEAR_METHODS = {"dense": DenseLinear}  # quantization name -> its Linear (engine/lm/linear.py)
+LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear}  # quantization name -> its Linear
+METHOD_PLATFORMS = {"int8": ("cpu",)}  # a quantized method -> the platforms with its kernel
+
+
+def check_method(quantization: str | None, platform: str) -> str:
+    """The method `quantization` names ("dense" for None); ValueError for an unknown one or one
+    `platform` ("cpu", "cuda", "npu") has no kernel for."""
+    if quantization is None:
+        return "dense"
+    if quantization not in METHOD_PLATFORMS:
+        raise ValueError(f"unknown quantization {quantization!r}; known: {', '.join(METHOD_PLATFORMS)}")
+    if platform not in METHOD_PLATFORMS[quantization]:
+        raise ValueError(f"quantization={quantization} runs on {', '.join(METHOD_PLATFORMS[quantization])} only "
+                         f"(torch's _weight_int8pack_mm CPU kernel), not on {platform}")
+    return quantization
 
 
 def make_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None,

@@ -76,7 +76,7 @@ def layer_prefix(reader: SafetensorsReader, i: int) -> str:
 
 
 def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, dtype: torch.dtype,
-               device: torch.device | str) -> LeanLayerWeights:
+               device: torch.device | str, method: str = "dense") -> LeanLayerWeights:
     """Decoder layer i's lean weights, `shard`'s part of them (see the module docstring)."""
     p = layer_prefix(reader, i)
     H, KVH = text_config.num_attention_heads, text_config.num_key_value_heads
@@ -93,15 +93,16 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
 
     qkv = make_linear([get("self_attn.q_proj.weight", qr), get("self_attn.k_proj.weight", kr),
                        get("self_attn.v_proj.weight", kr)],
-                      [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))])
+                      [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))],
+                      method)
     o_bias = get("self_attn.o_proj.bias", optional=True) if shard.rank == 0 else None  # the sum counts it once
-    o = make_linear([get("self_attn.o_proj.weight", cols=qr).contiguous()], [o_bias])
+    o = make_linear([get("self_attn.o_proj.weight", cols=qr).contiguous()], [o_bias], method)
     if sparse_layer(text_config, i):
         gate_up = down = None
         moe = _experts(reader, p, text_config, shard, get)
     else:
-        gate_up = make_linear([get("mlp.gate_proj.weight", mlp), get("mlp.up_proj.weight", mlp)])
-        down, moe = make_linear([get("mlp.down_proj.weight", cols=mlp).contiguous()]), None
+        gate_up = make_linear([get("mlp.gate_proj.weight", mlp), get("mlp.up_proj.weight", mlp)], method=method)
+        down, moe = make_linear([get("mlp.down_proj.weight", cols=mlp).contiguous()], method=method), None
     return LeanLayerWeights(
         qkv=qkv, o=o, input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
         q_norm=get("self_attn.q_norm.weight", optional=True), k_norm=get("self_attn.k_norm.weight", optional=True),
@@ -131,7 +132,8 @@ def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get
 
 
 def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,
-                device: torch.device | str) -> list[LeanLayerWeights]:
-    """Every decoder layer's lean weights, `shard`'s part (dense models)."""
+                device: torch.device | str, method: str = "dense") -> list[LeanLayerWeights]:
+    """Every decoder layer's lean weights, `shard`'s part, projections held by `method`."""
     reader = SafetensorsReader(path)
-    return [read_layer(reader, i, text_config, shard, dtype, device) for i in range(text_config.num_hidden_layers)]
+    return [read_layer(reader, i, text_config, shard, dtype, device, method)
+            for i in range(text_config.num_hidden_layers)]

@@ -58,6 +58,7 @@ class RankSpec:
     block_size: int
     max_num_seqs: int
     ops: str | None
+    quantization: str | None = None  # the LM linears' method (engine/lm/linear.py LINEAR_METHODS); None: dense
     timeout_s: float = COLLECTIVE_TIMEOUT_S
     cores: list[int] | None = None  # CPU: the cores this rank's threads run on
     threads: int | None = None  # CPU: its intra-op threads

@@ -1,0 +1,102 @@
+"""Int8 weight-only quantization (`--quantization int8`, engine/lm/quant_linear.py, issue 49):
+the kernel against a float reference of the dequantized weights on both of its routes (torch's
+`_weight_int8pack_mm` for a few bf16 rows, the converted-weight GEMM otherwise) within a bound
+derived from the arithmetic; greedy outputs of every family at TP1, and Qwen2-VL at TP2, equal
+transformers' `generate` on a checkpoint holding the dequantized weights (a part at a near tie of
+transformers' own logits printed, never hidden); a method the platform lacks and an unknown one
+are refused before any weight is read."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from epdserve import LLM, SamplingParams
+from epdserve.engine.lm.linear import DenseLinear, check_method, make_linear
+from epdserve.engine.lm.quant_linear import PACKED_MAX_ROWS, Int8Linear, dequantize_int8, quantize_int8
+from epdserve.model.demo_images import jpeg_bytes, procedural_image
+from tests.harness import PH
+from tests.hf_oracle import HFOracle, assert_same_greedy
+
+TOKENS = 10
+QUANTIZED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+PROMPTS = [("the quick brown fox jumps over the lazy dog", []),
+           (f"what is in {PH} here", [jpeg_bytes(procedural_image(112, 84, 1))])]
+
+
+def dequantized_checkpoint(src, dst):
+    """A copy of checkpoint `src` whose LM decoder projections (what `--quantization int8` quantizes:
+    attention and dense MLP; MoE experts, the vision tower, embedding and head untouched) hold
+    dequantize(quantize(W)) in their own dtype: the weights the quantized engine computes with."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if ".layers." in name and "visual" not in name and name.endswith(QUANTIZED):
+                tensors[name] = dequantize_int8(*quantize_int8(t), t.dtype).contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("dtype, rows", [(torch.bfloat16, 1), (torch.bfloat16, PACKED_MAX_ROWS),
+                                         (torch.bfloat16, PACKED_MAX_ROWS + 1), (torch.bfloat16, 300),
+                                         (torch.float32, 1), (torch.float32, 40)])
+def test_int8_linear_equals_the_dequantized_weights_within_the_rounding_bound(dtype, rows):
+    """Fused parts with a bias on one: out = x · dequant(W)ᵀ + b. Bound, per output element, with
+    R = |x| · |dequant(W)|ᵀ: fp32 accumulation in any order is within K · 2⁻²⁴ · R; a bf16 route
+    rounds the GEMM's output and then its product with the scale (each ≤ 2⁻⁸ relative), and its
+    operands are exact (int8 values and bf16 x), so within 2⁻⁷ · R plus the fp32 term."""
+    gen = torch.Generator().manual_seed(rows)
+    K = 256
+    parts = [torch.randn(n, K, generator=gen).mul(0.05).to(dtype) for n in (96, 32, 32)]
+    biases = [torch.randn(96, generator=gen).to(dtype), None, None]
+    lin = make_linear(parts, biases, "int8")
+    assert isinstance(lin, Int8Linear) and lin.q.dtype == torch.int8 and lin.out_features == 160
+    w = torch.cat([p.float() for p in parts])
+    deq = dequantize_int8(lin.q, lin.scales.float(), torch.float32)
+    # the quantization itself: each weight within half a step of its channel's scale (a clamped one 2⁻⁸ more)
+    assert ((w - deq).abs() <= lin.scales.float()[:, None] * (0.5 + 2 ** -7)).all()
+    x = torch.randn(rows, K, generator=gen).to(dtype)
+    got = lin(x).float()
+    bias = torch.cat([biases[0].float(), torch.zeros(64)])
+    want = x.float() @ deq.t() + bias
+    R = x.float().abs() @ deq.abs().t() + bias.abs()
+    bound = K * 2 ** -24 * R + (2 ** -7 * R if dtype == torch.bfloat16 else 0)
+    assert ((got - want).abs() <= bound).all(), f"max excess {((got - want).abs() - bound).max():.3g}"
+    assert got.dtype == torch.float32 and lin(x).dtype == dtype
+    # and not the unquantized weights' answer (int8 is not a no-op)
+    assert not torch.equal(lin(x), DenseLinear(parts, biases)(x))
+
+
+def test_a_method_the_platform_lacks_or_an_unknown_one_is_refused_before_loading(qwen2_vl_tiny):
+    assert check_method(None, "npu") == "dense" and check_method("int8", "cpu") == "int8"
+    for platform in ("npu", "cuda"):
+        with pytest.raises(ValueError, match=f"quantization=int8 runs on cpu only .* not on {platform}"):
+            check_method("int8", platform)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        check_method("int3", "cpu")
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(qwen2_vl_tiny, device="cpu", quantization="int4")
+
+
+@pytest.mark.parametrize("arch, tp", [("qwen2_vl", 1), ("qwen2_5_vl", 1), ("qwen3_vl", 1), ("qwen3_vl_moe", 1),
+                                      ("qwen2_vl", 2)])
+def test_greedy_outputs_equal_transformers_on_the_dequantized_weights(request, tmp_path, arch, tp):
+    src = request.getfixturevalue(f"{arch}_tiny")
+    oracle = HFOracle(dequantized_checkpoint(src, tmp_path / "dequantized"))
+    llm = LLM(src, device="cpu", dtype="float32", quantization="int8", tensor_parallel_size=tp,
+              kv_cache_bytes=32 << 20)
+    try:
+        layer = llm.engine.model.lm.layers[0]
+        assert isinstance(layer.qkv, Int8Linear) and isinstance(layer.o, Int8Linear)
+        assert llm.engine.kv_layout().quantization == "int8"
+        inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
+        outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True))
+        for (prompt, imgs), out in zip(PROMPTS, outs):
+            want, margins = oracle.generate_with_margins(prompt, imgs, TOKENS)
+            assert_same_greedy(out.outputs[0].token_ids, want, margins, f"{arch} TP{tp} int8 {prompt[:20]!r}")
+    finally:
+        llm.engine.close()
