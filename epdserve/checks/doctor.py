@@ -47,10 +47,11 @@ CANN_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann
 
 def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: str | None = None,
                device: str = "auto", timeout_s: float = 2.0, tensor_parallel_size: int = 1,
-               model: str | None = None) -> list[Check]:
+               model: str | None = None, quantization: str | None = None) -> list[Check]:
     """Every check, in table order. `mode`: what the machine must support (None: report only).
     `tensor_parallel_size` > 1: the instance's ranks must each find a device (and, with `model`,
-    the degree must split the model's heads)."""
+    the degree must split the model's heads). `quantization`: the platform must have the method's
+    kernel (a row saying which linears it holds that way)."""
     npu_installed = torch_npu_installed()
     checks = [
         Check("python", Status.OK, f"{py_platform.python_version()} ({py_platform.machine()})"),
@@ -72,8 +73,25 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
         checks += [_dist_backend(plat, kv_hop), _native_ops(plat)]
     if tensor_parallel_size > 1 or model:
         checks.append(_tensor_parallel(plat, device, tensor_parallel_size, model))
+    if quantization:
+        checks.append(_quantization(plat, quantization))
     checks += [_env(), _mm_store(mm_store, mode, timeout_s), _scheduler(scheduler, mode, timeout_s)]
     return checks
+
+
+def _quantization(plat, method: str) -> Check:
+    """Which linears `method` holds quantized, and whether this platform has its kernel
+    (engine/lm/linear.py check_method)."""
+    from epdserve.engine.lm.linear import check_method
+
+    if plat is None:
+        return Check("quantization", Status.FAIL, f"{method}: no platform", "see the devices row")
+    try:
+        check_method(method, plat.name)
+    except ValueError as e:
+        return Check("quantization", Status.FAIL, str(e), "run it on the CPU, or leave --quantization out")
+    return Check("quantization", Status.OK, f"{method}: the LM's attention and dense MLP linears (MoE experts, "
+                 f"vision tower, embedding and LM head stay in --dtype)")
 
 
 # ---------------------------------------------------------------- versions

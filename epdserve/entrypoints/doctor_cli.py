@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mode", choices=MODES, default=None, help="fail when this deployment mode cannot run here")
     p.add_argument("--mm-store", default=None, help="redis://host:port of an MM Store that must answer")
     p.add_argument("--scheduler", default=None, help="HOST:PORT of a scheduler that must answer")
-    add_flags(p, EngineConfig, ["device", "tensor_parallel_size"])
+    add_flags(p, EngineConfig, ["device", "tensor_parallel_size", "quantization"])
     p.add_argument("--model", default=None,
                    help="a checkpoint directory: fail when --tensor-parallel-size does not split it")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each named server")
@@ -36,7 +36,8 @@ def run(args) -> int:
     from epdserve.checks.doctor import Status, run_checks  # torch: not imported for --help
 
     checks = run_checks(mode=args.mode, mm_store=args.mm_store, scheduler=args.scheduler, device=args.device,
-                        timeout_s=args.timeout, tensor_parallel_size=args.tensor_parallel_size, model=args.model)
+                        timeout_s=args.timeout, tensor_parallel_size=args.tensor_parallel_size, model=args.model,
+                        quantization=args.quantization)
     print(format_table(checks))
     fixes = [c for c in checks if c.status is not Status.OK and c.fix]
     if fixes:

@@ -383,6 +383,12 @@ class InstanceHost:
         return next((w.engine.config.block_size for w in self.workers
                      if w.engine is not None and w.engine.config.computes), 0)
 
+    def weights_method(self) -> str:
+        """How the LM's attention and MLP weights are held: the quantization method, else the dtype."""
+        if self.model is None:
+            return "none"
+        return self.model.quantization or str(self.model.dtype).removeprefix("torch.")
+
     def _kv_layout(self) -> common_pb2.KvLayout | None:
         """The registration record of the KV its engines hold (epdserve/kv_layout.py); None while
         none is built (an encode-only instance)."""

@@ -147,3 +147,14 @@ def test_tensor_parallel_degree_is_checked_against_the_model(capsys, qwen2_vl_ti
     assert " fail " in row(out, "tensor parallel") and "valid degrees: 1, 2, 4" in row(out, "tensor parallel")
     rc, out = doctor(capsys, "--device", "cpu", "--tensor-parallel-size", "2", "--model", str(qwen2_vl_tiny))
     assert rc == 0 and " fail " not in row(out, "tensor parallel"), out
+
+
+def test_quantization_row_says_which_linears_and_refuses_a_platform_without_the_kernel(capsys):
+    from types import SimpleNamespace
+
+    from epdserve.checks.doctor import Status, _quantization
+
+    rc, out = doctor(capsys, "--device", "cpu", "--quantization", "int8")
+    assert rc == 0 and " ok " in row(out, "quantization") and "attention and dense MLP" in row(out, "quantization")
+    check = _quantization(SimpleNamespace(name="npu"), "int8")  # only the platform's name is read
+    assert check.status is Status.FAIL and "runs on cpu only" in check.detail, check
