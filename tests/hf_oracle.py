@@ -86,13 +86,14 @@ class HFOracle:
 NEAR_TIE = 1e-4  # top-2 logits this close: a reduction in another order may pick the other one
 
 
-def assert_same_greedy(got: list[int], want: list[int], margins: list[float], what: str = "") -> None:
+def assert_same_greedy(got: list[int], want: list[int], margins: list[float], what: str = "",
+                       near_tie: float = NEAR_TIE) -> None:
     """`got` equals transformers' greedy `want` token for token, except after a position where
-    transformers' own top two logits were within NEAR_TIE (then the outputs may part there): such a
+    transformers' own top two logits were within `near_tie` (then the outputs may part there): such a
     position is printed with its margin, never hidden; a mismatch anywhere else fails."""
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
-            assert margins[i] < NEAR_TIE, (f"{what}: token {i} is {g}, transformers' {w} (top-2 margin "
+            assert margins[i] < near_tie, (f"{what}: token {i} is {g}, transformers' {w} (top-2 margin "
                                            f"{margins[i]:.3g}, not a near tie); got {got}, want {want}")
             print(f"{what}: parted from transformers at a near tie, token {i} (margin {margins[i]:.3g})")
             return

@@ -85,12 +85,14 @@ class EngineConfig:
              "the experts, and divide the KV heads or be a multiple of them (start-up names the valid degrees); not "
              "with a KV connector (disaggregated P or D)")
     quantization: str | None = setting(
-        None, choices=("int8",),
-        help="the language model's attention and MLP weights, quantized at load from the checkpoint's: int8 = "
-             "int8 per output channel, activations and KV in --dtype (W8A16; CPU only, engine/lm/quant_linear.py). "
-             "Holds the decoder layers in about half the bf16 bytes; on this project's CPU with bfloat16 it decodes "
-             "faster at a batch of a few sequences and slower above (README 'Quantized models'). The vision encoder, "
-             "embedding and LM head stay in --dtype. A P and a D must use the same method (checked at registration)")
+        None, choices=("int8", "w8a8"),
+        help="the language model's attention and dense-MLP weights, quantized at load from the checkpoint's, int8 "
+             "per output channel (CPU only, engine/lm/quant_linear.py): int8 = weight-only, activations and KV in "
+             "--dtype (W8A16: faster than bf16 at a decode batch of a few sequences, slower above); w8a8 = each "
+             "token's activations quantized to int8 too (faster than bf16 at decode batches up to ~32 here, about "
+             "equal in prefill; its outputs stray further from the unquantized model's). Either holds those weights "
+             "in about half the bf16 bytes (README 'Quantized models'). The vision encoder, embedding, LM head and "
+             "MoE experts stay in --dtype. A P and a D must use the same method (checked at registration)")
     seed: int = 0
     ops: str | None = setting(
         None, choices=("native", "portable"), env="EPDSERVE_OPS",

@@ -10,7 +10,8 @@ rank and decides how to hold them. `DenseLinear` ("dense", the default): the wei
 model dtype, fused and stored transposed ([in, out] views of row-major [out, in] tensors) so a
 call is one `mm` / `addmm` with no per-call transpose. `Int8Linear` ("int8",
 engine/lm/quant_linear.py): int8 weights per output channel, quantized from the rank's slice at
-load, applied by torch's int8 CPU kernel. `check_method` refuses, before any weight is read, a
+load, applied by torch's int8 CPU kernel; `Int8DynamicLinear` ("w8a8"): the same weights with
+each token's activations quantized to int8 at run time, an int8 GEMM. `check_method` refuses, before any weight is read, a
 method the platform has no kernel for.
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Protocol
 
 import torch
 
-from epdserve.engine.lm.quant_linear import Int8Linear
+from epdserve.engine.lm.fusion import fuse
+from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
 
 
 class Linear(Protocol):
@@ -36,13 +38,9 @@ class DenseLinear:
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
         """`weights`: the fused parts' [out_i, in] tensors, concatenated on out; `biases`: theirs
         (a part without one adds zeros; all None: no bias)."""
-        w = weights[0] if len(weights) == 1 else torch.cat(weights)
+        w, self.bias = fuse(weights, biases)
         self.t = w.t()
         self.out_features = int(w.shape[0])
-        self.bias = None
-        if biases is not None and any(b is not None for b in biases):
-            self.bias = torch.cat([b if b is not None else torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
-                                   for b, p in zip(biases, weights)])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.mm(x, self.t) if self.bias is None else torch.addmm(self.bias, x, self.t)
@@ -51,8 +49,9 @@ class DenseLinear:
         return [self.t] if self.bias is None else [self.t, self.bias]
 
 
-LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear}  # quantization name -> its Linear
-METHOD_PLATFORMS = {"int8": ("cpu",)}  # a quantized method -> the platforms with its kernel
+LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicLinear}  # name -> its Linear
+METHOD_PLATFORMS = {"int8": ("cpu",), "w8a8": ("cpu",)}  # a quantized method -> the platforms with its kernel
+METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel", "w8a8": "torch's _int_mm CPU kernel"}
 
 
 def check_method(quantization: str | None, platform: str) -> str:
@@ -64,7 +63,7 @@ def check_method(quantization: str | None, platform: str) -> str:
         raise ValueError(f"unknown quantization {quantization!r}; known: {', '.join(METHOD_PLATFORMS)}")
     if platform not in METHOD_PLATFORMS[quantization]:
         raise ValueError(f"quantization={quantization} runs on {', '.join(METHOD_PLATFORMS[quantization])} only "
-                         f"(torch's _weight_int8pack_mm CPU kernel), not on {platform}")
+                         f"({METHOD_KERNELS[quantization]}), not on {platform}")
     return quantization
 
 

@@ -1,5 +1,6 @@
-"""Quantized projections of the linear-layer contract (engine/lm/linear.py): int8 weight-only
-(W8A16), quantized from the checkpoint's weights at load (`--quantization int8`).
+"""Quantized projections of the linear-layer contract (engine/lm/linear.py), quantized from the
+checkpoint's weights at load: int8 weight-only (W8A16, `--quantization int8`) and int8 weights
+with dynamic per-token int8 activations (W8A8, `--quantization w8a8`).
 
 `Int8Linear` holds each output channel's weights as int8 with one scale per channel, symmetric:
 scale = max|w| / 127 over the channel's inputs (rounded to the model dtype), q = round(w / scale)
@@ -20,10 +21,19 @@ decode, fp32) converts the weights to the model dtype `CHUNK_ROWS` output channe
 the GEMM with the scales applied to its output: the same products, rounded once more. That route
 costs the conversion on top of the GEMM (~2x the bf16 GEMM at 8–64 rows, ~1.7x at 300 on this
 CPU): int8 buys memory everywhere and speed only at light decode load.
+
+`Int8DynamicLinear` (W8A8) holds the same weights and quantizes each call's activations per token
+(row) the same symmetric way: sx = max|x| / 127, xq = round(x / sx); torch's `_int_mm` sums xq · q
+exactly in int32 (aten/src/ATen/native/cpu: an int8 GEMM with VNNI / AMX where the CPU has them)
+and the output is acc · sx · scale in fp32, rounded to the model dtype. It is fast at every row
+count here (~1.7x the bf16 GEMM at 1–32 rows on this CPU, benchmarks/quant_linear.py), at the price
+of the activations' rounding: its outputs differ from the unquantized model's more than W8A16's.
 """
 from __future__ import annotations
 
 import torch
+
+from epdserve.engine.lm.fusion import fuse
 
 PACKED_MAX_ROWS = 4  # bf16/fp16 rows up to which `_weight_int8pack_mm` beats the GEMM (this CPU)
 CHUNK_ROWS = 2048  # output channels converted to the model dtype at once on the GEMM route
@@ -48,14 +58,10 @@ class Int8Linear:
     """Int8 weights per output channel (W8A16); bias, if any, in the model dtype."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
-        w = weights[0] if len(weights) == 1 else torch.cat(weights)
+        w, self.bias = fuse(weights, biases)
         self.packed_rows = 0 if w.dtype == torch.float32 else PACKED_MAX_ROWS  # its fp32 path is slow
         self.q, self.scales = quantize_int8(w)
         self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
-        self.bias = None
-        if biases is not None and any(b is not None for b in biases):
-            self.bias = torch.cat([b if b is not None else torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
-                                   for b, p in zip(biases, weights)])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.packed_rows:
@@ -69,6 +75,32 @@ class Int8Linear:
                 w.copy_(self.q[start:stop])
                 out[:, start:stop] = torch.mm(x, w.t())
             out.mul_(self.scales)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scales] if self.bias is None else [self.q, self.scales, self.bias]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq int8, sx fp32 [rows, 1]) of activations `x` [rows, in], per row, symmetric."""
+    xf = x.float()
+    sx = xf.abs().amax(dim=1, keepdim=True).div_(127.0).clamp_(min=torch.finfo(torch.float32).tiny)
+    return torch.round(xf / sx).clamp_(-127, 127).to(torch.int8), sx
+
+
+class Int8DynamicLinear:
+    """Int8 weights per output channel, activations quantized per token at run time (W8A8)."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
+        w, self.bias = fuse(weights, biases)
+        self.q, scales = quantize_int8(w)
+        self.qt = self.q.t()  # [in, out] view: `_int_mm`'s second operand
+        self.scales = scales.float()
+        self.out_features = int(w.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xq, sx = quantize_rows(x)
+        out = torch._int_mm(xq, self.qt).float().mul_(sx).mul_(self.scales).to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
