@@ -89,8 +89,8 @@ class EngineConfig:
         help="the language model's attention and dense-MLP weights, quantized at load from the checkpoint's, int8 "
              "per output channel (CPU only, engine/lm/quant_linear.py): int8 = weight-only, activations and KV in "
              "--dtype (W8A16: faster than bf16 at a decode batch of a few sequences, slower above); w8a8 = each "
-             "token's activations quantized to int8 too (faster than bf16 at decode batches up to ~32 here, about "
-             "equal in prefill; its outputs stray further from the unquantized model's). Either holds those weights "
+             "token's activations quantized to int8 too (as fast as bf16 or faster at decode batches up to 32 here, "
+             "slower in prefill; its outputs stray further from the unquantized model's). Either holds those weights "
              "in about half the bf16 bytes (README 'Quantized models'). The vision encoder, embedding, LM head and "
              "MoE experts stay in --dtype. A P and a D must use the same method (checked at registration)")
     seed: int = 0

@@ -12,22 +12,21 @@ output channel, so fusing changes nothing. Held as torch's CPU kernel wants them
 row-major int8, scales [out] in the model dtype.
 
 Applied two ways, by the number of rows (tokens) in the call, because torch's
-`_weight_int8pack_mm` (aten/src/ATen/native/cpu/int8mm_kernel.cpp) loops over the rows: it reads
-the int8 weights once per row, so in bf16 it beats the model-dtype GEMM ~2.3x at one row and loses
-from ~6 rows on, and its fp32 path is slower than the fp32 GEMM even at one row
-(benchmarks/quant_linear.py measures both on this machine). A bf16 / fp16 call of at most
-`PACKED_MAX_ROWS` rows (decode of a few sequences) runs that kernel; any other (prefill, wider
-decode, fp32) converts the weights to the model dtype `CHUNK_ROWS` output channels at a time and runs
-the GEMM with the scales applied to its output: the same products, rounded once more. That route
-costs the conversion on top of the GEMM (~2x the bf16 GEMM at 8–64 rows, ~1.7x at 300 on this
-CPU): int8 buys memory everywhere and speed only at light decode load.
+`_weight_int8pack_mm` (aten/src/ATen/native/cpu/int8mm_kernel.cpp) loops over the rows: as measured
+here it reads the int8 weights once per block of 4 rows, so in bf16 it beats the model-dtype GEMM ~2.4x at one
+row and ~1.5x at 4, then costs one more weight read per 4 rows; its fp32 path is slower than the
+fp32 GEMM even at one row (benchmarks/quant_decode.py `kernels` measures them on this machine). A
+bf16 / fp16 call of at most `PACKED_MAX_ROWS` rows runs that kernel; any other (prefill, wider
+decode, fp32) converts the weights to the model dtype `CHUNK_ROWS` output channels at a time and
+runs the GEMM with the scales applied to its output: the same products, rounded once more. Both
+cost more than the bf16 GEMM past 4 rows (on Qwen2-VL-2B's gate-up shape here: ~0.8x at 6–8 rows,
+~0.45x at 32, ~0.57x at 256): int8 buys memory everywhere and speed only at light decode load.
 
 `Int8DynamicLinear` (W8A8) holds the same weights and quantizes each call's activations per token
-(row) the same symmetric way: sx = max|x| / 127, xq = round(x / sx); torch's `_int_mm` sums xq · q
-exactly in int32 (aten/src/ATen/native/cpu: an int8 GEMM with VNNI / AMX where the CPU has them)
-and the output is acc · sx · scale in fp32, rounded to the model dtype. It is fast at every row
-count here (~1.7x the bf16 GEMM at 1–32 rows on this CPU, benchmarks/quant_linear.py), at the price
-of the activations' rounding: its outputs differ from the unquantized model's more than W8A16's.
+(row) the same symmetric way: sx = max|x| / 127, xq = round(x / sx); torch's `_int_mm` (CPU:
+`_int_mm_out_cpu`, aten/src/ATen/native/LinearAlgebra.cpp) sums xq · q exactly in int32, and the output is acc · sx · scale in fp32, rounded to the model dtype. It is fast at every row
+count up to ~64 here (1.4–1.6x the bf16 GEMM on the gate-up shape; 0.78x at 256, prefill), at the
+price of the activations' rounding: its outputs stray from the unquantized model's more than W8A16's.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ import torch
 
 from epdserve.engine.lm.fusion import fuse
 
-PACKED_MAX_ROWS = 4  # bf16/fp16 rows up to which `_weight_int8pack_mm` beats the GEMM (this CPU)
+PACKED_MAX_ROWS = 12  # bf16/fp16 rows up to which `_weight_int8pack_mm` beats converting the weights (this CPU)
 CHUNK_ROWS = 2048  # output channels converted to the model dtype at once on the GEMM route
 
 
