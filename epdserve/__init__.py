@@ -10,6 +10,7 @@ Package map, bottom to top (the layers of .importlinter's contract; docs/archite
 - commands.py      command registration for every `epdserve` sub-command, importable from any layer
 - settings.py      settings dataclasses whose fields make the command-line flags (engine, instance, scheduler, launch)
 - roles.py         the role sets as one table (`RoleSet`: stages, workers, RPCs, inline encoding, KV held)
+- kv_layout.py     `KvLayout`: an instance's KV registration record (degree, head map, dtype, quantization)
 - slo.py           `SLO`: the TTFT / TPOT objectives, one declaration for bench, planner, controller, engines
 - request_errors.py  errors a request fails with for what it asked (INVALID_ARGUMENT / HTTP 400)
 - net.py           `free_port`: local networking helpers, no gRPC or torch

@@ -4,7 +4,9 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - weights.py   LeanLayerWeights: one decoder layer's weights, QKV and gate-up fused (from the
                transformers modules by their checkpoint names, or as engine/lm/shard_loader.py reads them)
 - linear.py    the linear-layer contract: a projection's weights held and applied by its method
-               (dense today; a tensor-parallel shard or, later, quantized weights plug in here)
+               (dense, or quantized: `--quantization`), the rank's slice under tensor parallelism
+- quant_linear.py  Int8Linear (W8A16) and Int8DynamicLinear (W8A8): int8 weights quantized at load
+- fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
 - shard_loader.py  the decoder layers read from the safetensors files, one tensor-parallel rank's slices only
 - rotary.py    RotaryTable: M-RoPE cos/sin of every position, gathered per token once a step
