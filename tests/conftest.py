@@ -4,7 +4,11 @@ per pytest-xdist worker); how many workers `-n auto` (pytest.ini) starts; and by
 Bytecode is written during the suite even where the environment sets PYTHONDONTWRITEBYTECODE (this
 machine does): without it every xdist worker re-rewrites every test module's asserts (~18 s of
 collection each, measured with cProfile) and every launched process compiles epdserve from source
-(~0.3 s each, several hundred processes). The caches land in the checkout's ignored __pycache__/."""
+(~0.3 s each, several hundred processes). The caches land in the checkout's ignored __pycache__/.
+
+The suite's dtype is fp32, the exactness oracle's, by one explicit test-wide default:
+$EPDSERVE_DTYPE, read by every engine, instance and launch this process and its children start
+that is not given `--dtype` (`--dtype auto` is bf16 on a CPU with AVX512-BF16, as this one has)."""
 import os
 import sys
 
@@ -14,6 +18,7 @@ from epdserve.model.demo import build_demo_model
 
 sys.dont_write_bytecode = False  # this process (pytest's assert-rewrite cache) ...
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # ... and the workers and processes it starts
+os.environ["EPDSERVE_DTYPE"] = "float32"  # the exactness oracle's dtype, for everything the suite starts
 
 
 def pytest_xdist_auto_num_workers(config):

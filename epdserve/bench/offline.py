@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = pathlib.Path(args.model) if args.model else default_model(args.arch)
     workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
     engine_args = dict(parse_kv(kv) for kv in args.engine_arg)
+    engine_args.setdefault("dtype", "float32")  # transformers' side runs fp32 (offline_configs): the same here
     report = {
         "benchmark": "offline", "model": str(model_dir), "model_name": model_dir.name,
         "threads": args.threads, "cpu_count": os.cpu_count(), "repeats": args.repeats, "seed": args.seed,

@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(a.render).with_suffix(".md").write_text(text + "\n")
         print(text)
         return 0
+    # the peer runs fp32 (PEER_CMD's --dtype float32): so does epdserve unless $EPDSERVE_DTYPE says otherwise
+    os.environ.setdefault("EPDSERVE_DTYPE", "float32")
     size = QUICK if a.quick else FULL
     repeats = a.repeats or size["repeats"]
     rates = [float(r) for r in a.rates.split(",") if r.strip()]

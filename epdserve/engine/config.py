@@ -19,12 +19,15 @@ class EngineConfig:
 
     model: str = setting(help="checkpoint directory", required=True)
     device: str = setting("auto", help="cpu | cuda[:N] | npu[:N] | auto (an NPU, else a CUDA GPU, else the CPU)")
-    dtype: str = setting(
-        "auto", choices=("auto", "float32", "float16", "bfloat16"),
-        help="weights, activations and the KV cache; auto: fp32 on CPU (the exactness oracle: greedy outputs equal "
-             "transformers' fp32 generate), bf16 elsewhere. Pick bfloat16 on a CPU with AVX512-BF16 or AMX for "
-             "speed: on this project's CPU it decoded 2.9x faster than fp32 at batch 1 and 3.2x at batch 32 "
-             "(README 'Decode speed'); its greedy outputs follow transformers' bf16 generate, not fp32's")
+    dtype: str | None = setting(
+        None, choices=("auto", "float32", "float16", "bfloat16"), env="EPDSERVE_DTYPE",
+        help="weights, activations and the KV cache (not set: $EPDSERVE_DTYPE, else auto). auto: bf16 on an "
+             "accelerator and on a CPU with AVX512-BF16 or AMX-BF16 (on this project's CPU it decoded 2.9x faster "
+             "than fp32 at batch 1 and 3.2x at batch 32, README 'Decode speed'), fp32 on other CPUs "
+             "(platform/dtype_default.py); the instance's ready line says which and why. float32 is the exactness "
+             "oracle: greedy outputs equal transformers' fp32 generate (bf16's follow its bf16 generate). launch "
+             "resolves auto once and gives every instance the same dtype; a P and a D that differ are refused at "
+             "registration")
     roles: str = "EPD"
     block_size: int | None = setting(
         None, check=(">=", 1),

@@ -27,6 +27,7 @@ from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoi
 from epdserve.model.processor import MultimodalProcessor
 from epdserve.platform import get_platform
 from epdserve.platform.base import Platform
+from epdserve.platform.dtype_default import resolve_dtype
 from epdserve.seams.media_keys import MediaKeySecret, namespace_for
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class LoadedModel:
     eos_token_ids: set[int]
     max_model_len: int
     quantization: str = ""  # the LM linears' method (engine/lm/linear.py); "" = dense, in `dtype`
+    dtype_why: str = "--dtype"  # why `dtype` (platform/dtype_default.py): given, or what auto saw
 
     @property
     def tokenizer(self):
@@ -68,14 +70,15 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     attention and MLP weights are held (engine/lm/linear.py `LINEAR_METHODS`; None: dense, in
     `dtype`); a method the platform has no kernel for is refused before any weight is read.
 
-    dtype "auto" is fp32 on CPU (the exactness oracle's dtype) and bf16 on accelerators."""
+    dtype "auto" (or None) is bf16 on accelerators and on a CPU with native bf16, else fp32
+    (platform/dtype_default.py `auto_dtype`; the choice and why are logged and kept as `dtype_why`)."""
     platform = get_platform(device)
     platform.set_thread_device(_index(device) or 0)  # the loading thread's device
-    tdtype = _DTYPES.get(dtype) or (torch.float32 if platform.name == "cpu" else torch.bfloat16)
+    name, why = resolve_dtype(dtype, platform.name)
+    tdtype = _DTYPES[name]
     weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 0
     size = f"{weights / 1e9:.1f} GB" if weights >= 1e9 else f"{weights / 1e6:.1f} MB"
-    log.info("loading model %s (%s of weights) on %s as %s ...", model, size, platform.device(),
-             str(tdtype).removeprefix("torch."))
+    log.info("loading model %s (%s of weights) on %s as %s (%s) ...", model, size, platform.device(), name, why)
     started = time.monotonic()
     method = check_method(quantization, platform.name)
     own = _check_shard(model, shard)
@@ -93,7 +96,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
         media_secret=media_secret or MediaKeySecret.of_process(),
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
-        quantization=quantization or "",
+        quantization=quantization or "", dtype_why=why,
     )
 
 

@@ -15,7 +15,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.roles import normalize_roles
 from epdserve.instance.affinity import parse_core_list
 from epdserve.instance.colocation import POLICIES, check_policy
-from epdserve.settings import add_flags, check_settings, from_flags, same_as, setting, shared_values
+from epdserve.settings import add_flags, check_settings, from_flags, read_env, same_as, setting, shared_values
 from epdserve.transfer.kv.config import KVTransferConfig
 
 if TYPE_CHECKING:  # network.py imports torch.distributed; `--help` must not
@@ -104,6 +104,7 @@ class InstanceConfig:
         if not self.model:
             raise ValueError("model is required")
         check_policy(self.colocation)
+        read_env(self)  # dtype not given: $EPDSERVE_DTYPE
         check_settings(self)  # the bounds and choices declared on the fields (the engine's carried by same_as)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be 0..65535, got {self.port}")

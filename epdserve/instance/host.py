@@ -383,6 +383,12 @@ class InstanceHost:
         return next((w.engine.config.block_size for w in self.workers
                      if w.engine is not None and w.engine.config.computes), 0)
 
+    def dtype_line(self) -> str:
+        """The dtype its engines run and why ("bfloat16 (auto: this CPU has AVX512-BF16)")."""
+        if self.model is None:
+            return "none"
+        return f"{str(self.model.dtype).removeprefix('torch.')} ({self.model.dtype_why})"
+
     def weights_method(self) -> str:
         """How the LM's attention and MLP weights are held: the quantization method, else the dtype."""
         if self.model is None:

@@ -7,6 +7,7 @@ One sentence per module:
 - base.py   the `Platform` contract: device handle, dist backend and pair groups, streams, core limits
 - cpu.py    CPU: gloo pair groups for KV transfer, and how to interrupt one
 - cores.py  the CPU cores this process may use and their split into disjoint sets
+- dtype_default.py  what `--dtype auto` means here (bf16 on accelerators and CPUs with native bf16) and why
 - cuda.py   CUDA: NCCL for KV transfer, one CUDA stream per co-located stage
 - npu.py    Ascend NPU: device, HCCL, streams and core limits (torch_npu imported lazily)
 - npu_versions.py  the driver / CANN / torch_npu table (Ascend/pytorch COMPATIBILITY.en.md) and the check of a host against it

@@ -151,10 +151,13 @@ class InstanceRegistry:
 
     def _check_pairs(self, instance_id: str, roles: RoleSet, layout: KvLayout | None) -> None:
         """RegistryError, naming both records, when `layout` cannot map to the KV layout of a routable
-        instance on the other side of the P→D hop (a P against each D, a D against each P)."""
-        if layout is None or not (roles.sends_kv or roles.receives_kv):
+        instance on the other side of the P→D hop (a P against each D, a D against each P), or when
+        two instances that compute with the LM run it in different dtypes or quantizations (one
+        scheduler serves one model: a request would get another answer on a retry)."""
+        if layout is None:
             return
-        for other in self.records():
+        hop = lambda r: (roles.sends_kv and r.role_set.receives_kv) or (roles.receives_kv and r.role_set.sends_kv)  # noqa: E731
+        for other in sorted(self.records(), key=lambda r: not hop(r)):  # the P→D counterparts' full check first
             if other.instance_id == instance_id or other.kv_layout is None or other.health == DOWN:
                 continue
             if roles.sends_kv and other.role_set.receives_kv:
@@ -162,6 +165,13 @@ class InstanceRegistry:
             elif roles.receives_kv and other.role_set.sends_kv:
                 p, d, names = other.kv_layout, layout, (other.instance_id, instance_id)
             else:
+                o = other.kv_layout
+                if (layout.dtype, layout.quantization) != (o.dtype, o.quantization):
+                    raise RegistryError(
+                        f"{instance_id} runs the model in {layout.dtype}, weights {layout.quantization or 'unquantized'}, "
+                        f"but {other.instance_id} in {o.dtype}, weights {o.quantization or 'unquantized'}: one "
+                        f"scheduler serves one model, in one dtype and quantization (give every instance the same "
+                        f"--dtype and --quantization)")
                 continue
             why = pair_mismatch(p, d)
             if why:

@@ -174,11 +174,16 @@ def test_a_p_and_a_d_whose_kv_layouts_cannot_map_are_refused_at_registration():
     bad.kv_layout.CopyFrom(_kv(head_dim=16))
     with pytest.raises(RegistryError, match="p1 cannot pair with d0: .* prefill instance p1 .* decode instance d0"):
         reg.register(bad)
-    # coupled and encode instances never hop KV: any layout registers; so does a P when the D is down
+    # coupled instances never hop KV: another block size registers, another dtype or quantization does not
     for iid, roles in (("c0", "PD"), ("c1", "EPD")):
         other = status(iid, roles)
-        other.kv_layout.CopyFrom(_kv(dtype="bfloat16"))
+        other.kv_layout.CopyFrom(_kv(block_size=128))
         reg.register(other)
+        for kw in ({"dtype": "bfloat16"}, {"quantization": "w8a8"}):
+            other.kv_layout.CopyFrom(_kv(**kw))
+            with pytest.raises(RegistryError, match=f"{iid} runs the model in .* but .* one scheduler serves one model"):
+                reg.register(other)
+    # so does a P when the D is down
     assert reg.register(s).kv_layout.head_dim == 8  # p0 again: compared with d0, not with its old self
     reg.get("d0").health = DOWN
     assert reg.register(bad).kv_layout.head_dim == 16

@@ -46,7 +46,8 @@ from epdserve.engine.config import EngineConfig
 from epdserve.instance.modes import mode_pools
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV
-from epdserve.settings import same_as
+from epdserve.platform.dtype_default import resolve_dtype
+from epdserve.settings import env_value, same_as
 from epdserve.transfer.mm_store.connection import PASSWORD_ENV
 from epdserve.transfer.mm_store.urls import SENTINEL_PASSWORD_ENV, without_secrets
 
@@ -105,6 +106,10 @@ class Deployment:
         from epdserve.platform import resolve_device
 
         self.spec = dataclasses.replace(spec, device=resolve_device(spec.device))  # "auto" -> its platform
+        # `--dtype auto` resolved once, here: every instance gets the same (platform/dtype_default.py)
+        given = last_flag(spec.instance_args, "--dtype") or env_value(EngineConfig, "dtype")
+        self.dtype, why = resolve_dtype(given, self.spec.device.partition(":")[0])
+        log.info("instances run %s (%s)", self.dtype, why)
         self.pools = spec.pools()
         self.address = ""
         # the MM Store URL children get and the ready line shows: never its passwords, which go to
@@ -221,7 +226,7 @@ class Deployment:
         s = self.spec
         return ["instance", "--roles", roles, "--model", s.model, "--scheduler", self.registry,
                 "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host,
-                "--drain-timeout", str(s.drain_timeout_s), *s.instance_args]
+                "--drain-timeout", str(s.drain_timeout_s), "--dtype", self.dtype, *s.instance_args]
 
     def _choose_kv_hop(self) -> KvHopChoice:
         """The P->D hop, from each instance's roles and the accelerator it gets (start order)."""
