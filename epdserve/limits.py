@@ -47,6 +47,11 @@ class InputLimits:
     max_prompt_token_ids: int = 1 << 20  # a prompt sent as token ids
     max_chat_messages: int = 1024
     max_stop: int = 64  # stop strings + stop token ids
+    # a structured output's text (JSON schema, regex, grammar, or its choices together): compiling costs
+    # time and memory that grow with it (a 290 KB, 20,000-value enum: 1.8 s and ~62 MB compiled here); OpenAI's
+    # Structured Outputs docs bound a schema's names and enum values at 120,000 characters and 1,000 enum values
+    # ("Supported schemas", as https://jsonschemaprofiles.unitvectorylabs.com/schemas/openai records them)
+    max_structured_output_bytes: int = 256 << 10
 
     def __post_init__(self):
         for f in fields(self):
@@ -111,6 +116,21 @@ def check_stop(n: int, limits: InputLimits) -> None:
         raise LimitError("max_stop", f"{n} stop strings / token ids are over the limit of {limits.max_stop}")
 
 
+def check_structured_output(structured, limits: InputLimits) -> None:
+    """A request's `StructuredOutput` (its constraint's text) within `max_structured_output_bytes`."""
+    kind = structured.WhichOneof("constraint")
+    if kind in ("json_schema", "regex", "grammar"):
+        n = len(getattr(structured, kind).encode())
+    elif kind == "choice":
+        n = sum(len(c.encode()) for c in structured.choice.choices)
+    else:
+        return
+    if n > limits.max_structured_output_bytes:
+        raise LimitError("max_structured_output_bytes",
+                         f"the structured output's {kind} is {n} bytes, over the limit of "
+                         f"{limits.max_structured_output_bytes} (--max-structured-output-bytes)")
+
+
 def check_image(data: bytes, limits: InputLimits, index: int = 1) -> tuple[int, int] | None:
     """Check the dimensions one encoded image declares (PIL reads only the header here; nothing is
     decoded; its bytes count towards `max_message_bytes`); `index`: the image's number in errors
@@ -141,6 +161,8 @@ def check_generate_request(req, limits: InputLimits) -> int:
     check_message_bytes(req.ByteSize(), limits)
     sp = req.sampling
     check_stop(len(sp.stop) + len(sp.stop_token_ids), limits)
+    if sp.HasField("structured"):
+        check_structured_output(sp.structured, limits)
     kind = req.WhichOneof("input")
     media = [(m, _is_video(m)) for m in req.media]  # (Media, is a video)
     stops = list(sp.stop)  # in the prompt's byte budget
@@ -236,6 +258,9 @@ _FLAGS = {  # field -> (flag, help)
     "max_prompt_token_ids": ("--max-prompt-token-ids", "length of a prompt sent as token ids"),
     "max_chat_messages": ("--max-chat-messages", "messages in one chat"),
     "max_stop": ("--max-stop", "stop strings + stop token ids of one request"),
+    "max_structured_output_bytes": ("--max-structured-output-bytes",
+                                    "UTF-8 bytes of a structured output's JSON schema, regex, grammar or choices "
+                                    "(compiling one costs time and memory that grow with it)"),
 }
 
 

@@ -96,6 +96,17 @@ class EngineConfig:
              "slower in prefill; its outputs stray further from the unquantized model's). Either holds those weights "
              "in about half the bf16 bytes (README 'Quantized models'). The vision encoder, embedding, LM head and "
              "MoE experts stay in --dtype. A P and a D must use the same method (checked at registration)")
+    grammar_cache_bytes: int = setting(
+        512 << 20, flag="--grammar-cache-mb", check=(">=", 1), to_field=lambda mb: mb << 20,
+        from_field=lambda b: b >> 20,
+        help="compiled structured-output grammars an engine keeps (MiB, by xgrammar's own measure of each; least "
+             "recently used evicted first): a flood of big schemas evicts older grammars instead of growing the cache")
+    max_grammar_bytes: int = setting(
+        64 << 20, flag="--max-grammar-mb", check=(">=", 1), to_field=lambda mb: mb << 20,
+        from_field=lambda b: b >> 20,
+        help="largest compiled grammar one request's structured output may take (MiB); over it the request fails "
+             "alone with INVALID_ARGUMENT / 400 naming this limit, and nothing is cached (a 20,000-value enum "
+             "compiles to ~62 MiB on the small demo model's vocabulary)")
     seed: int = 0
     ops: str | None = setting(
         None, choices=("native", "portable"), env="EPDSERVE_OPS",

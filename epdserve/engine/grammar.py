@@ -9,8 +9,11 @@ request, the allowed-token bitmask applied to the logits before sampling.
   fronts: a bad schema, regex or grammar is INVALID_ARGUMENT / 400 before any instance sees it).
 - `GrammarBackend`: one engine's compiler. `matcher(constraint)` compiles a `StructuredOutput`
   (cached: an LRU keyed by the tokenizer's fingerprint, the kind and the spec text, so a schema
-  is compiled once per engine) and returns a fresh `GrammarState`. A constraint xgrammar cannot
-  compile (a bad schema, regex or grammar) raises InvalidRequestError. The engine compiles off
+  is compiled once per engine, bounded in bytes — `cache_bytes`, each entry counted at
+  xgrammar's `memory_size_bytes` — so a flood of big schemas evicts, never grows the process) and
+  returns a fresh `GrammarState`. A constraint xgrammar cannot compile (a bad schema, regex or
+  grammar), or whose compiled grammar is over `max_grammar_bytes` (then never cached), raises
+  InvalidRequestError naming the limit. The engine compiles off
   its loop (engine/grammar_compile.py: `cached`, `compile_uncached` on a worker, `add`, `state`);
   `compile` / `matcher` are the synchronous path (tools, benchmarks). A resumed attempt (a retry elsewhere, or a client's
   resume_token_ids: the output so far joins the prompt) replays the prompt's last
@@ -43,7 +46,6 @@ from epdserve.request_errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-CACHE_SIZE = 256  # compiled grammars kept per engine
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids):
@@ -146,11 +148,13 @@ class GrammarState:
 class GrammarBackend:
     """One engine's grammar compiler (built on first use: xgrammar is imported only then)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_bytes: int, max_grammar_bytes: int):
+        """`cache_bytes`, `max_grammar_bytes`: EngineConfig's `grammar_cache_bytes`, `max_grammar_bytes`."""
         self._tokenizer, self.vocab_size, self._stops = tokenizer, vocab_size, set(stop_token_ids)
         self._fingerprint = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), vocab_size, tuple(sorted(self._stops)))
         self._compiler = None
-        self._cache: LRUCache = LRUCache(maxsize=cache_size)
+        self.max_grammar_bytes = min(max_grammar_bytes, cache_bytes)
+        self._cache: LRUCache = LRUCache(maxsize=cache_bytes, getsizeof=lambda g: max(1, g.memory_size_bytes))
         self.compiles = 0  # cache misses (tests, benchmarks)
 
     def key(self, c: StructuredOutput) -> tuple:
@@ -160,8 +164,20 @@ class GrammarBackend:
         """The compiled grammar of `c` if it is in the cache, else None."""
         return self._cache.get(self.key(c))
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the compiled grammars cached now (xgrammar's memory_size_bytes)."""
+        return int(self._cache.currsize)
+
     def add(self, c: StructuredOutput, compiled):
-        """Cache `compiled` (the grammar of `c`, compiled by `compile_uncached`); returns it."""
+        """Cache `compiled` (the grammar of `c`, compiled by `compile_uncached`); returns it.
+        InvalidRequestError, nothing cached, when it is over `max_grammar_bytes`."""
+        size = compiled.memory_size_bytes
+        if size > self.max_grammar_bytes:
+            raise InvalidRequestError(
+                f"the {c.kind} structured output compiles to {size / 2**20:.1f} MiB, over this engine's limit of "
+                f"{self.max_grammar_bytes / 2**20:.0f} MiB (--max-grammar-mb): simplify it (fewer enum values or "
+                f"alternatives)")
         self._cache[self.key(c)] = compiled
         self.compiles += 1
         return compiled

@@ -88,7 +88,8 @@ class LLMEngine:
         self.tp = self._start_tp(num_blocks) if tp > 1 else None
         self.kv_cache = PagedKVCache(spec, num_blocks, self.model.device)
         self.kv_connector = kv_connector
-        self.grammars = GrammarBackend(self.model.tokenizer, a.text_config.vocab_size, self.model.eos_token_ids)
+        self.grammars = GrammarBackend(self.model.tokenizer, a.text_config.vocab_size, self.model.eos_token_ids,
+                                       config.grammar_cache_bytes, config.max_grammar_bytes)
         if kv_connector is not None:
             kv_connector.register_kv_cache(self.kv_cache, self.platform)
         self.scheduler = Scheduler(

@@ -78,6 +78,8 @@ class InstanceConfig:
     enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
     tensor_parallel_size: int = same_as(EngineConfig, "tensor_parallel_size")
     quantization: str | None = same_as(EngineConfig, "quantization")
+    grammar_cache_bytes: int = same_as(EngineConfig, "grammar_cache_bytes")
+    max_grammar_bytes: int = same_as(EngineConfig, "max_grammar_bytes")
     enable_prefix_caching: bool = same_as(EngineConfig, "enable_prefix_caching")
     kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_bytes")
     block_size: int | None = same_as(EngineConfig, "block_size")

@@ -228,7 +228,7 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             check(request)
             body = await _parse(ChatCompletionRequest, await _read_body(request, opts.max_body_bytes))
             check(request, body.model)
-            reqs, plan = await chat_request(body, opts, max_len())
+            reqs, plan = await chat_request(body, opts, max_len(), scheduler.config.limits.max_structured_output_bytes)
             return body, within_limits(reqs), plan
 
         body, reqs, plan = await admitted(admit())
@@ -244,7 +244,8 @@ def build_app(scheduler, opts: HttpOptions, metrics=None, metrics_auth: bool = F
             body = await _parse(CompletionRequest, await _read_body(request, opts.max_body_bytes))
             check(request, body.model)
             rid, reqs = completion_requests(body, max_len(), scheduler.dispatcher.preprocessor.vocab_size,
-                                            opts.max_prompts_per_call)
+                                            opts.max_prompts_per_call,
+                                            scheduler.config.limits.max_structured_output_bytes)
             return body, rid, within_limits(reqs)
 
         body, rid, reqs = await admitted(admit())

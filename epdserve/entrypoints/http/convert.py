@@ -41,9 +41,12 @@ SUPPORTED_PARTS = ("text", "image_url", "video_url", "file")  # content part typ
 
 
 def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None,
-             structured: tuple[StructuredOutput | None, str | None] | None = None) -> common_pb2.SamplingParams:
+             structured: tuple[StructuredOutput | None, str | None] | None = None,
+             max_structured_bytes: int | None = None) -> common_pb2.SamplingParams:
     """The body's sampling as the gRPC message; `structured`: (constraint, field) when the caller
-    already decided it (chat's named tool_choice), else the body's own (`SamplingFields.structured`)."""
+    already decided it (chat's named tool_choice), else the body's own (`SamplingFields.structured`).
+    `max_structured_bytes`: the scheduler's limit on the constraint's text, checked before it is
+    parsed (a parse takes ~0.7 s per MB)."""
     why = body.unsupported()
     if why:
         raise ApiError(400, why[0], param=why[1])
@@ -75,6 +78,10 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None,
     try:
         constraint, field = structured or body.structured()
         if constraint is not None:
+            size = len(constraint.spec.encode())
+            if max_structured_bytes is not None and size > max_structured_bytes:
+                raise ValueError(f"the structured output is {size} bytes, over the limit of {max_structured_bytes} "
+                                 f"(--max-structured-output-bytes)")
             check_grammar(constraint)  # the scheduler checks it too; here the 400 names the field
     except (ValueError, InvalidRequestError) as e:
         raise ApiError(400, str(e), param=field or _structured_field(body)) from None
@@ -89,7 +96,8 @@ def _structured_field(body: SamplingFields) -> str:
     return next((n for n in names if getattr(body, n) is not None), "response_format")
 
 
-async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int
+async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model_len: int,
+                       max_structured_bytes: int | None = None
                        ) -> tuple[list[serve_pb2.GenerateRequest], ToolPlan | None]:
     """The request, as one per choice (`n`; rpc/choices.py), and its tool plan
     (entrypoints/http/tools.py; None without tools)."""
@@ -141,7 +149,8 @@ async def chat_request(body: ChatCompletionRequest, opts: HttpOptions, max_model
         structured = (plan.constraint(), "tool_choice")
     one = serve_pb2.GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", chat=chat,
-        sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens, structured),
+        sampling=sampling(body, max_model_len, body.max_completion_tokens or body.max_tokens, structured,
+                          max_structured_bytes),
         cache_salt=body.cache_salt or "",
     )
     if body.n > 1:  # one request, its n choices one sequence group (read apart by rpc/choice_streams.py)
@@ -184,8 +193,8 @@ def _video(part, where: str, label: str, opts: HttpOptions) -> common_pb2.Media:
     return common_pb2.Media(data=data, video=common_pb2.VideoSpec())
 
 
-def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size: int, max_prompts: int = 16
-                        ) -> tuple[str, list[serve_pb2.GenerateRequest]]:
+def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size: int, max_prompts: int = 16,
+                        max_structured_bytes: int | None = None) -> tuple[str, list[serve_pb2.GenerateRequest]]:
     """(the response id, one `GenerateRequest` per prompt, in the body's order). A prompt is a
     string or a list of token ids (each in [0, vocab_size)); `prompt` may be one prompt or a list
     of them (as OpenAI allows), each becoming its own request to the scheduler (id
@@ -200,7 +209,7 @@ def completion_requests(body: CompletionRequest, max_model_len: int, vocab_size:
         raise ApiError(400, f"{len(prompts)} prompts in one call; this server takes at most {max_prompts} "
                             f"(send the rest in further calls)", param="prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    params = sampling(body, max_model_len, body.max_tokens)
+    params = sampling(body, max_model_len, body.max_tokens, max_structured_bytes=max_structured_bytes)
     if body.n > 1:  # each prompt's n choices: one sequence group (choice index: prompt i's j-th at i * n + j)
         params.n = body.n
     reqs = []
