@@ -8,7 +8,8 @@ B' x W') and uploaded by the step's one copy straight into the static device buf
 was captured reading (engine/step_buffers.py `dest`); padding rows decode a dummy token into the
 KV cache's padding block (engine/kv_cache.py `pad_block`), attending only to it. The graph runs
 embed → layers → final norm → LM head into a static logits buffer; sampling stays eager. Graphs
-share one memory pool, captured from the largest batch down. The widths the first request needs
+share one memory pool, captured from the largest batch down, each bucket run once eagerly right
+before its capture. The widths the first request needs
 are captured at start-up for every batch bucket (time reported); a wider bucket is captured when
 first needed, at most `max_graphs` in all (beyond that, such steps run eagerly).
 
@@ -110,9 +111,12 @@ class DecodeGraphs:
         bp, w = key
         t0 = time.perf_counter()
         self.buffers.upload(self._pack(bp, w, [], [[], [], []], [], [], []), dest=self.static)
-        if self.pool is None:  # first capture: warm the libraries (cuBLAS handles, allocator) eagerly
-            self._body(bp, w)
-            self.platform.synchronize()
+        # every bucket runs once eagerly before its capture (as nano-vllm and vLLM warm each size): its
+        # shapes' kernels are chosen, compiled (Triton's JIT specializes on strides) and loaded outside
+        # the capture, where a compile or a library's first call would break it
+        self._body(bp, w)
+        self.platform.synchronize()
+        if self.pool is None:
             self.pool = self.platform.graph_pool()
         graph, logits = self.platform.capture_graph(lambda: self._body(bp, w), self.pool)
         self.platform.synchronize()

@@ -6,7 +6,9 @@ not given: declared there, read nowhere else): native where there are no native 
 NPU's included, is an error, not a silent fallback. Unset: the NPU uses torch_npu's kernels;
 the CPU uses the native csrc/ operators when they build, else the portable ones — saying so
 once, with the reason; with `CI=true` a native build that fails raises instead (CI must never
-go green on the fallback). CUDA has no native kernels yet: portable.
+go green on the fallback). CUDA's paged operators are `TritonOps` (decode attention as a Triton
+kernel; ops/triton_ops.py) when Triton imports, else the portable ones, saying so once; its layer
+operators are the portable ones.
 `layer_ops` on the NPU uses `epdserve.ops.npu_layer_ops.NpuLayerOps` (torch_npu's fused kernels).
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ class _Family:
     portable: Callable[[], object]
     npu: Callable[[], object]  # torch_npu's kernels, imported lazily
     native: Callable[[], object]  # builds / loads csrc/ (raises when it cannot)
+    cuda: Callable[[], object] | None = None  # CUDA's own, else the portable ones
 
 
 def _npu_paged():
@@ -71,7 +74,22 @@ def _native_layer():
     return load_native_layer_ops()
 
 
-PAGED = _Family("paged operators", PortableOps, _npu_paged, _native_paged)
+def _cuda_paged():
+    try:
+        from epdserve.ops.triton_ops import TritonOps
+
+        return TritonOps()
+    except ImportError as e:  # no Triton in this environment: the portable operators, said once
+        _warn_once(f"Triton unavailable ({e}); CUDA decode attention uses the portable gather + SDPA")
+        return PortableOps()
+
+
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
+
+
+PAGED = _Family("paged operators", PortableOps, _npu_paged, _native_paged, _cuda_paged)
 LAYER = _Family("layer operators", PortableLayerOps, _npu_layer, _native_layer)
 
 
@@ -97,7 +115,7 @@ def _select(family: _Family, platform, choice: str | None):
     if platform.name != "cpu":
         if choice == "native":
             raise NativeOpsUnavailable(f"no native {family.what} for {platform.name} (csrc/ has CPU kernels only)")
-        return family.portable()
+        return family.cuda() if platform.name == "cuda" and family.cuda is not None else family.portable()
     ops, error = _built(family)
     if ops is not None:
         return ops

@@ -60,3 +60,28 @@ def test_a_capture_that_fails_falls_back_to_eager(qwen2_vl_tiny):
     want = ReferenceGenerator(qwen2_vl_tiny).generate("a prompt of a few words", [], 6)
     out = llm.generate(["a prompt of a few words"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == want and r.graphs is None  # mid-serving: that step and the rest eager
+
+
+def test_every_bucket_runs_eagerly_before_its_capture(qwen2_vl_tiny):
+    """Issue 52 item 1: each bucket's shapes run once eagerly right before that bucket's capture
+    (a Triton JIT compile or a library's first call inside a CUDA capture would break it)."""
+    events = []
+
+    class Recording(ReplayGraphsPlatform):
+        def graph_pool(self):
+            return object()  # a pool handle, as CUDA's graph_pool_handle() gives
+
+        def capture_graph(self, fn, pool):
+            events.append("capture")
+            return super().capture_graph(fn, pool)
+
+    llm = LLM(model=qwen2_vl_tiny, device="cpu", max_num_seqs=4, kv_cache_bytes=4 << 20)
+    r = llm.engine.runner
+    g = DecodeGraphs(r.lm, r.kv_cache, r.ops, r.layer_ops, Recording(), r.buffers, max_batch=4, max_blocks=64)
+    body = g._body
+    g._body = lambda bp, w: (events.append(("body", bp, w)), body(bp, w))[1]
+    g.capture_startup(7)
+    captures = [i for i, e in enumerate(events) if e == "capture"]
+    assert len(captures) == len(g.buckets) == 3
+    for i in captures:  # the eager run of the bucket, its capture, the captured body's run (this stand-in reruns it)
+        assert events[i - 1] == events[i + 1] and events[i - 1][0] == "body", events

@@ -1,0 +1,32 @@
+"""The Triton paged decode-attention kernel (ops/triton_decode.py, issue 52 item 4) on this CPU
+through Triton's interpreter, against the portable gather + SDPA (fp32 and bf16; GQA and MHA;
+block-boundary crossings, scattered block tables, ragged contexts, a head_dim that is not a power
+of two, an empty row); and CUDA choosing it (ops/select.py)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from epdserve.ops.select import paged_ops
+from epdserve.platform.cuda import CudaPlatform
+
+CASES = Path(__file__).with_name("triton_decode_cases.py")
+
+
+def test_the_kernel_equals_the_portable_op_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 10, out.stdout
+    for r in rows:
+        assert r["shape_ok"] and r["empty_rows_zero"], r
+        assert r["err"] <= r["bound"], r
+
+
+def test_cuda_takes_the_triton_decode_unless_told_portable():
+    ops = paged_ops(CudaPlatform())  # the selection reads the platform's name: no GPU needed
+    assert ops.name == "triton" and type(ops).__name__ == "TritonOps"
+    assert paged_ops(CudaPlatform(), "portable").name == "portable"
