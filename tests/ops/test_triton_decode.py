@@ -20,6 +20,7 @@ def test_the_kernel_equals_the_portable_op_in_the_interpreter():
                          cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert rows.pop() == {"startup_check": "ok"}  # TritonOps.check_kv_spec: the kernel run once, as at start-up
     assert len(rows) == 10, out.stdout
     for r in rows:
         assert r["shape_ok"] and r["empty_rows_zero"], r
@@ -30,3 +31,26 @@ def test_cuda_takes_the_triton_decode_unless_told_portable():
     ops = paged_ops(CudaPlatform())  # the selection reads the platform's name: no GPU needed
     assert ops.name == "triton" and type(ops).__name__ == "TritonOps"
     assert paged_ops(CudaPlatform(), "portable").name == "portable"
+
+
+def test_the_startup_check_refuses_a_kernel_that_fails_or_disagrees():
+    import pytest
+    import torch
+
+    from epdserve.engine.kv_cache import KVCacheSpec
+    from epdserve.ops.triton_ops import TritonOps
+
+    spec = KVCacheSpec(2, 2, 24, 16, torch.float32)
+    ops = TritonOps()
+    ops._decode = lambda q, *rest: torch.zeros_like(q)  # a kernel that runs and is wrong
+    with pytest.raises(ValueError, match="differs from the portable op's .* EPDSERVE_OPS=portable"):
+        ops.check_kv_spec(spec, 6, "cpu")
+
+    def fails(*_):
+        raise RuntimeError("PTX compile failed")  # what a Triton that cannot build it for this GPU raises
+
+    ops._decode = fails
+    with pytest.raises(ValueError, match="does not run here \\(RuntimeError: PTX compile failed\\)"):
+        ops.check_kv_spec(spec, 6, "cpu")
+    with pytest.raises(ValueError, match="power-of-two KV block size, got 24"):
+        ops.check_kv_spec(KVCacheSpec(2, 2, 24, 24, torch.float32), 6, "cpu")

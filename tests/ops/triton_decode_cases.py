@@ -8,6 +8,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "Triton reads TRITON_INTERPRET
 
 import torch  # noqa: E402
 
+from epdserve.engine.kv_cache import KVCacheSpec  # noqa: E402
 from epdserve.ops.portable import PortableOps  # noqa: E402
 from epdserve.ops.triton_decode import paged_decode_attention  # noqa: E402
 
@@ -40,3 +41,10 @@ for dtype in (torch.float32, torch.bfloat16):
         bound = 1e-5 if dtype == torch.float32 else 2 ** -7 * max(1.0, want.abs().max().item())
         print(json.dumps({"case": f"{name}-{str(dtype)[6:]}", "err": (got - want).abs().max().item(), "bound": bound,
                           "empty_rows_zero": bool((got[~live] == 0).all()), "shape_ok": list(got.shape) == [B, H, D]}))
+
+# the start-up check an engine runs on its device (ops/triton_ops.py): passes with the kernel as it is
+from epdserve.ops.triton_ops import TritonOps  # noqa: E402
+
+for dtype in (torch.float32, torch.bfloat16):
+    TritonOps().check_kv_spec(KVCacheSpec(2, 2, 24, 16, dtype), 6, "cpu")
+print(json.dumps({"startup_check": "ok"}))
