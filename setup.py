@@ -76,6 +76,9 @@ setup(
         # structured outputs (response_format, structured_outputs, named tool_choice): grammars and token
         # masks (epdserve.engine.grammar); it requires triton on Linux x86_64 (unused on CPU; torch stays as pinned)
         "xgrammar>=0.2.9",
+        # CUDA's paged decode attention (epdserve.ops.triton_decode), and the CPU tests of it through its
+        # interpreter; the same marker as xgrammar's own requirement of it (already installed with it)
+        'triton; platform_system == "Linux" and platform_machine == "x86_64"',
     ],
     extras_require={
         # torch_npu must match torch and CANN exactly (Ascend/pytorch COMPATIBILITY.md); one extra per CANN line

@@ -21,20 +21,29 @@ against the model-dtype GEMM per row count.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 METHODS = ("none", "int8", "w8a8")
 
 
-def child_tpot(model: str, dtype: str, method: str, batches: list[int], tokens: int, repeats: int) -> dict:
-    sys.path.insert(0, "benchmarks")
-    from decode_tpot import tpot
+def _decode_tpot():
+    """benchmarks/decode_tpot.py's `tpot`, the one TPOT measurement of these scripts (loaded by path)."""
+    spec = importlib.util.spec_from_file_location("decode_tpot_bench", Path(__file__).with_name("decode_tpot.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.tpot
 
+
+def child_tpot(model: str, dtype: str, method: str, batches: list[int], tokens: int, repeats: int) -> dict:
     from epdserve import LLM
+
+    tpot = _decode_tpot()
 
     llm = LLM(model, device="cpu", dtype=dtype, quantization=None if method == "none" else method)
     lm = llm.engine.model.lm

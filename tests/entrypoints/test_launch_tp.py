@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -47,11 +48,9 @@ def _ranks(dep) -> list[psutil.Process]:
             if "epdserve.engine.tp_rank" in " ".join(p.cmdline())]
 
 
-def _run(dep, during=None):
+def _run(dep):
     with Client(dep.address, timeout=300) as c, ThreadPoolExecutor(16) as pool:
         futs = [pool.submit(c.generate, p, images=im, max_tokens=TOKENS, ignore_eos=True) for p, im in workload()]
-        if during is not None:
-            during()
         return [f.result() for f in futs]
 
 
@@ -63,17 +62,27 @@ def test_16_concurrent_requests_match_transformers(deployment, references):
 
 def test_a_killed_rank_restarts_the_instance_and_loses_no_request(deployment, references):
     victim = _ranks(deployment)[0]
-
     instance = deployment.instances()[0]
+    stop = threading.Event()
 
-    def kill_rank():  # while the instance holds requests (16 x 24 tokens end fast)
+    def keep_busy(c, tag):  # the 16 requests alone can all end before a poll sees one running
+        outs = []
+        while not stop.is_set():
+            outs.append(c.generate(f"keep the instance busy {tag} {len(outs)}", max_tokens=48, ignore_eos=True))
+        return outs
+
+    with Client(deployment.address, timeout=300) as c, ThreadPoolExecutor(18) as pool:
+        fillers = [pool.submit(keep_busy, c, i) for i in range(2)]
+        futs = [pool.submit(c.generate, p, images=im, max_tokens=TOKENS, ignore_eos=True) for p, im in workload()]
         wait_until(lambda: status(stub(instance.address, TOKEN)).load.running_requests > 0, timeout_s=120,
                    what="the instance running requests")
         os.kill(victim.pid, signal.SIGKILL)
-
-    results = _run(deployment, kill_rank)
+        results = [f.result() for f in futs]
+        stop.set()
+        kept = [r for f in fillers for r in f.result()]
     for (prompt, _), r in zip(workload(), results):
         assert r.token_ids == references[prompt], prompt
+    assert kept and all(r.usage.output_tokens == 48 for r in kept)  # the fillers lost nothing either
     logs = deployment.log_dir
     instance_log = "".join(p.read_text(errors="replace") for p in logs.glob("*.log") if "scheduler" not in p.name)
     assert re.search(r"the instance exits \(status 75\) to be restarted whole", instance_log), instance_log[-3000:]
