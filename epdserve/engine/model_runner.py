@@ -69,7 +69,14 @@ class ModelRunner:
         self._inputs_at = 0.0  # when the last forward's inputs were ready (EngineStats' inputs_s)
         self._copies: tuple = ()  # the step's block copies, for the other ranks
         moe = any(w.moe is not None for w in lm.layers)
-        if platform.has_graphs and not enforce_eager and not moe and not _layerwise(connector):
+        # graph evidence (`graph_report`): why graphs are off, replays, eager decode steps by reason
+        self.graphs_off_why = ("the platform has no graphs (CPU and NPU decode eagerly)" if not platform.has_graphs
+                               else "--enforce-eager (or tensor parallelism)" if enforce_eager
+                               else "Qwen3-VL-MoE's expert routing reads the device" if moe
+                               else "P's layerwise KV sends run between layers" if _layerwise(connector) else "")
+        self.graph_replays = 0
+        self.eager_decode_steps: dict[str, int] = {}  # reason -> decode-only steps run eagerly
+        if not self.graphs_off_why:
             bs = kv_cache.spec.block_size
             self.graphs = DecodeGraphs(lm, kv_cache, ops, layer_ops, platform, self.buffers, max_batch,
                                        -(-max_model_len // bs))
@@ -89,7 +96,20 @@ class ModelRunner:
     def _graphs_off(self, error: Exception) -> None:
         log.warning("decode graph capture failed (%s: %s); this engine runs every step eagerly "
                     "(as with --enforce-eager)", type(error).__name__, error)
+        self.graphs_off_why = f"capture failed: {type(error).__name__}: {error}"
         self.graphs = None
+
+    def graph_report(self) -> dict:
+        """The decode graphs' evidence: on or off and why, keys captured and the seconds it took,
+        replays, and the decode-only steps that ran eagerly, by reason."""
+        g = self.graphs
+        return {"graphs": g is not None, "why_off": "" if g is not None else self.graphs_off_why,
+                "keys": len(g.graphs) if g else 0,
+                "capture_s": g.capture_s if g else 0.0, "replays": self.graph_replays,
+                "eager_decode_steps": dict(self.eager_decode_steps)}
+
+    def _eager(self, why: str) -> None:
+        self.eager_decode_steps[why] = self.eager_decode_steps.get(why, 0) + 1
 
     @torch.inference_mode()
     def build_prompt_embeds(self, token_ids: list[int], features: list[torch.Tensor]) -> torch.Tensor:
@@ -142,7 +162,10 @@ class ModelRunner:
             except Exception as e:  # a new bucket that failed to capture: eager from now on
                 self._graphs_off(e)
             else:
+                self.graph_replays += 1
                 return self._sample(batch, logits, inputs_s)
+        self._eager(self.graphs_off_why if self.graphs is None
+                    else "no bucket: a batch or width past the captured ones, and no room for another graph")
         spans = tuple(RequestSpan(k, 1, c, t) for k, (c, t) in enumerate(zip(ctx, tables)))
         normed = self.forward(ForwardInputs(ids, pos * 3, spans, slots, max(pos)))
         return self._sample(batch, self.lm.logits(normed).float(), self._inputs_at - t0)

@@ -3,7 +3,8 @@ co-located EP / ED, or one coupled PD / EPD engine), registered with a scheduler
 
 Prints one line when it serves: ``epdserve instance ready: <id> roles=<roles> grpc://<host>:<port>
 dtype=<dtype> (<why: given, or what auto saw>) lm-weights=<how the LM's attention and MLP weights are
-held>`` (e.g. ``dtype=bfloat16 (auto: this CPU has AVX512-BF16) lm-weights=int8``).
+held> decode-graphs=<on (keys, capture seconds) | off (why)>`` (e.g. ``dtype=bfloat16 (auto: this CPU
+has AVX512-BF16) lm-weights=int8 decode-graphs=off (the platform has no graphs ...)``).
 SIGTERM / SIGINT stop it (deregister, stop taking calls, let calls in flight finish for up to
 --drain-timeout seconds, stop the workers). The process exits within --drain-timeout +
 INSTANCE_STOP_MARGIN_S seconds of the first signal, always: if stopping hangs, it exits with code 1. A
@@ -68,8 +69,8 @@ def run(args) -> int:
         host.start()
         if not stop.is_set():
             print(f"epdserve instance ready: {host.instance_id} roles={host.roles} "
-                  f"grpc://{host.config.host}:{host.port} dtype={host.dtype_line()} lm-weights={host.weights_method()}",
-                  flush=True)
+                  f"grpc://{host.config.host}:{host.port} dtype={host.dtype_line()} lm-weights={host.weights_method()} "
+                  f"decode-graphs={host.graphs_line()}", flush=True)
         rc = serve_until_stopped(host, stop)
     except Exception as e:
         log.error("instance failed: %s", e)

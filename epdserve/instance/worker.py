@@ -272,6 +272,9 @@ class StageWorker:
             prefix_queried_tokens=r["prefix_queried_tokens"], prefix_hit_tokens=r["prefix_hit_tokens"],
         )
         _add_counters(counts, self.engine.stats.as_dict(), getattr(self.connector, "counters", None), self.role)
+        g = self.engine.runner.graph_report()
+        counts.decode_graph_keys, counts.decode_graph_capture_seconds = g["keys"], g["capture_s"]
+        counts.decode_graph_replays, counts.eager_decode_steps = g["replays"], sum(g["eager_decode_steps"].values())
         return WorkerLoad(counts, hits, lookups, extra={
             "recomputes": r["recomputes"], "held": r["held"], "in_flight": len(self.handles), "at": time.time(), **extra})
 

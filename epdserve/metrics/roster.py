@@ -65,6 +65,7 @@ class RosterCollector:
         yield from _kv_transfer(records)
         yield from _engine_steps(records)
         yield from _prefix_cache(records)
+        yield from _decode_graphs(records)
 
 
 def _kv_transfer(records):
@@ -103,6 +104,26 @@ def _engine_steps(records):
         batch.add_metric([r.instance_id, r.roles], r.load.engine_steps, r.load.engine_step_requests)
     yield step
     yield batch
+
+
+def _decode_graphs(records):
+    """Whether decode steps replay graphs (engine/model_runner.py graph_report)."""
+    labels = ["instance", "roles"]
+    keys = GaugeMetricFamily(P + "instance_decode_graphs", "Decode graphs captured (batch x width buckets)",
+                             labels=labels)
+    capture = GaugeMetricFamily(P + "instance_decode_graph_capture_seconds", "Seconds the decode graph "
+                                "captures took", labels=labels)
+    replays = CounterMetricFamily(P + "instance_decode_graph_replays", "Decode-only steps replayed from a "
+                                  "captured graph since start", labels=labels)
+    eager = CounterMetricFamily(P + "instance_eager_decode_steps", "Decode-only steps run eagerly since start "
+                                "(graphs off, or no captured bucket fits)", labels=labels)
+    for r in records:
+        lab = [r.instance_id, r.roles]
+        keys.add_metric(lab, r.load.decode_graph_keys)
+        capture.add_metric(lab, r.load.decode_graph_capture_seconds)
+        replays.add_metric(lab, r.load.decode_graph_replays)
+        eager.add_metric(lab, r.load.eager_decode_steps)
+    yield from (keys, capture, replays, eager)
 
 
 def _prefix_cache(records):

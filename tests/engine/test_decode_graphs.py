@@ -60,6 +60,27 @@ def test_a_capture_that_fails_falls_back_to_eager(qwen2_vl_tiny):
     want = ReferenceGenerator(qwen2_vl_tiny).generate("a prompt of a few words", [], 6)
     out = llm.generate(["a prompt of a few words"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == want and r.graphs is None  # mid-serving: that step and the rest eager
+    report = r.graph_report()  # the evidence says so, with the capture's own error
+    assert not report["graphs"] and report["keys"] == 0
+    assert report["why_off"] == "capture failed: RuntimeError: operation not permitted when stream is capturing"
+    assert report["eager_decode_steps"] == {report["why_off"]: 6 - 1}  # every decode step after the prefill's
+
+
+def test_the_graph_evidence_counts_replays_and_eager_steps_by_reason(setup, qwen2_vl_tiny):
+    """Issue 52 item 3: keys captured, replays and eager decode steps, on the stand-in and on the
+    CPU as it is (no graphs: every decode step eager, and why)."""
+    llm, _, _ = setup
+    r = llm.engine.runner
+    before = r.graph_report()
+    llm.generate(["count my decode steps please"], SamplingParams(max_tokens=5, ignore_eos=True))
+    after = r.graph_report()
+    assert after["graphs"] and after["why_off"] == "" and after["keys"] == len(r.graphs.graphs) > 0
+    assert after["replays"] - before["replays"] == 4 and after["eager_decode_steps"] == before["eager_decode_steps"]
+    cpu = LLM(model=qwen2_vl_tiny, device="cpu", max_num_seqs=4, kv_cache_bytes=4 << 20)
+    cpu.generate(["count my decode steps please"], SamplingParams(max_tokens=5, ignore_eos=True))
+    report = cpu.engine.runner.graph_report()
+    assert not report["graphs"] and report["replays"] == 0
+    assert report["eager_decode_steps"] == {"the platform has no graphs (CPU and NPU decode eagerly)": 4}
 
 
 def test_every_bucket_runs_eagerly_before_its_capture(qwen2_vl_tiny):

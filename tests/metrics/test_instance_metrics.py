@@ -2,7 +2,8 @@
 E-P-D deployment (three `InstanceHost`s registering with a real scheduler, a real MM Store, a
 real gloo KV pair), scraped with prometheus_client's parser. After a request P's sent KV bytes
 equal D's received ones and the prompt's blocks (every layer's K and V), with no failure; every
-instance reports engine steps, their time and batch sizes; the KV blocks D holds are back."""
+instance reports engine steps, their time and batch sizes, and its decode graphs (none on the CPU:
+D's decode steps counted as eager); the KV blocks D holds are back."""
 from __future__ import annotations
 
 import asyncio
@@ -89,3 +90,8 @@ def test_kv_transfer_and_engine_step_metrics(deployment):
     # D ran the 3 decode steps after P's first token, one request each
     assert _get(after, "epdserve:instance_engine_step_batch_size_sum", instance="d0", roles="D") == 3
     assert _get(after, "epdserve:instance_kv_blocks_used", instance="d0", roles="D") == 0  # freed at the end
+    # decode graphs (issue 52 item 3): none on the CPU, so D's 3 decode steps ran eagerly
+    d0 = dict(instance="d0", roles="D")
+    assert _get(after, "epdserve:instance_eager_decode_steps_total", **d0) == 3
+    assert _get(after, "epdserve:instance_decode_graph_replays_total", **d0) == 0
+    assert _get(after, "epdserve:instance_decode_graphs", **d0) == 0
