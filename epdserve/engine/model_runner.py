@@ -95,7 +95,7 @@ class ModelRunner:
 
     def _graphs_off(self, error: Exception) -> None:
         log.warning("decode graph capture failed (%s: %s); this engine runs every step eagerly "
-                    "(as with --enforce-eager)", type(error).__name__, error)
+                    "(as with --enforce-eager)", type(error).__name__, error, exc_info=error)
         self.graphs_off_why = f"capture failed: {type(error).__name__}: {error}"
         self.graphs = None
 

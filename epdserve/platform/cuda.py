@@ -1,5 +1,15 @@
 """CUDA platform: NCCL for KV transfer; co-located stages get one CUDA stream each; decode steps
-replay CUDA graphs (torch.cuda.CUDAGraph, captured with `torch.cuda.graph`)."""
+replay CUDA graphs (torch.cuda.CUDAGraph, captured with `torch.cuda.graph`).
+
+A capture whose body raises is left properly (`capture_graph`): `torch.cuda.graph`'s exit runs
+`capture_end`, whose `cudaStreamEndCapture` fails on the invalidated capture and raises before
+`endAllocateToPool` in torch's c10 CUDAGraph.cpp (the order of several releases), and before the
+exit restores the thread's stream (torch/cuda/graphs.py `graph.__exit__`: capture_end, then the
+stream context's exit). So after a failure the thread's stream is set back, the allocator is told
+the capture ended (best effort: `torch._C`'s end-allocate-to-pool call, where this torch has it),
+and the body's own exception, with its traceback, is what the caller gets — not capture_end's.
+Read from the sources; never run on a GPU here.
+"""
 from __future__ import annotations
 
 import torch
@@ -25,10 +35,22 @@ class CudaPlatform(Platform):
 
     def capture_graph(self, fn, pool):
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (KV receivers, a co-located engine) during a
-        # capture are not errors; only this thread's unsafe calls would be
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            out = fn()
+        before = torch.cuda.current_stream()
+        body_error: list[BaseException] = []
+        try:
+            # thread_local: another thread's CUDA calls (KV receivers, a co-located engine) during a
+            # capture are not errors; only this thread's unsafe calls would be
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                try:
+                    out = fn()
+                except BaseException as e:
+                    body_error.append(e)
+                    raise
+        except BaseException as e:
+            _leave_failed_capture(before, pool)
+            if body_error and body_error[0] is not e:
+                raise body_error[0] from None  # the cause, with its own traceback
+            raise
         return graph, out
 
     def new_stream(self, priority: int = 0):
@@ -56,3 +78,15 @@ class CudaPlatform(Platform):
 
 
 PLATFORM = CudaPlatform()
+
+
+def _leave_failed_capture(stream, pool) -> None:
+    """The thread's stream back to `stream`, and the caching allocator out of capture mode for
+    `pool` (a no-op error where capture_end already did it)."""
+    torch.cuda.set_stream(stream)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None)
+    if end is not None and pool is not None:
+        try:
+            end(torch.cuda.current_device(), pool)
+        except RuntimeError:  # not recording to this pool any more: capture_end got that far
+            pass

@@ -54,8 +54,11 @@ def test_every_part_runs_on_cpu_and_reports_its_figures(tmp_path):
     for key in ("aten_ops_per_token_b1", "host_events_per_token_b1", "served_tpot_b1_ms", "served_ready_s"):
         assert isinstance(fig[key], (int, float)) and fig[key] > 0, (key, fig)
     assert fig["floor_ms"] == "n/a" and fig["device_kernels_per_token_b1"] is None  # CPU: no bandwidth, no kernels
+    # the graph evidence: none on the CPU, every decode step eager, and why
+    assert fig["graphs"].startswith("off: the platform has no graphs") and fig["graph_replays"] == 0
+    assert fig["eager_decode_steps"] > 0 and fig["paged_ops"] in ("native", "portable")
     md = (tmp_path / "out" / "device-check.md").read_text()
-    assert "| P-D |" in md and "| host |" in md and "decode TPOT, batch 1" in md
+    assert "| P-D |" in md and "| host |" in md and "decode TPOT, batch 1" in md and "| decode graphs: keys" in md
     assert (tmp_path / "out" / "profile-float32.txt").exists() and (tmp_path / "out" / "serve.log").exists()
 
 

@@ -95,6 +95,11 @@ def _epdserve(cfg: CheckConfig, model: str, dtype: str, fig: dict, save, served:
         fig.update({f"{k}_per_token_b1": v for k, v in counts.items()})
     except Exception as e:  # the profiler is a figure, not the part
         fig["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    g = llm.engine.runner.graph_report()  # did decode replay graphs here? (issue 52 item 3)
+    fig.update(graphs="on" if g["graphs"] else f"off: {g['why_off']}", graph_keys=g["keys"],
+               graph_capture_s=round(g["capture_s"], 2), graph_replays=g["replays"],
+               eager_decode_steps=sum(g["eager_decode_steps"].values()),
+               paged_ops=llm.engine.runner.ops.name)
     save()
     del llm
     free_device_memory(cfg.device)

@@ -68,6 +68,10 @@ def _perf(fig: dict) -> list[str]:
                  f"| device kernels per token, batch 1 | {_v(v.get('device_kernels_per_token_b1'))} | | |",
                  f"| host aten ops per token, batch 1 | {_v(v.get('aten_ops_per_token_b1'))} | | |",
                  f"| host profiler events per token, batch 1 | {_v(v.get('host_events_per_token_b1'))} | | |",
+                 f"| decode graphs: keys (capture s), replays, eager decode steps | {v.get('graphs', 'n/a')}: "
+                 f"{_v(v.get('graph_keys'))} ({_v(v.get('graph_capture_s'), ' s')}), {_v(v.get('graph_replays'))}, "
+                 f"{_v(v.get('eager_decode_steps'))} | | |",
+                 f"| paged attention operators | {v.get('paged_ops', 'n/a')} | | |",
                  f"| served TPOT, one request alone (server stamps; client) | {_v(v.get('served_tpot_b1_ms'), ' ms')}; "
                  f"{_v(v.get('served_client_tpot_b1_ms'), ' ms')} (x{_v(v.get('served_over_offline_b1'))} offline) "
                  f"| | |", ""]
