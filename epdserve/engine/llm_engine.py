@@ -102,7 +102,8 @@ class LLMEngine:
         self.runner = ModelRunner(a, self.model.lm, self.kv_cache, ops,
                                   layer_ops(self.platform, config.ops), self.platform, kv_connector,
                                   max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager or tp > 1)  # TP decode runs eagerly
+                                  enforce_eager=config.enforce_eager or tp > 1,  # TP decode runs eagerly
+                                  decodes=config.decodes)
         self.runner.tp = self.tp
         capture_s = self.runner.capture_graphs()
         if capture_s:

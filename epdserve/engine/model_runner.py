@@ -54,7 +54,7 @@ def _layerwise(connector: KVConnector | None) -> bool:
 class ModelRunner:
     def __init__(self, adapter: VLMAdapter, lm: LeanLM, kv_cache: PagedKVCache, ops: PagedOps,
                  layer_ops: LayerOps, platform, connector: KVConnector | None = None,
-                 max_batch: int = 128, max_model_len: int = 4096, enforce_eager: bool = False):
+                 max_batch: int = 128, max_model_len: int = 4096, enforce_eager: bool = False, decodes: bool = True):
         self.adapter = adapter
         self.lm = lm
         self.kv_cache = kv_cache
@@ -71,6 +71,7 @@ class ModelRunner:
         moe = any(w.moe is not None for w in lm.layers)
         # graph evidence (`graph_report`): why graphs are off, replays, eager decode steps by reason
         self.graphs_off_why = ("the platform has no graphs (CPU and NPU decode eagerly)" if not platform.has_graphs
+                               else "this engine never decodes (E or P): no graphs, no logits buffers" if not decodes
                                else "--enforce-eager (or tensor parallelism)" if enforce_eager
                                else "Qwen3-VL-MoE's expert routing reads the device" if moe
                                else "P's layerwise KV sends run between layers" if _layerwise(connector) else "")

@@ -106,3 +106,16 @@ def test_every_bucket_runs_eagerly_before_its_capture(qwen2_vl_tiny):
     assert len(captures) == len(g.buckets) == 3
     for i in captures:  # the eager run of the bucket, its capture, the captured body's run (this stand-in reruns it)
         assert events[i - 1] == events[i + 1] and events[i - 1][0] == "body", events
+
+
+def test_an_engine_that_never_decodes_has_no_graphs(setup):
+    """Issue 52 item 1: E and P engines capture nothing and hold no logits buffers."""
+    from epdserve.engine.model_runner import ModelRunner
+
+    llm, _, _ = setup
+    r = llm.engine.runner
+    parts = (r.adapter, r.lm, r.kv_cache, r.ops, r.layer_ops, ReplayGraphsPlatform())
+    prefill_only = ModelRunner(*parts, max_batch=4, decodes=False)
+    assert prefill_only.graphs is None and prefill_only.capture_graphs() == 0.0
+    assert prefill_only.graph_report()["why_off"] == "this engine never decodes (E or P): no graphs, no logits buffers"
+    assert isinstance(ModelRunner(*parts, max_batch=4).graphs, DecodeGraphs)  # a decoding one on the same platform
