@@ -10,8 +10,9 @@ KV cache's padding block (engine/kv_cache.py `pad_block`), attending only to it.
 embed → layers → final norm → LM head into a static logits buffer; sampling stays eager. Graphs
 share one memory pool, captured from the largest batch down, each bucket run once eagerly right
 before its capture. The widths the first request needs
-are captured at start-up for every batch bucket (time reported); a wider bucket is captured when
-first needed, at most `max_graphs` in all (beyond that, such steps run eagerly).
+are captured at start-up for every batch bucket — every width bucket up to the start-up context's
+(256 tokens: widths 8 and 16 at 16-token blocks) — (time reported); a wider bucket is captured
+when first needed, at most `max_graphs` in all (beyond that, such steps run eagerly).
 
 Steps that run eagerly instead: any step with a prompt chunk, any step whose KV connector works
 per layer (P's layerwise sends), Qwen3-VL-MoE (its expert routing reads the device), and every
@@ -124,12 +125,17 @@ class DecodeGraphs:
         self.capture_s += time.perf_counter() - t0
 
     def capture_startup(self, blocks: int) -> float:
-        """Capture every batch bucket at the width of `blocks` (largest batch first); seconds taken."""
+        """Capture every batch bucket at every width bucket up to the one `blocks` falls in (8, 16,
+        ...: a short request's width is captured too, not mid-run), widest and largest batch first;
+        seconds taken."""
         t0 = time.perf_counter()
-        w = self._width(blocks)
-        for bp in reversed(self.buckets):
-            if (bp, w) not in self.graphs:
-                self._capture((bp, w))
+        widths = [MIN_WIDTH]
+        while widths[-1] < self._width(blocks):
+            widths.append(self._width(widths[-1] + 1))
+        for w in reversed(widths):
+            for bp in reversed(self.buckets):
+                if (bp, w) not in self.graphs and len(self.graphs) < self.max_graphs:
+                    self._capture((bp, w))
         return time.perf_counter() - t0
 
     def reset(self) -> None:

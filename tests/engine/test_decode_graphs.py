@@ -47,6 +47,9 @@ def test_capture_startup_covers_every_bucket(setup):
     r = llm.engine.runner
     r.graphs.capture_startup(7)  # blocks: the narrowest width bucket
     assert {(b, 8) for b in r.graphs.buckets} <= set(r.graphs.graphs)
+    r.graphs.reset()
+    r.graphs.capture_startup(16)  # the engine's start-up context (256 tokens): widths 8 and 16, every batch
+    assert {(b, w) for b in r.graphs.buckets for w in (8, 16)} <= set(r.graphs.graphs)
 
 
 def test_a_capture_that_fails_falls_back_to_eager(qwen2_vl_tiny):
