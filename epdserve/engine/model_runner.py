@@ -63,6 +63,7 @@ class ModelRunner:
         self.connector = connector
         self.device = adapter.device
         self.buffers = StepBuffers(self.device, platform)
+        layer_ops.rotary_range(lm.rotary.scaling)  # |cos|, |sin| <= the rope's attention scaling (1 for most)
         self.graphs: DecodeGraphs | None = None
         self.sampler = StepSampler(max_batch)
         self.tp = None  # rank 0 of a tensor-parallel group: its engine/tp/group.py TPGroup

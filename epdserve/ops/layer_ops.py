@@ -28,6 +28,10 @@ import torch.nn.functional as F
 class LayerOps:
     name: str
 
+    def rotary_range(self, max_abs: float) -> None:
+        """Told once, before any call (engine/model_runner.py): the largest |cos| and |sin| the
+        model's rotary tables hold (1, or the rope's attention scaling). Default: anything goes."""
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

@@ -25,6 +25,11 @@ kernel's arithmetic as its source computes it:
   dim (ops-nn activation/swi_glu README; op_kernel/swi_glu_bf16.hpp: both halves widened to fp32,
   a / (1 + exp(-a)) * b, rounded once).
 
+`npu_rotary_mul`'s r1 / r2 are documented for the range [-1, 1] (op-plugin
+docs/context/torch_npu-npu_rotary_mul.md, 约束说明: "r1、r2：数据范围：[-1, 1]"): a model whose
+rotary tables leave it (a rope `attention_scaling` above 1, `rotary_range`) takes the portable
+rotary, said once.
+
 Where a kernel does not fit — an operator the installed torch_npu does not register (read once
 from the schemas, ops/npu_schema.py `op_arguments`), a dtype it does not take, gamma of another
 dtype, a head_dim of 896 or more or odd, 1000 heads or more — the call goes to `PortableLayerOps`.
@@ -33,11 +38,14 @@ torch_npu, which computes as the sources above do.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from epdserve.ops.layer_ops import LayerOps, PortableLayerOps
 from epdserve.ops.npu_schema import op_arguments
 
+log = logging.getLogger(__name__)
 KERNELS = ("npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ROTARY_MAX_D, _ROTARY_MAX_HEADS = 896, 1000  # torch_npu-npu_rotary_mul.md: D < 896 and even; B, N < 1000
@@ -52,6 +60,13 @@ class NpuLayerOps(LayerOps):
         self._npu = torch_npu
         self._has = {k: op_arguments("npu", k) is not None for k in KERNELS}
         self._portable = PortableLayerOps()
+        self._rotary_in_range = True  # the rotary tables within npu_rotary_mul's documented [-1, 1]
+
+    def rotary_range(self, max_abs: float) -> None:
+        if max_abs > 1.0 and self._rotary_in_range:
+            self._rotary_in_range = False
+            log.warning("rotary tables reach %.3g, outside npu_rotary_mul's documented [-1, 1] (the rope's "
+                        "attention scaling): rotary runs as portable torch ops", max_abs)
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -75,7 +90,7 @@ class NpuLayerOps(LayerOps):
 
     def rotary(self, q, k, cos, sin):
         d = q.shape[-1]
-        if not (self._has["npu_rotary_mul"] and q.dtype in _DTYPES and k.dtype == q.dtype and d % 2 == 0
+        if not (self._has["npu_rotary_mul"] and self._rotary_in_range and q.dtype in _DTYPES and k.dtype == q.dtype and d % 2 == 0
                 and d < _ROTARY_MAX_D and max(q.shape[1], k.shape[1]) < _ROTARY_MAX_HEADS):
             return self._portable.rotary(q, k, cos, sin)
         c = cos.to(q.dtype).reshape(1, cos.shape[0], 1, d).contiguous()  # BSND's "1S1D"

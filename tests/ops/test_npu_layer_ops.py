@@ -111,3 +111,22 @@ def test_without_the_kernels_everything_is_portable(monkeypatch):
     x, w = _r(2, 16, dtype=torch.bfloat16), _r(16, dtype=torch.bfloat16)
     assert torch.equal(ops.add_rms_norm(x, x, w, 1e-6)[0], PortableLayerOps().add_rms_norm(x, x, w, 1e-6)[0])
     assert fake.kernel_calls == []
+
+
+def test_rotary_tables_outside_the_documented_range_take_the_portable_rotary(fake, caplog):
+    """op-plugin's npu_rotary_mul doc bounds r1 / r2 to [-1, 1]: a rope whose attention scaling
+    lifts the tables above 1 gets the portable rotary, and one warning (issue 53 item 4)."""
+    T, H, d = 5, 2, 64
+    q, k = _r(T, H, d, dtype=torch.bfloat16), _r(T, H, d, dtype=torch.bfloat16, seed=1)
+    cos, sin = _r(T, d, dtype=torch.bfloat16, seed=2) * 1.2, _r(T, d, dtype=torch.bfloat16, seed=3)
+    ops = NpuLayerOps()
+    ops.rotary_range(1.0)  # the usual rope: the kernel
+    ops.rotary(q, k, cos, sin)
+    assert [c[0] for c in fake.kernel_calls] == ["npu_rotary_mul"] * 2
+    fake.kernel_calls.clear()
+    ops.rotary_range(1.2)
+    ops.rotary_range(1.2)
+    got = ops.rotary(q, k, cos, sin)
+    assert fake.kernel_calls == []
+    assert all(torch.equal(a, b) for a, b in zip(got, PortableLayerOps().rotary(q, k, cos, sin)))
+    assert sum("outside npu_rotary_mul's documented [-1, 1]" in r.getMessage() for r in caplog.records) == 1
