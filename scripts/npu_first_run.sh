@@ -9,15 +9,20 @@
 #   probe     the operator schemas, and one tiny attention call the CANN must answer rightly
 #   matrix    head_dim 64/128 x bf16/fp16 x all-decode / decode+chunk / fresh prompt against the
 #             portable ops in float32 (max error); fp16 must be refused
-#   hccl      an HCCL pair: one message, then the sender killed mid-receive
+#   hccl      an HCCL pair, its ranks on NPUs 0 and 1 (both on 0, said, when one is visible): one
+#             message, then the sender killed mid-receive
 #   limits    core limits under the profiler (epdserve bench colocation --device npu)
-#   pd        a PD engine on the NPU against transformers, token for token
+#   pd        a PD engine on the NPU against transformers, token for token (head_dim 128)
 #
 # Settings (environment):
 #   PYTHON       the interpreter epdserve is installed in      [python3]
 #   DEVICE       where tensors go                               [npu]
-#   ASCEND_ENV   CANN's set_env.sh   [/usr/local/Ascend/ascend-toolkit/set_env.sh, else .../cann/set_env.sh]
-#   MODEL        pd: a checkpoint (default: the small demo model, built into OUT_DIR)
+#   ASCEND_HOME  where CANN is installed                       [/usr/local/Ascend]
+#   ASCEND_ENV   CANN's set_env.sh   [$ASCEND_HOME/ascend-toolkit/set_env.sh, else .../cann/set_env.sh]
+#                then NNAL's $ASCEND_HOME/nnal/atb/set_env.sh where it exists: torch_npu 2.8 / 2.9 write the KV
+#                cache with ATB's _npu_reshape_and_cache, which needs its libatb.so (atlas_node.sh does the same)
+#   MODEL        pd: a checkpoint (default: the small demo model with head_dim 128, built into OUT_DIR)
+#   ENV_ONLY     1: source the environment, print it, and stop (a check of the sourcing)
 #   STEP_TIMEOUT_S  one timeout for every step, in seconds (default: per step, below)
 set -euo pipefail
 
@@ -31,8 +36,9 @@ command -v timeout >/dev/null 2>&1 || die "timeout (coreutils) not found"
 "$PYTHON" -c 'import epdserve' 2>/dev/null || die "$PYTHON cannot import epdserve: set PYTHON to the interpreter it is installed in"
 
 # CANN's set_env.sh reads unset variables on some versions: sourced with `set -u` off.
+ASCEND_HOME=${ASCEND_HOME:-/usr/local/Ascend}
 if [[ "$DEVICE" == npu ]]; then
-  for f in "${ASCEND_ENV:-}" /usr/local/Ascend/ascend-toolkit/set_env.sh /usr/local/Ascend/cann/set_env.sh; do
+  for f in "${ASCEND_ENV:-}" "$ASCEND_HOME/ascend-toolkit/set_env.sh" "$ASCEND_HOME/cann/set_env.sh"; do
     if [[ -n "$f" && -f "$f" ]]; then
       set +u
       # shellcheck disable=SC1090
@@ -41,6 +47,16 @@ if [[ "$DEVICE" == npu ]]; then
       break
     fi
   done
+  if [[ -f "$ASCEND_HOME/nnal/atb/set_env.sh" ]]; then
+    set +u
+    # shellcheck disable=SC1091
+    source "$ASCEND_HOME/nnal/atb/set_env.sh"
+    set -u
+  fi
+fi
+if [[ "${ENV_ONLY:-0}" == 1 ]]; then
+  env
+  exit 0
 fi
 
 declare -A LIMIT=([versions]=120 [probe]=300 [matrix]=900 [hccl]=300 [limits]=1800 [pd]=1800)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from epdserve.model.demo_qwen3 import QWEN3_ARCHS, QWEN3_PRESETS, qwen3_config, qwen3_preprocessor_files
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", *QWEN3_ARCHS)
-SIZES = ("tiny", "small", "2b")
+SIZES = ("tiny", "small", "small-d128", "2b")
 
 # A 448x448 image → 32x32 patches of 14 px → 256 tokens after the 2x2 merge; 56x56 is the
 # smallest image (2x2 patches, one token); big images are capped at 1280 tokens.
@@ -55,12 +55,17 @@ PRESETS = {
     "small": DemoSize(vocab=9000, hidden=512, layers=8, heads=8, kv_heads=2, intermediate=3584,
                       mrope_section=(8, 12, 12), vit_width=512, vit_depth=8, vit_heads=8,
                       vit_intermediate=1536),
+    # the small model with head_dim 128 (4 heads of 128, not 8 of 64): the head size op-plugin's TND attention
+    # docs list (D = 128 or 192), for the NPU first run's PD step (scripts/npu_first_run.sh)
+    "small-d128": DemoSize(vocab=9000, hidden=512, layers=8, heads=4, kv_heads=2, intermediate=3584,
+                           mrope_section=(16, 24, 24), vit_width=512, vit_depth=8, vit_heads=8,
+                           vit_intermediate=1536),
     # Qwen2-VL-2B's shapes (LM 1536 x 28 layers, 12 heads / 2 KV heads, MLP 8960; ViT 1280 x 32), demo
     # vocabulary, random weights: 1.33 B LM parameters (the real model's 151k-token embedding aside)
     "2b": DemoSize(vocab=9000, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
                    mrope_section=(16, 24, 24), vit_width=1280, vit_depth=32, vit_heads=16, vit_intermediate=3420),
 }
-PRESET_ARCHS = {"2b": ("qwen2_vl", "qwen2_5_vl")}  # presets only some families have
+PRESET_ARCHS = {"2b": ("qwen2_vl", "qwen2_5_vl"), "small-d128": ("qwen2_vl", "qwen2_5_vl")}  # presets only some families have
 
 
 def demo_config(arch: str, size: DemoSize, ids: dict[str, int], vocab: int, size_name: str = "tiny"):

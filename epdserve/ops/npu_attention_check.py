@@ -86,7 +86,9 @@ def check_npu_attention(ops, spec, num_heads: int, device: torch.device) -> None
     except Exception as e:  # the aclnn error (e.g. 561002) the kernel's tiling raised
         raise NpuKernelsUnsupported(
             f"this CANN ({cann}) refuses npu_fused_infer_attention_score with input_layout TND and a paged KV "
-            f"cache (as vllm-ascend issues #4373 / #8045 report for CANN 8.3.RC1): {type(e).__name__}: {e}. "
+            f"cache at this model's head_dim {d} ({num_heads} query / {kvh} KV heads, {spec.dtype}; op-plugin's "
+            f"TND docs list head_dim 128 and 192) (as vllm-ascend issues #4373 / #8045 report for CANN 8.3.RC1): "
+            f"{type(e).__name__}: {e}. "
             f"Fix: {EXTRAS_FIX}") from e
     want = _reference(q, kc, vc, scale)
     err = (out.float() - want).abs().max().item()  # start-up only: one read

@@ -68,7 +68,8 @@ def instance_pods(c: LoopbackCluster) -> list[Pod]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    values = KubeValues(mode=MODE, flavour="cpu", secrets="generate", ports=loopback_ports())
+    # fp32, the oracle's dtype: the pods' environment has no $EPDSERVE_DTYPE (the image's has none)
+    values = KubeValues(mode=MODE, flavour="cpu", secrets="generate", ports=loopback_ports(), dtype="float32")
     with LoopbackCluster(values, tmp_path_factory.mktemp("loopback-cluster")) as c:
         c.start_all()
         ids = {instance_id(c, p) for p in instance_pods(c)}

@@ -182,6 +182,16 @@ def test_external_mm_store_and_secret_apart():
         assert args[args.index("--mm-store") + 1] == "rediss://redis.example:6380/0"
 
 
+def test_one_dtype_for_every_instance_when_given_else_each_pod_resolves_auto():
+    def instance_args(v):
+        return [d["spec"]["template"]["spec"]["containers"][0]["args"] for d in kinds(render(v), "Deployment")
+                if "instance" in d["spec"]["template"]["spec"]["containers"][0]["args"]]
+
+    given = instance_args(KubeValues(mode="E-P-D", dtype="bfloat16"))
+    assert len(given) == 3 and all(a[a.index("--dtype") + 1] == "bfloat16" for a in given)
+    assert not any("--dtype" in a for a in instance_args(KubeValues(mode="E-P-D")))
+
+
 @pytest.mark.parametrize("url", ["redis://:secret@r:6379/0", "redis://u:secret@r:6379", "redis://r/0?password=x",
                                  "http://r:6379"])
 def test_a_password_in_the_mm_store_url_is_refused(url):

@@ -26,7 +26,8 @@ def _table(stdout: str) -> dict[str, list[tuple[str, str]]]:
 @pytest.mark.slow
 def test_the_first_run_script_runs_end_to_end_on_the_fake(tmp_path):
     env = dict(os.environ, EPDSERVE_FAKE_TORCH_NPU="1", PYTHON=sys.executable, DEVICE="cpu",
-               PYTHONPATH=f"{ROOT / 'tests' / 'fakes' / 'first_run_site'}:{ROOT}", STEP_TIMEOUT_S="400")
+               PYTHONPATH=f"{ROOT / 'tests' / 'fakes' / 'first_run_site'}:{ROOT}", STEP_TIMEOUT_S="400",
+               EPDSERVE_FAKE_NPUS="2")
     out = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = _table(out.stdout)
@@ -39,8 +40,10 @@ def test_the_first_run_script_runs_end_to_end_on_the_fake(tmp_path):
     assert all(s == "refused" and "inputDataType should be bf16" in d for k, (s, d) in matrix.items() if "float16 " in k
                and "bfloat16" not in k)
     assert rows["hccl pair"][0][0] == "ok" and "peer killed mid-receive" in rows["hccl pair"][0][1]
+    assert rows["hccl pair"][0][1].startswith("ranks on npu:0 and npu:1;")  # one rank per NPU
     assert rows["core limits"][0][0] == "skip"
     assert rows["pd end to end"][0][0] == "ok" and "8/8 tokens equal" in rows["pd end to end"][0][1]
+    assert (tmp_path / "demo-small-d128").is_dir()  # head_dim 128, the size op-plugin's TND docs list
     assert {"versions.log", "hccl.tsv", "table.tsv"} <= {p.name for p in tmp_path.iterdir()}
 
 
@@ -49,3 +52,27 @@ def test_a_step_that_fails_fails_the_script(tmp_path):
     env = dict(os.environ, PYTHON="/bin/false", DEVICE="cpu")
     out = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot import epdserve: set PYTHON" in out.stderr
+
+
+def test_the_hccl_step_says_when_one_npu_holds_both_ranks(tmp_path):
+    env = dict(os.environ, EPDSERVE_FAKE_TORCH_NPU="1", EPDSERVE_FAKE_NPUS="1",
+               PYTHONPATH=f"{ROOT / 'tests' / 'fakes' / 'first_run_site'}:{ROOT}")
+    out = subprocess.run([sys.executable, "-m", "epdserve.checks.npu.first_run", "hccl", "--device", "cpu",
+                          "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    step, status, detail = out.stdout.strip().split("\t")
+    assert (step, status) == ("hccl pair", "ok") and detail.startswith("one NPU visible: both ranks on npu:0")
+
+
+def test_the_script_sources_cann_and_nnal(tmp_path):
+    """NNAL's set_env.sh after CANN's: torch_npu 2.8 / 2.9 write the KV cache with ATB's kernel."""
+    home = tmp_path / "Ascend"
+    for rel, var in (("ascend-toolkit/set_env.sh", "FAKE_CANN_ENV"), ("nnal/atb/set_env.sh", "FAKE_ATB_ENV")):
+        (home / rel).parent.mkdir(parents=True)
+        (home / rel).write_text(f"export {var}=sourced\n")
+    env = dict(os.environ, PYTHON=sys.executable, DEVICE="npu", ASCEND_HOME=str(home), ENV_ONLY="1",
+               PYTHONPATH=str(ROOT))
+    out = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "FAKE_CANN_ENV=sourced" in out.stdout and "FAKE_ATB_ENV=sourced" in out.stdout

@@ -148,16 +148,20 @@ def hccl(args) -> bool:
 
     platform = get_platform("npu")
     platform.set_thread_device(0)
+    # HCCL expects one rank per device: the peer on NPU 1 when there is one
+    peer_index = 1 if platform.device_count() >= 2 else 0
+    where = ("ranks on npu:0 and npu:1" if peer_index else
+             "one NPU visible: both ranks on npu:0 (HCCL expects one rank per device; make two visible)")
     store = loopback_store(2)  # listens on 127.0.0.1 only (a TCPStore binding itself takes every interface)
     peer = subprocess.Popen([sys.executable, "-m", "epdserve.checks.npu.first_run", "hccl-peer", "--device", args.device,
-                             "--port", str(store.port)], stdout=subprocess.PIPE, text=True)
+                             "--port", str(store.port), "--index", str(peer_index)], stdout=subprocess.PIPE, text=True)
     try:
         pg = platform.make_pair_group(store, 1, 2, timedelta(seconds=60), group_name="first-run")
-        dev = torch.device(args.device)
+        dev = _device(args.device, 0)
         first = torch.zeros(4, device=dev)
         platform.wait_work(pg.recv([first], 0), 60.0)
         if first.cpu().tolist() != [1.0] * 4:
-            return row("hccl pair", "fail", f"first message wrong: {first.cpu().tolist()}")
+            return row("hccl pair", "fail", f"{where}; first message wrong: {first.cpu().tolist()}")
         second = torch.zeros(4, device=dev)
         work = pg.recv([second], 0)
         peer.kill()  # mid-receive: the sender dies with our receive posted
@@ -165,21 +169,26 @@ def hccl(args) -> bool:
         t0 = time.monotonic()
         try:
             platform.wait_work(work, TIMEOUT_S)
-            return row("hccl pair", "fail", "the receive completed although its sender was killed")
+            return row("hccl pair", "fail", f"{where}; the receive completed although its sender was killed")
         except TimeoutError:
             pass
         except RuntimeError as e:
-            return row("hccl pair", "ok", f"peer killed mid-receive: the receive failed ({e}) after "
+            return row("hccl pair", "ok", f"{where}; peer killed mid-receive: the receive failed ({e}) after "
                        f"{time.monotonic() - t0:.1f} s")
         platform.interrupt_pair_group(pg, 0)
         bound = platform.stuck_work_bound_s()
         status = "ok" if bound is not None and bound != float("inf") else "fail"
-        return row("hccl pair", status, f"first message right; peer killed mid-receive: timed out after {TIMEOUT_S:g} s, "
+        return row("hccl pair", status, f"{where}; first message right; peer killed mid-receive: timed out after {TIMEOUT_S:g} s, "
                    f"pair interrupted (abort_hccl_comm); the receive may write its buffer for {bound:g} s more "
                    "(HCCL_EXEC_TIMEOUT + 30 s: its blocks stay quarantined that long)")
     finally:
         if peer.poll() is None:
             peer.kill()
+
+
+def _device(device: str, index: int) -> torch.device:
+    """`device` ("npu", or "cpu" under the fake) at NPU index `index`."""
+    return torch.device(device, index) if device == "npu" else torch.device(device)
 
 
 def hccl_peer(args) -> bool:
@@ -188,10 +197,10 @@ def hccl_peer(args) -> bool:
     from epdserve.platform import get_platform
 
     platform = get_platform("npu")
-    platform.set_thread_device(0)
+    platform.set_thread_device(args.index)
     store = TCPStore("127.0.0.1", args.port, 2, False, timeout=timedelta(seconds=60))
     pg = platform.make_pair_group(store, 0, 2, timedelta(seconds=60), group_name="first-run")
-    platform.wait_work(pg.send([torch.ones(4, device=torch.device(args.device))], 1), 60.0)
+    platform.wait_work(pg.send([torch.ones(4, device=_device(args.device, args.index))], 1), 60.0)
     time.sleep(600)  # killed by the receiver before the second message
     return True
 
@@ -214,7 +223,8 @@ def pd(args) -> bool:
     from epdserve.model.demo import build_demo_model
     from epdserve.model.reference import ReferenceGenerator
 
-    model = args.model or build_demo_model(os.path.join(args.out_dir, "demo-small"), size="small")  # head_dim 64
+    # head_dim 128: the size op-plugin's TND attention docs list (a refusal of 64 would blame the CANN, not D)
+    model = args.model or build_demo_model(os.path.join(args.out_dir, "demo-small-d128"), size="small-d128")
     prompt, n = "The first run of epdserve on this NPU", 8
     llm = LLM(str(model), device=args.device, roles="PD")
     out = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0]
@@ -237,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("step", choices=STEPS)
     p.add_argument("--device", default="npu")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--index", type=int, default=0, help="hccl-peer: the NPU index its rank runs on")
     p.add_argument("--out-dir", default=".")
-    p.add_argument("--model", default="", help="pd: a checkpoint (default: the small demo model, built in --out-dir)")
+    p.add_argument("--model", default="", help="pd: a checkpoint (default: the small demo model with head_dim 128, "
+                   "built in --out-dir)")
     args = p.parse_args(argv)
     return 0 if STEPS[args.step](args) else 1
 

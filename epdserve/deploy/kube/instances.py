@@ -33,6 +33,7 @@ def instance_args(v: KubeValues, roles: str) -> list[str]:
             "--scheduler", ",".join(scheduler_addresses(v)), "--mm-store", mm_store_url(v),
             "--host", f"$({pod.POD_IP})", "--port", str(v.ports.instance),
             *(["--kv-cache-mb", str(v.kv_cache_mb)] if v.kv_cache_mb is not None else []),
+            *(["--dtype", v.dtype] if v.dtype else []),
             "--drain-timeout", f"{v.drain_timeout:g}"]
 
 

@@ -54,6 +54,10 @@ class KubeValues:
         EngineConfig, "kv_cache_bytes", default=None,
         help="an instance's KV cache size per P/D worker, MiB (default: the flavour's: 16384 on an accelerator; "
              "the instance's own on CPU)")
+    dtype: str | None = same_as(
+        EngineConfig, "dtype", help="every instance's --dtype (default: not passed: each pod resolves auto on its "
+                                    "node — bf16 on an accelerator or a CPU with AVX512-BF16/AMX-BF16, else fp32; "
+                                    "give one where nodes differ, since the scheduler refuses mixed dtypes)")
     accelerator_resource: str | None = setting(
         None, help="the device plugin's resource each instance requests (default: the flavour's: nvidia.com/gpu, "
                    "huawei.com/Ascend910)")

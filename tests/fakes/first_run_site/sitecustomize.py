@@ -11,4 +11,6 @@ if os.environ.get("EPDSERVE_FAKE_TORCH_NPU") == "1":
     from tests.fakes.torch_npu_fake import FakeTorchNpu
     from tests.ops.test_npu_ops_contract import _fia
 
-    FakeTorchNpu(kernels={"npu_fused_infer_attention_score": _fia}).install()
+    # EPDSERVE_FAKE_NPUS: how many NPUs the fake has (default 1)
+    FakeTorchNpu(kernels={"npu_fused_infer_attention_score": _fia},
+                 devices=int(os.environ.get("EPDSERVE_FAKE_NPUS", "1"))).install()
