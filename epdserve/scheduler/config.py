@@ -66,6 +66,11 @@ class SchedulerConfig:
         None, check=(">=", 1), metavar="N",
         help="sequences one tenant may have in flight, a request of n choices counting n, before RESOURCE_EXHAUSTED / "
              "HTTP 429; a request with n above it is refused at once (400) (unset: no bound)")
+    max_tokens_per_tenant: int | None = setting(
+        None, check=(">=", 1), metavar="N",
+        help="tokens one tenant may have in flight: each request's prompt tokens (vision tokens included) plus n x its "
+             "max_tokens, counted once the prompt is tokenized, before RESOURCE_EXHAUSTED / HTTP 429; a request "
+             "above it alone is refused at once (400) (unset: no bound)")
     max_pixels_in_flight: int | None = setting(
         None, check=(">=", 1), metavar="N",
         help="pixels that the media of the requests in flight declare (images, and every frame of a video the "

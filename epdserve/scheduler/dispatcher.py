@@ -398,6 +398,7 @@ class Dispatcher:
         self.runs: dict[tuple[str, str], RequestRun] = {}  # (tenant, request id) -> its run
         self._per_tenant: dict[str, int] = {}  # tenant -> requests admitted
         self._seqs_per_tenant: dict[str, int] = {}  # tenant -> their sequences (n each)
+        self._tokens_per_tenant: dict[str, int] = {}  # tenant -> prompt + n x max_tokens of its requests
         self.finished_listeners: list = []  # each finished request: listener(ttft_s, tpot_s, ok, media, age_s) (the role controller)
         self.background: set[asyncio.Task] = set()
         self._admitted = 0
@@ -452,6 +453,7 @@ class Dispatcher:
         self._admitted += 1
         self._per_tenant[tenant] = mine + 1
         self._seqs_per_tenant[tenant] = seqs + n
+        tokens = 0  # taken once the prompt is tokenized (`_take_tokens`)
         try:
             if req.request_id and (tenant, req.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
@@ -460,6 +462,7 @@ class Dispatcher:
                                                       self._block_sizes(), salt, tenant)
             if (tenant, prep.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
+            tokens = self._take_tokens(tenant, prep, n)
             run = RequestRun(self, prep, arrival, deadline, tenant, salt)
             run.generated = self._resumed(req, prep)
             run.resumed = len(run.generated)
@@ -476,13 +479,32 @@ class Dispatcher:
                 self._report_finished(run, ok)
         finally:
             self._admitted -= 1
-            for counts, k in ((self._per_tenant, 1), (self._seqs_per_tenant, n)):
+            for counts, k in ((self._per_tenant, 1), (self._seqs_per_tenant, n), (self._tokens_per_tenant, tokens)):
+                if not k:
+                    continue
                 left = counts[tenant] - k
                 if left:
                     counts[tenant] = left
                 else:
                     del counts[tenant]
             held.release()
+
+    def _take_tokens(self, tenant: str, prep, n: int) -> int:
+        """Count the request's tokens (prompt, vision included, + n x max_tokens) against its tenant's
+        `max_tokens_per_tenant`; RequestError (400 alone over it, else 429) when they do not fit."""
+        quota = self.config.max_tokens_per_tenant
+        if quota is None:
+            return 0
+        tokens = len(prep.prompt_token_ids) + n * prep.max_tokens
+        if tokens > quota:
+            raise RequestError.invalid(f"this request's {tokens} tokens (prompt + n x max_tokens) exceed a tenant's "
+                                       f"limit ({quota}: --max-tokens-per-tenant)")
+        mine = self._tokens_per_tenant.get(tenant, 0)
+        if mine + tokens > quota:
+            raise RequestError.exhausted(f"this tenant has {mine} tokens in flight; {tokens} more exceed its limit "
+                                         f"({quota}: --max-tokens-per-tenant)")
+        self._tokens_per_tenant[tenant] = mine + tokens
+        return tokens
 
     def _block_sizes(self) -> set[int]:
         """The block sizes of the instances that prefill (on the event loop: the registry's thread)."""
