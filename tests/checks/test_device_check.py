@@ -90,3 +90,28 @@ def test_the_tp_part_runs_two_ranks_on_cpu_and_equals_transformers(tmp_path):
         assert (entry["equal"], entry["of"]) == (3, 3), entry
         assert all(n > 0 for n in entry["media_encoded_by_rank"]), entry  # both ranks encoded
     assert "## tp: Tensor parallelism" in (tmp_path / "out" / "device-check.md").read_text()
+
+
+def test_the_graphs_part_says_why_it_is_skipped_where_there_are_no_graphs(tmp_path):
+    """Issue 52 item 5: on a platform without graphs the part reports itself skipped (a GPU runs it:
+    tokens with graphs against --enforce-eager, the evidence, TPOT both ways, a final empty_cache)."""
+    proc, report = _bench(tmp_path, "--parts", "graphs", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    part = report["parts"]["graphs"]
+    assert part["figures"]["skipped"] == "cpu has no decode graphs: every decode step runs eagerly"
+    assert any(line.startswith("RESULT graphs cpu ok") and "skipped: cpu has no decode graphs" in line
+               for line in proc.stdout.splitlines())
+    assert "## graphs: Decode graphs" in (tmp_path / "out" / "device-check.md").read_text()
+
+
+def test_the_graphs_table_prints_every_figure():
+    from epdserve.checks.device.report import markdown
+
+    fig = {"batch1": {"equal": 1, "of": 1}, "batch3": {"equal": 3, "of": 3}, "batch32": {"equal": 31, "of": 32},
+           "evidence": {"graphs": True, "why_off": "", "keys": 38, "capture_s": 2.1, "replays": 500,
+                        "eager_decode_steps": {}},
+           "tpot_ms": {"b1": {"graphs": 3.1, "eager": 9.3, "eager_over_graphs": 3.0}}, "empty_cache": "ok"}
+    md = markdown({"device": "cuda", "parts": {"graphs": {"status": "ok", "figures": fig}}})
+    for text in ("batch 32 | 31/32", "| graphs | on |", "| keys captured (capture s) | 38 (2.10 s) |",
+                 "TPOT b1: graphs / eager | 3.10 ms / 9.30 ms (x3.00)", "| final empty_cache() | ok |"):
+        assert text in md, md

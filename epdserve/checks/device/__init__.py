@@ -6,6 +6,7 @@ Modules:
 - `env`: what every part shares: settings, checkpoints, prompts, clocks;
 - `exact`: offline `LLM` greedy output against transformers per family;
 - `tp`: the same at tensor_parallel_size 2 (two devices; the CPU stands in for them);
+- `graphs`: decode graphs against --enforce-eager (tokens, evidence, TPOT, a final empty_cache);
 - `serve`: every deployment mode launched, its greedy tokens against the offline engine's;
 - `perf`: decode speed against transformers, the memory floor; `profile` (operators per token),
   `served` (the served TPOT of one request alone);

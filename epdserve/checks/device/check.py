@@ -22,15 +22,16 @@ import sys
 import tempfile
 import time
 
-PART_NAMES = ("exact", "serve", "perf", "tp")
-TIMEOUT_ENV = "EPDSERVE_DEVICE_CHECK_{}_TIMEOUT_S"  # EXACT / SERVE / PERF / TP: a part's default timeout
-DEFAULT_TIMEOUTS = {"exact": 120.0, "serve": 240.0, "perf": 200.0, "tp": 150.0}  # an H200 run: ~75 + ~130 + ~170 s
+PART_NAMES = ("exact", "serve", "perf", "tp", "graphs")
+TIMEOUT_ENV = "EPDSERVE_DEVICE_CHECK_{}_TIMEOUT_S"  # EXACT / SERVE / PERF / TP / GRAPHS: a part's default timeout
+# an H200 run: ~75 + ~130 + ~170 s (graphs: an estimate, never run on a GPU)
+DEFAULT_TIMEOUTS = {"exact": 120.0, "serve": 240.0, "perf": 200.0, "tp": 150.0, "graphs": 120.0}
 ALL_MODES = ("monolithic", "P-D", "E-PD", "EP-D", "ED-P", "E-P-D")
 
 
 DESCRIPTION = """\
 The device check of a machine with a GPU (cuda), an NPU (npu) or only the CPU, in one command that
-needs no package index. Four parts, each in its own process under its own timeout, each printing
+needs no package index. Five parts, each in its own process under its own timeout, each printing
 one RESULT line:
 
   exact  offline LLM(dtype=float32) greedy == transformers' greedy generate on the same device, for
@@ -47,11 +48,14 @@ one RESULT line:
   tp     LLM(tensor_parallel_size=2), ranks on devices 0 and 1 (NCCL / HCCL; gloo and shared memory
          on CPU), greedy == transformers' on one device, a dense family and the MoE one (experts
          split over the ranks); skipped, saying so, with fewer than two devices
+  graphs decode graphs against --enforce-eager, bf16: greedy tokens equal at batch 1, 3 and 32 with
+         contexts crossing a width bucket mid-run, the evidence (keys, replays, eager steps), TPOT
+         both ways at batch 1 and 32, and a final empty_cache(); skipped where there are no graphs
 
 Writes device-check.json and device-check.md (one table per part) into --out, beside each part's
-log. Timeouts default to exact 120 s, serve 240 s, perf 200 s, tp 150 s (or
-EPDSERVE_DEVICE_CHECK_{EXACT,SERVE,PERF,TP}_TIMEOUT_S): the whole check takes about 7 minutes on an
-H200. scripts/device_check.sh installs wheels from a directory first (--wheels DIR) and runs this.
+log. Timeouts default to exact 120 s, serve 240 s, perf 200 s, tp 150 s, graphs 120 s (or
+EPDSERVE_DEVICE_CHECK_{EXACT,SERVE,PERF,TP,GRAPHS}_TIMEOUT_S): the whole check takes about 7 minutes
+on an H200 without the graphs part (its time is an estimate). scripts/device_check.sh installs wheels from a directory first (--wheels DIR) and runs this.
 """
 
 

@@ -14,7 +14,8 @@ import sys
 import time
 
 PARTS = {"exact": "epdserve.checks.device.exact", "serve": "epdserve.checks.device.serve",
-         "perf": "epdserve.checks.device.perf", "tp": "epdserve.checks.device.tp"}
+         "perf": "epdserve.checks.device.perf", "tp": "epdserve.checks.device.tp",
+         "graphs": "epdserve.checks.device.graphs"}
 
 
 def summary(part: str, data: dict) -> str:

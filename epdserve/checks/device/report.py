@@ -35,6 +35,21 @@ def _tp(fig: dict) -> list[str]:
         f"{k} {v.get('media_encoded_by_rank')}" for k, v in fig.items() if isinstance(v, dict) and "equal" in v)]
 
 
+def _graphs(fig: dict) -> list[str]:
+    if "skipped" in fig:
+        return [f"skipped: {fig['skipped']}"]
+    ev, tp = fig.get("evidence", {}), fig.get("tpot_ms", {})
+    rows = ["| figure | value |", "|---|---|"]
+    rows += [f"| greedy tokens with graphs = eager, batch {k[5:]} | {v['equal']}/{v['of']} |"
+             for k, v in fig.items() if k.startswith("batch") and isinstance(v, dict)]
+    rows += [f"| graphs | {'on' if ev.get('graphs') else 'off: ' + str(ev.get('why_off'))} |",
+             f"| keys captured (capture s) | {_v(ev.get('keys'))} ({_v(ev.get('capture_s'), ' s')}) |",
+             f"| replays; eager decode steps by reason | {_v(ev.get('replays'))}; {ev.get('eager_decode_steps')} |"]
+    rows += [f"| TPOT {b}: graphs / eager | {_v(v.get('graphs'), ' ms')} / {_v(v.get('eager'), ' ms')} "
+             f"(x{_v(v.get('eager_over_graphs'))}) |" for b, v in tp.items()]
+    return rows + [f"| final empty_cache() | {fig.get('empty_cache', 'n/a')} |"]
+
+
 def _serve(fig: dict) -> list[str]:
     rows = ["| mode | ready (s) | served = offline | P→D KV hop |", "|---|---:|---:|---|"]
     for mode, v in fig.items():
@@ -84,7 +99,8 @@ def _perf(fig: dict) -> list[str]:
 TITLES = {"exact": "Exactness: offline LLM greedy vs transformers greedy `generate`, same device",
           "serve": "Every mode launched on the device: served greedy tokens vs offline",
           "perf": "Decode speed, offline (and one request served)",
-          "tp": "Tensor parallelism: LLM(tensor_parallel_size=2) greedy vs transformers on one device"}
+          "tp": "Tensor parallelism: LLM(tensor_parallel_size=2) greedy vs transformers on one device",
+          "graphs": "Decode graphs: greedy tokens and TPOT against --enforce-eager, and the evidence"}
 
 
 def markdown(report: dict) -> str:
@@ -97,5 +113,5 @@ def markdown(report: dict) -> str:
         fig = entry.get("figures", {})
         if fig.get("error"):
             lines += [f"error: {fig['error']}", ""]
-        lines += {"exact": _exact, "serve": _serve, "perf": _perf, "tp": _tp}[part](fig) + [""]
+        lines += {"exact": _exact, "serve": _serve, "perf": _perf, "tp": _tp, "graphs": _graphs}[part](fig) + [""]
     return "\n".join(lines)
