@@ -70,7 +70,7 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
     if mode:
         checks.append(_mode(mode, kv_hop, plat))
     if plat is not None:
-        checks += [_dist_backend(plat, kv_hop), _native_ops(plat)]
+        checks += [_dtype(plat), _dist_backend(plat, kv_hop), _native_ops(plat)]
     if tensor_parallel_size > 1 or model:
         checks.append(_tensor_parallel(plat, device, tensor_parallel_size, model))
     if quantization:
@@ -176,6 +176,17 @@ def _device(device: str):
     env = plat.visible_devices_env
     visible = f" ({env}={os.environ[env]})" if env and env in os.environ else ""
     return plat, Check("devices", Status.OK, f"platform {plat.name}: {count}{visible}")
+
+
+def _dtype(plat) -> Check:
+    """What `--dtype auto` runs here, and why (platform/dtype_default.py; $EPDSERVE_DTYPE first)."""
+    from epdserve.engine.config import EngineConfig
+    from epdserve.platform.dtype_default import resolve_dtype
+    from epdserve.settings import env_value
+
+    given = env_value(EngineConfig, "dtype")
+    name, why = resolve_dtype(given, plat.name)
+    return Check("dtype", Status.OK, f"{name} ({'$EPDSERVE_DTYPE' if given else why})")
 
 
 def _tensor_parallel(plat, device: str, tp: int, model: str | None) -> Check:

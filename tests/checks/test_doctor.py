@@ -158,3 +158,15 @@ def test_quantization_row_says_which_linears_and_refuses_a_platform_without_the_
     assert rc == 0 and " ok " in row(out, "quantization") and "attention and dense MLP" in row(out, "quantization")
     check = _quantization(SimpleNamespace(name="npu"), "int8")  # only the platform's name is read
     assert check.status is Status.FAIL and "runs on cpu only" in check.detail, check
+
+
+def test_the_dtype_row_says_what_auto_runs_here_and_why(capsys, monkeypatch):
+    from epdserve.platform.dtype_default import auto_dtype
+
+    monkeypatch.delenv("EPDSERVE_DTYPE", raising=False)
+    rc, out = doctor(capsys, "--device", "cpu")
+    name, why = auto_dtype("cpu")
+    assert f"{name} ({why})" in row(out, "dtype")
+    monkeypatch.setenv("EPDSERVE_DTYPE", "float16")
+    rc, out = doctor(capsys, "--device", "cpu")
+    assert "float16 ($EPDSERVE_DTYPE)" in row(out, "dtype")
