@@ -31,3 +31,22 @@ def test_named_devices_round_robin():
 def test_cpu_sets_nothing():
     assert instance_device_env(CpuPlatform(), [], 0) == {}
     assert CpuPlatform().device_count() == 1
+
+
+def test_a_tensor_parallel_instance_gets_one_device_per_rank():
+    """Issue 48 item 1: an instance at tensor_parallel_size N sees N devices of its own (rank r on the
+    r-th), groups handed out round-robin; fewer devices than its degree is an error naming both."""
+    import pytest
+
+    from epdserve.deploy.local.deployment import Deployment, DeploymentSpec
+
+    got = [instance_device_env(_FourGpus(), [], k, degree=2)["CUDA_VISIBLE_DEVICES"] for k in range(3)]
+    assert got == ["0,1", "2,3", "0,1"]
+    assert instance_device_env(_FourNpus(), ["4", "5", "6", "7"], 1, degree=2) == {"ASCEND_RT_VISIBLE_DEVICES": "6,7"}
+    assert instance_device_env(_FourNpus(), [], 0, degree=4) == {"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}
+    with pytest.raises(ValueError, match="tensor_parallel_size 8 needs 8 devices; 4 visible"):
+        instance_device_env(_FourGpus(), [], 0, degree=8)
+    with pytest.raises(ValueError, match="needs 4 devices; 2 named by --devices"):
+        instance_device_env(_FourGpus(), ["0", "1"], 0, degree=4)
+    spec = DeploymentSpec(mode="monolithic", model="m", device="cpu", instance_args=["--tensor-parallel-size", "2"])
+    assert Deployment(spec)._degree == 2 and Deployment(DeploymentSpec(mode="E-PD", model="m", device="cpu"))._degree == 1

@@ -110,6 +110,8 @@ class Deployment:
         given = last_flag(spec.instance_args, "--dtype") or env_value(EngineConfig, "dtype")
         self.dtype, why = resolve_dtype(given, self.spec.device.partition(":")[0])
         log.info("instances run %s (%s)", self.dtype, why)
+        # each instance's tensor-parallel degree: that many devices each (instance_device_env)
+        self._degree = int(last_flag(spec.instance_args, "--tensor-parallel-size") or 1)
         self.pools = spec.pools()
         self.address = ""
         # the MM Store URL children get and the ready line shows: never its passwords, which go to
@@ -260,7 +262,8 @@ class Deployment:
             return {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
         from epdserve.platform import get_platform
 
-        return instance_device_env(get_platform(self.spec.device.split(":")[0]), self.spec.devices, k)
+        return instance_device_env(get_platform(self.spec.device.split(":")[0]), self.spec.devices, k,
+                                   self._degree)
 
     def _child(self, name: str, argv: list[str], env: dict[str, str] | None = None,
                module: str | None = None) -> ChildProcess:
@@ -413,15 +416,23 @@ class Deployment:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
-def instance_device_env(platform, devices: list[str], k: int) -> dict[str, str]:
-    """The visible-devices variable of the k-th instance (start order): its own accelerator.
+def instance_device_env(platform, devices: list[str], k: int, degree: int = 1) -> dict[str, str]:
+    """The visible-devices variable of the k-th instance (start order): its own accelerator(s).
 
-    Instances are separate processes that the mode does not co-locate, so by default each gets a
-    device of its own, round-robin over `devices` or, when none are named, over every device the
-    platform sees (co-located workers share their instance's device). Without a variable to set
-    (CPU), nothing."""
+    Instances are separate processes that the mode does not co-locate, so by default each gets
+    `degree` devices of its own (its tensor-parallel ranks, one per device: rank r on the r-th it
+    sees), in groups round-robin over `devices` or, when none are named, over every device the
+    platform sees (co-located workers share their instance's devices). ValueError when fewer than
+    `degree` devices exist. Without a variable to set (CPU), nothing."""
     var = platform.visible_devices_env
     if not var:
         return {}
     ids = list(devices) or [str(i) for i in range(platform.device_count())]
-    return {var: ids[k % len(ids)]} if ids else {}
+    if not ids:
+        return {}
+    if len(ids) < degree:
+        raise ValueError(f"an instance at tensor_parallel_size {degree} needs {degree} devices; {len(ids)} "
+                         f"{'named by --devices' if devices else 'visible'}")
+    groups = len(ids) // degree
+    start = (k % groups) * degree
+    return {var: ",".join(ids[start:start + degree])}
