@@ -192,6 +192,16 @@ def test_one_dtype_for_every_instance_when_given_else_each_pod_resolves_auto():
     assert not any("--dtype" in a for a in instance_args(KubeValues(mode="E-P-D")))
 
 
+def test_a_tensor_parallel_instance_pod_requests_one_accelerator_per_rank():
+    """Issue 48 item 1: --tensor-parallel-size N on every instance, and N accelerators per instance pod."""
+    v = KubeValues(mode="E-PD", flavour="cuda", tensor_parallel_size=2)
+    pods = [c for _, c in containers(render(v)) if c["name"] == "instance"]
+    assert pods and all(c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2" for c in pods)
+    assert all(c["resources"]["limits"][v.resource] == "2" == c["resources"]["requests"][v.resource] for c in pods)
+    one = [c for _, c in containers(render(KubeValues(mode="E-PD", flavour="cuda"))) if c["name"] == "instance"]
+    assert all("--tensor-parallel-size" not in c["args"] and c["resources"]["limits"][v.resource] == "1" for c in one)
+
+
 @pytest.mark.parametrize("url", ["redis://:secret@r:6379/0", "redis://u:secret@r:6379", "redis://r/0?password=x",
                                  "http://r:6379"])
 def test_a_password_in_the_mm_store_url_is_refused(url):

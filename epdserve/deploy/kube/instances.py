@@ -34,6 +34,7 @@ def instance_args(v: KubeValues, roles: str) -> list[str]:
             "--host", f"$({pod.POD_IP})", "--port", str(v.ports.instance),
             *(["--kv-cache-mb", str(v.kv_cache_mb)] if v.kv_cache_mb is not None else []),
             *(["--dtype", v.dtype] if v.dtype else []),
+            *(["--tensor-parallel-size", str(v.tensor_parallel_size)] if v.tensor_parallel_size > 1 else []),
             "--drain-timeout", f"{v.drain_timeout:g}"]
 
 
@@ -53,7 +54,7 @@ def grace_seconds(v: KubeValues) -> int:
 
 def instance_container(v: KubeValues, roles: str) -> dict:
     f = v.flavour_spec
-    extra = {v.resource: 1} if v.resource else None
+    extra = {v.resource: v.tensor_parallel_size} if v.resource else None  # one accelerator per rank
     return {
         "name": "instance", "image": v.image_ref, "imagePullPolicy": v.image_pull_policy,
         "command": list(f.command), "args": instance_args(v, roles), "env": instance_env(v),

@@ -54,6 +54,10 @@ class KubeValues:
         EngineConfig, "kv_cache_bytes", default=None,
         help="an instance's KV cache size per P/D worker, MiB (default: the flavour's: 16384 on an accelerator; "
              "the instance's own on CPU)")
+    tensor_parallel_size: int = same_as(
+        EngineConfig, "tensor_parallel_size",
+        help="every instance's --tensor-parallel-size; each instance pod then requests that many accelerators "
+             "(rank r on the r-th the device plugin gives it)")
     dtype: str | None = same_as(
         EngineConfig, "dtype", help="every instance's --dtype (default: not passed: each pod resolves auto on its "
                                     "node — bf16 on an accelerator or a CPU with AVX512-BF16/AMX-BF16, else fp32; "
