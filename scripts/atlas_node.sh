@@ -46,9 +46,10 @@
 #   REG_PORT         scheduler's internal port (instance registry)            [50052]
 #   MODE             mode name reported by the scheduler                      [E-P-D]
 #   ROLES            `preflight` only: the roles to size HBM for (`instances` takes them as argument)  [P]
-#   TENSOR_PARALLEL_SIZE  `preflight` only: NPUs per instance (an instance at --tensor-parallel-size N
-#                    holds 1/N of the weights on each of N NPUs): the NPU list must split into
-#                    groups of N, and each NPU is sized for its share            [1]
+#   TENSOR_PARALLEL_SIZE  NPUs per instance (an instance at --tensor-parallel-size N holds 1/N of the
+#                    weights on each of N NPUs): the NPU list must split into groups of N, each NPU is
+#                    sized for its share, and `instances` starts one instance per group, with
+#                    --tensor-parallel-size N and the group in ASCEND_RT_VISIBLE_DEVICES   [1]
 #   KV_CACHE_MB      KV cache per P/D worker   [on NPU: what the preflight finds fits, at most 16384; with DEVICE=cpu the instance's default]
 #   HBM_MARGIN_MB    preflight: HBM each process needs beyond weights and KV cache (activations,
 #                    CANN/ATB workspaces, HCCL buffers, the runtime's context); an estimate, not a
@@ -392,16 +393,22 @@ case "$what" in
     if [[ "$DEVICE" == cpu && -z "${KV_CACHE_MB:-}" ]]; then kv_args=(); fi   # CPU: the instance's own default
     trap cleanup EXIT INT TERM HUP
     IFS=, read -ra devs <<< "$npus"
-    for dev in "${devs[@]}"; do
-      # One NPU per instance process: ASCEND_RT_VISIBLE_DEVICES takes logical ids (as
-      # `npu-smi info -m` lists them); the process then sees its NPU as npu:0. Each binds the
-      # cluster interface only and registers on the head's internal port with the cluster token.
-      ASCEND_RT_VISIBLE_DEVICES=$dev epdserve instance --roles "$roles" --model "$MODEL" --device "$DEVICE" \
+    tp=${TENSOR_PARALLEL_SIZE:-1}
+    (( ${#devs[@]} % tp == 0 )) || die "instances: TENSOR_PARALLEL_SIZE=$tp needs the NPU list in groups of $tp, got $npus"
+    tp_args=()
+    if (( tp > 1 )); then tp_args=(--tensor-parallel-size "$tp"); fi
+    for ((i = 0; i < ${#devs[@]}; i += tp)); do
+      group=$(IFS=,; echo "${devs[*]:i:tp}")
+      # One group of TENSOR_PARALLEL_SIZE NPUs per instance process (one NPU by default):
+      # ASCEND_RT_VISIBLE_DEVICES takes logical ids (as `npu-smi info -m` lists them); the process
+      # then sees its NPUs as npu:0.. (rank r on npu:r). Each binds the cluster interface only and
+      # registers on the head's internal port with the cluster token.
+      ASCEND_RT_VISIBLE_DEVICES=$group epdserve instance --roles "$roles" --model "$MODEL" --device "$DEVICE" \
         --scheduler "$HEAD_IP:${REG_PORT:-50052}" --mm-store "$MM_STORE" --host "$NODE_IP" \
-        "${kv_args[@]}" "${insecure[@]}" "${extra[@]}" &
+        "${kv_args[@]}" "${tp_args[@]}" "${insecure[@]}" "${extra[@]}" &
       pids+=($!)
     done
-    echo "started ${#devs[@]} $roles instance(s) on $NODE_IP ($DEVICE $npus)"
+    echo "started $(( ${#devs[@]} / tp )) $roles instance(s) on $NODE_IP ($DEVICE $npus, $tp NPU(s) each)"
     ;;
   *)
     echo "$usage" >&2; exit 2 ;;
