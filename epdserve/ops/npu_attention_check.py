@@ -19,9 +19,11 @@ build: "When layout is TND, queryD(128) or keyD(128) must be 192") report it ref
 v0.11.0 attended decode-only steps with the ATB `_npu_paged_attention` (vllm_ascend/attention/
 attention_v1.py `_forward_decode_only`), while v0.13.0 (README: CANN 8.3.rc2, torch-npu 2.8.0)
 makes our call for every step (`forward_fused_infer_attention`). So the
-check then makes one tiny call of exactly our shape — a decode row and a two-token prompt chunk
-of one block each, with the causal mask — and compares it with the same attention computed in
-float32 on the device; a refusal (the aclnn error, e.g. 561002) or a wrong answer stops the
+check then makes one tiny step of exactly our shape — the KV write the engine will use
+(`reshape_and_cache`, its schema as ops/npu_schema.py found it) of the step's new tokens, then
+attention over a decode row in one block, a two-token prompt chunk with the causal mask, and a
+decode row whose context crosses a block boundary (two blocks, out of order) — and compares the
+written cache rows and the attention with the same computed in float32 on the device; a refusal (the aclnn error, e.g. 561002) or a wrong answer stops the
 engine, naming the CANN (`torch_npu.utils.get_cann_version()`, torch_npu/npu/utils.py on
 v2.8.0-7.2.0, v2.9.0-7.3.0 and v2.12.0-26.1.0) and the extras that carry a CANN which takes it.
 """
@@ -72,15 +74,30 @@ def check_npu_attention(ops, spec, num_heads: int, device: torch.device) -> None
     check_model_shape(spec.dtype, spec.head_dim, num_heads, spec.num_kv_heads)
     bs, kvh, d = spec.block_size, spec.num_kv_heads, spec.head_dim
     g = torch.Generator().manual_seed(0)
-    kc = torch.randn(2, bs, kvh, d, generator=g).to(spec.dtype).to(device)
-    vc = torch.randn(2, bs, kvh, d, generator=g).to(spec.dtype).to(device)
-    q = torch.randn(3, num_heads, d, generator=g).to(spec.dtype).to(device)
+    kc = torch.randn(4, bs, kvh, d, generator=g).to(spec.dtype).to(device)
+    vc = torch.randn(4, bs, kvh, d, generator=g).to(spec.dtype).to(device)
+    q = torch.randn(len(PROBE_ROWS), num_heads, d, generator=g).to(spec.dtype).to(device)
+    new_k = torch.randn(len(PROBE_ROWS), kvh, d, generator=g).to(spec.dtype).to(device)
+    new_v = torch.randn(len(PROBE_ROWS), kvh, d, generator=g).to(spec.dtype).to(device)
     from epdserve.ops.attention_meta import VarlenBatch
 
-    # request 0: a decode row over 5 keys (block 0); request 1: a 2-token chunk over 3 keys (block 1)
-    batch = VarlenBatch(torch.tensor([[0], [1]], dtype=torch.int32).to(device), (1, 3), (5, 3))
-    scale = d ** -0.5
     cann = cann_version(ops._torch_npu()) or "unknown (older than 8.1.RC1?)"
+    # the step's new tokens into the cache, by the write the engine uses: each query row's own token
+    slots = [table[(n - 1) // bs] * bs + (n - 1) % bs for table, n in _rows(bs)]
+    try:
+        ops.reshape_and_cache(new_k, new_v, kc, vc, torch.tensor(slots, dtype=ops.index_dtype).to(device))
+    except Exception as e:
+        raise NpuKernelsUnsupported(f"this CANN ({cann}) refuses the KV cache write ({type(e).__name__}: {e}). "
+                                    f"Fix: {EXTRAS_FIX}") from e
+    for cache, new in ((kc, new_k), (vc, new_v)):
+        if not torch.equal(cache.view(-1, kvh, d)[torch.tensor(slots)].cpu(), new.cpu()):
+            raise NpuKernelsUnsupported(f"this CANN ({cann})'s KV cache write put the tokens in the wrong place. "
+                                        f"Fix: {EXTRAS_FIX}")
+    # request 0: a decode row over 5 keys (block 0); request 1: a 2-token chunk over 3 keys (block 1);
+    # request 2: a decode row over bs + 3 keys of blocks 3 then 2 (a block boundary, out of order)
+    tables = torch.tensor([[0, 0], [1, 0], [3, 2]], dtype=torch.int32).to(device)
+    batch = VarlenBatch(tables, (1, 3, 4), (5, 3, bs + 3))
+    scale = d ** -0.5
     try:
         out = ops.varlen_attention(q, kc, vc, batch, scale)
     except Exception as e:  # the aclnn error (e.g. 561002) the kernel's tiling raised
@@ -95,17 +112,26 @@ def check_npu_attention(ops, spec, num_heads: int, device: torch.device) -> None
     if not err <= 0.05:
         raise NpuKernelsUnsupported(
             f"this CANN ({cann})'s npu_fused_infer_attention_score (TND, paged) answers wrongly: max error {err:.3g} "
-            f"against float32 on a two-request batch. Fix: {EXTRAS_FIX}")
+            f"against float32 on a three-request batch. Fix: {EXTRAS_FIX}")
+
+
+# per query row of the probe: (its request's blocks in order, keys it sees): row 0 a decode row over 5
+# keys of block 0; rows 1-2 a chunk ending at key 2 of block 1 (right-down causal: 2 and 3 keys);
+# row 3 a decode row over block 3 whole and 3 keys of block 2
+PROBE_ROWS = (((0,), 5), ((1,), 2), ((1,), 3), ((3, 2), None))
+
+
+def _rows(bs: int):
+    return [(t, n if n is not None else bs + 3) for t, n in PROBE_ROWS]
 
 
 def _reference(q, kc, vc, scale) -> torch.Tensor:
-    """The probe batch's attention in float32: row 0 sees keys 0..4 of block 0; rows 1-2 (a chunk
-    ending at key 2 of block 1) see keys 0..1 and 0..2 (right-down causal)."""
+    """The probe batch's attention in float32, row by row (`PROBE_ROWS`)."""
     heads, kvh = q.shape[1], kc.shape[2]
     rows = []
-    for i, (blk, n) in enumerate(((0, 5), (1, 2), (1, 3))):
-        k = kc[blk, :n].float().repeat_interleave(heads // kvh, dim=1)  # [n, heads, d]
-        v = vc[blk, :n].float().repeat_interleave(heads // kvh, dim=1)
+    for i, (blocks, n) in enumerate(_rows(kc.shape[1])):
+        k = torch.cat([kc[b] for b in blocks])[:n].float().repeat_interleave(heads // kvh, dim=1)  # [n, heads, d]
+        v = torch.cat([vc[b] for b in blocks])[:n].float().repeat_interleave(heads // kvh, dim=1)
         s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
         rows.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v))
     return torch.stack(rows)

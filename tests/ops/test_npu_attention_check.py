@@ -32,9 +32,10 @@ def test_each_lines_own_cann_decides(monkeypatch, line):
             ops.check_kv_spec(_spec(), 4, CPU)
     else:
         ops.check_kv_spec(_spec(), 4, CPU)
-    (call,) = fake.kernel_calls  # one tiny call: a decode row and a 2-token chunk
-    assert call[0] == FIA and call[2]["input_layout"] == "TND" and call[2]["actual_seq_lengths"] == [1, 3]
-    assert call[2]["actual_seq_lengths_kv"] == [5, 3] and call[2]["sparse_mode"] == 3
+    write, call = fake.kernel_calls  # the KV write the engine uses, then one attention call (issue 53 item 3):
+    assert write[0] != FIA  # a decode row, a 2-token chunk, and a decode row over two blocks (128 + 3 keys)
+    assert call[0] == FIA and call[2]["input_layout"] == "TND" and call[2]["actual_seq_lengths"] == [1, 3, 4]
+    assert call[2]["actual_seq_lengths_kv"] == [5, 3, 131] and call[2]["sparse_mode"] == 3
 
 
 def test_cann_8_3_rc2_takes_it_as_vllm_ascend_0_13_runs_it(monkeypatch):
@@ -110,3 +111,21 @@ def test_the_engine_asks_before_it_allocates_the_kv_cache(monkeypatch, qwen2_vl_
     with pytest.raises(NpuKernelsUnsupported, match="refused at start-up"):
         llm_engine.LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu"))
     assert asked == [(torch.float32, 16, 4, "cpu")] and allocated == []
+
+
+def test_a_kv_write_that_misplaces_tokens_is_refused(monkeypatch):
+    """The probe runs the engine's KV write and checks where the tokens landed (issue 53 item 3)."""
+    from tests.fakes.npu_kernels_fake import KV_WRITES
+
+    def shifted(impl):
+        def write(a):  # the right values, one slot off
+            a = dict(a)
+            for name in ("slot_mapping", "slot_indices"):
+                if name in a and torch.is_tensor(a[name]):
+                    a[name] = a[name] + 1
+            return impl(a)
+        return write
+
+    FakeTorchNpu(kernels={FIA: _fia, **{k: shifted(v) for k, v in KV_WRITES.items()}}).install(monkeypatch)
+    with pytest.raises(NpuKernelsUnsupported, match="KV cache write put the tokens in the wrong place"):
+        NpuPagedOps().check_kv_spec(_spec(), 4, CPU)
