@@ -148,10 +148,7 @@ def hccl(args) -> bool:
 
     platform = get_platform("npu")
     platform.set_thread_device(0)
-    # HCCL expects one rank per device: the peer on NPU 1 when there is one
-    peer_index = 1 if platform.device_count() >= 2 else 0
-    where = ("ranks on npu:0 and npu:1" if peer_index else
-             "one NPU visible: both ranks on npu:0 (HCCL expects one rank per device; make two visible)")
+    peer_index, where = hccl_placement(platform.device_count())
     store = loopback_store(2)  # listens on 127.0.0.1 only (a TCPStore binding itself takes every interface)
     peer = subprocess.Popen([sys.executable, "-m", "epdserve.checks.npu.first_run", "hccl-peer", "--device", args.device,
                              "--port", str(store.port), "--index", str(peer_index)], stdout=subprocess.PIPE, text=True)
@@ -184,6 +181,14 @@ def hccl(args) -> bool:
     finally:
         if peer.poll() is None:
             peer.kill()
+
+
+def hccl_placement(count: int) -> tuple[int, str]:
+    """(the peer rank's NPU index, what the row says): HCCL expects one rank per device, so the peer
+    goes on NPU 1 when there is one."""
+    if count >= 2:
+        return 1, "ranks on npu:0 and npu:1"
+    return 0, "one NPU visible: both ranks on npu:0 (HCCL expects one rank per device; make two visible)"
 
 
 def _device(device: str, index: int) -> torch.device:
