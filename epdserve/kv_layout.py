@@ -9,8 +9,8 @@ tokens per block, the KV dtype and the weights' quantization method ("" = the mo
 weights). `pair_mismatch(p, d)` says why P's KV cannot become D's, or None: the model's KV shape,
 block size and dtype must be equal (the hop sends whole blocks as raw bytes), the weights must be
 quantized alike (KV computed from other weights is another model's), and the hop must carry that
-pair of degrees
-(`HOP_DEGREES`: equal degree 1 today — a TP engine takes no KV connector, engine/llm_engine.py).
+pair of degrees (`HOP_DEGREES`: equal degree 1 today — a TP engine takes no KV connector,
+engine/llm_engine.py).
 It travels as `common.proto`'s `KvLayout` inside `InstanceStatus`.
 """
 from __future__ import annotations

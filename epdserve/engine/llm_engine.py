@@ -129,7 +129,7 @@ class LLMEngine:
         a P with a D only when their records map."""
         a, c = self.model.adapter, self.config
         return KvLayout(c.tensor_parallel_size, a.num_layers, a.num_kv_heads, a.head_dim, c.block_size,
-                        str(self.model.dtype).removeprefix("torch."), self.model.quantization)
+                        self.model.dtype_name, self.model.quantization)
 
     def _check_tp(self, kv_connector) -> None:
         """Refuse at start-up a set-up tensor parallelism does not cover yet (load_model refused
@@ -147,7 +147,7 @@ class LLMEngine:
         LM sums over them."""
         c, m = self.config, self.model
         group = TPGroup(self.platform, c.tensor_parallel_size, dict(
-            model=c.model, device=c.device, dtype=str(m.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
+            model=c.model, device=c.device, dtype=m.dtype_name, max_model_len=self.max_model_len,
             num_blocks=num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs, ops=c.ops,
             quantization=c.quantization),
             reduce_bytes=c.max_num_seqs * int(m.adapter.text_config.hidden_size) * m.dtype.itemsize)  # a decode step's

@@ -51,6 +51,11 @@ class LoadedModel:
     dtype_why: str = "--dtype"  # why `dtype` (platform/dtype_default.py): given, or what auto saw
 
     @property
+    def dtype_name(self) -> str:
+        """`dtype` as the settings spell it ("bfloat16")."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def tokenizer(self):
         return self.checkpoint.tokenizer
 

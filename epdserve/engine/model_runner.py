@@ -71,11 +71,12 @@ class ModelRunner:
         self._copies: tuple = ()  # the step's block copies, for the other ranks
         moe = any(w.moe is not None for w in lm.layers)
         # graph evidence (`graph_report`): why graphs are off, replays, eager decode steps by reason
-        self.graphs_off_why = ("the platform has no graphs (CPU and NPU decode eagerly)" if not platform.has_graphs
-                               else "this engine never decodes (E or P): no graphs, no logits buffers" if not decodes
-                               else "--enforce-eager (or tensor parallelism)" if enforce_eager
-                               else "Qwen3-VL-MoE's expert routing reads the device" if moe
-                               else "P's layerwise KV sends run between layers" if _layerwise(connector) else "")
+        off = ((not platform.has_graphs, "the platform has no graphs (CPU and NPU decode eagerly)"),
+               (not decodes, "this engine never decodes (E or P): no graphs, no logits buffers"),
+               (enforce_eager, "--enforce-eager (or tensor parallelism)"),
+               (moe, "Qwen3-VL-MoE's expert routing reads the device"),
+               (_layerwise(connector), "P's layerwise KV sends run between layers"))
+        self.graphs_off_why = next((why for cond, why in off if cond), "")
         self.graph_replays = 0
         self.eager_decode_steps: dict[str, int] = {}  # reason -> decode-only steps run eagerly
         if not self.graphs_off_why:

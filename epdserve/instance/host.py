@@ -380,33 +380,37 @@ class InstanceHost:
     def _block_size(self) -> int:
         """Tokens per KV block of the engines that hold request KV (the router hashes prompts in
         blocks of it); 0 while none is built (an encode-only instance: it caches no prefix)."""
-        return next((w.engine.config.block_size for w in self.workers
-                     if w.engine is not None and w.engine.config.computes), 0)
+        engine = self._lm_engine()
+        return engine.config.block_size if engine is not None else 0
+
+    def _lm_engine(self):
+        """Its first engine that runs the LM (holds request KV); None on an encode-only instance."""
+        return next((w.engine for w in self.workers if w.engine is not None and w.engine.config.computes), None)
 
     def dtype_line(self) -> str:
         """The dtype its engines run and why ("bfloat16 (auto: this CPU has AVX512-BF16)")."""
         if self.model is None:
             return "none"
-        return f"{str(self.model.dtype).removeprefix('torch.')} ({self.model.dtype_why})"
+        return f"{self.model.dtype_name} ({self.model.dtype_why})"
 
     def graphs_line(self) -> str:
         """Whether its LM engines replay decode graphs: "on (12 keys, 1.4 s)" or "off (why)"."""
-        engines = [w.engine for w in self.workers if w.engine is not None and w.engine.config.computes]
-        if not engines:
+        engine = self._lm_engine()
+        if engine is None:
             return "none"
-        g = engines[0].runner.graph_report()
+        g = engine.runner.graph_report()
         return f"on ({g['keys']} keys, {g['capture_s']:.1f} s)" if g["graphs"] else f"off ({g['why_off']})"
 
     def weights_method(self) -> str:
         """How the LM's attention and MLP weights are held: the quantization method, else the dtype."""
         if self.model is None:
             return "none"
-        return self.model.quantization or str(self.model.dtype).removeprefix("torch.")
+        return self.model.quantization or self.model.dtype_name
 
     def _kv_layout(self) -> common_pb2.KvLayout | None:
         """The registration record of the KV its engines hold (epdserve/kv_layout.py); None while
         none is built (an encode-only instance)."""
-        engine = next((w.engine for w in self.workers if w.engine is not None and w.engine.config.computes), None)
+        engine = self._lm_engine()
         return common_pb2.KvLayout(**engine.kv_layout().to_dict()) if engine is not None else None
 
     def status(self) -> common_pb2.InstanceStatus:

@@ -76,14 +76,14 @@ def check_npu_attention(ops, spec, num_heads: int, device: torch.device) -> None
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(4, bs, kvh, d, generator=g).to(spec.dtype).to(device)
     vc = torch.randn(4, bs, kvh, d, generator=g).to(spec.dtype).to(device)
-    q = torch.randn(len(PROBE_ROWS), num_heads, d, generator=g).to(spec.dtype).to(device)
-    new_k = torch.randn(len(PROBE_ROWS), kvh, d, generator=g).to(spec.dtype).to(device)
-    new_v = torch.randn(len(PROBE_ROWS), kvh, d, generator=g).to(spec.dtype).to(device)
+    q, new_k, new_v = (torch.randn(4, h, d, generator=g).to(spec.dtype).to(device)
+                       for h in (num_heads, kvh, kvh))  # one per probe row (_probe_rows)
     from epdserve.ops.attention_meta import VarlenBatch
 
     cann = cann_version(ops._torch_npu()) or "unknown (older than 8.1.RC1?)"
     # the step's new tokens into the cache, by the write the engine uses: each query row's own token
-    slots = [table[(n - 1) // bs] * bs + (n - 1) % bs for table, n in _rows(bs)]
+    rows = _probe_rows(bs)
+    slots = [table[(n - 1) // bs] * bs + (n - 1) % bs for table, n in rows]
     try:
         ops.reshape_and_cache(new_k, new_v, kc, vc, torch.tensor(slots, dtype=ops.index_dtype).to(device))
     except Exception as e:
@@ -115,21 +115,18 @@ def check_npu_attention(ops, spec, num_heads: int, device: torch.device) -> None
             f"against float32 on a three-request batch. Fix: {EXTRAS_FIX}")
 
 
-# per query row of the probe: (its request's blocks in order, keys it sees): row 0 a decode row over 5
-# keys of block 0; rows 1-2 a chunk ending at key 2 of block 1 (right-down causal: 2 and 3 keys);
-# row 3 a decode row over block 3 whole and 3 keys of block 2
-PROBE_ROWS = (((0,), 5), ((1,), 2), ((1,), 3), ((3, 2), None))
-
-
-def _rows(bs: int):
-    return [(t, n if n is not None else bs + 3) for t, n in PROBE_ROWS]
+def _probe_rows(bs: int) -> list[tuple[tuple[int, ...], int]]:
+    """Per query row of the probe: (its request's blocks in order, keys it sees): row 0 a decode row
+    over 5 keys of block 0; rows 1-2 a chunk ending at key 2 of block 1 (right-down causal: 2 and 3
+    keys); row 3 a decode row over block 3 whole and 3 keys of block 2."""
+    return [((0,), 5), ((1,), 2), ((1,), 3), ((3, 2), bs + 3)]
 
 
 def _reference(q, kc, vc, scale) -> torch.Tensor:
-    """The probe batch's attention in float32, row by row (`PROBE_ROWS`)."""
+    """The probe batch's attention in float32, row by row (`_probe_rows`)."""
     heads, kvh = q.shape[1], kc.shape[2]
     rows = []
-    for i, (blocks, n) in enumerate(_rows(kc.shape[1])):
+    for i, (blocks, n) in enumerate(_probe_rows(kc.shape[1])):
         k = torch.cat([kc[b] for b in blocks])[:n].float().repeat_interleave(heads // kvh, dim=1)  # [n, heads, d]
         v = torch.cat([vc[b] for b in blocks])[:n].float().repeat_interleave(heads // kvh, dim=1)
         s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale

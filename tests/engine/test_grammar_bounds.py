@@ -15,19 +15,12 @@ from epdserve.entrypoints.http.errors import ApiError
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest
 from epdserve.limits import InputLimits, LimitError, check_generate_request
 from epdserve.rpc import common_pb2, serve_pb2
+from tests.engine.test_grammar_compile import _run
 
 
 def _enum(n: int, tag: str) -> str:
     return json.dumps({"type": "object", "properties": {"a": {"enum": [f"{tag}-{i}" for i in range(n)]}},
                        "required": ["a"]})
-
-
-def _run(engine, until):
-    outs = {}
-    while not until(outs):
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from epdserve.entrypoints.http.options import HttpOptions
 from epdserve.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from epdserve.entrypoints.http.tools import ToolPlan, tool_turn
 from epdserve.instance.sampling_wire import structured_to_proto
+from epdserve.limits import InputLimits, check_structured_output
 from epdserve.model.chat import unsupported_part
 from epdserve.model.processor import open_image
 from epdserve.request_errors import InvalidRequestError, MediaError
@@ -78,15 +79,12 @@ def sampling(body: SamplingFields, max_model_len: int, max_tokens: int | None,
     try:
         constraint, field = structured or body.structured()
         if constraint is not None:
-            size = len(constraint.spec.encode())
-            if max_structured_bytes is not None and size > max_structured_bytes:
-                raise ValueError(f"the structured output is {size} bytes, over the limit of {max_structured_bytes} "
-                                 f"(--max-structured-output-bytes)")
+            p.structured.CopyFrom(structured_to_proto(constraint))
+            if max_structured_bytes is not None:  # the scheduler's own check (limits.py), before any parse
+                check_structured_output(p.structured, InputLimits(max_structured_output_bytes=max_structured_bytes))
             check_grammar(constraint)  # the scheduler checks it too; here the 400 names the field
-    except (ValueError, InvalidRequestError) as e:
+    except (ValueError, InvalidRequestError) as e:  # LimitError is a ValueError
         raise ApiError(400, str(e), param=field or _structured_field(body)) from None
-    if constraint is not None:
-        p.structured.CopyFrom(structured_to_proto(constraint))
     return p
 
 
