@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epdserve.engine.sequence import MediaItem, Sequence
+from epdserve.engine.request_parts import MediaItem
+from epdserve.engine.sequence import Sequence
 
 TEMPORAL_SLICING_EXACT = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 

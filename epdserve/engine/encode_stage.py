@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from epdserve.engine.encode_plan import TEMPORAL_SLICING_EXACT, EncodeJob, Slice, pack
-from epdserve.engine.sequence import MediaItem, RequestState, Sequence
+from epdserve.engine.request_parts import MediaItem
+from epdserve.engine.sequence import RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.engine.step_budget import StepBudget
 from epdserve.model.adapter import VLMAdapter
@@ -212,7 +213,7 @@ class EncodeStage:
             del self.jobs[key]
             owners = [s for s in self.pending if any(m.key == key and m.features is None for m in s.media)]
             if self.encodes:
-                self.features.save(key, f, request_id=owners[0].request_id, target=owners[0].feature_target)
+                self.features.save(key, f, request_id=owners[0].request_id, target=owners[0].handoff.feature_target)
             for seq in owners:  # the same media in every pending request
                 for m in seq.media:
                     if m.key == key and m.features is None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.engine.sequence import MediaItem
+from epdserve.engine.request_parts import MediaItem
+from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
 
 
 @dataclass
@@ -14,7 +15,7 @@ class EngineRequest:
     media: list[MediaItem] = field(default_factory=list)
     params: SamplingParams = field(default_factory=SamplingParams)
     feature_target: str | None = None  # encode: the prefill side told when features are stored
-    kv_transfer: object | None = None  # RemoteDecode (prefill role) / RemotePrefill (decode role)
+    kv_transfer: RemoteDecode | RemotePrefill | None = None  # RemoteDecode (prefill role) / RemotePrefill (decode role)
     num_vision_tokens: int = 0  # decode role: vision tokens of the remote prompt (reporting only)
     # decode role: (key, extra, num_tokens) per media item in prompt order (seams/prefix_hash.py
     # `media_extra`): the identity the prefix cache keys the imported KV by; without it a prompt

@@ -43,11 +43,11 @@ from epdserve.engine.model_runner import ModelRunner
 from epdserve.engine.prefix_hash import PrefixHasher
 from epdserve.engine import pipelined_prefill
 from epdserve.engine.outputs import RequestOutput, make_output
-from epdserve.engine.pipelined_prefill import PipelineState
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine import sequence_group
 from epdserve.engine.scheduler import Scheduler, StepSchedulerConfig
-from epdserve.engine.sequence import MediaItem, RequestState, Sequence
+from epdserve.engine.request_parts import ChoiceGroup, Handoff, MediaItem, PipelineState, PrefixMemo
+from epdserve.engine.sequence import RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.engine.step_budget import StepBudget, StepPlan
 from epdserve.engine.stop_checker import StopChecker
@@ -177,10 +177,9 @@ class LLMEngine:
         rid = req.request_id
         if rid in self._seqs or rid in self.scheduler.held:
             raise ValueError(f"request id {rid!r} is already in flight")
-        seq = Sequence(rid, list(req.prompt_token_ids), req.params, media=list(req.media),
-                       arrival=next(self._arrivals), feature_target=req.feature_target,
-                       kv_transfer=req.kv_transfer, num_vision_tokens_hint=req.num_vision_tokens,
-                       media_identity=tuple(req.media_identity), cache_salt=req.cache_salt)
+        seq = Sequence(rid, list(req.prompt_token_ids), req.params, media=list(req.media), arrival=next(self._arrivals),
+                       handoff=Handoff(req.feature_target, req.kv_transfer, vision_tokens=req.num_vision_tokens),
+                       prefix=PrefixMemo(req.cache_salt, tuple(req.media_identity)))
         self._validate(seq)
         self._start_group(seq)
         if req.params.structured is not None and self.config.computes:  # a new grammar: not scheduled until compiled
@@ -198,7 +197,7 @@ class LLMEngine:
             seq.positions, seq.rope_delta = self.model.adapter.rope_index(
                 seq.prompt_token_ids, [m.grid_thw for m in seq.media],
                 [m.input.seconds_per_grid if m.input is not None else None for m in seq.media])
-        if seq.media and self.config.prefills and not isinstance(seq.kv_transfer, RemotePrefill):
+        if seq.media and self.config.prefills and not isinstance(seq.handoff.kv_transfer, RemotePrefill):
             self._skip_cached_media(seq)
         if any(m.features is None for m in seq.media):
             self.encoder.add(seq)
@@ -215,12 +214,12 @@ class LLMEngine:
 
     def _pipelines(self, seq: Sequence) -> bool:
         """Is `seq` prefilled while its media still arrive (engine/pipelined_prefill.py)?"""
-        return self.config.pipelined_prefill and self.config.prefills and not isinstance(seq.kv_transfer, RemotePrefill)
+        return self.config.pipelined_prefill and self.config.prefills and not isinstance(seq.handoff.kv_transfer, RemotePrefill)
 
     def _start_pipeline(self, seq: Sequence) -> None:
         """Text embeddings now, each item's rows as it lands; scheduled once a token may be computed."""
         a = self.model.adapter
-        seq.pipeline = PipelineState.of(seq, (a.image_token_id, a.video_token_id))
+        seq.pipeline = PipelineState.of(seq.prompt_token_ids, seq.media, (a.image_token_id, a.video_token_id))
         seq.prompt_embeds = self.runner.build_prompt_embeds(seq.prompt_token_ids, [])
         self._advance_pipeline(seq)
 
@@ -242,16 +241,16 @@ class LLMEngine:
         That prefix is pinned: a preemption keeps its blocks, which nothing could recompute."""
         if not self.scheduler.reuse_prefix(seq):
             return
-        spans = seq.media_spans or []
+        spans = seq.prefix.media_spans or []
         hidden, depth = self.model.adapter.hidden_size, 1 + self.model.adapter.num_deepstack
         zero = torch.zeros(1, hidden, dtype=self.model.dtype, device=self.model.device)
         covered = 0
         for m, (_, _, _, end) in zip(seq.media, spans):
-            if end > seq.num_cached_tokens:
+            if end > seq.prefix.cached_tokens:
                 break
             m.features, m.from_store = [zero.expand(m.num_tokens, hidden)] * depth, True
             covered = end
-        seq.pinned_tokens = seq.num_cached_tokens if covered else 0
+        seq.prefix.pinned_tokens = seq.prefix.cached_tokens if covered else 0
 
     def _validate(self, seq: Sequence) -> None:
         visual = (self.model.adapter.image_token_id, self.model.adapter.video_token_id)
@@ -270,16 +269,16 @@ class LLMEngine:
             return
         if not self.config.computes:
             raise InvalidRequestError(f"n={n}: this engine's role ({self.config.roles}) computes no tokens")
-        if not isinstance(seq.kv_transfer, RemotePrefill):  # a decode side forks at its KV's arrival instead
-            seq.group = sequence_group.ChoiceGroup.of(seq.params.seed, n, self.model.device)
+        if not isinstance(seq.handoff.kv_transfer, RemotePrefill):  # a decode side forks at its KV's arrival instead
+            seq.group = ChoiceGroup.of(seq.params.seed, n, self.model.device)
 
     def _reserve_choices(self, seq: Sequence) -> None:
         """Decode side, n > 1: the choices wait with the request for its one KV import (their
         blocks reserved now, the prompt's shared), each continuing its own remote sampler."""
-        if seq.params.n == 1 or not isinstance(seq.kv_transfer, RemotePrefill):
+        if seq.params.n == 1 or not isinstance(seq.handoff.kv_transfer, RemotePrefill):
             return
         seed = seq.params.seed
-        gens = sequence_group.ChoiceGroup.of(None if seed is None else seed + 1, seq.params.n, self.model.device)
+        gens = ChoiceGroup.of(None if seed is None else seed + 1, seq.params.n, self.model.device)
         children = [self.scheduler.forker.child(seq, j, gens.generators[j - 1]) for j in range(1, seq.params.n)]
         self.scheduler.reserve_choices(seq, children)
         self._seqs.update((c.request_id, c) for c in children)

@@ -81,8 +81,8 @@ class OutputTokens(SequenceABC):
 def make_output(seq: Sequence) -> RequestOutput:
     """The request's output since the last one (tokens and text not yet emitted)."""
     ids, done = seq.output_token_ids, seq.state.done
-    new = ids[seq.emitted_tokens :]
-    seq.emitted_tokens = len(ids)
+    new = ids[seq.emitted.tokens :]
+    seq.emitted.tokens = len(ids)
     return RequestOutput(
         request_id=seq.output_id,
         new_token_ids=new,
@@ -96,7 +96,7 @@ def make_output(seq: Sequence) -> RequestOutput:
         num_prompt_tokens=seq.prompt_len,
         num_vision_tokens=seq.num_vision_tokens,
         num_cached_vision_tokens=sum(m.num_tokens for m in seq.media if m.from_store),
-        num_cached_tokens=seq.num_cached_tokens,
+        num_cached_tokens=seq.prefix.cached_tokens,
         encoded_keys=[m.key for m in seq.media if m.features is not None and not m.from_store],
         rope_delta=seq.rope_delta,
         timings=dict(seq.timings),
@@ -106,6 +106,6 @@ def make_output(seq: Sequence) -> RequestOutput:
 
 
 def _new_logprobs(seq: Sequence) -> list:
-    new = seq.output_logprobs[seq.emitted_logprobs :]
-    seq.emitted_logprobs = len(seq.output_logprobs)
+    new = seq.output_logprobs[seq.emitted.logprobs :]
+    seq.emitted.logprobs = len(seq.output_logprobs)
     return new

@@ -1,8 +1,8 @@
 """Per-item E→P pipelining: how far a prompt may be prefilled while some of its media still encode.
 
 A prompt's KV is computed in order, so the tokens ahead of the first media item whose features
-have not arrived need nothing more: they may be prefilled now. `PipelineState` (one per request
-on a prefilling engine, `Sequence.pipeline`) holds the prompt embeddings with each arrived item's
+have not arrived need nothing more: they may be prefilled now. `PipelineState` (engine/request_parts.py; one per
+request on a prefilling engine, `Sequence.pipeline`) holds the prompt embeddings with each arrived item's
 features written at its placeholder rows, and `Sequence.prefill_limit`: the index of the first
 placeholder token of the first item still missing (the prompt's length once every item is
 there). The scheduler prefills chunks up to that limit only (engine/scheduler.py); each engine
@@ -17,31 +17,10 @@ temporal patches), so rows are found by rank, as DeepStack's (model/deepstack.py
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from epdserve.engine.request_parts import PipelineState
 from epdserve.engine.sequence import Sequence
-
-
-@dataclass
-class PipelineState:
-    visual: list[int]  # prompt indices of the visual tokens, in order
-    offsets: list[int]  # item j's rows are visual[offsets[j]:offsets[j + 1]]
-    filled: set[int] = field(default_factory=set)  # items whose features are in the embeddings
-
-    @classmethod
-    def of(cls, seq: Sequence, visual_ids: tuple[int, ...]) -> PipelineState:
-        visual = [i for i, t in enumerate(seq.prompt_token_ids) if t in visual_ids]
-        offsets = [0]
-        for m in seq.media:
-            offsets.append(offsets[-1] + m.num_tokens)
-        if offsets[-1] != len(visual):
-            raise ValueError(f"{len(visual)} visual tokens in the prompt but media for {offsets[-1]}")
-        return cls(visual, offsets)
-
-    def rows(self, j: int) -> list[int]:
-        return self.visual[self.offsets[j]:self.offsets[j + 1]]
 
 
 @torch.inference_mode()  # the embeddings are inference tensors (ModelRunner.build_prompt_embeds)

@@ -108,16 +108,16 @@ class Scheduler:
         if not blocks:
             return 0
         self._blocks.adopt(seq.request_id, blocks)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * bs
-        return seq.num_cached_tokens
+        seq.num_computed_tokens = seq.prefix.cached_tokens = len(blocks) * bs
+        return seq.prefix.cached_tokens
 
     def _count_prefix(self, seq: Sequence) -> None:
         """A request's first admission: its prompt queried the prefix cache, its cached tokens hit
         (once per request, however often it was looked up or preempted)."""
-        if self.hasher is not None and not seq.prefix_counted:
-            seq.prefix_counted = True
+        if self.hasher is not None and not seq.prefix.counted:
+            seq.prefix.counted = True
             self.prefix_queried_tokens += seq.prompt_len
-            self.prefix_hit_tokens += seq.num_cached_tokens
+            self.prefix_hit_tokens += seq.prefix.cached_tokens
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request wherever it is (blocks freed, or held while a transfer uses them)."""
@@ -311,13 +311,13 @@ class Scheduler:
                 seq.output_logprobs.append(logprob)
             if len(seq.output_token_ids) == 1:
                 seq.timings.setdefault("first_token", now)
-            elif seq.kv_transfer is not None:
+            elif seq.handoff.kv_transfer is not None:
                 seq.timings.setdefault("first_decode", now)
             self.stop_checker.update(seq)
             touched.append(seq)
             if seq.finish_reason is None and self.config.hands_off:
-                if seq.kv_error is not None:
-                    self.fail(seq, f"KV transfer to the decode side failed: {seq.kv_error}", retryable=True)
+                if seq.handoff.kv_error is not None:
+                    self.fail(seq, f"KV transfer to the decode side failed: {seq.handoff.kv_error}", retryable=True)
                 else:
                     self.finish(seq)  # handed off: the decode side goes on
             elif seq.finish_reason is not None:
@@ -340,7 +340,7 @@ class Scheduler:
         for ft in sent:
             seq = next((s for s in self.running if s.request_id == ft.request_id), None)
             if seq is not None and ft.error is not None:
-                seq.kv_error = ft.error
+                seq.handoff.kv_error = ft.error
         return changed
 
     # ---------------------------------------------------------------- internals
@@ -372,9 +372,9 @@ class Scheduler:
         seq.rope_delta = ft.rope_delta
         seq.num_computed_tokens = seq.prompt_len
         seq.output_token_ids = [ft.first_token]
-        seq.emitted_tokens = 1  # the prefill side streamed it
+        seq.emitted.tokens = 1  # the prefill side streamed it
         self.stop_checker.update(seq)
-        seq.emitted_text_len = len(seq.text)
+        seq.emitted.text_len = len(seq.text)
         if seq.finish_reason is not None:
             self.finish(seq)
             return [seq]
@@ -406,8 +406,8 @@ class Scheduler:
         """Back to waiting, recomputed later; a pinned prefix (its media never encoded here) keeps
         its blocks, the rest may come back from the prefix cache."""
         self.running.remove(seq)
-        self._blocks.truncate(seq.request_id, seq.pinned_tokens // self._blocks.block_size)
-        seq.num_computed_tokens = seq.pinned_tokens
+        self._blocks.truncate(seq.request_id, seq.prefix.pinned_tokens // self._blocks.block_size)
+        seq.num_computed_tokens = seq.prefix.pinned_tokens
         seq.state = S.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

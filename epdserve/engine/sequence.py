@@ -10,17 +10,21 @@ A running request may go back to WAITING (preempted; recomputed later). KV_HELD:
 done computing but its KV connector still reads (or writes) the request's blocks; they are
 freed when the connector reports the transfer finished. `finish_reason` says why a request
 ended (stop, length, abort, error); it stays None for a request handed to the next stage.
+
+The sequence keeps what the scheduler and the step read; the rest lives in its parts
+(engine/request_parts.py): `emitted` (what its outputs carried), `prefix` (the prefix cache's
+view), `handoff` (what crosses to another stage).
 """
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from epdserve.engine.grammar import GrammarState
+from epdserve.engine.request_parts import ChoiceGroup, Emitted, Handoff, MediaItem, PipelineState, PrefixMemo
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.model.processor import MediaInput
 
 
 class RequestState(enum.Enum):
@@ -38,29 +42,6 @@ class RequestState(enum.Enum):
         return self in (RequestState.KV_HELD, RequestState.HANDED_OFF, RequestState.FINISHED)
 
 
-@dataclass
-class DetokState:
-    """Incremental detokenization (StopChecker): text[:text_len] is output_token_ids[:read_offset]
-    decoded, final; each step decodes from prefix_offset (a little context) to the end."""
-
-    prefix_offset: int = 0
-    read_offset: int = 0
-    text_len: int = 0
-
-
-@dataclass
-class MediaItem:
-    key: str
-    input: MediaInput | None  # None when the request referenced a stored key only (or `load_input` has it)
-    num_tokens: int
-    grid_thw: torch.Tensor
-    features: list[torch.Tensor] | None = None
-    from_store: bool = False  # features came from the cache / MM Store, encoder skipped
-    wait_since: float | None = None  # prefill-only: when this engine started waiting for the feature
-    timing: str | None = None  # a video's sampling spec, as the request gave it: its prefix-cache identity
-    load_input: Callable[[], MediaInput] | None = None  # bytes kept undecoded: decodes them if a recompute needs them
-
-
 @dataclass(eq=False)  # identity: `seq in scheduler.running` must not compare every field
 class Sequence:
     request_id: str
@@ -70,7 +51,7 @@ class Sequence:
     state: RequestState = RequestState.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per token sampled here (params.logprobs)
-    emitted_logprobs: int = 0
+    text: str = ""  # the output's text so far (engine/stop_checker.py)
     num_computed_tokens: int = 0
     positions: torch.Tensor | None = None  # [3, prompt_len]
     rope_delta: int = 0
@@ -79,30 +60,18 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     retryable: bool = False  # the error is the transport's or the step's, not the request's
-    text: str = ""
-    emitted_text_len: int = 0
-    emitted_tokens: int = 0
-    detok: DetokState = field(default_factory=DetokState)  # StopChecker's incremental decoding
     arrival: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-    feature_target: str | None = None  # encode role: which prefill side gets the "feature stored" event
-    kv_transfer: object | None = None  # RemoteDecode / RemotePrefill (seams.kv_connector)
-    kv_error: str | None = None  # the KV connector failed this request's transfer
-    num_vision_tokens_hint: int = 0  # decode-only: vision tokens in the remote prompt (reporting)
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    prefix_counted: bool = False  # its first admission is in the scheduler's prefix-cache query/hit totals
-    pinned_tokens: int = 0  # a cached prefix whose media were never encoded: kept through preemption
-    block_hashes: list = field(default_factory=list)  # prefix-cache keys of full blocks so far (prefix_hash.BlockKey)
-    media_spans: list | None = None  # (key, extra, first, end) per media item (engine/prefix_hash.py)
-    media_identity: tuple = ()  # decode-only: (key, extra, num_tokens) per media item, for the prefix cache
-    grammar: object | None = None  # structured output: its GrammarState (engine/grammar.py)
-    cache_salt: str = ""  # the request's cache salt: its first block's parent (prefix_hash.first_parent)
     decode_clock: tuple[float, int] | None = None  # step budget: (when it started decoding here, outputs then)
     prefill_limit: int | None = None  # pipelined prefill: prompt tokens [0, limit) may be computed now (None: all)
-    pipeline: object | None = None  # its engine/pipelined_prefill.PipelineState while media are still missing
-    group: object | None = None  # n > 1, until the choices fork: its engine/sequence_group.ChoiceGroup
+    pipeline: PipelineState | None = None  # while media are still missing (engine/pipelined_prefill.py)
+    grammar: GrammarState | None = None  # structured output (engine/grammar.py)
+    group: ChoiceGroup | None = None  # n > 1, until the choices fork (engine/sequence_group.py)
     group_id: str | None = None  # a forked choice (index > 0): the request it belongs to
     choice: int = 0  # which of the request's n choices this sequence is
+    emitted: Emitted = field(default_factory=Emitted)  # what its outputs carried so far
+    prefix: PrefixMemo = field(default_factory=PrefixMemo)  # the prefix cache's view of it
+    handoff: Handoff = field(default_factory=Handoff)  # what crosses to or from another stage
 
     @property
     def output_id(self) -> str:
@@ -129,7 +98,7 @@ class Sequence:
 
     @property
     def num_vision_tokens(self) -> int:
-        return sum(m.num_tokens for m in self.media) or self.num_vision_tokens_hint
+        return sum(m.num_tokens for m in self.media) or self.handoff.vision_tokens
 
     def token_at(self, i: int) -> int:
         return self.prompt_token_ids[i] if i < self.prompt_len else self.output_token_ids[i - self.prompt_len]

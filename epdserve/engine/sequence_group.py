@@ -29,11 +29,10 @@ sampling on with its own generator (seed + j + 1, as a decode side continues a r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-import torch
 
 from epdserve.engine.outputs import RequestOutput
+from epdserve.engine.request_parts import Handoff, PrefixMemo
 from epdserve.engine.sequence import RequestState, Sequence
 from epdserve.request_errors import InvalidRequestError
 
@@ -41,25 +40,6 @@ from epdserve.request_errors import InvalidRequestError
 def child_id(request_id: str, j: int) -> str:
     """The internal id of choice j (> 0) of `request_id`."""
     return f"{request_id}-c{j}"
-
-
-def choice_seed(seed: int, j: int) -> int:
-    """Choice j's seed: seed + j, wrapped inside int64 (what the fronts sent as n requests)."""
-    return (seed + j + 2**63) % 2**64 - 2**63
-
-
-@dataclass
-class ChoiceGroup:
-    """A request's choices 1..n-1 before they fork: their generators (None: unseeded)."""
-
-    n: int
-    generators: list[torch.Generator | None]
-
-    @classmethod
-    def of(cls, seed: int | None, n: int, device) -> "ChoiceGroup":
-        gens = [None if seed is None else torch.Generator(device=device).manual_seed(choice_seed(seed, j))
-                for j in range(1, n)]
-        return cls(n, gens)
 
 
 def check(seq: Sequence, in_flight, max_num_seqs: int) -> None:
@@ -134,14 +114,15 @@ class Forker:
     def child(self, parent: Sequence, j: int, generator) -> Sequence:
         """Choice j of `parent`: its prompt (shared, read-only) and what was computed of it, no output."""
         bs = self.scheduler.block_size
+        memo = parent.prefix
         child = Sequence(
             child_id(parent.request_id, j), parent.prompt_token_ids, parent.params, media=list(parent.media),
-            arrival=parent.arrival, num_vision_tokens_hint=parent.num_vision_tokens_hint,
-            media_identity=parent.media_identity, cache_salt=parent.cache_salt, positions=parent.positions,
-            rope_delta=parent.rope_delta, prompt_embeds=parent.prompt_embeds, generator=generator,
-            num_cached_tokens=parent.num_cached_tokens, prefix_counted=True, pinned_tokens=parent.pinned_tokens,
-            block_hashes=list(parent.block_hashes[: parent.prompt_len // bs]), media_spans=parent.media_spans,
-            timings=dict(parent.timings), group_id=parent.request_id, choice=j,
+            arrival=parent.arrival, positions=parent.positions, rope_delta=parent.rope_delta,
+            prompt_embeds=parent.prompt_embeds, generator=generator, timings=dict(parent.timings),
+            group_id=parent.request_id, choice=j, handoff=Handoff(vision_tokens=parent.handoff.vision_tokens),
+            prefix=PrefixMemo(memo.cache_salt, memo.media_identity, memo.media_spans,
+                              list(memo.block_hashes[: parent.prompt_len // bs]), memo.cached_tokens,
+                              counted=True, pinned_tokens=memo.pinned_tokens),
         )
         if parent.grammar is not None:
             child.grammar = self.choice_matcher(child)

@@ -31,7 +31,7 @@ class StopChecker:
         """Refresh seq.text after new token(s) and set seq.finish_reason if the request is done."""
         p = seq.params
         tok = seq.output_token_ids[-1]
-        final_len = seq.detok.text_len  # text before this was final and searched in earlier updates
+        final_len = seq.emitted.detok.text_len  # text before this was final and searched in earlier updates
         self._detokenize(seq)
         if p.stop:
             # a new match ends past final_len, so it starts at most len(stop) - 1 characters before
@@ -48,29 +48,29 @@ class StopChecker:
 
     def _detokenize(self, seq: Sequence) -> None:
         ids, skip = seq.output_token_ids, seq.params.skip_special_tokens
-        start, read = seq.detok.prefix_offset, seq.detok.read_offset
+        start, read = seq.emitted.detok.prefix_offset, seq.emitted.detok.read_offset
         prefix = self._decode(ids[start:read], skip) if read > start else ""
         window = self._decode(ids[start:], skip)
         text, seq.text = seq.text, ""  # drop the Sequence's reference: with ours the only one, += grows in place
-        if len(text) != seq.detok.text_len:
-            text = text[: seq.detok.text_len]  # the last step's uncommitted tail goes
+        if len(text) != seq.emitted.detok.text_len:
+            text = text[: seq.emitted.detok.text_len]  # the last step's uncommitted tail goes
         text += window[len(prefix) :]  # CPython appends in place to a str nobody else holds: O(new), not O(text)
         seq.text = text
         if len(window) > len(prefix) and not window.endswith(_REPLACEMENT):
-            seq.detok.text_len = len(seq.text)
-            seq.detok.prefix_offset, seq.detok.read_offset = read, len(ids)
+            seq.emitted.detok.text_len = len(seq.text)
+            seq.emitted.detok.prefix_offset, seq.emitted.detok.read_offset = read, len(ids)
 
     @staticmethod
     def text_delta(seq: Sequence) -> str:
         """New text since the last call; holds back a trailing partial UTF-8 character while running."""
         text, end = seq.text, len(seq.text)
         if seq.finish_reason is None:
-            while end > seq.emitted_text_len and text[end - 1] == _REPLACEMENT:
+            while end > seq.emitted.text_len and text[end - 1] == _REPLACEMENT:
                 end -= 1
-        if end <= seq.emitted_text_len:
+        if end <= seq.emitted.text_len:
             return ""
-        delta = text[seq.emitted_text_len : end]
-        seq.emitted_text_len = end
+        delta = text[seq.emitted.text_len : end]
+        seq.emitted.text_len = end
         return delta
 
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from epdserve.engine.outputs import RequestOutput
-from epdserve.engine.sequence import MediaItem
+from epdserve.engine.request_parts import MediaItem
 from epdserve.request_errors import InvalidRequestError
 from epdserve.rpc import common_pb2, instance_pb2
 from epdserve.rpc.video_spec import video_options_from_proto, video_timing

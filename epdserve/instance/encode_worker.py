@@ -8,7 +8,7 @@ target) and reports the request handed off (or failed) on the handle.
 from __future__ import annotations
 
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.engine.sequence import MediaItem
+from epdserve.engine.request_parts import MediaItem
 from epdserve.instance.worker import RequestHandle, StageWorker, WorkerLoad
 
 

@@ -53,7 +53,7 @@ from contextlib import aclosing
 
 import grpc
 
-from epdserve.engine.sequence_group import choice_seed
+from epdserve.engine.request_parts import choice_seed
 from epdserve.limits import LimitError, check_generate_request
 from epdserve.rpc import common_pb2, instance_pb2, serve_pb2
 from epdserve.rpc.ranges import RangeError, check_request

@@ -13,7 +13,7 @@ object serves both halves of one engine, each half called from the engine's own 
 
 Block ids reach an implementation only through these calls. Implementations live in
 `epdserve.transfer.kv` (the layerwise sender is the prefill role, the receiver the decode
-role). A request asks for a transfer with `Sequence.kv_transfer`: `RemoteDecode` (this engine
+role). A request asks for a transfer with `Sequence.handoff.kv_transfer`: `RemoteDecode` (this engine
 prefills, the KV goes to a decode peer) or `RemotePrefill` (the KV comes from a prefill peer).
 """
 from __future__ import annotations

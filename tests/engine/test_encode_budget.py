@@ -11,7 +11,8 @@ from epdserve import LLM, SamplingParams
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.encode_plan import EncodeJob, pack
 from epdserve.engine.llm_engine import LLMEngine
-from epdserve.engine.sequence import MediaItem, Sequence
+from epdserve.engine.request_parts import MediaItem
+from epdserve.engine.sequence import Sequence
 from epdserve.model.demo_images import jpeg_bytes, procedural_image
 from epdserve.model.reference import ReferenceGenerator
 from epdserve.seams.feature_provider import LocalFeatureProvider

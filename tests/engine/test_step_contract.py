@@ -15,7 +15,7 @@ from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.scheduler import Scheduler, StepSchedulerConfig
 from epdserve.engine.sequence import Sequence
-from epdserve.engine.sequence_group import ChoiceGroup
+from epdserve.engine.request_parts import ChoiceGroup
 from epdserve.engine.step_contract import ScheduledStep, StepResult
 from epdserve.engine.stop_checker import StopChecker
 from epdserve.ops.portable import PortableOps

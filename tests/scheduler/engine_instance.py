@@ -18,7 +18,7 @@ import torch
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.engine_request import EngineRequest
 from epdserve.engine.llm_engine import LLMEngine
-from epdserve.engine.sequence import MediaItem
+from epdserve.engine.request_parts import MediaItem
 from epdserve.instance.sampling_wire import sampling_from_proto
 from epdserve.rpc import INSTANCE_SERVICE, common_pb2, instance_pb2, instance_pb2_grpc
 from epdserve.rpc.servers import add_health_and_reflection, free_port, set_serving

@@ -10,6 +10,7 @@ import pytest
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.llm_engine import LLMEngine
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.request_parts import PrefixMemo
 from epdserve.engine.sequence import Sequence
 from epdserve.instance.convert import media_items
 from epdserve.instance.decode_worker import media_identity
@@ -62,7 +63,7 @@ def test_router_hashes_equal_the_engines_block_keys(pre, engine, kind):
     assert len(router) == len(ids) // bs
     hasher = engine.scheduler.hasher
     prefill = Sequence("p", list(ids), SamplingParams(), media=media_items(engine, refs))
-    decode = Sequence("d", list(ids), SamplingParams(), media_identity=media_identity(refs))
+    decode = Sequence("d", list(ids), SamplingParams(), prefix=PrefixMemo(media_identity=media_identity(refs)))
     assert [k.digest for k in hasher.hashes(prefill, len(ids))] == router
     assert [k.digest for k in hasher.hashes(decode, len(ids))] == router
     assert chunker.by_block_size(ids, prep.media, [bs, bs]) == {bs: router}

@@ -63,7 +63,8 @@ class _Stalled:
         pair = self.tx.connect("d0", rdzv.for_peer())
         assert pair.wait_ready(10), pair.error
         wait_until(lambda: self.conn.receiver.pair_state("p0") is PairState.READY, 10.0, "D's pair did not connect")
-        seq = SimpleNamespace(request_id="stalled", prompt_len=8, num_computed_tokens=0, kv_transfer=RemotePrefill("p0"))
+        seq = SimpleNamespace(request_id="stalled", prompt_len=8, num_computed_tokens=0,
+                          handoff=SimpleNamespace(kv_transfer=RemotePrefill("p0")))
         self.conn.on_blocks_allocated(seq, [1, 2, 3])
         self.tx.begin_batch([SendRequest("stalled", "d0", (3, 4), (1, 2), 8)])  # and never a layer
         self.failed = []

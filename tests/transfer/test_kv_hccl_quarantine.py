@@ -107,7 +107,8 @@ class _Receiver:
 def test_the_connector_fails_the_request_but_holds_its_blocks():
     conn = LayerwiseRecvConnector("d0")
     conn.receiver, conn._block_size = _Receiver(), 4
-    seq = SimpleNamespace(request_id="r", prompt_len=8, num_computed_tokens=0, kv_transfer=RemotePrefill("p0"))
+    seq = SimpleNamespace(request_id="r", prompt_len=8, num_computed_tokens=0,
+                          handoff=SimpleNamespace(kv_transfer=RemotePrefill("p0")))
     conn.on_blocks_allocated(seq, [1, 2, 3])
     conn.receiver.failed = [TransferStatus("r", "p0", TransferState.FAILED, 0, 2, "pair broken")]
     conn.receiver.stuck.add("r")

@@ -132,7 +132,7 @@ class LayerwiseRecvConnector(KVConnector):
 
     # ------------------------------------------------------------------ scheduler side
     def num_remote_tokens(self, seq) -> int:
-        return seq.prompt_len - seq.num_computed_tokens if isinstance(seq.kv_transfer, RemotePrefill) else 0
+        return seq.prompt_len - seq.num_computed_tokens if isinstance(seq.handoff.kv_transfer, RemotePrefill) else 0
 
     def on_blocks_allocated(self, seq, block_ids: list[int]) -> None:
         bs, cached = self._block_size, seq.num_computed_tokens
@@ -140,7 +140,7 @@ class LayerwiseRecvConnector(KVConnector):
             raise ValueError(f"{seq.request_id}: a cached prefix of {cached} tokens is not whole blocks "
                              f"short of the {seq.prompt_len}-token prompt")
         prompt_blocks, skip = tuple(block_ids[: -(-seq.prompt_len // bs)]), cached // bs
-        self.receiver.expect(RecvRequest(seq.request_id, seq.kv_transfer.peer, prompt_blocks[skip:],
+        self.receiver.expect(RecvRequest(seq.request_id, seq.handoff.kv_transfer.peer, prompt_blocks[skip:],
                                          seq.prompt_len - cached))
         self._incoming[seq.request_id] = _Incoming(prompt_blocks, skip)
 

@@ -68,7 +68,7 @@ class LayerwiseSendConnector(KVConnector):
     def build_step(self, batch) -> None:
         reqs, skipped = [], {}
         for item in batch:
-            seq, dest = item.seq, item.seq.kv_transfer
+            seq, dest = item.seq, item.seq.handoff.kv_transfer
             if not isinstance(dest, RemoteDecode) or item.end != seq.prompt_len:
                 continue
             n, cached = -(-seq.prompt_len // self._block_size), dest.num_cached_tokens
