@@ -23,7 +23,8 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - step_buffers.py    StepBuffers: pinned host / device buffers, one upload a step
 - graph_runner.py    DecodeGraphs: decode steps replayed from captured graphs (CUDA)
 - sequence.py        Sequence and RequestState: one request inside the engine
-- request_parts.py  the records a Sequence is made of: MediaItem, Emitted, PrefixMemo, Handoff, ChoiceGroup, PipelineState
+- request_parts.py  the records a Sequence is made of: MediaItem, Emitted, PrefixMemo, Handoff, TenantShare, ChoiceGroup, PipelineState
+- fair_share.py      which waiting request is admitted next, and which running one preempted, by tenants' weighted shares
 - sequence_group.py  n > 1: the prompt prefilled once, the choices forked at the first token sharing its KV blocks
 - prefix_hash.py     PrefixHasher: chained hashes of full KV blocks keyed by tokens and media identity
 - logits_process.py logit_bias and the repetition / frequency / presence penalties on the sampling rows

@@ -35,6 +35,12 @@ class EngineConfig:
     kv_cache_bytes: int = setting(1 << 30, help="KV cache size per P/D worker (MiB)", flag="--kv-cache-mb",
                                   check=(">=", 1), to_field=lambda mb: mb << 20, from_field=lambda b: b >> 20)
     max_num_seqs: int = setting(128, check=(">=", 1), help="requests one engine runs at once")
+    scheduling_policy: str = setting(
+        "fair", choices=("fair", "fcfs"),
+        help="which waiting request the engine admits next when it is full: fair — the tenant holding the least "
+             "weighted share of the running sequences first (the keys file's @weight; a tenant alone is served in "
+             "arrival order), and a preemption takes the newest request of the tenant holding the most "
+             "(engine/fair_share.py); fcfs — arrival order, whoever sent it (vLLM's fcfs)")
     max_num_batched_tokens: int = setting(
         2048, check=(">=", 1), help="tokens one engine step schedules, prefill chunks and decodes together")
     max_model_len: int | None = setting(None, check=(">=", 1), help="longest prompt + output (default: the model's)")

@@ -9,7 +9,8 @@ Per media item, in order of preference:
    counted in `recomputes`. An item without raw media cannot be recomputed: that request fails.
    An item whose bytes came undecoded (`MediaItem.load_input`: the features were expected in the
    store) is decoded only now, when it must be recomputed.
-Encoding runs under a vision-token budget per engine step, across requests, round-robin (with
+Encoding runs under a vision-token budget per engine step, across requests, round-robin over
+tenants and, within a tenant, over its requests (with
 `encode_per_item`, an encode-only engine takes one item of a request per call, so each is stored
 and announced as soon as it is done, for pipelined prefill); a
 video over the budget is encoded a few temporal patches per step (engine/encode_plan.py), and
@@ -61,6 +62,7 @@ class EncodeStage:
         self.pending: list[Sequence] = []
         self.jobs: dict[str, EncodeJob] = {}  # media key -> its encoding in progress
         self._served: dict[str, int] = {}  # request id -> the last step that encoded a slice of it
+        self._tenant_served: dict[str, int] = {}  # tenant -> the last step that encoded for it
         self._steps = 0
         self.recomputes = 0
         self.encoder_runs = 0  # media items encoded (whole, however many slices)
@@ -126,11 +128,12 @@ class EncodeStage:
         if self._run is not None:
             self._advance(vision_blocks)
         else:
-            order = sorted(live, key=lambda s: self._served.get(s.request_id, -1))  # stable: then arrival
+            # round-robin over tenants, then over each tenant's requests (stable: then arrival)
+            order = sorted(live, key=lambda s: (self._tenant_served.get(s.tenant.name, -1), self._served.get(s.request_id, -1)))
             slices, served = pack([(s, [self.jobs[m.key] for m in s.media if m.key in self.jobs]) for s in order],
                                   self.token_budget, 1 if self.per_item else None)
             for seq in served:
-                self._served[seq.request_id] = self._steps
+                self._served[seq.request_id] = self._tenant_served[seq.tenant.name] = self._steps
                 seq.timings.setdefault("encode_start", time.time())
             if slices:
                 self._start(slices, vision_blocks)

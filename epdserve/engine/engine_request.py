@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epdserve.engine.sampling_params import SamplingParams
-from epdserve.engine.request_parts import MediaItem
+from epdserve.engine.request_parts import MediaItem, TenantShare
 from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
 
 
@@ -21,4 +21,5 @@ class EngineRequest:
     # `media_extra`): the identity the prefix cache keys the imported KV by; without it a prompt
     # with media is never cached there
     media_identity: tuple = ()
+    tenant: TenantShare = field(default_factory=TenantShare)  # whose it is, and its weight (engine/fair_share.py)
     cache_salt: str = ""  # folded into the first KV block's hash (prefix_hash.py): prefixes shared only under one salt

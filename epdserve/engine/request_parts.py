@@ -9,6 +9,7 @@ that the sequence itself keeps what the scheduler reads and every other concern 
   its cache salt;
 - `Handoff`: what crosses to another stage (the feature target of an encode-only request, the KV
   transfer of a prefill- or decode-only one and its error, the remote prompt's vision tokens);
+- `TenantShare`: whose request it is and the tenant's weight (engine/fair_share.py);
 - `ChoiceGroup`: the generators of a request's choices 1..n-1 until they fork (engine/sequence_group.py);
 - `PipelineState`: where each media item's rows sit in the prompt while a request is prefilled
   before all its media arrived (engine/pipelined_prefill.py).
@@ -81,6 +82,19 @@ class Handoff:
     kv_transfer: RemoteDecode | RemotePrefill | None = None  # prefill-only: where its KV goes; decode-only: whence
     kv_error: str | None = None  # the KV connector failed this request's transfer
     vision_tokens: int = 0  # decode-only: vision tokens in the remote prompt (reporting)
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """Whose request it is (the scheduler's tenant name, "" the default tenant) and the tenant's
+    weight: its fair share of the engine's slots (engine/fair_share.py)."""
+
+    name: str = ""
+    weight: float = 1.0
+
+    def __post_init__(self):
+        if not self.weight > 0:
+            raise ValueError(f"tenant {self.name!r}: weight must be > 0, got {self.weight}")
 
 
 def choice_seed(seed: int, j: int) -> int:

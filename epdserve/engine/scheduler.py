@@ -3,11 +3,14 @@
 `schedule()` picks this step's work under a token budget (`max_num_batched_tokens`, and the
 step-time budget's prefill tokens when given) and a request cap:
 1. every running request that is decoding gets one token (blocks grown as needed; if the free
-   list runs dry the newest running request is preempted: its blocks are freed and it is
+   list runs dry the newest running request of the tenant with the greatest share is preempted: its blocks are freed and it is
    recomputed later — nothing is lost);
 2. running requests in the middle of a chunked prefill continue;
-3. waiting requests are admitted in arrival order while budget, cap and blocks allow; a prompt
-   longer than the remaining budget is chunked.
+3. waiting requests are admitted while budget, cap and blocks allow — the next one from the tenant
+   holding the least share of the running sequences, in queue order within a tenant
+   (engine/fair_share.py; one tenant alone, or `--scheduling-policy fcfs`: arrival order; a
+   request whose grammar still compiles is passed over); a prompt longer than the remaining
+   budget is chunked.
 A request whose structured output's grammar is still compiling is neither admitted nor decoded
 (the others pass it) until it is ready (engine/grammar_compile.py).
 A request whose media are still arriving (pipelined prefill, engine/pipelined_prefill.py) is
@@ -33,6 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from epdserve.engine import fair_share
 from epdserve.engine.block_manager import BlockManager
 from epdserve.engine.prefix_hash import PrefixHasher
 from epdserve.engine.sequence import RequestState, Sequence
@@ -50,6 +54,7 @@ class StepSchedulerConfig:
     max_num_batched_tokens: int
     chunked_prefill: bool = True
     hands_off: bool = False  # prefill-only: a request's part here ends with its first token
+    fair_share: bool = True  # admit and preempt by tenants' shares (engine/fair_share.py); False: arrival order
 
 
 class Scheduler:
@@ -69,6 +74,8 @@ class Scheduler:
         self.remote_choices: dict[str, list[Sequence]] = {}  # a remote-KV group's choices 1..n-1, until its KV is in
         self.block_copies: list[tuple[int, int]] = []  # (source, destination), both held: for the next step
         self.num_preemptions = 0
+        self._admissions = 0  # admissions so far; the latest number of each tenant's (engine/fair_share.py)
+        self._last_admitted: dict[str, int] = {}
         self.forker = Forker(self, grammars)  # n > 1: a group's choices at its first token
 
     # ---------------------------------------------------------------- requests in / out
@@ -261,7 +268,8 @@ class Scheduler:
         chunked = self.config.chunked_prefill
         width = sum(s.width for s in self.running)  # a group counts its n choices from its admission
         while self.waiting and budget > 0:
-            seq = next((s for s in self.waiting if _grammar_ready(s)), None)  # a grammar compiling waits
+            seq = fair_share.next_admission(self.waiting, self.running if self.config.fair_share else (),
+                                            _grammar_ready, self._last_admitted if self.config.fair_share else {})
             if seq is None or width + seq.width > self.config.max_num_seqs:
                 break
             if not chunked and seq.num_tokens - seq.num_computed_tokens > budget and out:
@@ -271,6 +279,8 @@ class Scheduler:
             if span is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.remove(seq)
+            self._admissions += 1
+            self._last_admitted[seq.tenant.name] = self._admissions
             self._count_prefix(seq)
             seq.state = S.RUNNING
             self.running.append(seq)
@@ -399,8 +409,10 @@ class Scheduler:
             self._blocks.cache(seq.request_id, self.hasher.hashes(seq, computed))
 
     def _newest_running(self, exclude: Sequence) -> Sequence | None:
-        cands = [s for s in self.running if s is not exclude]
-        return max(cands, key=lambda s: s.arrival) if cands else None
+        if not self.config.fair_share:
+            cands = [s for s in self.running if s is not exclude]
+            return max(cands, key=lambda s: s.arrival) if cands else None
+        return fair_share.preemption_victim(self.running, exclude)
 
     def _preempt(self, seq: Sequence) -> None:
         """Back to waiting, recomputed later; a pinned prefix (its media never encoded here) keeps

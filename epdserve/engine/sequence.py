@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epdserve.engine.grammar import GrammarState
-from epdserve.engine.request_parts import ChoiceGroup, Emitted, Handoff, MediaItem, PipelineState, PrefixMemo
+from epdserve.engine.request_parts import ChoiceGroup, Emitted, Handoff, MediaItem, PipelineState, PrefixMemo, TenantShare
 from epdserve.engine.sampling_params import SamplingParams
 
 
@@ -61,6 +61,7 @@ class Sequence:
     error: str | None = None
     retryable: bool = False  # the error is the transport's or the step's, not the request's
     arrival: int = 0
+    tenant: TenantShare = TenantShare()  # whose it is: its fair share of this engine (engine/fair_share.py)
     timings: dict[str, float] = field(default_factory=dict)
     decode_clock: tuple[float, int] | None = None  # step budget: (when it started decoding here, outputs then)
     prefill_limit: int | None = None  # pipelined prefill: prompt tokens [0, limit) may be computed now (None: all)

@@ -117,7 +117,7 @@ class Forker:
         memo = parent.prefix
         child = Sequence(
             child_id(parent.request_id, j), parent.prompt_token_ids, parent.params, media=list(parent.media),
-            arrival=parent.arrival, positions=parent.positions, rope_delta=parent.rope_delta,
+            arrival=parent.arrival, tenant=parent.tenant, positions=parent.positions, rope_delta=parent.rope_delta,
             prompt_embeds=parent.prompt_embeds, generator=generator, timings=dict(parent.timings),
             group_id=parent.request_id, choice=j, handoff=Handoff(vision_tokens=parent.handoff.vision_tokens),
             prefix=PrefixMemo(memo.cache_salt, memo.media_identity, memo.media_spans,

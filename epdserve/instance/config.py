@@ -84,6 +84,7 @@ class InstanceConfig:
     kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_bytes")
     block_size: int | None = same_as(EngineConfig, "block_size")
     max_num_seqs: int = same_as(EngineConfig, "max_num_seqs")
+    scheduling_policy: str = same_as(EngineConfig, "scheduling_policy")
     max_num_batched_tokens: int = same_as(EngineConfig, "max_num_batched_tokens")
     max_model_len: int | None = same_as(EngineConfig, "max_model_len")
     encode_token_budget: int = same_as(EngineConfig, "encode_token_budget")

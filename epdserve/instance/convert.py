@@ -17,7 +17,7 @@ import time
 import torch
 
 from epdserve.engine.outputs import RequestOutput
-from epdserve.engine.request_parts import MediaItem
+from epdserve.engine.request_parts import MediaItem, TenantShare
 from epdserve.request_errors import InvalidRequestError
 from epdserve.rpc import common_pb2, instance_pb2
 from epdserve.rpc.video_spec import video_options_from_proto, video_timing
@@ -77,6 +77,12 @@ def _lazy_image(engine, data: bytes, num_tokens: int, i: int):
                                       f"the request says {num_tokens}")
         return m
     return load
+
+
+def tenant_share(msg: instance_pb2.TenantShare) -> TenantShare:
+    """The engine's record of a request's tenant (an unset weight, or a bad one, reads as 1)."""
+    w = msg.weight
+    return TenantShare(msg.name, w if w > 0 and w != float("inf") else 1.0)
 
 
 def timings_to_proto(timings: dict[str, float], **extra: float) -> common_pb2.StageTimings:

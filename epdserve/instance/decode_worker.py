@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from epdserve.engine.engine_request import EngineRequest
+from epdserve.engine.request_parts import TenantShare
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.instance.errors import BusyError, TransientError
 from epdserve.instance.worker import CALL_TIMEOUT_S, RequestHandle, StageWorker
@@ -63,8 +64,8 @@ class DecodeWorker(StageWorker):
 
     # ---------------------------------------------------------------- gRPC threads
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams, peer: str, kv_host: str,
-                kv_port: int, num_vision_tokens: int = 0, media: tuple = (), cache_salt: str = ""
-                ) -> tuple[RequestHandle, Reservation]:
+                kv_port: int, num_vision_tokens: int = 0, media: tuple = (), cache_salt: str = "",
+                tenant: TenantShare = TenantShare()) -> tuple[RequestHandle, Reservation]:
         """`media`: `media_identity` of the request's media (empty: a prompt with media is not cached);
         `cache_salt`: the request's (its first block's hash, as at P)."""
         handle = RequestHandle(request_id, params.n)
@@ -78,7 +79,7 @@ class DecodeWorker(StageWorker):
                 raise TransientError(str(e)) from None
             req = EngineRequest(request_id, list(prompt_ids), [], params, kv_transfer=RemotePrefill(peer),
                                 num_vision_tokens=num_vision_tokens, media_identity=tuple(media),
-                                cache_salt=cache_salt)
+                                cache_salt=cache_salt, tenant=tenant)
             try:
                 self.engine.add_request(req)
             except MemoryError as e:

@@ -8,15 +8,16 @@ target) and reports the request handed off (or failed) on the handle.
 from __future__ import annotations
 
 from epdserve.engine.engine_request import EngineRequest
-from epdserve.engine.request_parts import MediaItem
+from epdserve.engine.request_parts import MediaItem, TenantShare
 from epdserve.instance.worker import RequestHandle, StageWorker, WorkerLoad
 
 
 class EncodeWorker(StageWorker):
     role = "E"
 
-    def encode(self, request_id: str, media: list[MediaItem], target: str | None) -> RequestHandle:
-        return self.submit(EngineRequest(request_id, [], media, feature_target=target or None))
+    def encode(self, request_id: str, media: list[MediaItem], target: str | None,
+               tenant: TenantShare = TenantShare()) -> RequestHandle:
+        return self.submit(EngineRequest(request_id, [], media, feature_target=target or None, tenant=tenant))
 
     def compute_load(self) -> WorkerLoad:
         return self.engine_load(counts_kv=False)

@@ -102,7 +102,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
         w = self._worker("E", context)
         rid = request.request_id
         items = self._guard(context, lambda: convert.media_items(w.engine, request.media))
-        handle = self._guard(context, lambda: w.encode(rid, items, request.target_instance_id))
+        handle = self._guard(context, lambda: w.encode(rid, items, request.target_instance_id,
+                                                       convert.tenant_share(request.tenant)))
         context.add_callback(lambda: w.abort(rid))
         out = self._wait(handle, context)
         return instance_pb2.EncodeResponse(
@@ -129,7 +130,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                 media=convert.media_items(w.engine, request.media),
                 params=sampling_from_proto(request.sampling),
                 kv_transfer=RemoteDecode(dec.decode_instance_id, tuple(dec.dst_block_ids), dec.num_cached_tokens),
-                cache_salt=request.cache_salt,
+                cache_salt=request.cache_salt, tenant=convert.tenant_share(request.tenant),
             )
 
         j = self._guard(context, job)
@@ -182,7 +183,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                           "DecodeReserve needs prefill_instance_id and prefill_kv_endpoint")
         handle, res = self._guard(context, lambda: w.reserve(
             rid, list(r.prompt_token_ids), params, r.prefill_instance_id, ep.host, int(ep.port), r.num_vision_tokens,
-            media_identity(r.media), r.cache_salt))
+            media_identity(r.media), r.cache_salt, convert.tenant_share(r.tenant)))
         context.add_callback(lambda: w.abort(rid))
         yield instance_pb2.DecodeOutput(reserved=instance_pb2.KvReservation(
             decode_instance_id=self.host.instance_id,
@@ -213,7 +214,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             items = convert.media_items(w.engine, request.media)
             params = sampling_from_proto(request.sampling)
             return w.submit(EngineRequest(rid, list(request.prompt_token_ids), items, params,
-                                          cache_salt=request.cache_salt))
+                                          cache_salt=request.cache_salt, tenant=convert.tenant_share(request.tenant)))
 
         handle = self._guard(context, submit)
         context.add_callback(lambda: w.abort(rid))

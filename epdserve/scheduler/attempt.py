@@ -53,6 +53,7 @@ class AttemptInputs:
     num_vision_tokens: int
     deadline: float | None = None  # time.monotonic() bound, from the client's deadline
     cache_salt: str = ""  # the request's (security/tenants.py `cache_salt`): folded into its first KV block
+    tenant: instance_pb2.TenantShare | None = None  # whose it is and its weight: instances admit by fair share
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Attempt:
         call = self.channels.get(rec.address).instance.Generate(
             instance_pb2.InstanceGenerateRequest(
                 request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, media=i.media, sampling=i.sampling,
-                cache_salt=i.cache_salt),
+                cache_salt=i.cache_salt, tenant=i.tenant),
             timeout=self._timeout(),
         )
         self._calls.append(call)
@@ -149,6 +150,7 @@ class Attempt:
             request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, sampling=i.sampling,
             num_vision_tokens=i.num_vision_tokens, prefill_instance_id=p.instance_id,
             prefill_kv_endpoint=p.kv_endpoint, media=[_identity_only(m) for m in i.media], cache_salt=i.cache_salt,
+            tenant=i.tenant,
         )
         await self._send(d, "decode", call.write(instance_pb2.DecodeInput(reserve=reserve)))
         out = await self._rpc(d, "decode", call.read())
@@ -157,7 +159,7 @@ class Attempt:
         prefill = self.channels.get(p.address).instance.Prefill(
             instance_pb2.PrefillRequest(
                 request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, media=i.media,
-                sampling=i.sampling, decode=out.reserved, cache_salt=i.cache_salt),
+                sampling=i.sampling, decode=out.reserved, cache_salt=i.cache_salt, tenant=i.tenant),
             timeout=self._timeout(),
         )
         self._calls.append(prefill)
@@ -205,7 +207,7 @@ class Attempt:
     async def _encode(self, rec: InstanceRecord, items: list[int]) -> None:
         req = instance_pb2.EncodeRequest(
             request_id=self.inputs.request_id, media=[self.inputs.media[k] for k in items],
-            target_instance_id=self.plan.target.instance_id,
+            target_instance_id=self.plan.target.instance_id, tenant=self.inputs.tenant,
         )
         call = self.channels.get(rec.address).instance.Encode(req, timeout=self._timeout())
         self._calls.append(call)

@@ -38,7 +38,9 @@ found" for another's exactly as for an id never seen); instances see ids made un
 tenants. Its `cache_salt` (the tenant and the request's own salt) keys its media keys, its
 prompt-chunk hashes and its first KV block, so no tenant is served, or told of, another's
 cached prefix or media: usage's cached counts are the caller's own. `max_requests_per_tenant`
-bounds one tenant's requests in flight (RESOURCE_EXHAUSTED, HTTP 429).
+bounds one tenant's requests in flight (RESOURCE_EXHAUSTED, HTTP 429). Every instance call names
+the tenant and its weight (`TenantShare`): engines admit and encode by each tenant's weighted
+share (engine/fair_share.py), so a tenant that floods an instance does not keep another out.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
@@ -320,7 +322,8 @@ class RequestRun:
             if sampling.HasField("seed"):
                 sampling.seed = choice_seed(sampling.seed, choices[0])
             wire_id = f"{self.wire_id}.c{choices[0]}#{n}"
-        inputs = AttemptInputs(wire_id, prompt, refs, sampling, prep.num_vision_tokens, self.deadline, self.salt)
+        inputs = AttemptInputs(wire_id, prompt, refs, sampling, prep.num_vision_tokens, self.deadline, self.salt,
+                               instance_pb2.TenantShare(name=self.tenant, weight=self.d.tenant_weight(self.tenant)))
         attempt = Attempt(inputs, plan, lease, d.channels, d.registry, d.background)
         attempt.encoded_keys = encoding
         self.attempts.append(attempt)
@@ -387,8 +390,10 @@ class RequestRun:
 
 class Dispatcher:
     def __init__(self, config: SchedulerConfig, registry: InstanceRegistry, router: Router,
-                 channels: ChannelPool, preprocessor: RequestPreprocessor):
+                 channels: ChannelPool, preprocessor: RequestPreprocessor,
+                 tenant_weight: Callable[[str], float] | None = None):
         self.config = config
+        self.tenant_weight = tenant_weight or (lambda tenant: 1.0)  # the keys file's @weight (fair share)
         self.registry = registry
         self.router = router
         self.channels = channels

@@ -84,7 +84,8 @@ class SchedulerServer:
                         MEDIA_KEY_SECRET_ENV)
         pre = await loop.run_in_executor(None, RequestPreprocessor, self.config.model, self.config.max_model_len,
                                          secret)
-        self.dispatcher = Dispatcher(self.config, self.registry, self.router, self.channels, pre)
+        self.dispatcher = Dispatcher(self.config, self.registry, self.router, self.channels, pre,
+                                     tenant_weight=self.security.tenant_weight)
         sec = self.security
         # A request over the input limit is refused by gRPC as it arrives (RESOURCE_EXHAUSTED),
         # not buffered whole first; the public port only: registrations are small.

@@ -112,6 +112,10 @@ class SchedulerSecurity:
             return DEFAULT_TENANT
         return tenant
 
+    def tenant_weight(self, tenant: str) -> float:
+        """A tenant's weight for fair share (the keys file's ``@weight``; 1 without a keys file)."""
+        return self.tenants.weight(tenant) if self.tenants is not None else 1.0
+
     def holds_token(self, metadata) -> bool:
         """May this caller see instance addresses? Only a holder of the cluster token (nobody,
         when the deployment has none)."""

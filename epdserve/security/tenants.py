@@ -4,6 +4,8 @@
 ``EPDSERVE_API_KEY``; its holders are the default tenant, ``""``) and a keys file
 (``--api-keys-file``), one ``<tenant> <key>`` per line (``#`` comments and blank lines skipped;
 a tenant name is ``[A-Za-z0-9._-]+``; one tenant may hold several keys, one key names one tenant).
+A line ``@weight <tenant> <w>`` gives a tenant its weight (a number > 0, default 1): its share of
+every engine's slots when tenants compete (engine/fair_share.py); ``@`` starts no tenant name.
 `reload()` re-reads the file (the scheduler does on SIGHUP); a file that no longer parses keeps
 the keys in use and says why. Presented keys are looked up by their SHA-256, never compared
 byte by byte; nothing here prints a key.
@@ -39,10 +41,30 @@ def _digest(key: str) -> bytes:
 
 def parse_keys_file(path: str | Path) -> dict[bytes, str]:
     """SHA-256 of each key -> its tenant, from `path`; KeysFileError when a line is not ``<tenant> <key>``."""
+    return _parse(path)[0]
+
+
+def _weight_line(path, n: int, text: str) -> tuple[str, float]:
+    parts = text.split()
+    try:
+        if len(parts) != 3 or not _NAME.match(parts[1]) or not float(parts[2]) > 0 or float(parts[2]) == float("inf"):
+            raise ValueError
+        return parts[1], float(parts[2])
+    except ValueError:
+        raise KeysFileError(f"{path}:{n}: expected '@weight <tenant> <number > 0>'") from None
+
+
+def _parse(path: str | Path) -> tuple[dict[bytes, str], dict[str, float]]:
+    """(SHA-256 of each key -> its tenant, tenant -> its weight where a line sets one)."""
     out: dict[bytes, str] = {}
+    weights: dict[str, float] = {}
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         text = line.strip()
         if not text or text.startswith("#"):
+            continue
+        if text.startswith("@weight"):
+            tenant, w = _weight_line(path, n, text)
+            weights[tenant] = w
             continue
         tenant, _, key = text.partition(" ")
         key = key.strip()
@@ -55,7 +77,10 @@ def parse_keys_file(path: str | Path) -> dict[bytes, str]:
         out[d] = tenant
     if not out:
         raise KeysFileError(f"{path}: no keys")
-    return out
+    unknown = sorted(set(weights) - set(out.values()))
+    if unknown:
+        raise KeysFileError(f"{path}: @weight for tenants that hold no key: {', '.join(unknown)}")
+    return out, weights
 
 
 class TenantKeys:
@@ -66,23 +91,23 @@ class TenantKeys:
         self.file = Path(file) if file else None
         self._single = _digest(single.reveal()) if single is not None else None
         self._lock = threading.Lock()
-        self._keys = self._load()
+        self._keys, self._weights = self._load()
 
-    def _load(self) -> dict[bytes, str]:
-        keys = parse_keys_file(self.file) if self.file is not None else {}
+    def _load(self) -> tuple[dict[bytes, str], dict[str, float]]:
+        keys, weights = _parse(self.file) if self.file is not None else ({}, {})
         if self._single is not None:
             keys[self._single] = DEFAULT_TENANT
-        return keys
+        return keys, weights
 
     def reload(self) -> bool:
         """Re-read the keys file; on an error keep the keys in use (logged). True when reloaded."""
         try:
-            keys = self._load()
+            keys, weights = self._load()
         except (OSError, KeysFileError) as e:
             log.error("keys file not reloaded, the keys in use stay: %s", e)
             return False
         with self._lock:
-            self._keys = keys
+            self._keys, self._weights = keys, weights
         log.info("keys file %s reloaded: %d keys, %d tenants", self.file, len(keys), len(set(keys.values())))
         return True
 
@@ -92,6 +117,11 @@ class TenantKeys:
             return None
         with self._lock:
             return self._keys.get(_digest(presented))
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's weight (the keys file's ``@weight``; 1 by default)."""
+        with self._lock:
+            return self._weights.get(tenant, 1.0)
 
     def matches(self, presented: str | None) -> bool:  # a Secret's interface: `interceptors.Rule` accepts it
         return self.tenant_of(presented) is not None

@@ -1,0 +1,119 @@
+"""Fair share across tenants, end to end (issue 51 item 1): a real scheduler with a keys file
+(alice, bob, carol with weight 3) and a real EPD instance host running two sequences at most. Bob
+floods: his requests fill both slots and queue on the instance; alice's requests, sent after his,
+are admitted as the next slots free, ahead of his queued ones, and nothing of his is lost. The
+order is read from the instance (the tenant each admission went to) and from which streams
+ended first, never from a clock."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from epdserve import Client
+from epdserve.instance.config import InstanceConfig
+from epdserve.instance.host import InstanceHost
+from epdserve.scheduler import SchedulerConfig, SchedulerThread
+from epdserve.security.options import SchedulerSecurity
+from tests.instance.harness import wait_until
+
+ALICE, BOB, CAROL = "sk-alice-f41a", "sk-bob-9d0c", "sk-carol-33e7"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_secrets(no_env_secrets):
+    """Every test here runs without credentials from the environment (conftest.py)."""
+
+
+@pytest.fixture(scope="module")
+def deployment(qwen2_vl_tiny, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text(f"alice {ALICE}\nbob {BOB}\ncarol {CAROL}\n@weight carol 3\n")
+    security = SchedulerSecurity(api_keys_file=str(keys))
+    sched = SchedulerThread(SchedulerConfig(model=str(qwen2_vl_tiny), probe_interval_s=0.2), security=security)
+    sched.start()
+    host = InstanceHost(InstanceConfig(roles="EPD", model=str(qwen2_vl_tiny), scheduler=sched.server.internal_address,
+                                       kv_cache_bytes=8 << 20, max_num_seqs=2)).start()
+    try:
+        assert host.wait_registered(30)
+        wait_until(lambda: sched.call(sched.server.registry.records), what="the instance to register")
+        yield sched, host
+    finally:
+        host.stop()
+        sched.stop()
+
+
+def _engine(host):
+    return host.worker("PD").engine
+
+
+def test_a_flooding_tenant_does_not_keep_another_out(deployment):
+    sched, host = deployment
+    sched_engine = _engine(host).scheduler
+    ended: list[str] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run(key, name, max_tokens):
+        try:
+            with Client(sched.address, timeout=120, api_key=key) as c:
+                out = c.generate(f"request {name} asks for a few tokens", max_tokens=max_tokens, ignore_eos=True)
+            assert len(out.token_ids) == max_tokens
+            with lock:
+                ended.append(name)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+
+    bobs = [threading.Thread(target=run, args=(BOB, f"b{i}", 24)) for i in range(6)]
+    for t in bobs:
+        t.start()
+    # bob holds both slots and four of his wait on the instance
+    wait_until(lambda: len(sched_engine.running) == 2 and len(sched_engine.waiting) == 4,
+               what="bob's requests to fill the instance and queue")
+    alices = [threading.Thread(target=run, args=(ALICE, f"a{i}", 4)) for i in range(2)]
+    for t in alices:
+        t.start()
+    for t in bobs + alices:
+        t.join(180)
+    assert not errors, errors
+    assert sorted(ended) == ["a0", "a1"] + [f"b{i}" for i in range(6)]  # nothing lost
+    # bob's first two end, then alice's two (each admitted at the next free slot); without fair
+    # share (queue order) hers would wait behind all six of bob's and end seventh and eighth
+    assert {"a0", "a1"} <= set(ended[:4]), ended
+
+
+def test_the_tenant_and_its_weight_reach_the_engine(deployment):
+    sched, host = deployment
+    seen = []
+    eng = _engine(host)
+    original = eng.add_request
+
+    def spy(req):
+        seen.append(req.tenant)
+        return original(req)
+
+    eng.add_request = spy
+    try:
+        for key in (CAROL, ALICE):
+            with Client(sched.address, timeout=120, api_key=key) as c:
+                c.generate("who asks", max_tokens=1)
+    finally:
+        eng.add_request = original
+    assert [(t.name, t.weight) for t in seen] == [("carol", 3.0), ("alice", 1.0)]
+
+
+def test_weights_come_from_the_keys_file_and_a_bad_weight_line_is_refused(tmp_path):
+    from epdserve.security.tenants import KeysFileError, TenantKeys
+
+    path = tmp_path / "keys"
+    path.write_text("alice sk-a\nbob sk-b\n@weight bob 2.5\n")
+    keys = TenantKeys(file=path)
+    assert (keys.weight("alice"), keys.weight("bob"), keys.tenant_of("sk-b")) == (1.0, 2.5, "bob")
+    for bad in ("@weight bob 0", "@weight bob -1", "@weight bob lots", "@weight bob", "@weight mallory 2",
+                "@weight bob inf", "@weight bob nan"):
+        path.write_text(f"alice sk-a\nbob sk-b\n{bad}\n")
+        with pytest.raises(KeysFileError) as e:
+            TenantKeys(file=path)
+        assert "sk-" not in str(e.value)  # never a key in the message
+    path.write_text("alice sk-a\nbob sk-b\n@weight bob 4\n")
+    assert keys.reload() and keys.weight("bob") == 4.0
