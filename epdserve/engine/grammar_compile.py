@@ -9,6 +9,10 @@ waits while a small thread pool (the engine's own) compiles it; every other requ
   The same new constraint asked for by several requests is compiled once (they share the
   compile in flight). A constraint that `check` refuses still raises InvalidRequestError at
   `start` (the request is refused at add, as before).
+- Compiles queue per tenant (`start(..., tenant=)`): a free worker takes the next compile of the
+  tenant it served least recently, so one tenant's backlog of big schemas never sits ahead of
+  another's new one; within a tenant, arrival order. A queued compile whose requests are all gone
+  (aborted) is dropped before it starts; one already running goes on into the cache.
 - `poll()` (the engine, at the start of each step, on its own thread): the compiles that ended.
   A compiled grammar joins the cache and each of its waiting states gets its matcher (a resumed
   attempt's tokens replayed); returns the states whose compile or replay failed, with the
@@ -22,8 +26,10 @@ The cache and the matchers are touched only on the engine's thread; workers only
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -43,31 +49,51 @@ class GrammarCompiles:
         self._pool: ThreadPoolExecutor | None = None
         self._finalizer = None
         self._lock = threading.Lock()  # the compiler's first build (its TokenizerInfo) happens on a worker
-        # cache key -> (the constraint, its compile, the states waiting for it with their replay)
-        self._inflight: dict[tuple, tuple[StructuredOutput, Future, list[tuple[GrammarState, tuple]]]] = {}
+        # cache key -> (the constraint, its compile (None: queued), the states waiting for it with their replay)
+        self._inflight: dict[tuple, tuple[StructuredOutput, Future | None, list[tuple[GrammarState, tuple]]]] = {}
+        self._queued: dict[str, deque[tuple]] = {}  # tenant -> its compiles waiting for a worker (cache keys)
+        self._served: dict[str, int] = {}  # tenant -> when a worker last took one of its compiles
+        self._clock = itertools.count()
 
     @property
     def pending(self) -> bool:
         return bool(self._inflight)
 
-    def start(self, c: StructuredOutput, replay=()) -> GrammarState:
+    def start(self, c: StructuredOutput, replay=(), tenant: str = "") -> GrammarState:
         """The request's grammar state: ready (a cached grammar, the replay applied:
-        InvalidRequestError when the grammar refuses it) or pending (compiling)."""
+        InvalidRequestError when the grammar refuses it) or pending (queued under `tenant`, or
+        compiling)."""
         compiled = self.backend.cached(c)
         if compiled is not None:
             return self.backend.state(compiled, c, replay)
         key = self.backend.key(c)
         if key not in self._inflight:
             check(c)  # a constraint that cannot parse is refused now, at add
-            self._inflight[key] = (c, self._executor().submit(self._compile, c), [])
+            self._inflight[key] = (c, None, [])
+            self._queued.setdefault(tenant, deque()).append(key)
         state = GrammarState(None)
         self._inflight[key][2].append((state, tuple(replay)))
+        self._pump()
         return state
+
+    def _pump(self) -> None:
+        """Hand queued compiles to free workers, the least recently served tenant's first."""
+        running = sum(1 for _, fut, _ in self._inflight.values() if fut is not None and not fut.done())
+        while running < self.workers and self._queued:
+            tenant = min(self._queued, key=lambda t: self._served.get(t, -1))
+            q = self._queued[tenant]
+            key = q.popleft()
+            if not q:
+                del self._queued[tenant]
+            self._served[tenant] = next(self._clock)
+            c, _, waiting = self._inflight[key]
+            self._inflight[key] = (c, self._executor().submit(self._compile, c), waiting)
+            running += 1
 
     def poll(self) -> list[tuple[GrammarState, str]]:
         """Finish the compiles that ended (see the module docstring); the failed states and why."""
         failed: list[tuple[GrammarState, str]] = []
-        for key in [k for k, (_, fut, _) in self._inflight.items() if fut.done()]:
+        for key in [k for k, (_, fut, _) in self._inflight.items() if fut is not None and fut.done()]:
             c, fut, waiting = self._inflight.pop(key)
             try:
                 compiled = self.backend.add(c, fut.result())
@@ -80,13 +106,21 @@ class GrammarCompiles:
                     state.attach(self.backend.state(compiled, c, replay).matcher)
                 except InvalidRequestError as e:
                     failed.append((state, str(e)))
+        self._pump()
         return failed
 
     def discard(self, state: GrammarState) -> None:
-        """A request that waited is gone (aborted): its state is no longer set (the compile goes on
-        into the cache)."""
-        for _, _, waiting in self._inflight.values():
+        """A request that waited is gone (aborted): its state is no longer set. A compile already
+        running goes on into the cache; a queued one nobody waits for any more is dropped."""
+        for key, (_, fut, waiting) in list(self._inflight.items()):
             waiting[:] = [w for w in waiting if w[0] is not state]
+            if fut is None and not waiting:
+                del self._inflight[key]
+                for tenant, q in list(self._queued.items()):
+                    if key in q:
+                        q.remove(key)
+                        if not q:
+                            del self._queued[tenant]
 
     def close(self) -> None:
         if self._finalizer is not None:

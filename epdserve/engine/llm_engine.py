@@ -188,8 +188,8 @@ class LLMEngine:
             if c.replay_prompt_tokens > seq.prompt_len:
                 raise InvalidRequestError(f"replay_prompt_tokens={c.replay_prompt_tokens} exceeds the prompt "
                                           f"({seq.prompt_len} tokens)")
-            seq.grammar = self.grammar_compiles.start(c, seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:]
-                                                      if c.replay_prompt_tokens else ())
+            replay = seq.prompt_token_ids[seq.prompt_len - c.replay_prompt_tokens:] if c.replay_prompt_tokens else ()
+            seq.grammar = self.grammar_compiles.start(c, replay, tenant=seq.tenant.name)
         seq.timings["arrival"] = time.time()
         if req.params.seed is not None:  # a decode side continues a remote sampler: another stream
             seed = req.params.seed + (1 if isinstance(req.kv_transfer, RemotePrefill) else 0)

@@ -145,3 +145,30 @@ def test_a_constraint_that_does_not_parse_is_still_refused_at_add(llm, hold):
     with pytest.raises(InvalidRequestError, match="cannot be compiled"):
         _add(llm.engine, "unparsable", SamplingParams(structured=StructuredOutput("regex", "([a-z")))
     assert not hold.entered.is_set() and not llm.engine.grammar_compiles.pending
+
+
+def test_compiles_queue_per_tenant_and_a_queued_compile_of_aborted_requests_is_dropped(llm, hold):
+    """Bob's backlog of new schemas (one compiling, held, three queued) does not sit ahead of
+    alice's new one: the free worker takes hers next, then bob's in his order; a queued compile
+    whose request was aborted never runs."""
+    from epdserve.engine.request_parts import TenantShare
+
+    eng = llm.engine
+    seen: list[str] = []
+
+    def record(c):
+        seen.append(json.loads(c.spec)["properties"]["kind"]["enum"][-1])
+        hold(c)
+
+    eng.grammar_compiles.before_compile = record
+    for rid, tenant in (("bob-1", "bob"), ("bob-2", "bob"), ("bob-3", "bob"), ("bob-4", "bob"), ("alice-1", "alice")):
+        req = eng.build_request(rid, PROMPT, None, SamplingParams(
+            max_tokens=3, structured=StructuredOutput("json", json.dumps(_big_schema(f"q-{rid}")))))
+        req.tenant = TenantShare(tenant)
+        eng.add_request(req)
+        if rid == "bob-1":
+            assert hold.entered.wait(300)  # bob-1 compiles (held); the rest queue
+    eng.abort("bob-4")
+    hold.release.set()
+    _run(eng, lambda outs: not eng.has_unfinished() and not eng.grammar_compiles.pending)
+    assert seen == ["q-bob-1", "q-alice-1", "q-bob-2", "q-bob-3"], seen
