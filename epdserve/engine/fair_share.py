@@ -11,6 +11,15 @@ as `max_num_seqs` counts it — divided by its weight. When the engine admits:
   first). One tenant alone is served in queue order, exactly as without tenants: it gets the whole
   engine;
 - `preemption_victim`: the newest running request of the tenant with the greatest share.
+- `fairness_victims`: when the request `next_admission` picked does not fit the engine's
+  sequences, running sequences of other tenants that it may displace — each the newest single
+  sequence (a forked choice, or a request of n = 1) of the tenant holding the greatest share, taken
+  only while the move leaves the two tenants' shares more even than before (the newcomer's share
+  with it admitted stays below the victim tenant's share without the victim). A tenant therefore
+  never displaces its own requests, a request of n choices displaces nobody until it forks, and
+  one tenant alone is never preempted for fairness. Displaced sequences go back to waiting and
+  are recomputed (nothing is lost); the engine does this only where it computes the whole request
+  (not on a prefill-only or decode-only side, where KV crosses to or from another instance).
 So a tenant that floods (many requests, n = 128) fills the slots only while nobody else waits:
 as slots free, another tenant's waiting requests go first until the shares even out. Weighted
 fair queueing over slots (the scarce thing a step has: `max_num_seqs` and KV blocks), not over
@@ -45,6 +54,29 @@ def next_admission(waiting: Iterable[Sequence], running: Iterable[Sequence],
         if best is None or key < best_key:
             best, best_key = s, key
     return best
+
+
+def fairness_victims(cand: Sequence, running: Iterable[Sequence], room: int,
+                     displaceable: Callable[[Sequence], bool]) -> list[Sequence]:
+    """Running sequences to preempt so that `room` more sequences fit for `cand`, or [] when the
+    shares do not allow it (see the module docstring); `displaceable`: may this one be preempted."""
+    running = list(running)
+    share = shares(running)
+    mine = share.get(cand.tenant.name, 0.0) + cand.width / cand.tenant.weight
+    victims: list[Sequence] = []
+    freed = 0
+    while freed < room:
+        cands = [s for s in running if s.tenant.name != cand.tenant.name and s.width == 1 and s not in victims
+                 and displaceable(s)]
+        if not cands:
+            return []
+        v = max(cands, key=lambda s: (share[s.tenant.name], s.arrival))
+        if not mine < share[v.tenant.name] - 1 / v.tenant.weight:
+            return []
+        share[v.tenant.name] -= 1 / v.tenant.weight
+        victims.append(v)
+        freed += 1
+    return victims
 
 
 def preemption_victim(running: Iterable[Sequence], exclude: Sequence) -> Sequence | None:

@@ -10,7 +10,9 @@ step-time budget's prefill tokens when given) and a request cap:
    holding the least share of the running sequences, in queue order within a tenant
    (engine/fair_share.py; one tenant alone, or `--scheduling-policy fcfs`: arrival order; a
    request whose grammar still compiles is passed over); a prompt longer than the remaining
-   budget is chunked.
+   budget is chunked. On a full engine that computes whole requests (no KV connector), the
+   request picked may displace other tenants' newest decoding sequences where that evens the
+   shares (`fair_share.fairness_victims`; preempted, recomputed later).
 A request whose structured output's grammar is still compiling is neither admitted nor decoded
 (the others pass it) until it is ready (engine/grammar_compile.py).
 A request whose media are still arriving (pipelined prefill, engine/pipelined_prefill.py) is
@@ -74,6 +76,7 @@ class Scheduler:
         self.remote_choices: dict[str, list[Sequence]] = {}  # a remote-KV group's choices 1..n-1, until its KV is in
         self.block_copies: list[tuple[int, int]] = []  # (source, destination), both held: for the next step
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0  # of those, sequences displaced for another tenant's (fair share)
         self._admissions = 0  # admissions so far; the latest number of each tenant's (engine/fair_share.py)
         self._last_admitted: dict[str, int] = {}
         self.forker = Forker(self, grammars)  # n > 1: a group's choices at its first token
@@ -270,8 +273,15 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = fair_share.next_admission(self.waiting, self.running if self.config.fair_share else (),
                                             _grammar_ready, self._last_admitted if self.config.fair_share else {})
-            if seq is None or width + seq.width > self.config.max_num_seqs:
+            if seq is None:
                 break
+            if width + seq.width > self.config.max_num_seqs:
+                victims = self._displace_for(seq, width + seq.width - self.config.max_num_seqs)
+                if not victims:
+                    break
+                budget += sum(span[2] for span in out if span[0] in victims)
+                out = [span for span in out if span[0] not in victims]
+                width = sum(s.width for s in self.running)
             if not chunked and seq.num_tokens - seq.num_computed_tokens > budget and out:
                 break
             self.reuse_prefix(seq)
@@ -413,6 +423,17 @@ class Scheduler:
             cands = [s for s in self.running if s is not exclude]
             return max(cands, key=lambda s: s.arrival) if cands else None
         return fair_share.preemption_victim(self.running, exclude)
+
+    def _displace_for(self, seq: Sequence, room: int) -> list[Sequence]:
+        """Fair share, on an engine that computes whole requests: preempt other tenants' newest
+        sequences so `room` more fit for `seq`, where that evens the shares (engine/fair_share.py)."""
+        if not self.config.fair_share or self.config.hands_off or self.connector is not None:
+            return []
+        victims = fair_share.fairness_victims(seq, self.running, room, lambda s: not s.in_prefill)
+        for v in victims:
+            self._preempt(v)
+            self.num_fair_preemptions += 1
+        return victims
 
     def _preempt(self, seq: Sequence) -> None:
         """Back to waiting, recomputed later; a pinned prefix (its media never encoded here) keeps
