@@ -113,6 +113,12 @@ class EngineConfig:
         help="largest compiled grammar one request's structured output may take (MiB); over it the request fails "
              "alone with INVALID_ARGUMENT / 400 naming this limit, and nothing is cached (a 20,000-value enum "
              "compiles to ~62 MiB on the small demo model's vocabulary)")
+    grammar_compile_timeout_s: float = setting(
+        10.0, check=(">=", 0),
+        help="longest a structured output's grammar may compile (s): compiles run in a child process of the "
+             "engine's, which is killed past this (its CPU and memory freed) and the request fails alone with "
+             "INVALID_ARGUMENT / 400 naming this limit, nothing cached. 0: compile on a thread of the engine "
+             "process, unbounded (a schema of a 60,000-value enum took 18-30 s and 230-450 MB here)")
     seed: int = 0
     ops: str | None = setting(
         None, choices=("native", "portable"), env="EPDSERVE_OPS",

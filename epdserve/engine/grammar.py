@@ -153,6 +153,7 @@ class GrammarBackend:
         self._tokenizer, self.vocab_size, self._stops = tokenizer, vocab_size, set(stop_token_ids)
         self._fingerprint = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), vocab_size, tuple(sorted(self._stops)))
         self._compiler = None
+        self._info = None
         self.max_grammar_bytes = min(max_grammar_bytes, cache_bytes)
         self._cache: LRUCache = LRUCache(maxsize=cache_bytes, getsizeof=lambda g: max(1, g.memory_size_bytes))
         self.compiles = 0  # cache misses (tests, benchmarks)
@@ -208,27 +209,42 @@ class GrammarBackend:
         import xgrammar as xgr
 
         if self._compiler is None:
-            info = tokenizer_info(self._tokenizer, self.vocab_size, self._stops)
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the LRU above is the cache
+            self._info = tokenizer_info(self._tokenizer, self.vocab_size, self._stops)
+            self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)  # the LRU above is the cache
 
     def compile_uncached(self, c: StructuredOutput):
         """Compile `c` (no cache: it touches neither the cache nor a matcher, so a worker thread
         may run it; `prepare` once under a lock first); InvalidRequestError when xgrammar refuses it."""
         self.prepare()
-        return self._compile(c)
+        return compile_constraint(self._compiler, c)
 
-    def _compile(self, c: StructuredOutput):
-        try:
-            if c.kind in ("json", "json_object"):
-                schema = c.spec if c.kind == "json" else '{"type": "object"}'
-                return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
-            if c.kind == "regex":
-                return self._compiler.compile_regex(c.spec)
-            if c.kind == "choice":
-                return self._compiler.compile_grammar(_choice_grammar(json.loads(c.spec)))
-            return self._compiler.compile_grammar(c.spec)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidRequestError(_why(c, e)) from None
+    def info_json(self) -> str:
+        """xgrammar's view of the vocabulary, as JSON (a compile process builds its compiler from it)."""
+        self.prepare()
+        return self._info.serialize_json()
+
+    def deserialize(self, text: str):
+        """A compiled grammar from xgrammar's JSON (what a compile process returns)."""
+        import xgrammar as xgr
+
+        self.prepare()
+        return xgr.CompiledGrammar.deserialize_json(text, self._info)
+
+
+def compile_constraint(compiler, c: StructuredOutput):
+    """`c` compiled by an xgrammar GrammarCompiler with the engine's rules (no whitespace freedom,
+    strict JSON schemas); InvalidRequestError when xgrammar refuses it."""
+    try:
+        if c.kind in ("json", "json_object"):
+            schema = c.spec if c.kind == "json" else '{"type": "object"}'
+            return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+        if c.kind == "regex":
+            return compiler.compile_regex(c.spec)
+        if c.kind == "choice":
+            return compiler.compile_grammar(_choice_grammar(json.loads(c.spec)))
+        return compiler.compile_grammar(c.spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidRequestError(_why(c, e)) from None
 
 
 class TokenMasker:

@@ -17,6 +17,11 @@ waits while a small thread pool (the engine's own) compiles it; every other requ
   A compiled grammar joins the cache and each of its waiting states gets its matcher (a resumed
   attempt's tokens replayed); returns the states whose compile or replay failed, with the
   reason (the engine fails those requests alone, not retryable).
+- With a time budget (`timeout_s` > 0, `--grammar-compile-timeout-s`) a worker hands each compile to
+  the engine's compile process (engine/grammar_process.py) and waits at most that long: a compile
+  over it fails its requests alone (InvalidRequestError naming the flag, never cached) and its
+  process is killed — CPU and memory with it — so a hostile schema costs the engine one budget,
+  not minutes. `timeout_s` 0: compiles run on the worker thread itself, unbounded.
 - `pending`: compiles in flight (the worker polls the engine soon, as for KV transfers);
   `close()`: the pool shut down (also when the engine is collected).
 Most of xgrammar's compile runs without the GIL, not all of it (benchmarks/structured_outputs.py's
@@ -34,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from epdserve.engine.grammar import GrammarBackend, GrammarState, check
+from epdserve.engine.grammar_process import CompileProcess
 from epdserve.engine.structured_output import StructuredOutput
 from epdserve.request_errors import InvalidRequestError
 
@@ -41,9 +47,11 @@ from epdserve.request_errors import InvalidRequestError
 class GrammarCompiles:
     """One engine's compiles in flight (see the module docstring)."""
 
-    def __init__(self, backend: GrammarBackend, workers: int = 1):
+    def __init__(self, backend: GrammarBackend, workers: int = 1, timeout_s: float = 0.0):
         self.backend = backend
         self.workers = workers
+        self.timeout_s = timeout_s
+        self.process: CompileProcess | None = None  # with a time budget: built on the first compile
         # a test seam: called on the worker before each compile (a test blocks it to hold a compile)
         self.before_compile: Callable[[StructuredOutput], None] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -125,6 +133,8 @@ class GrammarCompiles:
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
+        if self.process is not None:
+            self.process.close()
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -137,4 +147,8 @@ class GrammarCompiles:
             self.before_compile(c)
         with self._lock:
             self.backend.prepare()
-        return self.backend.compile_uncached(c)
+            if self.timeout_s > 0 and self.process is None:
+                self.process = CompileProcess(self.backend.info_json())
+        if self.timeout_s <= 0:
+            return self.backend.compile_uncached(c)
+        return self.backend.deserialize(self.process.compile(c, self.timeout_s))

@@ -109,7 +109,8 @@ class LLMEngine:
         if capture_s:
             log.info("captured decode graphs for batch sizes %s in %.2f s", self.runner.graphs.buckets, capture_s)
         self.features = features or LocalFeatureProvider()
-        self.grammar_compiles = GrammarCompiles(self.grammars)  # new grammars compile off the loop
+        # new grammars compile off the loop (in a child process, within the time budget)
+        self.grammar_compiles = GrammarCompiles(self.grammars, timeout_s=config.grammar_compile_timeout_s)
         self.stats = EngineStats()
         # only an engine that decodes has inter-token gaps to protect
         self.budget = StepBudget(config.slo_tpot_ms / 1000.0) if config.step_budget and config.decodes else None

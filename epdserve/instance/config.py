@@ -80,6 +80,7 @@ class InstanceConfig:
     quantization: str | None = same_as(EngineConfig, "quantization")
     grammar_cache_bytes: int = same_as(EngineConfig, "grammar_cache_bytes")
     max_grammar_bytes: int = same_as(EngineConfig, "max_grammar_bytes")
+    grammar_compile_timeout_s: float = same_as(EngineConfig, "grammar_compile_timeout_s")
     enable_prefix_caching: bool = same_as(EngineConfig, "enable_prefix_caching")
     kv_cache_bytes: int = same_as(EngineConfig, "kv_cache_bytes")
     block_size: int | None = same_as(EngineConfig, "block_size")

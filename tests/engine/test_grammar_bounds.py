@@ -80,3 +80,30 @@ def test_a_schema_over_the_byte_limit_is_refused_before_it_is_parsed():
     with pytest.raises(ApiError) as e:
         sampling(body, 512, 8, max_structured_bytes=10_000)
     assert e.value.status == 400 and "over the limit of 10000" in str(e.value.message)
+
+
+def test_a_compile_over_its_time_budget_fails_alone_and_its_process_goes(llm):
+    """The engine compiles in a child process (engine/grammar_process.py); a compile past
+    --grammar-compile-timeout-s fails its request alone, naming the flag, is never cached, and its
+    process is killed; the next compile gets a fresh process and a neighbour decodes throughout."""
+    eng = llm.engine
+    gc = eng.grammar_compiles
+    slow = StructuredOutput("json", _enum(30_000, "slow"))  # seconds of compile here
+    gc.timeout_s = 0.3
+    try:
+        eng.add_request(eng.build_request("n", "a neighbour", None, SamplingParams(max_tokens=6, ignore_eos=True)))
+        eng.add_request(eng.build_request("slow", "huge enum", None, SamplingParams(max_tokens=8, structured=slow)))
+        outs = _run(eng, lambda outs: all(k in outs and outs[k][-1].finished for k in ("n", "slow")))
+    finally:
+        gc.timeout_s = 60.0
+    bad, n = outs["slow"][-1], outs["n"][-1]
+    assert bad.finish_reason == "error" and not bad.retryable and list(bad.token_ids) == []
+    assert "did not compile within 0.3 s (--grammar-compile-timeout-s)" in bad.error, bad.error
+    assert n.finish_reason == "length" and len(n.token_ids) == 6
+    assert eng.grammars.cached(slow) is None and gc.process._proc is None  # killed, nothing kept
+    starts = gc.process.starts
+    ok = StructuredOutput("regex", "[a-c]{3}")
+    eng.add_request(eng.build_request("ok", "three letters", None, SamplingParams(max_tokens=8, structured=ok)))
+    done = _run(eng, lambda outs: "ok" in outs and outs["ok"][-1].finished)["ok"][-1]
+    assert done.error is None and len(done.token_ids) == 3 and set(done.text) <= set("abc")
+    assert gc.process.starts == starts + 1 and eng.grammars.cached(ok) is not None
