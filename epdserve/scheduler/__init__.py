@@ -15,6 +15,7 @@ One sentence per module:
 - server.py      SchedulerServer (asyncio) and SchedulerThread (hosted in a thread)
 - errors.py      RequestError (status to the client) and InstanceError (what to do about a failure)
 - pixel_budget.py  PixelBudget: scheduler-wide pixels of the requests whose media are still being decoded
+- fair_pool.py     FairPool: the preprocessing threads, a free one to the tenant served least recently
 - pressure.py    stage pressure over a sliding window: how far each stage (E, P, D) is past what it should carry
 - controller.py  the `--mode auto` role controller: which instance should switch roles, when, and why
 - coupling.py    the controller's coupling moves: fold prefill and decode into one engine, or split them

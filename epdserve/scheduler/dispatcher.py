@@ -41,6 +41,8 @@ cached prefix or media: usage's cached counts are the caller's own. `max_request
 bounds one tenant's requests in flight (RESOURCE_EXHAUSTED, HTTP 429). Every instance call names
 the tenant and its weight (`TenantShare`): engines admit and encode by each tenant's weighted
 share (engine/fair_share.py), so a tenant that floods an instance does not keep another out.
+The preprocessing threads are shared the same way (`FairPool`: a free thread goes to the tenant
+served least recently).
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ from epdserve.scheduler.attempt import Attempt, AttemptInputs, merge_timings
 from epdserve.scheduler.channels import ChannelPool
 from epdserve.scheduler.config import SchedulerConfig
 from epdserve.scheduler.errors import Action, InstanceError, RequestError
+from epdserve.scheduler.fair_pool import FairPool
 from epdserve.scheduler.pixel_budget import PixelBudget
 from epdserve.scheduler.preprocess import PreparedRequest, RequestPreprocessor
 from epdserve.scheduler.prompt_chunks import PromptChunker
@@ -411,6 +414,7 @@ class Dispatcher:
         self.chunker = PromptChunker((preprocessor.image_token_id, preprocessor.processor.video_token_id)) \
             if router.cache_aware else None
         self.pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix="epdserve-prep")
+        self.prep = FairPool(self.pool, config.preprocess_threads)  # the threads, shared fairly by tenants
         self.uploads = UploadService(self, Uploads(config.upload_ttl_s, config.upload_max_bytes,
                                                    tenant_max_bytes=config.upload_tenant_max_bytes,
                                                    tenant_max_files=config.upload_tenant_max_files))
@@ -462,9 +466,8 @@ class Dispatcher:
         try:
             if req.request_id and (tenant, req.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {req.request_id!r} is already in flight")
-            loop = asyncio.get_running_loop()
-            prep, prefix = await loop.run_in_executor(self.pool, self._prepare, req, self.registry.namespace,
-                                                      self._block_sizes(), salt, tenant)
+            prep, prefix = await self.prep.run(tenant, self._prepare, req, self.registry.namespace,
+                                               self._block_sizes(), salt, tenant)
             if (tenant, prep.request_id) in self.runs:
                 raise RequestError.invalid(f"request id {prep.request_id!r} is already in flight")
             tokens = self._take_tokens(tenant, prep, n)

@@ -14,7 +14,6 @@ Delete forgets the file and drops its features through an E instance (`Instance.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 
@@ -51,9 +50,8 @@ class UploadService:
         namespace = d.registry.namespace
         if not namespace:
             raise RequestError.unavailable("no instance has reported its media namespace yet")
-        loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(d.pool, d.preprocessor.prepare_upload, data, namespace,
-                                              cache_salt(owner, ""))  # keyed as the tenant's own requests key it
+        prepared = await d.prep.run(owner, d.preprocessor.prepare_upload, data, namespace,
+                                    cache_salt(owner, ""))  # keyed as the tenant's own requests key it
         f = self.uploads.add(owner, filename, data, prepared.key, prepared.grid_thw, prepared.num_tokens)
         f.encoded = prepared.key in d.stored or await self._encode(f)
         return f
