@@ -10,7 +10,8 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - encode_stage.py    EncodeStage: media features from the FeatureProvider or the vision tower
 - encode_plan.py     encode batching under a vision-token budget: round-robin, videos by temporal patches
 - grammar.py         structured outputs: xgrammar grammars compiled once per schema, one matcher per request, the token mask
-- grammar_compile.py new grammars compiled on the engine's thread pool, off its loop (the request waits, the others go on)
+- grammar_compile.py new grammars compiled off the engine's loop, queued per tenant (the request waits, the others go on)
+- grammar_process.py the child process a compile runs in, killed past its time budget
 - structured_output.py  StructuredOutput: the constraint a request's output follows (part of SamplingParams)
 - pipelined_prefill.py  per-item E->P pipelining: prefill up to the first media item whose features are missing
 - step_budget.py     StepBudget: the prefill chunk and vision blocks a step may add beside its decodes (TPOT SLO)
