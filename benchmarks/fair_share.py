@@ -5,9 +5,13 @@ One launched monolithic deployment per (policy, round), a keys file with tenants
 instance held to `--max-num-seqs` slots so that B's flood fills it. In each deployment:
 - alone: A sends --requests streamed requests one after another (max_tokens 8) and records each
   TTFT (first streamed token, at the client);
-- flood: B keeps --flood-streams requests in flight back to back, each n = --flood-n choices of
-  --flood-tokens tokens (a fan-out flood: B's sequences are what fills the slots), while A sends its
-  requests the same way.
+- flood (`--flood fanout`): B keeps --flood-streams requests in flight back to back, each n =
+  --flood-n choices of --flood-tokens tokens (B's sequences are what fills the slots), while A sends
+  its requests the same way;
+- flood (`--flood schemas`): B keeps --flood-streams requests in flight back to back, each with a
+  JSON schema new to the engine (an enum of --schema-values values: a compile of about a second
+  here), while A sends requests each with a small schema new to the engine (a compile of
+  milliseconds): what A waits for is B's compiles ahead of its own.
 Rounds alternate the policies (fair, fcfs, fair, fcfs, ...) so a drift of this shared machine hits
 both; the report gives A's TTFT p50 and p99 over every request of every round, each policy's
 flood/alone ratio, and each round's own medians (the spread).
@@ -28,26 +32,36 @@ from pathlib import Path
 A_KEY, B_KEY = "sk-bench-tenant-a", "sk-bench-tenant-b"
 
 
-def _ttft(address: str, key: str, prompt: str) -> float:
+def _schema(tag: str, values: int) -> dict:
+    return {"type": "object", "properties": {"answer": {"enum": [f"{tag}-{i}" for i in range(max(values, 1))]}},
+            "required": ["answer"], "additionalProperties": False}
+
+
+def _ttft(address: str, key: str, prompt: str, structured: dict | None = None) -> float:
     from epdserve import Client
 
+    extra = {"structured": {"json": structured}} if structured else {"ignore_eos": True}
     with Client(address, timeout=300, api_key=key) as c:
         t0 = time.perf_counter()
-        for delta in c.generate_stream(prompt, max_tokens=8, ignore_eos=True):
+        for delta in c.generate_stream(prompt, max_tokens=8, **extra):
             if delta.token_ids:
                 return time.perf_counter() - t0
     raise RuntimeError("the stream ended without a token")
 
 
-def _flood(address: str, stop: threading.Event, n: int, tokens: int, errors: list) -> None:
+def _flood(address: str, stop: threading.Event, a: argparse.Namespace, stream: int, errors: list) -> None:
     from epdserve import Client
 
     try:
         with Client(address, timeout=600, api_key=B_KEY) as c:
             i = 0
             while not stop.is_set():
-                c.generate_choices(f"flood request {i} from tenant b", n=n, max_tokens=tokens, ignore_eos=True,
-                                   temperature=1.0, seed=i)
+                if a.flood == "schemas":
+                    c.generate(f"flood request {i}", max_tokens=4,
+                               structured={"json": _schema(f"b{stream}-{i}-{time.monotonic_ns()}", a.schema_values)})
+                else:
+                    c.generate_choices(f"flood request {i} from tenant b", n=a.flood_n, max_tokens=a.flood_tokens,
+                                       ignore_eos=True, temperature=1.0, seed=i)
                 i += 1
     except Exception as e:  # noqa: BLE001 - reported by the caller
         errors.append(e)
@@ -61,15 +75,16 @@ def one_round(model: str, policy: str, a: argparse.Namespace, keys: Path) -> dic
              f"--api-keys-file {keys} --max-sequences-per-tenant {a.slots * 64}"]
     with launched("monolithic", model, extra, ready_timeout_s=600, env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
         prompts = [f"tenant a asks question number {i}, please answer briefly" for i in range(a.requests)]
-        _ttft(dep.address, A_KEY, "warm-up")
-        alone = [_ttft(dep.address, A_KEY, p) for p in prompts]
+        small = (lambda: _schema(f"a-{time.monotonic_ns()}", 3)) if a.flood == "schemas" else (lambda: None)
+        _ttft(dep.address, A_KEY, "warm-up", small())
+        alone = [_ttft(dep.address, A_KEY, p, small()) for p in prompts]
         stop, errors = threading.Event(), []
-        floods = [threading.Thread(target=_flood, args=(dep.address, stop, a.flood_n, a.flood_tokens, errors))
-                  for _ in range(a.flood_streams)]
+        floods = [threading.Thread(target=_flood, args=(dep.address, stop, a, k, errors))
+                  for k in range(a.flood_streams)]
         for t in floods:
             t.start()
         time.sleep(a.flood_warmup_s)  # let B's sequences fill the slots before A asks
-        flood = [_ttft(dep.address, A_KEY, p) for p in prompts]
+        flood = [_ttft(dep.address, A_KEY, p, small()) for p in prompts]
         stop.set()
         for t in floods:
             t.join(600)
@@ -110,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-streams", type=int, default=4, help="B's requests in flight")
     p.add_argument("--flood-n", type=int, default=8, help="choices per B request (n)")
     p.add_argument("--flood-tokens", type=int, default=64, help="max_tokens of B's requests")
+    p.add_argument("--flood", choices=("fanout", "schemas"), default="fanout")
+    p.add_argument("--schema-values", type=int, default=12000, help="schemas flood: enum values of B's schemas")
     p.add_argument("--flood-warmup-s", type=float, default=3.0)
     p.add_argument("--out", help="JSON of every TTFT")
     a = p.parse_args(argv)

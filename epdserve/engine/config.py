@@ -40,7 +40,8 @@ class EngineConfig:
         help="which waiting request the engine admits next when it is full: fair — the tenant holding the least "
              "weighted share of the running sequences first (the keys file's @weight; a tenant alone is served in "
              "arrival order), and a preemption takes the newest request of the tenant holding the most "
-             "(engine/fair_share.py); fcfs — arrival order, whoever sent it (vLLM's fcfs)")
+             "(engine/fair_share.py); compiles of new structured-output grammars and media encodes take turns by "
+             "tenant too. fcfs — arrival order everywhere in the engine, whoever sent it (vLLM's fcfs)")
     max_num_batched_tokens: int = setting(
         2048, check=(">=", 1), help="tokens one engine step schedules, prefill chunks and decodes together")
     max_model_len: int | None = setting(None, check=(">=", 1), help="longest prompt + output (default: the model's)")

@@ -46,7 +46,7 @@ from epdserve.engine.outputs import RequestOutput, make_output
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine import sequence_group
 from epdserve.engine.scheduler import Scheduler, StepSchedulerConfig
-from epdserve.engine.request_parts import ChoiceGroup, Handoff, MediaItem, PipelineState, PrefixMemo
+from epdserve.engine.request_parts import ChoiceGroup, Handoff, MediaItem, PipelineState, PrefixMemo, TenantShare
 from epdserve.engine.sequence import RequestState, Sequence
 from epdserve.engine.stats import EngineStats
 from epdserve.engine.step_budget import StepBudget, StepPlan
@@ -94,7 +94,7 @@ class LLMEngine:
             kv_connector.register_kv_cache(self.kv_cache, self.platform)
         self.scheduler = Scheduler(
             StepSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-                            hands_off=not config.decodes, fair_share=config.scheduling_policy == "fair"),
+                            hands_off=not config.decodes),
             BlockManager(num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching),
             StopChecker(self.model.tokenizer, self.model.eos_token_ids, self.max_model_len), kv_connector,
             PrefixHasher(config.block_size, (a.image_token_id, a.video_token_id)), self.grammars,
@@ -179,7 +179,7 @@ class LLMEngine:
         if rid in self._seqs or rid in self.scheduler.held:
             raise ValueError(f"request id {rid!r} is already in flight")
         seq = Sequence(rid, list(req.prompt_token_ids), req.params, media=list(req.media), arrival=next(self._arrivals),
-                       tenant=req.tenant,
+                       tenant=req.tenant if self.config.scheduling_policy == "fair" else TenantShare(),  # fcfs: one queue
                        handoff=Handoff(req.feature_target, req.kv_transfer, vision_tokens=req.num_vision_tokens),
                        prefix=PrefixMemo(req.cache_salt, tuple(req.media_identity)))
         self._validate(seq)

@@ -8,7 +8,8 @@ step-time budget's prefill tokens when given) and a request cap:
 2. running requests in the middle of a chunked prefill continue;
 3. waiting requests are admitted while budget, cap and blocks allow — the next one from the tenant
    holding the least share of the running sequences, in queue order within a tenant
-   (engine/fair_share.py; one tenant alone, or `--scheduling-policy fcfs`: arrival order; a
+   (engine/fair_share.py; one tenant alone — under `--scheduling-policy fcfs` every request is
+   the default tenant's — : arrival order; a
    request whose grammar still compiles is passed over); a prompt longer than the remaining
    budget is chunked. On a full engine that computes whole requests (no KV connector), the
    request picked may displace other tenants' newest decoding sequences where that evens the
@@ -56,7 +57,6 @@ class StepSchedulerConfig:
     max_num_batched_tokens: int
     chunked_prefill: bool = True
     hands_off: bool = False  # prefill-only: a request's part here ends with its first token
-    fair_share: bool = True  # admit and preempt by tenants' shares (engine/fair_share.py); False: arrival order
 
 
 class Scheduler:
@@ -271,8 +271,7 @@ class Scheduler:
         chunked = self.config.chunked_prefill
         width = sum(s.width for s in self.running)  # a group counts its n choices from its admission
         while self.waiting and budget > 0:
-            seq = fair_share.next_admission(self.waiting, self.running if self.config.fair_share else (),
-                                            _grammar_ready, self._last_admitted if self.config.fair_share else {})
+            seq = fair_share.next_admission(self.waiting, self.running, _grammar_ready, self._last_admitted)
             if seq is None:
                 break
             if width + seq.width > self.config.max_num_seqs:
@@ -419,15 +418,12 @@ class Scheduler:
             self._blocks.cache(seq.request_id, self.hasher.hashes(seq, computed))
 
     def _newest_running(self, exclude: Sequence) -> Sequence | None:
-        if not self.config.fair_share:
-            cands = [s for s in self.running if s is not exclude]
-            return max(cands, key=lambda s: s.arrival) if cands else None
         return fair_share.preemption_victim(self.running, exclude)
 
     def _displace_for(self, seq: Sequence, room: int) -> list[Sequence]:
         """Fair share, on an engine that computes whole requests: preempt other tenants' newest
         sequences so `room` more fit for `seq`, where that evens the shares (engine/fair_share.py)."""
-        if not self.config.fair_share or self.config.hands_off or self.connector is not None:
+        if self.config.hands_off or self.connector is not None:
             return []
         victims = fair_share.fairness_victims(seq, self.running, room, lambda s: not s.in_prefill)
         for v in victims:

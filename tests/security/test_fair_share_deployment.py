@@ -64,12 +64,13 @@ def test_a_flooding_tenant_does_not_keep_another_out(deployment):
         except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
             errors.append(e)
 
-    bobs = [threading.Thread(target=run, args=(BOB, f"b{i}", 24)) for i in range(6)]
+    bobs = [threading.Thread(target=run, args=(BOB, f"b{i}", 48)) for i in range(6)]
     for t in bobs:
         t.start()
-    # bob holds both slots and four of his wait on the instance
-    wait_until(lambda: len(sched_engine.running) == 2 and len(sched_engine.waiting) == 4,
+    # bob holds both slots and at least two of his wait on the instance
+    wait_until(lambda: len(sched_engine.running) == 2 and len(sched_engine.waiting) >= 2,
                what="bob's requests to fill the instance and queue")
+    queued = len(sched_engine.waiting)
     alices = [threading.Thread(target=run, args=(ALICE, f"a{i}", 4)) for i in range(2)]
     for t in alices:
         t.start()
@@ -77,9 +78,10 @@ def test_a_flooding_tenant_does_not_keep_another_out(deployment):
         t.join(180)
     assert not errors, errors
     assert sorted(ended) == ["a0", "a1"] + [f"b{i}" for i in range(6)]  # nothing lost
-    # bob's first two end, then alice's two (each admitted at the next free slot); without fair
-    # share (queue order) hers would wait behind all six of bob's and end seventh and eighth
-    assert {"a0", "a1"} <= set(ended[:4]), ended
+    # alice's are admitted as slots free, ahead of bob's queued ones, which all end after hers; in
+    # arrival order (fcfs) hers would end after every one of them
+    last_alice = max(ended.index("a0"), ended.index("a1"))
+    assert len(ended) - 1 - last_alice >= queued, (ended, queued)
 
 
 def test_the_tenant_and_its_weight_reach_the_engine(deployment):
