@@ -11,7 +11,10 @@ instance held to `--max-num-seqs` slots so that B's flood fills it. In each depl
 - flood (`--flood schemas`): B keeps --flood-streams requests in flight back to back, each with a
   JSON schema new to the engine (an enum of --schema-values values: a compile of about a second
   here), while A sends requests each with a small schema new to the engine (a compile of
-  milliseconds): what A waits for is B's compiles ahead of its own.
+  milliseconds): what A waits for is B's compiles ahead of its own;
+- flood (`--flood uploads`): B keeps --flood-streams uploads in flight back to back, each a new
+  --upload-px square JPEG (decoded, keyed and encoded by the vision tower at once), while A sends
+  plain text requests.
 Rounds alternate the policies (fair, fcfs, fair, fcfs, ...) so a drift of this shared machine hits
 both; the report gives A's TTFT p50 and p99 over every request of every round, each policy's
 flood/alone ratio, and each round's own medians (the spread).
@@ -56,7 +59,12 @@ def _flood(address: str, stop: threading.Event, a: argparse.Namespace, stream: i
         with Client(address, timeout=600, api_key=B_KEY) as c:
             i = 0
             while not stop.is_set():
-                if a.flood == "schemas":
+                if a.flood == "uploads":
+                    from epdserve.model.demo_images import jpeg_bytes, procedural_image
+
+                    f = c.upload(jpeg_bytes(procedural_image(a.upload_px, a.upload_px, seed=stream * 100_000 + i)))
+                    c.delete_upload(f.file_id)
+                elif a.flood == "schemas":
                     c.generate(f"flood request {i}", max_tokens=4,
                                structured={"json": _schema(f"b{stream}-{i}-{time.monotonic_ns()}", a.schema_values)})
                 else:
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-streams", type=int, default=4, help="B's requests in flight")
     p.add_argument("--flood-n", type=int, default=8, help="choices per B request (n)")
     p.add_argument("--flood-tokens", type=int, default=64, help="max_tokens of B's requests")
-    p.add_argument("--flood", choices=("fanout", "schemas"), default="fanout")
+    p.add_argument("--flood", choices=("fanout", "schemas", "uploads"), default="fanout")
+    p.add_argument("--upload-px", type=int, default=448, help="uploads flood: the images' side")
     p.add_argument("--schema-values", type=int, default=12000, help="schemas flood: enum values of B's schemas")
     p.add_argument("--flood-warmup-s", type=float, default=3.0)
     p.add_argument("--out", help="JSON of every TTFT")

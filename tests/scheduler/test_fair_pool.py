@@ -26,12 +26,18 @@ async def _until(cond) -> None:
     raise AssertionError("state never reached")
 
 
+async def _one_thread_held(tenant: str, name: str):
+    """A one-thread pool whose thread runs `name` until the returned event is set."""
+    pool = ThreadPoolExecutor(1)
+    fair, ran, hold = FairPool(pool, 1), [], threading.Event()
+    first = asyncio.create_task(fair.run(tenant, _job, ran, name, hold))
+    await _until(lambda: fair._free == 0)
+    return pool, fair, ran, hold, first
+
+
 def test_a_freed_thread_goes_to_the_tenant_served_least_recently():
     async def main():
-        pool = ThreadPoolExecutor(1)
-        fair, ran, hold = FairPool(pool, 1), [], threading.Event()
-        first = asyncio.create_task(fair.run("bob", _job, ran, "b0", hold))
-        await _until(lambda: fair._free == 0)
+        pool, fair, ran, hold, first = await _one_thread_held("bob", "b0")
         tasks = [asyncio.create_task(fair.run(t, _job, ran, n)) for t, n in
                  (("bob", "b1"), ("bob", "b2"), ("bob", "b3"), ("alice", "a0"), ("alice", "a1"))]
         await _until(lambda: fair.queued == 5)
@@ -47,10 +53,7 @@ def test_a_freed_thread_goes_to_the_tenant_served_least_recently():
 
 def test_one_tenant_runs_in_arrival_order_and_a_cancelled_waiter_loses_no_thread():
     async def main():
-        pool = ThreadPoolExecutor(1)
-        fair, ran, hold = FairPool(pool, 1), [], threading.Event()
-        first = asyncio.create_task(fair.run("", _job, ran, "r0", hold))
-        await _until(lambda: fair._free == 0)
+        pool, fair, ran, hold, first = await _one_thread_held("", "r0")
         gone = asyncio.create_task(fair.run("", _job, ran, "gone"))
         rest = [asyncio.create_task(fair.run("", _job, ran, f"r{i}")) for i in (1, 2)]
         await _until(lambda: fair.queued == 3)
