@@ -36,7 +36,8 @@ A_KEY, B_KEY = "sk-bench-tenant-a", "sk-bench-tenant-b"
 
 
 def _schema(tag: str, values: int) -> dict:
-    return {"type": "object", "properties": {"answer": {"enum": [f"{tag}-{i}" for i in range(max(values, 1))]}},
+    """A schema new to the engine (`tag` is its first enum value) of `values` enum values."""
+    return {"type": "object", "properties": {"answer": {"enum": [tag] + [f"v{i}" for i in range(values - 1)]}},
             "required": ["answer"], "additionalProperties": False}
 
 

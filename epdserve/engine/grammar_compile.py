@@ -9,7 +9,10 @@ waits while a small thread pool (the engine's own) compiles it; every other requ
   The same new constraint asked for by several requests is compiled once (they share the
   compile in flight). A constraint that `check` refuses still raises InvalidRequestError at
   `start` (the request is refused at add, as before).
-- Compiles queue per tenant (`start(..., tenant=)`): a free worker takes the next compile of the
+- Two lanes, each with its own worker(s) and compile process: constraints up to
+  `SMALL_SPEC_BYTES` of text, and larger ones, so that a small schema never waits behind a big
+  one's compile (seconds) — a small constraint that still compiles slowly is cut by the time budget.
+- Within a lane compiles queue per tenant (`start(..., tenant=)`): a free worker takes the next compile of the
   tenant it served least recently, so one tenant's backlog of big schemas never sits ahead of
   another's new one; within a tenant, arrival order. A queued compile whose requests are all gone
   (aborted) is dropped before it starts; one already running goes on into the cache.
@@ -44,14 +47,22 @@ from epdserve.engine.structured_output import StructuredOutput
 from epdserve.request_errors import InvalidRequestError
 
 
+SMALL_SPEC_BYTES = 8192  # a constraint's text up to this compiles in the small lane
+LANES = ("small", "large")
+
+
+def lane(c: StructuredOutput) -> str:
+    return "small" if len(c.spec.encode()) <= SMALL_SPEC_BYTES else "large"
+
+
 class GrammarCompiles:
     """One engine's compiles in flight (see the module docstring)."""
 
     def __init__(self, backend: GrammarBackend, workers: int = 1, timeout_s: float = 0.0):
         self.backend = backend
-        self.workers = workers
+        self.workers = workers  # per lane
         self.timeout_s = timeout_s
-        self.process: CompileProcess | None = None  # with a time budget: built on the first compile
+        self.processes: dict[str, CompileProcess] = {}  # lane -> its compile process (with a time budget)
         # a test seam: called on the worker before each compile (a test blocks it to hold a compile)
         self.before_compile: Callable[[StructuredOutput], None] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -59,8 +70,8 @@ class GrammarCompiles:
         self._lock = threading.Lock()  # the compiler's first build (its TokenizerInfo) happens on a worker
         # cache key -> (the constraint, its compile (None: queued), the states waiting for it with their replay)
         self._inflight: dict[tuple, tuple[StructuredOutput, Future | None, list[tuple[GrammarState, tuple]]]] = {}
-        self._queued: dict[str, deque[tuple]] = {}  # tenant -> its compiles waiting for a worker (cache keys)
-        self._served: dict[str, int] = {}  # tenant -> when a worker last took one of its compiles
+        self._queued: dict[tuple[str, str], deque[tuple]] = {}  # (lane, tenant) -> its compiles waiting (cache keys)
+        self._served: dict[tuple[str, str], int] = {}  # (lane, tenant) -> when a worker last took one of its compiles
         self._clock = itertools.count()
 
     @property
@@ -78,25 +89,27 @@ class GrammarCompiles:
         if key not in self._inflight:
             check(c)  # a constraint that cannot parse is refused now, at add
             self._inflight[key] = (c, None, [])
-            self._queued.setdefault(tenant, deque()).append(key)
+            self._queued.setdefault((lane(c), tenant), deque()).append(key)
         state = GrammarState(None)
         self._inflight[key][2].append((state, tuple(replay)))
         self._pump()
         return state
 
     def _pump(self) -> None:
-        """Hand queued compiles to free workers, the least recently served tenant's first."""
-        running = sum(1 for _, fut, _ in self._inflight.values() if fut is not None and not fut.done())
-        while running < self.workers and self._queued:
-            tenant = min(self._queued, key=lambda t: self._served.get(t, -1))
-            q = self._queued[tenant]
-            key = q.popleft()
-            if not q:
-                del self._queued[tenant]
-            self._served[tenant] = next(self._clock)
-            c, _, waiting = self._inflight[key]
-            self._inflight[key] = (c, self._executor().submit(self._compile, c), waiting)
-            running += 1
+        """Hand queued compiles to free workers, in each lane the least recently served tenant's first."""
+        for ln in LANES:
+            running = sum(1 for c, fut, _ in self._inflight.values()
+                          if fut is not None and not fut.done() and lane(c) == ln)
+            while running < self.workers and any(q[0] == ln for q in self._queued):
+                turn = min((q for q in self._queued if q[0] == ln), key=lambda q: self._served.get(q, -1))
+                queue = self._queued[turn]
+                key = queue.popleft()
+                if not queue:
+                    del self._queued[turn]
+                self._served[turn] = next(self._clock)
+                c, _, waiting = self._inflight[key]
+                self._inflight[key] = (c, self._executor().submit(self._compile, c), waiting)
+                running += 1
 
     def poll(self) -> list[tuple[GrammarState, str]]:
         """Finish the compiles that ended (see the module docstring); the failed states and why."""
@@ -124,21 +137,21 @@ class GrammarCompiles:
             waiting[:] = [w for w in waiting if w[0] is not state]
             if fut is None and not waiting:
                 del self._inflight[key]
-                for tenant, q in list(self._queued.items()):
+                for turn, q in list(self._queued.items()):
                     if key in q:
                         q.remove(key)
                         if not q:
-                            del self._queued[tenant]
+                            del self._queued[turn]
 
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
-        if self.process is not None:
-            self.process.close()
+        for proc in self.processes.values():
+            proc.close()
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="grammar-compile")
+            self._pool = ThreadPoolExecutor(self.workers * len(LANES), thread_name_prefix="grammar-compile")
             self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         return self._pool
 
@@ -147,8 +160,8 @@ class GrammarCompiles:
             self.before_compile(c)
         with self._lock:
             self.backend.prepare()
-            if self.timeout_s > 0 and self.process is None:
-                self.process = CompileProcess(self.backend.info_json())
+            if self.timeout_s > 0 and lane(c) not in self.processes:
+                self.processes[lane(c)] = CompileProcess(self.backend.info_json())
         if self.timeout_s <= 0:
             return self.backend.compile_uncached(c)
-        return self.backend.deserialize(self.process.compile(c, self.timeout_s))
+        return self.backend.deserialize(self.processes[lane(c)].compile(c, self.timeout_s))

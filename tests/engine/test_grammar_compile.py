@@ -8,6 +8,7 @@ grammar compiles is gone and the compile still lands in the cache; an engine who
 a compile says so (poll soon, nothing to step now)."""
 import json
 import threading
+import time
 
 import pytest
 
@@ -172,3 +173,32 @@ def test_compiles_queue_per_tenant_and_a_queued_compile_of_aborted_requests_is_d
     hold.release.set()
     _run(eng, lambda outs: not eng.has_unfinished() and not eng.grammar_compiles.pending)
     assert seen == ["q-bob-1", "q-alice-1", "q-bob-2", "q-bob-3"], seen
+
+
+def test_a_small_constraint_compiles_while_a_big_ones_compile_runs(llm, hold):
+    """Constraints up to SMALL_SPEC_BYTES compile in a lane of their own: a small schema is compiled
+    and its request served while a big schema's compile (held) still runs."""
+    from epdserve.engine.grammar_compile import SMALL_SPEC_BYTES, lane
+
+    eng = llm.engine
+    big = StructuredOutput("json", json.dumps({**_big_schema("lane"), "description": "x" * SMALL_SPEC_BYTES}))
+    small = StructuredOutput("regex", "[a-c]{3}")
+    assert (lane(big), lane(small)) == ("large", "small")
+
+    def hold_big(c):
+        if c is big or c.spec == big.spec:
+            hold(c)
+
+    eng.grammar_compiles.before_compile = hold_big
+    _add(eng, "big", SamplingParams(max_tokens=3, structured=big))
+    assert hold.entered.wait(300)
+    _add(eng, "small", SamplingParams(max_tokens=3, structured=small))
+    outs, deadline = {}, time.monotonic() + 120  # a wait for a state, bounded: a small compile behind the big fails here
+    while not ("small" in outs and outs["small"][-1].finished):
+        assert time.monotonic() < deadline, "the small constraint waited behind the big one's compile"
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs["small"][-1].error is None and set(outs["small"][-1].text) <= set("abc")
+    assert "big" not in outs and eng.grammar_compiles.pending  # still held
+    hold.release.set()
+    _run(eng, lambda outs: not eng.has_unfinished() and not eng.grammar_compiles.pending)
