@@ -3,17 +3,17 @@
 `schedule()` picks this step's work under a token budget (`max_num_batched_tokens`, and the
 step-time budget's prefill tokens when given) and a request cap:
 1. every running request that is decoding gets one token (blocks grown as needed; if the free
-   list runs dry the newest running request of the tenant with the greatest share is preempted: its blocks are freed and it is
-   recomputed later — nothing is lost);
+   list runs dry the newest running request of the tenant holding the greatest share is
+   preempted: its blocks are freed and it is recomputed later — nothing is lost);
 2. running requests in the middle of a chunked prefill continue;
 3. waiting requests are admitted while budget, cap and blocks allow — the next one from the tenant
    holding the least share of the running sequences, in queue order within a tenant
-   (engine/fair_share.py; one tenant alone — under `--scheduling-policy fcfs` every request is
-   the default tenant's — : arrival order; a
-   request whose grammar still compiles is passed over); a prompt longer than the remaining
-   budget is chunked. On a full engine that computes whole requests (no KV connector), the
-   request picked may displace other tenants' newest decoding sequences where that evens the
-   shares (`fair_share.fairness_victims`; preempted, recomputed later).
+   (engine/fair_share.py; a tenant alone is served in arrival order, and under
+   `--scheduling-policy fcfs` every request is the default tenant's; a request whose grammar
+   still compiles is passed over); a prompt longer than the remaining budget is chunked. On a
+   full engine that computes whole requests (no KV connector), the request picked may displace
+   other tenants' newest decoding sequences where that evens the shares
+   (`fair_share.fairness_victims`; preempted, recomputed later).
 A request whose structured output's grammar is still compiling is neither admitted nor decoded
 (the others pass it) until it is ready (engine/grammar_compile.py).
 A request whose media are still arriving (pipelined prefill, engine/pipelined_prefill.py) is
