@@ -119,3 +119,48 @@ def test_weights_come_from_the_keys_file_and_a_bad_weight_line_is_refused(tmp_pa
         assert "sk-" not in str(e.value)  # never a key in the message
     path.write_text("alice sk-a\nbob sk-b\n@weight bob 4\n")
     assert keys.reload() and keys.weight("bob") == 4.0
+
+
+def test_a_tenants_big_schemas_do_not_hold_up_anothers_small_one(deployment):
+    """Bob sends three requests with big new schemas; their compiles are held (the engine's compile
+    hook, on the real instance); alice's small new schema compiles and she is answered meanwhile;
+    released, bob's are served too; the compiled-grammar cache stays within its bound."""
+    import json
+
+    sched, host = deployment
+    eng = _engine(host)
+    held, entered = threading.Event(), threading.Event()
+
+    def hold_big(c):
+        if "bob-big" in c.spec:
+            entered.set()
+            assert held.wait(120), "the test never released bob's compiles"
+
+    eng.grammar_compiles.before_compile = hold_big
+    results: dict[str, object] = {}
+
+    def ask(key, name, schema):
+        try:
+            with Client(sched.address, timeout=120, api_key=key) as c:
+                results[name] = c.generate(f"{name} asks", max_tokens=30, structured={"json": schema})
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            results[name] = e
+
+    big = [{"type": "object", "properties": {"k": {"enum": [f"bob-big-{i}-{j}" for j in range(800)]}},
+            "required": ["k"]} for i in range(3)]
+    small = {"type": "object", "properties": {"ok": {"enum": ["yes", "no"]}}, "required": ["ok"]}
+    try:
+        bobs = [threading.Thread(target=ask, args=(BOB, f"bob{i}", s)) for i, s in enumerate(big)]
+        for t in bobs:
+            t.start()
+        assert entered.wait(60), "bob's first compile never started"
+        ask(ALICE, "alice", small)  # served while bob's compiles are held
+        assert json.loads(results["alice"].text)["ok"] in ("yes", "no")
+        assert not any(f"bob{i}" in results for i in range(3))
+    finally:
+        held.set()
+        for t in bobs:
+            t.join(120)
+        eng.grammar_compiles.before_compile = None
+    assert all(not isinstance(results[f"bob{i}"], BaseException) for i in range(3)), results
+    assert eng.grammars.cache_bytes <= eng.config.grammar_cache_bytes
