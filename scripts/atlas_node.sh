@@ -49,7 +49,8 @@
 #   TENSOR_PARALLEL_SIZE  NPUs per instance (an instance at --tensor-parallel-size N holds 1/N of the
 #                    weights on each of N NPUs): the NPU list must split into groups of N, each NPU is
 #                    sized for its share, and `instances` starts one instance per group, with
-#                    --tensor-parallel-size N and the group in ASCEND_RT_VISIBLE_DEVICES   [1]
+#                    --tensor-parallel-size N and the group in ASCEND_RT_VISIBLE_DEVICES; one call per
+#                    role, so each stage takes its own (E at 1, PD at 4); P, D, EP, ED refused above 1   [1]
 #   KV_CACHE_MB      KV cache per P/D worker   [on NPU: what the preflight finds fits, at most 16384; with DEVICE=cpu the instance's default]
 #   HBM_MARGIN_MB    preflight: HBM each process needs beyond weights and KV cache (activations,
 #                    CANN/ATB workspaces, HCCL buffers, the runtime's context); an estimate, not a
@@ -375,6 +376,11 @@ case "$what" in
   instances)
     roles=${2:?instances needs ROLES (E, P, D, EP, ED, PD or EPD)}
     npus=${3:?instances needs a comma-separated NPU list, e.g. 0,1,2,3}
+    # each stage its own degree: one call per role (e.g. TENSOR_PARALLEL_SIZE=1 for E, 4 for PD); a
+    # prefill-only or decode-only instance cannot run tensor-parallel yet (its KV crosses instances)
+    if [[ "${TENSOR_PARALLEL_SIZE:-1}" != 1 && "$roles" =~ ^(P|D|EP|ED|P\+E)$ ]]; then
+      die "instances: $roles at TENSOR_PARALLEL_SIZE=${TENSOR_PARALLEL_SIZE}: its KV crosses to another instance, which a tensor-parallel instance cannot do yet; run TP > 1 as PD or EPD instances (E at 1)"
+    fi
     MODEL=${MODEL:?set MODEL to the checkpoint directory (same path on every server)}
     HEAD_IP=${HEAD_IP:?set HEAD_IP to the scheduler server address}
     MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://10.0.0.5:6379/0 (its password in the env file)}

@@ -166,6 +166,7 @@ def spec_from_args(args):
         registry=registry, planned=planned, demo_model=demo, pin_instances=bool(merged["pin_instances"]),
         log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
         ready_timeout_s=float(merged["ready_timeout_s"]), drain_timeout_s=float(merged["drain_timeout"]),
+        encode_tensor_parallel_size=int(merged["encode_tensor_parallel_size"]),
         mm_store_max_bytes=int(merged["mm_store_max_mb"]) << 20,
         restart=RestartPolicy(first_backoff_s=float(merged["restart_backoff_s"]),
                               max_backoff_s=float(merged["restart_backoff_max_s"]),

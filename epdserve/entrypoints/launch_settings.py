@@ -32,7 +32,7 @@ STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), t
 FORWARDED = ("kv_cache_bytes", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s", "pipelined_prefill",
              "encode_per_item",
              "encode_token_budget", "colocation", "stream_interval_ms", "slo_tpot_ms", "step_budget",
-             "enable_prefix_caching", "enforce_eager", "kv_hop")
+             "enable_prefix_caching", "enforce_eager", "kv_hop", "tensor_parallel_size", "scheduling_policy")
 
 # scheduler settings launch offers, by class, forwarded to the scheduler (max_model_len and slo_tpot_ms
 # are instance settings too: one flag, passed on to both)
@@ -69,6 +69,12 @@ class LaunchSettings:
                                   "E-only instances; monolithic ignores it")
     prefill: int = setting(1, help="P instances (EP / PD / EPD instances in those modes)")
     decode: int = setting(1, help="D instances (ED instances in ED-P)")
+    encode_tensor_parallel_size: int = setting(
+        1, check=(">=", 1),
+        help="tensor-parallel degree of the E-only instances (E-P-D, E-PD, EP-D's extra encoders): the vision "
+             "encoder is small, so E scales by --encode replicas at 1 (EPD-Serve; vLLM's mm_encoder_tp_mode "
+             "\"data\"); every instance that holds the language model takes --tensor-parallel-size. Each instance "
+             "gets as many accelerators as its degree")
     mm_store: str | None = setting(None, help="MM Store URL: redis://host:port, redis+cluster://h:p,h:p,... or "
                                               "redis+sentinel://h:p,.../service (default: a private local server)")
     mm_store_max_mb: int = setting(4096, help="memory bound of the private MM Store server, least recently used "

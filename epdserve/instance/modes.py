@@ -12,7 +12,8 @@ a `PoolRule` says which role set its instances run and which of the per-role cou
 Everything else is read off the table, never written per mode: `mode_pools` (instances for the
 counts: instances, launch, bench), `counts_of_pools` (its inverse: the planner reading a ready
 line), `candidate_counts` (every split of a device budget: the planner), `mode_of_roles` (the
-mode a roster adds up to: the scheduler's GetServerInfo). What a pool's role set runs — its
+mode a roster adds up to: the scheduler's GetServerInfo), `pool_degree` (each pool's
+tensor-parallel degree: encode-only pools their own, the rest the language model's). What a pool's role set runs — its
 stages, its workers, the calls it takes, whether it encodes inline or holds KV — is its record in
 the role table beside this one (`epdserve/roles.py` `ROLE_TABLE`, below every layer so that the
 engine reads it too); a pool names its record.
@@ -154,3 +155,19 @@ def mode_of_roles(roles: set[str] | frozenset[str]) -> str | None:
         if required <= roles <= m.roles:
             return m.name
     return None
+
+
+def pool_degree(roles: str, degree: int, encode_degree: int = 1) -> int:
+    """The tensor-parallel degree of a pool's instances: `encode_degree` for encode-only ones (the
+    vision encoder is small: E scales by replicas, EPD-Serve's and vLLM's "data" mode), `degree`
+    for every instance that holds the language model. ValueError for a prefill-only or decode-only
+    pool (P, EP, P+E, D, ED) at a degree above 1: its KV crosses to another instance through a KV
+    connector, which a tensor-parallel engine does not take yet (issue 48's hop between degrees)."""
+    rs = role_set(roles)
+    if not rs.prefills and not rs.decodes:
+        return encode_degree
+    if degree > 1 and rs.prefills != rs.decodes:
+        raise ValueError(f"a {roles} instance at tensor_parallel_size {degree}: its KV crosses to another instance, "
+                         f"which a tensor-parallel instance cannot do yet; run the language model at TP > 1 in a "
+                         f"mode whose instances prefill and decode (monolithic, E-PD)")
+    return degree

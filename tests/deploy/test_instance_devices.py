@@ -50,3 +50,30 @@ def test_a_tensor_parallel_instance_gets_one_device_per_rank():
         instance_device_env(_FourGpus(), ["0", "1"], 0, degree=4)
     spec = DeploymentSpec(mode="monolithic", model="m", device="cpu", instance_args=["--tensor-parallel-size", "2"])
     assert Deployment(spec)._degree == 2 and Deployment(DeploymentSpec(mode="E-PD", model="m", device="cpu"))._degree == 1
+
+
+def test_each_stage_takes_its_own_degree_and_its_own_devices():
+    """Issue 48 item 1: in E-PD with the language model at TP2, the E-only instances run at
+    --encode-tensor-parallel-size (1 by default) on a device each and the PD instance on two of its
+    own; a split pool (P, D) at TP > 1 is refused before anything starts, naming the pool."""
+    import pytest
+
+    from epdserve.deploy.local.deployment import Deployment, DeploymentSpec
+
+    assert [instance_device_env(_FourGpus(), [], k, [1, 1, 2])["CUDA_VISIBLE_DEVICES"] for k in range(3)] == \
+        ["0", "1", "2,3"]
+    # past the devices, the next instance starts over from the first (instances share, as at degree 1)
+    assert [instance_device_env(_FourGpus(), [], k, [2, 1, 2])["CUDA_VISIBLE_DEVICES"] for k in range(3)] == \
+        ["0,1", "2", "0,1"]
+    spec = DeploymentSpec(mode="E-PD", model="m", device="cpu", encode=2,
+                          instance_args=["--tensor-parallel-size", "2"])
+    dep = Deployment(spec)
+    assert dep._degrees == [1, 1, 2]  # E, E, PD in start order
+    e_argv, pd_argv = dep._instance_argv("E"), dep._instance_argv("PD")
+    assert e_argv[len(e_argv) - 1 - e_argv[::-1].index("--tensor-parallel-size") + 1] == "1"  # the last one wins
+    assert pd_argv.count("--tensor-parallel-size") == 1 and pd_argv[pd_argv.index("--tensor-parallel-size") + 1] == "2"
+    wide = Deployment(DeploymentSpec(mode="E-PD", model="m", device="cpu", encode_tensor_parallel_size=2,
+                                     instance_args=["--tensor-parallel-size", "4"]))
+    assert wide._degrees == [2, 4]
+    with pytest.raises(ValueError, match=r"a P\+E instance at tensor_parallel_size 2: its KV crosses to another"):
+        Deployment(DeploymentSpec(mode="P-D", model="m", device="cpu", instance_args=["--tensor-parallel-size", "2"]))

@@ -193,13 +193,24 @@ def test_one_dtype_for_every_instance_when_given_else_each_pod_resolves_auto():
 
 
 def test_a_tensor_parallel_instance_pod_requests_one_accelerator_per_rank():
-    """Issue 48 item 1: --tensor-parallel-size N on every instance, and N accelerators per instance pod."""
-    v = KubeValues(mode="E-PD", flavour="cuda", tensor_parallel_size=2)
-    pods = [c for _, c in containers(render(v)) if c["name"] == "instance"]
-    assert pods and all(c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2" for c in pods)
-    assert all(c["resources"]["limits"][v.resource] == "2" == c["resources"]["requests"][v.resource] for c in pods)
-    one = [c for _, c in containers(render(KubeValues(mode="E-PD", flavour="cuda"))) if c["name"] == "instance"]
-    assert all("--tensor-parallel-size" not in c["args"] and c["resources"]["limits"][v.resource] == "1" for c in one)
+    """Issue 48 item 1: --tensor-parallel-size N on every instance that holds the language model and N
+    accelerators per such pod; E-only pods their own degree (1 by default); a split pool refused."""
+    def pods(**kw):
+        v = KubeValues(mode="E-PD", flavour="cuda", **kw)
+        out = {}
+        for _, c in containers(render(v)):
+            if c["name"] == "instance":
+                args = c["args"]
+                degree = args[args.index("--tensor-parallel-size") + 1] if "--tensor-parallel-size" in args else "1"
+                out[args[args.index("--roles") + 1]] = (degree, c["resources"]["limits"][v.resource],
+                                                        c["resources"]["requests"][v.resource])
+        return out
+
+    assert pods(tensor_parallel_size=2) == {"E": ("1", "1", "1"), "PD": ("2", "2", "2")}
+    assert pods(tensor_parallel_size=4, encode_tensor_parallel_size=2) == {"E": ("2", "2", "2"), "PD": ("4", "4", "4")}
+    assert pods() == {"E": ("1", "1", "1"), "PD": ("1", "1", "1")}
+    with pytest.raises(ValueError, match=r"a P\+E instance at tensor_parallel_size 2: its KV crosses"):
+        render(KubeValues(mode="P-D", flavour="cuda", tensor_parallel_size=2))
 
 
 @pytest.mark.parametrize("url", ["redis://:secret@r:6379/0", "redis://u:secret@r:6379", "redis://r/0?password=x",

@@ -18,7 +18,8 @@ echo "$@" > "$FAKE_OUT/args"
 """
 
 
-def _instances(tmp_path, weights_mb=4000, npus="0", **extra) -> tuple[subprocess.CompletedProcess, dict, str]:
+def _instances(tmp_path, weights_mb=4000, npus="0", roles="P", ok=True,
+               **extra) -> tuple[subprocess.CompletedProcess, dict, str]:
     tmp_path.mkdir(exist_ok=True)
     env = make_fake_atlas(tmp_path)
     (tmp_path / "bin" / "epdserve").write_text(FAKE_EPDSERVE)
@@ -30,8 +31,11 @@ def _instances(tmp_path, weights_mb=4000, npus="0", **extra) -> tuple[subprocess
         os.truncate(f.fileno(), weights_mb << 20)
     env.update(MODEL=str(model), HEAD_IP="127.0.0.1", NODE_IP="127.0.0.1", NIC="lo", INSECURE="1",
                MM_STORE="redis://127.0.0.1:1/0", FAKE_OUT=str(tmp_path), **extra)
-    out = subprocess.run(["bash", str(SCRIPT), "instances", "P", npus], env=env, capture_output=True, text=True,
+    out = subprocess.run(["bash", str(SCRIPT), "instances", roles, npus], env=env, capture_output=True, text=True,
                          timeout=30)
+    if not ok:
+        assert out.returncode != 0
+        return out, {}, ""
     assert out.returncode == 0, out.stderr
     seen = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
     return out, seen, (tmp_path / "args").read_text()
@@ -57,9 +61,13 @@ def test_the_kv_cache_instances_start_with_is_what_the_preflight_found_fits(tmp_
 
 
 def test_a_tensor_parallel_instance_gets_its_group_of_npus(tmp_path):
-    """TENSOR_PARALLEL_SIZE=2 with NPUs 0,1: one instance, both NPUs visible to it, at degree 2."""
-    out, env, args = _instances(tmp_path, npus="0,1", TENSOR_PARALLEL_SIZE="2")
+    """TENSOR_PARALLEL_SIZE=2 with NPUs 0,1: one PD instance, both NPUs visible to it, at degree 2; a
+    P instance (its KV crosses to a D) at TP2 is refused before anything starts, naming why."""
+    out, env, args = _instances(tmp_path, npus="0,1", roles="PD", TENSOR_PARALLEL_SIZE="2")
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1" and "--tensor-parallel-size 2" in args
-    assert "started 1 P instance(s)" in out.stdout and "2 NPU(s) each" in out.stdout
+    assert "started 1 PD instance(s)" in out.stdout and "2 NPU(s) each" in out.stdout
+    out, _, _ = _instances(tmp_path / "split", npus="0,1", roles="P", ok=False, TENSOR_PARALLEL_SIZE="2")
+    assert "P at TENSOR_PARALLEL_SIZE=2: its KV crosses to another instance" in out.stderr
+    assert not (tmp_path / "split" / "args").exists()
     _, env, args = _instances(tmp_path / "one", npus="0")
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0" and "--tensor-parallel-size" not in args

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S
-from epdserve.instance.modes import Pool
+from epdserve.instance.modes import Pool, pool_degree
 from epdserve.deploy.kube import pod
 from epdserve.deploy.kube.meta import instance_name, labels, metadata, mm_store_url, scheduler_addresses
 from epdserve.deploy.kube.secrets import CLUSTER_TOKEN, MM_STORE_PASSWORD, secret_env
@@ -34,8 +34,13 @@ def instance_args(v: KubeValues, roles: str) -> list[str]:
             "--host", f"$({pod.POD_IP})", "--port", str(v.ports.instance),
             *(["--kv-cache-mb", str(v.kv_cache_mb)] if v.kv_cache_mb is not None else []),
             *(["--dtype", v.dtype] if v.dtype else []),
-            *(["--tensor-parallel-size", str(v.tensor_parallel_size)] if v.tensor_parallel_size > 1 else []),
+            *(["--tensor-parallel-size", str(degree)] if (degree := _degree(v, roles)) > 1 else []),
             "--drain-timeout", f"{v.drain_timeout:g}"]
+
+
+def _degree(v: KubeValues, roles: str) -> int:
+    """The pool's tensor-parallel degree (instance/modes.py `pool_degree`)."""
+    return pool_degree(roles, v.tensor_parallel_size, v.encode_tensor_parallel_size)
 
 
 def instance_env(v: KubeValues) -> list[dict]:
@@ -54,7 +59,7 @@ def grace_seconds(v: KubeValues) -> int:
 
 def instance_container(v: KubeValues, roles: str) -> dict:
     f = v.flavour_spec
-    extra = {v.resource: v.tensor_parallel_size} if v.resource else None  # one accelerator per rank
+    extra = {v.resource: _degree(v, roles)} if v.resource else None  # one accelerator per rank
     return {
         "name": "instance", "image": v.image_ref, "imagePullPolicy": v.image_pull_policy,
         "command": list(f.command), "args": instance_args(v, roles), "env": instance_env(v),

@@ -56,8 +56,11 @@ class KubeValues:
              "the instance's own on CPU)")
     tensor_parallel_size: int = same_as(
         EngineConfig, "tensor_parallel_size",
-        help="every instance's --tensor-parallel-size; each instance pod then requests that many accelerators "
-             "(rank r on the r-th the device plugin gives it)")
+        help="the --tensor-parallel-size of every instance that holds the language model; each such pod then "
+             "requests that many accelerators (rank r on the r-th the device plugin gives it)")
+    encode_tensor_parallel_size: int = setting(
+        1, check=(">=", 1), help="the E-only instances' --tensor-parallel-size and accelerators per pod (E scales "
+                                 "by replicas at 1: `epdserve launch --encode-tensor-parallel-size`)")
     dtype: str | None = same_as(
         EngineConfig, "dtype", help="every instance's --dtype (default: not passed: each pod resolves auto on its "
                                     "node — bf16 on an accelerator or a CPU with AVX512-BF16/AMX-BF16, else fp32; "

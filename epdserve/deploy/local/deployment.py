@@ -43,7 +43,7 @@ from epdserve.deploy.local.procs import ChildProcess, stop_all
 from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.deploy.local.supervisor import RESTART_EXIT_CODE, RestartPolicy, RestartSchedule
 from epdserve.engine.config import EngineConfig
-from epdserve.instance.modes import mode_pools
+from epdserve.instance.modes import mode_pools, pool_degree
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV
 from epdserve.platform.dtype_default import resolve_dtype
@@ -78,6 +78,7 @@ class DeploymentSpec:
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0
     drain_timeout_s: float = 10.0  # instances' --drain-timeout: calls in flight finish within it on stop
+    encode_tensor_parallel_size: int = 1  # E-only instances' degree (the rest: --tensor-parallel-size in instance_args)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def pools(self):
@@ -110,9 +111,11 @@ class Deployment:
         given = last_flag(spec.instance_args, "--dtype") or env_value(EngineConfig, "dtype")
         self.dtype, why = resolve_dtype(given, self.spec.device.partition(":")[0])
         log.info("instances run %s (%s)", self.dtype, why)
-        # each instance's tensor-parallel degree: that many devices each (instance_device_env)
+        # each instance's tensor-parallel degree (E-only pools their own): that many devices each
         self._degree = int(last_flag(spec.instance_args, "--tensor-parallel-size") or 1)
         self.pools = spec.pools()
+        self._degrees = [pool_degree(p.roles, self._degree, spec.encode_tensor_parallel_size)
+                         for p in self.pools for _ in range(p.count)]
         self.address = ""
         # the MM Store URL children get and the ready line shows: never its passwords, which go to
         # the instances' environment (`urls.without_secrets`)
@@ -226,9 +229,11 @@ class Deployment:
 
     def _instance_argv(self, roles: str) -> list[str]:
         s = self.spec
+        degree = pool_degree(roles, self._degree, s.encode_tensor_parallel_size)
         return ["instance", "--roles", roles, "--model", s.model, "--scheduler", self.registry,
                 "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host,
-                "--drain-timeout", str(s.drain_timeout_s), "--dtype", self.dtype, *s.instance_args]
+                "--drain-timeout", str(s.drain_timeout_s), "--dtype", self.dtype, *s.instance_args,
+                *(["--tensor-parallel-size", str(degree)] if degree != self._degree else [])]  # the last one wins
 
     def _choose_kv_hop(self) -> KvHopChoice:
         """The P->D hop, from each instance's roles and the accelerator it gets (start order)."""
@@ -263,7 +268,7 @@ class Deployment:
         from epdserve.platform import get_platform
 
         return instance_device_env(get_platform(self.spec.device.split(":")[0]), self.spec.devices, k,
-                                   self._degree)
+                                   self._degrees)
 
     def _child(self, name: str, argv: list[str], env: dict[str, str] | None = None,
                module: str | None = None) -> ChildProcess:
@@ -416,23 +421,31 @@ class Deployment:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
-def instance_device_env(platform, devices: list[str], k: int, degree: int = 1) -> dict[str, str]:
+def instance_device_env(platform, devices: list[str], k: int, degree: int | list[int] = 1) -> dict[str, str]:
     """The visible-devices variable of the k-th instance (start order): its own accelerator(s).
 
-    Instances are separate processes that the mode does not co-locate, so by default each gets
-    `degree` devices of its own (its tensor-parallel ranks, one per device: rank r on the r-th it
-    sees), in groups round-robin over `devices` or, when none are named, over every device the
-    platform sees (co-located workers share their instance's devices). ValueError when fewer than
-    `degree` devices exist. Without a variable to set (CPU), nothing."""
+    Instances are separate processes that the mode does not co-locate, so by default each gets as
+    many devices of its own as its tensor-parallel degree (`degree`: one for every instance, or
+    each instance's in start order; rank r on the r-th device it sees): the next ones in turn over
+    `devices` or, when none are named, over every device the platform sees, starting over from the
+    first when too few are left (instances then share; co-located workers share their instance's
+    devices). ValueError when an instance's degree exceeds the devices. Without a variable to set
+    (CPU), nothing."""
     var = platform.visible_devices_env
     if not var:
         return {}
     ids = list(devices) or [str(i) for i in range(platform.device_count())]
     if not ids:
         return {}
-    if len(ids) < degree:
-        raise ValueError(f"an instance at tensor_parallel_size {degree} needs {degree} devices; {len(ids)} "
-                         f"{'named by --devices' if devices else 'visible'}")
-    groups = len(ids) // degree
-    start = (k % groups) * degree
-    return {var: ",".join(ids[start:start + degree])}
+    degrees = list(degree) if isinstance(degree, list) else [degree] * (k + 1)
+    at = 0
+    for i, d in enumerate(degrees[: k + 1]):
+        if len(ids) < d:
+            raise ValueError(f"an instance at tensor_parallel_size {d} needs {d} devices; {len(ids)} "
+                             f"{'named by --devices' if devices else 'visible'}")
+        if at + d > len(ids):
+            at = 0
+        if i == k:
+            return {var: ",".join(ids[at:at + d])}
+        at += d
+    raise IndexError(f"instance {k}: no degree given for it")
