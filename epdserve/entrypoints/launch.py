@@ -179,6 +179,10 @@ def _plan_auto(merged: dict) -> tuple[dict, str]:
     """--mode auto: the planner's starting deployment (planner/auto.py) in place of the mode and counts."""
     from epdserve.planner.auto import DEFAULT_WORKLOAD, plan_start
 
+    degree = merged.get("tensor_parallel_size") or last_flag(_flags(merged["instance_args"]), "--tensor-parallel-size")
+    if int(degree or 1) > 1 or int(merged.get("encode_tensor_parallel_size") or 1) > 1:
+        raise ValueError("--mode auto plans from costs profiled at one device per instance: with a tensor-parallel "
+                         "degree above 1, name the mode (monolithic or E-PD; docs/tensor-parallel.md)")
     devices = len(_ids(merged["devices"])) or 2
     plan = plan_start(str(Path(merged["model"]).expanduser()), merged["device"], merged["profile"],
                       merged["expected_workload"] or DEFAULT_WORKLOAD, merged["expected_rate"], devices,
