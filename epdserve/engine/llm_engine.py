@@ -72,6 +72,8 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         self.model = model or load_model(config.model, config.device, config.dtype, config.max_model_len,
                                          shard=TPShard(0, tp), quantization=config.quantization)
+        if config.quantization is None and self.model.quantization:  # the checkpoint's own (engine/lm/prequantized.py)
+            config.quantization = self.model.quantization
         if (self.model.quantization or None) != config.quantization:
             raise ValueError(f"quantization={config.quantization} but the model was loaded with "
                              f"{self.model.quantization or 'none'}")

@@ -20,6 +20,7 @@ import torch
 
 from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.lm.linear import check_method
+from epdserve.engine.lm.prequantized import DESCRIPTION, checkpoint_method, read_description
 from epdserve.engine.lm.shard_loader import read_layers
 from epdserve.engine.tp.shard import TPShard, check_model_degree, num_experts
 from epdserve.model.adapter import VLMAdapter
@@ -85,6 +86,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     size = f"{weights / 1e9:.1f} GB" if weights >= 1e9 else f"{weights / 1e6:.1f} MB"
     log.info("loading model %s (%s of weights) on %s as %s (%s) ...", model, size, platform.device(), name, why)
     started = time.monotonic()
+    quantization = _checkpoint_quantization(model, quantization)
     method = check_method(quantization, platform.name)
     own = _check_shard(model, shard)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
@@ -103,6 +105,21 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
         quantization=quantization or "", dtype_why=why,
     )
+
+
+def _checkpoint_quantization(model: str, asked: str | None) -> str | None:
+    """The method the LM's linears run: the checkpoint's own when it is quantized already (an
+    msModelSlim description, engine/lm/prequantized.py), else `asked`; ValueError when both are
+    given and differ."""
+    desc = read_description(model) if Path(model).is_dir() else None
+    carried = checkpoint_method(desc) if desc else None
+    if carried is None:
+        return asked
+    if asked not in (None, carried):
+        raise ValueError(f"{model} holds its language model quantized already ({DESCRIPTION}: runs as {carried}); "
+                         f"--quantization {asked} cannot re-quantize it: leave --quantization unset")
+    log.info("%s is quantized already (%s): its int8 weights run as %s", model, DESCRIPTION, carried)
+    return carried
 
 
 def _check_shard(model: str, shard: TPShard) -> bool:

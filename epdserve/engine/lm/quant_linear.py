@@ -92,10 +92,25 @@ class Int8DynamicLinear:
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
         w, self.bias = fuse(weights, biases)
-        self.q, scales = quantize_int8(w)
+        q, scales = quantize_int8(w)
+        self._hold(q, scales)
+
+    def _hold(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.q = q.contiguous()
         self.qt = self.q.t()  # [in, out] view: `_int_mm`'s second operand
         self.scales = scales.float()
-        self.out_features = int(w.shape[0])
+        self.out_features = int(q.shape[0])
+
+    @classmethod
+    def prequantized(cls, qs: list[torch.Tensor], scales: list[torch.Tensor], biases: list[torch.Tensor | None],
+                     dtype: torch.dtype) -> Int8DynamicLinear:
+        """The projection fusing parts a checkpoint holds quantized already (engine/lm/prequantized.py):
+        each part's int8 [out_i, in] weights and its [out_i] scales; `biases` in `dtype`."""
+        self = cls.__new__(cls)
+        zeros = [torch.zeros(q.shape[0], dtype=dtype, device=q.device) for q in qs]
+        _, self.bias = fuse(zeros, biases)
+        self._hold(torch.cat(qs) if len(qs) > 1 else qs[0], torch.cat([s.reshape(-1) for s in scales]))
+        return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xq, sx = quantize_rows(x)

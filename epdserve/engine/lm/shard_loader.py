@@ -26,6 +26,8 @@ import torch
 
 from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.linear import make_linear
+from epdserve.engine.lm.prequantized import projection_type, read_description
+from epdserve.engine.lm.quant_linear import Int8DynamicLinear
 from epdserve.engine.lm.weights import LeanLayerWeights
 from epdserve.engine.tp.shard import TPShard, expert_range, head_map, sparse_layer
 
@@ -76,8 +78,11 @@ def layer_prefix(reader: SafetensorsReader, i: int) -> str:
 
 
 def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, dtype: torch.dtype,
-               device: torch.device | str, method: str = "dense") -> LeanLayerWeights:
-    """Decoder layer i's lean weights, `shard`'s part of them (see the module docstring)."""
+               device: torch.device | str, method: str = "dense", description: dict | None = None
+               ) -> LeanLayerWeights:
+    """Decoder layer i's lean weights, `shard`'s part of them (see the module docstring); with an
+    msModelSlim `description` (engine/lm/prequantized.py) its quantized projections are read as
+    they are (int8 weights, their scales) and the rest held dense."""
     p = layer_prefix(reader, i)
     H, KVH = text_config.num_attention_heads, text_config.num_key_value_heads
     d = getattr(text_config, "head_dim", None) or text_config.hidden_size // H
@@ -91,22 +96,47 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
             return None
         return reader.get(p + name, rows, cols).to(device=device, dtype=dtype)
 
-    qkv = make_linear([get("self_attn.q_proj.weight", qr), get("self_attn.k_proj.weight", kr),
-                       get("self_attn.v_proj.weight", kr)],
-                      [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))],
-                      method)
+    def linear(parts, biases=None):
+        """One projection fusing `parts` ((module, rows, cols) each: the rank's slice)."""
+        kinds = {projection_type(description, p + m + ".weight") if description else "" for m, _, _ in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"{p}: the parts {[m for m, _, _ in parts]} are quantized differently ({sorted(kinds)})")
+        if kinds == {"W8A8_DYNAMIC"}:
+            return _w8a8_dynamic(reader, p, parts, biases or [None] * len(parts), dtype, device)
+        return make_linear([get(m + ".weight", r, c).contiguous() for m, r, c in parts], biases,
+                           "dense" if description else method)
+
+    qkv = linear([("self_attn.q_proj", qr, None), ("self_attn.k_proj", kr, None), ("self_attn.v_proj", kr, None)],
+                 [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))])
     o_bias = get("self_attn.o_proj.bias", optional=True) if shard.rank == 0 else None  # the sum counts it once
-    o = make_linear([get("self_attn.o_proj.weight", cols=qr).contiguous()], [o_bias], method)
+    o = linear([("self_attn.o_proj", None, qr)], [o_bias])
     if sparse_layer(text_config, i):
         gate_up = down = None
         moe = _experts(reader, p, text_config, shard, get)
     else:
-        gate_up = make_linear([get("mlp.gate_proj.weight", mlp), get("mlp.up_proj.weight", mlp)], method=method)
-        down, moe = make_linear([get("mlp.down_proj.weight", cols=mlp).contiguous()], method=method), None
+        gate_up = linear([("mlp.gate_proj", mlp, None), ("mlp.up_proj", mlp, None)])
+        down, moe = linear([("mlp.down_proj", None, mlp)]), None
     return LeanLayerWeights(
         qkv=qkv, o=o, input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
         q_norm=get("self_attn.q_norm.weight", optional=True), k_norm=get("self_attn.k_norm.weight", optional=True),
         gate_up=gate_up, down=down, moe=moe)
+
+
+def _w8a8_dynamic(reader: SafetensorsReader, p: str, parts, biases, dtype, device) -> Int8DynamicLinear:
+    """msModelSlim W8A8_DYNAMIC parts (engine/lm/prequantized.py): the rank's slice of each int8
+    weight and the scales of its output rows (all of them for a projection split by its inputs)."""
+    qs, scales = [], []
+    for m, rows, cols in parts:
+        offset = reader.get(p + m + ".weight_offset", rows)
+        if bool(offset.ne(0).any()):
+            raise ValueError(f"{p}{m}.weight_offset is not zero: asymmetric int8 weights are not supported "
+                             f"(vllm-ascend's W8A8_DYNAMIC never applies it either)")
+        q = reader.get(p + m + ".weight", rows, cols)
+        if q.dtype != torch.int8:
+            raise ValueError(f"{p}{m}.weight is {q.dtype}, expected int8 for W8A8_DYNAMIC")
+        qs.append(q.to(device).contiguous())
+        scales.append(reader.get(p + m + ".weight_scale", rows).to(device=device, dtype=dtype))
+    return Int8DynamicLinear.prequantized(qs, scales, biases, dtype)
 
 
 def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get) -> ExpertShard:
@@ -133,7 +163,9 @@ def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get
 
 def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,
                 device: torch.device | str, method: str = "dense") -> list[LeanLayerWeights]:
-    """Every decoder layer's lean weights, `shard`'s part, projections held by `method`."""
+    """Every decoder layer's lean weights, `shard`'s part, projections held by `method` (or, in an
+    msModelSlim checkpoint, as its description says)."""
     reader = SafetensorsReader(path)
-    return [read_layer(reader, i, text_config, shard, dtype, device, method)
+    description = read_description(path)
+    return [read_layer(reader, i, text_config, shard, dtype, device, method, description)
             for i in range(text_config.num_hidden_layers)]
