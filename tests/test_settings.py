@@ -57,8 +57,9 @@ def test_launch_forwards_what_was_given_by_field():
                           "encode_token_budget": 5, "stream_interval_ms": 1.0, "slo_tpot_ms": 80.0,
                           "no_step_budget": True, "no_prefix_caching": True, "kv_hop": "host",
                           "enforce_eager": True, "no_pipelined_prefill": True,
-                          "encode_per_item": True})
+                          "encode_per_item": True, "tensor_parallel_size": 2, "scheduling_policy": "fcfs"})
     cfg = _instance(argv)
+    assert (cfg.tensor_parallel_size, cfg.scheduling_policy) == (2, "fcfs")
     assert (cfg.kv_cache_bytes, cfg.block_size, cfg.max_model_len, cfg.slo_tpot_ms) == (32 << 20, 64, 99, 80.0)
     assert cfg.kv_hop == "host"
     assert cfg.step_budget is False and "--no-step-budget" in argv
