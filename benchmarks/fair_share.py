@@ -55,14 +55,13 @@ def _ttft(address: str, key: str, prompt: str, structured: dict | None = None) -
 
 def _flood(address: str, stop: threading.Event, a: argparse.Namespace, stream: int, errors: list) -> None:
     from epdserve import Client
+    from epdserve.model.demo_images import jpeg_bytes, procedural_image
 
     try:
         with Client(address, timeout=600, api_key=B_KEY) as c:
             i = 0
             while not stop.is_set():
                 if a.flood == "uploads":
-                    from epdserve.model.demo_images import jpeg_bytes, procedural_image
-
                     f = c.upload(jpeg_bytes(procedural_image(a.upload_px, a.upload_px, seed=stream * 100_000 + i)))
                     c.delete_upload(f.file_id)
                 elif a.flood == "schemas":

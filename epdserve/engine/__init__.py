@@ -25,6 +25,7 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - graph_runner.py    DecodeGraphs: decode steps replayed from captured graphs (CUDA)
 - sequence.py        Sequence and RequestState: one request inside the engine
 - request_parts.py  the records a Sequence is made of: MediaItem, Emitted, PrefixMemo, Handoff, TenantShare, ChoiceGroup, PipelineState
+- turns.py           Turns: whose turn is next among tenants (the one served least recently)
 - fair_share.py      which waiting request is admitted next, and which running one preempted, by tenants' weighted shares
 - sequence_group.py  n > 1: the prompt prefilled once, the choices forked at the first token sharing its KV blocks
 - prefix_hash.py     PrefixHasher: chained hashes of full KV blocks keyed by tokens and media identity

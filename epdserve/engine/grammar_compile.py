@@ -34,16 +34,17 @@ The cache and the matchers are touched only on the engine's thread; workers only
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable
 
 from epdserve.engine.grammar import GrammarBackend, GrammarState, check
 from epdserve.engine.grammar_process import CompileProcess
 from epdserve.engine.structured_output import StructuredOutput
+from epdserve.engine.turns import Turns
 from epdserve.request_errors import InvalidRequestError
 
 
@@ -53,6 +54,21 @@ LANES = ("small", "large")
 
 def lane(c: StructuredOutput) -> str:
     return "small" if len(c.spec.encode()) <= SMALL_SPEC_BYTES else "large"
+
+
+@dataclass
+class _Compile:
+    """One constraint's compile: queued (no future yet) or running, and the states waiting for it."""
+
+    constraint: StructuredOutput
+    lane: str
+    tenant: str
+    future: Future | None = None
+    waiting: list[tuple[GrammarState, tuple]] = field(default_factory=list)  # (state, its replay)
+
+    @property
+    def running(self) -> bool:
+        return self.future is not None and not self.future.done()
 
 
 class GrammarCompiles:
@@ -68,11 +84,9 @@ class GrammarCompiles:
         self._pool: ThreadPoolExecutor | None = None
         self._finalizer = None
         self._lock = threading.Lock()  # the compiler's first build (its TokenizerInfo) happens on a worker
-        # cache key -> (the constraint, its compile (None: queued), the states waiting for it with their replay)
-        self._inflight: dict[tuple, tuple[StructuredOutput, Future | None, list[tuple[GrammarState, tuple]]]] = {}
-        self._queued: dict[tuple[str, str], deque[tuple]] = {}  # (lane, tenant) -> its compiles waiting (cache keys)
-        self._served: dict[tuple[str, str], int] = {}  # (lane, tenant) -> when a worker last took one of its compiles
-        self._clock = itertools.count()
+        self._inflight: dict[tuple, _Compile] = {}  # cache key -> its compile
+        self._queued: dict[str, dict[str, deque[tuple]]] = {ln: {} for ln in LANES}  # lane -> tenant -> cache keys
+        self._turns = {ln: Turns() for ln in LANES}  # lane -> tenants by when a worker last took one of theirs
 
     @property
     def pending(self) -> bool:
@@ -88,41 +102,40 @@ class GrammarCompiles:
         key = self.backend.key(c)
         if key not in self._inflight:
             check(c)  # a constraint that cannot parse is refused now, at add
-            self._inflight[key] = (c, None, [])
-            self._queued.setdefault((lane(c), tenant), deque()).append(key)
+            job = self._inflight[key] = _Compile(c, lane(c), tenant)
+            self._queued[job.lane].setdefault(tenant, deque()).append(key)
         state = GrammarState(None)
-        self._inflight[key][2].append((state, tuple(replay)))
+        self._inflight[key].waiting.append((state, tuple(replay)))
         self._pump()
         return state
 
     def _pump(self) -> None:
         """Hand queued compiles to free workers, in each lane the least recently served tenant's first."""
-        for ln in LANES:
-            running = sum(1 for c, fut, _ in self._inflight.values()
-                          if fut is not None and not fut.done() and lane(c) == ln)
-            while running < self.workers and any(q[0] == ln for q in self._queued):
-                turn = min((q for q in self._queued if q[0] == ln), key=lambda q: self._served.get(q, -1))
-                queue = self._queued[turn]
-                key = queue.popleft()
-                if not queue:
-                    del self._queued[turn]
-                self._served[turn] = next(self._clock)
-                c, _, waiting = self._inflight[key]
-                self._inflight[key] = (c, self._executor().submit(self._compile, c), waiting)
+        for ln, queued in self._queued.items():
+            running = sum(1 for job in self._inflight.values() if job.lane == ln and job.running)
+            while running < self.workers and queued:
+                tenant = self._turns[ln].next(queued)
+                key = queued[tenant].popleft()
+                if not queued[tenant]:
+                    del queued[tenant]
+                self._turns[ln].served(tenant)
+                job = self._inflight[key]
+                job.future = self._executor().submit(self._compile, job.constraint)
                 running += 1
 
     def poll(self) -> list[tuple[GrammarState, str]]:
         """Finish the compiles that ended (see the module docstring); the failed states and why."""
         failed: list[tuple[GrammarState, str]] = []
-        for key in [k for k, (_, fut, _) in self._inflight.items() if fut is not None and fut.done()]:
-            c, fut, waiting = self._inflight.pop(key)
+        for key in [k for k, job in self._inflight.items() if job.future is not None and job.future.done()]:
+            job = self._inflight.pop(key)
+            c = job.constraint
             try:
-                compiled = self.backend.add(c, fut.result())
+                compiled = self.backend.add(c, job.future.result())
             except Exception as e:  # InvalidRequestError: xgrammar refused it; anything else: its bug
                 why = str(e) if isinstance(e, InvalidRequestError) else f"the structured output failed to compile: {e!r}"
-                failed.extend((state, why) for state, _ in waiting)
+                failed.extend((state, why) for state, _ in job.waiting)
                 continue
-            for state, replay in waiting:
+            for state, replay in job.waiting:
                 try:
                     state.attach(self.backend.state(compiled, c, replay).matcher)
                 except InvalidRequestError as e:
@@ -133,15 +146,14 @@ class GrammarCompiles:
     def discard(self, state: GrammarState) -> None:
         """A request that waited is gone (aborted): its state is no longer set. A compile already
         running goes on into the cache; a queued one nobody waits for any more is dropped."""
-        for key, (_, fut, waiting) in list(self._inflight.items()):
-            waiting[:] = [w for w in waiting if w[0] is not state]
-            if fut is None and not waiting:
+        for key, job in list(self._inflight.items()):
+            job.waiting[:] = [w for w in job.waiting if w[0] is not state]
+            if job.future is None and not job.waiting:
                 del self._inflight[key]
-                for turn, q in list(self._queued.items()):
-                    if key in q:
-                        q.remove(key)
-                        if not q:
-                            del self._queued[turn]
+                queue = self._queued[job.lane][job.tenant]
+                queue.remove(key)
+                if not queue:
+                    del self._queued[job.lane][job.tenant]
 
     def close(self) -> None:
         if self._finalizer is not None:

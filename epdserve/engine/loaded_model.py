@@ -86,12 +86,13 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     size = f"{weights / 1e9:.1f} GB" if weights >= 1e9 else f"{weights / 1e6:.1f} MB"
     log.info("loading model %s (%s of weights) on %s as %s (%s) ...", model, size, platform.device(), name, why)
     started = time.monotonic()
-    quantization = _checkpoint_quantization(model, quantization)
+    description = read_description(model) if Path(model).is_dir() else None
+    quantization = _checkpoint_quantization(model, description, quantization)
     method = check_method(quantization, platform.name)
     own = _check_shard(model, shard)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
-    layers = read_layers(model, a.text_config, shard, tdtype, platform.device(), method) if own else None
+    layers = read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description) if own else None
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
                                     a.text_config.vocab_size, video=ckpt.video)
@@ -107,11 +108,10 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     )
 
 
-def _checkpoint_quantization(model: str, asked: str | None) -> str | None:
-    """The method the LM's linears run: the checkpoint's own when it is quantized already (an
-    msModelSlim description, engine/lm/prequantized.py), else `asked`; ValueError when both are
-    given and differ."""
-    desc = read_description(model) if Path(model).is_dir() else None
+def _checkpoint_quantization(model: str, desc: dict | None, asked: str | None) -> str | None:
+    """The method the LM's linears run: the checkpoint's own when it is quantized already (its
+    msModelSlim description `desc`, engine/lm/prequantized.py), else `asked`; ValueError when both
+    are given and differ."""
     carried = checkpoint_method(desc) if desc else None
     if carried is None:
         return asked

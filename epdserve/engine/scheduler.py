@@ -46,6 +46,7 @@ from epdserve.engine.sequence import RequestState, Sequence
 from epdserve.engine.sequence_group import Forker
 from epdserve.engine.step_contract import ScheduledStep, StepResult
 from epdserve.engine.stop_checker import StopChecker
+from epdserve.engine.turns import Turns
 from epdserve.seams.kv_connector import FinishedTransfer, KVConnector
 
 S = RequestState
@@ -77,8 +78,7 @@ class Scheduler:
         self.block_copies: list[tuple[int, int]] = []  # (source, destination), both held: for the next step
         self.num_preemptions = 0
         self.num_fair_preemptions = 0  # of those, sequences displaced for another tenant's (fair share)
-        self._admissions = 0  # admissions so far; the latest number of each tenant's (engine/fair_share.py)
-        self._last_admitted: dict[str, int] = {}
+        self._admitted = Turns()  # tenants by their latest admission (engine/fair_share.py)
         self.forker = Forker(self, grammars)  # n > 1: a group's choices at its first token
 
     # ---------------------------------------------------------------- requests in / out
@@ -247,7 +247,7 @@ class Scheduler:
             if seq not in self.running:
                 continue  # preempted below by an older request's growth
             while not self._blocks.can_grow(seq.request_id, seq.num_tokens):
-                victim = self._newest_running(exclude=seq)
+                victim = self._preemption_victim(exclude=seq)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -271,7 +271,7 @@ class Scheduler:
         chunked = self.config.chunked_prefill
         width = sum(s.width for s in self.running)  # a group counts its n choices from its admission
         while self.waiting and budget > 0:
-            seq = fair_share.next_admission(self.waiting, self.running, _grammar_ready, self._last_admitted)
+            seq = fair_share.next_admission(self.waiting, self.running, _grammar_ready, self._admitted.last)
             if seq is None:
                 break
             if width + seq.width > self.config.max_num_seqs:
@@ -288,8 +288,7 @@ class Scheduler:
             if span is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.remove(seq)
-            self._admissions += 1
-            self._last_admitted[seq.tenant.name] = self._admissions
+            self._admitted.served(seq.tenant.name)
             self._count_prefix(seq)
             seq.state = S.RUNNING
             self.running.append(seq)
@@ -417,7 +416,7 @@ class Scheduler:
         if computed // self._blocks.block_size > self._blocks.uncached_from(seq.request_id):
             self._blocks.cache(seq.request_id, self.hasher.hashes(seq, computed))
 
-    def _newest_running(self, exclude: Sequence) -> Sequence | None:
+    def _preemption_victim(self, exclude: Sequence) -> Sequence | None:
         return fair_share.preemption_victim(self.running, exclude)
 
     def _displace_for(self, seq: Sequence, room: int) -> list[Sequence]:

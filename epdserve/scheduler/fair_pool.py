@@ -12,10 +12,11 @@ on, so no thread is ever lost.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
+
+from epdserve.engine.turns import Turns
 
 
 class FairPool:
@@ -23,8 +24,7 @@ class FairPool:
         self._pool = pool
         self._free = workers
         self._queued: dict[str, deque[asyncio.Future]] = {}  # tenant -> its waiting jobs' gates
-        self._served: dict[str, int] = {}  # tenant -> when a job of its last took a thread
-        self._clock = itertools.count()
+        self._turns = Turns()  # tenants by when a job of theirs last took a thread
 
     @property
     def queued(self) -> int:
@@ -46,7 +46,7 @@ class FairPool:
                 else:
                     self._forget(tenant, gate)
                 raise
-        self._served[tenant] = next(self._clock)
+        self._turns.served(tenant)
         try:
             return await loop.run_in_executor(self._pool, fn, *args)
         finally:
@@ -62,13 +62,13 @@ class FairPool:
     def _release(self) -> None:
         """A thread is free: the least recently served tenant's next job takes it, else it idles."""
         while self._queued:
-            tenant = min(self._queued, key=lambda t: self._served.get(t, -1))
+            tenant = self._turns.next(self._queued)
             q = self._queued[tenant]
             gate = q.popleft()
             if not q:
                 del self._queued[tenant]
             if not gate.done():
-                self._served[tenant] = next(self._clock)
+                self._turns.served(tenant)
                 gate.set_result(None)
                 return
         self._free += 1

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.engine.lm.fusion import fuse
+from epdserve.engine.lm.fusion import fuse, fuse_bias
 
 PACKED_MAX_ROWS = 12  # bf16/fp16 rows up to which `_weight_int8pack_mm` beats converting the weights (this CPU)
 CHUNK_ROWS = 2048  # output channels converted to the model dtype at once on the GEMM route
@@ -107,8 +107,7 @@ class Int8DynamicLinear:
         """The projection fusing parts a checkpoint holds quantized already (engine/lm/prequantized.py):
         each part's int8 [out_i, in] weights and its [out_i] scales; `biases` in `dtype`."""
         self = cls.__new__(cls)
-        zeros = [torch.zeros(q.shape[0], dtype=dtype, device=q.device) for q in qs]
-        _, self.bias = fuse(zeros, biases)
+        self.bias = fuse_bias(biases, [q.shape[0] for q in qs], dtype, qs[0].device)
         self._hold(torch.cat(qs) if len(qs) > 1 else qs[0], torch.cat([s.reshape(-1) for s in scales]))
         return self
 

@@ -26,7 +26,7 @@ import torch
 
 from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.linear import make_linear
-from epdserve.engine.lm.prequantized import projection_type, read_description
+from epdserve.engine.lm.prequantized import projection_type
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear
 from epdserve.engine.lm.weights import LeanLayerWeights
 from epdserve.engine.tp.shard import TPShard, expert_range, head_map, sparse_layer
@@ -162,10 +162,10 @@ def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get
 
 
 def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,
-                device: torch.device | str, method: str = "dense") -> list[LeanLayerWeights]:
-    """Every decoder layer's lean weights, `shard`'s part, projections held by `method` (or, in an
-    msModelSlim checkpoint, as its description says)."""
+                device: torch.device | str, method: str = "dense", description: dict | None = None
+                ) -> list[LeanLayerWeights]:
+    """Every decoder layer's lean weights, `shard`'s part, projections held by `method` (or, given an
+    msModelSlim checkpoint's `description`, as it says: engine/lm/prequantized.py)."""
     reader = SafetensorsReader(path)
-    description = read_description(path)
     return [read_layer(reader, i, text_config, shard, dtype, device, method, description)
             for i in range(text_config.num_hidden_layers)]
