@@ -20,6 +20,13 @@ from dataclasses import dataclass, fields
 HOP_DEGREES = frozenset({(1, 1)})  # (P degree, D degree) pairs the layerwise KV hop carries today
 
 
+def hop_carries(p_degree: int, d_degree: int) -> bool:
+    """Does the layerwise KV hop carry KV from a prefill instance at `p_degree` to a decode
+    instance at `d_degree`? (Whether the model splits at each degree is engine/tp/shard.py's
+    `check_degree`, asked where the checkpoint is read.)"""
+    return (p_degree, d_degree) in HOP_DEGREES
+
+
 def rank_kv_heads(num_kv_heads: int, degree: int, rank: int) -> range:
     """The KV heads rank `rank` of `degree` holds: num_kv_heads/degree of them when the degree
     divides them, else (a multiple of them) the one its query heads share."""
@@ -78,7 +85,7 @@ def pair_mismatch(p: KvLayout, d: KvLayout) -> str | None:
     if p.quantization != d.quantization:
         why.append(f"the weights are quantized differently ({p.quantization or 'unquantized'} vs "
                    f"{d.quantization or 'unquantized'}): D would decode KV another model computed")
-    if not why and (p.degree, d.degree) not in HOP_DEGREES:
+    if not why and not hop_carries(p.degree, d.degree):
         why.append(f"the KV hop carries KV between degrees {sorted(HOP_DEGREES)} only, not P TP{p.degree} "
                    f"to D TP{d.degree}")
     if not why:
