@@ -140,6 +140,8 @@ class Platform(ABC):
         transfer/kv/README.md)."""
         raise NotImplementedError(f"{self.name}: pairwise groups not implemented")
 
+    interrupts_per_peer = False  # does `interrupt_pair_group` break only the link to `peer_rank`?
+
     def interrupt_pair_group(self, pg, peer_rank: int) -> None:
         """Break `pg` (from `make_pair_group`) so every wait blocked on it wakes with an error.
 

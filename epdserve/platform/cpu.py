@@ -55,6 +55,8 @@ class CpuPlatform(Platform):
         opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
         return ProcessGroupGloo(store, rank, world_size, opts)
 
+    interrupts_per_peer = True  # gloo closes one connection (the peer's) per timed-out receive
+
     def interrupt_pair_group(self, pg, peer_rank: int) -> None:
         # ProcessGroupGloo.abort() does not wake pending waits, but a timed-out wait does: gloo
         # then closes the whole pair, failing every pending op. So time out a private recv.

@@ -69,7 +69,8 @@ def test_hccl_calls_threads_and_streams(fake):
         server.close()
 
     block_bytes = SPEC.block_size * SPEC.num_kv_heads * SPEC.head_dim * 2
-    per_layer = [2 * block_bytes, 2 * block_bytes, block_bytes, block_bytes]  # K, V of chunk 1; K, V of chunk 2
+    # K, V of chunk 1; K, V of chunk 2; then the bytes sent on the link this layer (one int64)
+    per_layer = [2 * block_bytes, 2 * block_bytes, block_bytes, block_bytes, 8]
     ops = [e for e in fake.events if e[1] in ("send", "recv")]
     p_ops = [(e[1], e[3], e[4], e[5], e[6]) for e in ops if e[2] == 0]
     d_ops = [(e[1], e[3], e[4], e[5], e[6]) for e in ops if e[2] == 1]

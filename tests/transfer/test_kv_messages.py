@@ -7,6 +7,7 @@ import torch
 from epdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
 from epdserve.transfer.kv import BatchHeader, KVTransferConfig, PairRendezvous, RequestEntry
 from epdserve.transfer.kv.layout import Chunk, as_bytes, contiguous_runs, layer_plan, select_blocks
+from epdserve.transfer.kv.links import KvShare
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.bfloat16)
 
@@ -32,10 +33,16 @@ def test_rendezvous_rejects_malformed(text, match):
 def test_header_round_trips_and_checks_the_cache_shape():
     h = BatchHeader.for_spec(SPEC, 3, [RequestEntry("a", 9, (4, 5, 9)), RequestEntry("b", 1, (0,))])
     assert BatchHeader.from_json(h.to_json()) == h
-    assert h.dtype == "bfloat16" and h.block_bytes() == 4 * 2 * 4 * 2
-    assert h.spec_mismatch(SPEC) is None
+    assert h.dtype == "bfloat16" and h.block_bytes(2) == 4 * 2 * 4 * 2
+    assert (h.p_degree, h.d_degree, h.num_kv_heads) == (1, 1, 2)
+    assert h.spec_mismatch(SPEC, KvShare(2)) is None
     other = KVCacheSpec(2, 2, 8, 4, torch.bfloat16)
-    assert "head_dim" in h.spec_mismatch(other)
+    assert "head_dim" in h.spec_mismatch(other, KvShare(2))
+    assert "D degree" in h.spec_mismatch(SPEC, KvShare(4, 2, 1))  # a TP2 rank cannot take a batch sent to TP1
+    tp = BatchHeader.for_spec(SPEC, 0, [RequestEntry("a", 9, (4, 5, 9))], KvShare(4, 2, 0), d_degree=2)
+    assert (tp.num_kv_heads, tp.p_degree, tp.d_degree) == (4, 2, 2) and tp.spec_mismatch(SPEC, KvShare(4, 2, 1)) is None
+    small = KVCacheSpec(2, 1, 4, 4, torch.bfloat16)  # a cache holding 1 head where its share is 2
+    assert "holds 1 KV heads" in tp.spec_mismatch(small, KvShare(4, 2, 1))
 
 
 @pytest.mark.parametrize("change, match", [
@@ -45,6 +52,8 @@ def test_header_round_trips_and_checks_the_cache_shape():
     (dict(requests=[]), "empty"),
     (dict(dtype="int8"), "dtype"),
     (dict(num_layers=0), "num_layers"),
+    (dict(d_degree=0), "d_degree"),
+    (dict(p_degree=65), "p_degree"),
     (dict(extra=1), "fields"),
 ])
 def test_header_rejects_malformed(change, match):

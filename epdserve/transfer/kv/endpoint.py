@@ -1,4 +1,5 @@
-"""`PairEndpoint`: what KVSender (rank 0) and KVReceiver (rank 1) share — one channel per peer.
+"""`PairEndpoint`: what KVSender (a prefill rank) and KVReceiver (a decode rank) share — one
+channel per peer instance, and this rank's place in its instance's KV split (`KvShare`).
 
 A channel owns one `PairConnection` and the thread that waits on it. Endpoints connect,
 replace and disconnect peers, report pair states and stop every thread on `close()`.
@@ -12,17 +13,24 @@ import threading
 import weakref
 
 from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.links import KvShare, group_peers, hop_links
 from epdserve.transfer.kv.messages import PairRendezvous
 from epdserve.transfer.kv.pair import PairConnection
 from epdserve.transfer.kv.state import PairState
 
 
 class PairEndpoint:
-    RANK: int  # 0 = prefill (sender), 1 = decode (receiver)
+    PREFILL: bool  # the prefill side (sender) or the decode side (receiver)
     SIDE: str
 
-    def __init__(self, cache, platform, config: KVTransferConfig | None = None):
+    def __init__(self, cache, platform, config: KVTransferConfig | None = None, share: KvShare | None = None):
+        """`share`: this rank's place in its instance's split (None: an instance of degree 1,
+        whose cache holds every KV head)."""
         self.cache = cache
+        self.share = share or KvShare(cache.spec.num_kv_heads)
+        if cache.spec.num_kv_heads != len(self.share.heads):
+            raise ValueError(f"rank {self.share.rank} of {self.share.degree} holds {len(self.share.heads)} of "
+                             f"{self.share.num_kv_heads} KV heads, its cache {cache.spec.num_kv_heads}")
         self.platform = platform
         self.config = config or KVTransferConfig()
         self.device = cache.keys[0].device
@@ -39,13 +47,20 @@ class PairEndpoint:
         """Start building the pair to `peer` (replacing a previous one); returns at once."""
         if not self._closer.alive:
             raise RuntimeError(f"{type(self).__name__} is closed")
-        if rdzv.rank != self.RANK:
-            raise ValueError(f"the {self.SIDE} side joins a pair as rank {self.RANK}, got {rdzv}")
+        degree = rdzv.p_degree if self.PREFILL else rdzv.d_degree
+        if rdzv.prefill_side != self.PREFILL or (rdzv.local_rank, degree) != (self.share.rank, self.share.degree):
+            raise ValueError(f"the {self.SIDE} side's rank {self.share.rank} of {self.share.degree} cannot join "
+                             f"a pair as {rdzv}")
         self.disconnect(peer)
-        pair = PairConnection(rdzv, self.platform, self.config, self.device, on_leak=self._count_leak)
+        peers = group_peers(rdzv.p_degree, rdzv.d_degree, self.links(rdzv), rdzv.rank)
+        pair = PairConnection(rdzv, self.platform, self.config, self.device, on_leak=self._count_leak, peers=peers)
         with self._lock:
             self._channels[peer] = self._new_channel(peer, pair)
         return pair
+
+    def links(self, rdzv: PairRendezvous):
+        """Every link of the pair `rdzv` names (links.py)."""
+        return hop_links(self.share.num_kv_heads, rdzv.p_degree, rdzv.d_degree)
 
     def disconnect(self, peer: str) -> None:
         """Stop the peer's channel: its in-flight transfers fail, its thread drains and ends."""

@@ -60,14 +60,17 @@ class PairBroken(RuntimeError):
 
 class PairConnection:
     def __init__(self, rdzv: PairRendezvous, platform, config: KVTransferConfig, device: torch.device | str = "cpu",
-                 on_leak=None):
+                 on_leak=None, peers: list[int] | None = None):
+        """`peers`: the group ranks this process exchanges messages with (links.py `group_peers`;
+        default the other side's rank 0)."""
         self.rdzv = rdzv
         self.platform = platform  # the device's: thread device, side streams
         self.transport = transport_platform(platform, config.hop)  # the group's backend: build, wait, break
         self.staged = config.hop == "host"  # messages staged through host buffers (on CPU too: same bytes)
         self.config = config
         self.device = torch.device(device)
-        self.peer_rank = 1 - rdzv.rank
+        self.peers = sorted(peers) if peers is not None else [rdzv.for_peer().rank]
+        self.peer_rank = self.peers[0]  # the default destination and source of a message
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._state = PairState.CONNECTING
@@ -126,15 +129,15 @@ class PairConnection:
             store = net.open_store(r, timedelta(seconds=cfg.connect_timeout_s))
             # The group's own timeout outlives ours, so our waits fire first.
             pg_timeout = timedelta(seconds=cfg.connect_timeout_s + cfg.timeout_s)
-            pg = self.transport.make_pair_group(store, r.rank, 2, pg_timeout, group_name=f"epdserve-kv/{r.pair_name}",
-                                                host=net.host)
+            pg = self.transport.make_pair_group(store, r.rank, r.world, pg_timeout,
+                                                group_name=f"epdserve-kv/{r.pair_name}", host=net.host)
             self._handshake(pg)
             conflict = self.transport.pair_stream_conflict(pg, self.peer_rank)
             if conflict:
                 raise RuntimeError(conflict)
         except Exception as e:  # any failure to build is this pair's failure, reported in its state
             if pg is not None:
-                self.transport.interrupt_pair_group(pg, self.peer_rank)
+                self._interrupt(pg)
             self._set_broken(f"pair {r.pair_name!r}: could not build the process group "
                              f"({self.transport.dist_backend}, {self.config.hop} hop, via {r.host}:{r.port}): {e}")
             self._ready.set()
@@ -147,7 +150,7 @@ class PairConnection:
                 self._pg, self._store, self._state = pg, store, PairState.READY
         self._ready.set()
         if not ready:  # closed while connecting
-            self.transport.interrupt_pair_group(pg, self.peer_rank)
+            self._interrupt(pg)
             self._end_store(store, pg)
 
     def _end_store(self, store, pg) -> None:
@@ -156,36 +159,41 @@ class PairConnection:
         if store is None:
             return
         self._held = (pg, store)
-        store.end(release=True)
+        store.end(release=self.rdzv.leader)  # an instance's rank 0 drops the namespace, its other ranks leave it
 
     def _handshake(self, pg) -> None:
-        """One byte P→D in this thread: the backend builds its communicator (a blocking
-        rendezvous of both sides) here rather than in the first KV message's thread."""
-        probe = torch.ones(1, dtype=torch.uint8, device="cpu" if self.staged else self.device)
-        op = pg.send if self.rdzv.rank == 0 else pg.recv
-        work = op([probe], self.peer_rank, KV_TAG)
-        self.transport.wait_work(work, self.config.connect_timeout_s)
+        """One byte with each peer in this thread (the lower group rank sends): the backend builds
+        its communicators (blocking rendezvous) here rather than in the first KV message's thread.
+        Every rank posts its peers in ascending order, so the pairs' rendezvous come in one global
+        order (no cycle of ranks each waiting for another's)."""
+        works = []
+        for peer in self.peers:
+            probe = torch.ones(1, dtype=torch.uint8, device="cpu" if self.staged else self.device)
+            op = pg.send if self.rdzv.rank < peer else pg.recv
+            works.append(op([probe], peer, KV_TAG))
+        for work in works:
+            self.transport.wait_work(work, self.config.connect_timeout_s)
 
     # ------------------------------------------------------------------ KV messages
-    def isend(self, t: torch.Tensor):
-        return self._post("send", t)
+    def isend(self, t: torch.Tensor, dst: int | None = None):
+        return self._post("send", t, self.peer_rank if dst is None else dst)
 
-    def irecv(self, t: torch.Tensor):
-        return self._post("recv", t)
+    def irecv(self, t: torch.Tensor, src: int | None = None):
+        return self._post("recv", t, self.peer_rank if src is None else src)
 
-    def _post(self, op: str, t: torch.Tensor):
+    def _post(self, op: str, t: torch.Tensor, peer: int):
         pg = self._pg
         if self._state is not PairState.READY or pg is None:
             raise PairBroken(f"pair {self.rdzv.pair_name!r} is {self._state.value}: {self._error or 'not connected'}")
         try:
             data = as_bytes(t)
             if not self.staged:
-                return getattr(pg, op)([data], self.peer_rank, KV_TAG)
+                return getattr(pg, op)([data], peer, KV_TAG)
             if op == "send":
                 host = stage_send(data)
-                return StagedWork(pg.send([host], self.peer_rank, KV_TAG), host)
+                return StagedWork(pg.send([host], peer, KV_TAG), host)
             host = stage_recv(data)
-            return StagedWork(pg.recv([host], self.peer_rank, KV_TAG), host, data)
+            return StagedWork(pg.recv([host], peer, KV_TAG), host, data)
         except Exception as e:
             self.mark_broken(f"{op} failed: {e}")
             raise PairBroken(self._error) from None
@@ -234,8 +242,11 @@ class PairConnection:
 
     # ------------------------------------------------------------------ batch headers
     def publish_header(self, header: BatchHeader) -> None:
+        """P's rank 0: the batch's header, once for each D rank (each takes its own)."""
         try:
-            self._live_store().set(f"batch-header/{header.seq}", header.to_json())
+            text = header.to_json()
+            for s in range(self.rdzv.d_degree):
+                self._live_store().set(f"batch-header/{header.seq}/{s}", text)
         except Exception as e:
             self.mark_broken(f"publishing batch header {header.seq}: {e}")
             raise PairBroken(self._error) from None
@@ -245,7 +256,7 @@ class PairConnection:
         `wait_s` for it; else None. Raises ValueError for a malformed header, PairBroken when the
         store is unreachable."""
         try:
-            text = self._live_store().take(f"batch-header/{seq}", wait_s)
+            text = self._live_store().take(f"batch-header/{seq}/{self.rdzv.local_rank}", wait_s)
         except Exception as e:
             self.mark_broken(f"reading batch header {seq}: {e}")
             raise PairBroken(self._error) from None
@@ -275,7 +286,13 @@ class PairConnection:
         pg = self._pg
         if pg is None:
             return
-        self.transport.interrupt_pair_group(pg, self.peer_rank)
+        self._interrupt(pg)
+
+    def _interrupt(self, pg) -> None:
+        """Break the group towards every peer where the backend breaks it per peer (gloo: one
+        connection each), else once (NCCL / HCCL abort the whole communicator)."""
+        for peer in self.peers if self.transport.interrupts_per_peer else self.peers[:1]:
+            self.transport.interrupt_pair_group(pg, peer)
 
     def close(self) -> None:
         with self._lock:

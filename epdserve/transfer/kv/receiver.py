@@ -20,6 +20,7 @@ uint8 per request (1 = stored, 0 = rejected).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -30,12 +31,16 @@ import torch
 from epdserve.transfer.kv.config import KVTransferConfig
 from epdserve.transfer.kv.endpoint import PairEndpoint
 from epdserve.transfer.kv.layout import layer_plan
-from epdserve.transfer.kv.messages import BatchHeader
+from epdserve.transfer.kv.links import hop_links, links_into
+from epdserve.transfer.kv.messages import SENDER_RANK, BatchHeader
 from epdserve.transfer.kv.pair import PairBroken, PairConnection, work_ended
 from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
 
 _IDLE_POLL_S = 0.02  # how often a connecting pair's state is looked at
 _HEADER_WAIT_S = 0.1  # one wait on the store for an expected header (it returns as soon as the header is in)
+_FOLLOWER_WAIT_S = 1.0  # the same on a rank other than 0, which waits for every header
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,17 +82,19 @@ class _Channel:
     def _run(self) -> None:
         self.pair.enter_thread()
         rx, cfg, seq = self.rx, self.rx.config, 0
+        leader = self.pair.rdzv.leader
         while not self.stopped:
-            rx._expire(self.peer)
+            if leader:
+                rx._expire(self.peer)
             state = self.pair.state
             if state is PairState.CONNECTING:
                 self.pair.wait_ready(_IDLE_POLL_S)
                 continue
             if state is not PairState.READY:
                 break
-            expecting = rx._expects(self.peer)
+            expecting = rx._expects(self.peer) if leader else True  # another rank expects what rank 0 accepts
             try:
-                header = self.pair.poll_header(seq, _HEADER_WAIT_S if expecting else 0.0)
+                header = self.pair.poll_header(seq, (_HEADER_WAIT_S if leader else _FOLLOWER_WAIT_S) if expecting else 0.0)
             except PairBroken:
                 break
             except ValueError as e:
@@ -101,57 +108,135 @@ class _Channel:
             if header.seq != seq:
                 self.pair.mark_broken(f"batch header numbered {header.seq}, expected {seq}")
                 break
+            r = self.pair.rdzv
+            if (header.p_degree, header.d_degree) != (r.p_degree, r.d_degree):
+                self.pair.mark_broken(f"batch header {seq} names P TP{header.p_degree} -> D TP{header.d_degree}, "
+                                      f"the pair was built for P TP{r.p_degree} -> D TP{r.d_degree}")
+                break
             seq += 1
             if not self._receive(header):
                 break
-        rx._fail_peer(self.peer, self.pair.error or "pair closed")
+        if leader:
+            rx._fail_peer(self.peer, self.pair.error or "pair closed")
 
     def _receive(self, header: BatchHeader) -> bool:
-        """Receive one batch; False when the pair broke (its transfers are failed by the caller)."""
-        rx, pair = self.rx, self.pair
-        accepted = rx._accept(self.peer, header)
-        cache, plan = rx.cache, layer_plan([r.dst_block_ids for r in header.requests])
-        scratch = None
-        if not all(accepted):
-            biggest = max(c.num_blocks for c in plan) * header.block_bytes()
-            scratch = torch.empty(biggest, dtype=torch.uint8, device=rx.device)
-        works = []  # (work, layer count complete once it is done, or None)
+        """Receive one batch; False when the pair broke (its transfers are failed by the caller).
+
+        D's rank 0 decides which requests it takes (`_accept`) and tells its other ranks; every
+        rank receives its links' heads — straight into its blocks when a link carries all of
+        them, else through a scratch buffer copied into their place — and checks each link's
+        byte count per layer against what its heads need. The other ranks acknowledge to rank 0,
+        which acknowledges the batch to P's rank 0 once all are in."""
+        rx, pair, r = self.rx, self.pair, self.pair.rdzv
+        lead = r.p_degree  # the group rank of D's rank 0
+        mismatch = header.spec_mismatch(rx.cache.spec, rx.share)
+        works: list[tuple[object, object]] = []  # (work, what to do once it is done, or None)
         waited, posting = 0, True
+        accepted: list[_Expected | None] = []
+        short: list[str] = []  # byte counts that did not match (every request of the batch fails)
         try:
-            for layer in range(header.num_layers):
-                for i, c in enumerate(plan):
-                    ids = header.requests[c.request_index].dst_block_ids[c.offset : c.offset + c.num_blocks]
-                    for kind, tensors in enumerate((cache.keys, cache.values)):
-                        if accepted[c.request_index] is not None:
-                            dst = tensors[layer][ids[0] : ids[0] + len(ids)]
-                        else:
-                            dst = scratch[: c.num_blocks * header.block_bytes()]
-                        done = layer + 1 if kind == 1 and i == len(plan) - 1 else None
-                        works.append((pair.irecv(dst), done))
+            if r.leader:
+                accepted = rx._accept(self.peer, header, mismatch)
+                takes = [a is not None for a in accepted]
+                told = torch.tensor(takes, dtype=torch.uint8, device=rx.device)
+                works += [(pair.isend(told, lead + s), None) for s in range(1, r.d_degree)]
+            else:
+                told = torch.zeros(len(header.requests), dtype=torch.uint8, device=rx.device)
+                pair.wait(pair.irecv(told, lead), f"batch {header.seq}: rank 0's verdict")
+                takes = [bool(t) and mismatch is None for t in told.cpu().tolist()]
+                if mismatch is not None:
+                    log.warning("KV batch %d from %s refused on rank %d: %s", header.seq, self.peer, rx.share.rank, mismatch)
+            works += self._post_receives(header, takes, short, accepted)
             posting = False
-            for work, done in works:
+            for work, then in works:
                 pair.wait(work, f"receiving batch {header.seq} from {self.peer}")
                 waited += 1
-                if done is not None:
-                    rx._progress(accepted, done)
+                if then is not None:
+                    then()
+            final = [t and not short for t in takes]
+            if r.leader:
+                for s in range(1, r.d_degree):
+                    theirs = torch.zeros(len(header.requests), dtype=torch.uint8, device=rx.device)
+                    pair.wait(pair.irecv(theirs, lead + s), f"batch {header.seq}: D rank {s}'s acknowledgement")
+                    got = theirs.cpu().tolist()
+                    if not all(got[i] for i, t in enumerate(final) if t):
+                        short.append(f"D rank {s} did not get every byte its KV heads need")
+                    final = [f and bool(g) for f, g in zip(final, got)]
         except PairBroken:  # drain: once these end, nothing writes into the blocks any more
             stuck = pair.drain(w for w, _ in works[0 if posting else waited + 1 :])
-            rx._fail_accepted(accepted, pair.error or "pair broken", stuck)
+            if r.leader:
+                rx._fail_accepted(accepted, pair.error or "pair broken", stuck)
             return False
-        rx._progress(accepted, header.num_layers, done=True)
-        ack = torch.tensor([0 if a is None else 1 for a in accepted], dtype=torch.uint8, device=rx.device)
+        if r.leader:
+            rx._finish(accepted, final, "; ".join(short))
+        elif short:
+            log.warning("KV batch %d from %s on rank %d: %s", header.seq, self.peer, rx.share.rank, "; ".join(short))
+        ack = torch.tensor([1 if f else 0 for f in final], dtype=torch.uint8, device=rx.device)
+        to = SENDER_RANK if r.leader else lead
         try:
-            pair.wait(pair.isend(ack), f"acknowledging batch {header.seq} to {self.peer}")
+            pair.wait(pair.isend(ack, to), f"acknowledging batch {header.seq}")
         except PairBroken:
             return False
         return True
 
+    def _post_receives(self, header: BatchHeader, takes: list[bool], short: list[str], accepted) -> list:
+        """Post every receive of this rank's links, in wire order (sender.py `_post_layer`): per
+        layer, per link, each chunk's K then V, then the link's byte count."""
+        rx, pair = self.rx, self.pair
+        cache, spec, h = rx.cache, rx.cache.spec, header
+        plan = layer_plan([q.dst_block_ids for q in h.requests])
+        links = links_into(hop_links(h.num_kv_heads, h.p_degree, h.d_degree), rx.share.rank)
+        works = []
+        for layer in range(h.num_layers):
+            for j, link in enumerate(links):
+                off, cnt = link.dst_offset(h.num_kv_heads, h.d_degree), len(link.heads)
+                whole = off == 0 and cnt == spec.num_kv_heads
+                need = 0
+                for c in plan:
+                    ids = h.requests[c.request_index].dst_block_ids[c.offset : c.offset + c.num_blocks]
+                    for tensors in (cache.keys, cache.values):
+                        nbytes = c.num_blocks * h.block_bytes(cnt)
+                        need += nbytes
+                        blocks = tensors[layer][ids[0] : ids[0] + len(ids)]
+                        if takes[c.request_index] and whole:
+                            works.append((pair.irecv(blocks, link.p_rank), None))
+                            continue
+                        scratch = torch.empty(nbytes, dtype=torch.uint8, device=rx.device)
+                        then = _place(scratch, blocks, off, cnt) if takes[c.request_index] else None
+                        works.append((pair.irecv(scratch, link.p_rank), then))
+                count = torch.zeros(1, dtype=torch.int64, device=rx.device)
+                last = j == len(links) - 1 and pair.rdzv.leader
+                on_layer = (lambda n=layer + 1: rx._progress_layers(accepted, n)) if last else None
+                works.append((pair.irecv(count, link.p_rank), _check_count(count, need, link, layer, short, on_layer)))
+        return works
+
+
+def _place(scratch: torch.Tensor, blocks: torch.Tensor, offset: int, num_heads: int):
+    """Once `scratch` is in: its heads into their place among the blocks' own."""
+    def then():
+        n, bs, _, dim = blocks.shape
+        blocks[:, :, offset : offset + num_heads].copy_(scratch.view(blocks.dtype).view(n, bs, num_heads, dim))
+    return then
+
+
+def _check_count(count: torch.Tensor, need: int, link, layer: int, short: list[str], on_layer):
+    """Once a link's byte count is in: compare it with what its heads need (a shorter message
+    leaves the rest of its buffer as it was: gloo, measured, accepts it without a word)."""
+    def then():
+        got = int(count.item())
+        if got != need:
+            short.append(f"layer {layer}: P rank {link.p_rank} sent {got} bytes of KV heads "
+                         f"{link.heads.start}-{link.heads.stop - 1}, D rank {link.d_rank} needs {need}")
+        if on_layer is not None:
+            on_layer()
+    return then
+
 
 class KVReceiver(PairEndpoint):
-    RANK, SIDE = 1, "decode"
+    PREFILL, SIDE = False, "decode"
 
-    def __init__(self, cache, platform, config: KVTransferConfig | None = None):
-        super().__init__(cache, platform, config)
+    def __init__(self, cache, platform, config: KVTransferConfig | None = None, share=None):
+        super().__init__(cache, platform, config, share)
         self._expected: dict[str, _Expected] = {}
         self._quarantine: dict[str, tuple[list, float]] = {}  # request id -> (stuck receives, monotonic bound)
 
@@ -212,9 +297,8 @@ class KVReceiver(PairEndpoint):
                     e.state = TransferState.FAILED
                     e.error = f"no KV from prefill peer {peer!r} within {self.config.bootstrap_timeout_s} s"
 
-    def _accept(self, peer: str, header: BatchHeader) -> list[_Expected | None]:
+    def _accept(self, peer: str, header: BatchHeader, mismatch: str | None) -> list[_Expected | None]:
         """Match a header's requests with what was expected; mismatched expected ones fail."""
-        mismatch = header.spec_mismatch(self.cache.spec)
         out: list[_Expected | None] = []
         with self._lock:
             for entry in header.requests:
@@ -235,13 +319,24 @@ class KVReceiver(PairEndpoint):
                 out.append(exp)
         return out
 
-    def _progress(self, accepted: list[_Expected | None], layers: int, done: bool = False) -> None:
+    def _progress_layers(self, accepted: list[_Expected | None], layers: int) -> None:
+        """Rank 0: `layers` layers of the batch's accepted requests are in on this rank."""
         with self._lock:
             for e in accepted:
                 if e is not None:
                     e.layers_done = layers
-                    if done:
-                        e.state = TransferState.DONE
+
+    def _finish(self, accepted: list[_Expected | None], final: list[bool], why: str) -> None:
+        """Rank 0: every rank has the batch (or said what it lacks): DONE where all of them got
+        every byte, else FAILED (retryable: nothing of it is used)."""
+        with self._lock:
+            for e, ok in zip(accepted, final):
+                if e is None or e.state.finished:
+                    continue
+                if ok:
+                    e.state = TransferState.DONE
+                else:
+                    e.state, e.error = TransferState.FAILED, f"incomplete KV: {why or 'a D rank refused the batch'}"
 
     def _fail_accepted(self, accepted: list[_Expected | None], reason: str, stuck: list | None = None) -> None:
         """Fail a batch's requests. `stuck`: receives the drain left running — where the platform
