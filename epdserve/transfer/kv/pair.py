@@ -70,7 +70,8 @@ class PairConnection:
         self.config = config
         self.device = torch.device(device)
         self.peers = sorted(peers) if peers is not None else [rdzv.for_peer().rank]
-        self.peer_rank = self.peers[0]  # the default destination and source of a message
+        # the default destination and source of a message (a rank with no link still joins the group)
+        self.peer_rank = self.peers[0] if self.peers else rdzv.for_peer().rank
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._state = PairState.CONNECTING
