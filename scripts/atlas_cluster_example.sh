@@ -46,6 +46,12 @@ DEVICE=cpu MM_STORE=$MM_STORE EPDSERVE_ENV_FILE=$ENV_FILE bash "$here/atlas_node
 # them is a secret.
 common=$(printf '%q ' "MODEL=$MODEL" "HEAD_IP=$HEAD_IP" "MM_STORE=$MM_STORE" "MODE=E-P-D" \
   "SCHED_PORT=$SCHED_PORT" "REG_PORT=$REG_PORT" "INSECURE=${INSECURE:-0}")
+# Each stage its own tensor-parallel degree (atlas_node.sh), passed on when set: e.g. ENCODE_...=1,
+# PREFILL_...=2 and DECODE_...=4 start P0 on NPUs 0,1 and P1 on 2,3, D0 on 4-7 (the NPU lists below
+# must split into groups of each degree; P and D only at a pair the KV hop carries).
+for v in TENSOR_PARALLEL_SIZE ENCODE_TENSOR_PARALLEL_SIZE PREFILL_TENSOR_PARALLEL_SIZE DECODE_TENSOR_PARALLEL_SIZE; do
+  if [[ -n "${!v:-}" ]]; then common+=$(printf '%q ' "$v=${!v}"); fi
+done
 
 push_env() {  # push_env HOST [instances]: the env file to HOST:~/.epdserve/env, over ssh's stdin (mode 0600);
   # an instance-only server gets it without EPDSERVE_API_KEY (clients' key: no instance needs it)
@@ -65,7 +71,8 @@ if [[ -e "$ENV_FILE" ]]; then push_env "$NODE_E"; push_env "$NODE_PD" instances;
 on_e=$(printf '%q' "NODE_IP=$HEAD_IP")   # every port of a server binds its cluster address, never a guess
 on_pd=$(printf '%q' "NODE_IP=$PD_IP")
 ON_ENV="$on_e ROLES=E" on "$NODE_E" preflight 0,1,2,3,4,5,6,7   # E holds no KV cache: sized for weights + margin
-ON_ENV=$on_pd on "$NODE_PD" preflight 0,1,2,3,4,5,6,7
+ON_ENV="$on_pd ROLES=P" on "$NODE_PD" preflight 0,1,2,3   # each at its role's degree
+ON_ENV="$on_pd ROLES=D" on "$NODE_PD" preflight 4,5,6,7
 
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; wait || true' EXIT INT TERM

@@ -49,8 +49,16 @@
 #   TENSOR_PARALLEL_SIZE  NPUs per instance (an instance at --tensor-parallel-size N holds 1/N of the
 #                    weights on each of N NPUs): the NPU list must split into groups of N, each NPU is
 #                    sized for its share, and `instances` starts one instance per group, with
-#                    --tensor-parallel-size N and the group in ASCEND_RT_VISIBLE_DEVICES; one call per
-#                    role, so each stage takes its own (E at 1, PD at 4); P, D, EP, ED refused above 1   [1]
+#                    --tensor-parallel-size N and the group in ASCEND_RT_VISIBLE_DEVICES; PD and EPD
+#                    instances take it, and every other role unless its own is set below        [1]
+#   ENCODE_TENSOR_PARALLEL_SIZE   the same for E instances          [unset or 0: TENSOR_PARALLEL_SIZE]
+#   PREFILL_TENSOR_PARALLEL_SIZE  the same for P, EP, P+E instances [unset or 0: TENSOR_PARALLEL_SIZE]
+#   DECODE_TENSOR_PARALLEL_SIZE   the same for D, ED instances      [unset or 0: TENSOR_PARALLEL_SIZE]
+#                    (`epdserve launch --prefill-tensor-parallel-size`...). P and D instances refuse to
+#                    start unless the P->D KV hop carries KV from the prefill degree to the decode
+#                    degree (epdserve.kv_layout.hop_carries, asked with PYTHON): set both the same on
+#                    every server, e.g. on one 800I A2: ENCODE_...=1 for E on 0,1, PREFILL_...=2 for P on
+#                    2,3, DECODE_...=4 for D on 4,5,6,7 (docs/tensor-parallel.md)
 #   KV_CACHE_MB      KV cache per P/D worker   [on NPU: what the preflight finds fits, at most 16384; with DEVICE=cpu the instance's default]
 #   HBM_MARGIN_MB    preflight: HBM each process needs beyond weights and KV cache (activations,
 #                    CANN/ATB workspaces, HCCL buffers, the runtime's context); an estimate, not a
@@ -237,6 +245,33 @@ check_versions() {  # check_versions DRIVER CANN
   done <<< "$out"
 }
 
+# ---- Tensor-parallel degrees: each role its own (E, prefill-only, decode-only), else TENSOR_PARALLEL_SIZE.
+role_degree() {  # role_degree ROLES: sets tp (the degree of ROLES' instances) and tp_var (the setting it came from)
+  local own=""
+  case "$1" in
+    E) own=ENCODE_TENSOR_PARALLEL_SIZE ;;
+    P|EP|P+E) own=PREFILL_TENSOR_PARALLEL_SIZE ;;
+    D|ED) own=DECODE_TENSOR_PARALLEL_SIZE ;;
+  esac
+  tp=${TENSOR_PARALLEL_SIZE:-1} tp_var=TENSOR_PARALLEL_SIZE
+  if [[ -n "$own" && -n "${!own:-}" && "${!own}" != 0 ]]; then tp=${!own} tp_var=$own; fi
+  [[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "$tp_var must be a positive integer, got '$tp'"
+}
+
+check_hop() {  # check_hop ROLES: a P or D instance only at a pair of degrees the P->D KV hop carries
+  local p d py=${PYTHON:-python3} rc=0 tp tp_var
+  case "$1" in P|EP|P+E|D|ED) ;; *) return 0 ;; esac
+  role_degree P; p=$tp
+  role_degree D; d=$tp
+  "$py" -c 'import sys; from epdserve.kv_layout import hop_carries
+sys.exit(0 if hop_carries(int(sys.argv[1]), int(sys.argv[2])) else 3)' "$p" "$d" 2>/dev/null || rc=$?
+  case "$rc" in
+    0) ;;
+    3) die "instances: $1 with P at tensor-parallel size $p (PREFILL_TENSOR_PARALLEL_SIZE, else TENSOR_PARALLEL_SIZE) and D at $d (DECODE_TENSOR_PARALLEL_SIZE, else TENSOR_PARALLEL_SIZE): the P->D KV hop does not carry KV from TP$p to TP$d (epdserve.kv_layout.hop_carries); set the two, the same on every server, to a pair it carries, or run TP > 1 as PD or EPD instances" ;;
+    *) echo "atlas_node.sh: $py cannot import epdserve: P at $p and D at $d not checked here (set PYTHON); the scheduler refuses a pair the KV hop does not carry when they register" >&2 ;;
+  esac
+}
+
 kv_fit_mb=""   # set by preflight: the KV cache (MB) each listed NPU has room for, when KV_CACHE_MB is unset
 preflight() {  # preflight NPU_LIST [ROLES]
   local npus=${1:?preflight needs a comma-separated NPU list, e.g. 0,1,2,3} roles=${2:-P} dev total free drv cann
@@ -250,14 +285,14 @@ preflight() {  # preflight NPU_LIST [ROLES]
   cann=$(cann_version) || die "preflight: CANN not found: source its set_env.sh or set ASCEND_ENV=/path/to/set_env.sh"
   echo "preflight: driver $drv, CANN $cann"
   check_versions "$drv" "$cann"
-  local tp=${TENSOR_PARALLEL_SIZE:-1}
-  [[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "preflight: TENSOR_PARALLEL_SIZE must be a positive integer, got '$tp'"
+  local tp tp_var
+  role_degree "$roles"
   weights=$(weights_mb "${MODEL:-}")
   weights=$(( (weights + tp - 1) / tp ))  # each rank's share (the replicated embedding and vision tower are in the margin)
   if [[ -z "${MODEL:-}" ]]; then echo "preflight: MODEL unset: the HBM need counts KV cache and margin only" >&2; fi
   IFS=, read -ra devs <<< "$npus"
   (( ${#devs[@]} % tp == 0 )) ||
-    die "preflight: TENSOR_PARALLEL_SIZE=$tp needs the NPU list in groups of $tp, got ${#devs[@]} NPU(s) ($npus)"
+    die "preflight: $tp_var=$tp needs the NPU list in groups of $tp, got ${#devs[@]} NPU(s) ($npus)"
   if (( tp > 1 )); then echo "preflight: ${#devs[@]} NPU(s), $(( ${#devs[@]} / tp )) instance(s) of $tp; ${weights} MB of weights per NPU"; fi
   for dev in "${devs[@]}"; do
     [[ "$dev" =~ ^[0-9]+$ ]] || die "preflight: NPU list must be comma-separated ids without spaces, got '$npus'"
@@ -376,11 +411,10 @@ case "$what" in
   instances)
     roles=${2:?instances needs ROLES (E, P, D, EP, ED, PD or EPD)}
     npus=${3:?instances needs a comma-separated NPU list, e.g. 0,1,2,3}
-    # each stage its own degree: one call per role (e.g. TENSOR_PARALLEL_SIZE=1 for E, 4 for PD); a
-    # prefill-only or decode-only instance cannot run tensor-parallel yet (its KV crosses instances)
-    if [[ "${TENSOR_PARALLEL_SIZE:-1}" != 1 && "$roles" =~ ^(P|D|EP|ED|P\+E)$ ]]; then
-      die "instances: $roles at TENSOR_PARALLEL_SIZE=${TENSOR_PARALLEL_SIZE}: its KV crosses to another instance, which a tensor-parallel instance cannot do yet; run TP > 1 as PD or EPD instances (E at 1)"
-    fi
+    # each stage its own degree (role_degree: ENCODE_/PREFILL_/DECODE_TENSOR_PARALLEL_SIZE, else
+    # TENSOR_PARALLEL_SIZE); a P or D instance only at a pair of degrees the KV hop carries
+    role_degree "$roles"
+    check_hop "$roles"
     MODEL=${MODEL:?set MODEL to the checkpoint directory (same path on every server)}
     HEAD_IP=${HEAD_IP:?set HEAD_IP to the scheduler server address}
     MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://10.0.0.5:6379/0 (its password in the env file)}
@@ -399,13 +433,13 @@ case "$what" in
     if [[ "$DEVICE" == cpu && -z "${KV_CACHE_MB:-}" ]]; then kv_args=(); fi   # CPU: the instance's own default
     trap cleanup EXIT INT TERM HUP
     IFS=, read -ra devs <<< "$npus"
-    tp=${TENSOR_PARALLEL_SIZE:-1}
-    (( ${#devs[@]} % tp == 0 )) || die "instances: TENSOR_PARALLEL_SIZE=$tp needs the NPU list in groups of $tp, got $npus"
+    role_degree "$roles"
+    (( ${#devs[@]} % tp == 0 )) || die "instances: $tp_var=$tp needs the NPU list in groups of $tp, got $npus"
     tp_args=()
     if (( tp > 1 )); then tp_args=(--tensor-parallel-size "$tp"); fi
     for ((i = 0; i < ${#devs[@]}; i += tp)); do
       group=$(IFS=,; echo "${devs[*]:i:tp}")
-      # One group of TENSOR_PARALLEL_SIZE NPUs per instance process (one NPU by default):
+      # One group of $tp NPUs per instance process (the role's degree; one NPU by default):
       # ASCEND_RT_VISIBLE_DEVICES takes logical ids (as `npu-smi info -m` lists them); the process
       # then sees its NPUs as npu:0.. (rank r on npu:r). Each binds the cluster interface only and
       # registers on the head's internal port with the cluster token.

@@ -167,6 +167,8 @@ def spec_from_args(args):
         log_dir=merged["log_dir"], log_level=getattr(args, "log_level", "INFO"),
         ready_timeout_s=float(merged["ready_timeout_s"]), drain_timeout_s=float(merged["drain_timeout"]),
         encode_tensor_parallel_size=int(merged["encode_tensor_parallel_size"]),
+        prefill_tensor_parallel_size=int(merged["prefill_tensor_parallel_size"]),
+        decode_tensor_parallel_size=int(merged["decode_tensor_parallel_size"]),
         mm_store_max_bytes=int(merged["mm_store_max_mb"]) << 20,
         restart=RestartPolicy(first_backoff_s=float(merged["restart_backoff_s"]),
                               max_backoff_s=float(merged["restart_backoff_max_s"]),
@@ -180,9 +182,13 @@ def _plan_auto(merged: dict) -> tuple[dict, str]:
     from epdserve.planner.auto import DEFAULT_WORKLOAD, plan_start
 
     degree = merged.get("tensor_parallel_size") or last_flag(_flags(merged["instance_args"]), "--tensor-parallel-size")
-    if int(degree or 1) > 1 or int(merged.get("encode_tensor_parallel_size") or 1) > 1:
-        raise ValueError("--mode auto plans from costs profiled at one device per instance: with a tensor-parallel "
-                         "degree above 1, name the mode (monolithic or E-PD; docs/tensor-parallel.md)")
+    given = {"--tensor-parallel-size": degree}
+    given.update({f"--{k.replace('_', '-')}": merged.get(k) for k in
+                  ("encode_tensor_parallel_size", "prefill_tensor_parallel_size", "decode_tensor_parallel_size")})
+    above = [f"{flag} {int(d)}" for flag, d in given.items() if int(d or 1) > 1]
+    if above:
+        raise ValueError(f"--mode auto plans from costs profiled at one device per instance: with {', '.join(above)}, "
+                         f"name the mode (docs/tensor-parallel.md)")
     devices = len(_ids(merged["devices"])) or 2
     plan = plan_start(str(Path(merged["model"]).expanduser()), merged["device"], merged["profile"],
                       merged["expected_workload"] or DEFAULT_WORKLOAD, merged["expected_rate"], devices,

@@ -73,8 +73,19 @@ class LaunchSettings:
         1, check=(">=", 1),
         help="tensor-parallel degree of the E-only instances (E-P-D, E-PD, EP-D's extra encoders): the vision "
              "encoder is small, so E scales by --encode replicas at 1 (EPD-Serve; vLLM's mm_encoder_tp_mode "
-             "\"data\"); every instance that holds the language model takes --tensor-parallel-size. Each instance "
-             "gets as many accelerators as its degree")
+             "\"data\"); the instances that hold the language model take --tensor-parallel-size, or the prefill "
+             "or decode degree below. Each instance gets as many accelerators as its degree")
+    prefill_tensor_parallel_size: int = setting(
+        0, check=(">=", 0),
+        help="tensor-parallel degree of the instances that prefill for a decode elsewhere (P, EP, P+E: the P "
+             "pool of E-P-D, EP-D, ED-P, P-D); 0: --tensor-parallel-size. With the decode degree it must be a "
+             "pair the P->D KV hop carries, else launch refuses before anything starts (docs/tensor-parallel.md, "
+             "e.g. an Atlas 800I A2: E at 1 on NPUs 0-1, P at 2 on 2-3, D at 4 on 4-7)")
+    decode_tensor_parallel_size: int = setting(
+        0, check=(">=", 0),
+        help="tensor-parallel degree of the instances that decode what was prefilled elsewhere (D, ED); 0: "
+             "--tensor-parallel-size. Instances that prefill and decode (PD, EPD: monolithic, E-PD) always take "
+             "--tensor-parallel-size")
     mm_store: str | None = setting(None, help="MM Store URL: redis://host:port, redis+cluster://h:p,h:p,... or "
                                               "redis+sentinel://h:p,.../service (default: a private local server)")
     mm_store_max_mb: int = setting(4096, help="memory bound of the private MM Store server, least recently used "

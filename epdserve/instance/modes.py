@@ -13,16 +13,19 @@ Everything else is read off the table, never written per mode: `mode_pools` (ins
 counts: instances, launch, bench), `counts_of_pools` (its inverse: the planner reading a ready
 line), `candidate_counts` (every split of a device budget: the planner), `mode_of_roles` (the
 mode a roster adds up to: the scheduler's GetServerInfo), `pool_degree` (each pool's
-tensor-parallel degree: encode-only pools their own, the rest the language model's). What a pool's role set runs — its
-stages, its workers, the calls it takes, whether it encodes inline or holds KV — is its record in
-the role table beside this one (`epdserve/roles.py` `ROLE_TABLE`, below every layer so that the
-engine reads it too); a pool names its record.
+tensor-parallel degree: encode-only, prefill-only and decode-only pools their own, the rest the
+language model's) and `pool_degrees` (every pool's, refusing a P->D pair of degrees the KV hop
+does not carry). What a pool's role set runs — its stages, its workers, the calls it takes,
+whether it encodes inline or holds KV — is its record in the role table beside this one
+(`epdserve/roles.py` `ROLE_TABLE`, below every layer so that the engine reads it too); a pool
+names its record.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
+from epdserve import kv_layout
 from epdserve.roles import DECODE, FUSED_PREFILL, PREFILL, ROLE_TABLE, role_set
 
 COUNTS = ("encode", "prefill", "decode")
@@ -157,17 +160,50 @@ def mode_of_roles(roles: set[str] | frozenset[str]) -> str | None:
     return None
 
 
-def pool_degree(roles: str, degree: int, encode_degree: int = 1) -> int:
+DEGREE_FLAGS = {"lm": "--tensor-parallel-size", "encode": "--encode-tensor-parallel-size",
+                "prefill": "--prefill-tensor-parallel-size", "decode": "--decode-tensor-parallel-size"}
+
+
+def pool_degree(roles: str, degree: int, encode_degree: int = 1, prefill_degree: int = 0,
+                decode_degree: int = 0) -> int:
     """The tensor-parallel degree of a pool's instances: `encode_degree` for encode-only ones (the
-    vision encoder is small: E scales by replicas, EPD-Serve's and vLLM's "data" mode), `degree`
-    for every instance that holds the language model. ValueError for a prefill-only or decode-only
-    pool (P, EP, P+E, D, ED) at a degree above 1: its KV crosses to another instance through a KV
-    connector, which a tensor-parallel engine does not take yet (issue 48's hop between degrees)."""
+    vision encoder is small: E scales by replicas, EPD-Serve's and vLLM's "data" mode);
+    `prefill_degree` for those that prefill for a decode elsewhere (P, EP, P+E), `decode_degree` for
+    those that decode what was prefilled elsewhere (D, ED) — 0: `degree`, as for the instances that
+    prefill and decode (PD, EPD). Whether the P->D hop carries the pair is `pool_degrees`' question."""
+    for stage, d in (("lm", degree), ("encode", encode_degree)):
+        if d < 1:
+            raise ValueError(f"{DEGREE_FLAGS[stage]} must be >= 1, got {d}")
+    for stage, d in (("prefill", prefill_degree), ("decode", decode_degree)):
+        if d < 0:
+            raise ValueError(f"{DEGREE_FLAGS[stage]} must be >= 0 (0: {DEGREE_FLAGS['lm']}), got {d}")
     rs = role_set(roles)
-    if not rs.prefills and not rs.decodes:
+    if rs.encode_only:
         return encode_degree
-    if degree > 1 and rs.prefills != rs.decodes:
-        raise ValueError(f"a {roles} instance at tensor_parallel_size {degree}: its KV crosses to another instance, "
-                         f"which a tensor-parallel instance cannot do yet; run the language model at TP > 1 in a "
-                         f"mode whose instances prefill and decode (monolithic, E-PD)")
+    if rs.sends_kv:
+        return prefill_degree or degree
+    if rs.receives_kv:
+        return decode_degree or degree
     return degree
+
+
+def pool_degrees(pools: list[Pool], degree: int, encode_degree: int = 1, prefill_degree: int = 0,
+                 decode_degree: int = 0) -> list[int]:
+    """Each pool's degree (`pool_degree`), in the pools' order: the one check `epdserve launch`, the
+    local deployment and the Kubernetes renderer ask before anything starts. ValueError, naming both
+    degrees and their flags, when the mode has P->D KV pairs (a pool that prefills for a decode
+    elsewhere and one that decodes what was prefilled elsewhere) at degrees the layerwise KV hop does
+    not carry (`epdserve.kv_layout.hop_carries`, asked: which pairs it carries is its own word)."""
+    out = [pool_degree(p.roles, degree, encode_degree, prefill_degree, decode_degree) for p in pools]
+    senders = [(p.roles, d) for p, d in zip(pools, out) if role_set(p.roles).sends_kv]
+    receivers = [(p.roles, d) for p, d in zip(pools, out) if role_set(p.roles).receives_kv]
+    for p_roles, p in senders:
+        for d_roles, d in receivers:
+            if not kv_layout.hop_carries(p, d):
+                raise ValueError(
+                    f"the {p_roles} instances prefill at tensor_parallel_size {p} ({DEGREE_FLAGS['prefill']}; 0 "
+                    f"takes {DEGREE_FLAGS['lm']}) and the {d_roles} instances decode at tensor_parallel_size {d} "
+                    f"({DEGREE_FLAGS['decode']}): the P->D KV hop does not carry KV from TP{p} to TP{d} "
+                    f"(epdserve.kv_layout.hop_carries); give the two a pair it carries, or run the language model "
+                    f"at TP > 1 in a mode whose instances prefill and decode (monolithic, E-PD)")
+    return out

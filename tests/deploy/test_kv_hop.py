@@ -36,3 +36,10 @@ def test_an_explicit_flag_wins_and_is_not_added_again():
 def test_the_instance_setting_resolves_auto_to_the_device_hop():
     assert InstanceConfig(roles="D", model="m").kv_transfer().hop == "device"
     assert InstanceConfig(roles="D", model="m", kv_hop="host").kv_transfer().hop == "host"
+
+
+def test_tensor_parallel_groups_that_meet_on_a_device_stage_through_host_memory():
+    """A TP instance's id is its group ("0,1"): a P on 0,1 and a D on 1,2 share device 1."""
+    c = choose_kv_hop(["P", "D"], ["0,1", "1,2"], "cuda", [])
+    assert (c.hop, c.forced) == ("host", "host") and "device 1" in c.why
+    assert choose_kv_hop(["P", "D"], ["0,1", "2,3"], "cuda", []).hop == "device"

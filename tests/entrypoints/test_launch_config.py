@@ -1,6 +1,8 @@
 """`epdserve launch` option handling: configs/<mode>.yaml, flags over file, and a failed start."""
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +81,33 @@ def test_a_launch_that_cannot_start_exits_nonzero_and_leaves_nothing(tmp_path):
     assert (logs / "scheduler.log").is_file()
     left = [p for p in psutil.process_iter(["cmdline"]) if str(logs) in " ".join(p.info["cmdline"] or [])]
     assert not left
+
+
+def test_prefill_and_decode_degrees_parse_and_reach_the_deployment(tmp_path):
+    """Issue 48 item 1: --prefill-tensor-parallel-size / --decode-tensor-parallel-size (or their --config
+    keys) reach the DeploymentSpec; 0, their default, means --tensor-parallel-size; --help explains each."""
+    s = spec("--mode", "E-P-D", "--model", "/m", "--prefill-tensor-parallel-size", "2",
+             "--decode-tensor-parallel-size", "4")
+    assert (s.prefill_tensor_parallel_size, s.decode_tensor_parallel_size) == (2, 4)
+    assert "--prefill-tensor-parallel-size" not in s.instance_args  # launch's own: each pool's degree, not every one's
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("mode: ED-P\nprefill_tensor_parallel_size: 2\ndecode-tensor-parallel-size: 8\n")
+    s = spec("--config", str(cfg), "--model", "/m", "--decode-tensor-parallel-size", "4")
+    assert (s.prefill_tensor_parallel_size, s.decode_tensor_parallel_size) == (2, 4)  # the flag wins over the file
+    s = spec("--mode", "E-P-D", "--model", "/m")
+    assert (s.prefill_tensor_parallel_size, s.decode_tensor_parallel_size) == (0, 0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser(["launch", "--help"]).parse_args(["launch", "--help"])
+    text = " ".join(out.getvalue().split())
+    assert "--prefill-tensor-parallel-size" in text and "--decode-tensor-parallel-size" in text
+    assert "0: --tensor-parallel-size" in text and "P->D KV hop carries" in text
+
+
+def test_auto_refuses_a_prefill_or_decode_degree_naming_it():
+    """--mode auto plans at one device per instance: a prefill or decode degree above 1 is refused before
+    the planner runs (no profile is measured), naming the flag; 1 is no degree at all."""
+    for flag in ("--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"):
+        with pytest.raises(ValueError, match=rf"--mode auto plans from costs profiled at one device per instance.*"
+                                             rf"{flag} 2"):
+            spec("--mode", "auto", "--model", "/m", flag, "2")

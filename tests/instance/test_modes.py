@@ -40,3 +40,41 @@ def test_counts_a_mode_cannot_have():
         mode_pools("P-E-D")
     with pytest.raises(ValueError, match="needs at least one instance"):
         mode_pools("E-P-D", 1, 0, 1)
+
+
+def test_each_pool_takes_its_stages_degree():
+    """Issue 48 item 1: E-only pools the encode degree; pools that prefill for a decode elsewhere the
+    prefill degree, pools that decode what was prefilled elsewhere the decode degree (0: the language
+    model's); pools that prefill and decode always the language model's."""
+    from epdserve.instance.modes import pool_degree
+
+    got = {r: pool_degree(r, 2, encode_degree=1, prefill_degree=3, decode_degree=4)
+           for r in ("E", "P", "EP", "P+E", "D", "ED", "PD", "EPD")}
+    assert got == {"E": 1, "P": 3, "EP": 3, "P+E": 3, "D": 4, "ED": 4, "PD": 2, "EPD": 2}
+    assert {r: pool_degree(r, 2, 5) for r in ("E", "P", "D", "PD")} == {"E": 5, "P": 2, "D": 2, "PD": 2}
+    with pytest.raises(ValueError, match="--prefill-tensor-parallel-size must be >= 0"):
+        pool_degree("P", 1, 1, -1)
+    with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
+        pool_degree("PD", 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mode_with_a_kv_hop_runs_only_at_the_pairs_the_hop_carries(mode):
+    """`pool_degrees` asks kv_layout.hop_carries for the P pool's and the D pool's degrees: every pair
+    it carries is let through, every other refused naming both degrees; a mode without P->D pairs
+    (monolithic, E-PD) runs at any degree."""
+    from epdserve.instance.modes import pool_degrees
+    from epdserve.kv_layout import hop_carries
+    from epdserve.roles import role_set
+
+    pools = mode_pools(mode, 2, 1, 1)
+    has_hop = any(role_set(p.roles).sends_kv for p in pools)
+    for p in range(1, 5):
+        for d in range(1, 5):
+            if not has_hop or hop_carries(p, d):
+                got = pool_degrees(pools, 8, 1, p, d)
+                assert len(got) == len(pools)
+            else:
+                with pytest.raises(ValueError, match=rf"prefill at tensor_parallel_size {p} .* decode at "
+                                                     rf"tensor_parallel_size {d} .* from TP{p} to TP{d}"):
+                    pool_degrees(pools, 8, 1, p, d)

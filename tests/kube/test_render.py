@@ -14,6 +14,7 @@ from epdserve.deploy.kube.podview import container_argv, container_env, referenc
 from epdserve.deploy.kube.render import containers, pod_templates, render, to_yaml
 from epdserve.deploy.kube.secrets import SECRET_ENV
 from epdserve.deploy.kube.values import KubeValues
+from epdserve.kv_layout import hop_carries
 from tests.kube.conftest import CASES, values_for
 
 K8S_VERSION = "1.33.0"  # the schema pinned (kubernetes-validate ships it; nothing is downloaded)
@@ -209,8 +210,52 @@ def test_a_tensor_parallel_instance_pod_requests_one_accelerator_per_rank():
     assert pods(tensor_parallel_size=2) == {"E": ("1", "1", "1"), "PD": ("2", "2", "2")}
     assert pods(tensor_parallel_size=4, encode_tensor_parallel_size=2) == {"E": ("2", "2", "2"), "PD": ("4", "4", "4")}
     assert pods() == {"E": ("1", "1", "1"), "PD": ("1", "1", "1")}
-    with pytest.raises(ValueError, match=r"a P\+E instance at tensor_parallel_size 2: its KV crosses"):
-        render(KubeValues(mode="P-D", flavour="cuda", tensor_parallel_size=2))
+    if not hop_carries(2, 2):
+        with pytest.raises(ValueError, match=r"the P\+E instances prefill at tensor_parallel_size 2 "):
+            render(KubeValues(mode="P-D", flavour="cuda", tensor_parallel_size=2))
+
+
+def _instance_pods(v: KubeValues) -> dict[str, tuple[str, str, str]]:
+    """{roles: (--tensor-parallel-size, accelerators limited, accelerators requested)} of every instance pod."""
+    out = {}
+    for _, c in containers(render(v)):
+        if c["name"] == "instance":
+            args = c["args"]
+            degree = args[args.index("--tensor-parallel-size") + 1] if "--tensor-parallel-size" in args else "1"
+            out[args[args.index("--roles") + 1]] = (degree, c["resources"]["limits"][v.resource],
+                                                    c["resources"]["requests"][v.resource])
+    return out
+
+
+def test_prefill_and_decode_pods_request_their_own_degree(monkeypatch):
+    """Issue 48 item 1: prefill_tensor_parallel_size / decode_tensor_parallel_size (0: tensor_parallel_size)
+    give the P and D pods their degree and as many accelerators; PD pods keep tensor_parallel_size (the hop
+    is made to carry the pair here: which pairs it carries is kv_layout's word)."""
+    from epdserve import kv_layout
+
+    monkeypatch.setattr(kv_layout, "hop_carries", lambda p, d: True)
+    pods = _instance_pods(KubeValues(mode="E-P-D", flavour="ascend", prefill_tensor_parallel_size=2,
+                                     decode_tensor_parallel_size=4))
+    assert pods == {"E": ("1", "1", "1"), "P": ("2", "2", "2"), "D": ("4", "4", "4")}
+    pods = _instance_pods(KubeValues(mode="ED-P", flavour="cuda", tensor_parallel_size=2,
+                                     decode_tensor_parallel_size=4))
+    assert pods == {"ED": ("4", "4", "4"), "P": ("2", "2", "2")}
+    pods = _instance_pods(KubeValues(mode="E-PD", flavour="cuda", tensor_parallel_size=2,
+                                     prefill_tensor_parallel_size=4, decode_tensor_parallel_size=8))
+    assert pods == {"E": ("1", "1", "1"), "PD": ("2", "2", "2")}
+
+
+def test_render_refuses_a_pair_the_kv_hop_does_not_carry():
+    """P at 2, D at 1 (kv_layout.hop_carries refuses it today): refused when the values are made, naming
+    both degrees and both settings."""
+    assert not hop_carries(2, 1)
+    with pytest.raises(ValueError) as e:
+        KubeValues(mode="E-P-D", flavour="cuda", prefill_tensor_parallel_size=2)
+    msg = str(e.value)
+    assert "prefill at tensor_parallel_size 2" in msg and "decode at tensor_parallel_size 1" in msg
+    assert "prefill-tensor-parallel-size" in msg and "decode-tensor-parallel-size" in msg
+    with pytest.raises(ValueError, match="decode_tensor_parallel_size must be >= 0"):
+        KubeValues(mode="E-P-D", decode_tensor_parallel_size=-1)
 
 
 @pytest.mark.parametrize("url", ["redis://:secret@r:6379/0", "redis://u:secret@r:6379", "redis://r/0?password=x",

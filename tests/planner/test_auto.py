@@ -50,7 +50,8 @@ def test_launch_mode_auto_becomes_the_planned_mode_with_the_controller_on(qwen2_
 def test_auto_with_a_tensor_parallel_degree_is_refused_naming_why(qwen2_vl_tiny, tiny_profile):
     """The planner's costs are profiled at one device per instance: it does not plan TP deployments."""
     for extra in (["--tensor-parallel-size", "2"], ["--instance-args", "--tensor-parallel-size 2"],
-                  ["--encode-tensor-parallel-size", "2"]):
+                  ["--encode-tensor-parallel-size", "2"], ["--prefill-tensor-parallel-size", "2"],
+                  ["--decode-tensor-parallel-size", "4"]):
         args = build_parser().parse_args(["launch", "--mode", "auto", "--model", str(qwen2_vl_tiny), "--profile",
                                           tiny_profile, *extra])
         with pytest.raises(ValueError, match="--mode auto plans from costs profiled at one device per instance"):

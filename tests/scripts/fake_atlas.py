@@ -4,7 +4,8 @@ version.info, a CANN toolkit with its set_env.sh) and an `npu-smi` that prints `
 Its HBM figures come from FAKE_HBM_MB (capacity, default 65536) and FAKE_HBM_RATE (usage %,
 default 25) in the script's environment, so a test can play a 32 GB Atlas 800I A2 or a full NPU;
 FAKE_NPU_ID=-1 plays a card npu-smi marks unavailable, FAKE_NO_HBM=1 a product without HBM (its
-usages print "Memory Capacity(MB)", as Ascend's npu-smi manual shows for the Atlas 200I A2)."""
+usages print "Memory Capacity(MB)", as Ascend's npu-smi manual shows for the Atlas 200I A2);
+FAKE_CHIPS=8 lists logical ids 0-7 (an 800I A2's eight NPUs; default 2: ids 0 and 1)."""
 
 from pathlib import Path
 
@@ -13,10 +14,13 @@ case "$*" in
   "info") echo "+ npu-smi fake +" ;;
   "info -m")
     echo "        NPU ID    Chip ID    Chip Logic ID    Chip Name"
-    echo "        ${FAKE_NPU_ID:-0}         0          0                Ascend 910"
-    echo "        ${FAKE_NPU_ID:-0}         1          1                Ascend 910"
+    i=0
+    while [ "$i" -lt "${FAKE_CHIPS:-2}" ]; do
+      echo "        ${FAKE_NPU_ID:-$((i / 2))}         $((i % 2))          $i                Ascend 910"
+      i=$((i + 1))
+    done
     echo "        ${FAKE_NPU_ID:-0}         2          -                Mcu" ;;
-  "info -t usages -i 0 -c 0"|"info -t usages -i 0 -c 1")
+  "info -t usages -i "[0-9]*" -c 0"|"info -t usages -i "[0-9]*" -c 1")
     if [ -n "${FAKE_NO_HBM:-}" ]; then
       echo "        Memory Capacity(MB)            : 10810"
       echo "        Memory Usage Rate(%)           : 46"

@@ -82,3 +82,13 @@ def test_password_in_mm_store_stops_before_any_ssh(login):
     out = _run(dict(env, MM_STORE=f"redis://:{REDIS_PW}@10.0.0.5:6379/0"))
     assert out.returncode == 1 and "MM_STORE carries a password" in out.stderr
     assert REDIS_PW not in out.stderr and not (servers / "argv.log").exists()
+
+
+def test_each_stages_degree_travels_to_the_servers_when_set(login):
+    """Issue 48 item 1: TENSOR_PARALLEL_SIZE and ENCODE_/PREFILL_/DECODE_TENSOR_PARALLEL_SIZE reach
+    atlas_node.sh on the servers when set here, and nothing of them when unset."""
+    env, _, servers = login
+    _run(dict(env, PREFILL_TENSOR_PARALLEL_SIZE="2", DECODE_TENSOR_PARALLEL_SIZE="4"))
+    argv = (servers / "argv.log").read_text()
+    assert "PREFILL_TENSOR_PARALLEL_SIZE=2" in argv and "DECODE_TENSOR_PARALLEL_SIZE=4" in argv
+    assert "ENCODE_TENSOR_PARALLEL_SIZE" not in argv and " TENSOR_PARALLEL_SIZE" not in argv

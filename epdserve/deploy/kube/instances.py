@@ -1,5 +1,6 @@
 """One Deployment per pool of the mode (instance/modes.py `mode_pools`), each pod one
-`epdserve instance --roles R` on one accelerator, and a PodDisruptionBudget per role.
+`epdserve instance --roles R` on as many accelerators as its pool's tensor-parallel degree
+(`KubeValues.degrees`), and a PodDisruptionBudget per role.
 
 An instance advertises and binds its pod IP (`--host $(POD_IP)`): the scheduler reaches it there,
 its D peers dial its KV rendezvous there, and its gloo pair sockets bind that address
@@ -19,7 +20,7 @@ from __future__ import annotations
 import math
 
 from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S
-from epdserve.instance.modes import Pool, pool_degree
+from epdserve.instance.modes import Pool
 from epdserve.deploy.kube import pod
 from epdserve.deploy.kube.meta import instance_name, labels, metadata, mm_store_url, scheduler_addresses
 from epdserve.deploy.kube.secrets import CLUSTER_TOKEN, MM_STORE_PASSWORD, secret_env
@@ -39,8 +40,9 @@ def instance_args(v: KubeValues, roles: str) -> list[str]:
 
 
 def _degree(v: KubeValues, roles: str) -> int:
-    """The pool's tensor-parallel degree (instance/modes.py `pool_degree`)."""
-    return pool_degree(roles, v.tensor_parallel_size, v.encode_tensor_parallel_size)
+    """The pool's tensor-parallel degree (`KubeValues.degrees`: instance/modes.py `pool_degrees`, which
+    refuses a P->D pair of degrees the KV hop does not carry)."""
+    return v.degrees[roles]
 
 
 def instance_env(v: KubeValues) -> list[dict]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
 from epdserve.engine.config import EngineConfig
-from epdserve.instance.modes import MODES, Pool, mode_pools
+from epdserve.instance.modes import MODES, Pool, mode_pools, pool_degrees
 from epdserve.deploy.kube.flavours import FLAVOURS, Flavour, get_flavour
 from epdserve.deploy.kube.ports import Ports
 from epdserve.settings import check_settings, same_as, setting
@@ -56,11 +56,20 @@ class KubeValues:
              "the instance's own on CPU)")
     tensor_parallel_size: int = same_as(
         EngineConfig, "tensor_parallel_size",
-        help="the --tensor-parallel-size of every instance that holds the language model; each such pod then "
-             "requests that many accelerators (rank r on the r-th the device plugin gives it)")
+        help="the --tensor-parallel-size of the instances that hold the language model (those that prefill and "
+             "decode; the prefill-only and decode-only ones too unless their own degree is given); each such pod "
+             "then requests that many accelerators (rank r on the r-th the device plugin gives it)")
     encode_tensor_parallel_size: int = setting(
         1, check=(">=", 1), help="the E-only instances' --tensor-parallel-size and accelerators per pod (E scales "
                                  "by replicas at 1: `epdserve launch --encode-tensor-parallel-size`)")
+    prefill_tensor_parallel_size: int = setting(
+        0, check=(">=", 0), help="the prefill-only instances' (P, EP, P+E) --tensor-parallel-size and accelerators "
+                                 "per pod; 0: tensor_parallel_size (`epdserve launch "
+                                 "--prefill-tensor-parallel-size`); with the decode degree, a pair the P->D KV hop "
+                                 "carries, else render refuses")
+    decode_tensor_parallel_size: int = setting(
+        0, check=(">=", 0), help="the decode-only instances' (D, ED) --tensor-parallel-size and accelerators per "
+                                 "pod; 0: tensor_parallel_size (`epdserve launch --decode-tensor-parallel-size`)")
     dtype: str | None = same_as(
         EngineConfig, "dtype", help="every instance's --dtype (default: not passed: each pod resolves auto on its "
                                     "node — bf16 on an accelerator or a CPU with AVX512-BF16/AMX-BF16, else fp32; "
@@ -92,6 +101,7 @@ class KubeValues:
         if self.max_replicas < 1 or self.scale_waiting < 1:
             raise ValueError("max_replicas and scale_waiting must be >= 1")
         check_settings(self)
+        self.degrees  # ValueError for a P->D pair of degrees the KV hop does not carry
         if self.model_path.startswith("/") or ".." in self.model_path.split("/"):
             raise ValueError(f"model_path is a folder under /models, got {self.model_path!r}")
         if self.mm_store is not None:
@@ -104,6 +114,15 @@ class KubeValues:
     @property
     def pools(self) -> list[Pool]:
         return mode_pools(self.mode, self.encode, self.prefill, self.decode)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """{roles: --tensor-parallel-size} of every pool, its pods' accelerators too; ValueError for a
+        P->D pair of degrees the KV hop does not carry (instance/modes.py `pool_degrees`)."""
+        pools = self.pools
+        return dict(zip((p.roles for p in pools),
+                        pool_degrees(pools, self.tensor_parallel_size, self.encode_tensor_parallel_size,
+                                     self.prefill_tensor_parallel_size, self.decode_tensor_parallel_size)))
 
     @property
     def model(self) -> str:

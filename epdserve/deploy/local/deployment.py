@@ -43,7 +43,7 @@ from epdserve.deploy.local.procs import ChildProcess, stop_all
 from epdserve.deploy.local.signals import INSTANCE_STOP_MARGIN_S
 from epdserve.deploy.local.supervisor import RESTART_EXIT_CODE, RestartPolicy, RestartSchedule
 from epdserve.engine.config import EngineConfig
-from epdserve.instance.modes import mode_pools, pool_degree
+from epdserve.instance.modes import mode_pools, pool_degree, pool_degrees
 from epdserve.seams.media_keys import MEDIA_KEY_SECRET_ENV
 from epdserve.security.secrets import CLUSTER_TOKEN_ENV
 from epdserve.platform.dtype_default import resolve_dtype
@@ -79,6 +79,8 @@ class DeploymentSpec:
     ready_timeout_s: float = 600.0
     drain_timeout_s: float = 10.0  # instances' --drain-timeout: calls in flight finish within it on stop
     encode_tensor_parallel_size: int = 1  # E-only instances' degree (the rest: --tensor-parallel-size in instance_args)
+    prefill_tensor_parallel_size: int = 0  # P, EP, P+E instances' degree; 0: --tensor-parallel-size
+    decode_tensor_parallel_size: int = 0  # D, ED instances' degree; 0: --tensor-parallel-size
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def pools(self):
@@ -111,11 +113,13 @@ class Deployment:
         given = last_flag(spec.instance_args, "--dtype") or env_value(EngineConfig, "dtype")
         self.dtype, why = resolve_dtype(given, self.spec.device.partition(":")[0])
         log.info("instances run %s (%s)", self.dtype, why)
-        # each instance's tensor-parallel degree (E-only pools their own): that many devices each
+        # each instance's tensor-parallel degree (E-only, prefill-only, decode-only pools their own): that
+        # many devices each
         self._degree = int(last_flag(spec.instance_args, "--tensor-parallel-size") or 1)
         self.pools = spec.pools()
-        self._degrees = [pool_degree(p.roles, self._degree, spec.encode_tensor_parallel_size)
-                         for p in self.pools for _ in range(p.count)]
+        # ValueError before anything starts for a P->D pair of degrees the KV hop does not carry
+        per_pool = pool_degrees(self.pools, *self._stage_degrees())
+        self._degrees = [d for p, d in zip(self.pools, per_pool) for _ in range(p.count)]
         self.address = ""
         # the MM Store URL children get and the ready line shows: never its passwords, which go to
         # the instances' environment (`urls.without_secrets`)
@@ -227,9 +231,15 @@ class Deployment:
         return ["--internal-host", self.spec.host, "--internal-port", str(self._internal_port),
                 "--internal-address-file", str(self._internal_file())]
 
+    def _stage_degrees(self) -> tuple[int, int, int, int]:
+        """(language model, encode-only, prefill-only, decode-only) degrees, as `pool_degree` takes them."""
+        s = self.spec
+        return (self._degree, s.encode_tensor_parallel_size, s.prefill_tensor_parallel_size,
+                s.decode_tensor_parallel_size)
+
     def _instance_argv(self, roles: str) -> list[str]:
         s = self.spec
-        degree = pool_degree(roles, self._degree, s.encode_tensor_parallel_size)
+        degree = pool_degree(roles, *self._stage_degrees())
         return ["instance", "--roles", roles, "--model", s.model, "--scheduler", self.registry,
                 "--mm-store", self.mm_store_url, "--device", s.device, "--host", s.host,
                 "--drain-timeout", str(s.drain_timeout_s), "--dtype", self.dtype, *s.instance_args,

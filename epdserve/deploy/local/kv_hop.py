@@ -36,8 +36,8 @@ def is_decode_side(roles: str) -> bool:
 
 def choose_kv_hop(roles: list[str], device_ids: list[str | None], device: str,
                   instance_args: list[str]) -> KvHopChoice:
-    """The hop of a deployment whose k-th instance (start order) runs `roles[k]` on accelerator
-    `device_ids[k]` (None: not known / CPU)."""
+    """The hop of a deployment whose k-th instance (start order) runs `roles[k]` on accelerator(s)
+    `device_ids[k]` ("0", a tensor-parallel group "2,3"; None: not known / CPU)."""
     if not any(is_prefill_side(r) for r in roles) or not any(is_decode_side(r) for r in roles):
         return KvHopChoice("none", "no P->D KV pairs in this mode")
     given = last_flag(instance_args, "--kv-hop")
@@ -46,8 +46,9 @@ def choose_kv_hop(roles: list[str], device_ids: list[str | None], device: str,
     kind = device.split(":")[0]
     if kind == "cpu":
         return KvHopChoice("device", "cpu: gloo between the KV blocks")
-    prefill = {d for r, d in zip(roles, device_ids) if is_prefill_side(r) and d is not None}
-    decode = {d for r, d in zip(roles, device_ids) if is_decode_side(r) and d is not None}
+    # a tensor-parallel instance's id is its group ("2,3"): a P and a D share a device when their groups meet
+    prefill = {x for r, d in zip(roles, device_ids) if is_prefill_side(r) and d is not None for x in d.split(",")}
+    decode = {x for r, d in zip(roles, device_ids) if is_decode_side(r) and d is not None for x in d.split(",")}
     shared = sorted(prefill & decode)
     if shared:
         return KvHopChoice("host", f"a P and a D share {kind} device {','.join(shared)}: the device's backend cannot "
