@@ -117,18 +117,20 @@ def test_prefill_and_decode_each_take_their_own_degree_and_devices(monkeypatch):
 
 
 def test_a_pair_the_kv_hop_does_not_carry_is_refused_naming_both_degrees_and_flags(tmp_path):
-    """P at 2 and D at 1: refused by Deployment (before any process or log directory), with both degrees
-    and both flags in the message. Asked of kv_layout.hop_carries, which refuses this pair today."""
+    """A pair kv_layout.hop_carries refuses (P 2 / D 1 today): refused by Deployment before any process or
+    log directory, with both degrees and both flags in the message."""
     import pytest
 
     from epdserve.deploy.local.deployment import Deployment, DeploymentSpec
+    from tests.tools import refused_hop_pair
 
-    assert not hop_carries(2, 1)
+    p, d = refused_hop_pair()
     with pytest.raises(ValueError) as e:
-        Deployment(DeploymentSpec(mode="E-P-D", model="m", device="cpu", prefill_tensor_parallel_size=2,
-                                  log_dir=str(tmp_path / "logs")))
+        Deployment(DeploymentSpec(mode="E-P-D", model="m", device="cpu", prefill_tensor_parallel_size=p,
+                                  decode_tensor_parallel_size=d, log_dir=str(tmp_path / "logs")))
     assert not (tmp_path / "logs").exists()  # refused before anything was made
     msg = str(e.value)
-    assert "the P instances prefill at tensor_parallel_size 2" in msg
-    assert "the D instances decode at tensor_parallel_size 1" in msg
-    assert "--prefill-tensor-parallel-size" in msg and "--decode-tensor-parallel-size" in msg and "TP2 to TP1" in msg
+    assert f"the P instances prefill at tensor_parallel_size {p}" in msg
+    assert f"the D instances decode at tensor_parallel_size {d}" in msg
+    assert "--prefill-tensor-parallel-size" in msg and "--decode-tensor-parallel-size" in msg
+    assert f"TP{p} to TP{d}" in msg

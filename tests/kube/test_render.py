@@ -246,13 +246,15 @@ def test_prefill_and_decode_pods_request_their_own_degree(monkeypatch):
 
 
 def test_render_refuses_a_pair_the_kv_hop_does_not_carry():
-    """P at 2, D at 1 (kv_layout.hop_carries refuses it today): refused when the values are made, naming
+    """A pair kv_layout.hop_carries refuses (P 2 / D 1 today): refused when the values are made, naming
     both degrees and both settings."""
-    assert not hop_carries(2, 1)
+    from tests.tools import refused_hop_pair
+
+    p, d = refused_hop_pair()
     with pytest.raises(ValueError) as e:
-        KubeValues(mode="E-P-D", flavour="cuda", prefill_tensor_parallel_size=2)
+        KubeValues(mode="E-P-D", flavour="cuda", prefill_tensor_parallel_size=p, decode_tensor_parallel_size=d)
     msg = str(e.value)
-    assert "prefill at tensor_parallel_size 2" in msg and "decode at tensor_parallel_size 1" in msg
+    assert f"prefill at tensor_parallel_size {p}" in msg and f"decode at tensor_parallel_size {d}" in msg
     assert "prefill-tensor-parallel-size" in msg and "decode-tensor-parallel-size" in msg
     with pytest.raises(ValueError, match="decode_tensor_parallel_size must be >= 0"):
         KubeValues(mode="E-P-D", decode_tensor_parallel_size=-1)

@@ -105,16 +105,18 @@ def test_each_role_takes_its_own_degree_and_group_of_npus(tmp_path):
 
 
 def test_a_p_or_d_instance_at_a_pair_the_hop_does_not_carry_is_refused(tmp_path):
-    """P at 2, D at 1 (kv_layout.hop_carries refuses the pair today): both the P and the D call stop
-    before anything starts, naming both degrees and both settings; a PYTHON that cannot import
-    epdserve leaves the check to the scheduler, saying so."""
-    assert not hop_carries(2, 1)
-    for roles, npus in (("P", "0,1"), ("D", "1")):
-        out, _, _ = _instances(tmp_path / roles, npus=npus, roles=roles, ok=False, PREFILL_TENSOR_PARALLEL_SIZE="2",
-                               **_REAL_PYTHON)
-        assert ("P at tensor-parallel size 2 (PREFILL_TENSOR_PARALLEL_SIZE, else TENSOR_PARALLEL_SIZE) and D at 1 "
-                "(DECODE_TENSOR_PARALLEL_SIZE, else TENSOR_PARALLEL_SIZE)") in out.stderr, out.stderr
-        assert "from TP2 to TP1" in out.stderr and not (tmp_path / roles / "args").exists()
+    """A pair kv_layout.hop_carries refuses (P 2 / D 1 today): both the P and the D call stop before
+    anything starts, naming both degrees and both settings; a PYTHON that cannot import epdserve leaves
+    the check to the scheduler (it refuses the pair at registration), saying so."""
+    from tests.tools import refused_hop_pair
+
+    p, d = refused_hop_pair()
+    degrees = dict(PREFILL_TENSOR_PARALLEL_SIZE=str(p), DECODE_TENSOR_PARALLEL_SIZE=str(d))
+    for roles in ("P", "D"):
+        out, _, _ = _instances(tmp_path / roles, npus="0", roles=roles, ok=False, **degrees, **_REAL_PYTHON)
+        assert (f"P at tensor-parallel size {p} (PREFILL_TENSOR_PARALLEL_SIZE, else TENSOR_PARALLEL_SIZE) and D at "
+                f"{d} (DECODE_TENSOR_PARALLEL_SIZE, else TENSOR_PARALLEL_SIZE)") in out.stderr, out.stderr
+        assert f"from TP{p} to TP{d}" in out.stderr and not (tmp_path / roles / "args").exists()
     out, env, _ = _instances(tmp_path / "unchecked", npus="1", roles="D", PREFILL_TENSOR_PARALLEL_SIZE="2",
                              PYTHON="/bin/false")
     assert "cannot import epdserve: P at 2 and D at 1 not checked here" in out.stderr
