@@ -8,23 +8,21 @@ epdserve, so every layer reads it, the scheduler's included), the layer count, h
 tokens per block, the KV dtype and the weights' quantization method ("" = the model dtype's own
 weights). `pair_mismatch(p, d)` says why P's KV cannot become D's, or None: the model's KV shape,
 block size and dtype must be equal (the hop sends whole blocks as raw bytes), the weights must be
-quantized alike (KV computed from other weights is another model's), and the hop must carry that
-pair of degrees (`HOP_DEGREES`: equal degree 1 today — a TP engine takes no KV connector,
-engine/llm_engine.py).
+quantized alike (KV computed from other weights is another model's); any pair of degrees maps
+(`hop_carries`: each D rank gets its own heads from the P ranks holding them).
 It travels as `common.proto`'s `KvLayout` inside `InstanceStatus`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-HOP_DEGREES = frozenset({(1, 1)})  # (P degree, D degree) pairs the layerwise KV hop carries today
-
 
 def hop_carries(p_degree: int, d_degree: int) -> bool:
     """Does the layerwise KV hop carry KV from a prefill instance at `p_degree` to a decode
-    instance at `d_degree`? (Whether the model splits at each degree is engine/tp/shard.py's
-    `check_degree`, asked where the checkpoint is read.)"""
-    return (p_degree, d_degree) in HOP_DEGREES
+    instance at `d_degree`? Every pair of degrees >= 1: each D rank receives its own KV heads from P
+    ranks holding them (transfer/kv/links.py). Whether the model splits at each degree is
+    engine/tp/shard.py's `check_degree`, asked where the checkpoint is read."""
+    return p_degree >= 1 and d_degree >= 1
 
 
 def rank_kv_heads(num_kv_heads: int, degree: int, rank: int) -> range:
@@ -35,6 +33,19 @@ def rank_kv_heads(num_kv_heads: int, degree: int, rank: int) -> range:
         return range(rank * k, (rank + 1) * k)
     kv = rank * num_kv_heads // degree
     return range(kv, kv + 1)
+
+
+@dataclass(frozen=True)
+class KvShare:
+    """One rank's place in its instance's KV split: the model's KV heads, the degree, the rank."""
+
+    num_kv_heads: int
+    degree: int = 1
+    rank: int = 0
+
+    @property
+    def heads(self) -> range:
+        return rank_kv_heads(self.num_kv_heads, self.degree, self.rank)
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,7 @@ def pair_mismatch(p: KvLayout, d: KvLayout) -> str | None:
         why.append(f"the weights are quantized differently ({p.quantization or 'unquantized'} vs "
                    f"{d.quantization or 'unquantized'}): D would decode KV another model computed")
     if not why and not hop_carries(p.degree, d.degree):
-        why.append(f"the KV hop carries KV between degrees {sorted(HOP_DEGREES)} only, not P TP{p.degree} "
-                   f"to D TP{d.degree}")
+        why.append(f"the KV hop does not carry P TP{p.degree} to D TP{d.degree}")
     if not why:
         return None
     return f"{'; '.join(why)} — P: {p.describe()}; D: {d.describe()}"

@@ -54,9 +54,8 @@
 #   ENCODE_TENSOR_PARALLEL_SIZE   the same for E instances          [unset or 0: TENSOR_PARALLEL_SIZE]
 #   PREFILL_TENSOR_PARALLEL_SIZE  the same for P, EP, P+E instances [unset or 0: TENSOR_PARALLEL_SIZE]
 #   DECODE_TENSOR_PARALLEL_SIZE   the same for D, ED instances      [unset or 0: TENSOR_PARALLEL_SIZE]
-#                    (`epdserve launch --prefill-tensor-parallel-size`...). P and D instances refuse to
-#                    start unless the P->D KV hop carries KV from the prefill degree to the decode
-#                    degree (epdserve.kv_layout.hop_carries, asked with PYTHON): set both the same on
+#                    (`epdserve launch --prefill-tensor-parallel-size`...); the P->D KV hop carries
+#                    every pair of degrees (each D rank gets its own KV heads): set each the same on
 #                    every server, e.g. on one 800I A2: ENCODE_...=1 for E on 0,1, PREFILL_...=2 for P on
 #                    2,3, DECODE_...=4 for D on 4,5,6,7 (docs/tensor-parallel.md)
 #   KV_CACHE_MB      KV cache per P/D worker   [on NPU: what the preflight finds fits, at most 16384; with DEVICE=cpu the instance's default]
@@ -258,20 +257,6 @@ role_degree() {  # role_degree ROLES: sets tp (the degree of ROLES' instances) a
   [[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "$tp_var must be a positive integer, got '$tp'"
 }
 
-check_hop() {  # check_hop ROLES: a P or D instance only at a pair of degrees the P->D KV hop carries
-  local p d py=${PYTHON:-python3} rc=0 tp tp_var
-  case "$1" in P|EP|P+E|D|ED) ;; *) return 0 ;; esac
-  role_degree P; p=$tp
-  role_degree D; d=$tp
-  "$py" -c 'import sys; from epdserve.kv_layout import hop_carries
-sys.exit(0 if hop_carries(int(sys.argv[1]), int(sys.argv[2])) else 3)' "$p" "$d" 2>/dev/null || rc=$?
-  case "$rc" in
-    0) ;;
-    3) die "instances: $1 with P at tensor-parallel size $p (PREFILL_TENSOR_PARALLEL_SIZE, else TENSOR_PARALLEL_SIZE) and D at $d (DECODE_TENSOR_PARALLEL_SIZE, else TENSOR_PARALLEL_SIZE): the P->D KV hop does not carry KV from TP$p to TP$d (epdserve.kv_layout.hop_carries); set the two, the same on every server, to a pair it carries, or run TP > 1 as PD or EPD instances" ;;
-    *) echo "atlas_node.sh: $py cannot import epdserve: P at $p and D at $d not checked here (set PYTHON); the scheduler refuses a pair the KV hop does not carry when they register" >&2 ;;
-  esac
-}
-
 kv_fit_mb=""   # set by preflight: the KV cache (MB) each listed NPU has room for, when KV_CACHE_MB is unset
 preflight() {  # preflight NPU_LIST [ROLES]
   local npus=${1:?preflight needs a comma-separated NPU list, e.g. 0,1,2,3} roles=${2:-P} dev total free drv cann
@@ -412,9 +397,8 @@ case "$what" in
     roles=${2:?instances needs ROLES (E, P, D, EP, ED, PD or EPD)}
     npus=${3:?instances needs a comma-separated NPU list, e.g. 0,1,2,3}
     # each stage its own degree (role_degree: ENCODE_/PREFILL_/DECODE_TENSOR_PARALLEL_SIZE, else
-    # TENSOR_PARALLEL_SIZE); a P or D instance only at a pair of degrees the KV hop carries
+    # TENSOR_PARALLEL_SIZE); the KV hop carries any pair of P and D degrees
     role_degree "$roles"
-    check_hop "$roles"
     MODEL=${MODEL:?set MODEL to the checkpoint directory (same path on every server)}
     HEAD_IP=${HEAD_IP:?set HEAD_IP to the scheduler server address}
     MM_STORE=${MM_STORE:?set MM_STORE to the cluster Redis URL, e.g. redis://10.0.0.5:6379/0 (its password in the env file)}

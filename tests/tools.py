@@ -32,16 +32,3 @@ def require_tool(*names: str, why: str = "", module: bool = False) -> str:
             pytest.fail(f"CI=true: {msg} (CI must install it)", pytrace=False)
         pytest.skip(msg, allow_module_level=module)
     return paths[names[0]]
-
-
-def refused_hop_pair() -> tuple[int, int]:
-    """A (P degree, D degree) pair the P->D KV hop does not carry (`epdserve.kv_layout.hop_carries`):
-    (2, 1) while it refuses that one, else the first refused pair up to 8; the test is skipped once
-    the hop carries every pair (then there is nothing left to refuse)."""
-    from epdserve.kv_layout import hop_carries
-
-    pairs = [(2, 1), *((p, d) for p in range(1, 9) for d in range(1, 9))]
-    pair = next(((p, d) for p, d in pairs if not hop_carries(p, d)), None)
-    if pair is None:
-        pytest.skip("the KV hop carries every pair of degrees up to 8: no pair left to refuse")
-    return pair

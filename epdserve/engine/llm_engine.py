@@ -54,7 +54,7 @@ from epdserve.engine.stop_checker import StopChecker
 from epdserve.engine.tp.encode_dp import DataParallelEncoder
 from epdserve.engine.tp.group import RankFailure, TPGroup
 from epdserve.engine.tp.shard import TPShard, head_map
-from epdserve.kv_layout import KvLayout
+from epdserve.kv_layout import KvLayout, KvShare
 from epdserve.model.processor import MediaInput
 from epdserve.ops.select import layer_ops, paged_ops
 from epdserve.request_errors import InvalidRequestError
@@ -81,7 +81,7 @@ class LLMEngine:
         self.platform, self.max_model_len = self.model.platform, self.model.max_model_len
         config.block_size = config.block_size or self.platform.kv_block_size  # NPU kernels want 128
         if tp > 1 or self.model.lm.shard.size > 1:
-            self._check_tp(kv_connector)
+            self._check_tp()
         q_heads, kv_heads = head_map(a.num_heads, a.num_kv_heads, TPShard(0, tp))
         spec = KVCacheSpec(a.num_layers, len(kv_heads), a.head_dim, config.block_size, self.model.dtype)
         num_blocks = spec.blocks_for_budget(config.kv_cache_bytes)
@@ -93,6 +93,8 @@ class LLMEngine:
         self.grammars = GrammarBackend(self.model.tokenizer, a.text_config.vocab_size, self.model.eos_token_ids,
                                        config.grammar_cache_bytes, config.max_grammar_bytes)
         if kv_connector is not None:
+            if self.tp is not None:  # every rank sends or receives its own KV heads
+                kv_connector.span_ranks(KvShare(a.num_kv_heads, tp, 0), self.tp.tell_kv)
             kv_connector.register_kv_cache(self.kv_cache, self.platform)
         self.scheduler = Scheduler(
             StepSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
@@ -134,16 +136,13 @@ class LLMEngine:
         return KvLayout(c.tensor_parallel_size, a.num_layers, a.num_kv_heads, a.head_dim, c.block_size,
                         self.model.dtype_name, self.model.quantization)
 
-    def _check_tp(self, kv_connector) -> None:
-        """Refuse at start-up a set-up tensor parallelism does not cover yet (load_model refused
-        the degrees that do not split the model)."""
+    def _check_tp(self) -> None:
+        """Refuse a model loaded for another rank or degree (load_model refused the degrees that
+        do not split the model)."""
         tp = self.config.tensor_parallel_size
         if self.model.lm.shard != TPShard(0, tp):
             raise ValueError(f"tensor_parallel_size={tp} but the model was loaded for rank {self.model.lm.shard.rank} "
                              f"of {self.model.lm.shard.size}")
-        if kv_connector is not None:
-            raise ValueError(f"tensor_parallel_size={tp} with a KV connector (a disaggregated P or D engine) is not "
-                             "supported yet: KV crossing between ranks of different degrees is issue 48's")
 
     def _start_tp(self, num_blocks: int) -> TPGroup:
         """Ranks 1..tp-1 started and joined (each reads its own part of the checkpoint); rank 0's

@@ -5,9 +5,11 @@ Loads the checkpoint with only its shard of the LM's decoder layers (engine/lm/s
 and the vision tower whole (the LM head is freed: rank 0 alone computes logits), builds a KV cache for its own KV heads with rank 0's block count,
 joins the group, says "ready", then runs what rank 0 sends until rank 0 says stop or its socket
 ends: ("forward", block copies, ForwardInputs) — the same forward as rank 0's
-(engine/forward_inputs.py) — and ("encode", pixel values, grids) — its share of an encoder call,
-answered with the features (engine/tp/encode_dp.py). What goes wrong while loading is sent back as the
-start-up error.
+(engine/forward_inputs.py) —, ("encode", pixel values, grids) — its share of an encoder call,
+answered with the features (engine/tp/encode_dp.py) — and ("kv", message) — its part of a
+disaggregated P or D engine's KV connector (transfer/kv/rank_part.py: this rank sends or receives
+its own KV heads; its forward sends them layer by layer). What goes wrong while loading is sent
+back as the start-up error.
 """
 from __future__ import annotations
 
@@ -55,6 +57,16 @@ def serve(spec, conn: Connection) -> None:
     ops = paged_ops(model.platform, spec.ops)
     runner = ModelRunner(a, lm, kv, ops, layer_ops(model.platform, spec.ops), model.platform, None,
                          max_batch=spec.max_num_seqs, max_model_len=spec.max_model_len, enforce_eager=True)
+    try:
+        _serve_loop(conn, kv, runner, a, model.platform, spec.rank)
+    finally:
+        if runner.connector is not None:
+            runner.connector.close()  # its pair threads end before the interpreter does
+
+
+def _serve_loop(conn, kv, runner, a, platform, rank: int) -> None:
+    import torch
+
     conn.send_bytes(b"ready")
     while True:
         try:
@@ -72,6 +84,12 @@ def serve(spec, conn: Connection) -> None:
                     runner.forward(inputs)
             elif kind == "encode":  # its share of an encoder call (engine/tp/encode_dp.py)
                 conn.send_bytes(pickle.dumps(_encode(a, *body), protocol=pickle.HIGHEST_PROTOCOL))
+            elif kind == "kv":  # its part of rank 0's KV connector, which names the class (a seam)
+                msg = body[0]
+                if msg[0] == "part":
+                    runner.connector = msg[1](kv, platform, rank)  # this rank's forward sends through it
+                else:
+                    runner.connector.apply(msg)
 
 
 def _drop_lm_head(adapter, lm) -> None:

@@ -65,16 +65,17 @@ class DecodeWorker(StageWorker):
     # ---------------------------------------------------------------- gRPC threads
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams, peer: str, kv_host: str,
                 kv_port: int, num_vision_tokens: int = 0, media: tuple = (), cache_salt: str = "",
-                tenant: TenantShare = TenantShare()) -> tuple[RequestHandle, Reservation]:
+                tenant: TenantShare = TenantShare(), p_degree: int = 1) -> tuple[RequestHandle, Reservation]:
         """`media`: `media_identity` of the request's media (empty: a prompt with media is not cached);
-        `cache_salt`: the request's (its first block's hash, as at P)."""
+        `cache_salt`: the request's (its first block's hash, as at P); `p_degree`: P's tensor-parallel
+        degree (every rank of both instances joins the pair)."""
         handle = RequestHandle(request_id, params.n)
 
         def run() -> Reservation:
             if request_id in self.handles:
                 raise ValueError(f"request {request_id!r} is already in flight here")
             try:
-                rdzv = self.connector.pair_for(peer, kv_host, kv_port)
+                rdzv = self.connector.pair_for(peer, kv_host, kv_port, p_degree)
             except PairRebuildsExhausted as e:  # retryable: the scheduler reroutes the request
                 raise TransientError(str(e)) from None
             req = EngineRequest(request_id, list(prompt_ids), [], params, kv_transfer=RemotePrefill(peer),

@@ -134,7 +134,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
             )
 
         j = self._guard(context, job)
-        rdzv = PairRendezvous(dec.pair.host, int(dec.pair.port), dec.pair.pair_name, 0)
+        rdzv = self._guard(context, lambda: PairRendezvous(dec.pair.host, int(dec.pair.port), dec.pair.pair_name, 0,
+                                                           dec.pair.p_degree or 1, dec.pair.d_degree or 1))
         handle = self._guard(context, lambda: w.prefill(j, rdzv))
         context.add_callback(lambda: w.abort(rid))
         outs = {}  # choice index -> its output (each ends here: handed off, or finished by its first token)
@@ -183,14 +184,15 @@ class InstanceServicer(instance_pb2_grpc.InstanceServicer):
                           "DecodeReserve needs prefill_instance_id and prefill_kv_endpoint")
         handle, res = self._guard(context, lambda: w.reserve(
             rid, list(r.prompt_token_ids), params, r.prefill_instance_id, ep.host, int(ep.port), r.num_vision_tokens,
-            media_identity(r.media), r.cache_salt, convert.tenant_share(r.tenant)))
+            media_identity(r.media), r.cache_salt, convert.tenant_share(r.tenant), r.prefill_tensor_parallel_size or 1))
         context.add_callback(lambda: w.abort(rid))
         yield instance_pb2.DecodeOutput(reserved=instance_pb2.KvReservation(
             decode_instance_id=self.host.instance_id,
             dst_block_ids=list(res.block_ids),
             block_size=res.block_size,
             num_cached_tokens=res.num_cached_tokens,
-            pair=instance_pb2.KvPair(host=res.rdzv.host, port=res.rdzv.port, pair_name=res.rdzv.pair_name),
+            pair=instance_pb2.KvPair(host=res.rdzv.host, port=res.rdzv.port, pair_name=res.rdzv.pair_name,
+                                     p_degree=res.rdzv.p_degree, d_degree=res.rdzv.d_degree),
         ))
         nxt = next(request_iterator, None)
         if nxt is None or nxt.WhichOneof("kind") != "start":

@@ -150,7 +150,7 @@ class Attempt:
             request_id=i.request_id, prompt_token_ids=i.prompt_token_ids, sampling=i.sampling,
             num_vision_tokens=i.num_vision_tokens, prefill_instance_id=p.instance_id,
             prefill_kv_endpoint=p.kv_endpoint, media=[_identity_only(m) for m in i.media], cache_salt=i.cache_salt,
-            tenant=i.tenant,
+            tenant=i.tenant, prefill_tensor_parallel_size=p.kv_layout.degree if p.kv_layout else 1,
         )
         await self._send(d, "decode", call.write(instance_pb2.DecodeInput(reserve=reserve)))
         out = await self._rpc(d, "decode", call.read())

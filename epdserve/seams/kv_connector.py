@@ -59,6 +59,14 @@ class KVConnector(ABC):
         """Once, when the engine is built: the paged cache (engine.kv_cache.PagedKVCache) whose
         blocks the connector reads or writes, and the platform that names the backend."""
 
+    def span_ranks(self, share, tell) -> None:
+        """Tensor parallelism, before `register_kv_cache`: this engine is rank 0 of `share`'s degree
+        (transfer/kv/links.py `KvShare`: the model's KV heads, the degree, rank 0) and `tell(message)`
+        sends a message to every other rank, which runs its own part of the connector
+        (engine/tp_rank.py takes the connector's messages). A connector that cannot span ranks
+        refuses with ValueError, naming why."""
+        raise ValueError(f"{type(self).__name__} does not take a tensor-parallel engine")
+
     # ------------------------------------------------------------------ scheduler side
     def num_remote_tokens(self, seq) -> int:
         """Prompt tokens of `seq` whose KV arrives from elsewhere instead of being computed here

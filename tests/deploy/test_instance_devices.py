@@ -2,7 +2,6 @@
 devices), the named ones with --devices, nothing to set on CPU. No accelerator exists here, so
 the accelerator platforms report a device count of 4 (the only thing the assignment reads)."""
 from epdserve.deploy.local.deployment import instance_device_env
-from epdserve.kv_layout import hop_carries
 from epdserve.platform.cpu import CpuPlatform
 from epdserve.platform.cuda import CudaPlatform
 from epdserve.platform.npu import NpuPlatform
@@ -61,10 +60,7 @@ def test_a_tensor_parallel_instance_gets_one_device_per_rank():
 def test_each_stage_takes_its_own_degree_and_its_own_devices():
     """Issue 48 item 1: in E-PD with the language model at TP2, the E-only instances run at
     --encode-tensor-parallel-size (1 by default) on a device each and the PD instance on two of its
-    own; a split pool (P, D) at a pair of degrees the KV hop does not carry is refused before anything
-    starts, naming the pools."""
-    import pytest
-
+    own; a split pool (P, D) takes its degree too."""
     from epdserve.deploy.local.deployment import Deployment, DeploymentSpec
 
     assert [instance_device_env(_FourGpus(), [], k, [1, 1, 2])["CUDA_VISIBLE_DEVICES"] for k in range(3)] == \
@@ -82,22 +78,16 @@ def test_each_stage_takes_its_own_degree_and_its_own_devices():
     wide = Deployment(DeploymentSpec(mode="E-PD", model="m", device="cpu", encode_tensor_parallel_size=2,
                                      instance_args=["--tensor-parallel-size", "4"]))
     assert wide._degrees == [2, 4]
-    if not hop_carries(2, 2):
-        with pytest.raises(ValueError, match=r"the P\+E instances prefill at tensor_parallel_size 2 .* the D instances "
-                                             r"decode at tensor_parallel_size 2"):
-            Deployment(DeploymentSpec(mode="P-D", model="m", device="cpu",
-                                      instance_args=["--tensor-parallel-size", "2"]))
+    split = Deployment(DeploymentSpec(mode="P-D", model="m", device="cpu", instance_args=["--tensor-parallel-size", "2"]))
+    assert split._degrees == [2, 2]  # the KV hop carries any pair of degrees
 
 
-def test_prefill_and_decode_each_take_their_own_degree_and_devices(monkeypatch):
+def test_prefill_and_decode_each_take_their_own_degree_and_devices():
     """Issue 48 item 1, the Atlas 800I A2 example of docs/tensor-parallel.md: E-P-D on 8 NPUs with E at
     1 (x2), P at --prefill-tensor-parallel-size 2 and D at --decode-tensor-parallel-size 4: E0 on NPU 0,
-    E1 on 1, P on 2,3, D on 4-7, each started with its own --tensor-parallel-size (the hop is made to
-    carry the pair here: which pairs it carries is kv_layout's word, tested apart)."""
-    from epdserve import kv_layout
+    E1 on 1, P on 2,3, D on 4-7, each started with its own --tensor-parallel-size."""
     from epdserve.deploy.local.deployment import Deployment, DeploymentSpec
 
-    monkeypatch.setattr(kv_layout, "hop_carries", lambda p, d: True)
     dep = Deployment(DeploymentSpec(mode="E-P-D", model="m", device="cpu", encode=2, prefill_tensor_parallel_size=2,
                                     decode_tensor_parallel_size=4))
     assert dep._degrees == [1, 1, 2, 4]  # E, E, P, D in start order
@@ -114,23 +104,3 @@ def test_prefill_and_decode_each_take_their_own_degree_and_devices(monkeypatch):
     coupled = Deployment(DeploymentSpec(mode="E-PD", model="m", device="cpu", prefill_tensor_parallel_size=2,
                                         decode_tensor_parallel_size=4, instance_args=["--tensor-parallel-size", "8"]))
     assert coupled._degrees == [1, 8]
-
-
-def test_a_pair_the_kv_hop_does_not_carry_is_refused_naming_both_degrees_and_flags(tmp_path):
-    """A pair kv_layout.hop_carries refuses (P 2 / D 1 today): refused by Deployment before any process or
-    log directory, with both degrees and both flags in the message."""
-    import pytest
-
-    from epdserve.deploy.local.deployment import Deployment, DeploymentSpec
-    from tests.tools import refused_hop_pair
-
-    p, d = refused_hop_pair()
-    with pytest.raises(ValueError) as e:
-        Deployment(DeploymentSpec(mode="E-P-D", model="m", device="cpu", prefill_tensor_parallel_size=p,
-                                  decode_tensor_parallel_size=d, log_dir=str(tmp_path / "logs")))
-    assert not (tmp_path / "logs").exists()  # refused before anything was made
-    msg = str(e.value)
-    assert f"the P instances prefill at tensor_parallel_size {p}" in msg
-    assert f"the D instances decode at tensor_parallel_size {d}" in msg
-    assert "--prefill-tensor-parallel-size" in msg and "--decode-tensor-parallel-size" in msg
-    assert f"TP{p} to TP{d}" in msg

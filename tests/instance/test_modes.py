@@ -59,19 +59,22 @@ def test_each_pool_takes_its_stages_degree():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_mode_with_a_kv_hop_runs_only_at_the_pairs_the_hop_carries(mode):
-    """`pool_degrees` asks kv_layout.hop_carries for the P pool's and the D pool's degrees: every pair
-    it carries is let through, every other refused naming both degrees; a mode without P->D pairs
+def test_a_mode_with_a_kv_hop_runs_only_at_the_pairs_the_hop_carries(mode, monkeypatch):
+    """`pool_degrees` asks kv_layout.hop_carries for the P pool's and the D pool's degrees — it carries
+    every pair (transfer/kv/links.py); here it is made to refuse one, P 2 to D 1 —: every pair it carries
+    is let through, one it refuses is refused naming both degrees; a mode without P->D pairs
     (monolithic, E-PD) runs at any degree."""
+    from epdserve import kv_layout
     from epdserve.instance.modes import pool_degrees
-    from epdserve.kv_layout import hop_carries
     from epdserve.roles import role_set
 
+    assert all(kv_layout.hop_carries(p, d) for p in range(1, 9) for d in range(1, 9))
+    monkeypatch.setattr(kv_layout, "hop_carries", lambda p, d: (p, d) != (2, 1))
     pools = mode_pools(mode, 2, 1, 1)
     has_hop = any(role_set(p.roles).sends_kv for p in pools)
     for p in range(1, 5):
         for d in range(1, 5):
-            if not has_hop or hop_carries(p, d):
+            if not has_hop or (p, d) != (2, 1):
                 got = pool_degrees(pools, 8, 1, p, d)
                 assert len(got) == len(pools)
             else:

@@ -14,7 +14,6 @@ from epdserve.deploy.kube.podview import container_argv, container_env, referenc
 from epdserve.deploy.kube.render import containers, pod_templates, render, to_yaml
 from epdserve.deploy.kube.secrets import SECRET_ENV
 from epdserve.deploy.kube.values import KubeValues
-from epdserve.kv_layout import hop_carries
 from tests.kube.conftest import CASES, values_for
 
 K8S_VERSION = "1.33.0"  # the schema pinned (kubernetes-validate ships it; nothing is downloaded)
@@ -195,7 +194,7 @@ def test_one_dtype_for_every_instance_when_given_else_each_pod_resolves_auto():
 
 def test_a_tensor_parallel_instance_pod_requests_one_accelerator_per_rank():
     """Issue 48 item 1: --tensor-parallel-size N on every instance that holds the language model and N
-    accelerators per such pod; E-only pods their own degree (1 by default); a split pool refused."""
+    accelerators per such pod; E-only pods their own degree (1 by default)."""
     def pods(**kw):
         v = KubeValues(mode="E-PD", flavour="cuda", **kw)
         out = {}
@@ -210,9 +209,8 @@ def test_a_tensor_parallel_instance_pod_requests_one_accelerator_per_rank():
     assert pods(tensor_parallel_size=2) == {"E": ("1", "1", "1"), "PD": ("2", "2", "2")}
     assert pods(tensor_parallel_size=4, encode_tensor_parallel_size=2) == {"E": ("2", "2", "2"), "PD": ("4", "4", "4")}
     assert pods() == {"E": ("1", "1", "1"), "PD": ("1", "1", "1")}
-    if not hop_carries(2, 2):
-        with pytest.raises(ValueError, match=r"the P\+E instances prefill at tensor_parallel_size 2 "):
-            render(KubeValues(mode="P-D", flavour="cuda", tensor_parallel_size=2))
+    assert _instance_pods(KubeValues(mode="P-D", flavour="cuda", tensor_parallel_size=2)) == {
+        "P+E": ("2", "2", "2"), "D": ("2", "2", "2")}  # a split pool too: the KV hop carries any pair
 
 
 def _instance_pods(v: KubeValues) -> dict[str, tuple[str, str, str]]:
@@ -227,13 +225,9 @@ def _instance_pods(v: KubeValues) -> dict[str, tuple[str, str, str]]:
     return out
 
 
-def test_prefill_and_decode_pods_request_their_own_degree(monkeypatch):
+def test_prefill_and_decode_pods_request_their_own_degree():
     """Issue 48 item 1: prefill_tensor_parallel_size / decode_tensor_parallel_size (0: tensor_parallel_size)
-    give the P and D pods their degree and as many accelerators; PD pods keep tensor_parallel_size (the hop
-    is made to carry the pair here: which pairs it carries is kv_layout's word)."""
-    from epdserve import kv_layout
-
-    monkeypatch.setattr(kv_layout, "hop_carries", lambda p, d: True)
+    give the P and D pods their degree and as many accelerators; PD pods keep tensor_parallel_size."""
     pods = _instance_pods(KubeValues(mode="E-P-D", flavour="ascend", prefill_tensor_parallel_size=2,
                                      decode_tensor_parallel_size=4))
     assert pods == {"E": ("1", "1", "1"), "P": ("2", "2", "2"), "D": ("4", "4", "4")}
@@ -245,17 +239,7 @@ def test_prefill_and_decode_pods_request_their_own_degree(monkeypatch):
     assert pods == {"E": ("1", "1", "1"), "PD": ("2", "2", "2")}
 
 
-def test_render_refuses_a_pair_the_kv_hop_does_not_carry():
-    """A pair kv_layout.hop_carries refuses (P 2 / D 1 today): refused when the values are made, naming
-    both degrees and both settings."""
-    from tests.tools import refused_hop_pair
-
-    p, d = refused_hop_pair()
-    with pytest.raises(ValueError) as e:
-        KubeValues(mode="E-P-D", flavour="cuda", prefill_tensor_parallel_size=p, decode_tensor_parallel_size=d)
-    msg = str(e.value)
-    assert f"prefill at tensor_parallel_size {p}" in msg and f"decode at tensor_parallel_size {d}" in msg
-    assert "prefill-tensor-parallel-size" in msg and "decode-tensor-parallel-size" in msg
+def test_render_refuses_a_negative_stage_degree():
     with pytest.raises(ValueError, match="decode_tensor_parallel_size must be >= 0"):
         KubeValues(mode="E-P-D", decode_tensor_parallel_size=-1)
 

@@ -161,8 +161,7 @@ def test_a_p_and_a_d_whose_kv_layouts_cannot_map_are_refused_at_registration():
     for field, value, why in (("dtype", "bfloat16", "dtype differs (float32 vs bfloat16)"),
                               ("block_size", 128, "block_size differs (16 vs 128)"),
                               ("num_kv_heads", 4, "num_kv_heads differs (2 vs 4)"),
-                              ("quantization", "int8", "quantized differently (unquantized vs int8)"),
-                              ("degree", 2, "not P TP1 to D TP2")):
+                              ("quantization", "int8", "quantized differently (unquantized vs int8)")):
         bad = status("d1", "ED")
         bad.kv_layout.CopyFrom(_kv(**{field: value}))
         with pytest.raises(RegistryError) as e:
@@ -187,3 +186,8 @@ def test_a_p_and_a_d_whose_kv_layouts_cannot_map_are_refused_at_registration():
     assert reg.register(s).kv_layout.head_dim == 8  # p0 again: compared with d0, not with its old self
     reg.get("d0").health = DOWN
     assert reg.register(bad).kv_layout.head_dim == 16
+    # another degree maps: each D rank gets its own KV heads from the P ranks holding them (transfer/kv/links.py)
+    fresh, p4, d2 = InstanceRegistry(), status("p4", "P"), status("d2", "D")
+    p4.kv_layout.CopyFrom(_kv(degree=4))
+    d2.kv_layout.CopyFrom(_kv(degree=2))
+    assert fresh.register(p4).kv_layout.degree == 4 and fresh.register(d2).kv_layout.degree == 2

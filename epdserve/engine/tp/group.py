@@ -198,6 +198,12 @@ class TPGroup:
         for rank in range(1, self.size):
             self.send_to(rank, payload)
 
+    def tell_kv(self, message: tuple) -> None:
+        """One message of rank 0's KV connector to every other rank (transfer/kv/rank_part.py)."""
+        payload = pickle.dumps(("kv", message), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank in range(1, self.size):
+            self.send_to(rank, payload)
+
     def send_to(self, rank: int, payload: bytes) -> None:
         """One pickled message to rank `rank` (`engine/tp_rank.py` says which it takes)."""
         conn, proc = self._conns[rank - 1], self._procs[rank - 1]

@@ -1,7 +1,7 @@
 """Layerwise P→D KV transfer over torch.distributed (gloo on CPU, NCCL on CUDA, HCCL on NPU).
 
-Owns the prefill→decode hop: each P–D pair builds its own two-rank process group over the
-prefill side's pair store (`PairStoreHost`, in process; decode peers reach it through the
+Owns the prefill→decode hop: each P–D pair builds its own process group — every rank of both
+instances, whatever their tensor-parallel degrees — over the prefill side's pair store (`PairStoreHost`, in process; decode peers reach it through the
 prefill instance's authenticated `KvStore` RPC: `PairNetwork`, `PairRendezvous`,
 `PairConnection`; no listening store); the prefill side's
 `KVSender` sends each layer's KV of a batch while the next layer computes; the decode side's
@@ -23,7 +23,8 @@ One sentence per module:
 - network.py         PairNetwork: how this process reaches its P–D pairs (pair store, data sockets)
 - pair_names.py      pair names "<P id>><D id>/g<n>", one per P–D pair and rebuild
 - host_hop.py        the host-staged hop: gloo between host buffers, for a P and a D on one accelerator
-- pair.py            PairConnection: one side of a pair's two-rank process group and its header store
+- pair.py            PairConnection: one rank's side of a pair's process group and its header store
+- links.py           which P rank sends which KV heads to which D rank, for any two degrees
 - pair_store.py      PairStoreHost: the in-process key-value store a prefill instance keeps for its pairs
 - store_view.py      PairStore: one pair's namespace of a pair store, as a torch.distributed.Store
 - store_client.py    PairStoreClient: another process's view of a PairStoreHost, over the KvStore RPC
@@ -31,11 +32,12 @@ One sentence per module:
 - rendezvous.py      RendezvousServer: a pair store on a gRPC port of its own (tools, not instances)
 - messages.py        typed messages: the pair rendezvous and the per-batch header
 - layout.py          the wire order of a batch's KV and the tensor views that feed it
-- endpoint.py        PairEndpoint: what sender (rank 0) and receiver (rank 1) share, one channel per peer
+- endpoint.py        PairEndpoint: what sender and receiver share, one channel per peer, the rank's KV share
 - sender.py          KVSender: the prefill side, each batch's KV layer by layer to its decode peers
 - receiver.py        KVReceiver: the decode side, a request's KV layer by layer into reserved blocks
 - send_connector.py  LayerwiseSendConnector: the prefill role of the engine's KV connector
 - recv_connector.py  LayerwiseRecvConnector: the decode role of the engine's KV connector
+- rank_part.py       RankPart: a tensor-parallel instance's other ranks' part of either connector
 - state.py           transfer and pair states the engine loop polls, and TransferCounters
 - checks.py          deterministic KV contents and digests, to check a transfer bit for bit
 """

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.kv_layout import rank_kv_heads
+from epdserve.kv_layout import KvShare, rank_kv_heads
+
+__all__ = ["KvShare", "Link", "group_peers", "held_heads", "hop_links", "links_from", "links_into"]
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,8 @@ def group_peers(p_degree: int, d_degree: int, links: list[Link], group_rank: int
     return sorted({b if a == group_rank else a for a, b in pairs if group_rank in (a, b)})
 
 
-@dataclass(frozen=True)
-class KvShare:
-    """A rank's place in its instance's KV split: the model's KV heads, the degree, the rank."""
 
-    num_kv_heads: int
-    degree: int = 1
-    rank: int = 0
-
-    @property
-    def heads(self) -> range:
-        return rank_kv_heads(self.num_kv_heads, self.degree, self.rank)
+def held_heads(num_kv_heads: int, degree: int) -> int:
+    """KV heads held over an instance's ranks, a replicated head once per rank holding it: what
+    a hop into that instance carries per block (D's heads' bytes)."""
+    return sum(len(rank_kv_heads(num_kv_heads, degree, r)) for r in range(degree))

@@ -31,6 +31,21 @@ class PairNetwork:
     store: PairStoreHost | None = None
     credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)
     metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # holds the token: never printed
+    tls: tuple[str, str, str] | None = None  # (ca, cert, key) files the credentials came from
+
+    def for_other_rank(self) -> dict:
+        """What another rank of this instance (its own process) rebuilds this network from
+        (`from_rank_parts`): no store — it dials the prefill instance's, as a decode side does —,
+        the same host, token and certificate files. Travels over the rank's private socket only."""
+        return {"host": self.host, "metadata": self.metadata, "tls": self.tls}
+
+    @classmethod
+    def from_rank_parts(cls, parts: dict) -> PairNetwork:
+        from epdserve.security.tls import channel_credentials
+
+        tls = parts["tls"]
+        creds = channel_credentials(*tls) if tls else None
+        return cls(host=parts["host"], credentials=creds, metadata=tuple(parts["metadata"]), tls=tls)
 
     def open_store(self, rdzv: PairRendezvous, timeout: timedelta) -> PairStore:
         """The pair's store as this side uses it (the caller ends it with the pair)."""
@@ -48,4 +63,5 @@ class PairNetwork:
 
         sec = security
         creds = channel_credentials(sec.tls_ca, sec.tls_cert, sec.tls_key) if sec.mutual_tls else None
-        return cls(host=host, store=store, credentials=creds, metadata=tuple(cluster_metadata(security.cluster_token)))
+        return cls(host=host, store=store, credentials=creds, metadata=tuple(cluster_metadata(security.cluster_token)),
+                   tls=(sec.tls_ca, sec.tls_cert, sec.tls_key) if sec.mutual_tls else None)

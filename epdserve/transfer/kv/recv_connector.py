@@ -10,7 +10,7 @@ whole blocks are already in place: only the blocks after them are expected, and
 delta arrive through the control plane: `set_first_token` (a request with n > 1 choices: the
 first tokens of choices 1..n-1 too, `choice_tokens`; its KV crosses once for all of them). `get_finished` reports a request as
 received once both are in (or failed), and counts it in `counters` (bytes received: whole
-blocks received, every layer's K and V; `bytes_skipped`: the cached blocks that did not travel;
+blocks received, every layer's K and V, over every rank; `bytes_skipped`: the cached blocks that did not travel;
 failures: receives that failed, not requests aborted here). An
 aborted request whose KV is still arriving is held (`request_finished` → True) until the
 receiver is done with its blocks. A failed request whose receives outlived the pair's teardown
@@ -22,6 +22,10 @@ generation when the old one broke or the peer moved — at most `KVTransferConfi
 rebuilds per peer within `pair_rebuild_window_s`; beyond that it raises `PairRebuildsExhausted`
 (the decode worker fails the request as retryable: the scheduler reroutes it), since each pair
 that broke mid-operation may have left an HCCL communicator behind (`counters.leaked_communicators`).
+Tensor parallelism (`span_ranks`): the other ranks hold their own `KVReceiver`s
+(engine/tp_rank.py); each pair built here is told to them, they join it and receive their KV
+heads into their own caches, and this rank's receiver reports a request DONE only once every
+rank has all of its heads (receiver.py).
 """
 from __future__ import annotations
 
@@ -32,8 +36,10 @@ from dataclasses import dataclass
 
 from epdserve.seams.kv_connector import FinishedTransfer, KVConnector, RemotePrefill
 from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.links import held_heads
 from epdserve.transfer.kv.messages import PairRendezvous
 from epdserve.transfer.kv.pair_names import pair_name
+from epdserve.transfer.kv.rank_part import RankPart, rank_config
 from epdserve.transfer.kv.receiver import KVReceiver, RecvRequest
 from epdserve.transfer.kv.state import PairState, TransferCounters, TransferState
 
@@ -69,25 +75,39 @@ class LayerwiseRecvConnector(KVConnector):
         self._rebuilds: dict[str, deque] = {}  # prefill peer -> monotonic times of its recent rebuilds
         self._capped: set[str] = set()  # peers refused since their last successful (re)build: logged once
         self._incoming: dict[str, _Incoming] = {}
+        self._share = None  # this rank's place in the instance's KV split (None: degree 1)
+        self._tell = None  # sends a message to the instance's other ranks
+
+    def span_ranks(self, share, tell) -> None:
+        self._share, self._tell = share, tell
 
     def register_kv_cache(self, cache, platform) -> None:
-        self.receiver = KVReceiver(cache, platform, self.config)
+        self.receiver = KVReceiver(cache, platform, self.config, self._share)
+        if self._tell is not None:
+            self._tell(("part", RankPart))
+            self._tell(("setup", "recv", self._share.num_kv_heads, self._share.degree, rank_config(self.config)))
         self._block_size = cache.spec.block_size
-        self._block_bytes = cache.spec.bytes_per_block()
+        share = self.receiver.share  # every rank's heads: what the instance received together
+        self._block_bytes = cache.spec.bytes_per_block() // cache.spec.num_kv_heads * held_heads(share.num_kv_heads,
+                                                                                                 share.degree)
 
     # ------------------------------------------------------------------ the worker's calls
-    def pair_for(self, peer: str, host: str, port: int) -> PairRendezvous:
-        """The pair to prefill peer `peer` whose rendezvous store is at host:port (ours: rank 1)."""
+    def pair_for(self, peer: str, host: str, port: int, p_degree: int = 1) -> PairRendezvous:
+        """The pair to prefill peer `peer` whose rendezvous store is at host:port and whose
+        tensor-parallel degree is `p_degree` (ours: D's rank 0, group rank `p_degree`)."""
         cur = self._pairs.get(peer)
-        if cur is not None and (cur.host, cur.port) == (host, int(port)) \
+        if cur is not None and (cur.host, cur.port, cur.p_degree) == (host, int(port), p_degree) \
                 and self.receiver.pair_state(peer) in (PairState.CONNECTING, PairState.READY):
             return cur
         if cur is not None:
             self._count_rebuild(peer, cur)
         gen = self._generations.get(peer, -1) + 1
         self._generations[peer] = gen
-        rdzv = PairRendezvous(host, int(port), pair_name(peer, self.instance_id, gen), 1)
+        d_degree = self.receiver.share.degree
+        rdzv = PairRendezvous(host, int(port), pair_name(peer, self.instance_id, gen), p_degree, p_degree, d_degree)
         self.receiver.connect(peer, rdzv)
+        if self._tell is not None:
+            self._tell(("connect", peer, rdzv))
         self._pairs[peer] = rdzv
         return rdzv
 

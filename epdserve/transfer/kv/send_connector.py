@@ -6,10 +6,14 @@ blocks only, less the leading ones the decode side holds already: `RemoteDecode.
 its prefix cache); `request_finished` keeps a request's blocks while its transfer may still read
 them. Worker side: `save_kv_layer(i)` posts layer i (it travels while layer i+1 computes);
 `get_finished` reports sends that D acknowledged, failed, or could not begin, and counts them
-in `counters` (bytes of the acknowledged ones: whole blocks, every layer's K and V; and the
+in `counters` (bytes of the acknowledged ones: whole blocks, every layer's K and V of every KV
+head the decode side's ranks hold — what all of this instance's ranks sent together —; and the
 bytes the decode side's cache spared them).
 Pairs: `join(peer, rdzv)` builds (or keeps) the pair to a decode peer; a rendezvous older than
 the current pair's generation is refused (`StalePairError`).
+Tensor parallelism (`span_ranks`): the other ranks of the instance hold their own `KVSender`s
+(engine/tp_rank.py applies them: rank_part.py); each join, each batch opened (before the forward that sends
+it) and each abort is told to them, and they send their links' KV heads in the same forward.
 """
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ import logging
 
 from epdserve.seams.kv_connector import FinishedTransfer, KVConnector, RemoteDecode
 from epdserve.transfer.kv.config import KVTransferConfig
+from epdserve.transfer.kv.links import held_heads
 from epdserve.transfer.kv.messages import PairRendezvous
 from epdserve.transfer.kv.pair_names import pair_generation
+from epdserve.transfer.kv.rank_part import RankPart, rank_config
 from epdserve.transfer.kv.sender import KVSender, SendRequest
 from epdserve.transfer.kv.state import PairState, TransferCounters, TransferStatus
 
@@ -34,16 +40,25 @@ class LayerwiseSendConnector(KVConnector):
         self.config = config or KVTransferConfig()
         self.sender: KVSender | None = None
         self._block_size = 0
-        self._block_bytes = 0  # one block, every layer's K and V
+        self._head_bytes = 0  # one block of one KV head, every layer's K and V
+        self._peer_block_bytes: dict[str, int] = {}  # decode peer -> one block of every head its ranks hold
         self.counters = TransferCounters()
         self._pair_names: dict[str, str] = {}  # decode peer -> current pair name
         self._inflight: dict[str, tuple[int, int]] = {}  # sends begun, not yet reported -> (blocks sent, skipped)
         self._refused: list[FinishedTransfer] = []
+        self._share = None  # this rank's place in the instance's KV split (None: degree 1)
+        self._tell = None  # sends a message to the instance's other ranks
+
+    def span_ranks(self, share, tell) -> None:
+        self._share, self._tell = share, tell
 
     def register_kv_cache(self, cache, platform) -> None:
-        self.sender = KVSender(cache, platform, self.config)
+        self.sender = KVSender(cache, platform, self.config, self._share)
+        if self._tell is not None:
+            self._tell(("part", RankPart))
+            self._tell(("setup", "send", self._share.num_kv_heads, self._share.degree, rank_config(self.config)))
         self._block_size = cache.spec.block_size
-        self._block_bytes = cache.spec.bytes_per_block()
+        self._head_bytes = cache.spec.bytes_per_block() // cache.spec.num_kv_heads
 
     # ------------------------------------------------------------------ pairs (the worker's calls)
     def join(self, peer: str, rdzv: PairRendezvous) -> None:
@@ -56,6 +71,9 @@ class LayerwiseSendConnector(KVConnector):
                 and pair_generation(rdzv.pair_name) < pair_generation(current):
             raise StalePairError(f"stale KV pair {rdzv.pair_name!r} (current {current!r})")
         self.sender.connect(peer, rdzv)
+        self._peer_block_bytes[peer] = self._head_bytes * held_heads(self.sender.share.num_kv_heads, rdzv.d_degree)
+        if self._tell is not None:
+            self._tell(("connect", peer, rdzv))
         self._pair_names[peer] = rdzv.pair_name
 
     def pair_state(self, peer: str) -> PairState | None:
@@ -84,7 +102,9 @@ class LayerwiseSendConnector(KVConnector):
         if not reqs:
             return
         try:
-            self.sender.begin_batch(reqs)
+            opened = self.sender.begin_batch(reqs)
+            if self._tell is not None and opened:
+                self._tell(("follow", opened))  # before the forward that sends it
         except (ValueError, RuntimeError) as e:  # a bad reservation: those requests fail, the forward goes on
             log.warning("KV transfer of %d request(s) refused: %s", len(reqs), e)
             self._refused.extend(FinishedTransfer(r.request_id, f"refused: {e}") for r in reqs)
@@ -100,6 +120,8 @@ class LayerwiseSendConnector(KVConnector):
 
     def abort_step(self, reason: str) -> None:
         self.sender.abort_batch(reason)
+        if self._tell is not None:
+            self._tell(("abort", reason))
 
     def get_finished(self) -> tuple[list[FinishedTransfer], list[FinishedTransfer]]:
         sent, self._refused = self._refused, []
@@ -110,8 +132,9 @@ class LayerwiseSendConnector(KVConnector):
                 log.warning("KV transfer of %s to %s failed: %s", st.request_id, st.peer, st.error)
                 self.counters.failures += 1
             else:
-                self.counters.bytes += blocks * self._block_bytes
-                self.counters.bytes_skipped += skip * self._block_bytes
+                block_bytes = self._peer_block_bytes.get(st.peer, 0)  # what every rank sent, together
+                self.counters.bytes += blocks * block_bytes
+                self.counters.bytes_skipped += skip * block_bytes
             sent.append(FinishedTransfer(st.request_id, st.error))
         self.counters.leaked_communicators = self.sender.leaked_communicators
         return sent, []
@@ -122,3 +145,4 @@ class LayerwiseSendConnector(KVConnector):
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+

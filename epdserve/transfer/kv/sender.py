@@ -173,8 +173,8 @@ class KVSender(PairEndpoint):
         """Another rank than 0: send this rank's links of the batches rank 0 opened, layer by layer
         (`save_layer`), as rank 0 does. A pair not ready (within the connect timeout) fails only
         here: rank 0's transfer fails when D's ranks miss these bytes."""
-        if self._open is not None:
-            raise RuntimeError("follow called while the previous batch still has layers to send")
+        if self._open is not None:  # rank 0's forward never came (it failed before sending it)
+            self.abort_batch("the forward of the previous batch never ran on this rank")
         batches = []
         for ob in opened:
             with self._lock:
