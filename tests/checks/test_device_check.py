@@ -89,7 +89,10 @@ def test_the_tp_part_runs_two_ranks_on_cpu_and_equals_transformers(tmp_path):
         entry = fig[f"{arch}/tp2/float32"]
         assert (entry["equal"], entry["of"]) == (3, 3), entry
         assert all(n > 0 for n in entry["media_encoded_by_rank"]), entry  # both ranks encoded
-    assert "## tp: Tensor parallelism" in (tmp_path / "out" / "device-check.md").read_text()
+    hop = fig["hop/p-tp2-to-d-tp1/float32"]  # P at TP2 sends its KV to D at TP1: D continues exactly
+    assert (hop["equal"], hop["of"], hop["hop"]) == (3, 3, "device") and hop["kv_bytes"] > 0, hop
+    text = (tmp_path / "out" / "device-check.md").read_text()
+    assert "## tp: Tensor parallelism" in text and "hop/p-tp2-to-d-tp1/float32: P on cpu + 1 more, D on cpu" in text
 
 
 def test_the_graphs_part_says_why_it_is_skipped_where_there_are_no_graphs(tmp_path):
@@ -115,3 +118,13 @@ def test_the_graphs_table_prints_every_figure():
     for text in ("batch 32 | 31/32", "| graphs | on |", "| keys captured (capture s) | 38 (2.10 s) |",
                  "TPOT b1: graphs / eager | 3.10 ms / 9.30 ms (x3.00)", "| final empty_cache() | ok |"):
         assert text in md, md
+
+
+def test_the_hop_puts_d_on_a_device_of_its_own_or_stages_through_the_host():
+    """Two devices: D shares device 0 with P's rank 0, where NCCL / HCCL refuse a second rank of the
+    group, so the hop is host-staged; three or more: D on device 2 and the device's own backend."""
+    from epdserve.checks.device.tp_hop import hop_placement
+
+    assert hop_placement("cuda", 2) == ("cuda:0", "cuda:0", "host")
+    assert hop_placement("npu", 8) == ("npu:0", "npu:2", "device")
+    assert hop_placement("cpu", 1) == ("cpu", "cpu", "device")

@@ -31,8 +31,11 @@ def _exact(fig: dict) -> list[str]:
 def _tp(fig: dict) -> list[str]:
     if "skipped" in fig:
         return [f"skipped: {fig['skipped']}"]
+    hops = [f"{k}: P on {v['p_devices']}, D on {v['d_device']}, {v['hop']} hop, {v['kv_bytes']} KV bytes"
+            for k, v in fig.items() if k.startswith("hop/") and isinstance(v, dict) and "hop" in v]
     return _exact(fig) + ["", "media encoded per rank: " + ", ".join(
-        f"{k} {v.get('media_encoded_by_rank')}" for k, v in fig.items() if isinstance(v, dict) and "equal" in v)]
+        f"{k} {v.get('media_encoded_by_rank')}" for k, v in fig.items()
+        if isinstance(v, dict) and "equal" in v and not k.startswith("hop/"))] + hops
 
 
 def _graphs(fig: dict) -> list[str]:
