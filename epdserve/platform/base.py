@@ -114,16 +114,29 @@ class Platform(ABC):
     pair_group_env: tuple[tuple[str, str], ...] = ()
     # A tensor-parallel group wants the opposite: its watchdog ends the process when a collective
     # fails or outlives the group's timeout (a rank that died or hangs), so the instance is
-    # restarted whole (engine/tp/group.py). The two never share a process: a TP engine refuses a
-    # KV connector (llm_engine.py _check_tp), and HCCL reads its variable once per process.
+    # restarted whole (engine/tp/group.py). A disaggregated P or D instance at TP > 1 holds both
+    # kinds in one process (its TP group, then its KV pairs): each group is built under its own
+    # value where the backend reads it per group (NCCL: ProcessGroupNCCL's constructor); where it
+    # reads it once per process (HCCL), the first group's — the TP group's — holds for all of them.
     tp_group_env: tuple[tuple[str, str], ...] = ()
+    reads_group_env_once = False  # the backend reads the variables at its first group only (HCCL)
 
     def prepare_pair_groups(self, tensor_parallel: bool = False) -> None:
-        """Set `pair_group_env` (`tp_group_env` for a tensor-parallel group), unless the operator
-        set it, before the first group."""
+        """Set `pair_group_env` (`tp_group_env` for a tensor-parallel group) before a group is
+        built: a value the operator set is kept (with a warning when it differs), one epdserve set
+        for an earlier group is replaced."""
+        ours = self.__dict__.setdefault("_group_env_set", {})  # name -> the value epdserve last set
         for name, value in self.tp_group_env if tensor_parallel else self.pair_group_env:
-            current = os.environ.setdefault(name, value)
-            if current != value:
+            current = os.environ.get(name)
+            if current is None or ours.get(name) == current:
+                if current is not None and current != value and self.reads_group_env_once and not tensor_parallel:
+                    log.warning("%s=%s holds for this process (%s reads it at the first group, here the "
+                                "tensor-parallel one): a KV pair that fails ends the instance, which its "
+                                "supervisor restarts while the scheduler retries its requests", name, current,
+                                self.dist_backend)
+                    continue
+                os.environ[name] = ours[name] = value
+            elif current != value:
                 what = "not end this process when a tensor-parallel collective fails" if tensor_parallel else \
                     "take this process down when one KV pair times out"
                 log.warning("%s=%s is set: the %s watchdog may %s (epdserve would use %s)", name, current,

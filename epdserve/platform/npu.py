@@ -213,6 +213,7 @@ class NpuPlatform(Platform):
     pair_group_env = (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "0"), ("TORCH_HCCL_HIGH_PRIORITY", "0"))
     # TP: torch_npu's default, TearDown — the watchdog's rethrow ends the process (see above)
     tp_group_env = (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "1"), ("TORCH_HCCL_HIGH_PRIORITY", "0"))
+    reads_group_env_once = True  # OptionsManager caches it at the first ProcessGroupHCCL (above)
 
     def stuck_work_bound_s(self) -> float | None:
         """HCCL_EXEC_TIMEOUT: a receive that survived `abort_hccl_comm` (HcclCommDestroy returned

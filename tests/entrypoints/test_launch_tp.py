@@ -72,13 +72,15 @@ def test_a_killed_rank_restarts_the_instance_and_loses_no_request(deployment, re
         return outs
 
     with Client(deployment.address, timeout=300) as c, ThreadPoolExecutor(18) as pool:
-        fillers = [pool.submit(keep_busy, c, i) for i in range(2)]
-        futs = [pool.submit(c.generate, p, images=im, max_tokens=TOKENS, ignore_eos=True) for p, im in workload()]
-        wait_until(lambda: status(stub(instance.address, TOKEN)).load.running_requests > 0, timeout_s=120,
-                   what="the instance running requests")
-        os.kill(victim.pid, signal.SIGKILL)
-        results = [f.result() for f in futs]
-        stop.set()
+        try:
+            fillers = [pool.submit(keep_busy, c, i) for i in range(2)]
+            futs = [pool.submit(c.generate, p, images=im, max_tokens=TOKENS, ignore_eos=True) for p, im in workload()]
+            wait_until(lambda: status(stub(instance.address, TOKEN)).load.running_requests > 0, timeout_s=120,
+                       what="the instance running requests")
+            os.kill(victim.pid, signal.SIGKILL)
+            results = [f.result() for f in futs]
+        finally:
+            stop.set()  # else the pool's exit waits for the fillers forever
         kept = [r for f in fillers for r in f.result()]
     for (prompt, _), r in zip(workload(), results):
         assert r.token_ids == references[prompt], prompt

@@ -1,9 +1,9 @@
 """`epdserve launch --mode E-P-D` with the prefill and the decode instance at tensor-parallel size 2
 (`--prefill-tensor-parallel-size 2 --decode-tensor-parallel-size 2`; issue 48 items 3 and 4), as
 real processes on CPU: every rank of P sends its own KV heads to the D ranks holding them, so 16
-concurrent requests (most with images) equal transformers' greedy `generate`; a D rank SIGKILLed
-while transfers run takes the D instance down whole (exit 75), the launcher restarts it, the
-scheduler retries, and every request still completes with transformers' tokens."""
+concurrent requests (most with images) equal transformers' greedy `generate`; a D rank, then a P
+rank, SIGKILLed while transfers run takes its instance down whole (exit 75), the launcher restarts
+it, the scheduler retries, and every request still completes with transformers' tokens."""
 from __future__ import annotations
 
 import os
@@ -69,25 +69,34 @@ def test_16_requests_cross_from_p_tp2_to_d_tp2_exactly(deployment, references):
         assert r.token_ids == references[prompt], prompt
 
 
-def test_a_d_rank_killed_mid_hop_loses_no_request(deployment, references):
-    victim = _ranks(deployment, "D")[0]
-    d = next(i for i in deployment.instances() if i.pid == victim.ppid())  # the D instance whose rank dies
+@pytest.mark.parametrize("side", ["D", "P"])
+def test_a_rank_killed_mid_hop_loses_no_request(deployment, references, side):
+    """A rank other than 0 of a D (then of the P) instance SIGKILLed while requests cross: its
+    instance exits whole (75) and restarts, the scheduler retries, nothing is lost."""
+    victim = _ranks(deployment, side)[0]
+    inst = next(i for i in deployment.instances() if i.pid == victim.ppid())  # the instance whose rank dies
     stop = threading.Event()
 
-    def keep_busy(c, tag):  # the 16 requests alone can all end before a poll sees one on D
+    def keep_busy(c, tag):  # the 16 requests alone can all end before a poll sees one running
         outs = []
         while not stop.is_set():
-            outs.append(c.generate(f"keep the decode busy {tag} {len(outs)}", max_tokens=48, ignore_eos=True))
+            outs.append(c.generate(f"keep the instances busy {tag} {len(outs)}", max_tokens=48, ignore_eos=True))
         return outs
 
+    def crossing() -> bool:  # D holds requests whose KV is arriving; P has had a batch acknowledged
+        load = status(stub(inst.address, TOKEN)).load
+        return load.running_requests > 0 if side == "D" else load.kv_sent_bytes > sent_before
+
+    sent_before = status(stub(inst.address, TOKEN)).load.kv_sent_bytes
     with Client(deployment.address, timeout=300) as c, ThreadPoolExecutor(18) as pool:
-        fillers = [pool.submit(keep_busy, c, i) for i in range(2)]
-        futs = [pool.submit(c.generate, p, images=im, max_tokens=TOKENS, ignore_eos=True) for p, im in workload()]
-        wait_until(lambda: status(stub(d.address, TOKEN)).load.running_requests > 0, timeout_s=120,
-                   what="the decode instance holding requests")
-        os.kill(victim.pid, signal.SIGKILL)
-        results = [f.result() for f in futs]
-        stop.set()
+        try:
+            fillers = [pool.submit(keep_busy, c, i) for i in range(2)]
+            futs = [pool.submit(c.generate, p, images=im, max_tokens=TOKENS, ignore_eos=True) for p, im in workload()]
+            wait_until(crossing, timeout_s=120, what=f"KV crossing at the {side} instance")
+            os.kill(victim.pid, signal.SIGKILL)
+            results = [f.result() for f in futs]
+        finally:
+            stop.set()  # else the pool's exit waits for the fillers forever
         kept = [r for f in fillers for r in f.result()]
     for (prompt, _), r in zip(workload(), results):
         assert r.token_ids == references[prompt], prompt
@@ -97,5 +106,7 @@ def test_a_d_rank_killed_mid_hop_loses_no_request(deployment, references):
     assert re.search(r"the instance exits \(status 75\) to be restarted whole", instance_log), instance_log[-3000:]
     scheduler_log = (logs / "scheduler.log").read_text(errors="replace")
     assert re.search(r"retrying", scheduler_log) and "giving up" not in scheduler_log, scheduler_log[-3000:]
-    assert wait_until(lambda: len(_ranks(deployment, "D")) == 2 and victim.pid not in {p.pid for p in _ranks(deployment, "D")},
-                      timeout_s=120, what="the restarted decode instance's rank 1")
+    want = {"D": 2, "P": 1}[side]
+    assert wait_until(lambda: len(_ranks(deployment, side)) == want
+                      and victim.pid not in {p.pid for p in _ranks(deployment, side)},
+                      timeout_s=120, what=f"the restarted {side} instance's rank 1")

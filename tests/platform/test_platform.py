@@ -46,6 +46,9 @@ def test_npu_is_not_imported_by_cpu_code():
 def fake_npu(monkeypatch):
     monkeypatch.setenv("TORCH_HCCL_ASYNC_ERROR_HANDLING", "-")  # recorded, so what epdserve sets is undone
     monkeypatch.delenv("TORCH_HCCL_ASYNC_ERROR_HANDLING")
+    from epdserve.platform.npu import PLATFORM as npu
+
+    monkeypatch.setattr(npu, "_group_env_set", {}, raising=False)  # what epdserve set for earlier groups
     return FakeTorchNpu().install(monkeypatch)
 
 
@@ -126,3 +129,33 @@ def test_interrupt_pair_group_per_backend():
     cuda.interrupt_pair_group(Group(), 1)  # NCCL: the backend's abort() (HCCL: test_npu_pair_group_...)
     get_platform("cpu").interrupt_pair_group(Group(), 1)  # gloo: abort() would not wake waits
     assert calls == ["abort", ("recv", 1)]
+
+
+def test_a_tp_instance_s_kv_pairs_get_their_own_watchdog_where_the_backend_reads_it_per_group(monkeypatch):
+    """A disaggregated P or D at TP > 1 builds its TP group (TearDown) and then KV pairs (no
+    handling) in one process: NCCL reads the variable in each group's constructor, so each gets its
+    own; a value the operator set stays."""
+    from epdserve.platform.cuda import PLATFORM as cuda
+
+    monkeypatch.setattr(cuda, "_group_env_set", {}, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "-")
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    cuda.prepare_pair_groups(tensor_parallel=True)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    cuda.prepare_pair_groups()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the operator's
+    cuda.prepare_pair_groups(tensor_parallel=True)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_on_hccl_the_tp_group_s_teardown_holds_for_the_kv_pairs_and_is_said(fake_npu, monkeypatch, caplog):
+    """HCCL reads the variable at the first group only: a TP instance's pairs run under the TP
+    group's TearDown (a failed pair restarts the instance, its requests retried), and the log says so."""
+    from epdserve.platform.npu import PLATFORM as npu
+
+    npu.make_pair_group(torch.distributed.HashStore(), 0, 2, datetime.timedelta(seconds=5), group_name="tp",
+                        tensor_parallel=True)
+    npu.make_pair_group(torch.distributed.HashStore(), 0, 2, datetime.timedelta(seconds=5), group_name="epdserve-kv/x")
+    assert os.environ["TORCH_HCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "holds for this process" in caplog.text and "restarts" in caplog.text
