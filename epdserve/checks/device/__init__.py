@@ -5,7 +5,8 @@ Modules:
 - `part`: one part in its own process (`python -m epdserve.checks.device.part`);
 - `env`: what every part shares: settings, checkpoints, prompts, clocks;
 - `exact`: offline `LLM` greedy output against transformers per family;
-- `tp`: the same at tensor_parallel_size 2 (two devices; the CPU stands in for them);
+- `tp`: the same at tensor_parallel_size 2 (two devices; the CPU stands in for them); `tp_hop`: a
+  prefill engine at 2 sending its KV to a decode engine at 1;
 - `graphs`: decode graphs against --enforce-eager (tokens, evidence, TPOT, a final empty_cache);
 - `serve`: every deployment mode launched, its greedy tokens against the offline engine's;
 - `perf`: decode speed against transformers, the memory floor; `profile` (operators per token),

@@ -14,8 +14,9 @@ socket with no collective timing out; a rank sees rank 0's end as the socket's e
 Failure: a rank that died (its socket closed, its process gone) or a collective that failed or
 outlived `timeout_s` raises `RankFailure` (gloo: the wait's own timeout). On CUDA and the NPU a
 collective's wait does not block the host, so the bound is the backend's watchdog, left in
-TearDown for a TP group (`Platform.tp_group_env`, the opposite of the KV pairs' setting): it ends
-the process when a collective fails or outlives the group's timeout. The engine does not catch it: the instance ends as a
+TearDown for a TP group (`Platform.tp_group_env`, the opposite of the KV pairs' setting; a P or D
+instance holds both: `Platform.prepare_pair_groups`): it ends the process when a collective fails
+or outlives the group's timeout. The engine does not catch it: the instance ends as a
 whole and its supervisor restarts it; no half-alive instance serves.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`PairConnection`: one side of a P–D pair's two-rank process group, and the pair's header store.
+"""`PairConnection`: one rank's side of a P–D pair's process group (every rank of both instances),
+and the pair's header store.
 
 The group is built in a background thread (both sides must arrive within
 `connect_timeout_s`) straight from the platform (ProcessGroupGloo / NCCL / HCCL over the pair's
