@@ -186,7 +186,7 @@ class _Channel:
         cache, spec, h = rx.cache, rx.cache.spec, header
         plan = layer_plan([q.dst_block_ids for q in h.requests])
         links = links_into(hop_links(h.num_kv_heads, h.p_degree, h.d_degree), rx.share.rank)
-        works = []
+        works, discard = [], None  # discard: one buffer every refused request's messages land in
         for layer in range(h.num_layers):
             for j, link in enumerate(links):
                 off, cnt = link.dst_offset(h.num_kv_heads, h.d_degree), len(link.heads)
@@ -198,12 +198,16 @@ class _Channel:
                         nbytes = c.num_blocks * h.block_bytes(cnt)
                         need += nbytes
                         blocks = tensors[layer][ids[0] : ids[0] + len(ids)]
-                        if takes[c.request_index] and whole:
+                        if not takes[c.request_index]:  # kept in step with P, then dropped
+                            if discard is None:
+                                biggest = max(x.num_blocks for x in plan) * h.block_bytes(max(len(l.heads) for l in links))
+                                discard = torch.empty(biggest, dtype=torch.uint8, device=rx.device)
+                            works.append((pair.irecv(discard[:nbytes], link.p_rank), None))
+                        elif whole:
                             works.append((pair.irecv(blocks, link.p_rank), None))
-                            continue
-                        scratch = torch.empty(nbytes, dtype=torch.uint8, device=rx.device)
-                        then = _place(scratch, blocks, off, cnt) if takes[c.request_index] else None
-                        works.append((pair.irecv(scratch, link.p_rank), then))
+                        else:
+                            scratch = torch.empty(nbytes, dtype=torch.uint8, device=rx.device)
+                            works.append((pair.irecv(scratch, link.p_rank), _place(scratch, blocks, off, cnt)))
                 count = torch.zeros(1, dtype=torch.int64, device=rx.device)
                 last = j == len(links) - 1 and pair.rdzv.leader
                 on_layer = (lambda n=layer + 1: rx._progress_layers(accepted, n)) if last else None

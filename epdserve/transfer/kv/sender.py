@@ -21,6 +21,7 @@ heads, so a DONE on rank 0 means every rank's sends were received and their bloc
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from epdserve.transfer.kv.links import Link, links_from
 from epdserve.transfer.kv.messages import BatchHeader, RequestEntry
 from epdserve.transfer.kv.pair import PairBroken, PairConnection
 from epdserve.transfer.kv.state import PairState, TransferState, TransferStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,8 @@ class KVSender(PairEndpoint):
             with self._lock:
                 ch = self._channels.get(ob.peer)
             if ch is None or not ch.pair.wait_ready(self.config.connect_timeout_s):
+                log.warning("KV batch %d to %s not sent from rank %d: %s", ob.header.seq, ob.peer, self.share.rank,
+                            "no pair" if ch is None else f"pair {ch.pair.state.value}: {ch.pair.error}")
                 continue
             self._validate_sources(ob.src_block_ids)
             batch = _Batch(ch, ob.header, [], ob.src_block_ids, links_from(self.links(ch.pair.rdzv), self.share.rank))
