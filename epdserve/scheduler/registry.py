@@ -69,6 +69,12 @@ class InstanceRecord:
         return self.role_set.takes(pool)
 
     @property
+    def degree(self) -> int:
+        """Its language model's tensor-parallel degree (its KV record's; 1 for an instance that
+        holds no KV): the router divides its outstanding work by it."""
+        return self.kv_layout.degree if self.kv_layout is not None else 1
+
+    @property
     def encodes_inline(self) -> bool:
         """It encodes the media of what it prefills itself (EPD, P+E): no E needed."""
         return self.role_set.encodes_inline

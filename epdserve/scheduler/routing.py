@@ -28,6 +28,11 @@ that prefix, then the next one goes elsewhere (and that instance holds the prefi
 so a hot prefix cannot starve the rest. The lease counts only the uncached part of the prompt.
 With no prefix held anywhere (or a prompt shorter than one block) it is least-load exactly. D
 instances and E are always least-load. The chosen instance is recorded in the index.
+
+Degree: an instance whose language model is split over N devices (its registered `KvLayout`'s
+degree) counts its outstanding work, and a prefill's cost, divided by N — work per device — so
+between a D at TP4 and one at TP1 the TP4 one takes about four times the work before the other
+is chosen (issue 48: routing accounts for degree).
 """
 from __future__ import annotations
 
@@ -182,7 +187,7 @@ class Router:
         open_ = self._open(role, avoid)
         held = {r.instance_id: min(self.index.matched(r, prefix.get(r.block_size, ())) * r.block_size, prompt_tokens)
                 for r in open_}
-        cost = {r.instance_id: r.outstanding[role] + prompt_tokens - held[r.instance_id] for r in open_}
+        cost = {r.instance_id: (r.outstanding[role] + prompt_tokens - held[r.instance_id]) / r.degree for r in open_}
         least = min(cost.values())
         tied = [r for r in open_ if cost[r.instance_id] == least]
         longest = max(held[r.instance_id] for r in tied)
@@ -192,7 +197,7 @@ class Router:
 
     def _pick(self, role: str, avoid: set[str], extra: dict[str, int]) -> InstanceRecord:
         open_ = self._open(role, avoid)
-        work = {r.instance_id: r.outstanding[role] + extra.get(r.instance_id, 0) for r in open_}
+        work = {r.instance_id: (r.outstanding[role] + extra.get(r.instance_id, 0)) / r.degree for r in open_}
         least = min(work.values())
         tied = [r for r in open_ if work[r.instance_id] == least]
         return self._cursors.setdefault(role, Cursor()).choose(tied)

@@ -107,3 +107,17 @@ def test_avoid_prefers_other_instances_but_falls_back():
         lease.release()
     plan, _ = Router(reg_with(("c0", "EPD"))).plan(1, 1, [], [], avoid={"c0"})
     assert plan.coupled.instance_id == "c0"
+
+
+def test_work_counts_per_device_of_an_instance_s_degree():
+    """A D at TP4 and a D at TP1: least outstanding work per device, so the TP4 one keeps taking
+    requests until it holds about four times the other's work."""
+    reg = InstanceRegistry()
+    for iid, roles, degree in (("p0", "P", 1), ("d1", "D", 1), ("d4", "D", 4)):
+        layout = common_pb2.KvLayout(degree=degree, num_layers=2, num_kv_heads=4, head_dim=8, block_size=16,
+                                     dtype="float32")
+        reg.register(common_pb2.InstanceStatus(instance_id=iid, roles=roles, address=f"h:{iid}", kv_layout=layout))
+    router = Router(reg)
+    picks = [router.plan(10, 100, [], [])[0].decode.instance_id for _ in range(10)]
+    assert picks.count("d4") == 8 and picks.count("d1") == 2, picks
+    assert reg.get("d4").degree == 4 and reg.get("p0").degree == 1
