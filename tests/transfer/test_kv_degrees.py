@@ -10,6 +10,7 @@ the request (retryable), and the pair carries the next batch exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -57,14 +58,14 @@ def test_every_decode_head_comes_once_from_a_prefill_rank_holding_it(m, n, kvh):
 class Hop:
     """m prefill ranks and n decode ranks, each with its own cache and endpoint, in one pair."""
 
-    def __init__(self, m: int, n: int, sender_cls=KVSender, pair_name: str = "p0>d0/g0"):
+    def __init__(self, m: int, n: int, sender_cls=KVSender, pair_name: str = "p0>d0/g0", cfg: KVTransferConfig = CFG):
         cpu = get_platform("cpu")
         self.m, self.n = m, n
         self.server = RendezvousServer()
         self.p_caches = [PagedKVCache(_spec(len(rank_kv_heads(KVH, m, r))), 16) for r in range(m)]
         self.d_caches = [PagedKVCache(_spec(len(rank_kv_heads(KVH, n, s))), 16) for s in range(n)]
-        self.senders = [sender_cls(c, cpu, CFG, KvShare(KVH, m, r)) for r, c in enumerate(self.p_caches)]
-        self.receivers = [KVReceiver(c, cpu, CFG, KvShare(KVH, n, s)) for s, c in enumerate(self.d_caches)]
+        self.senders = [sender_cls(c, cpu, cfg, KvShare(KVH, m, r)) for r, c in enumerate(self.p_caches)]
+        self.receivers = [KVReceiver(c, cpu, cfg, KvShare(KVH, n, s)) for s, c in enumerate(self.d_caches)]
         base = self.server.rendezvous(pair_name)
         rdzv = type(base)(base.host, base.port, base.pair_name, 0, m, n)
         pairs = [tx.connect("d0", rdzv.for_rank(r)) for r, tx in enumerate(self.senders)]
@@ -112,9 +113,10 @@ def _finished(side, rid: str, timeout_s: float = 30.0):
     raise AssertionError(f"{rid} did not finish within {timeout_s} s")
 
 
-@pytest.mark.parametrize("m, n", PAIRS)
-def test_each_decode_rank_gets_exactly_its_heads_for_every_pair_of_degrees(m, n):
-    hop = Hop(m, n)
+@pytest.mark.parametrize("m, n, hop_kind", [(m, n, "device") for m, n in PAIRS] + [(2, 1, "host"), (1, 4, "host")])
+def test_each_decode_rank_gets_exactly_its_heads_for_every_pair_of_degrees(m, n, hop_kind):
+    """`hop_kind` "host": every message staged through host buffers (a P and a D on one accelerator)."""
+    hop = Hop(m, n, cfg=dataclasses.replace(CFG, hop=hop_kind))
     try:
         src, dst, tokens = (3, 0, 7), (9, 10, 2), 11  # non-contiguous on both sides: two chunks on D
         hop.batch("r", src, dst, tokens, seed=5)
