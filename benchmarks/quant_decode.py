@@ -2,14 +2,14 @@
 the LM's decoder layers hold, the error against the unquantized model, and each kernel's time
 against the model-dtype GEMM per row count.
 
-- `tpot`: the offline `LLM` with `quantization` = none, int8, w8a8, each in a fresh process (its
-  own threads and memory), --rounds of them alternated (none, int8, w8a8, none, ...) so a drift of
+- `tpot`: the offline `LLM` with `quantization` = none, int8, w8a8, int4, each in a fresh process (its
+  own threads and memory), --rounds of them alternated (none, int8, w8a8, int4, none, ...) so a drift of
   the machine hits every method; per process TPOT = (time of N new tokens - time of 1) / (N - 1)
   at each --batch (distinct text prompts, greedy, ignore_eos), --repeats times; median, min and max
   over every repeat, and the ratio of the medians to none's. The same process reports its decoder
   layers' bytes (`LeanLM.layers` tensors).
 - `error`: transformers on the checkpoint in --dtype, unquantized against the same weights
-  dequantized (int8) and with each projection's input fake-quantized per token (w8a8) — the
+  dequantized (int8, int4) and with each projection's input fake-quantized per token (w8a8) — the
   arithmetic tests/engine/test_quantization.py shows the engine's outputs follow —, teacher-forced
   over --error-tokens tokens the unquantized model generated greedily: the largest absolute logit
   difference and the mean KL(unquantized ‖ quantized) of the next-token distributions.
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("none", "int8", "w8a8")
+METHODS = ("none", "int8", "w8a8", "int4")
 
 
 def _decode_tpot():
@@ -80,6 +80,7 @@ def run_error(args) -> dict:
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+    from epdserve.engine.lm.int4_linear import dequantize_int4, quantize_int4
     from epdserve.engine.lm.quant_linear import dequantize_int8, quantize_int8, quantize_rows
 
     dtype = getattr(torch, args.dtype)
@@ -92,12 +93,13 @@ def run_error(args) -> dict:
         want = ref(seq).logits[0, ids.shape[1] - 1:-1].float()
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     out = {}
-    for method in ("int8", "w8a8"):
+    for method in ("int8", "w8a8", "int4"):
         model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype).eval()
         for name, module in model.named_modules():
             if ".layers." in name and "visual" not in name and name.endswith(projections):
                 with torch.no_grad():
-                    module.weight.copy_(dequantize_int8(*quantize_int8(module.weight), dtype))
+                    module.weight.copy_(dequantize_int4(*quantize_int4(module.weight), dtype) if method == "int4"
+                                        else dequantize_int8(*quantize_int8(module.weight), dtype))
                 if method == "w8a8":
                     def fake(_m, a):
                         xq, sx = quantize_rows(a[0].reshape(-1, a[0].shape[-1]))

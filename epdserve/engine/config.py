@@ -92,17 +92,19 @@ class EngineConfig:
              "index after --device's plus r; all on the CPU there): each rank holds its share of the attention "
              "heads and MLP columns (a MoE model's experts: expert parallelism) and its KV heads' cache, rank 0 "
              "schedules, encodes media and samples (engine/tp/). Must divide the attention heads, the MLP width and "
-             "the experts, and divide the KV heads or be a multiple of them (start-up names the valid degrees); not "
-             "with a KV connector (disaggregated P or D)")
+             "the experts, and divide the KV heads or be a multiple of them (start-up names the valid degrees); a "
+             "disaggregated P or D at any degree sends or receives each rank's own KV heads (docs/tensor-parallel.md)")
     quantization: str | None = setting(
-        None, choices=("int8", "w8a8"),
-        help="the language model's attention and dense-MLP weights, quantized at load from the checkpoint's, int8 "
-             "per output channel (CPU only, engine/lm/quant_linear.py): int8 = weight-only, activations and KV in "
-             "--dtype (W8A16: faster than bf16 at a decode batch of a few sequences, slower above); w8a8 = each "
+        None, choices=("int8", "w8a8", "int4"),
+        help="the language model's attention and dense-MLP weights, quantized at load from the checkpoint's "
+             "(CPU only): int8 = int8 per output channel, weight-only, activations and KV in --dtype (W8A16: faster "
+             "than bf16 at a decode batch of a few sequences, slower above; engine/lm/quant_linear.py); w8a8 = each "
              "token's activations quantized to int8 too (as fast as bf16 or faster at decode batches up to 32 here, "
-             "slower in prefill; its outputs stray further from the unquantized model's). Either holds those weights "
-             "in about half the bf16 bytes (README 'Quantized models'). The vision encoder, embedding, LM head and "
-             "MoE experts stay in --dtype. A P and a D must use the same method (checked at registration)")
+             "slower in prefill; its outputs stray further from the unquantized model's); int4 = 4-bit weights in "
+             "groups of 128 inputs with a scale and zero each (W4A16, about a quarter of the bf16 bytes; "
+             "engine/lm/int4_linear.py; a TP rank's share of a row-parallel projection must be whole groups). The "
+             "vision encoder, embedding, LM head and MoE experts stay in --dtype. A P and a D must use the same "
+             "method (checked at registration)")
     grammar_cache_bytes: int = setting(
         512 << 20, flag="--grammar-cache-mb", check=(">=", 1), to_field=lambda mb: mb << 20,
         from_field=lambda b: b >> 20,

@@ -109,7 +109,7 @@ def test_a_method_the_platform_lacks_or_an_unknown_one_is_refused_before_loading
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         check_method("int3", "cpu")
     with pytest.raises(ValueError, match="quantization"):
-        LLM(qwen2_vl_tiny, device="cpu", quantization="int4")
+        LLM(qwen2_vl_tiny, device="cpu", quantization="int3")
 
 
 # w8a8 rounds every projection's input to an int8 grid: an fp32 difference in summation order (a

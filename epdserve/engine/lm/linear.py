@@ -11,8 +11,9 @@ model dtype, fused and stored transposed ([in, out] views of row-major [out, in]
 call is one `mm` / `addmm` with no per-call transpose. `Int8Linear` ("int8",
 engine/lm/quant_linear.py): int8 weights per output channel, quantized from the rank's slice at
 load, applied by torch's int8 CPU kernel; `Int8DynamicLinear` ("w8a8"): the same weights with
-each token's activations quantized to int8 at run time, an int8 GEMM. `check_method` refuses, before any weight is read, a
-method the platform has no kernel for.
+each token's activations quantized to int8 at run time, an int8 GEMM; `Int4Linear` ("int4",
+engine/lm/int4_linear.py): 4-bit weights in groups of 128 inputs (W4A16). `check_method` refuses,
+before any weight is read, a method the platform has no kernel for.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Protocol
 import torch
 
 from epdserve.engine.lm.fusion import fuse
+from epdserve.engine.lm.int4_linear import Int4Linear
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
 
 
@@ -49,9 +51,12 @@ class DenseLinear:
         return [self.t] if self.bias is None else [self.t, self.bias]
 
 
-LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicLinear}  # name -> its Linear
-METHOD_PLATFORMS = {"int8": ("cpu",), "w8a8": ("cpu",)}  # a quantized method -> the platforms with its kernel
-METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel", "w8a8": "torch's _int_mm CPU kernel"}
+LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicLinear,
+                  "int4": Int4Linear}  # name -> its Linear
+# a quantized method -> the platforms with its kernel
+METHOD_PLATFORMS = {"int8": ("cpu",), "w8a8": ("cpu",), "int4": ("cpu",)}
+METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel", "w8a8": "torch's _int_mm CPU kernel",
+                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel"}
 
 
 def check_method(quantization: str | None, platform: str) -> str:
