@@ -80,6 +80,7 @@ class _Batch:
         self.plan: list[Chunk] = layer_plan([r.dst_block_ids for r in header.requests])
         self.inflight = 0  # posted messages the waiter has not finished waiting for
         self.posted_all = False  # the last layer (and, on rank 0, the acknowledgement) is posted
+        self.counts: dict[int, torch.Tensor] = {}  # a link's byte count -> the tensor that sends it (made once)
         self.error: str | None = None  # set once the batch failed
 
 
@@ -281,7 +282,9 @@ class KVSender(PairEndpoint):
                         return
                     sent += msg.numel() * msg.element_size()
             self.bytes_sent += sent
-            count = torch.tensor([sent], dtype=torch.int64, device=self.device)
+            count = batch.counts.get(sent)  # the same every layer: no host-to-device copy per layer
+            if count is None:
+                count = batch.counts[sent] = torch.tensor([sent], dtype=torch.int64, device=self.device)
             if not self._post(batch, send, count, dst, layer_done=layer + 1 if j == len(batch.links) - 1 else None):
                 return
 
