@@ -8,7 +8,7 @@ The tiny checkpoint has 4 attention heads and 2 KV heads: at TP4 each KV head li
 ranks, so the P TP4 case sends every head from one of its two holders, and the D TP4 case
 receives each head on two ranks.
 """
-import time
+from functools import partial
 
 import pytest
 
@@ -22,19 +22,11 @@ from epdserve.seams.kv_connector import RemoteDecode, RemotePrefill
 from epdserve.seams.prefix_hash import media_extra
 from epdserve.transfer.kv import KVTransferConfig, LayerwiseRecvConnector, LayerwiseSendConnector, RendezvousServer
 from tests.engine.blocks import all_blocks_free
+from tests.engine.test_engine_roles import _until as _step_until
 from tests.harness import PH
 
+_until = partial(_step_until, timeout_s=120.0)  # rank processes on two cores: more time than one engine
 CFG = KVTransferConfig(timeout_s=30.0, bootstrap_timeout_s=60.0, connect_timeout_s=60.0)
-
-
-def _until(cond, engines, timeout_s=120.0):
-    outs, deadline = [], time.monotonic() + timeout_s
-    while not cond(outs):
-        assert time.monotonic() < deadline, "timed out"
-        for e in engines:
-            outs.extend(e.step())
-        time.sleep(0.001)
-    return outs
 
 
 class Fleet:

@@ -196,15 +196,7 @@ def test_a_tensor_parallel_instance_pod_requests_one_accelerator_per_rank():
     """Issue 48 item 1: --tensor-parallel-size N on every instance that holds the language model and N
     accelerators per such pod; E-only pods their own degree (1 by default)."""
     def pods(**kw):
-        v = KubeValues(mode="E-PD", flavour="cuda", **kw)
-        out = {}
-        for _, c in containers(render(v)):
-            if c["name"] == "instance":
-                args = c["args"]
-                degree = args[args.index("--tensor-parallel-size") + 1] if "--tensor-parallel-size" in args else "1"
-                out[args[args.index("--roles") + 1]] = (degree, c["resources"]["limits"][v.resource],
-                                                        c["resources"]["requests"][v.resource])
-        return out
+        return _instance_pods(KubeValues(mode="E-PD", flavour="cuda", **kw))
 
     assert pods(tensor_parallel_size=2) == {"E": ("1", "1", "1"), "PD": ("2", "2", "2")}
     assert pods(tensor_parallel_size=4, encode_tensor_parallel_size=2) == {"E": ("2", "2", "2"), "PD": ("4", "4", "4")}

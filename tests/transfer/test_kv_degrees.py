@@ -11,7 +11,6 @@ the request (retryable), and the pair carries the next batch exactly.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from epdserve.kv_layout import rank_kv_heads
 from epdserve.platform import get_platform
 from epdserve.transfer.kv import KVReceiver, KVSender, KVTransferConfig, RecvRequest, RendezvousServer, SendRequest, TransferState
 from epdserve.transfer.kv.links import KvShare, group_peers, hop_links, links_into
+from tests.transfer.test_kv_protocol import wait_finished
 
 KVH, LAYERS, HEAD_DIM, BLOCK = 2, 3, 8, 4
 CFG = KVTransferConfig(timeout_s=10.0, bootstrap_timeout_s=20.0, connect_timeout_s=30.0)
@@ -103,14 +103,8 @@ class Hop:
         self.server.close()
 
 
-def _finished(side, rid: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for st in side.pop_finished():
-            if st.request_id == rid:
-                return st
-        time.sleep(0.005)
-    raise AssertionError(f"{rid} did not finish within {timeout_s} s")
+def _finished(side, rid: str):
+    return wait_finished(side, {rid}, timeout_s=30.0)[rid]
 
 
 @pytest.mark.parametrize("m, n, hop_kind", [(m, n, "device") for m, n in PAIRS] + [(2, 1, "host"), (1, 4, "host")])
