@@ -22,8 +22,9 @@ from epdserve.settings import add_flags
 
 def markdown(report: dict) -> str:
     mb = 1 / (1 << 20)
+    tp = report.get("tensor_parallel_size", 1)
     lines = [f"## profile: {report['model']} on {report['device']} ({report['dtype']}, "
-             f"{report['torch_threads']} threads)", "",
+             f"{report['torch_threads']} threads{f', tensor_parallel_size {tp}' if tp > 1 else ''})", "",
              "| image | vision tokens | preprocess ms | encode ms | feature MB |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {v['resolution']} ({v['width']}x{v['height']}) | {v['vision_tokens']} | {v['preprocess_ms']:.1f} | "
               f"{v['encode_ms']:.1f} | {v['feature_bytes'] * mb:.2f} |" for v in report["vision"]]
@@ -46,7 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(subparsers, "profile", run,
                     "per-stage cost on this device (vision, prefill, decode, bytes moved) -> JSON", __doc__)
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
-    add_flags(p, EngineConfig, ["device"])
+    add_flags(p, EngineConfig, ["device", "tensor_parallel_size"])  # a profile per degree: `epdserve plan` takes several
     p.add_argument("--resolutions", default=DEFAULT_RESOLUTIONS,
                    help=f"images to encode: names ({','.join(RESOLUTIONS)}) or WxH (default {DEFAULT_RESOLUTIONS})")
     p.add_argument("--prompt-lens", default=DEFAULT_PROMPT_LENS, help=f"prefill lengths (default {DEFAULT_PROMPT_LENS})")
@@ -66,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     report = run_profile(args.model, args.device, [r for r in args.resolutions.split(",") if r.strip()],
                          int_list(args.prompt_lens), int_list(args.batch_sizes), max(1, args.repeats),
-                         max(1, args.decode_steps), args.decode_context)
+                         max(1, args.decode_steps), args.decode_context,
+                         tensor_parallel_size=args.tensor_parallel_size)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

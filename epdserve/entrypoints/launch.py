@@ -150,8 +150,9 @@ def spec_from_args(args):
     merged["device"] = resolve_device(merged["device"])  # auto: the platform this machine has
     planned = None
     if merged["mode"] == "auto":
-        merged, planned = _plan_auto(merged)
-        sched += ["--controller"]
+        merged, planned, one_device_each = _plan_auto(merged)
+        if one_device_each:  # the controller keeps an instance's degree: off with degrees (planner/auto.py)
+            sched += ["--controller"]
     if merged["insecure"]:
         sched += ["--insecure"]
         inst += ["--insecure"]
@@ -177,24 +178,23 @@ def spec_from_args(args):
     )
 
 
-def _plan_auto(merged: dict) -> tuple[dict, str]:
-    """--mode auto: the planner's starting deployment (planner/auto.py) in place of the mode and counts."""
+def _plan_auto(merged: dict) -> tuple[dict, str, bool]:
+    """--mode auto: the planner's starting deployment (planner/auto.py) in place of the mode and
+    counts, devices counted per rank at the degrees given."""
     from epdserve.planner.auto import DEFAULT_WORKLOAD, plan_start
+    from epdserve.planner.deployment import StageDegrees
 
-    degree = merged.get("tensor_parallel_size") or last_flag(_flags(merged["instance_args"]), "--tensor-parallel-size")
-    given = {"--tensor-parallel-size": degree}
-    given.update({f"--{k.replace('_', '-')}": merged.get(k) for k in
-                  ("encode_tensor_parallel_size", "prefill_tensor_parallel_size", "decode_tensor_parallel_size")})
-    above = [f"{flag} {int(d)}" for flag, d in given.items() if int(d or 1) > 1]
-    if above:
-        raise ValueError(f"--mode auto plans from costs profiled at one device per instance: with {', '.join(above)}, "
-                         f"name the mode (docs/tensor-parallel.md)")
+    lm = merged.get("tensor_parallel_size") or last_flag(_flags(merged["instance_args"]), "--tensor-parallel-size")
+    degrees = StageDegrees(int(lm or 1), int(merged.get("encode_tensor_parallel_size") or 1),
+                           int(merged.get("prefill_tensor_parallel_size") or 0),
+                           int(merged.get("decode_tensor_parallel_size") or 0))
     devices = len(_ids(merged["devices"])) or 2
     plan = plan_start(str(Path(merged["model"]).expanduser()), merged["device"], merged["profile"],
                       merged["expected_workload"] or DEFAULT_WORKLOAD, merged["expected_rate"], devices,
-                      slo=slo_of(merged))
-    return {**merged, "mode": plan.mode, "encode": plan.encode, "prefill": plan.prefill,
-            "decode": plan.decode}, plan.line()
+                      slo=slo_of(merged), degrees=degrees)
+    line = plan.line() + ("" if degrees.single else "; the role controller is off (it keeps each instance's degree)")
+    return ({**merged, "mode": plan.mode, "encode": plan.encode, "prefill": plan.prefill, "decode": plan.decode},
+            line, degrees.single)
 
 
 def ready_line(dep, address: str, http_port: int | None) -> str:

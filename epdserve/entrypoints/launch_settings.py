@@ -59,7 +59,8 @@ class LaunchSettings:
         None, help="auto: the traffic to plan the start for, a `bench serve` preset (default mixed)")
     expected_rate: float | None = setting(None, help="auto: its request rate (default: the preset's busier rate)")
     profile: str | None = setting(
-        None, help="auto: an `epdserve profile` JSON of this model on this machine (default: measured once and cached "
+        None, help="auto: `epdserve profile` JSON(s) of this model on this machine, comma-separated, one per "
+                   "tensor-parallel degree used (default: measured once per degree and cached "
                    "in ~/.cache/epdserve/profiles)")
     model: str | None = setting(
         None, help="checkpoint directory (default: a built-in tiny random-weight demo checkpoint, built once into "

@@ -141,10 +141,10 @@ def kv_bytes_per_token(engine) -> int:
 
 def run_profile(model: str, device: str = "auto", resolutions: list[str] | None = None,
                 prompt_lens: list[int] | None = None, batch_sizes: list[int] | None = None,
-                repeats: int = 3, decode_steps: int = 8, decode_context: int = 128, text_tokens: int = 32) -> dict:
-    """Profile one checkpoint; returns the JSON-ready report."""
-    import torch
-
+                repeats: int = 3, decode_steps: int = 8, decode_context: int = 128, text_tokens: int = 32,
+                tensor_parallel_size: int = 1) -> dict:
+    """Profile one checkpoint at one tensor-parallel degree (its ranks as the engine starts them);
+    returns the JSON-ready report."""
     from epdserve.engine.config import EngineConfig
     from epdserve.engine.llm_engine import LLMEngine
 
@@ -152,14 +152,26 @@ def run_profile(model: str, device: str = "auto", resolutions: list[str] | None 
     prompt_lens = prompt_lens or int_list(DEFAULT_PROMPT_LENS)
     batch_sizes = batch_sizes or int_list(DEFAULT_BATCH_SIZES)
     cfg = EngineConfig(model=str(model), device=device, max_num_batched_tokens=max(2048, max(prompt_lens)),
-                       max_num_seqs=max(batch_sizes), enable_chunked_prefill=False)
+                       max_num_seqs=max(batch_sizes), enable_chunked_prefill=False,
+                       tensor_parallel_size=tensor_parallel_size)
     engine = LLMEngine(cfg)
+    try:
+        return _measure(engine, resolutions, prompt_lens, batch_sizes, repeats, decode_steps, decode_context,
+                        text_tokens, tensor_parallel_size)
+    finally:
+        engine.close()  # a TP engine's ranks end with it
+
+
+def _measure(engine, resolutions, prompt_lens, batch_sizes, repeats, decode_steps, decode_context, text_tokens,
+             tensor_parallel_size) -> dict:
+    import torch
+
     timer = _Timer(engine.platform)
     t0 = time.time()
     vision = profile_vision(engine, resolutions, repeats, timer)
     prefill = profile_prefill(engine, prompt_lens, repeats, timer)
     decode = profile_decode(engine, batch_sizes, decode_context, decode_steps, timer)
-    kv_tok = kv_bytes_per_token(engine)
+    kv_tok = kv_bytes_per_token(engine) * tensor_parallel_size  # every rank's heads: what a D at this degree gets
     per_request = [{"resolution": v["resolution"], "prompt_tokens": v["vision_tokens"] + text_tokens,
                     "feature_bytes": v["feature_bytes"], "kv_bytes": (v["vision_tokens"] + text_tokens) * kv_tok}
                    for v in vision]
@@ -167,7 +179,8 @@ def run_profile(model: str, device: str = "auto", resolutions: list[str] | None 
                            "kv_bytes": text_tokens * kv_tok})
     a = engine.model.adapter
     report = {
-        "benchmark": "profile", "model": str(model), "device": str(engine.model.device), "platform": engine.platform.name,
+        "benchmark": "profile", "model": engine.config.model, "device": str(engine.model.device), "platform": engine.platform.name,
+        "tensor_parallel_size": tensor_parallel_size,
         "dtype": str(a.dtype).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
         "model_info": {"layers": a.num_layers, "hidden": a.hidden_size, "kv_heads": a.num_kv_heads,
                        "head_dim": a.head_dim, "vision_params": sum(p.numel() for p in a.vision_tower.parameters()),

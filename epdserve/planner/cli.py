@@ -15,7 +15,9 @@ percentiles, computed by `bench serve`'s own metric functions. It prints the ran
 --out, writes the winner as a launch config.
 
 Devices are NPUs, GPUs or CPU core groups, each running at the profile's speed. By default each
-instance gets a device of its own (its co-located workers share it). --colocated-host models one
+instance gets a device of its own (its co-located workers share it); with the tensor-parallel flags
+of `epdserve launch`, an instance of degree N takes N devices and runs at the costs of a profile
+measured at N (give one --profile per degree: `epdserve profile --tensor-parallel-size N`). --colocated-host models one
 machine where every instance shares the same cores (what `epdserve launch` does on a CPU host
 without --pin-instances): a single device that runs one stage step at a time, a due decode step
 first (TPOT pacing), then encode/prefill work oldest first; N then bounds each pool's instances.
@@ -43,13 +45,15 @@ DEFAULT_DEVICES = 2
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from epdserve.perf.presets import PRESETS
-    from epdserve.instance.modes import MODES
+    from epdserve.instance.modes import DEGREE_FLAGS, MODES
     from epdserve.planner.costs import DEFAULT_LINK_GBPS, DEFAULT_LINK_LATENCY_MS
 
     p = add_command(subparsers, "plan", run,
                     "predict each mode's SLO goodput from a profile + workload; write the best as a launch config",
                     __doc__)
-    p.add_argument("--profile", required=True, metavar="JSON", help="`epdserve profile` output")
+    p.add_argument("--profile", required=True, metavar="JSON", action="append",
+                   help="`epdserve profile` output; once per tensor-parallel degree the deployment uses (each "
+                        "profile says its degree: `epdserve profile --tensor-parallel-size N`)")
     w = p.add_argument_group("workload (one of --workload, --trace, --validate)")
     w.add_argument("--workload", metavar="NAME", help=f"a `bench serve` preset: {', '.join(PRESETS)}")
     w.add_argument("--rate", type=float, default=1.0, help="requests per second (default 1.0; inf: all at once)")
@@ -72,6 +76,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--colocated-host", action="store_true",
                    help="every instance shares one machine's cores (epdserve launch on one CPU host)")
     d.add_argument("--modes", default=",".join(MODES), help=f"modes to consider (default {','.join(MODES)})")
+    for stage, flag in DEGREE_FLAGS.items():
+        d.add_argument(flag, type=int, default=1 if stage in ("lm", "encode") else 0, dest=f"{stage}_degree",
+                       help="as `epdserve launch`'s: an instance of degree N takes N devices"
+                            + ("" if stage in ("lm", "encode") else " (0: --tensor-parallel-size)"))
     add_flags(d, EngineConfig, ["encode_token_budget", "max_num_batched_tokens", "max_num_seqs"])  # as the engines'
     d.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
                    help=f"E->P and P->D link bandwidth, GB/s (default {DEFAULT_LINK_GBPS:g})")
@@ -132,7 +140,8 @@ def _write_config(path: str, pred, launch_device: str, header: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from epdserve.instance.modes import MODES
     from epdserve.planner import rank, validate
-    from epdserve.planner.costs import CostModel, ProfileError
+    from epdserve.planner.costs import ProfileError, load_per_degree
+    from epdserve.planner.deployment import StageDegrees
     from epdserve.planner.shapes import WorkloadError
 
     try:
@@ -141,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
         bad = [m for m in modes if m not in MODES]
         if bad or not modes:
             raise PlanError(f"unknown mode(s) {', '.join(bad) or '(none)'}; modes: {', '.join(MODES)}")
-        costs, report = CostModel.load(args.profile, link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms)
+        per_degree, report = load_per_degree(args.profile, link_gbps=args.link_gbps,
+                                             link_latency_ms=args.link_latency_ms)
+        degrees = StageDegrees(args.lm_degree, args.encode_degree, args.prefill_degree, args.decode_degree)
+        costs = per_degree[min(per_degree)]
         if args.validate:
             cells, skipped = validate.validate(args.validate, costs, args.colocated_host, None, limits)
             print(validate.table(cells, skipped))
@@ -150,13 +162,18 @@ def run(args: argparse.Namespace) -> int:
                 Path(args.json).write_text(json.dumps({"cells": rows, "skipped": skipped}, indent=2) + "\n")
             return 0
         shapes, described = _shapes(args, report)
-        preds = rank.rank(costs, shapes, args.devices, args.colocated_host, modes, slo, limits)
+        preds = rank.rank(per_degree, shapes, args.devices, args.colocated_host, modes, slo, limits, degrees)
+        if not preds:
+            raise PlanError(f"no deployment of {', '.join(modes)} fits {args.devices} device(s) at "
+                            f"{degrees.flags() or 'one device per instance'}")
     except (PlanError, ProfileError, WorkloadError, ValueError) as e:
         print(f"epdserve plan: error: {e}", file=sys.stderr)
         return 2
-    place = "one shared host" if args.colocated_host else "a device per instance"
+    place = "one shared host" if args.colocated_host else "a device per rank"
+    if not degrees.single:
+        place += f", {degrees.flags()}"
     print(f"## plan: {described}; {args.devices} device(s), {place}; SLO TTFT <= {slo.ttft_ms:g} ms, "
-          f"TPOT <= {slo.tpot_ms:g} ms; profile {args.profile}\n")
+          f"TPOT <= {slo.tpot_ms:g} ms; profile {', '.join(args.profile)}\n")
     print(rank.table(preds, args.top))
     best = preds[0]
     print(f"\nbest: {best.deployment.mode} ({best.deployment.summary}), predicted goodput {best.goodput:.3f} req/s")

@@ -101,3 +101,25 @@ class CostModel:
         report = read_report(path, "profile", ProfileError, "profile", "`epdserve profile` report",
                              f" (write one with `epdserve profile --model DIR --out {path}`)")
         return cls.from_report(report, source=str(path), **kw), report
+
+
+def degree_of(report: dict) -> int:
+    """The tensor-parallel degree a profile was measured at (reports before degrees: 1)."""
+    return int(report.get("tensor_parallel_size") or 1)
+
+
+def load_per_degree(paths: list[str], **kw) -> tuple[dict[int, CostModel], dict]:
+    """{degree: cost model} of several profiles of one checkpoint, one per degree, and the first
+    report; ProfileError on two profiles of one degree."""
+    out: dict[int, CostModel] = {}
+    first = None
+    for path in paths:
+        costs, report = CostModel.load(path, **kw)
+        first = first or report
+        d = degree_of(report)
+        if d in out:
+            raise ProfileError(f"two profiles at tensor_parallel_size {d}: {out[d].source} and {path}")
+        out[d] = costs
+    if first is None:
+        raise ProfileError("no profile given")
+    return out, first

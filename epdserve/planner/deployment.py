@@ -8,9 +8,14 @@ launch` takes: `encode`, `prefill`, `decode`). Placement:
   the profile's speed. This is `epdserve launch` on one CPU machine without --pin-instances:
   every process's threads run on the same cores, so two instances never both run at full speed.
 
-`splits(mode, devices, colocated_host)` lists the counts that fit: on dedicated devices the
-instances number at most `devices`; on a colocated host each pool has at most `devices`
-instances (the host's core groups bound how many processes are worth running) and E-only
+Degrees (`StageDegrees`: the `--tensor-parallel-size` flags of `epdserve launch`) decide each
+pool's tensor-parallel degree by `instance.modes.pool_degrees`, and an instance of degree d takes d
+devices: `devices_used` counts devices per instance, not instances. A mode whose P->D pair the
+KV hop does not carry at those degrees has no split.
+
+`splits(mode, devices, colocated_host, degrees)` lists the counts that fit: on dedicated devices
+the instances' devices number at most `devices`; on a colocated host each pool's ranks number at
+most `devices` (the host's core groups bound how many processes are worth running) and E-only
 instances beyond the co-located ones at most `devices - 1`.
 `launch_config()` is the YAML mapping `epdserve launch --config` reads.
 """
@@ -18,8 +23,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.instance.modes import Pool, candidate_counts, counts_of_pools, mode_pools
+from epdserve.instance.modes import DEGREE_FLAGS, Pool, candidate_counts, counts_of_pools, mode_pools, pool_degrees
 from epdserve.roles import STAGES, role_set
+
+
+@dataclass(frozen=True)
+class StageDegrees:
+    """The tensor-parallel degrees `epdserve launch` takes (0: `lm`'s, as its flags mean)."""
+
+    lm: int = 1
+    encode: int = 1
+    prefill: int = 0
+    decode: int = 0
+
+    def of(self, pools: list[Pool]) -> list[int]:
+        """Each pool's degree; ValueError when the P->D hop does not carry the pair."""
+        return pool_degrees(pools, self.lm, self.encode, self.prefill, self.decode)
+
+    @property
+    def single(self) -> bool:
+        return max(self.lm, self.encode, self.prefill, self.decode) <= 1
+
+    def flags(self) -> str:
+        """The flags that differ from one device per instance, e.g. '--prefill-tensor-parallel-size 2'."""
+        return " ".join(f"{DEGREE_FLAGS[k]} {v}" for k, v in
+                        (("lm", self.lm), ("encode", self.encode), ("prefill", self.prefill), ("decode", self.decode))
+                        if v > 1)
 
 
 @dataclass(frozen=True)
@@ -29,6 +58,7 @@ class PlannedDeployment:
     prefill: int
     decode: int
     colocated_host: bool = False
+    degrees: StageDegrees = StageDegrees()
 
     @property
     def pools(self) -> list[Pool]:
@@ -41,6 +71,18 @@ class PlannedDeployment:
     def instance_roles(self) -> list[str]:
         """Roles of each instance, in launch order."""
         return [p.roles for p in self.pools for _ in range(p.count)]
+
+    def pool_degrees(self) -> list[int]:
+        return self.degrees.of(self.pools)
+
+    def instance_degrees(self) -> list[int]:
+        """Each instance's tensor-parallel degree, in launch order."""
+        return [d for p, d in zip(self.pools, self.pool_degrees()) for _ in range(p.count)]
+
+    @property
+    def devices_used(self) -> int:
+        """Devices (or core groups) the deployment takes: each instance as many as its degree."""
+        return sum(self.instance_degrees())
 
     def device_of(self, instance: int) -> int:
         return 0 if self.colocated_host else instance
@@ -60,14 +102,20 @@ class PlannedDeployment:
     def launch_config(self, device: str = "cpu") -> dict:
         cfg = {"mode": self.mode, "encode": self.encode, "prefill": self.prefill, "decode": self.decode,
                "device": device}
+        d = self.degrees
+        for key, value in (("tensor_parallel_size", d.lm), ("encode_tensor_parallel_size", d.encode),
+                           ("prefill_tensor_parallel_size", d.prefill), ("decode_tensor_parallel_size", d.decode)):
+            if value > 1:
+                cfg[key] = value
         if not self.colocated_host and device == "cpu":
             cfg["pin_instances"] = True  # a core group per instance, as the plan assumed
         return cfg
 
 
-def from_pools(mode: str, pools: dict[str, int], colocated_host: bool = False) -> PlannedDeployment:
+def from_pools(mode: str, pools: dict[str, int], colocated_host: bool = False,
+               degrees: StageDegrees = StageDegrees()) -> PlannedDeployment:
     """The deployment whose pools are `pools` ({roles: count}, as in a ready line's `instances=`)."""
-    return PlannedDeployment(mode, *counts_of_pools(mode, pools), colocated_host=colocated_host)
+    return PlannedDeployment(mode, *counts_of_pools(mode, pools), colocated_host=colocated_host, degrees=degrees)
 
 
 def parse_summary(text: str) -> dict[str, int]:
@@ -81,11 +129,18 @@ def parse_summary(text: str) -> dict[str, int]:
     return out
 
 
-def splits(mode: str, devices: int, colocated_host: bool = False) -> list[PlannedDeployment]:
-    """Every deployment of `mode` that fits `devices` (see the module docstring)."""
+def splits(mode: str, devices: int, colocated_host: bool = False,
+           degrees: StageDegrees = StageDegrees()) -> list[PlannedDeployment]:
+    """Every deployment of `mode` that fits `devices` at `degrees` (see the module docstring)."""
     if devices < 1:
         raise ValueError(f"--devices must be >= 1, got {devices}")
-    out = [PlannedDeployment(mode, *c, colocated_host=colocated_host) for c in candidate_counts(mode, devices)]
-    if not colocated_host:
-        out = [d for d in out if d.num_instances <= devices]
-    return out
+    out = [PlannedDeployment(mode, *c, colocated_host=colocated_host, degrees=degrees)
+           for c in candidate_counts(mode, devices)]
+    try:
+        out and out[0].pool_degrees()
+    except ValueError:  # the mode's P->D pair at these degrees is one the KV hop does not carry
+        return []
+    if colocated_host:
+        return out if degrees.single else [d for d in out if all(p.count * g <= devices for p, g in
+                                                                   zip(d.pools, d.pool_degrees()))]
+    return [d for d in out if d.devices_used <= devices]

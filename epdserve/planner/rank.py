@@ -7,12 +7,13 @@ TTFT p90 (lower first), then fewer instances. `table` is the markdown ranking.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from epdserve.perf.serving_metrics import SLO, compute_metrics
 from epdserve.instance.modes import MODES
 from epdserve.planner.costs import CostModel
-from epdserve.planner.deployment import PlannedDeployment, splits
+from epdserve.planner.deployment import PlannedDeployment, StageDegrees, splits
 from epdserve.planner.shapes import RequestShape
 from epdserve.planner.simulate import simulate
 from epdserve.planner.workers import Limits
@@ -41,15 +42,19 @@ class Prediction:
                 "tpot_p50_ms": m["tpot_ms"]["median"], "tpot_p90_ms": m["tpot_ms"]["p90"]}
 
 
-def predict(deployment: PlannedDeployment, costs: CostModel, shapes: list[RequestShape], slo: SLO = DEFAULT_SLO,
+def predict(deployment: PlannedDeployment, costs: CostModel | Mapping[int, CostModel], shapes: list[RequestShape], slo: SLO = DEFAULT_SLO,
             limits: Limits | None = None) -> Prediction:
     records = simulate(deployment, costs, shapes, tpot_pace_s=slo.tpot_s or 0.0, limits=limits)
     return Prediction(deployment, compute_metrics(records, slo, by_kind=False))
 
 
-def rank(costs: CostModel, shapes: list[RequestShape], devices: int, colocated_host: bool = False,
-         modes: tuple[str, ...] = MODES, slo: SLO = DEFAULT_SLO, limits: Limits | None = None) -> list[Prediction]:
-    preds = [predict(d, costs, shapes, slo, limits) for mode in modes for d in splits(mode, devices, colocated_host)]
+def rank(costs: CostModel | Mapping[int, CostModel], shapes: list[RequestShape], devices: int,
+         colocated_host: bool = False, modes: tuple[str, ...] = MODES, slo: SLO = DEFAULT_SLO,
+         limits: Limits | None = None, degrees: StageDegrees = StageDegrees()) -> list[Prediction]:
+    """Every split of every mode that fits `devices` at `degrees` (devices counted per instance),
+    best first; `costs` one model, or one per degree (`simulate.Simulation`)."""
+    preds = [predict(d, costs, shapes, slo, limits) for mode in modes
+             for d in splits(mode, devices, colocated_host, degrees)]
     return sorted(preds, key=Prediction.sort_key)
 
 

@@ -14,6 +14,9 @@ Time is simulated seconds; stage costs come from the `CostModel` in ms. The piec
 - transfers and preprocessing are delays, not shared resources; KV cache capacity, the
   scheduler's own CPU time and the client's network are not modelled.
 
+An instance of tensor-parallel degree d steps at the costs of a profile measured at d (`costs` per
+degree); with one profile every instance runs at its speed.
+
 `simulate(deployment, costs, shapes)` returns `perf.serving_metrics.RequestRecord`s (token times as
 the client would see them), so every figure comes from the benchmarks' own metric functions.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Mapping
 
 from epdserve.perf.serving_metrics import RequestRecord
 from epdserve.planner.costs import CostModel
@@ -48,10 +52,10 @@ class Device:
 
     def choose(self, now: float) -> Worker | None:
         """A due decode step, else the oldest queued encode/prefill work, else any decode step."""
-        pace, costs = self.sim.tpot_pace_s, self.sim.costs
+        pace = self.sim.tpot_pace_s
         decoding = [w for w in self.workers if w.decoding()]
         due = [w for w in decoding
-               if now >= w.last_decode_end + max(0.0, pace - costs.decode_ms(w.decode_batch_size()) / 1e3) - 1e-12]
+               if now >= w.last_decode_end + max(0.0, pace - w.costs.decode_ms(w.decode_batch_size()) / 1e3) - 1e-12]
         if due:
             return min(due, key=lambda w: w.last_decode_end)
         waiting = [(w.fifo_head(), i) for i, w in enumerate(self.workers) if w.fifo_head() is not None]
@@ -77,8 +81,20 @@ class Device:
 
 
 class Simulation:
-    def __init__(self, deployment: PlannedDeployment, costs: CostModel, tpot_pace_s: float = 0.1,
-                 limits: Limits | None = None):
+    def __init__(self, deployment: PlannedDeployment, costs: CostModel | Mapping[int, CostModel],
+                 tpot_pace_s: float = 0.1, limits: Limits | None = None):
+        """`costs`: one model for every instance, or one per tensor-parallel degree ({degree: model},
+        each from a profile measured at that degree): an instance steps at its degree's costs;
+        preprocessing and transfers take the lowest degree's."""
+        per_degree = dict(costs) if isinstance(costs, Mapping) else None
+        degrees = deployment.instance_degrees()
+        if per_degree is not None:
+            missing = sorted(set(degrees) - set(per_degree))
+            if missing:
+                raise ValueError(f"no profile at tensor_parallel_size {', '.join(map(str, missing))} (profiles at "
+                                 f"{', '.join(map(str, sorted(per_degree)))}): measure one with `epdserve profile "
+                                 f"--model DIR --tensor-parallel-size {missing[0]}`")
+            costs = per_degree[min(per_degree)]
         self.deployment, self.costs, self.tpot_pace_s = deployment, costs, tpot_pace_s
         self.limits = limits or Limits()
         self.now = 0.0
@@ -89,9 +105,10 @@ class Simulation:
         self.prefillers: list[Worker] = []
         self.decoders: list[Worker] = []
         self.coupled: list[SimCoupledWorker] = []
-        for i, roles in enumerate(deployment.instance_roles()):
+        for i, (roles, degree) in enumerate(zip(deployment.instance_roles(), degrees)):
             dev = self.devices.setdefault(deployment.device_of(i), Device(self, deployment.device_of(i)))
             for w in self._workers(roles, dev, f"{roles}{i}"):
+                w.costs = per_degree[degree] if per_degree is not None else costs
                 dev.workers.append(w)
         self.done: list[Job] = []
 
@@ -178,7 +195,7 @@ class Simulation:
             job.decode_worker.work -= job.shape.prompt_tokens + job.shape.output_tokens
             self.finished(t, job)
             return
-        delay = self.costs.kv_transfer_ms(job.shape.prompt_tokens) / 1e3
+        delay = job.decode_worker.costs.kv_transfer_ms(job.shape.prompt_tokens) / 1e3  # the bytes D's ranks hold
         self.at(t + delay, lambda t2: job.decode_worker.add(t2, job))
 
     def finished(self, t: float, job: Job) -> None:

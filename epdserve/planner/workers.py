@@ -53,6 +53,7 @@ class Worker:
 
     def __init__(self, sim, device, name: str):
         self.sim, self.device, self.name = sim, device, name
+        self.costs = sim.costs  # this instance's degree's (Simulation sets it)
         self.work = 0.0
         self.assigned = 0  # routing tie-break: fewer assignments first
         self.last_decode_end = 0.0
@@ -101,7 +102,7 @@ class SimEncodeWorker(Worker):
 
     def step(self, now):
         taken = self.take()
-        ms = self.sim.costs.encode_ms(sum(c[2] for c in taken))
+        ms = self.costs.encode_ms(sum(c[2] for c in taken))
 
         def done(t):
             for _, job, n, last in taken:
@@ -127,7 +128,7 @@ class SimPrefillWorker(Worker):
 
     def step(self, now):
         _, job = self.queue.popleft()
-        costs = self.sim.costs
+        costs = self.costs
         ms = costs.prefill_ms(job.shape.prompt_tokens)
         if self.inline_encode:
             ms += costs.encode_ms(job.shape.vision_tokens)
@@ -170,7 +171,7 @@ class SimDecodeWorker(Worker):
         while self.incoming and len(self.batch) < self.sim.limits.max_num_seqs:
             self.batch.append(self.incoming.popleft())
         batch = list(self.batch)
-        ms = self.sim.costs.decode_ms(len(batch))
+        ms = self.costs.decode_ms(len(batch))
 
         def done(t):
             self.last_decode_end = t
@@ -203,7 +204,7 @@ class SimCoupledWorker(SimEncodeWorker):
         return len(self.batch)
 
     def step(self, now):
-        lim, costs = self.sim.limits, self.sim.costs
+        lim, costs = self.sim.limits, self.costs
         enc = self.take() if self.queue else []
         lasts: dict[int, int] = {}
         for _, job, _, last in enc:

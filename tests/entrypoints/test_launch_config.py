@@ -103,11 +103,3 @@ def test_prefill_and_decode_degrees_parse_and_reach_the_deployment(tmp_path):
     assert "--prefill-tensor-parallel-size" in text and "--decode-tensor-parallel-size" in text
     assert "0: --tensor-parallel-size" in text and "P->D KV hop carries" in text
 
-
-def test_auto_refuses_a_prefill_or_decode_degree_naming_it():
-    """--mode auto plans at one device per instance: a prefill or decode degree above 1 is refused before
-    the planner runs (no profile is measured), naming the flag; 1 is no degree at all."""
-    for flag in ("--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"):
-        with pytest.raises(ValueError, match=rf"--mode auto plans from costs profiled at one device per instance.*"
-                                             rf"{flag} 2"):
-            spec("--mode", "auto", "--model", "/m", flag, "2")

@@ -64,3 +64,20 @@ def test_validate_compares_every_cell(capsys):
                 assert f"| {wname} | {mode} | {run['rate']:g} |" in out
                 assert f"{run['metrics']['goodput']:.3f}" in out
     assert "mean |error|" in out
+
+
+def test_degrees_take_a_profile_each_and_count_devices_per_rank(tmp_path, capsys):
+    import json
+
+    tp2 = tmp_path / "tp2.json"
+    tp2.write_text(json.dumps({**json.loads(PROFILE.read_text()), "tensor_parallel_size": 2}))
+    base = ["plan", "--profile", str(PROFILE), "--trace", str(SERVE), "--tensor-parallel-size", "2"]
+    assert main([*base, "--devices", "4"]) == 2
+    assert "no profile at tensor_parallel_size 2" in capsys.readouterr().err
+    assert main([*base, "--profile", str(PROFILE), "--devices", "4"]) == 2
+    assert "two profiles at tensor_parallel_size 1" in capsys.readouterr().err
+    assert main([*base, "--profile", str(tp2), "--devices", "1"]) == 2
+    assert "fits 1 device(s) at --tensor-parallel-size 2" in capsys.readouterr().err
+    assert main([*base, "--profile", str(tp2), "--devices", "2", "--modes", "monolithic,E-PD"]) == 0
+    out = capsys.readouterr().out
+    assert "--tensor-parallel-size 2" in out and "EPDx2" not in out and "best: monolithic (EPDx1)" in out

@@ -45,3 +45,38 @@ def test_more_devices_never_predict_less_for_the_best_plan():
     assert best[1].goodput >= best[0].goodput
     one = predict(best[0].deployment, costs, shapes)
     assert one.metrics == best[0].metrics  # deterministic
+
+
+def test_devices_are_counted_per_rank_at_the_stage_degrees():
+    """An instance of degree N takes N devices: a P TP2 + D TP1 pair needs three, TP2 monoliths two each."""
+    from epdserve.planner.deployment import StageDegrees
+
+    p2 = StageDegrees(prefill=2)
+    assert [(d.summary, d.devices_used) for d in splits("P-D", 3, degrees=p2)] == [("P+Ex1,Dx1", 3)]
+    assert splits("P-D", 2, degrees=p2) == [] and splits("P-D", 2) != []
+    assert {(d.summary, d.devices_used) for d in splits("monolithic", 4, degrees=StageDegrees(lm=2))} == \
+        {("EPDx1", 2), ("EPDx2", 4)}
+    e_p_d = splits("E-P-D", 8, degrees=StageDegrees(prefill=2, decode=4))[0]
+    assert e_p_d.instance_degrees() == [1, 2, 4] and e_p_d.devices_used == 7
+    assert e_p_d.launch_config()["decode_tensor_parallel_size"] == 4
+    # on one shared host a pool's ranks are bounded by the core groups
+    assert {d.summary for d in splits("P-D", 2, colocated_host=True, degrees=p2)} == {"P+Ex1,Dx1", "P+Ex1,Dx2"}
+
+
+def test_each_instance_steps_at_its_own_degrees_costs():
+    """Costs per degree: a decode pool at TP2 with a profile whose steps take half as long predicts a
+    lower TPOT than at TP1; a degree without a profile is refused naming the command that measures it."""
+    import pytest
+
+    from epdserve.planner.costs import Curve
+    from epdserve.planner.deployment import PlannedDeployment, StageDegrees
+
+    costs, _ = CostModel.load(PROFILE)
+    faster = replace(costs, decode=Curve(costs.decode.xs, tuple(y / 2 for y in costs.decode.ys)))
+    shapes = shapes_from_trace(SERVE)[:10]
+    tp1 = predict(PlannedDeployment("E-P-D", 1, 1, 1), {1: costs, 2: faster}, shapes)
+    tp2 = predict(PlannedDeployment("E-P-D", 1, 1, 1, degrees=StageDegrees(decode=2)), {1: costs, 2: faster}, shapes)
+    assert tp2.metrics["tpot_ms"]["median"] < tp1.metrics["tpot_ms"]["median"]
+    assert tp2.metrics["ttft_ms"]["median"] == tp1.metrics["ttft_ms"]["median"]  # P still at TP1
+    with pytest.raises(ValueError, match="no profile at tensor_parallel_size 2 .*--tensor-parallel-size 2"):
+        predict(PlannedDeployment("E-P-D", 1, 1, 1, degrees=StageDegrees(decode=2)), {1: costs}, shapes)
