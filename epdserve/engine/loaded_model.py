@@ -20,7 +20,7 @@ import torch
 
 from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.lm.linear import check_method
-from epdserve.engine.lm.prequantized import DESCRIPTION, checkpoint_method, read_description
+from epdserve.engine.lm.prequantized import CHECKPOINT_ONLY, DESCRIPTION, MIXED, checkpoint_method, read_description
 from epdserve.engine.lm.shard_loader import read_layers
 from epdserve.engine.tp.shard import TPShard, check_model_degree, num_experts
 from epdserve.model.adapter import VLMAdapter
@@ -114,8 +114,12 @@ def _checkpoint_quantization(model: str, desc: dict | None, asked: str | None) -
     are given and differ."""
     carried = checkpoint_method(desc) if desc else None
     if carried is None:
+        if asked in CHECKPOINT_ONLY:
+            raise ValueError(f"--quantization {asked} runs an msModelSlim checkpoint's own quantized weights, and "
+                             f"{model} has none ({DESCRIPTION} missing or all FLOAT): leave --quantization unset, or "
+                             f"choose int8, w8a8 or int4 to quantize at load")
         return asked
-    if asked not in (None, carried):
+    if asked not in (None, carried, MIXED):
         raise ValueError(f"{model} holds its language model quantized already ({DESCRIPTION}: runs as {carried}); "
                          f"--quantization {asked} cannot re-quantize it: leave --quantization unset")
     log.info("%s is quantized already (%s): its int8 weights run as %s", model, DESCRIPTION, carried)

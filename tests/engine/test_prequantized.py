@@ -92,9 +92,10 @@ def test_each_rank_reads_its_slices_of_the_int8_weights_and_their_scales(modelsl
 
 
 def test_what_epdserve_cannot_run_is_refused_naming_why(qwen2_vl_tiny, modelslim, tmp_path):
-    static = modelslim_checkpoint(qwen2_vl_tiny, tmp_path / "static", kind="W8A8")
-    with pytest.raises(ValueError, match="quantizes projections as W8A8; epdserve runs msModelSlim's W8A8_DYNAMIC only"):
-        LLM(model=str(static), device="cpu")
+    w4a8 = modelslim_checkpoint(qwen2_vl_tiny, tmp_path / "w4a8", kind="W4A8_DYNAMIC")
+    with pytest.raises(ValueError, match="quantizes projections as W4A8_DYNAMIC; epdserve runs msModelSlim's "
+                                         "W8A8_DYNAMIC, W8A16, W8A8 only"):
+        LLM(model=str(w4a8), device="cpu")
     with pytest.raises(ValueError, match="quantized already .* --quantization int8 cannot re-quantize it"):
         LLM(model=str(modelslim), device="cpu", quantization="int8")
     skewed = modelslim_checkpoint(qwen2_vl_tiny, tmp_path / "skewed", offset=3.0)

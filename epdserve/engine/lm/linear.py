@@ -12,8 +12,10 @@ call is one `mm` / `addmm` with no per-call transpose. `Int8Linear` ("int8",
 engine/lm/quant_linear.py): int8 weights per output channel, quantized from the rank's slice at
 load, applied by torch's int8 CPU kernel; `Int8DynamicLinear` ("w8a8"): the same weights with
 each token's activations quantized to int8 at run time, an int8 GEMM; `Int4Linear` ("int4",
-engine/lm/int4_linear.py): 4-bit weights in groups of 128 inputs (W4A16). `check_method` refuses,
-before any weight is read, a method the platform has no kernel for.
+engine/lm/int4_linear.py): 4-bit weights in groups of 128 inputs (W4A16); `StaticW8A8Linear`
+("w8a8-static", engine/lm/static_w8a8.py): msModelSlim's static W8A8, built only from such a
+checkpoint's own tensors (engine/lm/shard_loader.py), never quantized at load. `check_method`
+refuses, before any weight is read, a method the platform has no kernel for.
 """
 from __future__ import annotations
 
@@ -53,10 +55,13 @@ class DenseLinear:
 
 LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicLinear,
                   "int4": Int4Linear}  # name -> its Linear
-# a quantized method -> the platforms with its kernel
-METHOD_PLATFORMS = {"int8": ("cpu",), "w8a8": ("cpu",), "int4": ("cpu",)}
+# a quantized method -> the platforms with its kernel ("w8a8-static" and "ascend": an msModelSlim
+# checkpoint's own, engine/lm/prequantized.py)
+METHOD_PLATFORMS = {"int8": ("cpu",), "w8a8": ("cpu",), "int4": ("cpu",), "w8a8-static": ("cpu",),
+                    "ascend": ("cpu",)}
 METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel", "w8a8": "torch's _int_mm CPU kernel",
-                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel"}
+                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel", "w8a8-static": "torch's _int_mm CPU kernel",
+                  "ascend": "torch's int8 CPU kernels"}
 
 
 def check_method(quantization: str | None, platform: str) -> str:

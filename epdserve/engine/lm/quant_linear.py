@@ -62,6 +62,19 @@ class Int8Linear:
         self.q, self.scales = quantize_int8(w)
         self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
 
+    @classmethod
+    def prequantized(cls, qs: list[torch.Tensor], scales: list[torch.Tensor], biases: list[torch.Tensor | None],
+                     dtype: torch.dtype) -> Int8Linear:
+        """The projection fusing parts a checkpoint holds quantized already (msModelSlim W8A16,
+        engine/lm/prequantized.py): each part's int8 [out_i, in] weights and [out_i] scales."""
+        self = cls.__new__(cls)
+        self.bias = fuse_bias(biases, [q.shape[0] for q in qs], dtype, qs[0].device)
+        self.packed_rows = 0 if dtype == torch.float32 else PACKED_MAX_ROWS
+        self.q = (torch.cat(qs) if len(qs) > 1 else qs[0]).contiguous()
+        self.scales = torch.cat([s.reshape(-1) for s in scales]).to(dtype)
+        self.out_features, self.in_features = int(self.q.shape[0]), int(self.q.shape[1])
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.packed_rows:
             out = torch._weight_int8pack_mm(x, self.q, self.scales)

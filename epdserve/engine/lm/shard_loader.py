@@ -27,7 +27,8 @@ import torch
 from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.linear import make_linear
 from epdserve.engine.lm.prequantized import projection_type
-from epdserve.engine.lm.quant_linear import Int8DynamicLinear
+from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
+from epdserve.engine.lm.static_w8a8 import StaticPart, StaticW8A8Linear
 from epdserve.engine.lm.weights import LeanLayerWeights
 from epdserve.engine.tp.shard import TPShard, expert_range, head_map, sparse_layer
 
@@ -103,6 +104,10 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
             raise ValueError(f"{p}: the parts {[m for m, _, _ in parts]} are quantized differently ({sorted(kinds)})")
         if kinds == {"W8A8_DYNAMIC"}:
             return _w8a8_dynamic(reader, p, parts, biases or [None] * len(parts), dtype, device)
+        if kinds == {"W8A16"}:
+            return _w8a16(reader, p, parts, biases or [None] * len(parts), dtype, device)
+        if kinds == {"W8A8"}:  # split by its inputs (o, down): the ranks' sums add up, rank 0 adds quant_bias
+            return _w8a8_static(reader, p, parts, dtype, device, bias_here=shard.rank == 0 or parts[0][2] is None)
         return make_linear([get(m + ".weight", r, c).contiguous() for m, r, c in parts], biases,
                            "dense" if description else method)
 
@@ -137,6 +142,55 @@ def _w8a8_dynamic(reader: SafetensorsReader, p: str, parts, biases, dtype, devic
         qs.append(q.to(device).contiguous())
         scales.append(reader.get(p + m + ".weight_scale", rows).to(device=device, dtype=dtype))
     return Int8DynamicLinear.prequantized(qs, scales, biases, dtype)
+
+
+def _int8_parts(reader: SafetensorsReader, p: str, parts, kind: str, device) -> list[torch.Tensor]:
+    """The rank's slice of each part's int8 weight; ValueError for another dtype."""
+    out = []
+    for m, rows, cols in parts:
+        q = reader.get(p + m + ".weight", rows, cols)
+        if q.dtype != torch.int8:
+            raise ValueError(f"{p}{m}.weight is {q.dtype}, expected int8 for {kind}")
+        out.append(q.to(device).contiguous())
+    return out
+
+
+def _w8a16(reader: SafetensorsReader, p: str, parts, biases, dtype, device) -> Int8Linear:
+    """msModelSlim W8A16 parts (engine/lm/prequantized.py): int8 weights and per-channel scales,
+    zero offsets (refused otherwise: which sign a nonzero one takes is not settled)."""
+    scales = []
+    for m, rows, _ in parts:
+        if bool(reader.get(p + m + ".weight_offset", rows).ne(0).any()):
+            raise ValueError(f"{p}{m}.weight_offset is not zero: asymmetric W8A16 weights are not supported "
+                             f"(msModelSlim's document and vllm-ascend disagree on the offset's sign)")
+        scales.append(reader.get(p + m + ".weight_scale", rows).to(device=device, dtype=dtype).reshape(-1))
+    return Int8Linear.prequantized(_int8_parts(reader, p, parts, "W8A16", device), scales, biases, dtype)
+
+
+def _w8a8_static(reader: SafetensorsReader, p: str, parts, dtype, device, bias_here: bool) -> StaticW8A8Linear:
+    """msModelSlim static W8A8 parts (engine/lm/static_w8a8.py): the rank's slice of each int8 weight,
+    the deq_scale and quant_bias of its output rows (all of them for a projection split by its inputs,
+    where only rank 0 adds quant_bias: `bias_here`), one input scale and offset per part."""
+    qs = _int8_parts(reader, p, parts, "W8A8", device)
+    out = []
+    for (m, rows, _), q in zip(parts, qs):
+        name = p + m
+        deq = reader.get(name + ".deq_scale", rows)
+        if deq.dtype != torch.float32:
+            raise ValueError(f"{name}.deq_scale is {deq.dtype}: only a bf16 export's float32 deq_scale is read (an "
+                             f"fp16 export's int64 encoding for the NPU operator is not)")
+        scale, offset = reader.get(name + ".input_scale"), reader.get(name + ".input_offset")
+        if scale.numel() != 1 or offset.numel() != 1 or not float(scale.float().reshape(-1)[0]) > 0:
+            raise ValueError(f"{name}: input_scale and input_offset must be one value each, the scale > 0 (got shapes "
+                             f"{tuple(scale.shape)} and {tuple(offset.shape)})")
+        bias = reader.get(name + ".quant_bias", rows) if bias_here else None
+        if bias is not None and bias.dtype != torch.int32:
+            raise ValueError(f"{name}.quant_bias is {bias.dtype}, expected int32")
+        if deq.reshape(-1).shape[0] != q.shape[0] or (bias is not None and bias.reshape(-1).shape[0] != q.shape[0]):
+            raise ValueError(f"{name}: deq_scale / quant_bias do not have one value per output row ({q.shape[0]})")
+        out.append(StaticPart(q, float(scale.float().reshape(-1)[0]), int(round(float(offset.float().reshape(-1)[0]))),
+                              deq.to(device).reshape(-1), None if bias is None else bias.to(device).reshape(-1)))
+    return StaticW8A8Linear(out, dtype)
 
 
 def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get) -> ExpertShard:
