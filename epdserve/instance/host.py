@@ -405,6 +405,14 @@ class InstanceHost:
         """How the LM's attention and MLP weights are held: the quantization method, else the dtype."""
         if self.model is None:
             return "none"
+        if self.model.quantization == "ascend":  # an msModelSlim checkpoint of several types: say which is where
+            from epdserve.engine.lm.linear import method_of
+
+            layer = (self.model.lm.layers or [None])[0]
+            if layer is not None:
+                parts = [(n, method_of(getattr(layer, n))) for n in ("qkv", "o", "gate_up", "down")
+                         if getattr(layer, n, None) is not None]
+                return "ascend(" + ",".join(f"{n}:{m}" for n, m in parts) + ")"
         return self.model.quantization or self.model.dtype_name
 
     def _kv_layout(self) -> common_pb2.KvLayout | None:

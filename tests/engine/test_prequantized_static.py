@@ -176,8 +176,15 @@ def test_greedy_outputs_equal_transformers_fake_quantized_per_tensor(qwen2_vl_ti
         assert llm.engine.model.quantization == ("ascend" if mixed else "w8a8-static")
         assert llm.engine.kv_layout().quantization == llm.engine.model.quantization  # registration compares it
         if tp == 1:
+            from types import SimpleNamespace
+
+            from epdserve.instance.host import InstanceHost
+
             layer = llm.engine.model.lm.layers[0]
             assert isinstance(layer.qkv, StaticW8A8Linear) and isinstance(layer.down, Int8DynamicLinear)
+            # the ready line's lm-weights= names each projection's method
+            assert InstanceHost.weights_method(SimpleNamespace(model=llm.engine.model)) == \
+                "ascend(qkv:w8a8-static,o:w8a8-static,gate_up:w8a8-static,down:w8a8)"
         inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
         outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True))
         for (prompt, imgs), out in zip(PROMPTS, outs):

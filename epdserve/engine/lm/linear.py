@@ -64,6 +64,15 @@ METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel", "w8a8": "tor
                   "ascend": "torch's int8 CPU kernels"}
 
 
+def method_of(linear) -> str:
+    """The method name a built projection runs (the inverse of `LINEAR_METHODS`)."""
+    from epdserve.engine.lm.static_w8a8 import StaticW8A8Linear
+
+    if isinstance(linear, StaticW8A8Linear):
+        return "w8a8-static"
+    return next((name for name, cls in LINEAR_METHODS.items() if isinstance(linear, cls)), type(linear).__name__)
+
+
 def check_method(quantization: str | None, platform: str) -> str:
     """The method `quantization` names ("dense" for None); ValueError for an unknown one or one
     `platform` ("cpu", "cuda", "npu") has no kernel for."""
