@@ -4,9 +4,10 @@ ratios against the peer checked against those aims.
 
 Owns `merge_reports` (one report from the targets' reports), `cells` (target -> rate -> the
 metrics of its runs in repeat order), `FIGURES` (TTFT p50, TPOT p50/p90/p99 over requests, ITL
-p99 over all gaps, SLO goodput), `comparison_table` (each figure the median over repeats, with
+p99 over all gaps, SLO goodput, output tok/s), `comparison_table` (each figure the median over repeats, with
 min-max when there are several; also the requests in SLO and those that ended before their
-max_tokens, and which objective the others missed), `AIMS` and `ratio_rows` / `ratio_table` (target over peer, the
+max_tokens, and which objective the others missed), `AIMS` (against transformers serve),
+`VLLM_AIMS` (against vLLM) and `ratio_rows` / `ratio_table` (target over peer, the
 ratio of the medians with the min-max of the per-repeat ratios; repeat k of a target is paired
 with repeat k of the peer: the same requests at the same times). An aim `against="reference"`
 compares with the monolithic target of an earlier run's merged report (`--reference`: "today's
@@ -23,7 +24,8 @@ from epdserve.perf.serving_metrics import SLO
 # (column, metrics key, statistic, decimals); key None: a top-level metric
 FIGURES = (("TTFT p50 ms", "ttft_ms", "median", 0), ("TPOT p50 ms", "tpot_ms", "median", 1),
            ("TPOT p90 ms", "tpot_ms", "p90", 1), ("TPOT p99 ms", "tpot_ms", "p99", 1),
-           ("ITL p99 ms", "itl_ms", "p99", 1), ("SLO goodput req/s", None, "goodput", 3))
+           ("ITL p99 ms", "itl_ms", "p99", 1), ("SLO goodput req/s", None, "goodput", 3),
+           ("output tok/s", None, "output_throughput", 0))
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,12 @@ class Aim:
 
 AIMS = (Aim(0.5, "TPOT p50 ms", "<=", 1.1), Aim(0.5, "TPOT p99 ms", "<=", 2.0), Aim(0.5, "TTFT p50 ms", "<=", 0.5),
         Aim(1.0, "SLO goodput req/s", ">=", 2.0), Aim(1.0, "SLO goodput req/s", ">=", 1.3, against="reference"))
+
+
+# against vLLM on the same CPU (issue 50): at 1 req/s TTFT and TPOT p50 at most 0.9x, in a burst
+# (rate inf) output tok/s at least 1.2x
+VLLM_AIMS = (Aim(1.0, "TTFT p50 ms", "<=", 0.9), Aim(1.0, "TPOT p50 ms", "<=", 0.9),
+             Aim(math.inf, "output tok/s", ">=", 1.2))
 
 
 def merge_reports(reports: list[dict]) -> dict:

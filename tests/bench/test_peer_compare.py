@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from epdserve.bench.peer_compare import AIMS, Aim, cells, comparison_table, merge_reports, ratio_rows, ratio_table
+from epdserve.bench.peer_compare import (AIMS, VLLM_AIMS, Aim, cells, comparison_table, merge_reports, ratio_rows,
+                                        ratio_table)
 
 
 def _m(ttft, tpot50, tpot99, itl99, goodput, good=20, n=24):
@@ -38,7 +39,8 @@ def test_comparison_table_medians_and_spread():
     rows = [r for r in md.splitlines() if r.startswith("| 0.5/s") or r.startswith("| 1/s")]
     assert rows[0].startswith("| 0.5/s | transformers-serve | 2 | 3,200 (3,000-3,400) | 37.5 (37.0-38.0) |")
     assert "| 1/s | epdserve-monolithic | 2 | 4,500 (1,400-7,600) | 75.0 (60.0-90.0) |" in md
-    assert "0.250 (0.200-0.300) | 12.5/24 (10-15) | 0 / 0 | 0 |" in md  # goodput, in SLO, missed, ended early
+    # goodput, output tok/s (none in these metrics), in SLO, missed, ended early
+    assert "0.250 (0.200-0.300) | - | 12.5/24 (10-15) | 0 / 0 | 0 |" in md
 
 
 def test_which_objective_the_others_missed():
@@ -93,3 +95,20 @@ def test_aim_edges():
     assert Aim(0.5, "TTFT p50 ms", "<=", 0.5).met(None) is None
     assert {a.rate for a in AIMS} == {0.5, 1.0}
     assert "no ratio" in ratio_table([])
+
+
+def test_vllm_aims_take_a_burst_s_output_rate_and_light_load_latencies():
+    """Against vLLM (issue 50): TTFT and TPOT p50 at 1 req/s <= 0.9x, output tok/s at rate inf >= 1.2x."""
+    def run(rate, ttft, tpot, tok_s):
+        return rate, {**_m(ttft, tpot, tpot, tpot, 0.5), "output_throughput": tok_s}
+    vllm = _part("vllm", [run(1.0, 100, 9.0, 30), run(math.inf, 5000, 80, 400), run(1.0, 110, 8.0, 31),
+                          run(math.inf, 6000, 90, 700)])
+    ours = _part("epdserve-monolithic", [run(1.0, 80, 9.5, 30), run(math.inf, 4000, 70, 600),
+                                         run(1.0, 90, 7.5, 31), run(math.inf, 4000, 75, 600)])
+    rows = {(r["rate"], r["figure"]): r for r in ratio_rows(merge_reports([vllm, ours]), "vllm", aims=VLLM_AIMS)}
+    assert rows[(1.0, "TTFT p50 ms")]["ratio"] == pytest.approx(85 / 105) and rows[(1.0, "TTFT p50 ms")]["met"]
+    assert rows[(1.0, "TPOT p50 ms")]["ratio"] == pytest.approx(8.5 / 8.5) and not rows[(1.0, "TPOT p50 ms")]["met"]
+    burst = rows[(math.inf, "output tok/s")]
+    assert burst["ratio"] == pytest.approx(600 / 550) and burst["met"] is False  # < 1.2x
+    assert (burst["min"], burst["max"]) == pytest.approx((600 / 700, 600 / 400))
+    assert "| inf/s | epdserve-monolithic | output tok/s | vllm | 1.09x |" in ratio_table(list(rows.values()))

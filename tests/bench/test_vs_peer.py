@@ -77,3 +77,28 @@ def test_quick_run_with_an_epdserve_mode(qwen2_vl_tiny, tmp_path, capsys):
     assert not rep["failed"]
     printed = capsys.readouterr().out
     assert "| 2/s | epdserve-monolithic | 1 |" in printed
+
+
+def test_vllm_as_the_peer_command_environment_and_run(tmp_path, capsys):
+    """--peer vllm: its OpenAI server from its own venv, bf16, images only, both cores bound (vLLM's
+    CPU docs); the run names it and sends vLLM's extra fields (the stand-in accepts them)."""
+    from epdserve.bench.peer_vllm import VLLM_CMD, vllm_env
+    from epdserve.bench.vs_peer import workload_args
+
+    assert "--no-vllm-extras" not in workload_args("vllm") and "--no-vllm-extras" in workload_args("transformers-serve")
+
+    argv = peer_argv(VLLM_CMD, venv="/v", model="/m", port=8124)
+    assert argv[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"video":0,"image":2}'
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--port") + 1] == "8124"
+    env = vllm_env(tmp_path)
+    import os
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{len(os.sched_getaffinity(0)) - 1}"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    out = tmp_path / "vs.json"
+    assert main(["--quick", "--peer", "vllm", "--modes", "", "--rates", "4", "--model", str(tmp_path),
+                 "--peer-cmd", _fake_peer(), "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert list(rep["workloads"]["sharegpt4o"]["modes"]) == ["vllm"]
+    printed = capsys.readouterr().out
+    assert "## epdserve vs vllm" in printed and "| 4/s | vllm | 1 |" in printed
