@@ -69,6 +69,24 @@ def test_the_bound_releases_a_receive_that_never_ends(monkeypatch):
     assert released == ["r"]
 
 
+def test_a_tp_receiver_holds_a_broken_batch_until_the_bound_for_its_other_ranks(monkeypatch):
+    """D at TP2 on HCCL: rank 0's own receives all ended, but rank 1's into the same blocks are its
+    own to see, so the batch stays quarantined until the bound; on gloo nothing is held."""
+    monkeypatch.setattr(NpuPlatform, "stuck_work_bound_s", lambda self: 0.2)
+    rx = KVReceiver(PagedKVCache(SPEC, 8), NpuPlatform(), CFG)
+    exp = SimpleNamespace(req=RecvRequest("r", "p0", (1, 2), 8), state=TransferState.TRANSFERRING, error=None)
+    rx._fail_accepted([exp], "pair broken", [], others=True)
+    assert exp.state is TransferState.FAILED and rx.quarantined("r") and rx.pop_released() == []
+    wait_until(lambda: rx.pop_released() == ["r"], 10.0, "released once the bound passed")
+    one = SimpleNamespace(req=RecvRequest("s", "p0", (1, 2), 8), state=TransferState.TRANSFERRING, error=None)
+    rx._fail_accepted([one], "pair broken", [])  # TP1: nothing stuck, nothing held
+    assert not rx.quarantined("s")
+    cpu = KVReceiver(PagedKVCache(SPEC, 8), CpuPlatform(), CFG)
+    two = SimpleNamespace(req=RecvRequest("t", "p0", (1, 2), 8), state=TransferState.TRANSFERRING, error=None)
+    cpu._fail_accepted([two], "pair broken", [], others=True)
+    assert not cpu.quarantined("t")
+
+
 def test_gloo_keeps_freeing_at_once():
     """CPU / gloo: the interrupt closes the pair, its pending receives end within the drain
     (no `stuck_work_bound_s`), so nothing is quarantined even if one were reported left over."""

@@ -164,8 +164,8 @@ class _Channel:
                     final = [f and bool(g) for f, g in zip(final, got)]
         except PairBroken:  # drain: once these end, nothing writes into the blocks any more
             stuck = pair.drain(w for w, _ in works[0 if posting else waited + 1 :])
-            if r.leader:
-                rx._fail_accepted(accepted, pair.error or "pair broken", stuck)
+            if r.leader:  # the other D ranks' receives are theirs: rank 0 cannot see whether they ended
+                rx._fail_accepted(accepted, pair.error or "pair broken", stuck, others=r.d_degree > 1)
             return False
         if r.leader:
             rx._finish(accepted, final, "; ".join(short))
@@ -234,6 +234,17 @@ def _check_count(count: torch.Tensor, need: int, link, layer: int, short: list[s
         if on_layer is not None:
             on_layer()
     return then
+
+
+class _OtherRanksWork:
+    """Stands for the other D ranks' receives of a broken batch in a quarantine: never seen to end
+    (rank 0 cannot see them), so the bound decides."""
+
+    def is_completed(self) -> bool:
+        return False
+
+
+_OTHER_RANKS = _OtherRanksWork()
 
 
 class KVReceiver(PairEndpoint):
@@ -342,19 +353,23 @@ class KVReceiver(PairEndpoint):
                 else:
                     e.state, e.error = TransferState.FAILED, f"incomplete KV: {why or 'a D rank refused the batch'}"
 
-    def _fail_accepted(self, accepted: list[_Expected | None], reason: str, stuck: list | None = None) -> None:
+    def _fail_accepted(self, accepted: list[_Expected | None], reason: str, stuck: list | None = None,
+                       others: bool = False) -> None:
         """Fail a batch's requests. `stuck`: receives the drain left running — where the platform
         bounds how long they may still write (HCCL: `stuck_work_bound_s`), every accepted request
         of the batch is quarantined: its blocks stay out of the free list until they end or the
-        bound passes (`pop_released`)."""
-        bound = self.platform.stuck_work_bound_s() if stuck else None
+        bound passes (`pop_released`). `others`: the instance's other ranks received into the same
+        blocks, and whether their receives ended is theirs to see, not rank 0's — so on such a
+        platform the batch is held until the bound, whatever rank 0's own receives did."""
+        unseen = [_OTHER_RANKS] if others and self.platform.stuck_work_bound_s() is not None else []
+        bound = self.platform.stuck_work_bound_s() if stuck or unseen else None
         until = time.monotonic() + bound if bound is not None else None
         with self._lock:
             for e in accepted:
                 if e is not None and not e.state.finished:
                     e.state, e.error = TransferState.FAILED, reason
                     if until is not None:
-                        self._quarantine[e.req.request_id] = (list(stuck), until)
+                        self._quarantine[e.req.request_id] = (list(stuck or []) + unseen, until)
 
     # ------------------------------------------------------------------ quarantine
     def quarantined(self, request_id: str) -> bool:
