@@ -177,7 +177,9 @@ def _run_peer(a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> 
     argv = peer_argv(a.peer_cmd, venv=venv, model=model, port=port)
     url = f"http://127.0.0.1:{port}"
     _log(f"[{a.peer}] starting: {shlex.join(argv)}")
-    with serving(argv, url + "/health", name=a.peer, ready_timeout_s=a.ready_timeout, env={**env, **peer_env(venv)}):
+    merged = {**env, **peer_env(venv)}  # a None: the peer runs without that variable
+    with serving(argv, url + "/health", name=a.peer, ready_timeout_s=a.ready_timeout,
+                 env={k: v for k, v in merged.items() if v is not None}):
         return _bench(url, a.peer, out, bench, env)
 
 

@@ -140,11 +140,16 @@ def spec_from_args(args):
     inst = [*_flags(merged["instance_args"]), *instance_argv(merged)]
     # launch's own scheduler flags first: --scheduler-args come after them and win (argparse: the last one)
     sched = [*_served_name(merged), *scheduler_argv(merged), *_tls(merged), *_flags(merged["scheduler_args"])]
-    if merged["http_port"] is not None:  # resolved now: a restarted scheduler comes back on the same port
+    if merged["http_port"] is not None and int(merged["http_port"]) < -1:
+        raise ValueError(f"--http-port must be a port, 0 (a free one) or -1 (no HTTP front), got {merged['http_port']}")
+    if merged["http_port"] is not None and int(merged["http_port"]) >= 0:  # the OpenAI front, by default
         from epdserve.net import free_port
 
+        # resolved now: a restarted scheduler comes back on the same port
         args.http_port = int(merged["http_port"]) or free_port(merged["host"])
         sched += ["--http-port", str(args.http_port)]
+    else:
+        args.http_port = None
     from epdserve.platform import resolve_device
 
     merged["device"] = resolve_device(merged["device"])  # auto: the platform this machine has

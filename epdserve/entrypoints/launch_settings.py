@@ -106,9 +106,10 @@ class LaunchSettings:
              "\"--allow-remote-images\"; they override launch's own")
     log_dir: str | None = setting(None, help="where child logs go (kept); default: a temp dir")
     ready_timeout_s: float = setting(600.0, help="give up starting after this long (600)")
-    http_port: int | None = setting(
-        None, help="the scheduler also serves the OpenAI-compatible HTTP API here (0: a free one, printed as http=URL "
-                   "in the ready line); the API key, if any, comes from EPDSERVE_API_KEY")
+    http_port: int = setting(
+        0, help="the scheduler also serves the OpenAI-compatible HTTP API here, by default on a free port (0), "
+                "printed as http=URL in the ready line; -1: no HTTP front, gRPC only; the API key, if any, comes "
+                "from EPDSERVE_API_KEY")
     served_model_name: str | None = setting(
         None, help="the model id the HTTP API lists in /v1/models and accepts in requests (default: --model as given)")
     tls_cert: str | None = setting(
