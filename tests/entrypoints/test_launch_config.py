@@ -40,7 +40,8 @@ def test_flags_override_the_file_and_become_instance_flags(tmp_path):
     assert s.pools() == [Pool("EP", 2), Pool("D", 1)]
     assert s.instance_args == ["--encode-core-share", "0.25", "--kv-cache-mb", "64", "--max-model-len", "512"]
     assert s.scheduler_args[:2] == ["--max-model-len", "512"] and s.devices == ["0", "1"] and s.pin_instances
-    assert s.scheduler_args[2:4] == ["--internal-port", s.registry.rsplit(":", 1)[1]]  # the Registry's own port
+    assert s.scheduler_args[2] == "--http-port" and int(s.scheduler_args[3]) > 0  # the OpenAI front, by default
+    assert s.scheduler_args[4:6] == ["--internal-port", s.registry.rsplit(":", 1)[1]]  # the Registry's own port
 
 
 def test_no_model_is_the_built_in_demo_checkpoint(tmp_path, monkeypatch):
@@ -103,3 +104,15 @@ def test_prefill_and_decode_degrees_parse_and_reach_the_deployment(tmp_path):
     assert "--prefill-tensor-parallel-size" in text and "--decode-tensor-parallel-size" in text
     assert "0: --tensor-parallel-size" in text and "P->D KV hop carries" in text
 
+
+
+def test_the_openai_front_is_on_by_default_and_minus_one_turns_it_off():
+    """vLLM users expect an HTTP port: launch gives the scheduler one (a free port, resolved now so
+    a restarted scheduler comes back on it); --http-port -1 serves gRPC only; below -1 is an error."""
+    on = spec("--mode", "P-D", "--model", "/m")
+    port = on.scheduler_args[on.scheduler_args.index("--http-port") + 1]
+    assert int(port) > 0
+    assert spec("--mode", "P-D", "--model", "/m", "--http-port", "8123").scheduler_args.count("8123") == 1
+    assert "--http-port" not in spec("--mode", "P-D", "--model", "/m", "--http-port", "-1").scheduler_args
+    with pytest.raises(ValueError, match="--http-port must be a port, 0 .* or -1"):
+        spec("--mode", "P-D", "--model", "/m", "--http-port", "-2")
