@@ -18,9 +18,11 @@ Modules:
   `spread` (bootstrap spread of a ratio between runs);
 - `multiturn_bench`: the prefix cache on / off and cache-aware / least-load routing on the
   multiturn workload, one command (benchmarks/multiturn.py); `multiturn_compare` (its tables);
-- `vs_peer`: epdserve's modes against `transformers serve` on one workload, one command
-  (benchmarks/vs_transformers_serve.py); `peer` (the peer's venv and process), `peer_compare`
-  (its comparison and aim-ratio tables);
+- `vs_peer`: epdserve's modes against a peer — `transformers serve`, or vLLM (`--peer vllm`) — on
+  one workload, one command (benchmarks/vs_transformers_serve.py); `peer` (the peer's venv and
+  process), `peer_vllm` (vLLM's venv, command and environment), `peer_compare` (its comparison and
+  aim-ratio tables);
+- `token_cost`: where a served token's CPU goes, by process and stage (benchmarks/served_token_cost.py);
 - `chaos`: `bench chaos`, faults under load; `chaos_faults` (find, kill, wait for recovery);
 - `soak`: `bench soak`, minutes of mixed traffic on E-P-D with instances killed; `soak_traffic`
   (the catalogue and its offline outputs), `soak_load` (clients and kills), `soak_rss` (memory of
