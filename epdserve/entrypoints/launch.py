@@ -143,13 +143,8 @@ def spec_from_args(args):
     if merged["http_port"] is not None and int(merged["http_port"]) < -1:
         raise ValueError(f"--http-port must be a port, 0 (a free one) or -1 (no HTTP front), got {merged['http_port']}")
     if merged["http_port"] is not None and int(merged["http_port"]) >= 0:  # the OpenAI front, by default
-        from epdserve.net import free_port
-
-        # resolved now: a restarted scheduler comes back on the same port
-        args.http_port = int(merged["http_port"]) or free_port(merged["host"])
-        sched += ["--http-port", str(args.http_port)]
-    else:
-        args.http_port = None
+        # 0: the scheduler binds a free port itself; a restarted one comes back on it (deploy/local/deployment.py)
+        sched += ["--http-port", str(int(merged["http_port"]))]
     from epdserve.platform import resolve_device
 
     merged["device"] = resolve_device(merged["device"])  # auto: the platform this machine has
@@ -249,7 +244,7 @@ def run(args) -> int:
             log.info("auto: %s", spec.planned)
         log.info("starting mode %s (%s); child logs in %s", spec.mode, dep.summary(), dep.log_dir)
         address = dep.start(should_stop=stop.is_set)
-        print(ready_line(dep, address, getattr(args, "http_port", None)), flush=True)
+        print(ready_line(dep, address, dep.http_port), flush=True)
         while not stop.wait(0.5):
             reason = dep.watch()
             if reason:

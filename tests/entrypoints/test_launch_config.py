@@ -40,7 +40,7 @@ def test_flags_override_the_file_and_become_instance_flags(tmp_path):
     assert s.pools() == [Pool("EP", 2), Pool("D", 1)]
     assert s.instance_args == ["--encode-core-share", "0.25", "--kv-cache-mb", "64", "--max-model-len", "512"]
     assert s.scheduler_args[:2] == ["--max-model-len", "512"] and s.devices == ["0", "1"] and s.pin_instances
-    assert s.scheduler_args[2] == "--http-port" and int(s.scheduler_args[3]) > 0  # the OpenAI front, by default
+    assert s.scheduler_args[2:4] == ["--http-port", "0"]  # the OpenAI front, by default, on a port it binds
     assert s.scheduler_args[4:6] == ["--internal-port", s.registry.rsplit(":", 1)[1]]  # the Registry's own port
 
 
@@ -107,12 +107,28 @@ def test_prefill_and_decode_degrees_parse_and_reach_the_deployment(tmp_path):
 
 
 def test_the_openai_front_is_on_by_default_and_minus_one_turns_it_off():
-    """vLLM users expect an HTTP port: launch gives the scheduler one (a free port, resolved now so
-    a restarted scheduler comes back on it); --http-port -1 serves gRPC only; below -1 is an error."""
+    """vLLM users expect an HTTP port: launch gives the scheduler one (0: the scheduler binds a free
+    one itself); --http-port -1 serves gRPC only; below -1 is an error."""
     on = spec("--mode", "P-D", "--model", "/m")
-    port = on.scheduler_args[on.scheduler_args.index("--http-port") + 1]
-    assert int(port) > 0
+    assert on.scheduler_args[on.scheduler_args.index("--http-port") + 1] == "0"
     assert spec("--mode", "P-D", "--model", "/m", "--http-port", "8123").scheduler_args.count("8123") == 1
     assert "--http-port" not in spec("--mode", "P-D", "--model", "/m", "--http-port", "-1").scheduler_args
     with pytest.raises(ValueError, match="--http-port must be a port, 0 .* or -1"):
         spec("--mode", "P-D", "--model", "/m", "--http-port", "-2")
+
+
+def test_the_scheduler_binds_the_http_port_and_a_restart_comes_back_on_it():
+    """No pick-then-bind race: with --http-port 0 the scheduler binds a free port itself and writes
+    it to its HTTP address file; the launcher reads it (the ready line's http=) and hands that port
+    to a restarted scheduler."""
+    from epdserve.deploy.local.deployment import Deployment
+
+    dep = Deployment(spec("--mode", "P-D", "--model", "/m"))
+    first = dep._scheduler_child(5000, dep.log_dir / "scheduler.address").argv
+    assert first[first.index("--http-address-file") + 1] == str(dep._http_file())
+    assert [a for a in first if a == "--http-port"] == ["--http-port"]  # launch's 0 only
+    dep.http_port = 43210  # what _start_scheduler read from the file
+    again = dep._scheduler_child(5000, dep.log_dir / "scheduler.address").argv
+    assert again[len(again) - 1 - again[::-1].index("--http-port") + 1] == "43210"  # the last one wins
+    off = Deployment(spec("--mode", "P-D", "--model", "/m", "--http-port", "-1"))
+    assert "--http-address-file" not in off._scheduler_child(5000, off.log_dir / "a").argv

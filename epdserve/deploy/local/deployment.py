@@ -127,6 +127,7 @@ class Deployment:
         self.scheduler: ChildProcess | None = None
         self.registry = spec.registry or ""  # host:port instances register at; unless given, once the scheduler bound it
         self._internal_port = 0  # ours (no spec.registry): 0 until the scheduler binds one, then that one
+        self.http_port: int | None = None  # the OpenAI front's port once the scheduler bound it (kept for restarts)
         self.instances: list[ChildProcess] = []
         self._redis = None
         # the deployment's cluster token: the launcher's, else a random one (children get it in their environment)
@@ -190,6 +191,7 @@ class Deployment:
         read from its internal address file and kept for its restarts."""
         addr_file = self.log_dir / "scheduler.address"
         addr_file.unlink(missing_ok=True)
+        self._http_file().unlink(missing_ok=True)
         self.scheduler = self._scheduler_child(self.spec.port, addr_file).start()
         while not addr_file.exists():
             self._check_alive(self.scheduler, "the scheduler")
@@ -198,7 +200,21 @@ class Deployment:
         if not self.spec.registry:  # written before the address file
             self.registry = self._internal_file().read_text().strip()
             self._internal_port = int(self.registry.rsplit(":", 1)[1])
+        if self._http_file().exists():  # the HTTP front, also written before the address file
+            self.http_port = int(self._http_file().read_text().strip().rsplit(":", 1)[1])
         return addr_file.read_text().strip()
+
+    def _http_file(self) -> Path:
+        return self.log_dir / "scheduler.http"
+
+    def _http_args(self) -> list[str]:
+        """With an HTTP front (`--http-port` in the scheduler's flags; 0: a port the scheduler binds
+        itself, so no other process can take it between a pick and the bind), where the scheduler
+        writes the address it bound, and, once bound, that port again for its restarts."""
+        if last_flag(self.spec.scheduler_args, "--http-port") is None:
+            return []
+        again = ["--http-port", str(self.http_port)] if self.http_port else []
+        return ["--http-address-file", str(self._http_file()), *again]
 
     def _write_secret(self, name: str, value: str) -> Path:
         """A secret the deployment made (the private MM Store's password, its cluster token, its
@@ -219,7 +235,7 @@ class Deployment:
         s = self.spec
         return self._child("scheduler", [
             "--model", s.model, "--host", s.host, "--port", str(port), "--mode", s.mode,
-            "--address-file", str(addr_file), *self._internal_args(), *s.scheduler_args],
+            "--address-file", str(addr_file), *self._internal_args(), *s.scheduler_args, *self._http_args()],
             env={CLUSTER_TOKEN_ENV: self.cluster_token, MEDIA_KEY_SECRET_ENV: self.media_key_secret},
             module="epdserve.entrypoints.scheduler_cli")
 
