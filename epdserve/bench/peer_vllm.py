@@ -10,7 +10,7 @@ vllm.entrypoints.openai.api_server`, since the wheel's distribution is named vll
 processor samples by fps, which vLLM's dummy-video profiling cannot feed) and `vllm_env` (both
 cores bound to its OpenMP threads, none reserved, tcmalloc and Intel OpenMP preloaded: without
 them vLLM keeps one of two cores for its API server). Measured on this project's machines
-(2026-12-05, 2026-12-07); the same recipe as ../shared/peers/vllm_cpu.sh.
+(2026-12-05, 2026-12-07).
 """
 from __future__ import annotations
 

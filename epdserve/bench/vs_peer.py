@@ -24,6 +24,8 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from epdserve.settings import add_flags, forward_argv
 from epdserve.slo import SLO, SLO_FLAGS
@@ -32,13 +34,29 @@ from epdserve.bench.peer_compare import AIMS, VLLM_AIMS, comparison_table, merge
 from epdserve.bench.peer_vllm import VLLM_CMD, default_vllm_venv, ensure_vllm_venv, vllm_env
 
 PEER = "transformers-serve"
-# --peer: (its command, its venv, how to build it, its environment, its aims, epdserve's dtype, vLLM's
-# extra body fields sent) — transformers serve refuses vLLM's fields and runs fp32; vLLM takes them
-# (ignore_eos: every answer its full length) and runs bf16, as vLLM's CPU docs set it up
+
+
+@dataclass(frozen=True)
+class PeerKind:
+    """What `--peer` chooses: the peer's command, its venv (where by default, how it is built), the
+    environment it runs with (None: unset), the aims its ratios are checked against, the dtype
+    epdserve runs beside it, and whether it takes vLLM's extra body fields."""
+
+    cmd: str
+    default_venv: Callable[[], pathlib.Path]
+    ensure_venv: Callable[[pathlib.Path, Callable], pathlib.Path]
+    env: Callable[[pathlib.Path], dict[str, str | None]]
+    aims: tuple
+    dtype: str
+    vllm_extras: bool
+
+
+# transformers serve refuses vLLM's fields and runs fp32; vLLM takes them (ignore_eos: every answer
+# its full length) and runs bf16, as vLLM's CPU docs set it up
 PEERS = {
-    "transformers-serve": (PEER_CMD, default_venv, lambda v, log: ensure_peer_venv(v, log=log), lambda v: {}, AIMS,
-                           "float32", False),
-    "vllm": (VLLM_CMD, default_vllm_venv, ensure_vllm_venv, vllm_env, VLLM_AIMS, "bfloat16", True),
+    "transformers-serve": PeerKind(PEER_CMD, default_venv, lambda v, log: ensure_peer_venv(v, log=log),
+                                   lambda v: {}, AIMS, "float32", False),
+    "vllm": PeerKind(VLLM_CMD, default_vllm_venv, ensure_vllm_venv, vllm_env, VLLM_AIMS, "bfloat16", True),
 }
 WORKLOAD = ["--workload", "sharegpt4o", "--text-only-share", "0.5", "--images-per-request", "1",
             "--resolution-mix", "320x180:0.5,480x270:0.3,640x360:0.2", "--resolution-scale", "1",
@@ -85,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    a.peer_cmd = a.peer_cmd or PEERS[a.peer][0]
+    a.peer_cmd = a.peer_cmd or PEERS[a.peer].cmd
     if a.render:
         report = json.loads(pathlib.Path(a.render).read_text())
         text = render(report, _rows(report, a), a.peer)
@@ -93,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     # epdserve runs the peer's dtype (transformers serve fp32, vLLM bf16) unless $EPDSERVE_DTYPE says otherwise
-    os.environ.setdefault("EPDSERVE_DTYPE", PEERS[a.peer][5])
+    os.environ.setdefault("EPDSERVE_DTYPE", PEERS[a.peer].dtype)
     size = QUICK if a.quick else FULL
     repeats = a.repeats or size["repeats"]
     rates = [float(r) for r in a.rates.split(",") if r.strip()]
@@ -138,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 def workload_args(peer: str) -> list[str]:
     """`bench serve`'s workload flags for `peer`: vLLM's extra body fields (ignore_eos: every answer
     its full length) only for a peer that takes them."""
-    return [w for w in WORKLOAD if w != "--no-vllm-extras"] if PEERS[peer][6] else list(WORKLOAD)
+    return [w for w in WORKLOAD if w != "--no-vllm-extras"] if PEERS[peer].vllm_extras else list(WORKLOAD)
 
 
 def _rows(report: dict, a) -> list[dict]:
     """The aim ratios; 'today's monolithic' is `--today`'s target of this run, else `--reference`'s."""
-    aims = PEERS[a.peer][4]
+    aims = PEERS[a.peer].aims
     if a.today:
         return ratio_rows(report, a.peer, report, aims=aims, reference_label=f"epdserve-{a.today}")
     return ratio_rows(report, a.peer, json.loads(pathlib.Path(a.reference).read_text()) if a.reference else None,
@@ -169,15 +187,15 @@ def render(report: dict, rows: list[dict], peer: str = PEER) -> str:
 def _run_peer(a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:
     from epdserve.net import free_port
 
-    _, default, ensure, peer_env, *_ = PEERS[a.peer]
-    venv = pathlib.Path(a.tvenv) if a.tvenv else default()
+    peer = PEERS[a.peer]
+    venv = pathlib.Path(a.tvenv) if a.tvenv else peer.default_venv()
     if "{venv}" in a.peer_cmd:
-        ensure(venv, _log)
+        peer.ensure_venv(venv, _log)
     port = free_port()
     argv = peer_argv(a.peer_cmd, venv=venv, model=model, port=port)
     url = f"http://127.0.0.1:{port}"
     _log(f"[{a.peer}] starting: {shlex.join(argv)}")
-    merged = {**env, **peer_env(venv)}  # a None: the peer runs without that variable
+    merged = {**env, **peer.env(venv)}  # a None: the peer runs without that variable
     with serving(argv, url + "/health", name=a.peer, ready_timeout_s=a.ready_timeout,
                  env={k: v for k, v in merged.items() if v is not None}):
         return _bench(url, a.peer, out, bench, env)

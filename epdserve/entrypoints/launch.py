@@ -140,11 +140,12 @@ def spec_from_args(args):
     inst = [*_flags(merged["instance_args"]), *instance_argv(merged)]
     # launch's own scheduler flags first: --scheduler-args come after them and win (argparse: the last one)
     sched = [*_served_name(merged), *scheduler_argv(merged), *_tls(merged), *_flags(merged["scheduler_args"])]
-    if merged["http_port"] is not None and int(merged["http_port"]) < -1:
-        raise ValueError(f"--http-port must be a port, 0 (a free one) or -1 (no HTTP front), got {merged['http_port']}")
-    if merged["http_port"] is not None and int(merged["http_port"]) >= 0:  # the OpenAI front, by default
+    http_port = -1 if merged["http_port"] is None else int(merged["http_port"])  # a config's null: no front
+    if http_port < -1:
+        raise ValueError(f"--http-port must be a port, 0 (a free one) or -1 (no HTTP front), got {http_port}")
+    if http_port >= 0:  # the OpenAI front, by default
         # 0: the scheduler binds a free port itself; a restarted one comes back on it (deploy/local/deployment.py)
-        sched += ["--http-port", str(int(merged["http_port"]))]
+        sched += ["--http-port", str(http_port)]
     from epdserve.platform import resolve_device
 
     merged["device"] = resolve_device(merged["device"])  # auto: the platform this machine has

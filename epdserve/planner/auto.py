@@ -71,7 +71,8 @@ def ensure_profile(model: str, device: str, given: str | None, degree: int = 1, 
     return str(path)
 
 
-def profiles_for(model: str, device: str, given: str | None, degrees, cache: Path | None = None) -> list[str]:
+def profiles_for(model: str, device: str, given: str | None, degrees: StageDegrees,
+                 cache: Path | None = None) -> list[str]:
     """One profile per degree the plan can use: the given ones (comma-separated, each at the degree
     it records), the rest cached or measured."""
     from epdserve.planner.costs import degree_of
@@ -81,8 +82,7 @@ def profiles_for(model: str, device: str, given: str | None, degrees, cache: Pat
     for path in [p.strip() for p in (given or "").split(",") if p.strip()]:
         have.setdefault(degree_of(read_report(path, "profile", ValueError, "profile", "`epdserve profile` report")),
                         path)
-    needed = {degrees.lm, degrees.encode, degrees.prefill or degrees.lm, degrees.decode or degrees.lm}
-    return [have.get(d) or ensure_profile(model, device, None, d, cache) for d in sorted(needed | set(have))]
+    return [have.get(d) or ensure_profile(model, device, None, d, cache) for d in sorted(degrees.used() | set(have))]
 
 
 def plan_start(model: str, device: str = "cpu", profile: str | None = None, workload: str = DEFAULT_WORKLOAD,

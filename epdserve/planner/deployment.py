@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.instance.modes import DEGREE_FLAGS, Pool, candidate_counts, counts_of_pools, mode_pools, pool_degrees
-from epdserve.roles import STAGES, role_set
+from epdserve.instance.modes import (DEGREE_FLAGS, Pool, candidate_counts, counts_of_pools, mode_pools, pool_degree,
+                                    pool_degrees)
+from epdserve.roles import ROLES, STAGES, role_set
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,20 @@ class StageDegrees:
 
     @property
     def single(self) -> bool:
-        return max(self.lm, self.encode, self.prefill, self.decode) <= 1
+        return not self.above_one()
+
+    def above_one(self) -> list[tuple[str, int]]:
+        """(stage, degree) of each flag above 1, stages as `instance.modes.DEGREE_FLAGS` names them."""
+        return [(k, v) for k, v in (("lm", self.lm), ("encode", self.encode), ("prefill", self.prefill),
+                                    ("decode", self.decode)) if v > 1]
 
     def flags(self) -> str:
         """The flags that differ from one device per instance, e.g. '--prefill-tensor-parallel-size 2'."""
-        return " ".join(f"{DEGREE_FLAGS[k]} {v}" for k, v in
-                        (("lm", self.lm), ("encode", self.encode), ("prefill", self.prefill), ("decode", self.decode))
-                        if v > 1)
+        return " ".join(f"{DEGREE_FLAGS[k]} {v}" for k, v in self.above_one())
+
+    def used(self) -> set[int]:
+        """Every degree an instance of some mode takes at these flags (`pool_degree` for each role set)."""
+        return {pool_degree(r, self.lm, self.encode, self.prefill, self.decode) for r in ROLES}
 
 
 @dataclass(frozen=True)
@@ -102,11 +110,8 @@ class PlannedDeployment:
     def launch_config(self, device: str = "cpu") -> dict:
         cfg = {"mode": self.mode, "encode": self.encode, "prefill": self.prefill, "decode": self.decode,
                "device": device}
-        d = self.degrees
-        for key, value in (("tensor_parallel_size", d.lm), ("encode_tensor_parallel_size", d.encode),
-                           ("prefill_tensor_parallel_size", d.prefill), ("decode_tensor_parallel_size", d.decode)):
-            if value > 1:
-                cfg[key] = value
+        for stage, value in self.degrees.above_one():  # the launch setting each flag fills
+            cfg[DEGREE_FLAGS[stage].lstrip("-").replace("-", "_")] = value
         if not self.colocated_host and device == "cpu":
             cfg["pin_instances"] = True  # a core group per instance, as the plan assumed
         return cfg
@@ -134,12 +139,12 @@ def splits(mode: str, devices: int, colocated_host: bool = False,
     """Every deployment of `mode` that fits `devices` at `degrees` (see the module docstring)."""
     if devices < 1:
         raise ValueError(f"--devices must be >= 1, got {devices}")
-    out = [PlannedDeployment(mode, *c, colocated_host=colocated_host, degrees=degrees)
-           for c in candidate_counts(mode, devices)]
     try:
-        out and out[0].pool_degrees()
+        degrees.of(mode_pools(mode, 1, 1, 1))  # the degrees depend on the roles only, not on the counts
     except ValueError:  # the mode's P->D pair at these degrees is one the KV hop does not carry
         return []
+    out = [PlannedDeployment(mode, *c, colocated_host=colocated_host, degrees=degrees)
+           for c in candidate_counts(mode, devices)]
     if colocated_host:
         return out if degrees.single else [d for d in out if all(p.count * g <= devices for p, g in
                                                                    zip(d.pools, d.pool_degrees()))]

@@ -86,15 +86,14 @@ class Simulation:
         """`costs`: one model for every instance, or one per tensor-parallel degree ({degree: model},
         each from a profile measured at that degree): an instance steps at its degree's costs;
         preprocessing and transfers take the lowest degree's."""
-        per_degree = dict(costs) if isinstance(costs, Mapping) else None
         degrees = deployment.instance_degrees()
-        if per_degree is not None:
-            missing = sorted(set(degrees) - set(per_degree))
-            if missing:
-                raise ValueError(f"no profile at tensor_parallel_size {', '.join(map(str, missing))} (profiles at "
-                                 f"{', '.join(map(str, sorted(per_degree)))}): measure one with `epdserve profile "
-                                 f"--model DIR --tensor-parallel-size {missing[0]}`")
-            costs = per_degree[min(per_degree)]
+        per_degree = dict(costs) if isinstance(costs, Mapping) else {d: costs for d in degrees}
+        missing = sorted(set(degrees) - set(per_degree))
+        if missing:
+            raise ValueError(f"no profile at tensor_parallel_size {', '.join(map(str, missing))} (profiles at "
+                             f"{', '.join(map(str, sorted(per_degree)))}): measure one with `epdserve profile "
+                             f"--model DIR --tensor-parallel-size {missing[0]}`")
+        costs = per_degree[min(per_degree)]
         self.deployment, self.costs, self.tpot_pace_s = deployment, costs, tpot_pace_s
         self.limits = limits or Limits()
         self.now = 0.0
@@ -108,7 +107,7 @@ class Simulation:
         for i, (roles, degree) in enumerate(zip(deployment.instance_roles(), degrees)):
             dev = self.devices.setdefault(deployment.device_of(i), Device(self, deployment.device_of(i)))
             for w in self._workers(roles, dev, f"{roles}{i}"):
-                w.costs = per_degree[degree] if per_degree is not None else costs
+                w.costs = per_degree[degree]
                 dev.workers.append(w)
         self.done: list[Job] = []
 

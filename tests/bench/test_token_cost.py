@@ -27,7 +27,7 @@ def test_stacks_are_counted_by_their_innermost_stage():
 
 def test_the_processes_of_a_launch_are_named_by_role():
     """Real processes under a stand-in launcher, with the command lines deploy/local/deployment.py gives
-    its children (each only sleeps): found by role, two instances of one role numbered."""
+    its children (each only waits to be killed): found by role, two instances of one role numbered."""
     import subprocess
     import sys
 
@@ -36,9 +36,9 @@ def test_the_processes_of_a_launch_are_named_by_role():
 
     kids = [["-m", "epdserve.entrypoints.scheduler_cli", "--port", "1"], ["instance", "--roles", "D"],
             ["instance", "--roles", "D"], ["instance", "--roles", "EP"], ["valkey-server", "--port", "9"]]
-    spawn = ("import subprocess, sys, time\n"
-             f"ps = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', *a]) for a in {kids!r}]\n"
-             "print('up', flush=True); time.sleep(120)")
+    spawn = ("import signal, subprocess, sys\n"
+             f"ps = [subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()', *a]) for a in {kids!r}]\n"
+             "print('up', flush=True); signal.pause()")
     launcher = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout.readline().strip() == "up"

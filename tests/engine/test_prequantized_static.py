@@ -26,7 +26,7 @@ from epdserve import LLM, SamplingParams
 from epdserve.engine.lm.prequantized import DESCRIPTION
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear, quantize_int8, quantize_rows
 from epdserve.engine.lm.static_w8a8 import StaticPart, StaticW8A8Linear, quantize_per_tensor
-from tests.engine.test_quantization import PROMPTS, QUANTIZED, W8A8_NEAR_TIE
+from tests.engine.test_quantization import PROMPTS, QUANTIZED, W8A8_NEAR_TIE, dequantized_checkpoint
 from tests.hf_oracle import HFOracle, assert_same_greedy
 
 TOKENS = 8
@@ -105,18 +105,18 @@ def static_checkpoint(src, dst, calib, dynamic_down: bool = False):
 
 
 def oracle_for(src, dst, calib, dynamic_down: bool = False) -> HFOracle:
-    """transformers on the weights the engine computes with (module docstring), inputs fake-quantized."""
-    shutil.copytree(src, dst)
+    """transformers on the weights the engine computes with (module docstring), inputs fake-quantized:
+    the dequantized weights as tests/engine/test_quantization.py writes them, then each static
+    projection's bias rounded to its deq_scale grid (the part quant_bias carries)."""
+    dequantized_checkpoint(src, dst)
     for f in dst.glob("*.safetensors"):
         tensors = load_file(f)
-        for name, w in list(tensors.items()):
-            if ".layers." in name and "visual" not in name and name.endswith(QUANTIZED):
-                q, ws = quantize_int8(w.float())
-                tensors[name] = (q.float() * ws.float()[:, None]).contiguous()
-                base = name[: -len(".weight")]
-                if base + ".bias" in tensors and not (dynamic_down and name.endswith("down_proj.weight")):
-                    deq = torch.tensor(calib[_key(name)][0], dtype=torch.float32) * ws.float()
-                    tensors[base + ".bias"] = torch.round(tensors[base + ".bias"].float() / deq) * deq
+        for name, w in load_file(src / f.name).items():
+            base = name[: -len(".weight")]
+            if (".layers." in name and "visual" not in name and name.endswith(QUANTIZED) and base + ".bias" in tensors
+                    and not (dynamic_down and name.endswith("down_proj.weight"))):
+                deq = torch.tensor(calib[_key(name)][0], dtype=torch.float32) * quantize_int8(w.float())[1].float()
+                tensors[base + ".bias"] = torch.round(tensors[base + ".bias"].float() / deq) * deq
         save_file(tensors, f, metadata={"format": "pt"})
     oracle = HFOracle(dst)
 
@@ -153,7 +153,7 @@ def test_the_static_kernel_equals_the_format_arithmetic_within_rounding():
         q = torch.randint(-127, 128, (8 + i, 64), generator=g, dtype=torch.int8)
         qb = torch.randint(-1000, 1000, (8 + i,), generator=g, dtype=torch.int32) if bias else None
         parts.append(StaticPart(q, scale, offset, torch.rand(8 + i, generator=g) * 1e-3, qb))
-    lin = StaticW8A8Linear(parts, torch.float32)
+    lin = StaticW8A8Linear(parts)
     assert len(lin.groups) == 2 and lin.out_features == 8 + 9 + 10
     got = lin(x)
     want = []

@@ -64,19 +64,23 @@ def test_devices_are_counted_per_rank_at_the_stage_degrees():
 
 
 def test_each_instance_steps_at_its_own_degrees_costs():
-    """Costs per degree: a decode pool at TP2 with a profile whose steps take half as long predicts a
-    lower TPOT than at TP1; a degree without a profile is refused naming the command that measures it."""
+    """Costs per degree: in an E-P-D whose decode pool runs at TP2, the D instance's workers step at
+    the TP2 profile's costs and the E and P ones at TP1's; a degree without a profile is refused
+    naming the command that measures it."""
     import pytest
 
     from epdserve.planner.costs import Curve
     from epdserve.planner.deployment import PlannedDeployment, StageDegrees
+    from epdserve.planner.simulate import Simulation
 
     costs, _ = CostModel.load(PROFILE)
     faster = replace(costs, decode=Curve(costs.decode.xs, tuple(y / 2 for y in costs.decode.ys)))
-    shapes = shapes_from_trace(SERVE)[:10]
-    tp1 = predict(PlannedDeployment("E-P-D", 1, 1, 1), {1: costs, 2: faster}, shapes)
-    tp2 = predict(PlannedDeployment("E-P-D", 1, 1, 1, degrees=StageDegrees(decode=2)), {1: costs, 2: faster}, shapes)
-    assert tp2.metrics["tpot_ms"]["median"] < tp1.metrics["tpot_ms"]["median"]
-    assert tp2.metrics["ttft_ms"]["median"] == tp1.metrics["ttft_ms"]["median"]  # P still at TP1
+    sim = Simulation(PlannedDeployment("E-P-D", 1, 1, 1, degrees=StageDegrees(decode=2)), {1: costs, 2: faster})
+    assert [w.costs for w in sim.decoders] == [faster]
+    assert [w.costs for w in sim.encoders + sim.prefillers] == [costs, costs]
+    one = Simulation(PlannedDeployment("E-P-D", 1, 1, 1), {1: costs, 2: faster})
+    assert all(w.costs is costs for w in one.encoders + one.prefillers + one.decoders)
+    predict(PlannedDeployment("E-P-D", 1, 1, 1, degrees=StageDegrees(decode=2)), {1: costs, 2: faster},
+            shapes_from_trace(SERVE)[:10])  # and it runs
     with pytest.raises(ValueError, match="no profile at tensor_parallel_size 2 .*--tensor-parallel-size 2"):
-        predict(PlannedDeployment("E-P-D", 1, 1, 1, degrees=StageDegrees(decode=2)), {1: costs}, shapes)
+        Simulation(PlannedDeployment("E-P-D", 1, 1, 1, degrees=StageDegrees(decode=2)), {1: costs})

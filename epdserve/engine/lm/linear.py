@@ -26,6 +26,7 @@ import torch
 from epdserve.engine.lm.fusion import fuse
 from epdserve.engine.lm.int4_linear import Int4Linear
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
+from epdserve.engine.lm.static_w8a8 import StaticW8A8Linear
 
 
 class Linear(Protocol):
@@ -64,13 +65,13 @@ METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel", "w8a8": "tor
                   "ascend": "torch's int8 CPU kernels"}
 
 
-def method_of(linear) -> str:
-    """The method name a built projection runs (the inverse of `LINEAR_METHODS`)."""
-    from epdserve.engine.lm.static_w8a8 import StaticW8A8Linear
+CHECKPOINT_LINEARS = {"w8a8-static": StaticW8A8Linear}  # built from a checkpoint's own tensors only
 
-    if isinstance(linear, StaticW8A8Linear):
-        return "w8a8-static"
-    return next((name for name, cls in LINEAR_METHODS.items() if isinstance(linear, cls)), type(linear).__name__)
+
+def method_of(linear) -> str:
+    """The method name a built projection runs (the inverse of `LINEAR_METHODS`, `CHECKPOINT_LINEARS`)."""
+    return next((name for name, cls in {**LINEAR_METHODS, **CHECKPOINT_LINEARS}.items() if isinstance(linear, cls)),
+                type(linear).__name__)
 
 
 def check_method(quantization: str | None, platform: str) -> str:

@@ -107,7 +107,7 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
         if kinds == {"W8A16"}:
             return _w8a16(reader, p, parts, biases or [None] * len(parts), dtype, device)
         if kinds == {"W8A8"}:  # split by its inputs (o, down): the ranks' sums add up, rank 0 adds quant_bias
-            return _w8a8_static(reader, p, parts, dtype, device, bias_here=shard.rank == 0 or parts[0][2] is None)
+            return _w8a8_static(reader, p, parts, device, bias_here=shard.rank == 0 or parts[0][2] is None)
         return make_linear([get(m + ".weight", r, c).contiguous() for m, r, c in parts], biases,
                            "dense" if description else method)
 
@@ -167,7 +167,7 @@ def _w8a16(reader: SafetensorsReader, p: str, parts, biases, dtype, device) -> I
     return Int8Linear.prequantized(_int8_parts(reader, p, parts, "W8A16", device), scales, biases, dtype)
 
 
-def _w8a8_static(reader: SafetensorsReader, p: str, parts, dtype, device, bias_here: bool) -> StaticW8A8Linear:
+def _w8a8_static(reader: SafetensorsReader, p: str, parts, device, bias_here: bool) -> StaticW8A8Linear:
     """msModelSlim static W8A8 parts (engine/lm/static_w8a8.py): the rank's slice of each int8 weight,
     the deq_scale and quant_bias of its output rows (all of them for a projection split by its inputs,
     where only rank 0 adds quant_bias: `bias_here`), one input scale and offset per part."""
@@ -179,8 +179,8 @@ def _w8a8_static(reader: SafetensorsReader, p: str, parts, dtype, device, bias_h
         if deq.dtype != torch.float32:
             raise ValueError(f"{name}.deq_scale is {deq.dtype}: only a bf16 export's float32 deq_scale is read (an "
                              f"fp16 export's int64 encoding for the NPU operator is not)")
-        scale, offset = reader.get(name + ".input_scale"), reader.get(name + ".input_offset")
-        if scale.numel() != 1 or offset.numel() != 1 or not float(scale.float().reshape(-1)[0]) > 0:
+        scale, offset = reader.get(name + ".input_scale").float(), reader.get(name + ".input_offset").float()
+        if scale.numel() != 1 or offset.numel() != 1 or not float(scale.reshape(-1)[0]) > 0:
             raise ValueError(f"{name}: input_scale and input_offset must be one value each, the scale > 0 (got shapes "
                              f"{tuple(scale.shape)} and {tuple(offset.shape)})")
         bias = reader.get(name + ".quant_bias", rows) if bias_here else None
@@ -188,9 +188,9 @@ def _w8a8_static(reader: SafetensorsReader, p: str, parts, dtype, device, bias_h
             raise ValueError(f"{name}.quant_bias is {bias.dtype}, expected int32")
         if deq.reshape(-1).shape[0] != q.shape[0] or (bias is not None and bias.reshape(-1).shape[0] != q.shape[0]):
             raise ValueError(f"{name}: deq_scale / quant_bias do not have one value per output row ({q.shape[0]})")
-        out.append(StaticPart(q, float(scale.float().reshape(-1)[0]), int(round(float(offset.float().reshape(-1)[0]))),
+        out.append(StaticPart(q, float(scale.reshape(-1)[0]), int(round(float(offset.reshape(-1)[0]))),
                               deq.to(device).reshape(-1), None if bias is None else bias.to(device).reshape(-1)))
-    return StaticW8A8Linear(out, dtype)
+    return StaticW8A8Linear(out)
 
 
 def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get) -> ExpertShard:

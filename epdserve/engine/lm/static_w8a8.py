@@ -76,8 +76,7 @@ class _Group:
 class StaticW8A8Linear:
     """msModelSlim static W8A8 (see the module docstring); the linear-layer contract's `Linear`."""
 
-    def __init__(self, parts: list[StaticPart], dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, parts: list[StaticPart]):
         self.groups: list[_Group] = []
         run: list[StaticPart] = []
         for p in parts:

@@ -361,8 +361,8 @@ class KVReceiver(PairEndpoint):
         bound passes (`pop_released`). `others`: the instance's other ranks received into the same
         blocks, and whether their receives ended is theirs to see, not rank 0's — so on such a
         platform the batch is held until the bound, whatever rank 0's own receives did."""
-        unseen = [_OTHER_RANKS] if others and self.platform.stuck_work_bound_s() is not None else []
-        bound = self.platform.stuck_work_bound_s() if stuck or unseen else None
+        bound = self.platform.stuck_work_bound_s() if stuck or others else None
+        unseen = [_OTHER_RANKS] if others and bound is not None else []
         until = time.monotonic() + bound if bound is not None else None
         with self._lock:
             for e in accepted:
