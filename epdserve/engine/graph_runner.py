@@ -7,7 +7,10 @@ laid out per bucket (token ids, M-RoPE positions, slots, context lengths: B' eac
 B' x W') and uploaded by the step's one copy straight into the static device buffer the graph
 was captured reading (engine/step_buffers.py `dest`); padding rows decode a dummy token into the
 KV cache's padding block (engine/kv_cache.py `pad_block`), attending only to it. The graph runs
-embed → layers → final norm → LM head into a static logits buffer; sampling stays eager. Graphs
+embed → layers → final norm → LM head into one logits buffer every graph shares (fp32 [the largest
+batch bucket, vocab], allocated at the first warm-up, outside any capture: a graph's output is
+its first rows, so no graph keeps a [batch, vocab] buffer of its own — ~0.6 GB per bucket of 32 at
+a 152k vocabulary); sampling stays eager and reads it before the next replay writes it. Graphs
 share one memory pool, captured from the largest batch down, each bucket run once eagerly right
 before its capture. The widths the first request needs
 are captured at start-up for every batch bucket — every width bucket up to the start-up context's
@@ -53,6 +56,7 @@ class DecodeGraphs:
         need = max(self._layout_bytes(b, self._width(max_blocks)) for b in self.buckets)
         self.static = torch.empty(need, dtype=torch.uint8, device=kv_cache.keys[0].device)
         self.capture_s = 0.0
+        self.logits: torch.Tensor | None = None  # the graphs' one output buffer (see the module docstring)
 
     def _width(self, blocks: int) -> int:
         w = MIN_WIDTH
@@ -105,7 +109,10 @@ class DecodeGraphs:
         empty = ids[:0]
         meta = AttentionMeta(self.kv_cache, self.paged_ops, slots, [], empty, tables, ctx, decode_only=True)
         normed = self.lm.forward(self.lm.embed(ids), positions, meta, self.layer_ops)
-        return self.lm.logits(normed).float()
+        logits = self.lm.logits(normed)
+        if self.logits is None:  # the first warm-up, eager: never inside a capture
+            self.logits = torch.empty(self.buckets[-1], logits.shape[-1], dtype=torch.float32, device=logits.device)
+        return self.logits[:bp].copy_(logits)  # copy_ casts: for bf16 the one kernel .float() was
 
     @torch.inference_mode()
     def _capture(self, key) -> None:

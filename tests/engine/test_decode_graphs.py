@@ -52,6 +52,18 @@ def test_capture_startup_covers_every_bucket(setup):
     assert {(b, w) for b in r.graphs.buckets for w in (8, 16)} <= set(r.graphs.graphs)
 
 
+def test_every_graph_writes_its_logits_into_one_shared_buffer(setup):
+    """Issue 52 item 1: one fp32 logits buffer of the largest bucket for all graphs; each graph's
+    output is its first rows (no [batch, vocab] buffer per graph)."""
+    llm, _, _ = setup
+    g = llm.engine.runner.graphs
+    g.capture_startup(16)
+    shared = g.logits
+    assert shared is not None and shared.shape[0] == g.buckets[-1] and shared.dtype.is_floating_point
+    for (bp, _), (_, out) in g.graphs.items():
+        assert out.data_ptr() == shared.data_ptr() and out.shape == (bp, shared.shape[1])
+
+
 def test_a_capture_that_fails_falls_back_to_eager(qwen2_vl_tiny):
     llm = LLM(model=qwen2_vl_tiny, device="cpu", max_num_seqs=4)
     r = llm.engine.runner
