@@ -10,7 +10,7 @@
 #               installed packages are used as they are
 # --python PY   the interpreter (default python3)
 # Every other argument goes to `epdserve bench device` (epdserve/checks/device) (see `--help`): --out DIR, --parts
-# exact,serve,perf,tp, --device cuda|npu|cpu, --exact-timeout/--serve-timeout/--perf-timeout/--tp-timeout S, ...
+# graphs,perf,exact,tp,serve, --total-timeout S, --device cuda|npu|cpu, --exact-timeout/--serve-timeout/--perf-timeout/--tp-timeout S, ...
 # Launches start their own password-protected MM Store (the password reaches the children in their
 # environment only), on a free port. Prints one RESULT line per part, then the Markdown report; the
 # JSON and the logs are in --out. Exit status: 0 when every part finished in time.

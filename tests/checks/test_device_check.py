@@ -63,10 +63,15 @@ def test_every_part_runs_on_cpu_and_reports_its_figures(tmp_path):
 
 
 def test_a_part_past_its_timeout_is_stopped_and_reported(tmp_path):
-    proc, report = _bench(tmp_path, "--parts", "exact", "--archs", "qwen2_vl", "--exact-timeout", "2", timeout=120)
+    """A part past its own timeout is stopped; the check as a whole stops at --total-timeout: a part
+    left with no time is reported not run (issue 52 item 5: one call within a lent device's budget)."""
+    proc, report = _bench(tmp_path, "--parts", "exact,graphs", "--archs", "qwen2_vl", "--exact-timeout", "2",
+                          "--total-timeout", "2", timeout=120)
     assert proc.returncode == 1
     assert report["parts"]["exact"]["status"].startswith("timeout after 2 s")
     assert any(line.startswith("RESULT exact cpu timeout") for line in proc.stdout.splitlines())
+    assert report["parts"]["graphs"]["status"] == "not run: the check's 2 s (--total-timeout) were spent"
+    assert "## graphs" in (tmp_path / "out" / "device-check.md").read_text()
 
 
 def test_the_report_prints_missing_figures_as_dashes():
@@ -113,10 +118,14 @@ def test_the_graphs_table_prints_every_figure():
     fig = {"batch1": {"equal": 1, "of": 1}, "batch3": {"equal": 3, "of": 3}, "batch32": {"equal": 31, "of": 32},
            "evidence": {"graphs": True, "why_off": "", "keys": 38, "capture_s": 2.1, "replays": 500,
                         "eager_decode_steps": {}},
-           "tpot_ms": {"b1": {"graphs": 3.1, "eager": 9.3, "eager_over_graphs": 3.0}}, "empty_cache": "ok"}
+           "tpot_ms": {"b1": {"graphs": 3.1, "eager": 9.3, "eager_over_graphs": 3.0}}, "empty_cache": "ok",
+           "launches_graphs": {"device_kernels": 290.0, "kernel_launches": 6.0, "graph_launches": 1.0},
+           "launches_eager": {"error": "RuntimeError: CUPTI_ERROR"}}
     md = markdown({"device": "cuda", "parts": {"graphs": {"status": "ok", "figures": fig}}})
     for text in ("batch 32 | 31/32", "| graphs | on |", "| keys captured (capture s) | 38 (2.10 s) |",
-                 "TPOT b1: graphs / eager | 3.10 ms / 9.30 ms (x3.00)", "| final empty_cache() | ok |"):
+                 "TPOT b1: graphs / eager | 3.10 ms / 9.30 ms (x3.00)", "| final empty_cache() | ok |",
+                 "| graphs, per decode token at batch 1: device kernels; kernel / graph launches | 290; 6.00 / 1.00 |",
+                 "| eager, per decode token at batch 1: device kernels; kernel / graph launches | error: RuntimeError"):
         assert text in md, md
 
 

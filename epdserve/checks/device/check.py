@@ -8,7 +8,8 @@ only; its figures so far are kept), one `RESULT` line per part on stdout, and th
 (`device-check.json`) and Markdown (`device-check.md`, `report`) in `--out`, beside each
 part's log (`<part>.log`) and the profiler tables (`profile-<dtype>.txt`).
 
-Parts: exact (`exact`), serve (`serve`), perf (`perf`).
+Parts, in the order they run: graphs (`graphs`), perf (`perf`), exact (`exact`), tp (`tp`),
+serve (`serve`) — the speed tables first.
 """
 from __future__ import annotations
 
@@ -22,45 +23,56 @@ import sys
 import tempfile
 import time
 
-PART_NAMES = ("exact", "serve", "perf", "tp", "graphs")
+# run in this order: the speed tables first (graphs: tiny model, while the perf part's 2b checkpoint
+# builds in the background; then perf), so a call cut short by the device's budget keeps them
+PART_NAMES = ("graphs", "perf", "exact", "tp", "serve")
 TIMEOUT_ENV = "EPDSERVE_DEVICE_CHECK_{}_TIMEOUT_S"  # EXACT / SERVE / PERF / TP / GRAPHS: a part's default timeout
 # an H200 run: ~75 + ~130 + ~170 s (graphs: an estimate, never run on a GPU)
 DEFAULT_TIMEOUTS = {"exact": 120.0, "serve": 240.0, "perf": 200.0, "tp": 150.0, "graphs": 120.0}
+TOTAL_ENV = "EPDSERVE_DEVICE_CHECK_TIMEOUT_S"
+DEFAULT_TOTAL_S = 480.0  # a lent machine has 15 minutes in all, start-up and a rerun included
 ALL_MODES = ("monolithic", "P-D", "E-PD", "EP-D", "ED-P", "E-P-D")
 
 
 DESCRIPTION = """\
 The device check of a machine with a GPU (cuda), an NPU (npu) or only the CPU, in one command that
-needs no package index. Five parts, each in its own process under its own timeout, each printing
-one RESULT line:
+needs no package index. Five parts, run in this order (the speed tables first), each in its own process under its own
+timeout, each printing one RESULT line:
 
-  exact  offline LLM(dtype=float32) greedy == transformers' greedy generate on the same device, for
-         the tiny demo model of each family (one image, two images, text only); bf16 agreement
-         (common prefix) reported too
-  serve  `epdserve launch --mode M --device DEV` for every mode: ready time, served greedy tokens ==
-         offline, and the P->D KV hop the launcher chose (host when a P and a D share one
-         accelerator: NCCL cannot pair two ranks on one device)
+  graphs decode graphs against --enforce-eager, bf16: greedy tokens equal at batch 1, 3 and 32 with
+         contexts crossing a width bucket mid-run, the evidence (keys, replays, eager steps), TPOT
+         both ways at batch 1 and 32, kernels and kernel / graph launches per token both ways, and a
+         final empty_cache(); skipped where there are no graphs
   perf   a Qwen2-VL-2B-shaped checkpoint (demo --size 2b: its shapes, demo vocabulary, random
          weights; on CPU the small demo model, fp32 and bf16): decode TPOT at batch 1 and 32 and
          tok/s, transformers generate (eager) the same way, the memory floor (LM bytes /
-         --bandwidth), device kernels and host ops per token (torch.profiler), and the served TPOT
+         --bandwidth), device kernels, host ops and kernel / graph launches per token
+         and the attention kernels that ran (torch.profiler), and the served TPOT
          of one request alone against offline
+  exact  offline LLM(dtype=float32) greedy == transformers' greedy generate on the same device, for
+         the tiny demo model of each family (one image, two images, text only); bf16 agreement
+         (common prefix) reported too
   tp     LLM(tensor_parallel_size=2), ranks on devices 0 and 1 (NCCL / HCCL; gloo and shared memory
          on CPU), greedy == transformers' on one device, a dense family and the MoE one (experts
          split over the ranks); skipped, saying so, with fewer than two devices
-  graphs decode graphs against --enforce-eager, bf16: greedy tokens equal at batch 1, 3 and 32 with
-         contexts crossing a width bucket mid-run, the evidence (keys, replays, eager steps), TPOT
-         both ways at batch 1 and 32, and a final empty_cache(); skipped where there are no graphs
+  serve  `epdserve launch --mode M --device DEV` for every mode: ready time, served greedy tokens ==
+         offline, and the P->D KV hop the launcher chose (host when a P and a D share one
+         accelerator: NCCL cannot pair two ranks on one device)
 
 Writes device-check.json and device-check.md (one table per part) into --out, beside each part's
 log. Timeouts default to exact 120 s, serve 240 s, perf 200 s, tp 150 s, graphs 120 s (or
-EPDSERVE_DEVICE_CHECK_{EXACT,SERVE,PERF,TP,GRAPHS}_TIMEOUT_S): the whole check takes about 7 minutes
-on an H200 without the graphs part (its time is an estimate). scripts/device_check.sh installs wheels from a directory first (--wheels DIR) and runs this.
+EPDSERVE_DEVICE_CHECK_{EXACT,SERVE,PERF,TP,GRAPHS}_TIMEOUT_S), and the whole check at most
+--total-timeout, 480 s (a part runs under what is left, if less; one with nothing left is reported
+not run): about 7 minutes on an H200 without the graphs part (its time is an estimate). scripts/device_check.sh installs wheels from a directory first (--wheels DIR) and runs this.
 """
 
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _total_timeout() -> float:
+    return float(os.environ.get(TOTAL_ENV, DEFAULT_TOTAL_S))
 
 
 def _timeout(part: str) -> float:
@@ -82,6 +94,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--parts", default=",".join(PART_NAMES), help="comma-separated parts to run (default: all)")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "epdserve-device-check"),
                    help="demo checkpoints (built once, reused by later runs) and launch logs")
+    p.add_argument("--total-timeout", type=float, default=_total_timeout(), metavar="S",
+                   help="seconds the whole check may run (a lent device's budget): each part runs under the "
+                        "smaller of its own timeout and what is left; a part with nothing left is reported "
+                        f"not run (or ${TOTAL_ENV})")
     for part in PART_NAMES:
         p.add_argument(f"--{part}-timeout", type=float, default=_timeout(part), metavar="S",
                        help=f"seconds the {part} part may run (default {_timeout(part):g})")
@@ -234,9 +250,16 @@ def run(args: argparse.Namespace) -> int:
     report = {"benchmark": "device", "device": cfg.device, **device_facts(cfg.device),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": json.loads(cfg.to_json()), "parts": {}}
     prebuild = start_prebuild(cfg) if "perf" in parts else None
+    deadline = time.monotonic() + args.total_timeout
     for part in parts:
-        print(f"== {part} (timeout {getattr(args, f'{part}_timeout'):g} s) {time.strftime('%H:%M:%S')}", flush=True)
-        entry = run_part(part, cfg, getattr(args, f"{part}_timeout"))
+        left = deadline - time.monotonic()
+        if left < 1.0:
+            entry = {"status": f"not run: the check's {args.total_timeout:g} s (--total-timeout) were spent",
+                     "elapsed_s": 0.0, "timeout_s": 0.0, "figures": {}, "log": None}
+        else:
+            timeout = min(getattr(args, f"{part}_timeout"), round(left, 1))
+            print(f"== {part} (timeout {timeout:g} s) {time.strftime('%H:%M:%S')}", flush=True)
+            entry = run_part(part, cfg, timeout)
         report["parts"][part] = entry
         print(f"RESULT {part} {cfg.device} {entry['status']} {entry['elapsed_s']}s: "
               f"{summary(part, entry['figures'])}", flush=True)

@@ -5,7 +5,9 @@ same with `enforce_eager=True`, bf16, the tiny demo Qwen2-VL, at batch 1, 3 (pad
 bucket of 4) and 32, each prompt ~100 tokens and 48 new ones so every context crosses from width
 bucket 8 blocks to 16 mid-run (a capture mid-run): greedy tokens equal per prompt; the graph
 evidence (keys, capture seconds, replays, eager decode steps by reason: engine/model_runner.py
-`graph_report`); TPOT with graphs and eagerly at batch 1 and 32 (perf.py's `_tpot_ms`); and a final
+`graph_report`); TPOT with graphs and eagerly at batch 1 and 32 (perf.py's `_tpot_ms`); device
+kernels, kernel launches and graph launches per decode token at batch 1, both ways (`_launches`:
+replay must show about one cudaGraphLaunch a token and few kernel launches); and a final
 `empty_cache()` that must succeed (a capture left half-open breaks it). On a platform without graphs
 (the CPU, the NPU today) the part reports itself skipped, saying why. Never run on a GPU yet.
 """
@@ -40,6 +42,7 @@ def run(cfg: CheckConfig, result: PartResult) -> None:
             tpot = {b: round(_tpot_ms(lambda k, b=b: llm.generate(_prompts(b), greedy(k)), TPOT_TOKENS, cfg.device,
                                       2)[0], 2) for b in (1, 32)}
             runs[name] = (outs, tpot, llm.engine.runner.graph_report())
+            result.set(f"launches_{name}", _launches(llm, cfg.device))
         finally:
             llm.engine.close()
             free_device_memory(cfg.device)
@@ -60,6 +63,19 @@ def run(cfg: CheckConfig, result: PartResult) -> None:
         result.set("empty_cache", "ok")
     except Exception as e:  # a capture left half-open makes the allocator assert here
         result.set("empty_cache", f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def _launches(llm, device: str) -> dict:
+    """Per decode token at batch 1 (profile.ops_per_token): device kernels, kernel launches and
+    graph launches — replayed, a step is one cudaGraphLaunch and the few kernels sampling launches;
+    eagerly, a launch per kernel."""
+    from epdserve.checks.device.profile import ops_per_token
+
+    try:
+        c = ops_per_token(lambda k: llm.generate(_prompts(1), greedy(k)), device)
+    except Exception as e:  # the profiler is a figure, not the part
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {k: c[k] for k in ("device_kernels", "kernel_launches", "graph_launches")}
 
 
 def summary(data: dict) -> str:

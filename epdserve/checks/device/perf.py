@@ -6,7 +6,9 @@ Per dtype (bf16 on an accelerator; fp32 and bf16 on CPU, on the `small` demo mod
   `perf_tokens`-token and a 1-token greedy generate over `perf_tokens - 1` steps (prefill cancels
   out), median of `perf_repeats`; the batch's decode tok/s (batch / TPOT) and its end-to-end tok/s
   (batch x tokens / wall time, prefill included);
-- operators per decode token at batch 1 (`profile.ops_per_token`);
+- operators per decode token at batch 1 (`profile.ops_per_token`): device kernels, host aten ops
+  and profiler events, kernel and graph launches (cudaLaunchKernel / cudaGraphLaunch), and the
+  attention kernels that ran (which backend SDPA chose, and the Triton decode kernel);
 - the served TPOT of one request alone (`served`, first dtype only) and its ratio to offline;
 - transformers' `generate` (eager, its own cache) at the same batch sizes, the same way;
 - the memory floor: the LM's parameter bytes / the device's memory bandwidth (`--bandwidth`,
@@ -92,6 +94,7 @@ def _epdserve(cfg: CheckConfig, model: str, dtype: str, fig: dict, save, served:
     try:
         table = os.path.join(cfg.out_dir, f"profile-{dtype}.txt")
         counts = ops_per_token(lambda k: llm.generate([TEXT], greedy(k)), cfg.device, table_path=table)
+        fig["attention_kernels"] = counts.pop("attention_kernels")
         fig.update({f"{k}_per_token_b1": v for k, v in counts.items()})
     except Exception as e:  # the profiler is a figure, not the part
         fig["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"

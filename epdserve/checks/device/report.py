@@ -50,6 +50,11 @@ def _graphs(fig: dict) -> list[str]:
              f"| replays; eager decode steps by reason | {_v(ev.get('replays'))}; {ev.get('eager_decode_steps')} |"]
     rows += [f"| TPOT {b}: graphs / eager | {_v(v.get('graphs'), ' ms')} / {_v(v.get('eager'), ' ms')} "
              f"(x{_v(v.get('eager_over_graphs'))}) |" for b, v in tp.items()]
+    for name in ("graphs", "eager"):
+        la = fig.get(f"launches_{name}", {})
+        rows.append(f"| {name}, per decode token at batch 1: device kernels; kernel / graph launches | "
+                    + (f"error: {la['error']}" if "error" in la else f"{_v(la.get('device_kernels'))}; "
+                       f"{_v(la.get('kernel_launches'))} / {_v(la.get('graph_launches'))}") + " |")
     return rows + [f"| final empty_cache() | {fig.get('empty_cache', 'n/a')} |"]
 
 
@@ -86,6 +91,9 @@ def _perf(fig: dict) -> list[str]:
                  f"| device kernels per token, batch 1 | {_v(v.get('device_kernels_per_token_b1'))} | | |",
                  f"| host aten ops per token, batch 1 | {_v(v.get('aten_ops_per_token_b1'))} | | |",
                  f"| host profiler events per token, batch 1 | {_v(v.get('host_events_per_token_b1'))} | | |",
+                 f"| kernel / graph launches per token, batch 1 | {_v(v.get('kernel_launches_per_token_b1'))} / "
+                 f"{_v(v.get('graph_launches_per_token_b1'))} | | |",
+                 f"| attention kernels that ran | {', '.join(v.get('attention_kernels') or []) or 'n/a'} | | |",
                  f"| decode graphs: keys (capture s), replays, eager decode steps | {v.get('graphs', 'n/a')}: "
                  f"{_v(v.get('graph_keys'))} ({_v(v.get('graph_capture_s'), ' s')}), {_v(v.get('graph_replays'))}, "
                  f"{_v(v.get('eager_decode_steps'))} | | |",
