@@ -80,8 +80,15 @@ def test_the_report_prints_missing_figures_as_dashes():
                                               "P-D": {"ready_s": 9.0, "equal": 3, "of": 3, "kv_hop": "host"}}},
         "perf": {"status": "timeout after 200 s", "figures": {
             "model": {"size": "2b", "lm_params_M": 1331.7, "bandwidth_Bps": 4.8e12, "tokens": 65, "batch": 32},
-            "bfloat16": {"lm_param_GB": 2.663, "floor_ms": 0.555, "epd_tpot_b1_ms": 34.7}}}}}
+            "bfloat16": {"lm_param_GB": 2.663, "floor_ms": 0.555, "epd_tpot_b1_ms": 34.7,
+                         "device_kernels_per_token_b1": 290.0, "kernels_per_layer_b1": 10.4,
+                         "kernel_launches_per_token_b1": 6.0, "graph_launches_per_token_b1": 1.0,
+                         "attention_kernels": ["_paged_decode_kernel", "flash_fwd_kernel"]}}}}}
     md = markdown(report)
+    for text in ("| device kernels per token, batch 1 (per LM layer, at most) | 290 (10.40) |",
+                 "| kernel / graph launches per token, batch 1 | 6.00 / 1.00 |",
+                 "| attention kernels that ran | _paged_decode_kernel, flash_fwd_kernel |"):
+        assert text in md, md
     assert "| P-D | 9.0 | 3/3 | host |" in md and "| E-P-D | — | FAILED: not ready" in md
     assert "| decode TPOT, batch 1 | 34.70 ms | — | 0.555 ms (2.66 GB / bandwidth) |" in md
 

@@ -8,7 +8,8 @@ Per dtype (bf16 on an accelerator; fp32 and bf16 on CPU, on the `small` demo mod
   (batch x tokens / wall time, prefill included);
 - operators per decode token at batch 1 (`profile.ops_per_token`): device kernels, host aten ops
   and profiler events, kernel and graph launches (cudaLaunchKernel / cudaGraphLaunch), and the
-  attention kernels that ran (which backend SDPA chose, and the Triton decode kernel);
+  attention kernels that ran (which backend SDPA chose, and the Triton decode kernel); device
+  kernels per LM layer (a token's kernels over the layers: an upper bound; issue 52's aim ≤ 12);
 - the served TPOT of one request alone (`served`, first dtype only) and its ratio to offline;
 - transformers' `generate` (eager, its own cache) at the same batch sizes, the same way;
 - the memory floor: the LM's parameter bytes / the device's memory bandwidth (`--bandwidth`,
@@ -96,6 +97,9 @@ def _epdserve(cfg: CheckConfig, model: str, dtype: str, fig: dict, save, served:
         counts = ops_per_token(lambda k: llm.generate([TEXT], greedy(k)), cfg.device, table_path=table)
         fig["attention_kernels"] = counts.pop("attention_kernels")
         fig.update({f"{k}_per_token_b1": v for k, v in counts.items()})
+        layers = len(llm.engine.runner.lm.layers)
+        if counts["device_kernels"] is not None:  # a token's every kernel over the layers: an upper bound
+            fig["kernels_per_layer_b1"] = round(counts["device_kernels"] / layers, 1)
     except Exception as e:  # the profiler is a figure, not the part
         fig["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     g = llm.engine.runner.graph_report()  # did decode replay graphs here? (issue 52 item 3)

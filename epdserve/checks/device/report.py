@@ -88,7 +88,8 @@ def _perf(fig: dict) -> list[str]:
                  f"| {floor_txt} |",
                  f"| decode TPOT, batch {b} | {_v(v.get(f'epd_tpot_b{b}_ms'), ' ms')} ({_v(tok, ' tok/s')}) "
                  f"| {_v(v.get(f'hf_tpot_b{b}_ms'), ' ms')} ({_v(hf_tok, ' tok/s')}) | — |",
-                 f"| device kernels per token, batch 1 | {_v(v.get('device_kernels_per_token_b1'))} | | |",
+                 f"| device kernels per token, batch 1 (per LM layer, at most) | "
+                 f"{_v(v.get('device_kernels_per_token_b1'))} ({_v(v.get('kernels_per_layer_b1'))}) | | |",
                  f"| host aten ops per token, batch 1 | {_v(v.get('aten_ops_per_token_b1'))} | | |",
                  f"| host profiler events per token, batch 1 | {_v(v.get('host_events_per_token_b1'))} | | |",
                  f"| kernel / graph launches per token, batch 1 | {_v(v.get('kernel_launches_per_token_b1'))} / "
