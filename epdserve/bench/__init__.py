@@ -23,6 +23,8 @@ Modules:
   process), `peer_vllm` (vLLM's venv, command and environment), `peer_compare` (its comparison and
   aim-ratio tables);
 - `token_cost`: where a served token's CPU goes, by process and stage (benchmarks/served_token_cost.py);
+- `offline_vs_vllm`: offline decode TPOT of epdserve's `LLM` against `vllm.LLM`, alternating rounds
+  (benchmarks/vs_vllm_offline.py);
 - `chaos`: `bench chaos`, faults under load; `chaos_faults` (find, kill, wait for recovery);
 - `soak`: `bench soak`, minutes of mixed traffic on E-P-D with instances killed; `soak_traffic`
   (the catalogue and its offline outputs), `soak_load` (clients and kills), `soak_rss` (memory of
