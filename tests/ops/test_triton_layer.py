@@ -103,12 +103,15 @@ def test_cuda_takes_the_triton_layer_ops_unless_told_portable():
 
 
 def test_without_triton_cuda_layer_ops_are_the_portable_ones_said_once(monkeypatch, caplog):
+    from epdserve.ops.select import _warn_once
+
+    _warn_once.cache_clear()  # "once" counted from here
     monkeypatch.setitem(sys.modules, "epdserve.ops.triton_layer_ops", None)  # `import` raises ImportError
     with caplog.at_level(logging.WARNING, logger="epdserve.ops.select"):
         assert layer_ops(CudaPlatform()).name == "portable"
         assert layer_ops(CudaPlatform()).name == "portable"
     said = [r.getMessage() for r in caplog.records if "CUDA's layer operators are the portable" in r.getMessage()]
-    assert len(said) <= 1  # once per process (an earlier test may have said it already)
+    assert len(said) == 1, caplog.text
 
 
 def test_the_runner_checks_its_layer_ops_at_the_models_shapes():
