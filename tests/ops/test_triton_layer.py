@@ -85,8 +85,8 @@ def test_silu_and_mul_within_the_exp_bound(run):
 
 
 def test_the_startup_checks_pass_and_refuse_a_wrong_or_failing_kernel(run):
-    assert [r["startup_check"] for r in run if "startup_check" in r] == ["float32", "bfloat16"]
-    refused = {r["refused"]: r["message"] for r in run if "refused" in r}
+    assert [r for r in run if "startup_check" in r] == [{"startup_check": "float32"}, {"startup_check": "bfloat16"}]
+    refused = {r["refused"]: r["message"] for r in run if "message" in r}
     for wrapper, what in (("_norm", "add \\+ RMSNorm"), ("_rotary", "rotary"), ("_silu_mul", "SiLU-and-mul"),
                           ("_write", "KV-write")):
         assert refused[wrapper] is not None, wrapper

@@ -97,9 +97,12 @@ for dt in (torch.float32, torch.bfloat16):
         emit(f"{name}-kvh{KVH}-d{D}-bs{BS}", "kv_write.value", got[1], want[1])
 
     # the start-up checks an engine runs on its device: pass with the kernels as they are
-    T.check(LayerShapes(200, 6, 2, 24, 300, dt), "cpu")
-    TritonOps().check_kv_spec(KVCacheSpec(2, 2, 24, 16, dt), 6, "cpu")
-    print(json.dumps({"startup_check": name}))
+    try:
+        T.check(LayerShapes(200, 6, 2, 24, 300, dt), "cpu")
+        TritonOps().check_kv_spec(KVCacheSpec(2, 2, 24, 16, dt), 6, "cpu")
+        print(json.dumps({"startup_check": name}))
+    except ValueError as e:  # reported, for the test to fail on, without hiding the other cases
+        print(json.dumps({"startup_check": name, "refused": str(e)}))
 
 
 def refused(ops, check, wrapper, bad):
