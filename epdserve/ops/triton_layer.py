@@ -32,7 +32,6 @@ from triton.language.extra import libdevice
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton reads it: no libdevice then
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # how a value of the dtype is rounded
 DTYPES = tuple(_ROUND)
-_LAUNCH = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -100,7 +99,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _norm_kernel[(rows,)](x3, r3, weight, o3, s3, float(eps), N, x3.shape[1],
                           x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1),
                           s3.stride(0), s3.stride(1), HAS_RES=residual is not None, X_ROUND=_ROUND[x.dtype],
-                          O_ROUND=_ROUND[out.dtype], BLOCK=block, num_warps=_warps(block), **_LAUNCH)
+                          O_ROUND=_ROUND[out.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
     return out, summed
 
 
@@ -145,7 +144,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     _rotary_kernel[(T,)](q, k, cos, sin, H, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                          cos.stride(0), sin.stride(0), HALF=half, BLOCK_D=bd, BLOCK_H=triton.next_power_of_2(H),
                          BLOCK_KVH=triton.next_power_of_2(k.shape[1]), MODE=_ROUND[q.dtype],
-                         num_warps=_warps(bd * triton.next_power_of_2(H)), **_LAUNCH)
+                         num_warps=_warps(bd * triton.next_power_of_2(H)), enable_fp_fusion=False)
 
 
 @triton.jit
@@ -170,7 +169,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(T, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), MODE=_ROUND[x.dtype],
                                                      PRECISE=not INTERPRETED, BLOCK=block,
-                                                     num_warps=_warps(block), **_LAUNCH)
+                                                     num_warps=_warps(block), enable_fp_fusion=False)
     return out
 
 

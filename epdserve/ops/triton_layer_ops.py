@@ -16,7 +16,8 @@ import torch
 
 from epdserve.ops.layer_ops import LayerOps, LayerShapes, PortableLayerOps
 
-_REL = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 2.0 ** -16}  # the check's bound
+_REL = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 2.0 ** -12}  # the check's bound (loose:
+# it catches a broken kernel; tests/ops/test_triton_layer.py holds the exact bounds)
 
 
 class TritonLayerOps(LayerOps):
@@ -67,6 +68,8 @@ class TritonLayerOps(LayerOps):
     def check(self, shapes: LayerShapes, device) -> None:
         """Each kernel compiled and run once on `device` at `shapes`, against the portable op."""
         s, dt = shapes, shapes.dtype
+        if dt not in _REL:  # no kernel takes it: every call goes to the portable ops
+            return
         gen = torch.Generator().manual_seed(0)
 
         def rand(*shape, scale=1.0):
@@ -75,8 +78,12 @@ class TritonLayerOps(LayerOps):
         T, eps, ref = 3, 1e-6, self._portable
         x, res, w = rand(T, s.hidden), rand(T, s.hidden), rand(s.hidden).add(1)
         qkv = rand(T, (s.heads + 2 * s.kv_heads) * s.head_dim, scale=4)
-        q = qkv[:, : s.heads * s.head_dim].view(T, s.heads, s.head_dim)  # strided views, as the forward has them
-        k = qkv[:, s.heads * s.head_dim: (s.heads + s.kv_heads) * s.head_dim].view(T, s.kv_heads, s.head_dim)
+        qw, kw = s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+        def views(buf):  # q and k as strided views of a fused QKV output, as the forward has them
+            return buf[:, :qw].view(T, s.heads, s.head_dim), buf[:, qw: qw + kw].view(T, s.kv_heads, s.head_dim)
+
+        q, k = views(qkv)
         hw = rand(s.head_dim).add(1)
         angle = torch.rand(T, s.head_dim // 2, generator=gen) * 6.3
         cos = torch.cat((angle.cos(), angle.cos()), -1).to(device=device, dtype=dt)
@@ -85,7 +92,7 @@ class TritonLayerOps(LayerOps):
         cases = (
             ("add + RMSNorm", lambda o: o.add_rms_norm(x.clone(), res.clone(), w, eps)),
             ("RMSNorm", lambda o: o.rms_norm(q, hw, eps)),
-            ("rotary", lambda o: o.rotary(q.clone(), k.clone(), cos, sin)),
+            ("rotary", lambda o: o.rotary(*views(qkv.clone()), cos, sin)),
             ("SiLU-and-mul", lambda o: o.silu_and_mul(gate_up)),
         )
         for what, call in cases:
