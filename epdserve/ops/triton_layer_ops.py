@@ -1,8 +1,9 @@
 """`TritonLayerOps`: the `LayerOps` contract (ops/layer_ops.py) on CUDA as Triton kernels
 (ops/triton_layer.py), one launch per call: add + RMSNorm, RMSNorm, rotary (q and k together, in
 place), SiLU-and-mul. Equal to `PortableLayerOps` bit for bit but for RMSNorm's fp32 reduction
-order (at most two units in the last place of the output dtype: one where `h.to(dtype)` rounds,
-carried through `weight *`'s rounding).
+order (in bf16 / fp16 at most two units in the last place: one where `h.to(dtype)` rounds,
+carried through `weight *`'s rounding; in fp32 a few ulps, N/2 + 4 at worst) and, where CUDA's
+and the CPU's exp differ, SiLU (tests/ops/test_triton_layer.py derives the bounds).
 
 Calls the kernels do not take go to the portable ops: a dtype other than fp32 / bf16 / fp16,
 tensors of mixed dtypes, an odd head_dim, a weight that is not [N]. `check(shapes, device)` runs
