@@ -64,6 +64,7 @@ class ModelRunner:
         self.device = adapter.device
         self.buffers = StepBuffers(self.device, platform)
         layer_ops.rotary_range(lm.rotary.scaling)  # |cos|, |sin| <= the rope's attention scaling (1 for most)
+        layer_ops.check(lm.layer_shapes(), self.device)  # kernels that cannot run here refuse the start
         self.graphs: DecodeGraphs | None = None
         self.sampler = StepSampler(max_batch)
         self.tp = None  # rank 0 of a tensor-parallel group: its engine/tp/group.py TPGroup

@@ -7,8 +7,10 @@ One sentence per module:
 - layer_ops.py        `LayerOps`: an LM layer's fused element-wise operators, and `PortableLayerOps` in plain torch
 - native_layer_ops.py `NativeLayerOps`: those as csrc/ C++ CPU kernels, one operator per call, torch's arithmetic
 - portable.py         `PortableOps`: plain torch on any device (gather the blocks, then SDPA)
-- triton_ops.py       `TritonOps`: CUDA's — decode attention as a Triton kernel, the rest portable
+- triton_ops.py       `TritonOps`: CUDA's — decode attention and the KV write as Triton kernels, prefill chunks portable
 - triton_decode.py    the Triton paged decode-attention kernel (reads K/V through the block table; CPU: Triton's interpreter)
+- triton_layer_ops.py `TritonLayerOps`: CUDA's LayerOps as Triton kernels, and their start-up check against the portable ops
+- triton_layer.py     the Triton kernels: add + RMSNorm, RMSNorm, rotary (q and k in one launch), SiLU-and-mul, the KV write
 - native.py           `NativeOps`: the csrc/ C++ operators (`torch.ops.epdserve.*`), built on first use
 - native_build.py     building csrc/: torch's C++-extension JIT, cached per torch version and source hash
 - build_progress.py   what a user waiting on the first native build sees on stderr

@@ -20,7 +20,8 @@ the engine then calls neither `decode_attention` nor `prefill_attention`.
 
 Implementations: `PortableOps` (torch: gather + SDPA; any device), `NativeOps` (csrc/ C++
 kernels registered as `torch.ops.epdserve.*`, reading the blocks where they lie), `TritonOps`
-(CUDA: decode attention as a Triton kernel reading the blocks where they lie), and the NPU one
+(CUDA: decode attention as a Triton kernel reading the blocks where they lie, the KV write as
+one Triton kernel), and the NPU one
 over torch_npu's kernels. `ops.select.paged_ops(platform)` picks one.
 """
 from __future__ import annotations

@@ -16,13 +16,31 @@ The lean LM forward (engine/lm/) calls only these between its matmuls and the pa
 - `silu_and_mul(x) -> y`: x [T, 2I] (gate then up, the fused gate_up projection's output),
   `y = silu(x[:, :I]) * x[:, I:]` [T, I], each op rounded to x's dtype as transformers' MLP does.
 
+At start-up an engine tells the operators the model's range of rotary values (`rotary_range`)
+and its layer shapes (`check(LayerShapes, device)`: implementations that compile kernels run
+them once there and refuse to start, with the fix, when they fail; engine/model_runner.py).
+
 `PortableLayerOps` is plain torch (any device; the reference the others are tested against); the
 native csrc/ operators (CPU) and torch_npu's kernels (Ascend) implement the same contract.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """One LM layer's sizes, as its operators see them (this rank's heads under tensor parallelism)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # the MLP's (gate_up's half); a layer-less or sparse model: any positive size
+    dtype: torch.dtype
 
 
 class LayerOps:
@@ -31,6 +49,10 @@ class LayerOps:
     def rotary_range(self, max_abs: float) -> None:
         """Told once, before any call (engine/model_runner.py): the largest |cos| and |sin| the
         model's rotary tables hold (1, or the rope's attention scaling). Default: anything goes."""
+
+    def check(self, shapes: LayerShapes, device: torch.device) -> None:
+        """Raise, with the fix, when these operators cannot run layers of `shapes` on `device`.
+        Called once at engine start-up (engine/model_runner.py). Default: anything goes."""
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

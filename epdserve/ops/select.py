@@ -7,8 +7,9 @@ NPU's included, is an error, not a silent fallback. Unset: the NPU uses torch_np
 the CPU uses the native csrc/ operators when they build, else the portable ones — saying so
 once, with the reason; with `CI=true` a native build that fails raises instead (CI must never
 go green on the fallback). CUDA's paged operators are `TritonOps` (decode attention as a Triton
-kernel; ops/triton_ops.py) when Triton imports, else the portable ones, saying so once; its layer
-operators are the portable ones.
+kernel, the KV write as one more; ops/triton_ops.py) when Triton imports, else the portable ones,
+saying so once; its layer operators likewise: `TritonLayerOps` (ops/triton_layer_ops.py) when
+Triton imports, else the portable ones, said once.
 `layer_ops` on the NPU uses `epdserve.ops.npu_layer_ops.NpuLayerOps` (torch_npu's fused kernels).
 """
 from __future__ import annotations
@@ -84,13 +85,23 @@ def _cuda_paged():
         return PortableOps()
 
 
+def _cuda_layer():
+    try:
+        from epdserve.ops.triton_layer_ops import TritonLayerOps
+
+        return TritonLayerOps()
+    except ImportError as e:  # no Triton: the portable torch ops, said once
+        _warn_once(f"Triton unavailable ({e}); CUDA's layer operators are the portable torch ones")
+        return PortableLayerOps()
+
+
 @lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     log.warning("%s", message)
 
 
 PAGED = _Family("paged operators", PortableOps, _npu_paged, _native_paged, _cuda_paged)
-LAYER = _Family("layer operators", PortableLayerOps, _npu_layer, _native_layer)
+LAYER = _Family("layer operators", PortableLayerOps, _npu_layer, _native_layer, _cuda_layer)
 
 
 def paged_ops(platform, choice: str | None = None) -> PagedOps:

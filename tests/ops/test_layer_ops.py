@@ -306,7 +306,7 @@ def test_layer_ops_selection(monkeypatch):
     with pytest.raises(ValueError, match="native, portable"):
         layer_ops(cpu, "fast")
     monkeypatch.delenv("EPDSERVE_OPS")
-    assert layer_ops(CudaPlatform()).name == "portable"
+    assert layer_ops(CudaPlatform()).name == "triton"  # TritonLayerOps (tests/ops/test_triton_layer.py)
     with pytest.raises(NativeOpsUnavailable, match="CPU kernels only"):
         layer_ops(CudaPlatform(), "native")
 

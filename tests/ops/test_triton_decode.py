@@ -15,9 +15,10 @@ CASES = Path(__file__).with_name("triton_decode_cases.py")
 
 
 def test_the_kernel_equals_the_portable_op_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parents[2])
+    root = Path(__file__).parents[2]  # first on the path: this checkout's epdserve, not an installed one
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows.pop() == {"startup_check": "ok"}  # TritonOps.check_kv_spec: the kernel run once, as at start-up

@@ -27,7 +27,7 @@ from epdserve.engine.lm.rotary import RotaryTable
 from epdserve.engine.lm.weights import LeanLayerWeights, drop_hf_layers, layer_weights
 from epdserve.engine.tp.shard import TPShard, head_map
 from epdserve.ops.attention_meta import AttentionMeta
-from epdserve.ops.layer_ops import LayerOps
+from epdserve.ops.layer_ops import LayerOps, LayerShapes
 from epdserve.ops.paged_attention import paged_attend
 
 
@@ -63,6 +63,12 @@ class LeanLM:
         self.q_width = num_heads * self.head_dim
         self.kv_width = num_kv_heads * self.head_dim
         self.qkv_split = (self.q_width, self.kv_width, self.kv_width)
+
+    def layer_shapes(self) -> LayerShapes:
+        """A layer's sizes as its `LayerOps` see them (this rank's heads; the first dense MLP's width)."""
+        hidden = int(self.norm_weight.shape[0])
+        inter = next((w.gate_up.out_features // 2 for w in self.layers if w.gate_up is not None), hidden)
+        return LayerShapes(hidden, self.num_heads, self.num_kv_heads, self.head_dim, inter, self.norm_weight.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward reads (weights, rotary tables), each once."""
