@@ -1,0 +1,248 @@
+"""FP8 (engine/lm/fp8_linear.py, fp8_checkpoint.py, fp8_device.py; issue 49): compressed-tensors FP8
+checkpoints, written here from the tiny demo models as llm-compressor writes them (config.json's
+`quantization_config`, each LM projection's `weight` float8_e4m3fn [out, in] with `weight_scale`
+[out, 1] per channel or [1] per tensor, and `input_scale` [1] for static activations; the vision
+tower and LM head left in float, as the "ignore" list says), and `--quantization fp8` at load.
+
+The kernel: against the float product of the dequantized weights and the fake-quantized
+activations (the very values `_scaled_mm` multiplies), within fp32 rounding (bound below).
+
+End to end, the oracle is transformers on a checkpoint holding the dequantized weights (q · scale,
+in fp32) with each quantized projection's input fake-quantized by a forward pre-hook exactly as the
+engine quantizes it (per token at run time, each tensor-parallel slice of a row-parallel input on
+its own; or per tensor with the fused projection's largest input scale). The engine and the oracle
+then multiply the same fp8-representable values; products of two e4m3 values are exact in fp32 (4
++ 4 significant bits), so the sums differ only in fp32 summation order — unless such a difference
+moves an activation across an fp8 rounding boundary, which changes it by one e4m3 step (up to
+2⁻³ of its magnitude; 2⁻⁴ is the rounding's bound). So: logprobs of each agreed token within
+`LOGPROB_TOL` and greedy tokens equal, parting only where transformers' top two logits are within
+`FP8_NEAR_TIE` (reported, never hidden)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from epdserve import LLM, SamplingParams
+from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme, read_fp8_scheme
+from epdserve.engine.lm.fp8_device import check_fp8_device, fp8_capability_refusal
+from epdserve.engine.lm.fp8_linear import FP8, Fp8Linear, dequantize_fp8, dynamic_scale, quantize_fp8
+from epdserve.engine.lm.linear import check_method, make_linear
+from tests.engine.test_quantization import PROMPTS, QUANTIZED
+from tests.hf_oracle import HFOracle, assert_same_greedy
+
+TOKENS = 8
+MODULES = tuple(n.rsplit(".", 1)[0] for n in QUANTIZED)
+FUSED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # part -> the fused projection's first
+# An fp8 rounding flip (see the module docstring) moved a top-2 logit gap by well under this on these models
+FP8_NEAR_TIE = 0.05
+LOGPROB_TOL = 2e-3  # fp32 summation order over 2-4 tiny layers (~1e-5 seen) plus one flipped activation's share
+
+
+def _is_projection(name: str) -> bool:
+    return ".layers." in name and "visual" not in name and name.endswith(QUANTIZED)
+
+
+def _key(name: str) -> str:
+    """'3.self_attn.q_proj' from a tensor or module name, the same in any checkpoint layout."""
+    return name.split(".layers.", 1)[1].removesuffix(".weight")
+
+
+def _fused_key(key: str) -> str:
+    layer, module = key.rsplit(".", 1)
+    return f"{layer}.{FUSED.get(module, module)}"
+
+
+def calibrate(src) -> dict[str, float]:
+    """Per LM projection (`_key`): max|input| / 448 over the test prompts (a static input_scale)."""
+    oracle = HFOracle(src)
+    seen: dict[str, float] = {}
+
+    def record(name):
+        def hook(_m, args):
+            seen[name] = max(seen.get(name, 0.0), float(args[0].abs().max()))
+        return hook
+
+    for name, m in oracle.model.named_modules():
+        if ".layers." in name and "visual" not in name and name.endswith(MODULES):
+            m.register_forward_pre_hook(record(_key(name)))
+    for prompt, imgs in PROMPTS:
+        oracle.generate(prompt, imgs, 2)
+    # k_proj's and up_proj's scales set apart from their fused partners': the largest must be used
+    return {k: v / 448 * (1.5 if k.endswith(("k_proj", "up_proj")) else 1.0) for k, v in seen.items()}
+
+
+def fp8_checkpoint(src, dst, scheme: Fp8Scheme, calib: dict[str, float] | None = None, weight_dtype=torch.float32):
+    """`src` rewritten as llm-compressor writes a W8A8-FP8 model (module docstring)."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors, out = load_file(f), {}
+        for name, t in tensors.items():
+            if not _is_projection(name):
+                out[name] = t
+                continue
+            base = name[: -len(".weight")]
+            w = t.float()
+            per_channel = scheme.weights == "channel"
+            scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)) / 448
+            scale = scale.to(weight_dtype).float()  # a bf16 weight_scale is read as its fp32 value
+            out[name] = quantize_fp8(w, scale if per_channel else scale[0])
+            out[base + ".weight_scale"] = scale.to(weight_dtype)
+            if scheme.activations == "static":
+                out[base + ".input_scale"] = torch.tensor([calib[_key(name)]], dtype=torch.float32)
+        save_file(out, f, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True} \
+        if scheme.activations == "token" else \
+        {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "output_activations": None,
+                                      "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                                  "strategy": scheme.weights, "group_size": None}}},
+        "ignore": ["lm_head", "re:visual.*", "re:model.visual.*"], "kv_cache_scheme": None}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def oracle_for(ckpt, dst, scheme: Fp8Scheme, tp: int) -> HFOracle:
+    """transformers on `ckpt`'s dequantized weights, inputs fake-quantized as the engine does (module docstring)."""
+    shutil.copytree(ckpt, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name in [n for n in tensors if _is_projection(n) and tensors[n].dtype == FP8]:
+            base = name[: -len(".weight")]
+            tensors[name] = dequantize_fp8(tensors[name], tensors.pop(base + ".weight_scale"), torch.float32)
+            tensors.pop(base + ".input_scale", None)
+        save_file(tensors, f, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    oracle = HFOracle(dst)
+    statics = {}
+    if scheme.activations == "static":
+        scales = {_key(n.removesuffix(".input_scale")): float(t) for f in ckpt.glob("*.safetensors") for n, t in load_file(f).items()
+                  if n.endswith(".input_scale")}
+        for k, s in scales.items():
+            statics[_fused_key(k)] = max(statics.get(_fused_key(k), 0.0), s)
+
+    def hook(key, chunks):
+        def fake(_m, args):
+            x = args[0]
+            rows = x.reshape(-1, x.shape[-1]).float()
+            if statics:
+                s = torch.tensor(statics[_fused_key(key)])
+                fq = quantize_fp8(rows, s).float() * s
+            else:
+                parts = []
+                for part in rows.chunk(chunks, dim=1):
+                    s = dynamic_scale(part, per_token=True)
+                    parts.append(quantize_fp8(part, s).float() * s)
+                fq = torch.cat(parts, dim=1)
+            return (fq.reshape(x.shape).to(x.dtype), *args[1:])
+        return fake
+
+    for name, m in oracle.model.named_modules():
+        if ".layers." in name and "visual" not in name and name.endswith(MODULES):
+            m.register_forward_pre_hook(hook(_key(name), tp if name.endswith(("o_proj", "down_proj")) else 1))
+    return oracle
+
+
+@pytest.mark.parametrize("activations", ["token", "static"])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["channel", "tensor"])
+def test_the_fp8_kernel_equals_the_dequantized_product_within_fp32_rounding(per_channel, activations):
+    """Fused parts (one with a bias): out = x' · (q · s)ᵀ + b, x' the activations' fake quantization
+    (per token, or per tensor with the largest of the parts' input scales). Each product of two e4m3
+    values is exact in fp32, so with R = |x'| · |q · s|ᵀ the fp32 sums (any order, K terms) and the
+    scaling stay within (K + 3) · 2⁻²⁴ · R of the float64 product."""
+    gen = torch.Generator().manual_seed(per_channel * 2 + (activations == "static"))
+    K = 256
+    parts = [torch.randn(n, K, generator=gen).mul(0.05) for n in (48, 16, 16)]
+    scales = [(p.abs().amax(1) if per_channel else p.abs().amax().reshape(1)) / 448 * (1 + i) for i, p in
+              enumerate(parts)]
+    qs = [quantize_fp8(p, s.reshape(-1, 1)) for p, s in zip(parts, scales)]
+    biases = [torch.randn(48, generator=gen), None, None]
+    x = torch.randn(7, K, generator=gen) * 4.0 ** (torch.arange(7) % 4)[:, None]  # a shared scale would show
+    input_scales = [float(x.abs().max()) / 448 * f for f in (1.0, 1.5, 0.5)] if activations == "static" else None
+    lin = Fp8Linear.prequantized(qs, scales, biases, torch.float32, activations, input_scales)
+    assert lin.q.dtype == FP8 and lin.out_features == 80
+    # fused parts of different per-tensor scales, or per-token activations, run rowwise
+    assert lin.layout == "rowwise"
+    got = lin(x).double()
+    w = torch.cat([dequantize_fp8(q, s, torch.float64) for q, s in zip(qs, scales)])
+    sx = torch.tensor(max(input_scales)) if input_scales else dynamic_scale(x, per_token=True)
+    xf = quantize_fp8(x, sx).double() * sx.double()
+    bias = torch.cat([biases[0], torch.zeros(32)]).double()
+    want = xf @ w.t() + bias
+    R = xf.abs() @ w.abs().t() + bias.abs()
+    bound = (K + 3) * 2.0 ** -24 * R
+    assert ((got - want).abs() <= bound).all(), f"max excess {((got - want).abs() - bound).max():.3g}"
+    # and fp8 is not a no-op: the float weights' product is farther off than the bound
+    assert ((x.double() @ torch.cat(parts).double().t() + bias - got).abs() > bound).any()
+
+
+def test_one_weight_scale_and_static_activations_run_tensorwise_and_fp8_at_load_quantizes_per_tensor():
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(32, 64, generator=gen) * 0.1
+    s = w.abs().amax().reshape(1) / 448
+    lin = Fp8Linear.prequantized([quantize_fp8(w, s[0])], [s], [None], torch.float32, "static", [0.01])
+    assert lin.layout == "tensorwise" and lin.scale_b.dim() == 0
+    x = torch.randn(3, 64, generator=gen)
+    want = (quantize_fp8(x, torch.tensor(0.01)).double() * 0.01) @ dequantize_fp8(lin.q, s, torch.float64).t()
+    assert (lin(x).double() - want).abs().max() <= 70 * 2.0 ** -24 * want.abs().max() * 64
+    # --quantization fp8: one scale for the fused weights, max|w| / 448; per-token activations
+    parts = [w, 3 * w[:16]]
+    at_load = make_linear(parts, None, "fp8")
+    assert isinstance(at_load, Fp8Linear) and at_load.layout == "rowwise"
+    one = torch.cat(parts).abs().max() / 448
+    torch.testing.assert_close(at_load.row_scales, one.expand(48), rtol=0, atol=0)
+    assert torch.equal(at_load.q.view(torch.uint8), quantize_fp8(torch.cat(parts), one).view(torch.uint8))
+
+
+CASES = [("qwen2_vl", Fp8Scheme("channel", "token"), 1), ("qwen2_5_vl", Fp8Scheme("tensor", "static"), 1),
+         ("qwen3_vl", Fp8Scheme("channel", "static"), 1), ("qwen2_vl", Fp8Scheme("channel", "token"), 2),
+         ("qwen2_vl", Fp8Scheme("tensor", "static"), 2)]
+
+
+@pytest.mark.parametrize("arch, scheme, tp", CASES, ids=[f"{a}-{s.weights}-{s.activations}-tp{t}" for a, s, t in CASES])
+def test_a_compressed_tensors_checkpoint_equals_transformers_on_its_dequantized_weights(request, tmp_path, arch,
+                                                                                        scheme, tp):
+    src = request.getfixturevalue(f"{arch}_tiny")
+    calib = calibrate(src) if scheme.activations == "static" else None
+    ckpt = fp8_checkpoint(src, tmp_path / "fp8", scheme, calib)
+    assert read_fp8_scheme(ckpt) == scheme
+    oracle = oracle_for(ckpt, tmp_path / "oracle", scheme, tp)
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", tensor_parallel_size=tp, kv_cache_bytes=16 << 20)
+    try:
+        assert llm.engine.model.quantization == "compressed-tensors"
+        assert llm.engine.kv_layout().quantization == "compressed-tensors"
+        if tp == 1:
+            layer = llm.engine.model.lm.layers[0]
+            assert all(isinstance(getattr(layer, n), Fp8Linear) for n in ("qkv", "o", "gate_up", "down"))
+        inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
+        outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0))
+        for (prompt, imgs), out in zip(PROMPTS, outs):
+            what = f"{arch} TP{tp} {scheme} {prompt[:20]!r}"
+            got = list(out.outputs[0].token_ids)
+            want, margins = oracle.generate_with_margins(prompt, imgs, TOKENS)
+            assert_same_greedy(got, want, margins, what, FP8_NEAR_TIE)
+            ref = oracle_logprobs(oracle, prompt, imgs, want)
+            for i, (g, w) in enumerate(zip(got, want)):
+                if g != w:
+                    break
+                lp = out.outputs[0].logprobs[i].logprob
+                assert abs(lp - ref[i]) <= LOGPROB_TOL, f"{what}: token {i} logprob {lp} vs transformers' {ref[i]}"
+    finally:
+        llm.engine.close()
+
+
+def oracle_logprobs(oracle: HFOracle, prompt, imgs, tokens) -> list[float]:
+    """transformers' log-softmax of each of `tokens` (its own greedy ones) at its position."""
+    inputs = oracle.inputs(prompt, imgs)
+    out = oracle.model.generate(**inputs, max_new_tokens=len(tokens), do_sample=False, eos_token_id=None,
+                                pad_token_id=oracle.tokenizer.pad_token_id or 0, output_logits=True,
+                                return_dict_in_generate=True)
+    return [float(torch.log_softmax(step[0].double(), -1)[t]) for step, t in zip(out.logits, tokens)]
