@@ -155,13 +155,15 @@ def oracle_for(ckpt, dst, scheme: Fp8Scheme, tp: int) -> HFOracle:
     return oracle
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("activations", ["token", "static"])
 @pytest.mark.parametrize("per_channel", [True, False], ids=["channel", "tensor"])
-def test_the_fp8_kernel_equals_the_dequantized_product_within_fp32_rounding(per_channel, activations):
+def test_the_fp8_kernel_equals_the_dequantized_product_within_fp32_rounding(per_channel, activations, dtype):
     """Fused parts (one with a bias): out = x' · (q · s)ᵀ + b, x' the activations' fake quantization
     (per token, or per tensor with the largest of the parts' input scales). Each product of two e4m3
     values is exact in fp32, so with R = |x'| · |q · s|ᵀ the fp32 sums (any order, K terms) and the
-    scaling stay within (K + 3) · 2⁻²⁴ · R of the float64 product."""
+    scaling stay within (K + 3) · 2⁻²⁴ · R of the float64 product; a bf16 output is rounded once
+    more, and the bias added in bf16 once again (each ≤ 2⁻⁹ relative): 2⁻⁸ · R more."""
     gen = torch.Generator().manual_seed(per_channel * 2 + (activations == "static"))
     K = 256
     parts = [torch.randn(n, K, generator=gen).mul(0.05) for n in (48, 16, 16)]
@@ -169,20 +171,23 @@ def test_the_fp8_kernel_equals_the_dequantized_product_within_fp32_rounding(per_
               enumerate(parts)]
     qs = [quantize_fp8(p, s.reshape(-1, 1)) for p, s in zip(parts, scales)]
     biases = [torch.randn(48, generator=gen), None, None]
-    x = torch.randn(7, K, generator=gen) * 4.0 ** (torch.arange(7) % 4)[:, None]  # a shared scale would show
+    x = (torch.randn(7, K, generator=gen) * 4.0 ** (torch.arange(7) % 4)[:, None]).to(dtype)  # a shared scale shows
     input_scales = [float(x.abs().max()) / 448 * f for f in (1.0, 1.5, 0.5)] if activations == "static" else None
-    lin = Fp8Linear.prequantized(qs, scales, biases, torch.float32, activations, input_scales)
+    biases = [b if b is None else b.to(dtype) for b in biases]
+    lin = Fp8Linear.prequantized(qs, scales, biases, dtype, activations, input_scales)
     assert lin.q.dtype == FP8 and lin.out_features == 80
     # fused parts of different per-tensor scales, or per-token activations, run rowwise
     assert lin.layout == "rowwise"
-    got = lin(x).double()
+    out = lin(x)
+    assert out.dtype == dtype
+    got = out.double()
     w = torch.cat([dequantize_fp8(q, s, torch.float64) for q, s in zip(qs, scales)])
     sx = torch.tensor(max(input_scales)) if input_scales else dynamic_scale(x, per_token=True)
     xf = quantize_fp8(x, sx).double() * sx.double()
     bias = torch.cat([biases[0], torch.zeros(32)]).double()
     want = xf @ w.t() + bias
     R = xf.abs() @ w.abs().t() + bias.abs()
-    bound = (K + 3) * 2.0 ** -24 * R
+    bound = (K + 3) * 2.0 ** -24 * R + (2.0 ** -8 * R if dtype == torch.bfloat16 else 0)
     assert ((got - want).abs() <= bound).all(), f"max excess {((got - want).abs() - bound).max():.3g}"
     # and fp8 is not a no-op: the float weights' product is farther off than the bound
     assert ((x.double() @ torch.cat(parts).double().t() + bias - got).abs() > bound).any()
@@ -321,6 +326,8 @@ def test_what_cannot_run_as_fp8_is_refused_at_start_up_naming_why(qwen2_vl_tiny,
                                       "input_activations": {"num_bits": 8, "type": "float", "dynamic": True,
                                                             "strategy": "group"}}}}, "block-wise FP8"),
             ({"format": "int-quantized"}, "format 'int-quantized'"),
+            ({"format": "mixed-precision", "config_groups": {"g": {**qc["config_groups"]["group_0"],
+                                                                   "format": "pack-quantized"}}}, "'pack-quantized'"),
             ({"config_groups": {"g": {"weights": {**w, "num_bits": 4, "type": "int"}}}}, "weights of 4 bits"),
             ({"config_groups": {"g": {"weights": w}}}, "weight-only FP8"),
             ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
@@ -328,6 +335,15 @@ def test_what_cannot_run_as_fp8_is_refused_at_start_up_naming_why(qwen2_vl_tiny,
         (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": {**qc, **change}}))
         with pytest.raises(ValueError, match=message):
             LLM(str(ckpt), device="cpu")
+    # what does run: a group's own format under a "mixed-precision" config; dynamic "tensor" activations run
+    # per token (as vLLM runs them)
+    group = qc["config_groups"]["group_0"]
+    for change, want in (({"format": "mixed-precision", "config_groups": {"g": {**group, "format": "float-quantized"}}},
+                          scheme),
+                         ({"config_groups": {"g": {**group, "input_activations": {
+                             **group["input_activations"], "dynamic": True}}}}, Fp8Scheme("channel", "token"))):
+        (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": {**qc, **change}}))
+        assert read_fp8_scheme(ckpt) == want
     (ckpt / "config.json").write_text(json.dumps(config))
 
     # malformed scale tensors, named

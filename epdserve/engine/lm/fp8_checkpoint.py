@@ -21,6 +21,9 @@ activations, `input_scale` (one value)). The weights stand for weight · weight_
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": true}}},
       "ignore": ["lm_head", "re:visual.*"], "kv_cache_scheme": null}
 
+(newer compressed-tensors may give each group its own "format", the top-level one then being
+"mixed-precision": each group's must be "float-quantized").
+
 Which projections are quantized is read from the files themselves: a LM decoder projection whose
 weight is float8_e4m3fn is FP8 (the config's "targets" / "ignore" chose them when it was written),
 any other is dense. An FP8 tensor anywhere else (vision tower, embedding, LM head, MoE experts)
@@ -84,13 +87,15 @@ def _compressed_tensors(path, qc: dict) -> Fp8Scheme:
                           f"symmetric, static, per tensor or per channel; activations float 8-bit, dynamic per "
                           f"token or per tensor, or static per tensor)")
 
-    if qc.get("format") != "float-quantized":
-        raise refuse(f"format {qc.get('format')!r} (not 'float-quantized')")
     if qc.get("kv_cache_scheme"):
         raise refuse("kv_cache_scheme (an FP8 KV cache) is not supported")
     groups = list((qc.get("config_groups") or {}).values())
     if not groups:
         raise refuse("config without config_groups")
+    for g in groups:  # a group's own "format" (the top-level one is then "mixed-precision") else the config's
+        fmt = g.get("format") or qc.get("format")
+        if fmt != "float-quantized":
+            raise refuse(f"format {fmt!r} (not 'float-quantized')")
     schemes = {_group_scheme(g, refuse) for g in groups}
     if len(schemes) > 1:
         raise refuse(f"groups of different schemes ({sorted(map(str, schemes))})")
