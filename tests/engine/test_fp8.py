@@ -369,3 +369,47 @@ def test_what_cannot_run_as_fp8_is_refused_at_start_up_naming_why(qwen2_vl_tiny,
     save_file({**tensors, head: tensors[head].to(FP8)}, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"{head} is FP8; epdserve runs FP8 only in the language model's"):
         LLM(str(ckpt), device="cpu", dtype="float32")
+
+
+def test_quantization_fp8_at_load_equals_transformers_on_its_dequantized_weights(qwen2_vl_tiny, tmp_path):
+    """`--quantization fp8` on a float checkpoint: each fused projection (QKV, gate-up, o, down)
+    quantized with one scale, max|w| / 448 over its parts; activations per token. The oracle and the
+    bounds as for the checkpoints above."""
+    dst = tmp_path / "oracle"
+    shutil.copytree(qwen2_vl_tiny, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        names = [n for n in tensors if _is_projection(n)]
+        amax: dict[str, float] = {}
+        for n in names:
+            k = _fused_key(_key(n))
+            amax[k] = max(amax.get(k, 0.0), float(tensors[n].float().abs().max()))
+        for n in names:
+            scale = torch.tensor(amax[_fused_key(_key(n))], dtype=torch.float32) / 448
+            tensors[n] = dequantize_fp8(quantize_fp8(tensors[n], scale), scale.reshape(1), torch.float32)
+        save_file(tensors, f, metadata={"format": "pt"})
+    oracle = HFOracle(dst)
+
+    def per_token(_m, args):
+        rows = args[0].reshape(-1, args[0].shape[-1]).float()
+        s = dynamic_scale(rows, per_token=True)
+        return ((quantize_fp8(rows, s).float() * s).reshape(args[0].shape).to(args[0].dtype), *args[1:])
+
+    for name, m in oracle.model.named_modules():
+        if ".layers." in name and "visual" not in name and name.endswith(MODULES):
+            m.register_forward_pre_hook(per_token)
+    llm = LLM(str(qwen2_vl_tiny), device="cpu", dtype="float32", quantization="fp8", kv_cache_bytes=16 << 20)
+    try:
+        assert llm.engine.model.quantization == "fp8" and isinstance(llm.engine.model.lm.layers[0].qkv, Fp8Linear)
+        inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
+        outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0))
+        for (prompt, imgs), out in zip(PROMPTS, outs):
+            got = list(out.outputs[0].token_ids)
+            want, margins, ref = oracle_greedy(oracle, prompt, imgs)
+            assert_same_greedy(got, want, margins, f"--quantization fp8 {prompt[:20]!r}", FP8_NEAR_TIE)
+            for i, (g, w) in enumerate(zip(got, want)):
+                if g != w:
+                    break
+                assert abs(out.outputs[0].logprobs[i].logprob - ref[i]) <= LOGPROB_TOL, f"token {i}"
+    finally:
+        llm.engine.close()
