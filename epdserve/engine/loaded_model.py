@@ -133,12 +133,12 @@ def _checkpoint_quantization(model: str, desc: dict | None, fp8: Fp8Scheme | Non
     if fp8 is not None:
         if desc:
             raise ValueError(f"{model} has both an FP8 quantization_config and {DESCRIPTION}: which one holds is unclear")
-        if asked not in (None, FP8_CHECKPOINT):
+        if asked not in (None, fp8.method):
             raise ValueError(f"{model} holds its language model in FP8 already (config.json quantization_config: "
-                             f"{FP8_CHECKPOINT}); --quantization {asked} cannot re-quantize it: leave --quantization unset")
-        log.info("%s is quantized already (%s FP8, weights per %s, activations %s)", model, FP8_CHECKPOINT,
-                 fp8.weights, fp8.activations)
-        return FP8_CHECKPOINT
+                             f"runs as {fp8.method}); --quantization {asked} cannot re-quantize it: leave --quantization unset")
+        log.info("%s is quantized already (FP8: weights per %s, activations per %s): runs as %s", model,
+                 fp8.weights, fp8.activations, fp8.method)
+        return fp8.method
     if asked == FP8_CHECKPOINT:
         raise ValueError(f"--quantization {FP8_CHECKPOINT} runs an FP8 checkpoint's own weights, and {model} has no "
                          f"quantization_config: leave --quantization unset, or choose fp8 to quantize at load")

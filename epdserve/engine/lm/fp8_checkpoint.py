@@ -30,20 +30,22 @@ any other is dense. An FP8 tensor anywhere else (vision tower, embedding, LM hea
 is refused at start-up (`check_fp8_tensors`): epdserve runs FP8 in the LM's attention and dense
 MLP projections only.
 
+Qwen's and DeepSeek's own block-wise FP8 (`"quant_method": "fp8"`, `"weight_block_size": [128,
+128]`, `"activation_scheme": "dynamic"`; transformers integrations/finegrained_fp8.py `FP8Linear`
+holds `weight_scale_inv` per block; vLLM fp8.py `Fp8Config.from_config` reads
+"activation_scheme", "weight_block_size") runs as "fp8" (vLLM's name): engine/lm/fp8_block_linear.py.
+
 Refused at start-up, naming why: a compressed-tensors scheme other than the above (int8 /
 int4 "pack-quantized" / "int-quantized" formats, group or block strategies, asymmetric or
-weight-only FP8, several groups with different schemes, an FP8 KV cache scheme); Qwen's and
-DeepSeek's own `"quant_method": "fp8"` with `weight_block_size` ([128, 128]; transformers
-integrations/finegrained_fp8.py `FP8Linear` holds `weight_scale_inv` per 128×128 block; vLLM
-fp8.py `Fp8Config.from_config` reads "activation_scheme", "weight_block_size"): block-wise FP8 is
-not supported yet; and any other quant_method.
+weight-only FP8, several groups with different schemes, an FP8 KV cache scheme); "fp8" without
+weight_block_size (per-tensor), with static activations or another fmt; any other quant_method.
 
 Dynamic activations run per token here too, as in vLLM, whether the config says "token" or
 "tensor": one scale over a whole step's tokens would make a request's output depend on the other
 requests batched with it.
 
-`read_fp8_scheme(path)`: the `Fp8Scheme` (weights "tensor" | "channel"; activations "token"
-(dynamic) | "static"), None without a quantization_config, ValueError otherwise.
+`read_fp8_scheme(path)`: the `Fp8Scheme` (weights "tensor" | "channel" | "block"; activations
+"token" (dynamic) | "static" | "group"), None without a quantization_config, ValueError otherwise.
 """
 from __future__ import annotations
 
@@ -53,13 +55,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 METHOD = "compressed-tensors"  # vLLM's name for these checkpoints; the linear method they run as
+BLOCK_METHOD = "fp8"  # block-wise ("quant_method": "fp8" with weight_block_size): vLLM's name
 PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    weights: str  # "tensor": one weight_scale a projection; "channel": one per output row
-    activations: str  # "token": quantized per token at run time; "static": per tensor, the checkpoint's input_scale
+    weights: str  # "tensor": one weight_scale a projection; "channel": one per output row; "block": weight_scale_inv
+    activations: str  # "token": per token at run time; "static": per tensor, the checkpoint's input_scale;
+    # "group": per token and group of block[1] inputs at run time
+    block: tuple[int, int] | None = None  # "block": weight_block_size [rows, inputs]
+
+    @property
+    def method(self) -> str:
+        """The linear method such a checkpoint runs as (vLLM's name for its quant_method)."""
+        return BLOCK_METHOD if self.weights == "block" else METHOD
 
 
 def read_fp8_scheme(path: str | Path) -> Fp8Scheme | None:
@@ -70,15 +80,27 @@ def read_fp8_scheme(path: str | Path) -> Fp8Scheme | None:
         return None
     method = qc.get("quant_method")
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError(f"{path}: block-wise FP8 (weight_block_size {qc['weight_block_size']}) is not supported "
-                             f"yet; epdserve runs compressed-tensors FP8 checkpoints (per-tensor or per-channel weights)")
-        raise ValueError(f"{path}: quant_method 'fp8' checkpoints are not supported yet; epdserve runs "
-                         f"compressed-tensors FP8 checkpoints (llm-compressor's 'float-quantized' format)")
+        return _block_wise(path, qc)
     if method != METHOD:
         raise ValueError(f"{path}: quantization_config quant_method {method!r} is not supported; epdserve runs "
                          f"{METHOD} FP8 checkpoints (and msModelSlim's, by quant_model_description.json)")
     return _compressed_tensors(path, qc)
+
+
+def _block_wise(path, qc: dict) -> Fp8Scheme:
+    """Qwen's / DeepSeek's block-wise FP8 (engine/lm/fp8_block_linear.py): {"quant_method": "fp8",
+    "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bn, bk]} (transformers
+    utils/quantization_config.py `FineGrainedFP8Config`; vLLM fp8.py `Fp8Config.from_config`)."""
+    block = qc.get("weight_block_size")
+    if not block:
+        raise ValueError(f"{path}: quant_method 'fp8' without weight_block_size (per-tensor) is not supported yet; "
+                         f"epdserve runs block-wise 'fp8' and compressed-tensors FP8 checkpoints")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{path}: weight_block_size must be two positive integers, got {block!r}")
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"{path}: block-wise FP8 runs with fmt 'e4m3' and activation_scheme 'dynamic' only (got "
+                         f"{qc.get('fmt')!r}, {qc.get('activation_scheme')!r})")
+    return Fp8Scheme("block", "group", (block[0], block[1]))
 
 
 def _compressed_tensors(path, qc: dict) -> Fp8Scheme:
@@ -109,7 +131,8 @@ def _group_scheme(group: dict, refuse) -> Fp8Scheme:
     if not (w.get("num_bits") == 8 and w.get("type") == "float"):
         raise refuse(f"weights of {w.get('num_bits')} bits, type {w.get('type')!r}")
     if w.get("strategy") == "block" or w.get("block_structure"):
-        raise ValueError("block-wise FP8 (block_structure / strategy 'block') is not supported yet")
+        raise ValueError("compressed-tensors block-wise FP8 (block_structure / strategy 'block') is not supported "
+                         "yet (block-wise 'quant_method': 'fp8' checkpoints are)")
     if w.get("strategy") not in ("tensor", "channel"):
         raise refuse(f"weight strategy {w.get('strategy')!r}")
     if not w.get("symmetric", True) or w.get("dynamic"):

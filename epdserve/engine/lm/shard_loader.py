@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from epdserve.engine.lm.experts import ExpertShard
+from epdserve.engine.lm.fp8_block_linear import Fp8BlockLinear, block_row_scales
 from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme
 from epdserve.engine.lm.fp8_linear import FP8, Fp8Linear
 from epdserve.engine.lm.linear import make_linear
@@ -212,6 +213,8 @@ def _fp8(reader: SafetensorsReader, p: str, parts, biases, dtype, device, scheme
     [out, 1] / [out] (per channel: the rank's rows, all of them for a projection split by its
     inputs); static activations' `input_scale` (one value). A scale of another shape, not finite or
     not > 0, is refused naming the tensor."""
+    if scheme.weights == "block":
+        return _fp8_block(reader, p, parts, biases, dtype, device, scheme)
     qs, scales, input_scales = [], [], []
     for m, rows, cols in parts:
         name = p + m
@@ -237,6 +240,36 @@ def _fp8(reader: SafetensorsReader, p: str, parts, biases, dtype, device, scheme
         qs.append(q.to(device).contiguous())
         scales.append(s.to(device))
     return Fp8Linear.prequantized(qs, scales, biases, dtype, scheme.activations, input_scales or None)
+
+
+def _fp8_block(reader: SafetensorsReader, p: str, parts, biases, dtype, device, scheme: Fp8Scheme) -> Fp8BlockLinear:
+    """Block-wise FP8 parts (engine/lm/fp8_block_linear.py): the rank's slice of each float8_e4m3fn
+    weight and, per row of it, the `weight_scale_inv` of its block row over the rank's groups of
+    inputs — which must be whole groups of block[1] (refused otherwise, naming the width)."""
+    bn, bk = scheme.block
+    qs, row_scales = [], []
+    for m, rows, cols in parts:
+        name = p + m
+        q = reader.get(name + ".weight", rows, cols)
+        if q.dtype != FP8:
+            raise ValueError(f"{name}.weight is {q.dtype}, expected float8_e4m3fn")
+        out, inputs = reader.shape(name + ".weight")
+        if name + ".weight_scale_inv" not in reader:
+            raise ValueError(f"{name}: block-wise FP8 weight without its weight_scale_inv")
+        want = [-(-out // bn), -(-inputs // bk)]
+        if reader.shape(name + ".weight_scale_inv") != want:
+            raise ValueError(f"{name}.weight_scale_inv has shape {reader.shape(name + '.weight_scale_inv')}; a "
+                             f"[{out}, {inputs}] weight in blocks of {[bn, bk]} needs {want}")
+        cols = cols or range(inputs)
+        if cols.start % bk or (cols.stop % bk and cols.stop != inputs):
+            raise ValueError(f"{name}: this rank's inputs {cols.start}..{cols.stop} are not whole groups of {bk} "
+                             f"(weight_block_size): choose a tensor_parallel_size whose share of {inputs} is")
+        s = reader.get(name + ".weight_scale_inv").float()
+        _check_scales(name + ".weight_scale_inv", s)
+        s = s[:, cols.start // bk: -(-cols.stop // bk)]
+        qs.append(q.to(device).contiguous())
+        row_scales.append(block_row_scales(s, rows or range(out), bn).to(device))
+    return Fp8BlockLinear(qs, row_scales, biases, dtype, bk)
 
 
 def _check_scales(name: str, s: torch.Tensor) -> None:
