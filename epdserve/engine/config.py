@@ -109,7 +109,8 @@ class EngineConfig:
              "(quant_model_description.json: W8A8_DYNAMIC, W8A8 static, W8A16) runs as it was quantized without this "
              "flag; ascend (vLLM's name) asks for exactly that and is refused for any other checkpoint. Likewise a "
              "compressed-tensors FP8 checkpoint (config.json quantization_config: llm-compressor's W8A8-FP8, per-tensor "
-             "or per-channel weights; engine/lm/fp8_checkpoint.py) runs as compressed-tensors (vLLM's name). A P and a D "
+             "or per-channel weights; engine/lm/fp8_checkpoint.py) runs as compressed-tensors (vLLM's name), and a block-wise FP8 checkpoint (quant_method fp8, "
+             "weight_block_size: Qwen's own) as fp8. A P and a D "
              "must use the same method (checked at registration)")
     grammar_cache_bytes: int = setting(
         512 << 20, flag="--grammar-cache-mb", check=(">=", 1), to_field=lambda mb: mb << 20,
