@@ -549,3 +549,16 @@ def test_a_block_wise_fp8_checkpoint_equals_transformers_on_its_dequantized_weig
                 assert abs(out.outputs[0].logprobs[i].logprob - ref[i]) <= LOGPROB_TOL, f"token {i}"
     finally:
         llm.engine.close()
+
+
+def test_an_fp8_moe_checkpoint_at_tensor_parallel_size_1_is_refused(tmp_path):
+    """At TP1 transformers' own expert block runs a MoE model's decoder layers, and it reads no FP8:
+    refused from config.json alone, before any weight is read (so the directory holds no weights)."""
+    from transformers import Qwen3VLMoeConfig
+
+    Qwen3VLMoeConfig().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FP8 checkpoints of MoE models run only at tensor_parallel_size > 1"):
+        LLM(str(tmp_path), device="cpu", dtype="float32")
