@@ -1,4 +1,5 @@
-"""Whether a device runs the FP8 projections (engine/lm/fp8_linear.py), decided at start-up.
+"""Whether a device runs the FP8 projections (engine/lm/fp8_linear.py; fp8_block_linear.py runs
+rowwise scales too), decided at start-up.
 
 The CPU build of torch runs `torch._scaled_mm` (float8_e4m3fn operands, tensorwise and rowwise fp32
 scales, any float output dtype). On CUDA torch refuses it below compute capability 8.9:
