@@ -1,7 +1,7 @@
 """FP8 (engine/lm/fp8_linear.py, fp8_checkpoint.py, fp8_device.py; issue 49): compressed-tensors FP8
 checkpoints (block-wise ones: tests/engine/test_fp8_block.py), written here from the tiny demo
-models as llm-compressor writes them (config.json's `quantization_config`, each LM projection's `weight` float8_e4m3fn [out, in] with `weight_scale`
-[out, 1] per channel or [1] per tensor, and `input_scale` [1] for static activations; the vision
+models as llm-compressor writes them (config.json's `quantization_config`, each LM projection's
+`weight` float8_e4m3fn [out, in] with `weight_scale` [out, 1] per channel or [1] per tensor, and `input_scale` [1] for static activations; the vision
 tower and LM head left in float, as the "ignore" list says), and `--quantization fp8` at load.
 
 The kernel: against the float product of the dequantized weights and the fake-quantized
