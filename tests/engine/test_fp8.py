@@ -1,8 +1,9 @@
 """FP8 (engine/lm/fp8_linear.py, fp8_checkpoint.py, fp8_device.py; issue 49): compressed-tensors FP8
 checkpoints (block-wise ones: tests/engine/test_fp8_block.py), written here from the tiny demo
 models as llm-compressor writes them (config.json's `quantization_config`, each LM projection's
-`weight` float8_e4m3fn [out, in] with `weight_scale` [out, 1] per channel or [1] per tensor, and `input_scale` [1] for static activations; the vision
-tower and LM head left in float, as the "ignore" list says), and `--quantization fp8` at load.
+`weight` float8_e4m3fn [out, in] with `weight_scale` [out, 1] per channel or [1] per tensor, and
+`input_scale` [1] for static activations; the vision tower and LM head left in float, as the
+"ignore" list says), and `--quantization fp8` at load.
 
 The kernel: against the float product of the dequantized weights and the fake-quantized
 activations (the very values `_scaled_mm` multiplies), within fp32 rounding (bound below).
@@ -128,7 +129,8 @@ def oracle_for(ckpt, dst, scheme: Fp8Scheme, tp: int) -> HFOracle:
     oracle = HFOracle(dst)
     statics = {}
     if scheme.activations == "static":
-        scales = {_key(n.removesuffix(".input_scale")): float(t) for f in ckpt.glob("*.safetensors") for n, t in load_file(f).items()
+        scales = {_key(n.removesuffix(".input_scale")): float(t) for f in ckpt.glob("*.safetensors")
+                  for n, t in load_file(f).items()
                   if n.endswith(".input_scale")}
         for k, s in scales.items():
             statics[_fused_key(k)] = max(statics.get(_fused_key(k), 0.0), s)
@@ -311,7 +313,8 @@ def test_what_cannot_run_as_fp8_is_refused_at_start_up_naming_why(qwen2_vl_tiny,
         check_fp8_device("meta", {"rowwise"}, torch.float32)
 
     scheme = Fp8Scheme("channel", "static")
-    ckpt = fp8_checkpoint(qwen2_vl_tiny, tmp_path / "fp8", scheme, {f"{i}.{m}": 0.01 for i in range(8) for m in MODULES})
+    calib = {f"{i}.{m}": 0.01 for i in range(8) for m in MODULES}
+    ckpt = fp8_checkpoint(qwen2_vl_tiny, tmp_path / "fp8", scheme, calib)
     with pytest.raises(ValueError, match="holds its language model in FP8 already .* --quantization w8a8 cannot"):
         LLM(str(ckpt), device="cpu", quantization="w8a8")
     with pytest.raises(ValueError, match="--quantization compressed-tensors runs an FP8 checkpoint's own weights"):
@@ -326,7 +329,8 @@ def test_what_cannot_run_as_fp8_is_refused_at_start_up_naming_why(qwen2_vl_tiny,
              "activation_scheme 'dynamic' only"),
             ({"config_groups": {"g": {"weights": {**w, "strategy": "block", "block_structure": [128, 128]},
                                       "input_activations": {"num_bits": 8, "type": "float", "dynamic": True,
-                                                            "strategy": "group"}}}}, "compressed-tensors block-wise FP8"),
+                                                            "strategy": "group"}}}},
+             "compressed-tensors block-wise FP8"),
             ({"format": "int-quantized"}, "format 'int-quantized'"),
             ({"format": "mixed-precision", "config_groups": {"g": {**qc["config_groups"]["group_0"],
                                                                    "format": "pack-quantized"}}}, "'pack-quantized'"),

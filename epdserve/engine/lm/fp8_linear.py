@@ -6,11 +6,11 @@ Built two ways:
   engine/lm/fp8_checkpoint.py reads its description, engine/lm/shard_loader.py its tensors): each
   part's weights q [out_i, in] and its scale, one per tensor ([1]) or one per output channel
   ([out_i]); the weights stand for q · scale. The activations as the checkpoint says: per token
-  at run time ("token"), or per tensor with the checkpoint's calibrated `input_scale` ("static"). Fused parts (QKV's three, gate-up's two) with static
-  activations quantize their one input with the largest of their input scales, as vLLM does
-  (`CompressedTensorsW8A8Fp8.process_weights_after_loading`: `layer.input_scale.max()`), so the
-  projection is one GEMM. Per-tensor weight scales that differ between fused parts are held
-  per output row (exact); vLLM instead re-quantizes the parts to their largest scale
+  at run time ("token"), or per tensor with the checkpoint's calibrated `input_scale` ("static").
+  Fused parts (QKV's three, gate-up's two) with static activations quantize their one input
+  with the largest of their input scales, as vLLM does (`CompressedTensorsW8A8Fp8.
+  process_weights_after_loading`: `layer.input_scale.max()`), so the projection is one GEMM.
+  Per-tensor weight scales that differ between fused parts are held per output row (exact); vLLM instead re-quantizes the parts to their largest scale
   (`process_fp8_weight_tensor_strategy`), which rounds the weights again.
 - from float weights at load (`--quantization fp8`, as vLLM's `Fp8LinearMethod` quantizes an
   unquantized checkpoint): one scale for the fused projection's weights, max|w| / 448, and
