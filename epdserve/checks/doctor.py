@@ -90,6 +90,12 @@ def _quantization(plat, method: str) -> Check:
         check_method(method, plat.name)
     except ValueError as e:
         return Check("quantization", Status.FAIL, str(e), "run it on the CPU, or leave --quantization out")
+    if method in ("fp8", "compressed-tensors") and plat.name == "cuda":  # torch._scaled_mm's floor (engine/lm/fp8_device.py)
+        from epdserve.engine.lm.fp8_device import fp8_capability_refusal
+
+        why = fp8_capability_refusal(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+        if why:
+            return Check("quantization", Status.FAIL, why, "serve the bf16 checkpoint, or run on the CPU")
     return Check("quantization", Status.OK, f"{method}: the LM's attention and dense MLP linears (MoE experts, "
                  f"vision tower, embedding and LM head stay in --dtype)")
 

@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 
 from epdserve.engine.lm.forward import LeanLM
+from epdserve.engine.lm.fp8_checkpoint import METHOD as FP8_CHECKPOINT
+from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme, check_fp8_tensors, read_fp8_scheme
+from epdserve.engine.lm.fp8_device import check_fp8_device
 from epdserve.engine.lm.linear import check_method
 from epdserve.engine.lm.prequantized import CHECKPOINT_ONLY, DESCRIPTION, MIXED, checkpoint_method, read_description
 from epdserve.engine.lm.shard_loader import read_layers
@@ -87,12 +90,21 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     log.info("loading model %s (%s of weights) on %s as %s (%s) ...", model, size, platform.device(), name, why)
     started = time.monotonic()
     description = read_description(model) if Path(model).is_dir() else None
-    quantization = _checkpoint_quantization(model, description, quantization)
+    fp8 = read_fp8_scheme(model) if Path(model).is_dir() else None
+    quantization = _checkpoint_quantization(model, description, fp8, quantization)
     method = check_method(quantization, platform.name)
     own = _check_shard(model, shard)
+    if fp8 is not None:
+        if not own:
+            raise ValueError(f"{model}: FP8 checkpoints of MoE models run only at tensor_parallel_size > 1 (at 1 "
+                             f"transformers' own expert block runs the decoder layers, and it reads no FP8)")
+        check_fp8_tensors(model)
+    if method in ("fp8", FP8_CHECKPOINT):
+        check_fp8_device(platform.device(), _fp8_layouts(fp8), tdtype)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
-    layers = read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description) if own else None
+    layers = read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description, fp8) \
+        if own else None
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
                                     a.text_config.vocab_size, video=ckpt.video)
@@ -108,10 +120,28 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     )
 
 
-def _checkpoint_quantization(model: str, desc: dict | None, asked: str | None) -> str | None:
+def _fp8_layouts(scheme: Fp8Scheme | None) -> set[str]:
+    """The `_scaled_mm` scale layouts the FP8 projections may run (engine/lm/fp8_linear.py): rowwise,
+    and tensorwise too for per-tensor weights with static activations."""
+    return {"rowwise"} | ({"tensorwise"} if scheme == Fp8Scheme("tensor", "static") else set())
+
+
+def _checkpoint_quantization(model: str, desc: dict | None, fp8: Fp8Scheme | None, asked: str | None) -> str | None:
     """The method the LM's linears run: the checkpoint's own when it is quantized already (its
-    msModelSlim description `desc`, engine/lm/prequantized.py), else `asked`; ValueError when both
-    are given and differ."""
+    msModelSlim description `desc`, engine/lm/prequantized.py; its FP8 scheme `fp8`,
+    engine/lm/fp8_checkpoint.py), else `asked`; ValueError when both are given and differ."""
+    if fp8 is not None:
+        if desc:
+            raise ValueError(f"{model} has both an FP8 quantization_config and {DESCRIPTION}: which one holds is unclear")
+        if asked not in (None, fp8.method):
+            raise ValueError(f"{model} holds its language model in FP8 already (config.json quantization_config: "
+                             f"runs as {fp8.method}); --quantization {asked} cannot re-quantize it: leave --quantization unset")
+        log.info("%s is quantized already (FP8: weights per %s, activations per %s): runs as %s", model,
+                 fp8.weights, fp8.activations, fp8.method)
+        return fp8.method
+    if asked == FP8_CHECKPOINT:
+        raise ValueError(f"--quantization {FP8_CHECKPOINT} runs an FP8 checkpoint's own weights, and {model} has no "
+                         f"quantization_config: leave --quantization unset, or choose fp8 to quantize at load")
     carried = checkpoint_method(desc) if desc else None
     if carried is None:
         if asked in CHECKPOINT_ONLY:

@@ -69,6 +69,10 @@ def _without_lm_layers(path: Path, config, dtype: torch.dtype):
     from transformers.utils import logging as hf_logging
 
     tc = config.text_config
+    if getattr(config, "quantization_config", None) is not None:
+        # an FP8 checkpoint's (engine/lm/fp8_checkpoint.py): only decoder-layer projections are quantized
+        # (checked before this), and engine/lm/shard_loader.py reads those: transformers builds the rest as is
+        del config.quantization_config
     saved = {"num_hidden_layers": tc.num_hidden_layers}
     if getattr(tc, "layer_types", None) is not None:
         saved["layer_types"] = tc.layer_types

@@ -160,6 +160,19 @@ def test_quantization_row_says_which_linears_and_refuses_a_platform_without_the_
     assert check.status is Status.FAIL and "runs on cpu only" in check.detail, check
 
 
+def test_the_quantization_row_refuses_fp8_on_a_cuda_device_below_8_9(monkeypatch):
+    from types import SimpleNamespace
+
+    from epdserve.checks.doctor import Status, _quantization
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    check = _quantization(SimpleNamespace(name="cuda"), "fp8")
+    assert check.status is Status.FAIL and "compute capability >= 8.9" in check.detail and "has 8.0" in check.detail
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert _quantization(SimpleNamespace(name="cuda"), "compressed-tensors").status is Status.OK
+
+
 def test_the_dtype_row_says_what_auto_runs_here_and_why(capsys, monkeypatch):
     from epdserve.platform.dtype_default import auto_dtype
 

@@ -9,6 +9,11 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - int4_linear.py   Int4Linear (W4A16): 4-bit weights in groups of 128, quantized at load
 - prequantized.py  checkpoints quantized already (msModelSlim W8A8_DYNAMIC, W8A8, W8A16): what their description says
 - static_w8a8.py   StaticW8A8Linear: msModelSlim's static W8A8 (per-tensor input scale and offset, quant_bias)
+- fp8_linear.py    Fp8Linear: float8_e4m3fn weights and activations, one torch._scaled_mm (`--quantization fp8`,
+                   or an FP8 checkpoint's own tensors)
+- fp8_block_linear.py  Fp8BlockLinear: block-wise FP8 (Qwen's / DeepSeek's weight_block_size checkpoints)
+- fp8_checkpoint.py  FP8 checkpoints (compressed-tensors, block-wise "fp8"; config.json's quantization_config)
+- fp8_device.py    whether a device runs FP8 (CUDA compute capability >= 8.9, a probe of each scale layout)
 - fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
 - shard_loader.py  the decoder layers read from the safetensors files, one tensor-parallel rank's slices only

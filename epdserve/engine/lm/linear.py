@@ -14,8 +14,12 @@ load, applied by torch's int8 CPU kernel; `Int8DynamicLinear` ("w8a8"): the same
 each token's activations quantized to int8 at run time, an int8 GEMM; `Int4Linear` ("int4",
 engine/lm/int4_linear.py): 4-bit weights in groups of 128 inputs (W4A16); `StaticW8A8Linear`
 ("w8a8-static", engine/lm/static_w8a8.py): msModelSlim's static W8A8, built only from such a
-checkpoint's own tensors (engine/lm/shard_loader.py), never quantized at load. `check_method`
-refuses, before any weight is read, a method the platform has no kernel for.
+checkpoint's own tensors (engine/lm/shard_loader.py), never quantized at load; `Fp8Linear`
+("fp8", engine/lm/fp8_linear.py): float8_e4m3fn weights and per-token activations, one
+`torch._scaled_mm`, on CPU and CUDA (compute capability >= 8.9: engine/lm/fp8_device.py) —
+quantized at load, or a compressed-tensors FP8 checkpoint's own ("compressed-tensors",
+engine/lm/fp8_checkpoint.py). `check_method` refuses, before any weight is read, a method the
+platform has no kernel for.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from epdserve.engine.lm.fp8_linear import Fp8Linear
 from epdserve.engine.lm.fusion import fuse
 from epdserve.engine.lm.int4_linear import Int4Linear
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
@@ -55,14 +60,17 @@ class DenseLinear:
 
 
 LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicLinear,
-                  "int4": Int4Linear}  # name -> its Linear
+                  "int4": Int4Linear, "fp8": Fp8Linear}  # name -> its Linear
 # a quantized method -> the platforms with its kernel ("w8a8-static" and "ascend": an msModelSlim
-# checkpoint's own, engine/lm/prequantized.py)
+# checkpoint's own, engine/lm/prequantized.py; "compressed-tensors": an FP8 checkpoint's own,
+# engine/lm/fp8_checkpoint.py)
 METHOD_PLATFORMS = {"int8": ("cpu",), "w8a8": ("cpu",), "int4": ("cpu",), "w8a8-static": ("cpu",),
-                    "ascend": ("cpu",)}
+                    "ascend": ("cpu",), "fp8": ("cpu", "cuda"), "compressed-tensors": ("cpu", "cuda")}
 METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel", "w8a8": "torch's _int_mm CPU kernel",
                   "int4": "torch's _weight_int4pack_mm_for_cpu kernel", "w8a8-static": "torch's _int_mm CPU kernel",
-                  "ascend": "torch's int8 CPU kernels"}
+                  "ascend": "torch's int8 CPU kernels",
+                  "fp8": "torch's _scaled_mm (CPU; CUDA compute capability >= 8.9)",
+                  "compressed-tensors": "torch's _scaled_mm (CPU; CUDA compute capability >= 8.9)"}
 
 
 CHECKPOINT_LINEARS = {"w8a8-static": StaticW8A8Linear}  # built from a checkpoint's own tensors only

@@ -9,7 +9,8 @@ their biases, the rank's input columns of o_proj, its rows of gate/up and input 
 down_proj (`engine/tp/shard.py` `head_map`, the MLP split in tp equal parts), and the norms
 whole. Nothing outside those slices is read into memory, on any rank (tests/engine/
 test_shard_loader.py counts every tensor the reader hands out). The slices are converted to the
-model dtype and handed to the linear-layer contract (`engine/lm/linear.py` `make_linear`: the rank's
+model dtype (an FP8 checkpoint's float8 weights and their scales as they are, engine/lm/fp8_checkpoint.py)
+and handed to the linear-layer contract (`engine/lm/linear.py` `make_linear`: the rank's
 slices of QKV, of gate-up, of o and of down, each fused and held as its method holds them).
 
 Both layouts of the checkpoints in the wild are read: transformers 5's
@@ -25,6 +26,9 @@ from pathlib import Path
 import torch
 
 from epdserve.engine.lm.experts import ExpertShard
+from epdserve.engine.lm.fp8_block_linear import Fp8BlockLinear, block_row_scales
+from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme
+from epdserve.engine.lm.fp8_linear import FP8, Fp8Linear
 from epdserve.engine.lm.linear import make_linear
 from epdserve.engine.lm.prequantized import projection_type
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
@@ -57,6 +61,10 @@ class SafetensorsReader:
     def shape(self, name: str) -> list[int]:
         return self._where[name].get_slice(name).get_shape()
 
+    def dtype(self, name: str) -> str:
+        """The tensor's dtype as the file spells it ("BF16", "F8_E4M3", ...), read from its header."""
+        return self._where[name].get_slice(name).get_dtype()
+
     def get(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
         """The tensor `name`, or only `rows` (of dim 0) / `cols` (of dim 1) of it."""
         try:
@@ -79,11 +87,12 @@ def layer_prefix(reader: SafetensorsReader, i: int) -> str:
 
 
 def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, dtype: torch.dtype,
-               device: torch.device | str, method: str = "dense", description: dict | None = None
-               ) -> LeanLayerWeights:
+               device: torch.device | str, method: str = "dense", description: dict | None = None,
+               fp8: Fp8Scheme | None = None) -> LeanLayerWeights:
     """Decoder layer i's lean weights, `shard`'s part of them (see the module docstring); with an
     msModelSlim `description` (engine/lm/prequantized.py) its quantized projections are read as
-    they are (int8 weights, their scales) and the rest held dense."""
+    they are (int8 weights, their scales) and the rest held dense; likewise a compressed-tensors
+    FP8 checkpoint's (`fp8`: its scheme, engine/lm/fp8_checkpoint.py) float8 projections."""
     p = layer_prefix(reader, i)
     H, KVH = text_config.num_attention_heads, text_config.num_key_value_heads
     d = getattr(text_config, "head_dim", None) or text_config.hidden_size // H
@@ -99,17 +108,22 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
 
     def linear(parts, biases=None):
         """One projection fusing `parts` ((module, rows, cols) each: the rank's slice)."""
-        kinds = {projection_type(description, p + m + ".weight") if description else "" for m, _, _ in parts}
+        if fp8 is not None:
+            kinds = {"FP8" if reader.dtype(p + m + ".weight") == "F8_E4M3" else "" for m, _, _ in parts}
+        else:
+            kinds = {projection_type(description, p + m + ".weight") if description else "" for m, _, _ in parts}
         if len(kinds) > 1:
             raise ValueError(f"{p}: the parts {[m for m, _, _ in parts]} are quantized differently ({sorted(kinds)})")
         if kinds == {"W8A8_DYNAMIC"}:
             return _w8a8_dynamic(reader, p, parts, biases or [None] * len(parts), dtype, device)
         if kinds == {"W8A16"}:
             return _w8a16(reader, p, parts, biases or [None] * len(parts), dtype, device)
+        if kinds == {"FP8"}:
+            return _fp8(reader, p, parts, biases or [None] * len(parts), dtype, device, fp8)
         if kinds == {"W8A8"}:  # split by its inputs (o, down): the ranks' sums add up, rank 0 adds quant_bias
             return _w8a8_static(reader, p, parts, device, bias_here=shard.rank == 0 or parts[0][2] is None)
         return make_linear([get(m + ".weight", r, c).contiguous() for m, r, c in parts], biases,
-                           "dense" if description else method)
+                           "dense" if description or fp8 else method)
 
     qkv = linear([("self_attn.q_proj", qr, None), ("self_attn.k_proj", kr, None), ("self_attn.v_proj", kr, None)],
                  [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))])
@@ -193,6 +207,76 @@ def _w8a8_static(reader: SafetensorsReader, p: str, parts, device, bias_here: bo
     return StaticW8A8Linear(out)
 
 
+def _fp8(reader: SafetensorsReader, p: str, parts, biases, dtype, device, scheme: Fp8Scheme) -> Fp8Linear:
+    """A compressed-tensors FP8 checkpoint's parts (engine/lm/fp8_checkpoint.py): the rank's slice of
+    each float8_e4m3fn weight; its `weight_scale`, one value (per tensor, the same on every rank) or
+    [out, 1] / [out] (per channel: the rank's rows, all of them for a projection split by its
+    inputs); static activations' `input_scale` (one value). A scale of another shape, not finite or
+    not > 0, is refused naming the tensor."""
+    if scheme.weights == "block":
+        return _fp8_block(reader, p, parts, biases, dtype, device, scheme)
+    qs, scales, input_scales = [], [], []
+    for m, rows, cols in parts:
+        name = p + m
+        q = reader.get(name + ".weight", rows, cols)
+        if q.dtype != FP8:
+            raise ValueError(f"{name}.weight is {q.dtype}, expected float8_e4m3fn")
+        out = reader.shape(name + ".weight")[0]
+        if name + ".weight_scale" not in reader:
+            raise ValueError(f"{name}: FP8 weight without its weight_scale")
+        shape = reader.shape(name + ".weight_scale")
+        want = ([out, 1], [out]) if scheme.weights == "channel" else ([], [1], [1, 1])
+        if shape not in want:
+            raise ValueError(f"{name}.weight_scale has shape {shape}; a per-{scheme.weights} FP8 weight of {out} "
+                             f"output rows needs {' or '.join(map(str, want))}")
+        s = reader.get(name + ".weight_scale", rows if scheme.weights == "channel" else None).float().reshape(-1)
+        _check_scales(name + ".weight_scale", s)
+        if scheme.activations == "static":
+            if name + ".input_scale" not in reader or reader.get(name + ".input_scale").numel() != 1:
+                raise ValueError(f"{name}: static FP8 activations need one input_scale value")
+            x_scale = reader.get(name + ".input_scale").float().reshape(-1)
+            _check_scales(name + ".input_scale", x_scale)
+            input_scales.append(float(x_scale[0]))
+        qs.append(q.to(device).contiguous())
+        scales.append(s.to(device))
+    return Fp8Linear.prequantized(qs, scales, biases, dtype, scheme.activations, input_scales or None)
+
+
+def _fp8_block(reader: SafetensorsReader, p: str, parts, biases, dtype, device, scheme: Fp8Scheme) -> Fp8BlockLinear:
+    """Block-wise FP8 parts (engine/lm/fp8_block_linear.py): the rank's slice of each float8_e4m3fn
+    weight and, per row of it, the `weight_scale_inv` of its block row over the rank's groups of
+    inputs — which must be whole groups of block[1] (refused otherwise, naming the width)."""
+    bn, bk = scheme.block
+    qs, row_scales = [], []
+    for m, rows, cols in parts:
+        name = p + m
+        q = reader.get(name + ".weight", rows, cols)
+        if q.dtype != FP8:
+            raise ValueError(f"{name}.weight is {q.dtype}, expected float8_e4m3fn")
+        out, inputs = reader.shape(name + ".weight")
+        if name + ".weight_scale_inv" not in reader:
+            raise ValueError(f"{name}: block-wise FP8 weight without its weight_scale_inv")
+        want = [-(-out // bn), -(-inputs // bk)]
+        if reader.shape(name + ".weight_scale_inv") != want:
+            raise ValueError(f"{name}.weight_scale_inv has shape {reader.shape(name + '.weight_scale_inv')}; a "
+                             f"[{out}, {inputs}] weight in blocks of {[bn, bk]} needs {want}")
+        cols = cols or range(inputs)
+        if cols.start % bk or (cols.stop % bk and cols.stop != inputs):
+            raise ValueError(f"{name}: this rank's inputs {cols.start}..{cols.stop} are not whole groups of {bk} "
+                             f"(weight_block_size): choose a tensor_parallel_size whose share of {inputs} is")
+        s = reader.get(name + ".weight_scale_inv").float()
+        _check_scales(name + ".weight_scale_inv", s)
+        s = s[:, cols.start // bk: -(-cols.stop // bk)]
+        qs.append(q.to(device).contiguous())
+        row_scales.append(block_row_scales(s, rows or range(out), bn).to(device))
+    return Fp8BlockLinear(qs, row_scales, biases, dtype, bk)
+
+
+def _check_scales(name: str, s: torch.Tensor) -> None:
+    if not bool((torch.isfinite(s) & (s > 0)).all()):
+        raise ValueError(f"{name} holds a scale that is not finite and > 0")
+
+
 def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get) -> ExpertShard:
     """A sparse layer's router (whole) and the rank's experts (`expert_range`), in transformers
     5's layout: gate_up [E, 2 I, hidden], down [E, hidden, I]. Checkpoints written before it
@@ -216,10 +300,11 @@ def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get
 
 
 def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,
-                device: torch.device | str, method: str = "dense", description: dict | None = None
-                ) -> list[LeanLayerWeights]:
+                device: torch.device | str, method: str = "dense", description: dict | None = None,
+                fp8: Fp8Scheme | None = None) -> list[LeanLayerWeights]:
     """Every decoder layer's lean weights, `shard`'s part, projections held by `method` (or, given an
-    msModelSlim checkpoint's `description`, as it says: engine/lm/prequantized.py)."""
+    msModelSlim checkpoint's `description` or an FP8 checkpoint's scheme `fp8`, as it says:
+    engine/lm/prequantized.py, engine/lm/fp8_checkpoint.py)."""
     reader = SafetensorsReader(path)
-    return [read_layer(reader, i, text_config, shard, dtype, device, method, description)
+    return [read_layer(reader, i, text_config, shard, dtype, device, method, description, fp8)
             for i in range(text_config.num_hidden_layers)]
