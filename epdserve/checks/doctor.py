@@ -90,8 +90,8 @@ def _quantization(plat, method: str) -> Check:
         check_method(method, plat.name)
     except ValueError as e:
         return Check("quantization", Status.FAIL, str(e), "run it on the CPU, or leave --quantization out")
-    return Check("quantization", Status.OK, f"{method}: the LM's attention and dense MLP linears (MoE experts, "
-                 f"vision tower, embedding and LM head stay in --dtype)")
+    return Check("quantization", Status.OK, f"{method}: the LM's attention and MLP linears, MoE experts included "
+                 f"(each expert on its own; the MoE router, vision tower, embedding and LM head stay in --dtype)")
 
 
 # ---------------------------------------------------------------- versions

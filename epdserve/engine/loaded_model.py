@@ -89,7 +89,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     description = read_description(model) if Path(model).is_dir() else None
     quantization = _checkpoint_quantization(model, description, quantization)
     method = check_method(quantization, platform.name)
-    own = _check_shard(model, shard)
+    own = _check_shard(model, shard, method)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
     layers = read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description) if own else None
@@ -126,16 +126,17 @@ def _checkpoint_quantization(model: str, desc: dict | None, asked: str | None) -
     return carried
 
 
-def _check_shard(model: str, shard: TPShard) -> bool:
+def _check_shard(model: str, shard: TPShard, method: str = "dense") -> bool:
     """Whether engine/lm/shard_loader.py reads the LM's decoder layers (every model, except a sparse one
-    at tensor_parallel_size 1: that keeps transformers' own expert block, the oracle's very
-    arithmetic); ValueError for a degree the model cannot take."""
+    at tensor_parallel_size 1 held dense (`method`): that keeps transformers' own expert block, the
+    oracle's very arithmetic; quantized, its experts are read and quantized as the projections are,
+    engine/lm/expert_linears.py); ValueError for a degree the model cannot take."""
     from transformers import AutoConfig
 
     tc = AutoConfig.from_pretrained(model, local_files_only=True).text_config
     if shard.size > 1:
         check_model_degree(tc, shard.size)
-    return not num_experts(tc) or shard.size > 1
+    return not num_experts(tc) or shard.size > 1 or method != "dense"
 
 
 def _index(device: str) -> int | None:

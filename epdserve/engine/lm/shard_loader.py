@@ -15,7 +15,8 @@ slices of QKV, of gate-up, of o and of down, each fused and held as its method h
 Both layouts of the checkpoints in the wild are read: transformers 5's
 (`model.language_model.layers.N.`) and the hub's Qwen2-VL / Qwen2.5-VL one (`model.layers.N.`),
 as transformers' own key mapping renames them. A sparse (MoE) layer's router is read whole and
-only the rank's experts of its fused expert tensors (engine/lm/experts.py).
+only the rank's experts of its fused expert tensors (engine/lm/experts.py), held by the same method
+as the projections (engine/lm/expert_linears.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from epdserve.engine.lm.expert_linears import check_expert_groups
 from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.linear import make_linear
 from epdserve.engine.lm.prequantized import projection_type
@@ -117,7 +119,7 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
     o = linear([("self_attn.o_proj", None, qr)], [o_bias])
     if sparse_layer(text_config, i):
         gate_up = down = None
-        moe = _experts(reader, p, text_config, shard, get)
+        moe = _experts(reader, p, text_config, shard, get, "dense" if description else method)
     else:
         gate_up = linear([("mlp.gate_proj", mlp, None), ("mlp.up_proj", mlp, None)])
         down, moe = linear([("mlp.down_proj", None, mlp)]), None
@@ -193,14 +195,17 @@ def _w8a8_static(reader: SafetensorsReader, p: str, parts, device, bias_here: bo
     return StaticW8A8Linear(out)
 
 
-def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get) -> ExpertShard:
-    """A sparse layer's router (whole) and the rank's experts (`expert_range`), in transformers
+def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get, method: str) -> ExpertShard:
+    """A sparse layer's router (whole, in the model dtype) and the rank's experts (`expert_range`),
+    each held by `method` as the dense linears are (engine/lm/expert_linears.py: an int4 model whose
+    expert widths are not whole groups is refused before they are read), in transformers
     5's layout: gate_up [E, 2 I, hidden], down [E, hidden, I]. Checkpoints written before it
     hold both transposed ([E, hidden, 2 I], [E, I, hidden]): read by shape, as transformers'
     own conversion does (conversion_mapping.py "qwen3_vl_moe": Transpose(1, 2, check_dims=True),
     which keeps a tensor already of the expected shape)."""
     h, inter = text_config.hidden_size, text_config.moe_intermediate_size
     mine = expert_range(text_config.num_experts, shard)
+    check_expert_groups(method, {"gate_up_proj (hidden_size)": h, "down_proj (moe_intermediate_size)": inter})
 
     def experts(name: str, want: tuple[int, int]) -> torch.Tensor:
         shape = tuple(reader.shape(p + name)[1:])
@@ -212,7 +217,8 @@ def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get
         raise ValueError(f"{p}{name}: expert shape {shape}, expected {want} or {want[::-1]}")
 
     return ExpertShard(get("mlp.gate.weight"), experts("mlp.experts.gate_up_proj", (2 * inter, h)),
-                       experts("mlp.experts.down_proj", (h, inter)), mine.start, text_config.num_experts_per_tok)
+                       experts("mlp.experts.down_proj", (h, inter)), mine.start, text_config.num_experts_per_tok,
+                       method)
 
 
 def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,
