@@ -11,6 +11,7 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - static_w8a8.py   StaticW8A8Linear: msModelSlim's static W8A8 (per-tensor input scale and offset, quant_bias)
 - fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
+- expert_linears.py  the experts' weights, one projection per expert, held by the dense linears' method
 - shard_loader.py  the decoder layers read from the safetensors files, one tensor-parallel rank's slices only
 - rotary.py    RotaryTable: M-RoPE cos/sin of every position, gathered per token once a step
 - forward.py   LeanLM: the layer loop over packed tokens (LayerOps between the matmuls, paged
