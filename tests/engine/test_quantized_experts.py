@@ -7,7 +7,8 @@ dequantized weights; the dense layer bit for bit transformers' own block (its ex
 the ranks' expert shards summing to the whole layer (expert parallelism); greedy outputs of the
 tiny MoE demo (int8, TP1) and of a 128-wide one (int4, TP1 and TP2)
 equal transformers' `generate` on a checkpoint holding the dequantized weights, experts included (a
-part only at a near tie of transformers' own logits, printed); int4 refused at start-up, naming
+part only at a near tie of transformers' own logits, printed), the first token's log probabilities
+within 1e-4 of its; int4 refused at start-up, naming
 the experts' width, where moe_intermediate_size is not whole groups of 128."""
 from __future__ import annotations
 
@@ -204,6 +205,7 @@ def moe_128(tmp_path_factory):
 # int8 at TP2 is left to the unit test below: each rank quantizes its slice of o_proj's inputs with a scale of
 # its own, so the whole-row dequantized oracle is not what a TP2 rank computes with (int4's groups lie within
 # the slices: it is)
+LOGPROB_TOL = 1e-4  # fp32 logits summed in another order: 2e-6 seen; experts left unquantized: 0.1
 CASES = [("int8", "qwen3_vl_moe_tiny", 1), ("int4", "moe_128", 1), ("int4", "moe_128", 2)]
 
 
@@ -220,10 +222,17 @@ def test_greedy_outputs_equal_transformers_on_the_dequantized_experts(request, t
         assert all(isinstance(lin, METHODS[method]) for m in sparse for lin in m.gate_up + m.down)
         assert InstanceHost.weights_method(SimpleNamespace(model=llm.engine.model)) == f"{method}(experts:{method})"
         inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
-        outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True))
+        outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=5))
         for (prompt, imgs), out in zip(PROMPTS, outs):
             want, margins = oracle.generate_with_margins(prompt, imgs, TOKENS)
             assert_same_greedy(out.outputs[0].token_ids, want, margins, f"{method} TP{tp} {prompt[:20]!r}", NEAR_TIE)
+            # the first token's top-5 log probabilities, on the same prompt: the greedy tokens alone would not
+            # tell experts left unquantized (1e-1 off on these checkpoints) from quantized ones (2e-6 off)
+            first = out.outputs[0].logprobs[0]
+            with torch.inference_mode():
+                lp = torch.log_softmax(oracle.model(**oracle.inputs(prompt, imgs)).logits[0, -1].float(), dim=-1)
+            err = (torch.tensor(first.top_logprobs) - lp[list(first.top_ids)]).abs().max()
+            assert err <= LOGPROB_TOL, f"{method} TP{tp} {prompt[:20]!r}: first token's logprobs {err:.3g} off"
     finally:
         llm.engine.close()
 
