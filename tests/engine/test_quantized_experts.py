@@ -4,7 +4,8 @@ expert's projections within the kernel's rounding bound of a float product with 
 dequantized weights (every method, both routes of int8, fp32 and bf16); a whole layer within a bound
 propagated from those through silu·up, down and the weighted sum, of a float64 reference on the
 dequantized weights; the dense layer bit for bit transformers' own block (its expert order);
-the ranks' expert shards summing to the whole layer (expert parallelism); greedy outputs of the
+transformers' own layer held by a method holding its experts so too; the ranks' expert shards
+summing to the whole layer (expert parallelism); greedy outputs of the
 tiny MoE demo (int8, TP1) and of a 128-wide one (int4, TP1 and TP2)
 equal transformers' `generate` on a checkpoint holding the dequantized weights, experts included (a
 part only at a near tie of transformers' own logits, printed), the first token's log probabilities
@@ -25,6 +26,9 @@ from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.int4_linear import GROUP_SIZE, Int4Linear, dequantize_int4, quantize_int4
 from epdserve.engine.lm.quant_linear import (PACKED_MAX_ROWS, Int8DynamicLinear, Int8Linear, quantize_int8,
                                              quantize_rows)
+from epdserve.engine.lm.weights import layer_weights
+from epdserve.engine.loaded_model import _check_shard
+from epdserve.engine.tp.shard import TPShard
 from epdserve.instance.host import InstanceHost
 from epdserve.model.demo import PRESETS, build_demo_model
 from epdserve.model.demo_qwen3 import QWEN3_PRESETS
@@ -146,16 +150,20 @@ def test_a_quantized_layer_equals_a_float64_reference_on_the_dequantized_weights
     assert not ((dense - want).abs() <= bound).all()
 
 
+def _config():
+    from transformers import Qwen3VLMoeTextConfig
+
+    return Qwen3VLMoeTextConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=TOP_K,
+                                hidden_act="silu", num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
 def test_the_dense_layer_is_transformers_block_bit_for_bit():
     """The order every method shares (ascending experts, by top-k slot then token, `index_add_`):
     with top-k 3 of 4 a sum in another order would show in fp32's last bits."""
-    from transformers import Qwen3VLMoeTextConfig
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
     router, gate_up, down = _experts(torch.float32, seed=3)
-    config = Qwen3VLMoeTextConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=E,
-                                  num_experts_per_tok=TOP_K, hidden_act="silu")
-    block = Qwen3VLMoeTextSparseMoeBlock(config).eval()
+    block = Qwen3VLMoeTextSparseMoeBlock(_config()).eval()
     with torch.no_grad():
         block.gate.weight.copy_(router)
         block.experts.gate_up_proj.copy_(gate_up)
@@ -165,6 +173,34 @@ def test_the_dense_layer_is_transformers_block_bit_for_bit():
     shard = ExpertShard(router, gate_up, down, first=0, top_k=TOP_K)
     assert all(isinstance(lin, DenseExpert) for lin in shard.gate_up + shard.down)
     assert torch.equal(shard(x), want)
+
+
+@pytest.mark.parametrize("method", ["dense", "int8"])
+def test_transformers_own_layer_held_by_a_method_holds_its_experts_so_too(method):
+    """engine/lm/weights.py `layer_weights`: dense keeps transformers' block as it is; a method makes it an
+    ExpertShard of every expert held by that method (as engine/lm/shard_loader.py reads one)."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextDecoderLayer
+
+    layer = Qwen3VLMoeTextDecoderLayer(_config(), 0).eval()
+    router, gate_up, down = _experts(torch.float32, seed=7)
+    with torch.no_grad():
+        layer.mlp.gate.weight.copy_(router)
+        layer.mlp.experts.gate_up_proj.copy_(gate_up)
+        layer.mlp.experts.down_proj.copy_(down)
+    moe = layer_weights(layer, method).moe
+    if method == "dense":
+        assert moe is layer.mlp
+        return
+    assert isinstance(moe, ExpertShard) and moe.method == method and moe.num_local == E
+    x = _rows(20, HIDDEN, torch.float32, seed=8)
+    assert torch.equal(moe(x), ExpertShard(router, gate_up, down, first=0, top_k=TOP_K, method=method)(x))
+
+
+def test_a_quantized_sparse_model_is_read_by_the_shard_loader_at_tp1(qwen3_vl_moe_tiny):
+    """Dense at TP1 it keeps transformers' expert block; quantized, its layers are read from the files (the
+    full-precision decoder layers never built)."""
+    assert not _check_shard(str(qwen3_vl_moe_tiny), TPShard(0, 1), "dense")
+    assert _check_shard(str(qwen3_vl_moe_tiny), TPShard(0, 1), "int8")
 
 
 @pytest.mark.parametrize("method", METHODS)
