@@ -17,7 +17,7 @@ the order in which the ranks' parts are summed differs.
 The experts are held by the method the dense linears run (`--quantization`; engine/lm/
 expert_linears.py): one projection per local expert for gate_up and one for down, each applied in
 that same order. Quantized, they compute with their dequantized weights (up to the kernel's
-rounding); the router stays in the model dtype, so routing sees the same logits either way.
+rounding); the router stays in the model dtype, never quantized.
 """
 from __future__ import annotations
 
