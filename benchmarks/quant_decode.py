@@ -10,7 +10,8 @@ against the model-dtype GEMM per row count.
   layers' bytes (`LeanLM.layers` tensors).
 - `error`: transformers on the checkpoint in --dtype, unquantized against the same weights
   dequantized (int8, int4) and with each projection's input fake-quantized per token (w8a8) — the
-  arithmetic tests/engine/test_quantization.py shows the engine's outputs follow —, teacher-forced
+  arithmetic tests/engine/test_quantization.py shows the engine's outputs follow; a MoE model's
+  experts dequantized per expert, its w8a8 skipped: no hook reaches an expert's input —, teacher-forced
   over --error-tokens tokens the unquantized model generated greedily: the largest absolute logit
   difference and the mean KL(unquantized ‖ quantized) of the next-token distributions.
 - `kernels`: one projection of the checkpoint's gate-up shape, each method against the dense
@@ -95,11 +96,22 @@ def run_error(args) -> dict:
     out = {}
     for method in ("int8", "w8a8", "int4"):
         model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype).eval()
+
+        def roundtrip(w):
+            return (dequantize_int4(*quantize_int4(w), dtype) if method == "int4"
+                    else dequantize_int8(*quantize_int8(w), dtype))
+        experts = [m for n, m in model.named_modules() if "visual" not in n and n.endswith("mlp.experts")]
+        if experts and method == "w8a8":  # a hook cannot reach transformers' per-expert inputs
+            out[method] = {"skipped": "a MoE model's experts' inputs cannot be fake-quantized per expert here"}
+            continue
+        with torch.no_grad():
+            for module in experts:  # a MoE layer's fused [E, out, in] experts, each expert quantized on its own
+                for w in (module.gate_up_proj, module.down_proj):
+                    w.copy_(torch.stack([roundtrip(e) for e in w]))
         for name, module in model.named_modules():
             if ".layers." in name and "visual" not in name and name.endswith(projections):
                 with torch.no_grad():
-                    module.weight.copy_(dequantize_int4(*quantize_int4(module.weight), dtype) if method == "int4"
-                                        else dequantize_int8(*quantize_int8(module.weight), dtype))
+                    module.weight.copy_(roundtrip(module.weight))
                 if method == "w8a8":
                     def fake(_m, a):
                         xq, sx = quantize_rows(a[0].reshape(-1, a[0].shape[-1]))

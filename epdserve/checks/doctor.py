@@ -74,14 +74,15 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
     if tensor_parallel_size > 1 or model:
         checks.append(_tensor_parallel(plat, device, tensor_parallel_size, model))
     if quantization:
-        checks.append(_quantization(plat, quantization))
+        checks.append(_quantization(plat, quantization, model))
     checks += [_env(), _mm_store(mm_store, mode, timeout_s), _scheduler(scheduler, mode, timeout_s)]
     return checks
 
 
-def _quantization(plat, method: str) -> Check:
+def _quantization(plat, method: str, model: str | None = None) -> Check:
     """Which linears `method` holds quantized, and whether this platform has its kernel
-    (engine/lm/linear.py check_method)."""
+    (engine/lm/linear.py check_method); with `model`, a MoE model's experts take the method too
+    (int4: their widths must be whole groups, engine/lm/expert_linears.py check_expert_groups)."""
     from epdserve.engine.lm.linear import check_method
 
     if plat is None:
@@ -96,8 +97,29 @@ def _quantization(plat, method: str) -> Check:
         why = fp8_capability_refusal(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
         if why:
             return Check("quantization", Status.FAIL, why, "serve the bf16 checkpoint, or run on the CPU")
-    return Check("quantization", Status.OK, f"{method}: the LM's attention and dense MLP linears (MoE experts, "
-                 f"vision tower, embedding and LM head stay in --dtype)")
+    if model:
+        from transformers import AutoConfig
+
+        from epdserve.engine.lm.expert_linears import check_expert_groups
+        from epdserve.engine.tp.shard import num_experts
+
+        try:
+            tc = AutoConfig.from_pretrained(model, local_files_only=True).text_config
+            if num_experts(tc):
+                check_expert_groups(method, {"gate_up_proj (hidden_size)": tc.hidden_size,
+                                             "down_proj (moe_intermediate_size)": tc.moe_intermediate_size})
+        except (OSError, ValueError) as e:
+            return Check("quantization", Status.FAIL, str(e).splitlines()[0],
+                         "choose int8 or w8a8" if isinstance(e, ValueError) else f"check that {model} is a checkpoint "
+                         "directory")
+    from epdserve.engine.lm.expert_linears import QUANTIZES_EXPERTS
+
+    if method not in QUANTIZES_EXPERTS:
+        return Check("quantization", Status.OK, f"{method}: the LM's attention and dense MLP linears (MoE experts, "
+                     f"vision tower, embedding and LM head stay in --dtype)")
+    return Check("quantization", Status.OK, f"{method}: the LM's attention and MLP linears, MoE experts included "
+                 f"(each expert on its own, by {method} too; the MoE router, vision tower, embedding and LM head stay "
+                 f"in --dtype)")
 
 
 # ---------------------------------------------------------------- versions

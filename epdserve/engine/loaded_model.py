@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from epdserve.engine.lm.expert_linears import expert_method
 from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.lm.fp8_checkpoint import METHOD as FP8_CHECKPOINT
 from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme, check_fp8_tensors, read_fp8_scheme
@@ -93,7 +94,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     fp8 = read_fp8_scheme(model) if Path(model).is_dir() else None
     quantization = _checkpoint_quantization(model, description, fp8, quantization)
     method = check_method(quantization, platform.name)
-    own = _check_shard(model, shard)
+    own = _check_shard(model, shard, method)
     if fp8 is not None:
         if not own:
             raise ValueError(f"{model}: FP8 checkpoints of MoE models run only at tensor_parallel_size > 1 (at 1 "
@@ -156,16 +157,18 @@ def _checkpoint_quantization(model: str, desc: dict | None, fp8: Fp8Scheme | Non
     return carried
 
 
-def _check_shard(model: str, shard: TPShard) -> bool:
+def _check_shard(model: str, shard: TPShard, method: str = "dense") -> bool:
     """Whether engine/lm/shard_loader.py reads the LM's decoder layers (every model, except a sparse one
-    at tensor_parallel_size 1: that keeps transformers' own expert block, the oracle's very
-    arithmetic); ValueError for a degree the model cannot take."""
+    at tensor_parallel_size 1 whose experts stay dense under `method`: that keeps transformers' own
+    expert block, the oracle's very arithmetic; quantized by a method that quantizes experts, they
+    are read and quantized as the projections are, engine/lm/expert_linears.py `expert_method`);
+    ValueError for a degree the model cannot take."""
     from transformers import AutoConfig
 
     tc = AutoConfig.from_pretrained(model, local_files_only=True).text_config
     if shard.size > 1:
         check_model_degree(tc, shard.size)
-    return not num_experts(tc) or shard.size > 1
+    return not num_experts(tc) or shard.size > 1 or expert_method(method) != "dense"
 
 
 def _index(device: str) -> int | None:

@@ -3,7 +3,7 @@ co-located EP / ED, or one coupled PD / EPD engine), registered with a scheduler
 
 Prints one line when it serves: ``epdserve instance ready: <id> roles=<roles> grpc://<host>:<port>
 dtype=<dtype> (<why: given, or what auto saw>) lm-weights=<how the LM's attention and MLP weights are
-held> decode-graphs=<on (keys, capture seconds) | off (why)>`` (e.g. ``dtype=bfloat16 (auto: this CPU
+held; a quantized MoE model's experts' method in parentheses, e.g. int8(experts:int8)> decode-graphs=<on (keys, capture seconds) | off (why)>`` (e.g. ``dtype=bfloat16 (auto: this CPU
 has AVX512-BF16) lm-weights=int8 decode-graphs=off (the platform has no graphs ...)``).
 SIGTERM / SIGINT stop it (deregister, stop taking calls, let calls in flight finish for up to
 --drain-timeout seconds, stop the workers). The process exits within --drain-timeout +

@@ -402,18 +402,22 @@ class InstanceHost:
         return f"on ({g['keys']} keys, {g['capture_s']:.1f} s)" if g["graphs"] else f"off ({g['why_off']})"
 
     def weights_method(self) -> str:
-        """How the LM's attention and MLP weights are held: the quantization method, else the dtype."""
+        """How the LM's attention and MLP weights are held: the quantization method, else the dtype. A
+        sparse (MoE) model's quantized run names its experts' method too ("int8(experts:int8)"); an
+        msModelSlim checkpoint of several types says which is where ("ascend(qkv:...,experts:dense)")."""
         if self.model is None:
             return "none"
-        if self.model.quantization == "ascend":  # an msModelSlim checkpoint of several types: say which is where
-            from epdserve.engine.lm.linear import method_of
+        if not self.model.quantization:
+            return self.model.dtype_name
+        from epdserve.engine.lm.linear import method_of
 
-            layer = (self.model.lm.layers or [None])[0]
-            if layer is not None:
-                parts = [(n, method_of(getattr(layer, n))) for n in ("qkv", "o", "gate_up", "down")
-                         if getattr(layer, n, None) is not None]
-                return "ascend(" + ",".join(f"{n}:{m}" for n, m in parts) + ")"
-        return self.model.quantization or self.model.dtype_name
+        layers = self.model.lm.layers or []
+        moe = next((w.moe for w in layers if w.moe is not None), None)
+        parts = [("experts", getattr(moe, "method", "dense"))] if moe is not None else []
+        if self.model.quantization == "ascend" and layers:  # several types: say which is where
+            parts = [(n, method_of(getattr(layers[0], n))) for n in ("qkv", "o", "gate_up", "down")
+                     if getattr(layers[0], n, None) is not None] + parts
+        return self.model.quantization + ("(" + ",".join(f"{n}:{m}" for n, m in parts) + ")" if parts else "")
 
     def _kv_layout(self) -> common_pb2.KvLayout | None:
         """The registration record of the KV its engines hold (epdserve/kv_layout.py); None while

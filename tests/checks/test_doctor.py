@@ -155,7 +155,8 @@ def test_quantization_row_says_which_linears_and_refuses_a_platform_without_the_
     from epdserve.checks.doctor import Status, _quantization
 
     rc, out = doctor(capsys, "--device", "cpu", "--quantization", "int8")
-    assert rc == 0 and " ok " in row(out, "quantization") and "attention and dense MLP" in row(out, "quantization")
+    assert rc == 0 and " ok " in row(out, "quantization") and "attention and MLP linears, MoE experts included" in \
+        row(out, "quantization")
     check = _quantization(SimpleNamespace(name="npu"), "int8")  # only the platform's name is read
     assert check.status is Status.FAIL and "runs on cpu only" in check.detail, check
 
@@ -171,6 +172,14 @@ def test_the_quantization_row_refuses_fp8_on_a_cuda_device_below_8_9(monkeypatch
     assert check.status is Status.FAIL and "compute capability >= 8.9" in check.detail and "has 8.0" in check.detail
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert _quantization(SimpleNamespace(name="cuda"), "compressed-tensors").status is Status.OK
+
+
+def test_quantization_row_with_a_model_refuses_int4_experts_that_are_not_whole_groups(capsys, qwen3_vl_moe_tiny):
+    rc, out = doctor(capsys, "--device", "cpu", "--quantization", "int4", "--model", str(qwen3_vl_moe_tiny))
+    assert rc == 1 and " fail " in row(out, "quantization"), out
+    assert "MoE experts' gate_up_proj (hidden_size) takes 64 and down_proj (moe_intermediate_size) takes 32" in out
+    rc, out = doctor(capsys, "--device", "cpu", "--quantization", "int8", "--model", str(qwen3_vl_moe_tiny))
+    assert rc == 0 and " ok " in row(out, "quantization"), out
 
 
 def test_the_dtype_row_says_what_auto_runs_here_and_why(capsys, monkeypatch):

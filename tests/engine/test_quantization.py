@@ -31,16 +31,27 @@ PROMPTS = [("the quick brown fox jumps over the lazy dog", []),
            (f"what is in {PH} here", [jpeg_bytes(procedural_image(112, 84, 1))])]
 
 
-def dequantized_checkpoint(src, dst):
-    """A copy of checkpoint `src` whose LM decoder projections (what `--quantization int8` quantizes:
-    attention and dense MLP; MoE experts, the vision tower, embedding and head untouched) hold
-    dequantize(quantize(W)) in their own dtype: the weights the quantized engine computes with."""
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # [E, out, in] each (transformers 5's layout)
+
+
+def int8_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """dequantize(quantize(w)) of one [out, in] weight, int8 per output channel, in w's dtype."""
+    return dequantize_int8(*quantize_int8(w), w.dtype)
+
+
+def dequantized_checkpoint(src, dst, roundtrip=int8_roundtrip):
+    """A copy of checkpoint `src` whose LM decoder projections (what `--quantization` quantizes:
+    attention, dense MLP and MoE experts, each expert on its own; the router, the vision tower,
+    embedding and head untouched) hold `roundtrip(W)` (dequantize(quantize(W))) in their own dtype:
+    the weights the quantized engine computes with."""
     shutil.copytree(src, dst)
     for f in dst.glob("*.safetensors"):
         tensors = load_file(f)
         for name, t in tensors.items():
             if ".layers." in name and "visual" not in name and name.endswith(QUANTIZED):
-                tensors[name] = dequantize_int8(*quantize_int8(t), t.dtype).contiguous()
+                tensors[name] = roundtrip(t).contiguous()
+            elif ".layers." in name and "visual" not in name and name.endswith(EXPERTS):
+                tensors[name] = torch.stack([roundtrip(w) for w in t]).contiguous()
         save_file(tensors, f, metadata={"format": "pt"})
     return dst
 

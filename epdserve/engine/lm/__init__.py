@@ -16,6 +16,7 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - fp8_device.py    whether a device runs FP8 (CUDA compute capability >= 8.9, a probe of each scale layout)
 - fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
+- expert_linears.py  the experts' weights, one projection per expert, held by the dense linears' method
 - shard_loader.py  the decoder layers read from the safetensors files, one tensor-parallel rank's slices only
 - rotary.py    RotaryTable: M-RoPE cos/sin of every position, gathered per token once a step
 - forward.py   LeanLM: the layer loop over packed tokens (LayerOps between the matmuls, paged

@@ -13,23 +13,33 @@ renormalised and cast back, per expert `linear(x, gate_up[e])` split in gate and
 `silu(gate) * up`, `linear(·, down[e])`, scaled by the token's weight and `index_add_`-ed in
 ascending expert order — so at tp = 1 the sum is transformers' sum, bit for bit; above 1 only
 the order in which the ranks' parts are summed differs.
+
+The experts are held by the method the dense linears run (`--quantization`; engine/lm/
+expert_linears.py): one projection per local expert for gate_up and one for down, each applied in
+that same order. Quantized, they compute with their dequantized weights (up to the kernel's
+rounding); the router stays in the model dtype, never quantized.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from epdserve.engine.lm.expert_linears import expert_linears
+
 
 class ExpertShard:
-    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int, top_k: int):
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int, top_k: int,
+                 method: str = "dense"):
         """`router` [E, hidden]; `gate_up` [E_local, 2 I, hidden] and `down` [E_local, hidden, I]:
-        experts first .. first + E_local - 1 of E."""
-        self.router, self.gate_up, self.down = router, gate_up, down
+        experts first .. first + E_local - 1 of E, held by `method` (engine/lm/linear.py `LINEAR_METHODS`)."""
+        self.router, self.method = router, method
+        self.gate_up = expert_linears(gate_up, method, "gate_up_proj (hidden_size)")
+        self.down = expert_linears(down, method, "down_proj (moe_intermediate_size)")
         self.first, self.top_k = first, top_k
-        self.num_local = gate_up.shape[0]
+        self.num_local = len(self.gate_up)
 
     def parameters(self) -> list[torch.Tensor]:
-        return [self.router, self.gate_up, self.down]
+        return [self.router] + [t for lin in self.gate_up + self.down for t in lin.tensors()]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] → this rank's part of the layer's output, same shape."""
@@ -43,7 +53,7 @@ class ExpertShard:
         local = experts - self.first
         for e in torch.unique(local[(local >= 0) & (local < self.num_local)]).tolist():  # ascending
             pos, token = torch.where((local == e).T)  # transformers' order: by top-k slot, then token
-            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, pos, None]
+            gate, up = self.gate_up[e](x[token]).chunk(2, dim=-1)
+            h = self.down[e](F.silu(gate) * up) * weights[token, pos, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out.reshape(hidden.shape)

@@ -16,7 +16,8 @@ slices of QKV, of gate-up, of o and of down, each fused and held as its method h
 Both layouts of the checkpoints in the wild are read: transformers 5's
 (`model.language_model.layers.N.`) and the hub's Qwen2-VL / Qwen2.5-VL one (`model.layers.N.`),
 as transformers' own key mapping renames them. A sparse (MoE) layer's router is read whole and
-only the rank's experts of its fused expert tensors (engine/lm/experts.py).
+only the rank's experts of its fused expert tensors (engine/lm/experts.py), held by the same method
+as the projections (engine/lm/expert_linears.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from epdserve.engine.lm.expert_linears import check_expert_groups, expert_method
 from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.fp8_block_linear import Fp8BlockLinear, block_row_scales
 from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme
@@ -131,7 +133,8 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
     o = linear([("self_attn.o_proj", None, qr)], [o_bias])
     if sparse_layer(text_config, i):
         gate_up = down = None
-        moe = _experts(reader, p, text_config, shard, get)
+        held = expert_method(method, prequantized=bool(description) or fp8 is not None)
+        moe = _experts(reader, p, text_config, shard, get, held)
     else:
         gate_up = linear([("mlp.gate_proj", mlp, None), ("mlp.up_proj", mlp, None)])
         down, moe = linear([("mlp.down_proj", None, mlp)]), None
@@ -277,14 +280,17 @@ def _check_scales(name: str, s: torch.Tensor) -> None:
         raise ValueError(f"{name} holds a scale that is not finite and > 0")
 
 
-def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get) -> ExpertShard:
-    """A sparse layer's router (whole) and the rank's experts (`expert_range`), in transformers
+def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get, method: str) -> ExpertShard:
+    """A sparse layer's router (whole, in the model dtype) and the rank's experts (`expert_range`),
+    each held by `method` as the dense linears are (engine/lm/expert_linears.py: an int4 model whose
+    expert widths are not whole groups is refused before they are read), in transformers
     5's layout: gate_up [E, 2 I, hidden], down [E, hidden, I]. Checkpoints written before it
     hold both transposed ([E, hidden, 2 I], [E, I, hidden]): read by shape, as transformers'
     own conversion does (conversion_mapping.py "qwen3_vl_moe": Transpose(1, 2, check_dims=True),
     which keeps a tensor already of the expected shape)."""
     h, inter = text_config.hidden_size, text_config.moe_intermediate_size
     mine = expert_range(text_config.num_experts, shard)
+    check_expert_groups(method, {"gate_up_proj (hidden_size)": h, "down_proj (moe_intermediate_size)": inter})
 
     def experts(name: str, want: tuple[int, int]) -> torch.Tensor:
         shape = tuple(reader.shape(p + name)[1:])
@@ -296,7 +302,8 @@ def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get
         raise ValueError(f"{p}{name}: expert shape {shape}, expected {want} or {want[::-1]}")
 
     return ExpertShard(get("mlp.gate.weight"), experts("mlp.experts.gate_up_proj", (2 * inter, h)),
-                       experts("mlp.experts.down_proj", (h, inter)), mine.start, text_config.num_experts_per_tok)
+                       experts("mlp.experts.down_proj", (h, inter)), mine.start, text_config.num_experts_per_tok,
+                       method)
 
 
 def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,

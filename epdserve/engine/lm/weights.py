@@ -5,8 +5,8 @@ Built once per process from the loaded transformers model (the checkpoint's own 
 `input_layernorm`, `post_attention_layernorm`): q, k and v are fused into one projection and
 gate and up into another (engine/lm/linear.py `Linear`, which decides how the weights are held
 and applied), so a layer makes four GEMMs where transformers makes seven. A Qwen3-VL-MoE sparse
-layer keeps transformers' own expert block (`moe`), called as it is (or, read by
-engine/lm/shard_loader.py, an `ExpertShard`). Once built, the transformers layers are dropped
+layer keeps transformers' own expert block (`moe`), called as it is, when held dense; else (and
+as engine/lm/shard_loader.py reads it) an `ExpertShard` whose experts the method holds too. Once built, the transformers layers are dropped
 (`drop_hf_layers`): the fused copies replace them, so the process holds one copy of the LM.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epdserve.engine.lm.expert_linears import expert_method
+from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.linear import Linear, make_linear
 
 
@@ -60,8 +62,14 @@ def layer_weights(layer: torch.nn.Module, method: str = "dense") -> LeanLayerWei
         k_norm=k_norm.weight.detach() if k_norm is not None else None,
         gate_up=make_linear([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], method=method) if dense else None,
         down=make_linear([mlp.down_proj.weight.detach()], method=method) if dense else None,
-        moe=None if dense else mlp,
+        moe=None if dense else mlp if expert_method(method) == "dense" else _expert_shard(mlp, method),
     )
+
+
+def _expert_shard(mlp: torch.nn.Module, method: str) -> ExpertShard:
+    """Transformers' sparse MoE block as an `ExpertShard` of every expert, held by `method`."""
+    return ExpertShard(mlp.gate.weight.detach(), mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach(),
+                       0, mlp.gate.top_k, method)
 
 
 def drop_hf_layers(language_model: torch.nn.Module) -> None:
