@@ -74,7 +74,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     decoder layers this process holds (engine/lm/shard_loader.py reads only those slices; a degree that
     does not split the model is refused before any weight is read). `quantization`: how the LM's
     attention and MLP weights are held (engine/lm/linear.py `LINEAR_METHODS`; None: dense, in
-    `dtype`); a method the platform has no kernel for is refused before any weight is read.
+    `dtype`); a method the platform has no kernel for is refused before any weight is read (on an NPU
+    also an fp32 model, or a torch_npu that does not register the operators the method calls).
 
     dtype "auto" (or None) is bf16 on accelerators and on a CPU with native bf16, else fp32
     (platform/dtype_default.py `auto_dtype`; the choice and why are logged and kept as `dtype_why`)."""
@@ -88,11 +89,14 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     started = time.monotonic()
     description = read_description(model) if Path(model).is_dir() else None
     quantization = _checkpoint_quantization(model, description, quantization)
-    method = check_method(quantization, platform.name)
+    method = check_method(quantization, platform.name, tdtype)
+    if platform.name == "npu" and method != "dense":
+        _check_npu_quant_kernels(method)
     own = _check_shard(model, shard)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
-    layers = read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description) if own else None
+    layers = (read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description, platform.name)
+              if own else None)
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
                                     a.text_config.vocab_size, video=ckpt.video)
@@ -100,12 +104,23 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     log.info("loaded model %s in %.1f s", model, time.monotonic() - started)
     return LoadedModel(
         model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a,
-        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings), layers, shard, method), processor=processor,
+        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings), layers, shard, method, platform.name),
+        processor=processor,
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
         media_secret=media_secret or MediaKeySecret.of_process(),
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
         quantization=quantization or "", dtype_why=why,
     )
+
+
+def _check_npu_quant_kernels(method: str) -> None:
+    """The installed torch_npu registers the operators `method`'s NPU linears call, with the
+    keywords they pass (ops/npu_quant_schema.py); NpuKernelsUnsupported naming the operator otherwise."""
+    import torch_npu
+
+    from epdserve.ops.npu_quant_schema import check_quant_kernels
+
+    check_quant_kernels(method, torch_npu)
 
 
 def _checkpoint_quantization(model: str, desc: dict | None, asked: str | None) -> str | None:
