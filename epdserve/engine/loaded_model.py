@@ -83,15 +83,15 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     platform.set_thread_device(_index(device) or 0)  # the loading thread's device
     name, why = resolve_dtype(dtype, platform.name)
     tdtype = _DTYPES[name]
-    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 0
-    size = f"{weights / 1e9:.1f} GB" if weights >= 1e9 else f"{weights / 1e6:.1f} MB"
-    log.info("loading model %s (%s of weights) on %s as %s (%s) ...", model, size, platform.device(), name, why)
-    started = time.monotonic()
     description = read_description(model) if Path(model).is_dir() else None
     quantization = _checkpoint_quantization(model, description, quantization)
     method = check_method(quantization, platform.name, tdtype)
     if platform.name == "npu" and method != "dense":
         _check_npu_quant_kernels(method)
+    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 0
+    size = f"{weights / 1e9:.1f} GB" if weights >= 1e9 else f"{weights / 1e6:.1f} MB"
+    log.info("loading model %s (%s of weights) on %s as %s (%s) ...", model, size, platform.device(), name, why)
+    started = time.monotonic()
     own = _check_shard(model, shard)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)

@@ -9,6 +9,8 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - int4_linear.py   Int4Linear (W4A16): 4-bit weights in groups of 128, quantized at load
 - prequantized.py  checkpoints quantized already (msModelSlim W8A8_DYNAMIC, W8A8, W8A16): what their description says
 - static_w8a8.py   StaticW8A8Linear: msModelSlim's static W8A8 (per-tensor input scale and offset, quant_bias)
+- npu_quant_linear.py  NpuInt8Linear (W8A16) and NpuInt8DynamicLinear (W8A8): the int8 linears on torch_npu's kernels
+- npu_static_w8a8.py   NpuStaticW8A8Linear: msModelSlim's static W8A8 on torch_npu's npu_quantize + npu_quant_matmul
 - fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
 - shard_loader.py  the decoder layers read from the safetensors files, one tensor-parallel rank's slices only

@@ -69,10 +69,10 @@ class NpuInt8Linear(Int8Linear):
         return self
 
     def _place(self) -> None:
+        check_shape(self.out_features, self.in_features, "npu_weight_quant_batchmatmul")
         import torch_npu  # registers the operator (engine start-up checked its schema)
 
         self._npu = torch_npu
-        check_shape(self.out_features, self.in_features, "npu_weight_quant_batchmatmul")
         self.qt = self.q.t()  # [in, out]: the transposed view of the row-major [out, in] weights
         self.bias = npu_bias(self.bias, self.scales.dtype)
 
@@ -84,11 +84,11 @@ class NpuInt8DynamicLinear(Int8DynamicLinear):
     """W8A8 (dynamic per-token activations) on npu_dynamic_quant + npu_quant_matmul (module docstring)."""
 
     def _hold(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.out_features = int(q.shape[0])
+        check_shape(self.out_features, int(q.shape[1]), "npu_quant_matmul")
         import torch_npu  # registers the operators (engine start-up checked their schemas)
 
         self._npu = torch_npu
-        self.out_features = int(q.shape[0])
-        check_shape(self.out_features, int(q.shape[1]), "npu_quant_matmul")
         self.w = q.t().contiguous()  # [in, out] int8, as vllm-ascend's process_weights_after_loading
         self.scales = scales.float().reshape(-1).contiguous()
         self.bias = None if self.bias is None else self.bias.float().contiguous()
