@@ -126,6 +126,7 @@ def test_static_w8a8_is_quantize_then_quant_matmul_and_equals_the_cpu_one(fake, 
     assert [c[0] for c in fake.kernel_calls] == ["npu_quantize", "npu_quant_matmul"] * 2
     (qargs, qkw), (margs, mkw) = fake.kernel_calls[0][1:], fake.kernel_calls[1][1:]
     assert qargs == ((dtype, (6, 64), True), (dtype, (64,), True), (dtype, (64,), True), torch.qint8, -1, False)
+    assert qkw == {}
     assert margs == ((torch.int8, (6, 64), True), (torch.int8, (64, 48), True), (torch.float32, (48,), True))
     assert mkw == {"bias": (torch.int32, (48,), True), "output_dtype": dtype}
     assert fake.kernel_calls[3][2]["bias"] is None  # the part without quant_bias adds none
