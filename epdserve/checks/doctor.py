@@ -81,14 +81,21 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
 
 def _quantization(plat, method: str) -> Check:
     """Which linears `method` holds quantized, and whether this platform has its kernel
-    (engine/lm/linear.py check_method)."""
+    (engine/lm/linear.py check_method; on an NPU, the installed torch_npu's operators:
+    ops/npu_quant_schema.py check_quant_kernels)."""
     from epdserve.engine.lm.linear import check_method
 
     if plat is None:
         return Check("quantization", Status.FAIL, f"{method}: no platform", "see the devices row")
     try:
         check_method(method, plat.name)
-    except ValueError as e:
+        if plat.name == "npu":
+            import torch_npu
+
+            from epdserve.ops.npu_quant_schema import check_quant_kernels
+
+            check_quant_kernels(method, torch_npu)
+    except (ValueError, RuntimeError, ImportError) as e:
         return Check("quantization", Status.FAIL, str(e), "run it on the CPU, or leave --quantization out")
     return Check("quantization", Status.OK, f"{method}: the LM's attention and dense MLP linears (MoE experts, "
                  f"vision tower, embedding and LM head stay in --dtype)")
