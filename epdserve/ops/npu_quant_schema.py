@@ -4,7 +4,8 @@ operators' registered schemas, ops/npu_schema.py `op_arguments`, never from `has
 
 The schemas, from the wheels the `[npu*]` extras install (tests/fixtures/torch_npu/<line>.txt,
 extracted by scripts/npu_signatures.py from torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml,
-op-plugin's op_plugin/config/op_plugin_functions.yaml after codegen):
+op-plugin's op_plugin/config/op_plugin_functions.yaml after codegen; the same `func:` lines are in
+that yaml on op-plugin's branches 7.2.0, 7.3.0 and 26.1.0):
 - `npu_weight_quant_batchmatmul(Tensor x, Tensor weight, Tensor antiquant_scale, Tensor?
   antiquant_offset=None, Tensor? quant_scale=None, Tensor? quant_offset=None, Tensor? bias=None, int
   antiquant_group_size=0, int inner_precise=0)` on 2.8.0 (op-plugin 7.2.0) and 2.9.0 (7.3.0); 2.12.0
