@@ -81,15 +81,22 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
 
 def _quantization(plat, method: str, model: str | None = None) -> Check:
     """Which linears `method` holds quantized, and whether this platform has its kernel
-    (engine/lm/linear.py check_method); with `model`, a MoE model's experts take the method too
-    (int4: their widths must be whole groups, engine/lm/expert_linears.py check_expert_groups)."""
+    (engine/lm/linear.py check_method; on an NPU, the installed torch_npu's operators:
+    ops/npu_quant_schema.py check_quant_kernels); with `model`, a MoE model's experts take the method
+    too (int4: their widths must be whole groups, engine/lm/expert_linears.py check_expert_groups)."""
     from epdserve.engine.lm.linear import check_method
 
     if plat is None:
         return Check("quantization", Status.FAIL, f"{method}: no platform", "see the devices row")
     try:
         check_method(method, plat.name)
-    except ValueError as e:
+        if plat.name == "npu":
+            import torch_npu
+
+            from epdserve.ops.npu_quant_schema import check_quant_kernels
+
+            check_quant_kernels(method, torch_npu)
+    except (ValueError, RuntimeError, ImportError) as e:
         return Check("quantization", Status.FAIL, str(e), "run it on the CPU, or leave --quantization out")
     if method in ("fp8", "compressed-tensors") and plat.name == "cuda":  # torch._scaled_mm's floor (engine/lm/fp8_device.py)
         from epdserve.engine.lm.fp8_device import fp8_capability_refusal

@@ -78,7 +78,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     decoder layers this process holds (engine/lm/shard_loader.py reads only those slices; a degree that
     does not split the model is refused before any weight is read). `quantization`: how the LM's
     attention and MLP weights are held (engine/lm/linear.py `LINEAR_METHODS`; None: dense, in
-    `dtype`); a method the platform has no kernel for is refused before any weight is read.
+    `dtype`); a method the platform has no kernel for is refused before any weight is read (on an NPU
+    also an fp32 model, or a torch_npu that does not register the operators the method calls).
 
     dtype "auto" (or None) is bf16 on accelerators and on a CPU with native bf16, else fp32
     (platform/dtype_default.py `auto_dtype`; the choice and why are logged and kept as `dtype_why`)."""
@@ -86,14 +87,16 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     platform.set_thread_device(_index(device) or 0)  # the loading thread's device
     name, why = resolve_dtype(dtype, platform.name)
     tdtype = _DTYPES[name]
+    description = read_description(model) if Path(model).is_dir() else None
+    fp8 = read_fp8_scheme(model) if Path(model).is_dir() else None
+    quantization = _checkpoint_quantization(model, description, fp8, quantization)
+    method = check_method(quantization, platform.name, tdtype)
+    if platform.name == "npu" and method != "dense":
+        _check_npu_quant_kernels(method)
     weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 0
     size = f"{weights / 1e9:.1f} GB" if weights >= 1e9 else f"{weights / 1e6:.1f} MB"
     log.info("loading model %s (%s of weights) on %s as %s (%s) ...", model, size, platform.device(), name, why)
     started = time.monotonic()
-    description = read_description(model) if Path(model).is_dir() else None
-    fp8 = read_fp8_scheme(model) if Path(model).is_dir() else None
-    quantization = _checkpoint_quantization(model, description, fp8, quantization)
-    method = check_method(quantization, platform.name)
     own = _check_shard(model, shard, method)
     if fp8 is not None:
         if not own:
@@ -104,8 +107,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
         check_fp8_device(platform.device(), _fp8_layouts(fp8), tdtype)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
-    layers = read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description, fp8) \
-        if own else None
+    layers = (read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description, fp8=fp8,
+                          platform=platform.name) if own else None)
     ctx = max_model_len(a.text_config, context_len)
     processor = MultimodalProcessor(ckpt.tokenizer, ckpt.image_processor, a.image_token_id, a.merge_size, ctx,
                                     a.text_config.vocab_size, video=ckpt.video)
@@ -113,7 +116,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     log.info("loaded model %s in %.1f s", model, time.monotonic() - started)
     return LoadedModel(
         model_id=str(model), platform=platform, dtype=tdtype, checkpoint=ckpt, adapter=a,
-        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings), layers, shard, method), processor=processor,
+        lm=LeanLM(a, 2 * max(ctx, a.max_position_embeddings), layers, shard, method, platform.name),
+        processor=processor,
         namespace=namespace_for(str(model), a.vision_tower, ckpt.image_processor.to_dict()),
         media_secret=media_secret or MediaKeySecret.of_process(),
         eos_token_ids=eos_token_ids(generation_eos, ckpt.tokenizer), max_model_len=ctx,
@@ -125,6 +129,16 @@ def _fp8_layouts(scheme: Fp8Scheme | None) -> set[str]:
     """The `_scaled_mm` scale layouts the FP8 projections may run (engine/lm/fp8_linear.py): rowwise,
     and tensorwise too for per-tensor weights with static activations."""
     return {"rowwise"} | ({"tensorwise"} if scheme == Fp8Scheme("tensor", "static") else set())
+
+
+def _check_npu_quant_kernels(method: str) -> None:
+    """The installed torch_npu registers the operators `method`'s NPU linears call, with the
+    keywords they pass (ops/npu_quant_schema.py); NpuKernelsUnsupported naming the operator otherwise."""
+    import torch_npu
+
+    from epdserve.ops.npu_quant_schema import check_quant_kernels
+
+    check_quant_kernels(method, torch_npu)
 
 
 def _checkpoint_quantization(model: str, desc: dict | None, fp8: Fp8Scheme | None, asked: str | None) -> str | None:

@@ -16,6 +16,7 @@ One sentence per module:
 - build_progress.py   what a user waiting on the first native build sees on stderr
 - npu_ops.py          `NpuPagedOps`: the operators on Ascend NPUs over torch_npu's kernels
 - npu_schema.py       which KV-write call the installed torch_npu's operator schemas allow, probed once
+- npu_quant_schema.py which torch_npu operators each quantized linear method calls, checked against the schemas at start-up
 - npu_attention_check.py  at start-up: whether this CANN's attention kernel takes the model (bf16, head_dim) and our call
 - npu_core_limits.py  which operators each NPU stage launches and whether a core limit binds them
 - npu_aten_routes.py  the aten operators our models launch on an NPU: op-plugin's route (aclnn) and what is known of the kernel

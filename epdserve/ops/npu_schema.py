@@ -20,6 +20,9 @@ from the PyPI wheels by scripts/npu_signatures.py):
   `torch.ops.atb`. An ATB operator ignores stream core limits (op-plugin
   torch_npu-set_stream_limit.md);
 - `npu::npu_fused_infer_attention_score`: the same schema on all three lines.
+- the quantized matmuls the NPU's int8 linears call (npu_weight_quant_batchmatmul, npu_dynamic_quant,
+  npu_quantize, npu_quant_matmul): their schemas per line and the start-up check in
+  ops/npu_quant_schema.py.
 `torch_npu.<op>` is `torch.ops.npu.<op>` on all three (torch_npu/utils/custom_ops.py). A call with
 a keyword the schema lacks raises RuntimeError "Unknown keyword argument" (torch's
 createStackForSchema), which this probe turns into a clear error at startup.

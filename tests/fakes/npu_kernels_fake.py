@@ -7,7 +7,9 @@ What is copied from where:
 - binding: torch's createStackForSchema (torch/csrc/jit/python/pybind_utils.h), what an
   `OpOverloadPacket` call runs: a RuntimeError (not TypeError) "Unknown keyword argument ...",
   "... is missing value for argument ...", "... takes N positional argument(s) ...";
-  tests/ops/test_npu_kernel_lines.py checks these against torch's own dispatcher;
+  tests/ops/test_npu_kernel_lines.py checks these against torch's own dispatcher; a torch.dtype
+  given for an `int` or `ScalarType` argument (both IntType to the JIT) arrives as its
+  c10::ScalarType number (toIValue: a THPDtype is taken as its scalar_type);
 - `torch_npu.<op>` is `torch.ops.npu.<op>` (torch_npu/utils/custom_ops.py on 2.8.0, 2.9.0,
   2.12.0); `torch_npu._npu_reshape_and_cache` is a lazy wrapper calling `torch.ops.atb.<op>`
   (torch_npu/op_plugin/atb/_atb_ops.py create_lazy_atb_function), and where
@@ -64,6 +66,25 @@ def line_schemas(line: str) -> dict[str, torch._C.FunctionSchema]:
     return {s.name: s for s in schemas}
 
 
+# c10/core/ScalarType.h's enum order (AT_FORALL_SCALAR_TYPES_WITH_COMPLEX_AND_QINTS), the dtypes used here
+SCALAR_TYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
+                torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.qint8: 12, torch.quint8: 13,
+                torch.qint32: 14, torch.bfloat16: 15}
+_DTYPE_OF = {v: k for k, v in SCALAR_TYPES.items()}
+
+
+def dtype_of(value) -> torch.dtype | None:
+    """The dtype an operator receives, whether its schema said ScalarType (a torch.dtype) or int."""
+    return _DTYPE_OF[value] if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _ivalue(param, value):
+    """A torch.dtype for an `int` / `ScalarType` argument becomes its ScalarType number, as torch binds it."""
+    if isinstance(value, torch.dtype) and str(param.type) in ("int", "Optional[int]"):
+        return SCALAR_TYPES[value]
+    return value
+
+
 def bind(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict:
     """{argument: value} as createStackForSchema binds a Python call, defaults filled in."""
     params = schema.arguments
@@ -93,7 +114,7 @@ def bind(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict:
             if k in {p.name for p in params[:len(args)]}:
                 raise RuntimeError(f"Argument '{k}' specified both as positional and keyword argument. "
                                    f"Schema: {schema}")
-    return bound
+    return {p.name: _ivalue(p, bound[p.name]) for p in params}
 
 
 class FakeOverload:
@@ -132,13 +153,15 @@ class FakeOpNamespace:
             raise AttributeError(f"'_OpNamespace' '{self._name}' object has no attribute '{op}'") from None
 
 
-def namespaces(line: str, impls: dict, record, *, atb_loaded: bool = True) -> dict[str, FakeOpNamespace]:
+def namespaces(line: str, impls: dict, record, *, atb_loaded: bool = True,
+               absent: tuple[str, ...] = ()) -> dict[str, FakeOpNamespace]:
     """{"npu": ..., "atb": ...}: the line's operators, computed by `impls[name]` (a function of the
-    bound arguments; an operator without one raises NotImplementedError when called)."""
+    bound arguments; an operator without one raises NotImplementedError when called); those named
+    in `absent` left out (a line that does not register them)."""
     ops: dict[str, dict[str, FakeOpPacket]] = {"npu": {}, "atb": {}}
     for qualified, schema in line_schemas(line).items():
         ns, name = qualified.split("::")
-        if ns == "atb" and not atb_loaded:
+        if (ns == "atb" and not atb_loaded) or name in absent:
             continue
         ops[ns][name] = FakeOpPacket(schema, impls.get(name, _not_computed(name)), record)
     return {ns: FakeOpNamespace(ns, table) for ns, table in ops.items()}

@@ -50,9 +50,10 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   `get_device_limit`'s device argument and `set_device_limit` (once per process), per line:
   tests/fakes/npu_config_fake.py.
 - the paged-KV operators: exactly the schemas of one torch_npu line (`FakeTorchNpu(line=...)`,
-  tests/fixtures/torch_npu/<line>.txt), `torch_npu.<op>` and `torch.ops.npu` / `torch.ops.atb`
-  as torch_npu binds them; calls land in `kernel_calls` (tests/fakes/npu_kernels_fake.py; the
-  fused layer kernels: tests/fakes/npu_layer_kernels_fake.py). The
+  tests/fixtures/torch_npu/<line>.txt; `absent=`: a line without those operators),
+  `torch_npu.<op>` and `torch.ops.npu` / `torch.ops.atb` as torch_npu binds them; calls land in
+  `kernel_calls` (tests/fakes/npu_kernels_fake.py; the fused layer kernels:
+  tests/fakes/npu_layer_kernels_fake.py; the quantized matmuls: tests/fakes/npu_quant_kernels_fake.py). The
   line's CANN (`cann=`, default the fixture's) decides whether FIA takes TND with a block table
   (`refuses_tnd_paged`: refused on 8.3.RC1, as vllm-ascend issues #4373 / #8045 report);
 - `torch_npu/npu/utils.py` get_cann_version(module="CANN") (re-exported as
@@ -81,6 +82,7 @@ from tests.fakes.npu_kernels_fake import (KV_WRITES, NEWEST, line_cann, module_a
                                           refuses_tnd_paged, tnd_paged_refused)
 
 from tests.fakes.npu_layer_kernels_fake import layer_kernels
+from tests.fakes.npu_quant_kernels_fake import QUANT_KERNELS
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN, HCCL_SUCCESS, StuckStreams
 from tests.fakes.npu_stream_pool import SYNCLAUNCH, DeviceStream, StreamPool, get_priority_unsupported
 
@@ -95,17 +97,17 @@ class FakeTorchNpu:
 
     def __init__(self, *, stream_limits: bool = True, devices: int = 1, cores: tuple[int, int] = (20, 40),
                  line: str = NEWEST, kernels: dict | None = None, atb_loaded: bool = True, cann: str | None = None,
-                 driver: str = "25.5.0"):
+                 driver: str = "25.5.0", absent: tuple[str, ...] = ()):
         self.line = line  # the torch_npu version whose operator schemas and npu_config this fake has
         self.cann = cann or line_cann(line)
         self.driver = driver
         self.kernel_calls: list[tuple] = []  # (operator, args, kwargs) as passed, tensors described
         self.options = {"ALLOW_INTERNAL_FORMAT": "disable"}  # npu_sys_ctrl.cpp SetDefaultAllowInternalFromatDisable
-        impls = {**KV_WRITES, **layer_kernels(line), **(kernels or {})}
+        impls = {**KV_WRITES, **layer_kernels(line), **QUANT_KERNELS, **(kernels or {})}
         fia = "npu_fused_infer_attention_score"
         if fia in impls and refuses_tnd_paged(self.cann):
             impls[fia] = tnd_paged_refused(impls[fia])
-        self.ops = namespaces(line, impls, self._record_kernel, atb_loaded=atb_loaded)
+        self.ops = namespaces(line, impls, self._record_kernel, atb_loaded=atb_loaded, absent=absent)
         self.stream_limits = stream_limits
         self.devices = devices
         self.cores = list(cores)  # the device's (cube, vector) cores; set_device_limit lowers them

@@ -20,7 +20,9 @@ def test_the_fixtures_are_the_three_lines_the_extras_install():
     for line in LINES:
         assert set(line_schemas(line)) == {"npu::npu_scatter_pa_kv_cache", "npu::npu_fused_infer_attention_score",
                                            "atb::_npu_reshape_and_cache", "npu::npu_add_rms_norm", "npu::npu_rms_norm",
-                                           "npu::npu_rotary_mul", "npu::npu_apply_rotary_pos_emb", "npu::npu_swiglu"}
+                                           "npu::npu_rotary_mul", "npu::npu_apply_rotary_pos_emb", "npu::npu_swiglu",
+                                           "npu::npu_weight_quant_batchmatmul", "npu::npu_dynamic_quant",
+                                           "npu::npu_quantize", "npu::npu_quant_matmul"}
     fia = {str(line_schemas(line)["npu::npu_fused_infer_attention_score"]) for line in LINES}
     assert len(fia) == 1  # the attention call's keywords do not differ between lines
 

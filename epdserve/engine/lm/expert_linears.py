@@ -64,10 +64,10 @@ def check_expert_groups(method: str, widths: dict[str, int]) -> None:
                          f"degree changes that): use int8 or w8a8")
 
 
-def expert_linears(stacked: torch.Tensor, method: str, name: str) -> list[Linear]:
+def expert_linears(stacked: torch.Tensor, method: str, name: str, platform: str = "cpu") -> list[Linear]:
     """One projection per expert of `stacked` [E_local, out, in] (the experts' `name`, for a
-    refusal), held by `method` (engine/lm/linear.py `LINEAR_METHODS`)."""
+    refusal), held by `method` on `platform` (engine/lm/linear.py `linear_class`)."""
     if method == "dense":
         return [DenseExpert(w) for w in stacked.unbind(0)]
     check_expert_groups(method, {name: int(stacked.shape[2])})
-    return [make_linear([w.contiguous()], None, method) for w in stacked.unbind(0)]
+    return [make_linear([w.contiguous()], None, method, platform) for w in stacked.unbind(0)]

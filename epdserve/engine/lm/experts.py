@@ -29,12 +29,13 @@ from epdserve.engine.lm.expert_linears import expert_linears
 
 class ExpertShard:
     def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int, top_k: int,
-                 method: str = "dense"):
+                 method: str = "dense", platform: str = "cpu"):
         """`router` [E, hidden]; `gate_up` [E_local, 2 I, hidden] and `down` [E_local, hidden, I]:
-        experts first .. first + E_local - 1 of E, held by `method` (engine/lm/linear.py `LINEAR_METHODS`)."""
+        experts first .. first + E_local - 1 of E, held by `method` on `platform` (engine/lm/linear.py
+        `linear_class`)."""
         self.router, self.method = router, method
-        self.gate_up = expert_linears(gate_up, method, "gate_up_proj (hidden_size)")
-        self.down = expert_linears(down, method, "down_proj (moe_intermediate_size)")
+        self.gate_up = expert_linears(gate_up, method, "gate_up_proj (hidden_size)", platform)
+        self.down = expert_linears(down, method, "down_proj (moe_intermediate_size)", platform)
         self.first, self.top_k = first, top_k
         self.num_local = len(self.gate_up)
 

@@ -36,14 +36,14 @@ class LeanLM:
     stateless across calls, so engines on several threads may share it."""
 
     def __init__(self, adapter, max_positions: int, layers: list[LeanLayerWeights] | None = None,
-                 shard: TPShard = TPShard(0, 1), method: str = "dense"):
+                 shard: TPShard = TPShard(0, 1), method: str = "dense", platform: str = "cpu"):
         """`layers`: the decoder layers read by engine/lm/shard_loader.py (`shard`'s part of them), else
         they are taken from transformers' own layers (which are then released), their projections
-        held by `method` (engine/lm/linear.py)."""
+        held by `method` on `platform` (engine/lm/linear.py `linear_class`)."""
         tc = adapter.text_config
         lm = adapter.base.language_model
         if layers is None:
-            layers = [layer_weights(layer, method) for layer in lm.layers]
+            layers = [layer_weights(layer, method, platform) for layer in lm.layers]
             drop_hf_layers(lm)
         self.layers: list[LeanLayerWeights] = layers
         self.shard = shard

@@ -20,6 +20,13 @@ checkpoint's own tensors (engine/lm/shard_loader.py), never quantized at load; `
 quantized at load, or a compressed-tensors FP8 checkpoint's own ("compressed-tensors",
 engine/lm/fp8_checkpoint.py). `check_method` refuses, before any weight is read, a method the
 platform has no kernel for.
+
+The class holding a method's weights is the platform's (`linear_class`, decided at load by the
+engine's platform): on an NPU "int8", "w8a8", "w8a8-static" and "ascend" run on torch_npu's
+kernels (engine/lm/npu_quant_linear.py, npu_static_w8a8.py: the same weights and scales, held as
+those kernels take them), fp16 / bf16 models only; "int4" stays CPU-only (torch_npu's W4A16
+linear, npu_weight_quant_batchmatmul over `npu_convert_weight_to_int4pack` weights, is not built
+here), and FP8 runs on the CPU and CUDA. On the CPU every method is as it was.
 """
 from __future__ import annotations
 
@@ -30,8 +37,10 @@ import torch
 from epdserve.engine.lm.fp8_linear import Fp8Linear
 from epdserve.engine.lm.fusion import fuse
 from epdserve.engine.lm.int4_linear import Int4Linear
+from epdserve.engine.lm.npu_quant_linear import NPU_DTYPES, NpuInt8DynamicLinear, NpuInt8Linear
+from epdserve.engine.lm.npu_static_w8a8 import NpuStaticW8A8Linear
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
-from epdserve.engine.lm.static_w8a8 import StaticW8A8Linear
+from epdserve.engine.lm.static_w8a8 import StaticPart, StaticW8A8Linear
 
 
 class Linear(Protocol):
@@ -61,14 +70,18 @@ class DenseLinear:
 
 LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicLinear,
                   "int4": Int4Linear, "fp8": Fp8Linear}  # name -> its Linear
+# the NPU's classes for the methods it runs (the same weights, held as torch_npu's kernels take them)
+NPU_LINEAR_METHODS = {"int8": NpuInt8Linear, "w8a8": NpuInt8DynamicLinear}
 # a quantized method -> the platforms with its kernel ("w8a8-static" and "ascend": an msModelSlim
 # checkpoint's own, engine/lm/prequantized.py; "compressed-tensors": an FP8 checkpoint's own,
 # engine/lm/fp8_checkpoint.py)
-METHOD_PLATFORMS = {"int8": ("cpu",), "w8a8": ("cpu",), "int4": ("cpu",), "w8a8-static": ("cpu",),
-                    "ascend": ("cpu",), "fp8": ("cpu", "cuda"), "compressed-tensors": ("cpu", "cuda")}
-METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel", "w8a8": "torch's _int_mm CPU kernel",
-                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel", "w8a8-static": "torch's _int_mm CPU kernel",
-                  "ascend": "torch's int8 CPU kernels",
+METHOD_PLATFORMS = {"int8": ("cpu", "npu"), "w8a8": ("cpu", "npu"), "int4": ("cpu",), "w8a8-static": ("cpu", "npu"),
+                    "ascend": ("cpu", "npu"), "fp8": ("cpu", "cuda"), "compressed-tensors": ("cpu", "cuda")}
+METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel; torch_npu.npu_weight_quant_batchmatmul",
+                  "w8a8": "torch's _int_mm CPU kernel; torch_npu.npu_dynamic_quant + npu_quant_matmul",
+                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel",
+                  "w8a8-static": "torch's _int_mm CPU kernel; torch_npu.npu_quantize + npu_quant_matmul",
+                  "ascend": "torch's int8 CPU kernels; torch_npu's quantized matmuls",
                   "fp8": "torch's _scaled_mm (CPU; CUDA compute capability >= 8.9)",
                   "compressed-tensors": "torch's _scaled_mm (CPU; CUDA compute capability >= 8.9)"}
 
@@ -82,9 +95,10 @@ def method_of(linear) -> str:
                 type(linear).__name__)
 
 
-def check_method(quantization: str | None, platform: str) -> str:
-    """The method `quantization` names ("dense" for None); ValueError for an unknown one or one
-    `platform` ("cpu", "cuda", "npu") has no kernel for."""
+def check_method(quantization: str | None, platform: str, dtype: torch.dtype | None = None) -> str:
+    """The method `quantization` names ("dense" for None); ValueError for an unknown one, one
+    `platform` ("cpu", "cuda", "npu") has no kernel for, or (given the model's `dtype`) an NPU
+    quantized method in a dtype torch_npu's kernels do not take (fp16 / bf16 only)."""
     if quantization is None:
         return "dense"
     if quantization not in METHOD_PLATFORMS:
@@ -92,14 +106,28 @@ def check_method(quantization: str | None, platform: str) -> str:
     if platform not in METHOD_PLATFORMS[quantization]:
         raise ValueError(f"quantization={quantization} runs on {', '.join(METHOD_PLATFORMS[quantization])} only "
                          f"({METHOD_KERNELS[quantization]}), not on {platform}")
+    if platform == "npu" and dtype is not None and dtype not in NPU_DTYPES:
+        raise ValueError(f"quantization={quantization} on an NPU runs torch_npu's quantized matmuls, which take fp16 "
+                         f"or bf16 activations only, not {dtype}: use --dtype bfloat16 or float16")
     return quantization
 
 
-def make_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None,
-                method: str = "dense") -> Linear:
-    """The projection fusing `weights` (each [out_i, in], the rank's slice) by `method`."""
+def linear_class(method: str, platform: str = "cpu"):
+    """The class holding `method`'s projections on `platform` (the NPU's for the methods it runs)."""
+    if platform == "npu" and method in NPU_LINEAR_METHODS:
+        return NPU_LINEAR_METHODS[method]
     try:
-        cls = LINEAR_METHODS[method]
+        return LINEAR_METHODS[method]
     except KeyError:
         raise ValueError(f"unknown linear method {method!r}; known: {', '.join(LINEAR_METHODS)}") from None
-    return cls(weights, biases)
+
+
+def static_linear(parts: list[StaticPart], dtype: torch.dtype, platform: str = "cpu") -> Linear:
+    """msModelSlim static W8A8 parts held for `platform` (engine/lm/static_w8a8.py, npu_static_w8a8.py)."""
+    return NpuStaticW8A8Linear(parts, dtype) if platform == "npu" else StaticW8A8Linear(parts)
+
+
+def make_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None,
+                method: str = "dense", platform: str = "cpu") -> Linear:
+    """The projection fusing `weights` (each [out_i, in], the rank's slice) by `method`, held for `platform`."""
+    return linear_class(method, platform)(weights, biases)

@@ -11,7 +11,8 @@ whole. Nothing outside those slices is read into memory, on any rank (tests/engi
 test_shard_loader.py counts every tensor the reader hands out). The slices are converted to the
 model dtype (an FP8 checkpoint's float8 weights and their scales as they are, engine/lm/fp8_checkpoint.py)
 and handed to the linear-layer contract (`engine/lm/linear.py` `make_linear`: the rank's
-slices of QKV, of gate-up, of o and of down, each fused and held as its method holds them).
+slices of QKV, of gate-up, of o and of down, each fused and held as its method holds them on the
+engine's platform: `platform`, "npu" for torch_npu's kernels, engine/lm/linear.py `linear_class`).
 
 Both layouts of the checkpoints in the wild are read: transformers 5's
 (`model.language_model.layers.N.`) and the hub's Qwen2-VL / Qwen2.5-VL one (`model.layers.N.`),
@@ -31,10 +32,9 @@ from epdserve.engine.lm.experts import ExpertShard
 from epdserve.engine.lm.fp8_block_linear import Fp8BlockLinear, block_row_scales
 from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme
 from epdserve.engine.lm.fp8_linear import FP8, Fp8Linear
-from epdserve.engine.lm.linear import make_linear
+from epdserve.engine.lm.linear import Linear, linear_class, make_linear, static_linear
 from epdserve.engine.lm.prequantized import projection_type
-from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
-from epdserve.engine.lm.static_w8a8 import StaticPart, StaticW8A8Linear
+from epdserve.engine.lm.static_w8a8 import StaticPart
 from epdserve.engine.lm.weights import LeanLayerWeights
 from epdserve.engine.tp.shard import TPShard, expert_range, head_map, sparse_layer
 
@@ -90,7 +90,7 @@ def layer_prefix(reader: SafetensorsReader, i: int) -> str:
 
 def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, dtype: torch.dtype,
                device: torch.device | str, method: str = "dense", description: dict | None = None,
-               fp8: Fp8Scheme | None = None) -> LeanLayerWeights:
+               fp8: Fp8Scheme | None = None, platform: str = "cpu") -> LeanLayerWeights:
     """Decoder layer i's lean weights, `shard`'s part of them (see the module docstring); with an
     msModelSlim `description` (engine/lm/prequantized.py) its quantized projections are read as
     they are (int8 weights, their scales) and the rest held dense; likewise a compressed-tensors
@@ -117,15 +117,16 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
         if len(kinds) > 1:
             raise ValueError(f"{p}: the parts {[m for m, _, _ in parts]} are quantized differently ({sorted(kinds)})")
         if kinds == {"W8A8_DYNAMIC"}:
-            return _w8a8_dynamic(reader, p, parts, biases or [None] * len(parts), dtype, device)
+            return _w8a8_dynamic(reader, p, parts, biases or [None] * len(parts), dtype, device, platform)
         if kinds == {"W8A16"}:
-            return _w8a16(reader, p, parts, biases or [None] * len(parts), dtype, device)
+            return _w8a16(reader, p, parts, biases or [None] * len(parts), dtype, device, platform)
         if kinds == {"FP8"}:
             return _fp8(reader, p, parts, biases or [None] * len(parts), dtype, device, fp8)
         if kinds == {"W8A8"}:  # split by its inputs (o, down): the ranks' sums add up, rank 0 adds quant_bias
-            return _w8a8_static(reader, p, parts, device, bias_here=shard.rank == 0 or parts[0][2] is None)
+            return _w8a8_static(reader, p, parts, dtype, device, platform,
+                                bias_here=shard.rank == 0 or parts[0][2] is None)
         return make_linear([get(m + ".weight", r, c).contiguous() for m, r, c in parts], biases,
-                           "dense" if description or fp8 else method)
+                           "dense" if description or fp8 else method, platform)
 
     qkv = linear([("self_attn.q_proj", qr, None), ("self_attn.k_proj", kr, None), ("self_attn.v_proj", kr, None)],
                  [get(f"self_attn.{n}_proj.bias", r, optional=True) for n, r in (("q", qr), ("k", kr), ("v", kr))])
@@ -134,7 +135,7 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
     if sparse_layer(text_config, i):
         gate_up = down = None
         held = expert_method(method, prequantized=bool(description) or fp8 is not None)
-        moe = _experts(reader, p, text_config, shard, get, held)
+        moe = _experts(reader, p, text_config, shard, get, held, platform)
     else:
         gate_up = linear([("mlp.gate_proj", mlp, None), ("mlp.up_proj", mlp, None)])
         down, moe = linear([("mlp.down_proj", None, mlp)]), None
@@ -144,7 +145,7 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
         gate_up=gate_up, down=down, moe=moe)
 
 
-def _w8a8_dynamic(reader: SafetensorsReader, p: str, parts, biases, dtype, device) -> Int8DynamicLinear:
+def _w8a8_dynamic(reader: SafetensorsReader, p: str, parts, biases, dtype, device, platform: str) -> Linear:
     """msModelSlim W8A8_DYNAMIC parts (engine/lm/prequantized.py): the rank's slice of each int8
     weight and the scales of its output rows (all of them for a projection split by its inputs)."""
     qs, scales = [], []
@@ -158,7 +159,7 @@ def _w8a8_dynamic(reader: SafetensorsReader, p: str, parts, biases, dtype, devic
             raise ValueError(f"{p}{m}.weight is {q.dtype}, expected int8 for W8A8_DYNAMIC")
         qs.append(q.to(device).contiguous())
         scales.append(reader.get(p + m + ".weight_scale", rows).to(device=device, dtype=dtype))
-    return Int8DynamicLinear.prequantized(qs, scales, biases, dtype)
+    return linear_class("w8a8", platform).prequantized(qs, scales, biases, dtype)
 
 
 def _int8_parts(reader: SafetensorsReader, p: str, parts, kind: str, device) -> list[torch.Tensor]:
@@ -172,7 +173,7 @@ def _int8_parts(reader: SafetensorsReader, p: str, parts, kind: str, device) -> 
     return out
 
 
-def _w8a16(reader: SafetensorsReader, p: str, parts, biases, dtype, device) -> Int8Linear:
+def _w8a16(reader: SafetensorsReader, p: str, parts, biases, dtype, device, platform: str) -> Linear:
     """msModelSlim W8A16 parts (engine/lm/prequantized.py): int8 weights and per-channel scales,
     zero offsets (refused otherwise: which sign a nonzero one takes is not settled)."""
     scales = []
@@ -181,10 +182,11 @@ def _w8a16(reader: SafetensorsReader, p: str, parts, biases, dtype, device) -> I
             raise ValueError(f"{p}{m}.weight_offset is not zero: asymmetric W8A16 weights are not supported "
                              f"(msModelSlim's document and vllm-ascend disagree on the offset's sign)")
         scales.append(reader.get(p + m + ".weight_scale", rows).to(device=device, dtype=dtype).reshape(-1))
-    return Int8Linear.prequantized(_int8_parts(reader, p, parts, "W8A16", device), scales, biases, dtype)
+    return linear_class("int8", platform).prequantized(_int8_parts(reader, p, parts, "W8A16", device), scales,
+                                                       biases, dtype)
 
 
-def _w8a8_static(reader: SafetensorsReader, p: str, parts, device, bias_here: bool) -> StaticW8A8Linear:
+def _w8a8_static(reader: SafetensorsReader, p: str, parts, dtype, device, platform: str, bias_here: bool) -> Linear:
     """msModelSlim static W8A8 parts (engine/lm/static_w8a8.py): the rank's slice of each int8 weight,
     the deq_scale and quant_bias of its output rows (all of them for a projection split by its inputs,
     where only rank 0 adds quant_bias: `bias_here`), one input scale and offset per part."""
@@ -207,7 +209,7 @@ def _w8a8_static(reader: SafetensorsReader, p: str, parts, device, bias_here: bo
             raise ValueError(f"{name}: deq_scale / quant_bias do not have one value per output row ({q.shape[0]})")
         out.append(StaticPart(q, float(scale.reshape(-1)[0]), int(round(float(offset.reshape(-1)[0]))),
                               deq.to(device).reshape(-1), None if bias is None else bias.to(device).reshape(-1)))
-    return StaticW8A8Linear(out)
+    return static_linear(out, dtype, platform)
 
 
 def _fp8(reader: SafetensorsReader, p: str, parts, biases, dtype, device, scheme: Fp8Scheme) -> Fp8Linear:
@@ -280,7 +282,8 @@ def _check_scales(name: str, s: torch.Tensor) -> None:
         raise ValueError(f"{name} holds a scale that is not finite and > 0")
 
 
-def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get, method: str) -> ExpertShard:
+def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get, method: str,
+             platform: str = "cpu") -> ExpertShard:
     """A sparse layer's router (whole, in the model dtype) and the rank's experts (`expert_range`),
     each held by `method` as the dense linears are (engine/lm/expert_linears.py: an int4 model whose
     expert widths are not whole groups is refused before they are read), in transformers
@@ -303,15 +306,15 @@ def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get
 
     return ExpertShard(get("mlp.gate.weight"), experts("mlp.experts.gate_up_proj", (2 * inter, h)),
                        experts("mlp.experts.down_proj", (h, inter)), mine.start, text_config.num_experts_per_tok,
-                       method)
+                       method, platform)
 
 
 def read_layers(path: str | Path, text_config, shard: TPShard, dtype: torch.dtype,
                 device: torch.device | str, method: str = "dense", description: dict | None = None,
-                fp8: Fp8Scheme | None = None) -> list[LeanLayerWeights]:
+                fp8: Fp8Scheme | None = None, platform: str = "cpu") -> list[LeanLayerWeights]:
     """Every decoder layer's lean weights, `shard`'s part, projections held by `method` (or, given an
     msModelSlim checkpoint's `description` or an FP8 checkpoint's scheme `fp8`, as it says:
     engine/lm/prequantized.py, engine/lm/fp8_checkpoint.py)."""
     reader = SafetensorsReader(path)
-    return [read_layer(reader, i, text_config, shard, dtype, device, method, description, fp8)
+    return [read_layer(reader, i, text_config, shard, dtype, device, method, description, fp8, platform)
             for i in range(text_config.num_hidden_layers)]

@@ -25,6 +25,7 @@ products exactly in int32, then quant_bias is added and deq_scale applied in fp3
 model dtype once. Fused parts (QKV's three, gate-up's two) whose input scale and offset agree run
 as one GEMM; parts calibrated differently quantize the input once per distinct (scale, offset).
 An fp16 export's int64 `deq_scale` is refused at load (its encoding for the NPU op is not read here).
+On an NPU the same parts run on torch_npu's kernels: engine/lm/npu_static_w8a8.py.
 """
 from __future__ import annotations
 
@@ -52,6 +53,27 @@ class StaticPart:
     quant_bias: torch.Tensor | None  # int32 [out_i]; None: this rank adds none (split by inputs, rank > 0)
 
 
+def runs(parts: list[StaticPart]) -> list[list[StaticPart]]:
+    """`parts` cut into runs of consecutive parts sharing one (input scale, offset): one GEMM each."""
+    out: list[list[StaticPart]] = []
+    for p in parts:
+        if out and (p.input_scale, p.input_offset) == (out[-1][0].input_scale, out[-1][0].input_offset):
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+def quant_bias(parts: list[StaticPart]) -> torch.Tensor | None:
+    """The parts' quant_bias, int32, concatenated (zeros for a part without; None: no part has one)."""
+    biases = [p.quant_bias for p in parts]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.reshape(-1).to(torch.int32) if b is not None else torch.zeros(p.q.shape[0], dtype=torch.int32,
+                                                                                        device=p.q.device)
+                      for b, p in zip(biases, parts)])
+
+
 class _Group:
     """Consecutive parts sharing one (input scale, offset): one int8 GEMM."""
 
@@ -60,11 +82,7 @@ class _Group:
         self.q = torch.cat([p.q for p in parts]).contiguous()
         self.qt = self.q.t()  # [in, out]: `_int_mm`'s second operand
         self.deq = torch.cat([p.deq_scale.float().reshape(-1) for p in parts])
-        biases = [p.quant_bias for p in parts]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [b.reshape(-1).to(torch.int32) if b is not None else torch.zeros(p.q.shape[0], dtype=torch.int32,
-                                                                              device=p.q.device)
-             for b, p in zip(biases, parts)])
+        self.bias = quant_bias(parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         acc = torch._int_mm(quantize_per_tensor(x, self.scale, self.offset), self.qt)
@@ -77,14 +95,7 @@ class StaticW8A8Linear:
     """msModelSlim static W8A8 (see the module docstring); the linear-layer contract's `Linear`."""
 
     def __init__(self, parts: list[StaticPart]):
-        self.groups: list[_Group] = []
-        run: list[StaticPart] = []
-        for p in parts:
-            if run and (p.input_scale, p.input_offset) != (run[0].input_scale, run[0].input_offset):
-                self.groups.append(_Group(run))
-                run = []
-            run.append(p)
-        self.groups.append(_Group(run))
+        self.groups = [_Group(run) for run in runs(parts)]
         self.out_features = sum(int(p.q.shape[0]) for p in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

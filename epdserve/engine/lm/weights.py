@@ -45,9 +45,9 @@ def _bias(lin) -> torch.Tensor | None:
     return lin.bias.detach() if lin.bias is not None else None
 
 
-def layer_weights(layer: torch.nn.Module, method: str = "dense") -> LeanLayerWeights:
+def layer_weights(layer: torch.nn.Module, method: str = "dense", platform: str = "cpu") -> LeanLayerWeights:
     """The lean weights of one transformers decoder layer (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE),
-    its projections held by `method` (engine/lm/linear.py `LINEAR_METHODS`)."""
+    its projections held by `method` on `platform` (engine/lm/linear.py `linear_class`)."""
     att, mlp = layer.self_attn, layer.mlp
     q, k, v, o = att.q_proj, att.k_proj, att.v_proj, att.o_proj
     q_norm = getattr(att, "q_norm", None)
@@ -55,21 +55,22 @@ def layer_weights(layer: torch.nn.Module, method: str = "dense") -> LeanLayerWei
     dense = hasattr(mlp, "gate_proj")
     return LeanLayerWeights(
         qkv=make_linear([q.weight.detach(), k.weight.detach(), v.weight.detach()], [_bias(q), _bias(k), _bias(v)],
-                        method),
-        o=make_linear([o.weight.detach()], [_bias(o)], method),
+                        method, platform),
+        o=make_linear([o.weight.detach()], [_bias(o)], method, platform),
         input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
         q_norm=q_norm.weight.detach() if q_norm is not None else None,
         k_norm=k_norm.weight.detach() if k_norm is not None else None,
-        gate_up=make_linear([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], method=method) if dense else None,
-        down=make_linear([mlp.down_proj.weight.detach()], method=method) if dense else None,
-        moe=None if dense else mlp if expert_method(method) == "dense" else _expert_shard(mlp, method),
+        gate_up=make_linear([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], method=method, platform=platform)
+        if dense else None,
+        down=make_linear([mlp.down_proj.weight.detach()], method=method, platform=platform) if dense else None,
+        moe=None if dense else mlp if expert_method(method) == "dense" else _expert_shard(mlp, method, platform),
     )
 
 
-def _expert_shard(mlp: torch.nn.Module, method: str) -> ExpertShard:
-    """Transformers' sparse MoE block as an `ExpertShard` of every expert, held by `method`."""
+def _expert_shard(mlp: torch.nn.Module, method: str, platform: str) -> ExpertShard:
+    """Transformers' sparse MoE block as an `ExpertShard` of every expert, held by `method` on `platform`."""
     return ExpertShard(mlp.gate.weight.detach(), mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach(),
-                       0, mlp.gate.top_k, method)
+                       0, mlp.gate.top_k, method, platform)
 
 
 def drop_hf_layers(language_model: torch.nn.Module) -> None:
