@@ -194,7 +194,7 @@ def test_an_msmodelslim_checkpoint_on_the_npu_kernels_generates_the_cpu_runs_tok
     assert not any(k.startswith("Npu") for k in cpu_kinds)
     fake = FakeTorchNpu().install(monkeypatch)
     read = loaded_model.read_layers
-    monkeypatch.setattr(loaded_model, "read_layers", lambda *a: read(*a[:-1], "npu"))
+    monkeypatch.setattr(loaded_model, "read_layers", lambda *a, **kw: read(*a, **{**kw, "platform": "npu"}))
     got, got_lp, npu_kinds = _greedy(checkpoints[kind])
     assert npu_kinds == classes and fake.kernel_calls
     for i, (g, w, glp, wlp) in enumerate(zip(got, want, got_lp, want_lp)):
