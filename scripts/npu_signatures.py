@@ -32,6 +32,7 @@ LINES = {
     "2.12.0": ("26.1.0", "9.1.0"),
 }
 NPU_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score",
+           "npu_fused_infer_attention_score.out", "_npu_fused_infer_attention_score_get_max_workspace",  # decode graphs
            "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_apply_rotary_pos_emb", "npu_swiglu")  # + ops/npu_layer_ops.py
 ATB_OPS = ("_npu_reshape_and_cache",)
 CODEGEN_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
@@ -49,9 +50,10 @@ def download(version: str, into: Path) -> Path:
 
 
 def npu_schemas(codegen_yaml: str, names) -> dict[str, str]:
-    """`func:` lines of the codegen yaml; an operator listed twice (op_api and aclnn) must agree."""
+    """`func:` lines of the codegen yaml (an overload as `name.overload`); an operator listed twice
+    (op_api and aclnn) must agree."""
     found: dict[str, str] = {}
-    for m in re.finditer(r"func: ((\w+)\(.*\) -> .*)$", codegen_yaml, re.M):
+    for m in re.finditer(r"func: (([\w.]+)\(.*\) -> .*)$", codegen_yaml, re.M):
         schema, name = m.group(1).strip(), m.group(2)
         if name in names:
             if found.setdefault(name, schema) != schema:

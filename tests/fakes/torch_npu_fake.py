@@ -55,6 +55,9 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   fused layer kernels: tests/fakes/npu_layer_kernels_fake.py). The
   line's CANN (`cann=`, default the fixture's) decides whether FIA takes TND with a block table
   (`refuses_tnd_paged`: refused on 8.3.RC1, as vllm-ascend issues #4373 / #8045 report);
+- NPU graphs (`NPUGraph`, `graph`, `graph_pool_handle`, `ExternalEvent`, graph_task_group_* /
+  graph_task_update_*) and the FIA `.out` / max-workspace calls decode graphs make:
+  tests/fakes/npu_graphs_fake.py (`graph_api=False`: a line without them);
 - `torch_npu/npu/utils.py` get_cann_version(module="CANN") (re-exported as
   torch_npu.utils.get_cann_version on 2.8.0, 2.9.0, 2.12.0): the CANN, or `driver=` for "DRIVER";
   "" for an unknown module (GetCANNInfo.cpp GetCANNVersion).
@@ -80,6 +83,7 @@ from tests.fakes.npu_config_fake import NpuConfig, SetDeviceLimitOnce, device_li
 from tests.fakes.npu_kernels_fake import (KV_WRITES, NEWEST, line_cann, module_attributes, namespaces,
                                           refuses_tnd_paged, tnd_paged_refused)
 
+from tests.fakes.npu_graphs_fake import FakeNpuGraphs, fia_out, get_max_workspace
 from tests.fakes.npu_layer_kernels_fake import layer_kernels
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN, HCCL_SUCCESS, StuckStreams
 from tests.fakes.npu_stream_pool import SYNCLAUNCH, DeviceStream, StreamPool, get_priority_unsupported
@@ -95,7 +99,7 @@ class FakeTorchNpu:
 
     def __init__(self, *, stream_limits: bool = True, devices: int = 1, cores: tuple[int, int] = (20, 40),
                  line: str = NEWEST, kernels: dict | None = None, atb_loaded: bool = True, cann: str | None = None,
-                 driver: str = "25.5.0"):
+                 driver: str = "25.5.0", graph_api: bool = True):
         self.line = line  # the torch_npu version whose operator schemas and npu_config this fake has
         self.cann = cann or line_cann(line)
         self.driver = driver
@@ -105,7 +109,12 @@ class FakeTorchNpu:
         fia = "npu_fused_infer_attention_score"
         if fia in impls and refuses_tnd_paged(self.cann):
             impls[fia] = tnd_paged_refused(impls[fia])
-        self.ops = namespaces(line, impls, self._record_kernel, atb_loaded=atb_loaded)
+        if fia in impls:  # the decode graphs' variant (tests/fakes/npu_graphs_fake.py)
+            impls.setdefault(f"{fia}.out", fia_out(impls[fia]))
+        impls.setdefault(f"_{fia}_get_max_workspace", get_max_workspace)
+        self.graph_api = graph_api  # False: a line without torch.npu's NPUGraph / graph-task API
+        self.graphs = FakeNpuGraphs(self)
+        self.ops = namespaces(line, impls, self._record_kernel, atb_loaded=atb_loaded, launch=self.graphs.launch)
         self.stream_limits = stream_limits
         self.devices = devices
         self.cores = list(cores)  # the device's (cube, vector) cores; set_device_limit lowers them
@@ -240,6 +249,8 @@ class FakeTorchNpu:
         npu.mem_get_info = self.mem_get_info
         npu.memory_reserved = lambda device=None: self.memory[self._index(device)][1]
         npu.memory_allocated = lambda device=None: self.memory[self._index(device)][2]
+        if self.graph_api:
+            self.graphs.build(npu)
 
         class Options:
             def __init__(self):
