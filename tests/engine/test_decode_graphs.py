@@ -83,7 +83,7 @@ def test_the_graph_evidence_counts_replays_and_eager_steps_by_reason(setup, qwen
     cpu.generate(["count my decode steps please"], SamplingParams(max_tokens=5, ignore_eos=True))
     report = cpu.engine.runner.graph_report()
     assert not report["graphs"] and report["replays"] == 0
-    assert report["eager_decode_steps"] == {"the platform has no graphs (CPU and NPU decode eagerly)": 4}
+    assert report["eager_decode_steps"] == {"the platform has no graphs (cpu decodes eagerly)": 4}
 
 
 def test_every_bucket_runs_eagerly_before_its_capture(qwen2_vl_tiny):
@@ -103,7 +103,7 @@ def test_every_bucket_runs_eagerly_before_its_capture(qwen2_vl_tiny):
     r = llm.engine.runner
     g = DecodeGraphs(r.lm, r.kv_cache, r.ops, r.layer_ops, Recording(), r.buffers, max_batch=4, max_blocks=64)
     body = g._body
-    g._body = lambda bp, w: (events.append(("body", bp, w)), body(bp, w))[1]
+    g._body = lambda bp, w, tasks=None: (events.append(("body", bp, w)), body(bp, w, tasks))[1]
     g.capture_startup(7)
     captures = [i for i, e in enumerate(events) if e == "capture"]
     assert len(captures) == len(g.buckets) == 3
