@@ -13,8 +13,10 @@ each replay; main 182b75e) do it. Per layer, at capture (`capture`), on the capt
 - a workspace from `torch_npu._npu_fused_infer_attention_score_get_max_workspace(...)` (op-plugin
   op_plugin/ops/opapi/FusedInferAttentionScoreKernelNpuOpApi.cpp
   `_npu_fused_infer_attention_score_get_max_workspace_symint`: aclnnFusedInferAttentionScoreV3
-  GetMaxWorkspaceSize; branches 7.2.0 738effc, 7.3.0 b3065ed, 26.1.0 09024aa), asked with the
-  bucket's widest lengths, kept static with the output (`attention_out`) and `softmax_lse` [1];
+  GetMaxWorkspaceSize; branches 7.2.0 738effc, 7.3.0 b3065ed, 26.1.0 09024aa), asked once per
+  graph with the bucket's widest lengths and shared by its layers (their calls have one shape and
+  run one after another on the stream, as vllm-ascend shares one per captured size), kept static
+  with each layer's output (`attention_out`) and `softmax_lse` [1];
 - an `torch.npu.ExternalEvent` waited on and reset in the graph (streams.py `ExternalEvent`: "you
   can call wait() before record()"), so each replay's attention waits for its update;
 - `torch_npu.npu_fused_infer_attention_score.out(..., workspace=, attention_out=, softmax_lse=)`
@@ -53,6 +55,7 @@ class FiaGraphTasks:
         self._npu = torch_npu
         self._stream = update_stream
         self.sites: list[_Site] = []
+        self.workspace: torch.Tensor | None = None
 
     def capture(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict,
                 widest_kv: int) -> torch.Tensor:
@@ -61,8 +64,10 @@ class FiaGraphTasks:
         length the workspace must hold for every row (the bucket's width in tokens)."""
         npu = self._npu
         stream = npu.npu.current_stream()
-        widest = dict(kwargs, actual_seq_lengths_kv=[widest_kv] * len(kwargs["actual_seq_lengths_kv"]))
-        workspace = npu._npu_fused_infer_attention_score_get_max_workspace(query, key, value, **widest)
+        if self.workspace is None:  # one for the graph: its layers' calls have one shape and run in turn
+            widest = dict(kwargs, actual_seq_lengths_kv=[widest_kv] * len(kwargs["actual_seq_lengths_kv"]))
+            self.workspace = npu._npu_fused_infer_attention_score_get_max_workspace(query, key, value, **widest)
+        workspace = self.workspace
         out = torch.empty_like(query)
         lse = torch.empty(1, dtype=query.dtype, device=query.device)
         event = npu.npu.ExternalEvent()

@@ -116,6 +116,19 @@ def test_graph_evidence_on_the_npu(runners):
     report = runners[0].graph_report()
     assert report["graphs"] and report["why_off"] == "" and report["keys"] == 7  # buckets 1..32 at width 8
     assert runners[1].graph_report()["why_off"] == "--enforce-eager (or tensor parallelism)"
+    for _, _, tasks in runners[0].graphs.graphs.values():  # one task group per layer, one workspace per graph
+        assert len(tasks.sites) == LAYERS and {id(s.kwargs["workspace"]) for s in tasks.sites} == {id(tasks.workspace)}
+
+
+def test_a_capture_whose_body_fails_raises_its_own_error_and_restores_the_stream(fake):
+    plat, before = NpuPlatform(), fake.current_stream()
+
+    def body():  # a host read while capturing: the capture is invalidated, capture_end raises too
+        return torch.ones(1).item()
+
+    with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
+        plat.capture_graph(body, plat.graph_pool())
+    assert fake.current_stream() == before and not fake.graphs.capturing
 
 
 def _record_only(self, q_ends, kv_lens):

@@ -13,7 +13,8 @@ What is modelled, and from where:
   aten operator (seen through a TorchDispatchMode) or one of the fake's kernels; each runs once at
   capture too (real capture does not run it; nothing reads a captured output before a replay),
   and each replay reruns it, refilling the outputs it recorded. A host read inside a capture
-  (`item()`) fails, as an unpermitted call on a capturing stream does;
+  (`item()`) fails, as an unpermitted call on a capturing stream does, and invalidates the capture:
+  `capture_end` then raises (as CUDA's cudaStreamEndCapture does; assumed, not read, for ACL);
 - `graph_task_group_begin(stream)` / `graph_task_group_end(stream) -> handle`: the kernels
   captured between them form one task group, named by the handle;
 - `graph_task_update_begin(stream, handle)` / `graph_task_update_end(stream)`: the kernels the
@@ -84,6 +85,7 @@ class Tape:
         self.tasks: list = []
         self.group: list[KernelTask] | None = None  # open task group
         self.recording = True
+        self.invalidated = False  # an unpermitted call was made: capture_end fails
 
     @contextlib.contextmanager
     def paused(self):
@@ -118,6 +120,7 @@ class _CaptureMode(TorchDispatchMode):
         if not self.tape.recording:
             return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
+            self.tape.invalidated = True
             raise RuntimeError("operation not permitted when stream is capturing (a host read in an NPU graph)")
         out = func(*args, **kwargs)
         self.tape.tasks.append(AtenTask(func, args, kwargs, out))
@@ -210,6 +213,8 @@ class FakeNpuGraphs:
             def capture_end(self):
                 self._mode.__exit__(None, None, None)
                 del graphs.capturing[self._stream]
+                if self._tape.invalidated:
+                    raise RuntimeError("capture_end: the capture was invalidated by an unpermitted call")
                 if self._tape.group is not None:
                     raise RuntimeError("capture ended inside an open task group")
 
@@ -236,11 +241,9 @@ class FakeNpuGraphs:
                 self.stream_ctx.__enter__()
                 self.npu_graph.capture_begin(self.pool)
 
-            def __exit__(self, *exc):
-                try:
-                    self.npu_graph.capture_end()
-                finally:
-                    self.stream_ctx.__exit__(*exc)
+            def __exit__(self, *exc):  # as graphs.py: a capture_end that raises leaves the stream set
+                self.npu_graph.capture_end()
+                self.stream_ctx.__exit__(*exc)
 
         class ExternalEvent:
             def __init__(self):
