@@ -177,14 +177,8 @@ class FakeTorchNpu:
         self._local.stream = stream
         self.record("set_stream", stream.stream_id)
 
-    @contextlib.contextmanager
-    def stream(self, stream: FakeStream):
-        before = getattr(self._local, "stream", None)
-        self._local.stream = stream
-        try:
-            yield stream
-        finally:
-            self._local.stream = before
+    def stream(self, stream: FakeStream) -> _StreamContext:
+        return _StreamContext(self._local, stream)
 
     def synchronize(self, device=None) -> None:
         self.record("synchronize")
@@ -273,6 +267,22 @@ class FakeTorchNpu:
         for name, op in module_attributes(self.ops).items():
             setattr(mod, name, op)
         return mod
+
+
+class _StreamContext:
+    """`torch.npu.stream(s)` (torch_npu/npu/utils.py StreamContext): a class, not a generator, so one
+    left un-exited (a capture_end that raised in `graph.__exit__`) changes nothing when collected."""
+
+    def __init__(self, local, stream):
+        self._local, self._stream, self._before = local, stream, None
+
+    def __enter__(self):
+        self._before = getattr(self._local, "stream", None)
+        self._local.stream = self._stream
+        return self._stream
+
+    def __exit__(self, *exc):
+        self._local.stream = self._before
 
 
 class FakeStream:
