@@ -25,8 +25,9 @@ from epdserve.ops.npu_graph_fia import FiaGraphTasks
 from epdserve.ops.npu_layer_ops import NpuLayerOps
 from epdserve.ops.npu_ops import NpuPagedOps
 from epdserve.platform.npu import NpuPlatform
+from epdserve.platform.npu_graphs import GRAPH_API
 from tests.fakes.npu_graphs_fake import GraphReplayHang
-from tests.fakes.npu_kernels_fake import NEWEST
+from tests.fakes.npu_kernels_fake import LINES, NEWEST, line_npu_exports
 from tests.fakes.torch_npu_fake import FakeTorchNpu
 from tests.ops.test_npu_ops_contract import _fia
 
@@ -160,6 +161,15 @@ def test_the_self_check_falls_back_to_eager_with_the_reason(runners, model, monk
     assert not report["graphs"] and report["why_off"].startswith("self-check: a replayed decode step differs from eager")
     assert _generate(r, 2) == _generate(runners[1], 2)
     assert r.graph_report()["eager_decode_steps"] == {report["why_off"]: STEPS}
+
+
+@pytest.mark.parametrize("line", LINES)
+def test_every_line_the_extras_install_has_what_the_graphs_call(line, monkeypatch):
+    """The torch_npu.npu names and the FIA .out / max-workspace schemas, as each wheel has them
+    (tests/fixtures/torch_npu/<line>.txt, scripts/npu_signatures.py)."""
+    assert set(GRAPH_API) <= line_npu_exports(line)
+    FakeTorchNpu(line=line, kernels={FIA: _fia}).install(monkeypatch)
+    assert NpuPlatform().graphs_unavailable_reason() is None and NpuPlatform().has_graphs
 
 
 def test_a_torch_npu_without_the_graph_api_decodes_eagerly_and_says_why(model, monkeypatch):

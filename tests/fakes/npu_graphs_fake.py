@@ -194,8 +194,9 @@ class FakeNpuGraphs:
         if update.done != len(update.handle.tasks):
             raise RuntimeError(f"graph task update: {update.done} of the group's {len(update.handle.tasks)} tasks")
 
-    def build(self, npu) -> None:
-        """Put the graph API on the fake's `torch_npu.npu`."""
+    def build(self, npu, names: set[str] | None = None) -> None:
+        """Put the graph API on the fake's `torch_npu.npu`: the `names` a line exports (None: all;
+        Stream and empty_cache are the fake's own either way)."""
         graphs = self
 
         class NPUGraph:
@@ -275,12 +276,15 @@ class FakeNpuGraphs:
             def reset(self, stream=None):
                 self._issue(stream, lambda: self._set(False))
 
-        npu.NPUGraph, npu.graph, npu.ExternalEvent = NPUGraph, graph, ExternalEvent
-        npu.graph_pool_handle = self.graph_pool_handle
         npu.empty_cache = lambda: None
+        api = {"NPUGraph": NPUGraph, "graph": graph, "ExternalEvent": ExternalEvent,
+               "graph_pool_handle": self.graph_pool_handle}
         for name in ("graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin",
                      "graph_task_update_end"):
-            setattr(npu, name, getattr(self, name))
+            api[name] = getattr(self, name)
+        for name, value in api.items():
+            if names is None or name in names:
+                setattr(npu, name, value)
 
 
 def fia_out(fia):

@@ -57,6 +57,16 @@ def tnd_paged_refused(impl):
     return refuse
 
 
+def line_npu_exports(line: str) -> set[str]:
+    """The torch_npu.npu names (of those decode graphs use) the line's wheel exports: the fixture's
+    "# torch_npu.npu exports: ..." line (scripts/npu_signatures.py, from torch_npu/npu/__init__.py)."""
+    prefix = "# torch_npu.npu exports:"
+    for text in (FIXTURES / f"{line}.txt").read_text().splitlines():
+        if text.startswith(prefix):
+            return set(text[len(prefix):].split())
+    return set()
+
+
 def line_schemas(line: str) -> dict[str, torch._C.FunctionSchema]:
     """{"ns::name": schema} of the operators the line's wheel ships (comment lines skipped); an
     overload other than the default as "ns::name.overload"."""

@@ -57,7 +57,8 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   (`refuses_tnd_paged`: refused on 8.3.RC1, as vllm-ascend issues #4373 / #8045 report);
 - NPU graphs (`NPUGraph`, `graph`, `graph_pool_handle`, `ExternalEvent`, graph_task_group_* /
   graph_task_update_*) and the FIA `.out` / max-workspace calls decode graphs make:
-  tests/fakes/npu_graphs_fake.py (`graph_api=False`: a line without them);
+  tests/fakes/npu_graphs_fake.py, the names the line's torch_npu.npu exports (the fixture's
+  "torch_npu.npu exports" line; `graph_api=False`: none of them);
 - `torch_npu/npu/utils.py` get_cann_version(module="CANN") (re-exported as
   torch_npu.utils.get_cann_version on 2.8.0, 2.9.0, 2.12.0): the CANN, or `driver=` for "DRIVER";
   "" for an unknown module (GetCANNInfo.cpp GetCANNVersion).
@@ -80,8 +81,8 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from tests.fakes.npu_config_fake import NpuConfig, SetDeviceLimitOnce, device_limit_index
-from tests.fakes.npu_kernels_fake import (KV_WRITES, NEWEST, line_cann, module_attributes, namespaces,
-                                          refuses_tnd_paged, tnd_paged_refused)
+from tests.fakes.npu_kernels_fake import (KV_WRITES, NEWEST, line_cann, line_npu_exports, module_attributes,
+                                          namespaces, refuses_tnd_paged, tnd_paged_refused)
 
 from tests.fakes.npu_graphs_fake import FakeNpuGraphs, fia_out, get_max_workspace
 from tests.fakes.npu_layer_kernels_fake import layer_kernels
@@ -99,7 +100,7 @@ class FakeTorchNpu:
 
     def __init__(self, *, stream_limits: bool = True, devices: int = 1, cores: tuple[int, int] = (20, 40),
                  line: str = NEWEST, kernels: dict | None = None, atb_loaded: bool = True, cann: str | None = None,
-                 driver: str = "25.5.0", graph_api: bool = True):
+                 driver: str = "25.5.0", graph_api: bool | None = None):
         self.line = line  # the torch_npu version whose operator schemas and npu_config this fake has
         self.cann = cann or line_cann(line)
         self.driver = driver
@@ -112,7 +113,8 @@ class FakeTorchNpu:
         if fia in impls:  # the decode graphs' variant (tests/fakes/npu_graphs_fake.py)
             impls.setdefault(f"{fia}.out", fia_out(impls[fia]))
         impls.setdefault(f"_{fia}_get_max_workspace", get_max_workspace)
-        self.graph_api = graph_api  # False: a line without torch.npu's NPUGraph / graph-task API
+        # the torch_npu.npu graph names this fake has: the line's (None), all (True) or none (False)
+        self.graph_names = line_npu_exports(line) if graph_api is None else None if graph_api else set()
         self.graphs = FakeNpuGraphs(self)
         self.ops = namespaces(line, impls, self._record_kernel, atb_loaded=atb_loaded, launch=self.graphs.launch)
         self.stream_limits = stream_limits
@@ -243,8 +245,7 @@ class FakeTorchNpu:
         npu.mem_get_info = self.mem_get_info
         npu.memory_reserved = lambda device=None: self.memory[self._index(device)][1]
         npu.memory_allocated = lambda device=None: self.memory[self._index(device)][2]
-        if self.graph_api:
-            self.graphs.build(npu)
+        self.graphs.build(npu, self.graph_names)
 
         class Options:
             def __init__(self):
