@@ -63,8 +63,10 @@ how vllm-ascend's attention backend makes them; every signature below was read f
   reads a device tensor back. In a decode graph's capture (`VarlenBatch.graph_tasks` set) the
   call is the re-issuable `.out` one of ops/npu_graph_fia.py instead, re-parameterised with each
   step's lengths before the replay; the KV write is captured as it is (its slots are a device
-  tensor: nothing of the step is on the host), as vllm-ascend's full decode graph captures its
-  `do_kv_cache_update` / `reshape_and_cache` (attention_v1.py).
+  tensor: nothing of the step is on the host), as vllm-ascend's full decode graphs capture theirs
+  inside the forward: the ATB `_npu_reshape_and_cache` on releases/v0.13.0 (f92eadf,
+  attention_v1.py `reshape_and_cache`, the torch_npu 2.8.0 line), `npu_scatter_pa_kv_cache(...,
+  cache_mode="Norm")` on main (182b75e, device/device_op.py BaseDeviceAdaptor.reshape_and_cache).
 
 Block size: with a block table the documented rule is block_size in (0, 512] when each query has
 one token, a multiple of 128 in [128, 512] when it has more (prefill chunks; newer CANN relaxes

@@ -86,6 +86,16 @@ def test_the_graph_evidence_counts_replays_and_eager_steps_by_reason(setup, qwen
     assert report["eager_decode_steps"] == {"the platform has no graphs (cpu decodes eagerly)": 4}
 
 
+def test_the_start_up_self_check_keeps_graphs_that_replay_what_eager_computes(qwen2_vl_tiny):
+    """Issue 53 item 1: after the start-up captures one step is replayed against eager
+    (engine/graph_check.py); on graphs that replay rightly, graphs stay on."""
+    llm = LLM(model=qwen2_vl_tiny, device="cpu", max_num_seqs=4, kv_cache_bytes=4 << 20)
+    r = llm.engine.runner
+    r.graphs = DecodeGraphs(r.lm, r.kv_cache, r.ops, r.layer_ops, ReplayGraphsPlatform(), r.buffers, max_batch=4,
+                            max_blocks=64)
+    assert r.capture_graphs() > 0 and r.graphs is not None and r.graph_report()["why_off"] == ""
+
+
 def test_every_bucket_runs_eagerly_before_its_capture(qwen2_vl_tiny):
     """Issue 52 item 1: each bucket's shapes run once eagerly right before that bucket's capture
     (a Triton JIT compile or a library's first call inside a CUDA capture would break it)."""
