@@ -72,7 +72,8 @@ class ModelRunner:
         self._copies: tuple = ()  # the step's block copies, for the other ranks
         moe = any(w.moe is not None for w in lm.layers)
         # graph evidence (`graph_report`): why graphs are off, replays, eager decode steps by reason
-        no_graphs = platform.graphs_unavailable_reason()  # NPU: a torch_npu without the graph-task API
+        # NPU: a torch_npu without the graph-task API, or without FIA's .out / max-workspace calls
+        no_graphs = platform.graphs_unavailable_reason() or ops.graphs_unavailable_reason()
         off = ((no_graphs is not None, no_graphs),
                (not decodes, "this engine never decodes (E or P): no graphs, no logits buffers"),
                (enforce_eager, "--enforce-eager (or tensor parallelism)"),

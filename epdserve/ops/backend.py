@@ -50,6 +50,10 @@ class PagedOps(ABC):
         update (the lengths these ops read are device tensors)."""
         return None
 
+    def graphs_unavailable_reason(self) -> str | None:
+        """Why these operators cannot be captured in a decode graph, in one line (None: they can)."""
+        return None
+
     def check_kv_spec(self, spec, num_heads: int, device: torch.device) -> None:
         """Raise, with the fix, when these operators cannot attend a model whose KV cache is `spec`
         (a KVCacheSpec) with `num_heads` query heads on `device`. Called once at engine start-up,

@@ -83,7 +83,7 @@ import torch
 
 from epdserve.ops.attention_meta import VarlenBatch
 from epdserve.ops.backend import PagedOps
-from epdserve.ops.npu_schema import ATB_ND, SCATTER_ND, probe_npu_kernels
+from epdserve.ops.npu_schema import ATB_ND, SCATTER_ND, graph_fia_missing, probe_npu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,11 @@ class NpuPagedOps(PagedOps):
             return batch.graph_tasks.capture(*args, kwargs, batch.block_tables.shape[1] * key_cache.shape[1])
         out, _ = self._torch_npu().npu_fused_infer_attention_score(*args, **kwargs)
         return out
+
+    def graphs_unavailable_reason(self) -> str | None:
+        """Why this torch_npu's operators cannot be captured re-issuably (ops/npu_schema.py
+        `graph_fia_missing`: the FIA `.out` and max-workspace schemas), or None."""
+        return graph_fia_missing(self._kernels.version)
 
     def graph_tasks(self):
         """A new `FiaGraphTasks` (ops/npu_graph_fia.py) for one decode graph: its attention calls,

@@ -14,9 +14,9 @@ torch_npu/version.py git_version), where they are the same and exported from tor
 - `graph_task_group_begin(stream)`, `graph_task_group_end(stream) -> handle`,
   `graph_task_update_begin(stream, handle)`, `graph_task_update_end(stream)` and
   `ExternalEvent` (wait / reset / record with a stream): used by ops/npu_graph_fia.py.
-A torch_npu without one of them — or whose operators lack the FIA `.out` / max-workspace calls
-(ops/npu_schema.py `graph_fia_missing`) — decodes eagerly, and `graph_api_missing` says why (the
-engine's graph report shows it). Nothing here has run on an NPU yet: the first run's graph step
+A torch_npu without one of them decodes eagerly, and `graph_api_missing` says why (the engine's
+graph report shows it); whether its operators have the FIA `.out` / max-workspace calls is the
+ops' question (ops/npu_schema.py `graph_fia_missing`, `NpuPagedOps.graphs_unavailable_reason`). Nothing here has run on an NPU yet: the first run's graph step
 (epdserve bench device) is what verifies it.
 """
 from __future__ import annotations
@@ -27,13 +27,11 @@ GRAPH_API = ("NPUGraph", "graph", "graph_pool_handle", "ExternalEvent", "Stream"
 
 def graph_api_missing(torch_npu) -> str | None:
     """Why this torch_npu cannot capture our decode graphs, in one line; None where it can."""
-    from epdserve.ops.npu_schema import graph_fia_missing
-
-    version = getattr(torch_npu, "__version__", "?")
     absent = [name for name in GRAPH_API if not hasattr(torch_npu.npu, name)]
     if absent:
+        version = getattr(torch_npu, "__version__", "?")
         return f"torch_npu {version} has no torch.npu.{', '.join(absent)} (NPU graphs with task updates)"
-    return graph_fia_missing(version)
+    return None
 
 
 def capture_npu_graph(torch_npu, fn, pool):

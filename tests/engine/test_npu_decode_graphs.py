@@ -170,6 +170,7 @@ def test_every_line_the_extras_install_has_what_the_graphs_call(line, monkeypatc
     assert set(GRAPH_API) <= line_npu_exports(line)
     FakeTorchNpu(line=line, kernels={FIA: _fia}).install(monkeypatch)
     assert NpuPlatform().graphs_unavailable_reason() is None and NpuPlatform().has_graphs
+    assert NpuPagedOps().graphs_unavailable_reason() is None
 
 
 def test_a_torch_npu_without_the_graph_api_decodes_eagerly_and_says_why(model, monkeypatch):

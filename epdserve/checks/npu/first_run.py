@@ -259,6 +259,13 @@ def graphs(args) -> bool:
 
     plat = get_platform(args.device)
     missing = plat.graphs_unavailable_reason()
+    if plat.name == "npu" and not missing:
+        from epdserve.ops.npu_ops import NpuPagedOps
+
+        try:
+            missing = NpuPagedOps().graphs_unavailable_reason()
+        except Exception as e:  # the probe step says more
+            return row("decode graphs", "fail", f"{type(e).__name__}: {e}")
     if missing:
         return row("decode graphs", "refused" if plat.name == "npu" else "skip", missing)
     model = args.model or build_demo_model(os.path.join(args.out_dir, "demo-small-d128"), size="small-d128")
