@@ -17,14 +17,16 @@ each replay; main 182b75e) do it. Per layer, at capture (`capture`), on the capt
   graph with the bucket's widest lengths and shared by its layers (their calls have one shape and
   run one after another on the stream, as vllm-ascend shares one per captured size), kept static
   with each layer's output (`attention_out`) and `softmax_lse` [1];
-- an `torch.npu.ExternalEvent` waited on and reset in the graph (streams.py `ExternalEvent`: "you
+- a `torch.npu.ExternalEvent` waited on and reset in the graph (streams.py `ExternalEvent`: "you
   can call wait() before record()"), so each replay's attention waits for its update;
 - `torch_npu.npu_fused_infer_attention_score.out(..., workspace=, attention_out=, softmax_lse=)`
   between `graph_task_group_begin(stream)` and `graph_task_group_end(stream)` (the .out schema,
   the same on the three lines: tests/fixtures/torch_npu/<line>.txt; with a workspace it goes
   through EXEC_UPDATE_NPU_NO_FORMAT_CHECK_CMD, the path an update can re-issue). The out tensors
-  are passed by their schema names, which torch's createStackForSchema binds on any torch;
-  vllm-ascend's `out=[...]` is not bound by it (checked against torch 2.13's dispatcher).
+  are passed by their schema names, which torch's createStackForSchema binds by name on any torch;
+  vllm-ascend passes `out=[...]`, which torch 2.13's binder refused for an op of this schema here
+  (how it binds on the device was not seen). Where a line registers other names, the start-up
+  schema check (ops/npu_schema.py `graph_fia_missing`) keeps graphs off, saying so.
 Before a replay (`update`), on a side stream of our own (as graphs.py `update_capture_record` and
 vllm-ascend use one): per layer, `graph_task_update_begin(stream, handle)`, the same .out call
 with the step's lengths (padding rows attend their one padding-block token: KV length 1), then
