@@ -12,6 +12,8 @@
 #   hccl      an HCCL pair, its ranks on NPUs 0 and 1 (both on 0, said, when one is visible): one
 #             message, then the sender killed mid-receive
 #   limits    core limits under the profiler (epdserve bench colocation --device npu)
+#   graphs    decode graphs against eager, token for token, and their evidence (refused where
+#             the torch_npu line lacks the graph-task API)
 #   pd        a PD engine on the NPU against transformers, token for token (head_dim 128)
 #
 # Settings (environment):
@@ -21,7 +23,7 @@
 #   ASCEND_ENV   CANN's set_env.sh   [$ASCEND_HOME/ascend-toolkit/set_env.sh, else .../cann/set_env.sh]
 #                then NNAL's $ASCEND_HOME/nnal/atb/set_env.sh where it exists: torch_npu 2.8 / 2.9 write the KV
 #                cache with ATB's _npu_reshape_and_cache, which needs its libatb.so (atlas_node.sh does the same)
-#   MODEL        pd: a checkpoint (default: the small demo model with head_dim 128, built into OUT_DIR)
+#   MODEL        pd, graphs: a checkpoint (default: the small demo model with head_dim 128, built into OUT_DIR)
 #   ENV_ONLY     1: source the environment, print it, and stop (a check of the sourcing)
 #   STEP_TIMEOUT_S  one timeout for every step, in seconds (default: per step, below)
 set -euo pipefail
@@ -59,8 +61,8 @@ if [[ "${ENV_ONLY:-0}" == 1 ]]; then
   exit 0
 fi
 
-declare -A LIMIT=([versions]=120 [probe]=300 [matrix]=900 [hccl]=300 [limits]=1800 [pd]=1800)
-STEPS=(versions probe matrix hccl limits pd)
+declare -A LIMIT=([versions]=120 [probe]=300 [matrix]=900 [hccl]=300 [limits]=1800 [graphs]=1800 [pd]=1800)
+STEPS=(versions probe matrix hccl limits graphs pd)
 failed=0
 rows="$OUT/table.tsv"
 : > "$rows"

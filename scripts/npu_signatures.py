@@ -12,7 +12,9 @@ Only text is written (never the wheel). Where each schema lives in a wheel (read
 - `atb::` operators: the `m.def("...")` strings of op-plugin op_plugin/ops/atb/*.cpp, compiled into
   torch_npu/lib/libop_plugin_atb.so (loaded by torch_npu/op_plugin/atb/_atb_ops.py at import,
   `torch.ops.load_library`), found here as the NUL-terminated strings of that library;
-- the Ascend/pytorch commit the wheel was built from: torch_npu/version.py `git_version`.
+- the Ascend/pytorch commit the wheel was built from: torch_npu/version.py `git_version`;
+- which of the torch_npu.npu names NPU decode graphs use the line exports: torch_npu/npu/__init__.py
+  `__all__` (a comment line, "# torch_npu.npu exports: ...").
 """
 from __future__ import annotations
 
@@ -32,9 +34,15 @@ LINES = {
     "2.12.0": ("26.1.0", "9.1.0"),
 }
 NPU_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score",
+           "npu_fused_infer_attention_score.out", "_npu_fused_infer_attention_score_get_max_workspace",  # decode graphs
            "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_apply_rotary_pos_emb", "npu_swiglu",  # + ops/npu_layer_ops.py
            "npu_weight_quant_batchmatmul", "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul")  # + engine/lm/npu_quant_linear.py
 ATB_OPS = ("_npu_reshape_and_cache",)
+# torch_npu.npu names the decode graphs use (epdserve/platform/npu_graphs.py GRAPH_API), looked up in
+# torch_npu/npu/__init__.py's `__all__`
+NPU_EXPORTS = ("NPUGraph", "graph", "graph_pool_handle", "ExternalEvent", "Stream", "graph_task_group_begin",
+               "graph_task_group_end", "graph_task_update_begin", "graph_task_update_end")
+NPU_INIT = "torch_npu/npu/__init__.py"
 CODEGEN_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 ATB_LIB = "torch_npu/lib/libop_plugin_atb.so"
 VERSION_PY = "torch_npu/version.py"
@@ -50,9 +58,10 @@ def download(version: str, into: Path) -> Path:
 
 
 def npu_schemas(codegen_yaml: str, names) -> dict[str, str]:
-    """`func:` lines of the codegen yaml; an operator listed twice (op_api and aclnn) must agree."""
+    """`func:` lines of the codegen yaml (an overload as `name.overload`); an operator listed twice
+    (op_api and aclnn) must agree."""
     found: dict[str, str] = {}
-    for m in re.finditer(r"func: ((\w+)\(.*\) -> .*)$", codegen_yaml, re.M):
+    for m in re.finditer(r"func: (([\w.]+)\(.*\) -> .*)$", codegen_yaml, re.M):
         schema, name = m.group(1).strip(), m.group(2)
         if name in names:
             if found.setdefault(name, schema) != schema:
@@ -70,11 +79,22 @@ def atb_schemas(library: bytes, names) -> dict[str, str]:
     return found
 
 
+def npu_exports(init_py: str) -> set[str]:
+    """The names in torch_npu/npu/__init__.py's `__all__`."""
+    import ast
+
+    for node in ast.parse(init_py).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
 def extract(wheel: Path) -> str:
     with zipfile.ZipFile(wheel) as z:
         codegen = z.read(CODEGEN_YAML).decode()
         atb = z.read(ATB_LIB)
         git_version = re.search(r"git_version = '(\w+)'", z.read(VERSION_PY).decode()).group(1)
+        exports = npu_exports(z.read(NPU_INIT).decode())
     npu, atb_found = npu_schemas(codegen, NPU_OPS), atb_schemas(atb, ATB_OPS)
     version = wheel.name.split("-")[1]
     op_plugin, cann = LINES[version]
@@ -82,7 +102,8 @@ def extract(wheel: Path) -> str:
              f"# wheel: {wheel.name} sha256 {hashlib.sha256(wheel.read_bytes()).hexdigest()}",
              f"# built from Ascend/pytorch {git_version} ({VERSION_PY} git_version)",
              f"# npu:: schemas from {CODEGEN_YAML}; atb:: from the m.def strings in {ATB_LIB}",
-             "# written by scripts/npu_signatures.py; an operator this line lacks is absent"]
+             "# written by scripts/npu_signatures.py; an operator this line lacks is absent",
+             f"# torch_npu.npu exports: {' '.join(n for n in NPU_EXPORTS if n in exports)}"]
     lines += [f"npu::{npu[n]}" for n in NPU_OPS if n in npu]
     lines += [f"atb::{atb_found[n]}" for n in ATB_OPS if n in atb_found]
     return "\n".join(lines) + "\n"
@@ -98,7 +119,8 @@ def main(argv=None) -> int:
         for version in args.versions:
             text = extract(download(version, Path(tmp)))
             (args.out / f"{version}.txt").write_text(text)
-            print(f"{version}: {text.count(chr(10)) - 5} schemas -> {args.out / f'{version}.txt'}")
+            schemas = sum(1 for line in text.splitlines() if not line.startswith("#"))
+            print(f"{version}: {schemas} schemas -> {args.out / f'{version}.txt'}")
     return 0
 
 

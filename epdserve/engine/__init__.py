@@ -22,7 +22,8 @@ It reaches other instances only through epdserve.seams (the `KVConnector` and th
 - tp_rank.py         a tensor-parallel rank other than 0 (its own process): the same forwards, its share of encodes
 - lm/                LeanLM: the fused LM forward (weights, rotary tables, the layer loop)
 - step_buffers.py    StepBuffers: pinned host / device buffers, one upload a step
-- graph_runner.py    DecodeGraphs: decode steps replayed from captured graphs (CUDA)
+- graph_runner.py    DecodeGraphs: decode steps replayed from captured graphs (CUDA, NPU)
+- graph_check.py     the start-up self-check: one replayed decode step against eager, graphs off on a difference
 - sequence.py        Sequence and RequestState: one request inside the engine
 - request_parts.py  the records a Sequence is made of: MediaItem, Emitted, PrefixMemo, Handoff, TenantShare, ChoiceGroup, PipelineState
 - turns.py           Turns: whose turn is next among tenants (the one served least recently)

@@ -84,8 +84,10 @@ class EngineConfig:
                     "items per call; default off: no reliable win on this project's 2-core CPU, "
                     "docs/uploads-and-pipelining.md)")
     enforce_eager: bool = setting(
-        False, help="run every step eagerly: no captured decode graphs (CUDA captures one per batch-size bucket "
-                    "at start-up and replays it for each decode-only step; CPU and NPU always run eagerly)")
+        False, help="run every step eagerly: no captured decode graphs (CUDA and the NPU capture one per "
+                    "batch-size bucket at start-up, check one replayed step against eager, and replay them for "
+                    "each decode-only step; the CPU, and an NPU whose torch_npu lacks the graph-task API, always "
+                    "run eagerly)")
     tensor_parallel_size: int = setting(
         1, check=(">=", 1),
         help="ranks the language model is split over, one process and one device each (rank r on the device "

@@ -1,4 +1,5 @@
-"""`DecodeGraphs`: decode steps replayed from captured device graphs (CUDA graphs on CUDA).
+"""`DecodeGraphs`: decode steps replayed from captured device graphs (CUDA graphs on CUDA,
+torch.npu.NPUGraph on Ascend: platform/npu_graphs.py).
 
 A decode-only step of B requests whose block tables are at most W blocks wide runs the graph
 captured for the bucket (B', W') >= (B, W): batch buckets 1, 2, 4, 8, then steps of 8 up to
@@ -10,7 +11,10 @@ KV cache's padding block (engine/kv_cache.py `pad_block`), attending only to it.
 embed → layers → final norm → LM head into one logits buffer every graph shares (fp32 [the largest
 batch bucket, vocab], allocated at the first warm-up, outside any capture: a graph's output is
 its first rows, so no graph keeps a [batch, vocab] buffer of its own — ~0.6 GB per bucket of 32 at
-a 152k vocabulary); sampling stays eager and reads it before the next replay writes it. Graphs
+a 152k vocabulary); sampling stays eager and reads it before the next replay writes it. Ops whose
+attention reads host lengths (the NPU's FIA: `PagedOps.graph_tasks`) capture it as re-issuable
+tasks (ops/npu_graph_fia.py), and each replay is preceded by their update with the step's
+lengths (a padding row's: 1). Graphs
 share one memory pool, captured from the largest batch down, each bucket run once eagerly right
 before its capture. The widths the first request needs
 are captured at start-up for every batch bucket — every width bucket up to the start-up context's
@@ -29,7 +33,7 @@ from array import array
 
 import torch
 
-from epdserve.ops.attention_meta import AttentionMeta, StepPacker
+from epdserve.ops.attention_meta import AttentionMeta, StepPacker, VarlenBatch
 
 log = logging.getLogger(__name__)
 MIN_WIDTH = 8  # blocks
@@ -51,7 +55,7 @@ class DecodeGraphs:
         self.max_graphs = max_graphs
         self.bs = kv_cache.spec.block_size
         self.pad_slot = kv_cache.pad_block * self.bs
-        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, object]] = {}  # graph, logits, tasks
         self.pool = None
         need = max(self._layout_bytes(b, self._width(max_blocks)) for b in self.buckets)
         self.static = torch.empty(need, dtype=torch.uint8, device=kv_cache.keys[0].device)
@@ -82,15 +86,15 @@ class DecodeGraphs:
     def _pack(self, bp: int, w: int, ids, pos, slots, ctx, tables) -> StepPacker:
         n = len(ids)
         pad = bp - n
+        idt = self.paged_ops.index_dtype  # slots, lengths, tables as the ops take them (int32 on the NPU)
         p = StepPacker()
         p.add(array("q", ids) + array("q", [0]) * pad, torch.int64)
         zeros = array("q", [0]) * pad
         p.add(array("q", pos[0]) + zeros + array("q", pos[1]) + zeros + array("q", pos[2]) + zeros, torch.int64,
               (3, bp))
-        p.add(array("q", slots) + array("q", [self.pad_slot]) * pad, torch.int64)
-        p.add(array("q", ctx) + array("q", [1]) * pad, torch.int64)
-        p.add_table(list(tables) + [[self.kv_cache.pad_block]] * pad, torch.int64, pad=self.kv_cache.pad_block,
-                    width=w)
+        p.add(array("q", slots) + array("q", [self.pad_slot]) * pad, idt)
+        p.add(array("q", ctx) + array("q", [1]) * pad, idt)
+        p.add_table(list(tables) + [[self.kv_cache.pad_block]] * pad, idt, pad=self.kv_cache.pad_block, width=w)
         return p
 
     def run(self, key, ids, pos, slots, ctx, tables) -> torch.Tensor:
@@ -99,15 +103,21 @@ class DecodeGraphs:
         if key not in self.graphs:
             self._capture(key)
         self.buffers.upload(self._pack(bp, w, ids, pos, slots, ctx, tables), dest=self.static)
-        graph, logits = self.graphs[key]
+        graph, logits, tasks = self.graphs[key]
+        if tasks is not None:  # the step's host lengths into the captured attention launches
+            tasks.update(list(range(1, bp + 1)), list(ctx) + [1] * (bp - len(ids)))
         graph.replay()
         return logits[: len(ids)]
 
-    def _body(self, bp: int, w: int) -> torch.Tensor:
+    def _body(self, bp: int, w: int, tasks=None) -> torch.Tensor:
         views = self._pack(bp, w, [], [[], [], []], [], [], []).views(self.static)
         ids, positions, slots, ctx, tables = views
         empty = ids[:0]
-        meta = AttentionMeta(self.kv_cache, self.paged_ops, slots, [], empty, tables, ctx, decode_only=True)
+        if self.paged_ops.attends_varlen:  # host lengths: the capture's (all 1), updated per replay by `tasks`
+            varlen = VarlenBatch(tables, tuple(range(1, bp + 1)), (1,) * bp, tasks)
+            meta = AttentionMeta(self.kv_cache, self.paged_ops, slots, [], empty, tables[:0], empty, varlen=varlen)
+        else:
+            meta = AttentionMeta(self.kv_cache, self.paged_ops, slots, [], empty, tables, ctx, decode_only=True)
         normed = self.lm.forward(self.lm.embed(ids), positions, meta, self.layer_ops)
         logits = self.lm.logits(normed)
         if self.logits is None:  # the first warm-up, eager: never inside a capture
@@ -126,9 +136,10 @@ class DecodeGraphs:
         self.platform.synchronize()
         if self.pool is None:
             self.pool = self.platform.graph_pool()
-        graph, logits = self.platform.capture_graph(lambda: self._body(bp, w), self.pool)
+        tasks = self.paged_ops.graph_tasks()
+        graph, logits = self.platform.capture_graph(lambda: self._body(bp, w, tasks), self.pool)
         self.platform.synchronize()
-        self.graphs[key] = (graph, logits)
+        self.graphs[key] = (graph, logits, tasks)
         self.capture_s += time.perf_counter() - t0
 
     def capture_startup(self, blocks: int) -> float:

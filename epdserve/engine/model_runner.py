@@ -14,7 +14,7 @@ the runner never sees the block manager. Qwen3-VL's DeepStack features of the vi
 a step's prompt chunks are added to the hidden states after the first LM layers, as transformers
 does (a pipelined prompt's chunk never reaches an item whose features have not arrived: only the
 items ahead of the first missing one are passed on). Decode-only steps replay a captured graph where the platform has graphs
-(engine/graph_runner.py); `enforce_eager` turns that off.
+(engine/graph_runner.py; checked against eager at start-up: engine/graph_check.py); `enforce_eager` turns that off.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from array import array
 import torch
 
 from epdserve.engine.forward_inputs import ForwardInputs
+from epdserve.engine.graph_check import graph_self_check
 from epdserve.engine.graph_runner import DecodeGraphs
 from epdserve.engine.kv_cache import PagedKVCache
 from epdserve.engine.lm.forward import LeanLM
@@ -72,7 +73,9 @@ class ModelRunner:
         self._copies: tuple = ()  # the step's block copies, for the other ranks
         moe = any(w.moe is not None for w in lm.layers)
         # graph evidence (`graph_report`): why graphs are off, replays, eager decode steps by reason
-        off = ((not platform.has_graphs, "the platform has no graphs (CPU and NPU decode eagerly)"),
+        # NPU: a torch_npu without the graph-task API, or without FIA's .out / max-workspace calls
+        no_graphs = platform.graphs_unavailable_reason() or ops.graphs_unavailable_reason()
+        off = ((no_graphs is not None, no_graphs),
                (not decodes, "this engine never decodes (E or P): no graphs, no logits buffers"),
                (enforce_eager, "--enforce-eager (or tensor parallelism)"),
                (moe, "Qwen3-VL-MoE's expert routing reads the device"),
@@ -86,16 +89,23 @@ class ModelRunner:
                                        -(-max_model_len // bs))
 
     def capture_graphs(self, context_tokens: int = 256) -> float:
-        """Capture the decode graphs of every batch bucket for contexts up to `context_tokens`
-        (seconds taken; 0 where graphs are off). A capture that fails turns graphs off for this
+        """Capture the decode graphs of every batch bucket for contexts up to `context_tokens`,
+        then replay one step against eager (engine/graph_check.py); seconds taken (0 where graphs
+        are off). A capture that fails, or a replay that differs, turns graphs off for this
         engine, loudly: every step then runs eagerly, as with --enforce-eager."""
         if self.graphs is None:
             return 0.0
         try:
-            return self.graphs.capture_startup(-(-context_tokens // self.kv_cache.spec.block_size))
+            took = self.graphs.capture_startup(-(-context_tokens // self.kv_cache.spec.block_size))
+            differs = graph_self_check(self)
         except Exception as e:  # a driver or kernel that cannot be captured: eager still serves
             self._graphs_off(e)
             return 0.0
+        if differs:
+            log.warning("decode graphs off: %s; this engine runs every step eagerly", differs)
+            self.graphs_off_why, self.graphs = differs, None
+            return 0.0
+        return took
 
     def _graphs_off(self, error: Exception) -> None:
         log.warning("decode graph capture failed (%s: %s); this engine runs every step eagerly "

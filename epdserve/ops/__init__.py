@@ -15,6 +15,7 @@ One sentence per module:
 - native_build.py     building csrc/: torch's C++-extension JIT, cached per torch version and source hash
 - build_progress.py   what a user waiting on the first native build sees on stderr
 - npu_ops.py          `NpuPagedOps`: the operators on Ascend NPUs over torch_npu's kernels
+- npu_graph_fia.py    `FiaGraphTasks`: a decode graph's FIA launches as task groups, re-issued with each step's lengths
 - npu_schema.py       which KV-write call the installed torch_npu's operator schemas allow, probed once
 - npu_quant_schema.py which torch_npu operators each quantized linear method calls, checked against the schemas at start-up
 - npu_attention_check.py  at start-up: whether this CANN's attention kernel takes the model (bf16, head_dim) and our call

@@ -56,6 +56,9 @@ class VarlenBatch:
     block_tables: torch.Tensor  # [R, max_blocks] on the device, padded with block 0
     q_ends: tuple[int, ...]  # cumulative query lengths (host): request r's rows end at q_ends[r]
     kv_lens: tuple[int, ...]  # per request, cached tokens after this step (host)
+    # set only while a decode graph is captured: the recorder of the calls that read these host
+    # lengths, re-issued with each step's before a replay (PagedOps.graph_tasks)
+    graph_tasks: object | None = None
 
 
 @dataclass

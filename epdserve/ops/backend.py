@@ -44,6 +44,17 @@ class PagedOps(ABC):
                          batch: VarlenBatch, scale: float) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} ops attend decode and prefill requests separately")
 
+    def graph_tasks(self):
+        """For a decode graph about to be captured: a recorder of the calls whose host arguments
+        (lengths) must be re-issued before each replay, with `update(q_ends, kv_lens)`; the graph
+        runner puts it in the capture's `VarlenBatch.graph_tasks`. None (the default): nothing to
+        update (the lengths these ops read are device tensors)."""
+        return None
+
+    def graphs_unavailable_reason(self) -> str | None:
+        """Why these operators cannot be captured in a decode graph, in one line (None: they can)."""
+        return None
+
     def check_kv_spec(self, spec, num_heads: int, device: torch.device) -> None:
         """Raise, with the fix, when these operators cannot attend a model whose KV cache is `spec`
         (a KVCacheSpec) with `num_heads` query heads on `device`. Called once at engine start-up,

@@ -60,7 +60,13 @@ how vllm-ascend's attention backend makes them; every signature below was read f
   `npu_fused_infer_attention_score(...)`). The doc's D = 128 rule for TND sits under the MLA
   (query_rope/key_rope) constraints; not measured here (no NPU).
   The lengths are host ints (SymInt[]), built once per step (ops/attention_meta.py): no call
-  reads a device tensor back.
+  reads a device tensor back. In a decode graph's capture (`VarlenBatch.graph_tasks` set) the
+  call is the re-issuable `.out` one of ops/npu_graph_fia.py instead, re-parameterised with each
+  step's lengths before the replay; the KV write is captured as it is (its slots are a device
+  tensor: nothing of the step is on the host), as vllm-ascend's full decode graphs capture theirs
+  inside the forward: the ATB `_npu_reshape_and_cache` on releases/v0.13.0 (f92eadf,
+  attention_v1.py `reshape_and_cache`, the torch_npu 2.8.0 line), `npu_scatter_pa_kv_cache(...,
+  cache_mode="Norm")` on main (182b75e, device/device_op.py BaseDeviceAdaptor.reshape_and_cache).
 
 Block size: with a block table the documented rule is block_size in (0, 512] when each query has
 one token, a multiple of 128 in [128, 512] when it has more (prefill chunks; newer CANN relaxes
@@ -77,7 +83,7 @@ import torch
 
 from epdserve.ops.attention_meta import VarlenBatch
 from epdserve.ops.backend import PagedOps
-from epdserve.ops.npu_schema import ATB_ND, SCATTER_ND, probe_npu_kernels
+from epdserve.ops.npu_schema import ATB_ND, SCATTER_ND, graph_fia_missing, probe_npu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,7 @@ class NpuPagedOps(PagedOps):
         self._npu = torch_npu
         self._kernels = probe_npu_kernels(torch_npu)  # once: the calls this torch_npu's schemas allow
         self._masks: dict[torch.device, torch.Tensor] = {}
+        self._update_stream = None  # the decode graphs' task-update stream (`graph_tasks`)
         if self._kernels.kv_write == ATB_ND:
             log.warning("torch_npu %s's npu_scatter_pa_kv_cache cannot write the ND cache (no cache_mode before "
                         "op-plugin 26.0): KV writes use the ATB _npu_reshape_and_cache, which ignores stream "
@@ -138,12 +145,29 @@ class NpuPagedOps(PagedOps):
         _check_dtype(query, _ATTENTION_DTYPES)
         if batch.q_ends[-1] > len(batch.q_ends):  # a request with more than one query token
             _check_block_size(key_cache.shape[1])
-        out, _ = self._torch_npu().npu_fused_infer_attention_score(
-            query.contiguous(), *_paged_kv(key_cache, value_cache),
-            atten_mask=self._causal_mask(query.device), sparse_mode=3,
-            block_table=batch.block_tables, actual_seq_lengths=list(batch.q_ends),
-            actual_seq_lengths_kv=list(batch.kv_lens), **_heads_and_layout(query, key_cache, scale))
+        args = (query.contiguous(), *_paged_kv(key_cache, value_cache))
+        kwargs = dict(atten_mask=self._causal_mask(query.device), sparse_mode=3,
+                      block_table=batch.block_tables, actual_seq_lengths=list(batch.q_ends),
+                      actual_seq_lengths_kv=list(batch.kv_lens), **_heads_and_layout(query, key_cache, scale))
+        if batch.graph_tasks is not None:  # inside a decode graph's capture: a re-issuable task group
+            return batch.graph_tasks.capture(*args, kwargs, batch.block_tables.shape[1] * key_cache.shape[1])
+        out, _ = self._torch_npu().npu_fused_infer_attention_score(*args, **kwargs)
         return out
+
+    def graphs_unavailable_reason(self) -> str | None:
+        """Why this torch_npu's operators cannot be captured re-issuably (ops/npu_schema.py
+        `graph_fia_missing`: the FIA `.out` and max-workspace schemas), or None."""
+        return graph_fia_missing(self._kernels.version)
+
+    def graph_tasks(self):
+        """A new `FiaGraphTasks` (ops/npu_graph_fia.py) for one decode graph: its attention calls,
+        re-issued with each step's lengths before a replay, on this ops' update stream (one
+        torch_npu.npu.Stream, made at the first capture)."""
+        from epdserve.ops.npu_graph_fia import FiaGraphTasks
+
+        if self._update_stream is None:
+            self._update_stream = self._npu.npu.Stream()
+        return FiaGraphTasks(self._npu, self._update_stream)
 
     def decode_attention(self, query, key_cache, value_cache, block_tables, ctx_lens, scale):
         """The PagedOps call for callers outside the engine (benchmarks, checks): reads `ctx_lens`

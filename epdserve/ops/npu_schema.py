@@ -19,7 +19,10 @@ from the PyPI wheels by scripts/npu_signatures.py):
   lazy Python wrapper until first called (`_patch_atb_and_loadso`), so its schema is read from
   `torch.ops.atb`. An ATB operator ignores stream core limits (op-plugin
   torch_npu-set_stream_limit.md);
-- `npu::npu_fused_infer_attention_score`: the same schema on all three lines.
+- `npu::npu_fused_infer_attention_score`: the same schema on all three lines; so are its `.out`
+  overload (`..., Tensor? workspace=None, Tensor(a!) attention_out, Tensor(b!) softmax_lse`) and
+  `npu::_npu_fused_infer_attention_score_get_max_workspace`, which decode graphs use
+  (`graph_fia_missing`).
 - the quantized matmuls the NPU's int8 linears call (npu_weight_quant_batchmatmul, npu_dynamic_quant,
   npu_quantize, npu_quant_matmul): their schemas per line and the start-up check in
   ops/npu_quant_schema.py.
@@ -56,10 +59,10 @@ class NpuKernels:
     version: str  # torch_npu.__version__, for messages
 
 
-def op_arguments(namespace: str, name: str) -> dict[str, bool] | None:
-    """{argument name: keyword-only} of `namespace::name`'s default overload; None where not registered."""
+def op_arguments(namespace: str, name: str, overload: str = "default") -> dict[str, bool] | None:
+    """{argument name: keyword-only} of `namespace::name`'s `overload`; None where not registered."""
     try:
-        schema = getattr(getattr(torch.ops, namespace), name).default._schema
+        schema = getattr(getattr(getattr(torch.ops, namespace), name), overload)._schema
     except (AttributeError, RuntimeError):
         return None
     return {a.name: a.kwarg_only for a in schema.arguments}
@@ -86,6 +89,27 @@ def probe_npu_kernels(torch_npu) -> NpuKernels:
         f"torch_npu {version} cannot write the ND KV cache: {why}, and atb::_npu_reshape_and_cache is not "
         "registered (torch_npu could not load lib/libop_plugin_atb.so: install and source CANN's NNAL "
         "package, or install torch_npu 2.12.0, the [npu] extra)")
+
+
+FIA_GRAPH_OUT = ("npu", "npu_fused_infer_attention_score", "out")
+FIA_WORKSPACE = ("npu", "_npu_fused_infer_attention_score_get_max_workspace", "default")
+FIA_OUT_KEYWORDS = FIA_KEYWORDS + ("workspace", "attention_out", "softmax_lse")
+
+
+def graph_fia_missing(version: str) -> str | None:
+    """Why the registered operators cannot capture the attention re-issuably in a decode graph
+    (ops/npu_graph_fia.py), or None: `npu_fused_infer_attention_score.out` with a workspace and
+    its outputs by name, and `_npu_fused_infer_attention_score_get_max_workspace`, each taking the
+    keywords we pass (all three lines register both: tests/fixtures/torch_npu/<line>.txt)."""
+    for op, wanted in ((FIA_GRAPH_OUT, FIA_OUT_KEYWORDS), (FIA_WORKSPACE, FIA_KEYWORDS)):
+        args = op_arguments(*op)
+        label = f"{op[1]}{'.' + op[2] if op[2] != 'default' else ''}"
+        if args is None:
+            return f"torch_npu {version} registers no npu::{label}"
+        missing = [k for k in wanted if k not in args]
+        if missing:
+            return f"torch_npu {version}'s npu::{label} lacks {missing}"
+    return None
 
 
 def installed_kv_write() -> str | None:

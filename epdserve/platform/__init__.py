@@ -11,6 +11,7 @@ One sentence per module:
 - cuda.py   CUDA: NCCL for KV transfer, one CUDA stream per co-located stage
 - npu.py    Ascend NPU: device, HCCL, streams and core limits (torch_npu imported lazily)
 - npu_versions.py  the driver / CANN / torch_npu table (Ascend/pytorch COMPATIBILITY.en.md) and the check of a host against it
+- npu_graphs.py   whether the installed torch_npu can capture NPU decode graphs (and why not), and the capture
 - npu_streams.py  NpuStreamBook: NPU streams of ours, never aliasing each other or HCCL's (torch_npu's pools)
 """
 from __future__ import annotations

@@ -58,6 +58,10 @@ class Platform(ABC):
     # step runs eagerly; the two methods below are called only where it is True.
     has_graphs: bool = False
 
+    def graphs_unavailable_reason(self) -> str | None:
+        """Why this platform decodes eagerly, in one line (None: it has graphs)."""
+        return None if self.has_graphs else f"the platform has no graphs ({self.name} decodes eagerly)"
+
     def graph_pool(self):
         """A memory-pool handle the captured graphs share."""
         raise NotImplementedError(f"{self.name} has no graph capture")

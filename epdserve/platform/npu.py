@@ -1,4 +1,4 @@
-"""Ascend NPU platform: device, HCCL, streams and core limits. torch_npu is imported lazily, here,
+"""Ascend NPU platform: device, HCCL, streams, core limits and decode graphs (npu_graphs.py). torch_npu is imported lazily, here,
 in ops/npu_ops.py (the paged kernels) and by `epdserve doctor` (to show a broken install's error).
 
 HCCL groups are built directly as ProcessGroupHCCL over the pair's store (no global world), as
@@ -18,6 +18,7 @@ import math
 import os
 
 from epdserve.platform.base import Platform
+from epdserve.platform.npu_graphs import capture_npu_graph, graph_api_missing
 from epdserve.platform.npu_streams import NpuStreamBook
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,24 @@ class NpuPlatform(Platform):
 
     def synchronize(self) -> None:
         self._torch_npu().npu.synchronize()
+
+    @property
+    def has_graphs(self) -> bool:
+        return self.graphs_unavailable_reason() is None
+
+    def graphs_unavailable_reason(self) -> str | None:
+        """Why decode graphs are off here (platform/npu_graphs.py `graph_api_missing`), or None."""
+        try:
+            torch_npu = self._torch_npu()
+        except Exception as e:
+            return f"torch_npu failed to import: {type(e).__name__}: {e}"
+        return graph_api_missing(torch_npu)
+
+    def graph_pool(self):
+        return self._torch_npu().npu.graph_pool_handle()
+
+    def capture_graph(self, fn, pool):
+        return capture_npu_graph(self._torch_npu(), fn, pool)
 
     def new_stream(self, priority: int = 0):
         """A stream of our own (`NpuStreamBook.take`); `priority` does not reach an NPU: every

@@ -60,7 +60,7 @@ def test_every_graph_writes_its_logits_into_one_shared_buffer(setup):
     g.capture_startup(16)
     shared = g.logits
     assert shared is not None and shared.shape[0] == g.buckets[-1] and shared.dtype.is_floating_point
-    for (bp, _), (_, out) in g.graphs.items():
+    for (bp, _), (_, out, _) in g.graphs.items():
         assert out.data_ptr() == shared.data_ptr() and out.shape == (bp, shared.shape[1])
 
 
@@ -95,7 +95,17 @@ def test_the_graph_evidence_counts_replays_and_eager_steps_by_reason(setup, qwen
     cpu.generate(["count my decode steps please"], SamplingParams(max_tokens=5, ignore_eos=True))
     report = cpu.engine.runner.graph_report()
     assert not report["graphs"] and report["replays"] == 0
-    assert report["eager_decode_steps"] == {"the platform has no graphs (CPU and NPU decode eagerly)": 4}
+    assert report["eager_decode_steps"] == {"the platform has no graphs (cpu decodes eagerly)": 4}
+
+
+def test_the_start_up_self_check_keeps_graphs_that_replay_what_eager_computes(qwen2_vl_tiny):
+    """Issue 53 item 1: after the start-up captures one step is replayed against eager
+    (engine/graph_check.py); on graphs that replay rightly, graphs stay on."""
+    llm = LLM(model=qwen2_vl_tiny, device="cpu", max_num_seqs=4, kv_cache_bytes=4 << 20)
+    r = llm.engine.runner
+    r.graphs = DecodeGraphs(r.lm, r.kv_cache, r.ops, r.layer_ops, ReplayGraphsPlatform(), r.buffers, max_batch=4,
+                            max_blocks=64)
+    assert r.capture_graphs() > 0 and r.graphs is not None and r.graph_report()["why_off"] == ""
 
 
 def test_every_bucket_runs_eagerly_before_its_capture(qwen2_vl_tiny):
@@ -115,7 +125,7 @@ def test_every_bucket_runs_eagerly_before_its_capture(qwen2_vl_tiny):
     r = llm.engine.runner
     g = DecodeGraphs(r.lm, r.kv_cache, r.ops, r.layer_ops, Recording(), r.buffers, max_batch=4, max_blocks=64)
     body = g._body
-    g._body = lambda bp, w: (events.append(("body", bp, w)), body(bp, w))[1]
+    g._body = lambda bp, w, tasks=None: (events.append(("body", bp, w)), body(bp, w, tasks))[1]
     g.capture_startup(7)
     captures = [i for i, e in enumerate(events) if e == "capture"]
     assert len(captures) == len(g.buckets) == 3

@@ -59,11 +59,22 @@ def tnd_paged_refused(impl):
     return refuse
 
 
+def line_npu_exports(line: str) -> set[str]:
+    """The torch_npu.npu names (of those decode graphs use) the line's wheel exports: the fixture's
+    "# torch_npu.npu exports: ..." line (scripts/npu_signatures.py, from torch_npu/npu/__init__.py)."""
+    prefix = "# torch_npu.npu exports:"
+    for text in (FIXTURES / f"{line}.txt").read_text().splitlines():
+        if text.startswith(prefix):
+            return set(text[len(prefix):].split())
+    return set()
+
+
 def line_schemas(line: str) -> dict[str, torch._C.FunctionSchema]:
-    """{"ns::name": schema} of the operators the line's wheel ships (comment lines skipped)."""
+    """{"ns::name": schema} of the operators the line's wheel ships (comment lines skipped); an
+    overload other than the default as "ns::name.overload"."""
     text = (FIXTURES / f"{line}.txt").read_text()
     schemas = [torch._C.parse_schema(s) for s in text.splitlines() if s and not s.startswith("#")]
-    return {s.name: s for s in schemas}
+    return {s.name + (f".{s.overload_name}" if s.overload_name else ""): s for s in schemas}
 
 
 # c10/core/ScalarType.h's enum order (AT_FORALL_SCALAR_TYPES_WITH_COMPLEX_AND_QINTS), the dtypes used here
@@ -117,27 +128,38 @@ def bind(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict:
     return {p.name: _ivalue(p, bound[p.name]) for p in params}
 
 
-class FakeOverload:
-    """`torch.ops.<ns>.<op>.default`: `_schema` and the call."""
+def run_now(name: str, impl, bound: dict):
+    """A kernel launch outside any graph capture or task update: computed at once."""
+    return impl(bound)
 
-    def __init__(self, schema, impl, record):
-        self._schema, self._impl, self._record = schema, impl, record
+
+class FakeOverload:
+    """`torch.ops.<ns>.<op>.<overload>`: `_schema` and the call, launched through `launch(name, impl,
+    bound)` (`run_now`, or the graph stand-in's: tests/fakes/npu_graphs_fake.py)."""
+
+    def __init__(self, schema, impl, record, launch=run_now):
+        self._schema, self._impl, self._record, self._launch = schema, impl, record, launch
+        self._name = schema.name.split("::")[1] + (f".{schema.overload_name}" if schema.overload_name else "")
 
     def __call__(self, *args, **kwargs):
-        self._record(self._schema.name.split("::")[1], tuple(map(describe, args)),
-                     {k: describe(v) for k, v in kwargs.items()})
-        return self._impl(bind(self._schema, args, kwargs))
+        self._record(self._name, tuple(map(describe, args)), {k: describe(v) for k, v in kwargs.items()})
+        return self._launch(self._name, self._impl, bind(self._schema, args, kwargs))
 
 
 class FakeOpPacket(FakeOverload):
-    """`torch.ops.<ns>.<op>` (an OpOverloadPacket with one overload, `default`)."""
+    """`torch.ops.<ns>.<op>` (an OpOverloadPacket: `default`, and `out` etc. where the line has them)."""
 
-    def __init__(self, schema, impl, record):
-        super().__init__(schema, impl, record)
-        self.default = FakeOverload(schema, impl, record)
+    def __init__(self, schema, impl, record, launch=run_now):
+        super().__init__(schema, impl, record, launch)
+        self.default = FakeOverload(schema, impl, record, launch)
+        self._overloads = ["default"]
+
+    def add_overload(self, overload: FakeOverload) -> None:
+        setattr(self, overload._schema.overload_name, overload)
+        self._overloads.append(overload._schema.overload_name)
 
     def overloads(self) -> list[str]:
-        return ["default"]
+        return list(self._overloads)
 
 
 class FakeOpNamespace:
@@ -154,16 +176,22 @@ class FakeOpNamespace:
 
 
 def namespaces(line: str, impls: dict, record, *, atb_loaded: bool = True,
-               absent: tuple[str, ...] = ()) -> dict[str, FakeOpNamespace]:
-    """{"npu": ..., "atb": ...}: the line's operators, computed by `impls[name]` (a function of the
-    bound arguments; an operator without one raises NotImplementedError when called); those named
-    in `absent` left out (a line that does not register them)."""
+               absent: tuple[str, ...] = (), launch=run_now) -> dict[str, FakeOpNamespace]:
+    """{"npu": ..., "atb": ...}: the line's operators, computed by `impls[name]` (`impls["name.out"]`
+    for an overload; a function of the bound arguments; an operator without one raises
+    NotImplementedError when called); those named in `absent` left out (a line that does not
+    register them)."""
     ops: dict[str, dict[str, FakeOpPacket]] = {"npu": {}, "atb": {}}
-    for qualified, schema in line_schemas(line).items():
+    schemas = line_schemas(line)
+    for qualified, schema in sorted(schemas.items(), key=lambda kv: bool(kv[1].overload_name)):
         ns, name = qualified.split("::")
         if (ns == "atb" and not atb_loaded) or name in absent:
             continue
-        ops[ns][name] = FakeOpPacket(schema, impls.get(name, _not_computed(name)), record)
+        impl = impls.get(name, _not_computed(name))
+        if schema.overload_name:  # an overload joins its default's packet
+            ops[ns][name.split(".")[0]].add_overload(FakeOverload(schema, impl, record, launch))
+        else:
+            ops[ns][name] = FakeOpPacket(schema, impl, record, launch)
     return {ns: FakeOpNamespace(ns, table) for ns, table in ops.items()}
 
 

@@ -56,6 +56,10 @@ Every faked behaviour names the torch_npu source it copies (Ascend/pytorch, read
   tests/fakes/npu_layer_kernels_fake.py; the quantized matmuls: tests/fakes/npu_quant_kernels_fake.py). The
   line's CANN (`cann=`, default the fixture's) decides whether FIA takes TND with a block table
   (`refuses_tnd_paged`: refused on 8.3.RC1, as vllm-ascend issues #4373 / #8045 report);
+- NPU graphs (`NPUGraph`, `graph`, `graph_pool_handle`, `ExternalEvent`, graph_task_group_* /
+  graph_task_update_*) and the FIA `.out` / max-workspace calls decode graphs make:
+  tests/fakes/npu_graphs_fake.py, the names the line's torch_npu.npu exports (the fixture's
+  "torch_npu.npu exports" line; `graph_api=False`: none of them);
 - `torch_npu/npu/utils.py` get_cann_version(module="CANN") (re-exported as
   torch_npu.utils.get_cann_version on 2.8.0, 2.9.0, 2.12.0): the CANN, or `driver=` for "DRIVER";
   "" for an unknown module (GetCANNInfo.cpp GetCANNVersion).
@@ -78,9 +82,10 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from tests.fakes.npu_config_fake import NpuConfig, SetDeviceLimitOnce, device_limit_index
-from tests.fakes.npu_kernels_fake import (KV_WRITES, NEWEST, line_cann, module_attributes, namespaces,
-                                          refuses_tnd_paged, tnd_paged_refused)
+from tests.fakes.npu_kernels_fake import (KV_WRITES, NEWEST, line_cann, line_npu_exports, module_attributes,
+                                          namespaces, refuses_tnd_paged, tnd_paged_refused)
 
+from tests.fakes.npu_graphs_fake import FakeNpuGraphs, fia_out, get_max_workspace
 from tests.fakes.npu_layer_kernels_fake import layer_kernels
 from tests.fakes.npu_quant_kernels_fake import QUANT_KERNELS
 from tests.fakes.hccl_destroy import HCCL_E_AGAIN, HCCL_SUCCESS, StuckStreams
@@ -97,7 +102,7 @@ class FakeTorchNpu:
 
     def __init__(self, *, stream_limits: bool = True, devices: int = 1, cores: tuple[int, int] = (20, 40),
                  line: str = NEWEST, kernels: dict | None = None, atb_loaded: bool = True, cann: str | None = None,
-                 driver: str = "25.5.0", absent: tuple[str, ...] = ()):
+                 driver: str = "25.5.0", absent: tuple[str, ...] = (), graph_api: bool | None = None):
         self.line = line  # the torch_npu version whose operator schemas and npu_config this fake has
         self.cann = cann or line_cann(line)
         self.driver = driver
@@ -107,7 +112,14 @@ class FakeTorchNpu:
         fia = "npu_fused_infer_attention_score"
         if fia in impls and refuses_tnd_paged(self.cann):
             impls[fia] = tnd_paged_refused(impls[fia])
-        self.ops = namespaces(line, impls, self._record_kernel, atb_loaded=atb_loaded, absent=absent)
+        if fia in impls:  # the decode graphs' variant (tests/fakes/npu_graphs_fake.py)
+            impls.setdefault(f"{fia}.out", fia_out(impls[fia]))
+        impls.setdefault(f"_{fia}_get_max_workspace", get_max_workspace)
+        # the torch_npu.npu graph names this fake has: the line's (None), all (True) or none (False)
+        self.graph_names = line_npu_exports(line) if graph_api is None else None if graph_api else set()
+        self.graphs = FakeNpuGraphs(self)
+        self.ops = namespaces(line, impls, self._record_kernel, atb_loaded=atb_loaded, absent=absent,
+                              launch=self.graphs.launch)
         self.stream_limits = stream_limits
         self.devices = devices
         self.cores = list(cores)  # the device's (cube, vector) cores; set_device_limit lowers them
@@ -170,14 +182,8 @@ class FakeTorchNpu:
         self._local.stream = stream
         self.record("set_stream", stream.stream_id)
 
-    @contextlib.contextmanager
-    def stream(self, stream: FakeStream):
-        before = getattr(self._local, "stream", None)
-        self._local.stream = stream
-        try:
-            yield stream
-        finally:
-            self._local.stream = before
+    def stream(self, stream: FakeStream) -> _StreamContext:
+        return _StreamContext(self._local, stream)
 
     def synchronize(self, device=None) -> None:
         self.record("synchronize")
@@ -242,6 +248,7 @@ class FakeTorchNpu:
         npu.mem_get_info = self.mem_get_info
         npu.memory_reserved = lambda device=None: self.memory[self._index(device)][1]
         npu.memory_allocated = lambda device=None: self.memory[self._index(device)][2]
+        self.graphs.build(npu, self.graph_names)
 
         class Options:
             def __init__(self):
@@ -264,6 +271,22 @@ class FakeTorchNpu:
         for name, op in module_attributes(self.ops).items():
             setattr(mod, name, op)
         return mod
+
+
+class _StreamContext:
+    """`torch.npu.stream(s)` (torch_npu/npu/utils.py StreamContext): a class, not a generator, so one
+    left un-exited (a capture_end that raised in `graph.__exit__`) changes nothing when collected."""
+
+    def __init__(self, local, stream):
+        self._local, self._stream, self._before = local, stream, None
+
+    def __enter__(self):
+        self._before = getattr(self._local, "stream", None)
+        self._local.stream = self._stream
+        return self._stream
+
+    def __exit__(self, *exc):
+        self._local.stream = self._before
 
 
 class FakeStream:

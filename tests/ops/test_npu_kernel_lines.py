@@ -22,9 +22,12 @@ def test_the_fixtures_are_the_three_lines_the_extras_install():
                                            "atb::_npu_reshape_and_cache", "npu::npu_add_rms_norm", "npu::npu_rms_norm",
                                            "npu::npu_rotary_mul", "npu::npu_apply_rotary_pos_emb", "npu::npu_swiglu",
                                            "npu::npu_weight_quant_batchmatmul", "npu::npu_dynamic_quant",
-                                           "npu::npu_quantize", "npu::npu_quant_matmul"}
-    fia = {str(line_schemas(line)["npu::npu_fused_infer_attention_score"]) for line in LINES}
-    assert len(fia) == 1  # the attention call's keywords do not differ between lines
+                                           "npu::npu_quantize", "npu::npu_quant_matmul",
+                                           "npu::npu_fused_infer_attention_score.out",
+                                           "npu::_npu_fused_infer_attention_score_get_max_workspace"}
+    for op in ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score.out",
+               "_npu_fused_infer_attention_score_get_max_workspace"):
+        assert len({str(line_schemas(line)[f"npu::{op}"]) for line in LINES}) == 1  # the same on every line
 
 
 @pytest.mark.parametrize("line,kv_write", [("2.8.0", ATB_ND), ("2.9.0", ATB_ND), ("2.12.0", SCATTER_ND)])

@@ -15,6 +15,7 @@ write through the ATB _npu_reshape_and_cache).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -35,6 +36,12 @@ SCALE = 1 / math.sqrt(HEAD_DIM)
 def _require(cond, msg):
     if not cond:
         raise RuntimeError(msg)  # what a failed tiling/parameter check surfaces as
+
+
+@functools.cache
+def _causal_2048() -> torch.Tensor:
+    """The only sparse_mode 3 mask FIA takes: triu(ones(2048, 2048), 1) (built once: it is 4M elements)."""
+    return torch.ones(2048, 2048).triu(1).bool()
 
 
 def _fia(a):
@@ -87,7 +94,7 @@ def _fia(a):
             m = a["atten_mask"]
             _require(m is not None and m.dtype in (torch.bool, torch.int8, torch.uint8)
                      and m.shape[-2:] == (2048, 2048) and m.numel() == 2048 * 2048, "sparse_mode 3 mask shape")
-            _require(torch.equal(m.reshape(2048, 2048).bool(), torch.ones(2048, 2048).triu(1).bool()),
+            _require(torch.equal(m.reshape(2048, 2048).bool(), _causal_2048()),
                      "sparse_mode 3 mask must be triu(ones(2048, 2048), 1)")
             causal = True
         else:

@@ -42,6 +42,7 @@ def test_the_first_run_script_runs_end_to_end_on_the_fake(tmp_path):
     assert rows["hccl pair"][0][0] == "ok" and "peer killed mid-receive" in rows["hccl pair"][0][1]
     assert rows["hccl pair"][0][1].startswith("ranks on npu:0 and npu:1;")  # one rank per NPU
     assert rows["core limits"][0][0] == "skip"
+    assert rows["decode graphs"] == [("skip", "the platform has no graphs (cpu decodes eagerly)")]  # --device cpu
     assert rows["pd end to end"][0][0] == "ok" and "8/8 tokens equal" in rows["pd end to end"][0][1]
     assert (tmp_path / "demo-small-d128").is_dir()  # head_dim 128, the size op-plugin's TND docs list
     assert {"versions.log", "hccl.tsv", "table.tsv"} <= {p.name for p in tmp_path.iterdir()}

@@ -1,6 +1,6 @@
 """`bench device` part `graphs`: do decode graphs replay, and do they change nothing? (issue 52)
 
-On a device with graphs (CUDA): the offline `LLM` with graphs (captured at start-up) against the
+On a device with graphs (CUDA; an NPU whose torch_npu has the graph-task API): the offline `LLM` with graphs (captured at start-up) against the
 same with `enforce_eager=True`, bf16, the tiny demo Qwen2-VL, at batch 1, 3 (padding rows in a
 bucket of 4) and 32, each prompt ~100 tokens and 48 new ones so every context crosses from width
 bucket 8 blocks to 16 mid-run (a capture mid-run): greedy tokens equal per prompt; the graph
@@ -9,7 +9,8 @@ evidence (keys, capture seconds, replays, eager decode steps by reason: engine/m
 kernels, kernel launches and graph launches per decode token at batch 1, both ways (`_launches`:
 replay must show about one cudaGraphLaunch a token and few kernel launches); and a final
 `empty_cache()` that must succeed (a capture left half-open breaks it). On a platform without graphs
-(the CPU, the NPU today) the part reports itself skipped, saying why. Never run on a GPU yet.
+(the CPU; an NPU without the API) the part reports itself skipped. Never run on a GPU or an NPU yet
+(on the NPU, scripts/npu_first_run.sh's `graphs` step is the first run).
 """
 from __future__ import annotations
 

@@ -16,6 +16,9 @@ refused / skip), exit 1 when a row failed:
                 the bound for the blocks it may still write (HCCL_EXEC_TIMEOUT) be finite
   ... limits    core limits under the profiler: `epdserve bench colocation --device npu`
                 (skip where torch_npu has no profiler)
+  ... graphs    decode graphs (NPUGraph + FIA task updates) against eager, token for token, with
+                the graph evidence (keys, replays, eager steps by reason); refused, with the
+                reason, where the torch_npu line lacks the graph-task API
   ... pd        a PD engine (offline LLM, roles PD) on the device against transformers' greedy
                 generate, token for token
 
@@ -243,8 +246,50 @@ def pd(args) -> bool:
                f"{same}/{n} tokens equal transformers' (epdserve {got}, transformers {want})")
 
 
+def graphs(args) -> bool:
+    """Decode graphs (engine/graph_runner.py on torch.npu.NPUGraph, platform/npu_graphs.py): the
+    offline LLM with graphs — captured at start-up, then its self-check (engine/graph_check.py) —
+    and with enforce_eager, the same three prompts' greedy tokens, and the graph evidence
+    (graph_report). ok: graphs on, every decode step replayed, tokens equal; refused: this
+    torch_npu lacks the graph-task API or the FIA .out / workspace schemas (the reason); fail:
+    graphs turned themselves off (a capture that failed, a self-check difference: the reason) or
+    tokens differ. The first run of this step is the first time NPU graphs run on hardware."""
+    from epdserve.entrypoints.llm import LLM, SamplingParams
+    from epdserve.model.demo import build_demo_model
+
+    plat = get_platform(args.device)
+    missing = plat.graphs_unavailable_reason()
+    if plat.name == "npu" and not missing:
+        from epdserve.ops.npu_ops import NpuPagedOps
+
+        try:
+            missing = NpuPagedOps().graphs_unavailable_reason()
+        except Exception as e:  # the probe step says more
+            return row("decode graphs", "fail", f"{type(e).__name__}: {e}")
+    if missing:
+        return row("decode graphs", "refused" if plat.name == "npu" else "skip", missing)
+    model = args.model or build_demo_model(os.path.join(args.out_dir, "demo-small-d128"), size="small-d128")
+    prompts = ["The first decode graph on this NPU", "Graphs replay what they captured, " * 9, "One more"]
+    runs = {}
+    for name, eager in (("graphs", False), ("eager", True)):
+        llm = LLM(str(model), device=args.device, enforce_eager=eager)
+        try:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+            runs[name] = ([o.outputs[0].token_ids for o in outs], llm.engine.runner.graph_report())
+        finally:
+            llm.engine.close()
+    (got, report), (want, _) = runs["graphs"], runs["eager"]
+    evidence = (f"{report['keys']} keys captured in {report['capture_s']:.1f} s, {report['replays']} replays, "
+                f"eager decode steps {report['eager_decode_steps'] or 'none'}")
+    if not report["graphs"]:
+        return row("decode graphs", "fail", f"graphs turned off: {report['why_off']}; {evidence}")
+    equal = sum(g == w for g, w in zip(got, want))
+    status = "ok" if equal == len(prompts) and report["replays"] and not report["eager_decode_steps"] else "fail"
+    return row("decode graphs", status, f"{equal}/{len(prompts)} prompts' tokens equal eager's; {evidence}")
+
+
 STEPS = {"versions": versions, "probe": probe, "matrix": matrix, "hccl": hccl, "hccl-peer": hccl_peer,
-         "limits": limits, "pd": pd}
+         "limits": limits, "graphs": graphs, "pd": pd}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--index", type=int, default=0, help="hccl-peer: the NPU index its rank runs on")
     p.add_argument("--out-dir", default=".")
-    p.add_argument("--model", default="", help="pd: a checkpoint (default: the small demo model with head_dim 128, "
+    p.add_argument("--model", default="", help="pd, graphs: a checkpoint (default: the small demo model with head_dim 128, "
                    "built in --out-dir)")
     args = p.parse_args(argv)
     return 0 if STEPS[args.step](args) else 1
