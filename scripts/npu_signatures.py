@@ -33,7 +33,8 @@ LINES = {
 }
 NPU_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score",
            "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_apply_rotary_pos_emb", "npu_swiglu",  # + ops/npu_layer_ops.py
-           "npu_weight_quant_batchmatmul", "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul")  # + engine/lm/npu_quant_linear.py
+           "npu_weight_quant_batchmatmul", "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul",  # + engine/lm/npu_quant_linear.py
+           "npu_convert_weight_to_int4pack")  # + engine/lm/npu_int4_linear.py
 ATB_OPS = ("_npu_reshape_and_cache",)
 CODEGEN_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 ATB_LIB = "torch_npu/lib/libop_plugin_atb.so"
