@@ -23,9 +23,10 @@ antiquant_group_size=group)`):
   shape and dtype). The document's ANTIQUANT(weight) = (weight + antiquant_offset) · antiquant_scale,
   so (q - 8 + zero / scale) · scale = (q - 8) · scale + zero, the CPU's weight: the offset is the
   (negated) zero point in code units, rounded once to the model dtype (which moves a weight by at most
-  half an ulp of zero / scale, times scale: ≤ eps / 2 · |zero|). One exception: a group of equal
-  weights c, whose scale Int4Linear clamps to the dtype's tiny (codes all -8 here), has zero / scale
-  beyond the dtype's range where |c| exceeds about 4: it is held as scale c, offset 9, the same weight;
+  half an ulp of zero / scale, times scale: ≤ eps / 2 · |zero|). One exception: a flat group (equal
+  weights: Int4Linear clamps its scale to the dtype's tiny, every weight stands for its zero) has a
+  zero / scale beyond the dtype's range once |zero| exceeds about 4: it is held as scale zero and
+  offset 1 - s0 (s0 its first code), (s0 + 1 - s0) · zero = zero;
 - the bias as NpuInt8Linear holds it (fp32 for a bf16 model, fp16 for an fp16 one: the document's rule).
 `antiquant_group_size` is 128, except for a projection of exactly one group (K = 128): the document
 takes a group size in [32, K - 1] only, and one group is its perchannel mode ((1, N) scale and
@@ -57,14 +58,15 @@ class NpuInt4Linear(Int4Linear):
         import torch_npu  # registers the operators (engine start-up checked their schemas)
 
         self._npu = torch_npu
-        signed = (q - 8).t().contiguous()  # [in, out] int32 in [-8, 7]
-        self.w = torch_npu.npu_convert_weight_to_int4pack(signed)  # [in, out / 8] int32
-        offset = (zeros.float() / scales.float()).to(scales.dtype)
-        # a constant group (Int4Linear's scale clamped to the dtype's tiny, codes all 0, i.e. -8 here)
-        # whose zero / scale overflows the dtype: antiquant (-8 + 9) · zero, the same weight
-        flat = ~offset.isfinite()
+        signed = q - 8  # [out, in] int32 in [-8, 7]
+        self.w = torch_npu.npu_convert_weight_to_int4pack(signed.t().contiguous())  # [in, out / 8] int32
+        # a flat group (Int4Linear's scale clamped to the dtype's tiny: its weights all stand for its
+        # zero, within 15 tiny): scale zero, offset 1 - its first code s0, so (s0 + 1 - s0) · zero
+        flat = scales <= torch.finfo(scales.dtype).tiny
+        first = signed[:, ::self.group].to(torch.float32)
+        offset = torch.where(flat, 1.0 - first, zeros.float() / scales.float()).to(scales.dtype)
         self.scale = torch.where(flat, zeros, scales).t().contiguous()  # [in / group, out], the model dtype
-        self.offset = torch.where(flat, torch.full_like(offset, 9.0), offset).t().contiguous()
+        self.offset = offset.t().contiguous()
         self.group_size = self.group if self.in_features > self.group else 0  # one group: perchannel
         self.bias = npu_bias(self.bias, scales.dtype)
 
