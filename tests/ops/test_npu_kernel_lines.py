@@ -22,7 +22,11 @@ def test_the_fixtures_are_the_three_lines_the_extras_install():
                                            "atb::_npu_reshape_and_cache", "npu::npu_add_rms_norm", "npu::npu_rms_norm",
                                            "npu::npu_rotary_mul", "npu::npu_apply_rotary_pos_emb", "npu::npu_swiglu",
                                            "npu::npu_weight_quant_batchmatmul", "npu::npu_dynamic_quant",
-                                           "npu::npu_quantize", "npu::npu_quant_matmul"}
+                                           "npu::npu_quantize", "npu::npu_quant_matmul",
+                                           "npu::npu_convert_weight_to_int4pack"}
+        # the int4 packing's schema is the same on every line (op-plugin 7.2.0, 7.3.0, 26.1.0)
+        assert str(line_schemas(line)["npu::npu_convert_weight_to_int4pack"]) == \
+            "npu::npu_convert_weight_to_int4pack(Tensor weight, int inner_k_tiles=0) -> Tensor"
     fia = {str(line_schemas(line)["npu::npu_fused_infer_attention_score"]) for line in LINES}
     assert len(fia) == 1  # the attention call's keywords do not differ between lines
 
