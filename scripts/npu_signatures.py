@@ -36,7 +36,8 @@ LINES = {
 NPU_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score",
            "npu_fused_infer_attention_score.out", "_npu_fused_infer_attention_score_get_max_workspace",  # decode graphs
            "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_apply_rotary_pos_emb", "npu_swiglu",  # + ops/npu_layer_ops.py
-           "npu_weight_quant_batchmatmul", "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul")  # + engine/lm/npu_quant_linear.py
+           "npu_weight_quant_batchmatmul", "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul",  # + engine/lm/npu_quant_linear.py
+           "npu_convert_weight_to_int4pack")  # + engine/lm/npu_int4_linear.py
 ATB_OPS = ("_npu_reshape_and_cache",)
 # torch_npu.npu names the decode graphs use (epdserve/platform/npu_graphs.py GRAPH_API), looked up in
 # torch_npu/npu/__init__.py's `__all__`

@@ -10,6 +10,9 @@ that yaml on op-plugin's branches 7.2.0, 7.3.0 and 26.1.0):
   antiquant_offset=None, Tensor? quant_scale=None, Tensor? quant_offset=None, Tensor? bias=None, int
   antiquant_group_size=0, int inner_precise=0)` on 2.8.0 (op-plugin 7.2.0) and 2.9.0 (7.3.0); 2.12.0
   (26.1.0) adds `int? weight_dtype=None`;
+- `npu_convert_weight_to_int4pack(Tensor weight, int inner_k_tiles=0)` on all three (int4 / W4A16:
+  engine/lm/npu_int4_linear.py, which also passes npu_weight_quant_batchmatmul's antiquant_offset
+  and antiquant_group_size);
 - `npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None,
   ScalarType? dst_type=None) -> (Tensor, Tensor)` on 2.8.0 / 2.9.0; 2.12.0: `int? dst_type`, plus
   `str quant_mode="pertoken"`, `float dst_type_max=0.0`;
@@ -30,12 +33,15 @@ from __future__ import annotations
 from epdserve.ops.npu_schema import NpuKernelsUnsupported, op_arguments
 
 W8A16 = {"npu_weight_quant_batchmatmul": ("x", "weight", "antiquant_scale", "bias")}
+W4A16 = {"npu_convert_weight_to_int4pack": ("weight",),
+         "npu_weight_quant_batchmatmul": ("x", "weight", "antiquant_scale", "antiquant_offset", "bias",
+                                          "antiquant_group_size")}
 W8A8_DYNAMIC = {"npu_dynamic_quant": ("input", "dst_type"),
                 "npu_quant_matmul": ("x1", "x2", "scale", "pertoken_scale", "bias", "output_dtype")}
 W8A8_STATIC = {"npu_quantize": ("self", "scales", "zero_points", "dtype", "axis", "div_mode"),
                "npu_quant_matmul": ("x1", "x2", "scale", "bias", "output_dtype")}
 # linear method (engine/lm/linear.py) -> {operator: the arguments epdserve's call names or fills}
-METHOD_OPS = {"int8": W8A16, "w8a8": W8A8_DYNAMIC, "w8a8-static": W8A8_STATIC,
+METHOD_OPS = {"int8": W8A16, "w8a8": W8A8_DYNAMIC, "int4": W4A16, "w8a8-static": W8A8_STATIC,
               "ascend": {**W8A16, **W8A8_DYNAMIC, **W8A8_STATIC,
                          "npu_quant_matmul": W8A8_DYNAMIC["npu_quant_matmul"]}}
 

@@ -157,23 +157,25 @@ def test_quantization_row_says_which_linears_and_refuses_a_platform_without_the_
     rc, out = doctor(capsys, "--device", "cpu", "--quantization", "int8")
     assert rc == 0 and " ok " in row(out, "quantization") and "attention and MLP linears, MoE experts included" in \
         row(out, "quantization")
-    check = _quantization(SimpleNamespace(name="npu"), "int4")  # only the platform's name is read
-    assert check.status is Status.FAIL and "runs on cpu only" in check.detail, check
+    check = _quantization(SimpleNamespace(name="npu"), "fp8")  # only the platform's name is read
+    assert check.status is Status.FAIL and "runs on cpu, cuda only" in check.detail, check
     check = _quantization(SimpleNamespace(name="cuda"), "int8")
     assert check.status is Status.FAIL and "runs on cpu, npu only" in check.detail, check
 
 
-@pytest.mark.parametrize("absent, status", [((), "ok"), (("npu_dynamic_quant",), "fail")])
-def test_quantization_row_on_an_npu_reads_the_installed_torch_npus_operators(monkeypatch, absent, status):
+@pytest.mark.parametrize("method, absent, status", [
+    ("w8a8", (), "ok"), ("w8a8", ("npu_dynamic_quant",), "fail"),
+    ("int4", (), "ok"), ("int4", ("npu_convert_weight_to_int4pack",), "fail")])
+def test_quantization_row_on_an_npu_reads_the_installed_torch_npus_operators(monkeypatch, method, absent, status):
     from types import SimpleNamespace
 
     from epdserve.checks.doctor import _quantization
     from tests.fakes.torch_npu_fake import FakeTorchNpu
 
     FakeTorchNpu(absent=absent).install(monkeypatch)
-    check = _quantization(SimpleNamespace(name="npu"), "w8a8")
+    check = _quantization(SimpleNamespace(name="npu"), method)
     assert check.status.value == status, check
-    assert status == "ok" or "torch_npu.npu_dynamic_quant" in check.detail
+    assert status == "ok" or f"torch_npu.{absent[0]}" in check.detail
 
 
 def test_the_quantization_row_refuses_fp8_on_a_cuda_device_below_8_9(monkeypatch):

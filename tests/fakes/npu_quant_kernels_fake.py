@@ -6,7 +6,8 @@ master 517f2e7, docs/zh/custom_APIs/torch_npu/):
   (weight + antiquant_offset) * antiquant_scale; x fp16 / bf16 (M, K); weight int8 (K, N), a
   transposed view allowed; antiquant_scale of x's dtype, (N,) or (1, N) per channel, (1,) per
   tensor; antiquant_offset of its shape and dtype; bias (N,): fp32 for bf16 x, fp16 for fp16 x;
-  K and N in [1, 65535]; no quant_scale here (the output stays in x's dtype). The precision of the
+  K and N in [1, 65535]; no quant_scale here (the output stays in x's dtype); an int32 weight
+  carrying int4 (K, N / 8) with pergroup scale / offset: tests/fakes/npu_int4_kernels_fake.py. The precision of the
   antiquant step is not documented: modelled as the dequantized weight rounded to x's dtype, the
   product accumulated in fp32 and rounded once.
 - torch_npu-npu_dynamic_quant.md: per row scale = rowMax(|x|) / 127 (fp32, shape x.shape[:-1]),
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.fakes.npu_int4_kernels_fake import check_group, convert_weight_to_int4pack, grouped, unpack_int4
 from tests.fakes.npu_kernels_fake import dtype_of
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -40,20 +42,27 @@ def _require(cond, msg):
 
 def weight_quant_batchmatmul(a: dict) -> torch.Tensor:
     x, w, scale, offset, bias = a["x"], a["weight"], a["antiquant_scale"], a["antiquant_offset"], a["bias"]
+    group = a["antiquant_group_size"]
     _require(x.dtype in _HALF and x.dim() == 2, "x: fp16 / bf16, (M, K)")
-    _require(w.dtype == torch.int8 and w.dim() == 2 and w.shape[0] == x.shape[1], "weight: int8 (K, N)")
-    k, n = w.shape
+    _require(w.dtype in (torch.int8, torch.int32) and w.dim() == 2 and w.shape[0] == x.shape[1],
+             "weight: int8 (K, N), or int32 carrying int4 (K, N / 8)")
+    wv = unpack_int4(w) if w.dtype == torch.int32 else w
+    k, n = wv.shape
     _require(1 <= k <= _MAX_KN and 1 <= n <= _MAX_KN, f"K, N in [1, 65535], got {k}, {n}")
-    _require(a["quant_scale"] is None and a["quant_offset"] is None and a["antiquant_group_size"] == 0,
-             "stand-in covers per-channel / per-tensor antiquant without an output quant")
-    _require(scale.dtype == x.dtype and scale.numel() in (1, n) and scale.dim() <= 2, "antiquant_scale: x's dtype, (N,)")
-    _require(offset is None or (offset.dtype == scale.dtype and offset.shape == scale.shape),
-             "antiquant_offset: antiquant_scale's shape and dtype")
+    _require(a["quant_scale"] is None and a["quant_offset"] is None, "stand-in covers antiquant without an output quant")
+    _require(scale.dtype == x.dtype, "antiquant_scale: x's dtype")
+    if group:
+        check_group(scale, offset, group, k, n)
+    else:
+        _require(scale.numel() in (1, n) and scale.dim() <= 2, "antiquant_scale: (N,), (1, N) or (1,)")
+        _require(offset is None or (offset.dtype == scale.dtype and offset.shape == scale.shape),
+                 "antiquant_offset: antiquant_scale's shape and dtype")
     if bias is not None:
         want = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
         _require(bias.dtype == want and bias.numel() == n and bias.is_contiguous(), f"bias: {want} (N,) for {x.dtype} x")
-    wf = w.float() + (offset.float().reshape(1, -1) if offset is not None else 0.0)
-    deq = (wf * scale.float().reshape(1, -1)).to(x.dtype)
+    per_row = (lambda t: grouped(t, group, k)) if group else (lambda t: t.float().reshape(1, -1))
+    wf = wv.float() + (per_row(offset) if offset is not None else 0.0)
+    deq = (wf * per_row(scale)).to(x.dtype)
     out = x.float() @ deq.float()
     return (out + bias.float() if bias is not None else out).to(x.dtype)
 
@@ -128,4 +137,5 @@ def _table2(out, scale, bias, pertoken: bool) -> bool:
 
 
 QUANT_KERNELS = {"npu_weight_quant_batchmatmul": weight_quant_batchmatmul, "npu_dynamic_quant": dynamic_quant,
-                 "npu_quantize": quantize, "npu_quant_matmul": quant_matmul}
+                 "npu_quantize": quantize, "npu_quant_matmul": quant_matmul,
+                 "npu_convert_weight_to_int4pack": convert_weight_to_int4pack}

@@ -24,7 +24,11 @@ def test_the_fixtures_are_the_three_lines_the_extras_install():
                                            "npu::npu_weight_quant_batchmatmul", "npu::npu_dynamic_quant",
                                            "npu::npu_quantize", "npu::npu_quant_matmul",
                                            "npu::npu_fused_infer_attention_score.out",
-                                           "npu::_npu_fused_infer_attention_score_get_max_workspace"}
+                                           "npu::_npu_fused_infer_attention_score_get_max_workspace",
+                                           "npu::npu_convert_weight_to_int4pack"}
+        # the int4 packing's schema is the same on every line (op-plugin 7.2.0, 7.3.0, 26.1.0)
+        assert str(line_schemas(line)["npu::npu_convert_weight_to_int4pack"]) == \
+            "npu::npu_convert_weight_to_int4pack(Tensor weight, int inner_k_tiles=0) -> Tensor"
     for op in ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score.out",
                "_npu_fused_infer_attention_score_get_max_workspace"):
         assert len({str(line_schemas(line)[f"npu::{op}"]) for line in LINES}) == 1  # the same on every line

@@ -209,8 +209,8 @@ def test_what_the_npu_cannot_run_is_refused_at_start_up(qwen2_vl_tiny, monkeypat
     with pytest.raises(ValueError, match="fp16 or bf16 activations only, not torch.float32"):
         check_method("w8a8", "npu", torch.float32)
     assert check_method("w8a8", "npu", torch.bfloat16) == "w8a8"
-    with pytest.raises(ValueError, match="quantization=int4 runs on cpu only"):
-        check_method("int4", "npu", torch.bfloat16)
+    with pytest.raises(ValueError, match="quantization=fp8 runs on cpu, cuda only"):
+        check_method("fp8", "npu", torch.bfloat16)
     FakeTorchNpu().install(monkeypatch)
     with pytest.raises(ValueError, match="npu_weight_quant_batchmatmul takes K and N up to 65535"):
         make_linear([torch.ones(65536, 8, dtype=torch.bfloat16)], None, "int8", "npu")

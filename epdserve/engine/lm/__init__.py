@@ -15,6 +15,8 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - fp8_checkpoint.py  FP8 checkpoints (compressed-tensors, block-wise "fp8"; config.json's quantization_config)
 - fp8_device.py    whether a device runs FP8 (CUDA compute capability >= 8.9, a probe of each scale layout)
 - npu_quant_linear.py  NpuInt8Linear (W8A16) and NpuInt8DynamicLinear (W8A8): the int8 linears on torch_npu's kernels
+- npu_int4_linear.py   NpuInt4Linear (W4A16): Int4Linear's codes on torch_npu's npu_convert_weight_to_int4pack
+                       + npu_weight_quant_batchmatmul (per-group scale and offset)
 - npu_static_w8a8.py   NpuStaticW8A8Linear: msModelSlim's static W8A8 on torch_npu's npu_quantize + npu_quant_matmul
 - fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts

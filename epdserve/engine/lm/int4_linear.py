@@ -57,7 +57,11 @@ class Int4Linear:
                              f"takes {self.in_features} on its rank (a tensor-parallel rank's share of a "
                              f"row-parallel projection must be whole groups): use a lower tensor_parallel_size "
                              f"or int8")
-        q, scales, zeros = quantize_int4(w, self.group)
+        self._hold(*quantize_int4(w, self.group))
+
+    def _hold(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Hold `quantize_int4`'s codes, scales and zeros as the kernel takes them (an NPU subclass
+        holds them as torch_npu's: engine/lm/npu_int4_linear.py)."""
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [in/g, out, 2]
 

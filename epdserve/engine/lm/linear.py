@@ -24,9 +24,9 @@ platform has no kernel for.
 The class holding a method's weights is the platform's (`linear_class`, decided at load by the
 engine's platform): on an NPU "int8", "w8a8", "w8a8-static" and "ascend" run on torch_npu's
 kernels (engine/lm/npu_quant_linear.py, npu_static_w8a8.py: the same weights and scales, held as
-those kernels take them), fp16 / bf16 models only; "int4" stays CPU-only (torch_npu's W4A16
-linear, npu_weight_quant_batchmatmul over `npu_convert_weight_to_int4pack` weights, is not built
-here), and FP8 runs on the CPU and CUDA. On the CPU every method is as it was.
+those kernels take them), and so does "int4" (engine/lm/npu_int4_linear.py: the same codes, scales
+and zeros on npu_weight_quant_batchmatmul over `npu_convert_weight_to_int4pack` weights), fp16 /
+bf16 models only; FP8 runs on the CPU and CUDA. On the CPU every method is as it was.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import torch
 from epdserve.engine.lm.fp8_linear import Fp8Linear
 from epdserve.engine.lm.fusion import fuse
 from epdserve.engine.lm.int4_linear import Int4Linear
+from epdserve.engine.lm.npu_int4_linear import NpuInt4Linear
 from epdserve.engine.lm.npu_quant_linear import NPU_DTYPES, NpuInt8DynamicLinear, NpuInt8Linear
 from epdserve.engine.lm.npu_static_w8a8 import NpuStaticW8A8Linear
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
@@ -71,15 +72,16 @@ class DenseLinear:
 LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicLinear,
                   "int4": Int4Linear, "fp8": Fp8Linear}  # name -> its Linear
 # the NPU's classes for the methods it runs (the same weights, held as torch_npu's kernels take them)
-NPU_LINEAR_METHODS = {"int8": NpuInt8Linear, "w8a8": NpuInt8DynamicLinear}
+NPU_LINEAR_METHODS = {"int8": NpuInt8Linear, "w8a8": NpuInt8DynamicLinear, "int4": NpuInt4Linear}
 # a quantized method -> the platforms with its kernel ("w8a8-static" and "ascend": an msModelSlim
 # checkpoint's own, engine/lm/prequantized.py; "compressed-tensors": an FP8 checkpoint's own,
 # engine/lm/fp8_checkpoint.py)
-METHOD_PLATFORMS = {"int8": ("cpu", "npu"), "w8a8": ("cpu", "npu"), "int4": ("cpu",), "w8a8-static": ("cpu", "npu"),
+METHOD_PLATFORMS = {"int8": ("cpu", "npu"), "w8a8": ("cpu", "npu"), "int4": ("cpu", "npu"), "w8a8-static": ("cpu", "npu"),
                     "ascend": ("cpu", "npu"), "fp8": ("cpu", "cuda"), "compressed-tensors": ("cpu", "cuda")}
 METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel; torch_npu.npu_weight_quant_batchmatmul",
                   "w8a8": "torch's _int_mm CPU kernel; torch_npu.npu_dynamic_quant + npu_quant_matmul",
-                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel",
+                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel; torch_npu.npu_convert_weight_to_int4pack + "
+                          "npu_weight_quant_batchmatmul",
                   "w8a8-static": "torch's _int_mm CPU kernel; torch_npu.npu_quantize + npu_quant_matmul",
                   "ascend": "torch's int8 CPU kernels; torch_npu's quantized matmuls",
                   "fp8": "torch's _scaled_mm (CPU; CUDA compute capability >= 8.9)",
