@@ -1,0 +1,42 @@
+"""Run with TRITON_INTERPRET=1 (tests/ops/test_cuda_quant_linear.py starts it so): the Triton W8A16
+GEMM (ops/triton_int8_mm.py) against the dequantized float product on the cases below, through
+`CudaInt8Linear` as the engine calls it and through the kernel on a [K, N]-strided weight view;
+prints one JSON line per case with the largest error past the derived bound (<= 0: within it)."""
+import json
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "Triton reads TRITON_INTERPRET when the kernel is decorated"
+
+import torch  # noqa: E402
+
+from epdserve.engine.lm.cuda_quant_linear import CudaInt8Linear, check_cuda_int8, int8_bound  # noqa: E402
+from epdserve.engine.lm.quant_linear import Int8Linear  # noqa: E402
+from epdserve.ops.triton_int8_mm import int8_weight_mm  # noqa: E402
+
+K, N = 200, 70  # neither a multiple of the 64-wide blocks: the last K and N tiles are masked
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for rows in (1, 3, 33):
+        for with_bias in (False, True):
+            w = torch.randn(N, K, generator=gen).to(dtype)
+            b = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+            x = torch.randn(rows, K, generator=gen).mul(2).to(dtype)
+            lin = CudaInt8Linear([w], [b])
+            want = x.float() @ (lin.q.float() * lin.scales.float()[:, None]).t()
+            if b is not None:
+                want += b.float()
+            bound = int8_bound(x, lin.q, lin.scales, b)
+            got = lin(x)
+            cpu = Int8Linear([w], [b])(x)  # the CPU class on the same weights: same dtype, same bound
+            strided = int8_weight_mm(x, lin.q.t().contiguous().t(), lin.scales, b)  # q read through a [K, N] layout
+            print(json.dumps({
+                "case": f"{str(dtype)[6:]}-m{rows}-{'bias' if with_bias else 'nobias'}",
+                "dtype_ok": got.dtype == dtype, "shape_ok": list(got.shape) == [rows, N],
+                "over": ((got.float() - want).abs() - bound).max().item(),
+                "cpu_over": ((cpu.float() - want).abs() - 2 * bound).max().item(),
+                "strided_equal": torch.equal(strided, got)}))
+
+# the start-up check an engine runs on its device (engine/lm/cuda_quant_linear.py): passes with the kernel as it is
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    check_cuda_int8("cpu", dtype)
+print(json.dumps({"startup_check": "ok"}))
