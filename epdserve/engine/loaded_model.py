@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from epdserve.engine.lm.cuda_int4_linear import check_cuda_int4
 from epdserve.engine.lm.cuda_quant_linear import check_cuda_int8
 from epdserve.engine.lm.expert_linears import expert_method
 from epdserve.engine.lm.forward import LeanLM
@@ -38,6 +39,7 @@ from epdserve.seams.media_keys import MediaKeySecret, namespace_for
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CUDA_CHECKS = {"int8": check_cuda_int8, "int4": check_cuda_int4}  # method -> its CUDA kernel's start-up check
 
 
 @dataclass
@@ -81,7 +83,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     attention and MLP weights are held (engine/lm/linear.py `LINEAR_METHODS`; None: dense, in
     `dtype`); a method the platform has no kernel for is refused before any weight is read (on an NPU
     also an fp32 model, or a torch_npu that does not register the operators the method calls; on CUDA
-    an FP8 `_scaled_mm` or the int8 Triton kernel that does not run on the device).
+    an FP8 `_scaled_mm` or the int8 / int4 Triton kernel that does not run on the device).
 
     dtype "auto" (or None) is bf16 on accelerators and on a CPU with native bf16, else fp32
     (platform/dtype_default.py `auto_dtype`; the choice and why are logged and kept as `dtype_why`)."""
@@ -107,8 +109,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
         check_fp8_tensors(model)
     if method in ("fp8", FP8_CHECKPOINT):
         check_fp8_device(platform.device(), _fp8_layouts(fp8), tdtype)
-    if method == "int8" and platform.name == "cuda":  # the Triton W8A16 kernel, run once on the device
-        check_cuda_int8(platform.device(), tdtype)
+    if platform.name == "cuda" and method in CUDA_CHECKS:  # the Triton W8A16 / W4A16 kernel, run once on the device
+        CUDA_CHECKS[method](platform.device(), tdtype)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
     layers = (read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description, fp8=fp8,

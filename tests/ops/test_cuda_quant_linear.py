@@ -1,8 +1,10 @@
-"""int8 weight-only (W8A16) on CUDA (issue 49): the Triton GEMM (ops/triton_int8_mm.py) on this CPU
-through Triton's interpreter against the dequantized float product within its derived bound (fp32,
-bf16, fp16; K and N not multiples of the blocks; 1, 3 and 33 rows; with and without a bias; the
-weights read through either layout); CUDA choosing `CudaInt8Linear` for int8 and still refusing
-w8a8 and int4 by name; the start-up check (engine/lm/cuda_quant_linear.py) refusing a kernel that
+"""int8 and int4 weight-only (W8A16, W4A16) on CUDA (issue 49): the Triton GEMMs
+(ops/triton_int8_mm.py, ops/triton_int4_mm.py) on this CPU through Triton's interpreter against the
+dequantized float product within their derived bounds (fp32 and bf16; fp16 in the start-up
+checks' one case each; K (int8) and N not
+multiples of the blocks; 1, 3 and 33 rows; with and without a bias; int8's weights read through
+either layout); CUDA choosing `CudaInt8Linear` / `CudaInt4Linear` and still refusing w8a8 by name;
+the start-up checks (engine/lm/cuda_quant_linear.py, cuda_int4_linear.py) refusing a kernel that
 fails, or runs and is wrong."""
 import json
 import os
@@ -13,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from epdserve.engine.lm.cuda_int4_linear import CudaInt4Linear, check_cuda_int4, dequantized
 from epdserve.engine.lm.cuda_quant_linear import CudaInt8Linear, check_cuda_int8
+from epdserve.engine.lm.int4_linear import GROUP_SIZE, Int4Linear
 from epdserve.engine.lm.linear import CUDA_LINEAR_METHODS, check_method, linear_class
 from epdserve.engine.lm.npu_quant_linear import NpuInt8Linear
 from epdserve.engine.lm.quant_linear import Int8Linear
@@ -29,7 +33,7 @@ def test_the_kernel_is_within_its_bound_of_the_dequantized_product_in_the_interp
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows.pop() == {"startup_check": "ok"}  # check_cuda_int8 with the real kernel, as at start-up
-    assert len(rows) == 18, out.stdout  # 3 dtypes x 3 row counts x bias or not
+    assert len(rows) == 24, out.stdout  # (int8, int4) x (fp32, bf16) x 3 row counts x bias or not
     for r in rows:
         assert r["dtype_ok"] and r["shape_ok"], r
         assert r["over"] <= 0, r  # within int8_bound of x · (q · scale)ᵀ + bias
@@ -37,16 +41,21 @@ def test_the_kernel_is_within_its_bound_of_the_dequantized_product_in_the_interp
         assert r["strided_equal"], r  # q read as [N, K] or through a [K, N] layout: the same output
 
 
-def test_cuda_takes_the_triton_int8_class_and_refuses_what_it_has_no_kernel_for():
+def test_cuda_takes_the_triton_classes_and_refuses_what_it_has_no_kernel_for():
     assert linear_class("int8", "cuda") is CudaInt8Linear is CUDA_LINEAR_METHODS["int8"]
+    assert linear_class("int4", "cuda") is CudaInt4Linear is CUDA_LINEAR_METHODS["int4"]
     assert issubclass(CudaInt8Linear, Int8Linear)  # method_of names it "int8"; prequantized W8A16 loads into it
+    assert issubclass(CudaInt4Linear, Int4Linear)  # method_of names it "int4"
     assert linear_class("int8", "cpu") is Int8Linear and linear_class("int8", "npu") is NpuInt8Linear
-    assert check_method("int8", "cuda", torch.bfloat16) == "int8"
-    assert check_method("int8", "cuda", torch.float32) == "int8"  # the kernel takes fp32 too (at "ieee" precision)
-    for method in ("w8a8", "int4"):
-        with pytest.raises(ValueError, match=f"quantization={method} runs on .* no CUDA kernel here yet: on CUDA use "
-                                             f"int8.*not on cuda"):
-            check_method(method, "cuda")
+    assert linear_class("int4", "cpu") is Int4Linear
+    for method in ("int8", "int4"):
+        assert check_method(method, "cuda", torch.bfloat16) == method
+        assert check_method(method, "cuda", torch.float32) == method  # the kernels take fp32 too ("ieee" dots)
+    with pytest.raises(ValueError, match="quantization=w8a8 runs on .* no CUDA kernel here yet: on CUDA use int8 or "
+                                         "int4 .*not on cuda"):
+        check_method("w8a8", "cuda")
+    with pytest.raises(ValueError, match="quantization=int4 runs on cpu, cuda only .*not on npu"):
+        check_method("int4", "npu")
 
 
 def _reference(x, q, scales, bias=None):
@@ -60,8 +69,8 @@ def test_the_startup_check_refuses_a_kernel_that_fails_or_strays():
     def fails(*_):
         raise RuntimeError("PTX compile failed")  # what a Triton that cannot build it for this GPU raises
 
-    with pytest.raises(ValueError, match="does not run on cpu \\(RuntimeError: PTX compile failed\\): leave "
-                                         "--quantization out"):
+    with pytest.raises(ValueError, match="int8 Triton kernel does not run on cpu \\(RuntimeError: PTX compile "
+                                         "failed\\): serve --quantization fp8 .* or leave --quantization out"):
         check_cuda_int8("cpu", torch.bfloat16, kernel=fails)
     wrong = {"scale skipped": lambda x, q, s, b: _reference(x, q, torch.ones_like(s), b),
              "bias dropped": lambda x, q, s, b: _reference(x, q, s),
@@ -69,7 +78,38 @@ def test_the_startup_check_refuses_a_kernel_that_fails_or_strays():
              "NaN": lambda x, q, s, b: _reference(x, q, s, b).fill_(float("nan")),
              "transposed": lambda x, q, s, b: _reference(x, q, s, b).t()}
     for name, kernel in wrong.items():
-        with pytest.raises(ValueError, match="differs from the dequantized float product past its bound: leave "
-                                             "--quantization out"):
+        with pytest.raises(ValueError, match="int8 Triton kernel's product on cpu .* differs from the dequantized "
+                                             "float product past its bound: serve --quantization fp8"):
             check_cuda_int8("cpu", torch.bfloat16, kernel=kernel)
+            pytest.fail(name)
+
+
+def _reference4(x, packed, sz, group, bias=None):
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)  # pack_int4's inverse
+    out = x.float() @ dequantized(q, sz, group).t()
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def _pack(q):
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def test_the_int4_startup_check_refuses_a_kernel_that_fails_or_strays():
+    check_cuda_int4("cpu", torch.bfloat16, kernel=_reference4, pack=_pack)  # a correct product passes
+
+    def fails(*_):
+        raise RuntimeError("PTX compile failed")
+
+    with pytest.raises(ValueError, match="int4 Triton kernel does not run on cpu \\(RuntimeError: PTX compile "
+                                         "failed\\): serve --quantization int8, fp8"):
+        check_cuda_int4("cpu", torch.bfloat16, kernel=fails, pack=_pack)
+    wrong = {"zero dropped": lambda x, p, sz, g, b: _reference4(x, p, sz * torch.tensor([1.0, 0.0]).to(sz.dtype), g, b),
+             "codes not less 8": lambda x, p, sz, g, b: _reference4(x, p, sz, g, b) + (8 * x.float().sum(1, True)
+                                                                                  * sz[0, :, 0].float()).to(x.dtype),
+             "nibbles swapped": lambda x, p, sz, g, b: _reference4(x, (p << 4) | (p >> 4), sz, g, b)}
+    assert GROUP_SIZE == 128  # the check's two groups
+    for name, kernel in wrong.items():
+        with pytest.raises(ValueError, match="int4 Triton kernel's product on cpu .* past its bound"):
+            check_cuda_int4("cpu", torch.bfloat16, kernel=kernel, pack=_pack)
             pytest.fail(name)

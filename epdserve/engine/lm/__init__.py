@@ -16,6 +16,8 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - fp8_device.py    whether a device runs FP8 (CUDA compute capability >= 8.9, a probe of each scale layout)
 - npu_quant_linear.py  NpuInt8Linear (W8A16) and NpuInt8DynamicLinear (W8A8): the int8 linears on torch_npu's kernels
 - npu_static_w8a8.py   NpuStaticW8A8Linear: msModelSlim's static W8A8 on torch_npu's npu_quantize + npu_quant_matmul
+- cuda_quant_linear.py CudaInt8Linear (W8A16) on CUDA: the int8 linear on a Triton GEMM, and its start-up check
+- cuda_int4_linear.py  CudaInt4Linear (W4A16) on CUDA: the int4 linear on a Triton GEMM, and its start-up check
 - fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
 - expert_linears.py  the experts' weights, one projection per expert, held by the dense linears' method

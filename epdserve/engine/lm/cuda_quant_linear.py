@@ -10,7 +10,8 @@ host read, so decode graphs capture it.
 checks `_scaled_mm`): the kernel compiled and run once on the device at a small shape that crosses
 block edges (3 rows, 200 inputs, 80 outputs, a bias) against the dequantized float product within
 the kernel's bound; a kernel that fails to build or run, or disagrees, refuses the start and names
-what to serve instead. "w8a8" and "int4" have no CUDA kernel here (engine/lm/linear.py refuses them).
+what to serve instead (`refuse_or_pass`, which engine/lm/cuda_int4_linear.py's int4 check shares).
+"w8a8" has no CUDA kernel here (engine/lm/linear.py refuses it).
 """
 from __future__ import annotations
 
@@ -55,24 +56,36 @@ class CudaInt8Linear(Int8Linear):
         return self._mm(x, self.q, self.scales, self.bias)
 
 
+def refuse_or_pass(method: str, device, dtype: torch.dtype, run, want: torch.Tensor, bound: torch.Tensor) -> None:
+    """The start-up verdict on `method`'s CUDA kernel: ValueError naming what to serve instead when
+    `run()` raises, or its output (moved to the CPU) is off `want` by more than `bound` anywhere (NaN too)."""
+    others = "int8, " if method != "int8" else ""
+    fix = (f"serve --quantization {others}fp8 (compute capability >= 8.9) or leave --quantization out (bf16), or "
+           f"run on the CPU")
+    try:
+        got = run().float().cpu()
+    except Exception as e:
+        raise ValueError(f"the {method} Triton kernel does not run on {device} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}): {fix}") from e
+    if not (got.shape == want.shape and bool(((got - want).abs() <= bound).all())):
+        raise ValueError(f"the {method} Triton kernel's product on {device} ({dtype}) differs from the dequantized "
+                         f"float product past its bound: {fix}")
+
+
 def check_cuda_int8(device: torch.device | str, dtype: torch.dtype, kernel=None) -> None:
     """ValueError when the int8 kernel (`kernel`: ops/triton_int8_mm.py `int8_weight_mm` unless
     given) fails to run on `device` in `dtype`, or strays past its bound (module docstring)."""
-    fix = "leave --quantization out (bf16), use --quantization fp8 on compute capability >= 8.9, or run on the CPU"
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(80, 200, generator=gen).to(dtype)
     x = torch.randn(3, 200, generator=gen).to(dtype)
     bias = torch.randn(80, generator=gen).to(dtype)
     q, scales = quantize_int8(w)
-    try:
-        if kernel is None:
-            from epdserve.ops.triton_int8_mm import int8_weight_mm as kernel  # ImportError: no Triton here
-        got = kernel(x.to(device), q.to(device), scales.to(device), bias.to(device)).float().cpu()
-    except Exception as e:
-        raise ValueError(f"the int8 Triton kernel does not run on {device} ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}): {fix}") from e
+
+    def run():
+        mm = kernel
+        if mm is None:
+            from epdserve.ops.triton_int8_mm import int8_weight_mm as mm  # ImportError: no Triton here
+        return mm(x.to(device), q.to(device), scales.to(device), bias.to(device))
+
     want = x.float() @ (q.float() * scales.float()[:, None]).t() + bias.float()
-    ok = got.shape == want.shape and bool(((got - want).abs() <= int8_bound(x, q, scales, bias)).all())  # NaN fails
-    if not ok:
-        raise ValueError(f"the int8 Triton kernel's product on {device} ({dtype}) differs from the dequantized "
-                         f"float product past its bound: {fix}")
+    refuse_or_pass("int8", device, dtype, run, want, int8_bound(x, q, scales, bias))

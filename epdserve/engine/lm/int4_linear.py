@@ -45,11 +45,18 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 
 class Int4Linear:
-    """4-bit weights in groups of `group` inputs (W4A16); bias, if any, in the model dtype."""
+    """4-bit weights in groups of `group` inputs (W4A16); bias, if any, in the model dtype. The
+    codes are packed for torch's CPU kernel (engine/lm/cuda_int4_linear.py packs them for CUDA's)."""
 
     group = GROUP_SIZE
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
+        q = self._quantize(weights, biases)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
+
+    def _quantize(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None) -> torch.Tensor:
+        """Fuse the parts, refuse a width that is not whole groups, hold the bias and the scales and
+        zeros ([in / group, out, 2]); the codes q [out, in] (0..15) for the subclass to pack."""
         w, self.bias = fuse(weights, biases)
         self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
         if self.in_features % self.group:
@@ -58,8 +65,8 @@ class Int4Linear:
                              f"row-parallel projection must be whole groups): use a lower tensor_parallel_size "
                              f"or int8")
         q, scales, zeros = quantize_int4(w, self.group)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [in/g, out, 2]
+        return q
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)

@@ -27,9 +27,11 @@ kernels (engine/lm/npu_quant_linear.py, npu_static_w8a8.py: the same weights and
 those kernels take them), fp16 / bf16 models only; "int4" stays CPU-only (torch_npu's W4A16
 linear, npu_weight_quant_batchmatmul over `npu_convert_weight_to_int4pack` weights, is not built
 here), and FP8 runs on the CPU and CUDA. On CUDA "int8" runs on a Triton W8A16 kernel
-(engine/lm/cuda_quant_linear.py, ops/triton_int8_mm.py: the same weights and scales, checked on the
-device at start-up); "w8a8" and "int4" have no CUDA kernel here and are refused there, naming int8
-and fp8 instead. On the CPU every method is as it was.
+(engine/lm/cuda_quant_linear.py, ops/triton_int8_mm.py: the same weights and scales) and "int4" on
+a Triton W4A16 kernel (engine/lm/cuda_int4_linear.py, ops/triton_int4_mm.py: the same codes, scales
+and zeros, the codes packed for it), each checked on the device at start-up; "w8a8" has no CUDA
+kernel here and is refused there, naming int8, int4 and fp8 instead. On the CPU every method is as
+it was.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from epdserve.engine.lm.cuda_int4_linear import CudaInt4Linear
 from epdserve.engine.lm.cuda_quant_linear import CudaInt8Linear
 from epdserve.engine.lm.fp8_linear import Fp8Linear
 from epdserve.engine.lm.fusion import fuse
@@ -77,17 +80,18 @@ LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicL
 # the NPU's classes for the methods it runs (the same weights, held as torch_npu's kernels take them)
 NPU_LINEAR_METHODS = {"int8": NpuInt8Linear, "w8a8": NpuInt8DynamicLinear}
 # CUDA's classes for the methods it runs on its own kernels (the same weights; engine/lm/cuda_quant_linear.py)
-CUDA_LINEAR_METHODS = {"int8": CudaInt8Linear}
+CUDA_LINEAR_METHODS = {"int8": CudaInt8Linear, "int4": CudaInt4Linear}
 # a quantized method -> the platforms with its kernel ("w8a8-static" and "ascend": an msModelSlim
 # checkpoint's own, engine/lm/prequantized.py; "compressed-tensors": an FP8 checkpoint's own,
 # engine/lm/fp8_checkpoint.py)
-METHOD_PLATFORMS = {"int8": ("cpu", "npu", "cuda"), "w8a8": ("cpu", "npu"), "int4": ("cpu",), "w8a8-static": ("cpu", "npu"),
+METHOD_PLATFORMS = {"int8": ("cpu", "npu", "cuda"), "w8a8": ("cpu", "npu"), "int4": ("cpu", "cuda"), "w8a8-static": ("cpu", "npu"),
                     "ascend": ("cpu", "npu"), "fp8": ("cpu", "cuda"), "compressed-tensors": ("cpu", "cuda")}
 METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel; torch_npu.npu_weight_quant_batchmatmul; a Triton "
                           "kernel on CUDA",
                   "w8a8": "torch's _int_mm CPU kernel; torch_npu.npu_dynamic_quant + npu_quant_matmul; no CUDA "
-                          "kernel here yet: on CUDA use int8 (weight-only) or fp8",
-                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel; no CUDA kernel here yet: on CUDA use int8",
+                          "kernel here yet: on CUDA use int8 or int4 (weight-only) or fp8",
+                  "int4": "torch's _weight_int4pack_mm_for_cpu kernel; a Triton kernel on CUDA; no NPU kernel here "
+                          "yet: on an NPU use int8",
                   "w8a8-static": "torch's _int_mm CPU kernel; torch_npu.npu_quantize + npu_quant_matmul",
                   "ascend": "torch's int8 CPU kernels; torch_npu's quantized matmuls",
                   "fp8": "torch's _scaled_mm (CPU; CUDA compute capability >= 8.9)",
