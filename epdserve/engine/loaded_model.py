@@ -18,14 +18,12 @@ from pathlib import Path
 
 import torch
 
-from epdserve.engine.lm.cuda_int4_linear import check_cuda_int4
-from epdserve.engine.lm.cuda_quant_linear import check_cuda_int8
 from epdserve.engine.lm.expert_linears import expert_method
 from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.lm.fp8_checkpoint import METHOD as FP8_CHECKPOINT
 from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme, check_fp8_tensors, read_fp8_scheme
 from epdserve.engine.lm.fp8_device import check_fp8_device
-from epdserve.engine.lm.linear import check_method
+from epdserve.engine.lm.linear import CUDA_CHECKS, check_method
 from epdserve.engine.lm.prequantized import CHECKPOINT_ONLY, DESCRIPTION, MIXED, checkpoint_method, read_description
 from epdserve.engine.lm.shard_loader import read_layers
 from epdserve.engine.tp.shard import TPShard, check_model_degree, num_experts
@@ -39,7 +37,6 @@ from epdserve.seams.media_keys import MediaKeySecret, namespace_for
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CUDA_CHECKS = {"int8": check_cuda_int8, "int4": check_cuda_int4}  # method -> its CUDA kernel's start-up check
 
 
 @dataclass

@@ -158,9 +158,10 @@ def test_quantization_row_says_which_linears_and_refuses_a_platform_without_the_
     assert rc == 0 and " ok " in row(out, "quantization") and "attention and MLP linears, MoE experts included" in \
         row(out, "quantization")
     check = _quantization(SimpleNamespace(name="npu"), "int4")  # only the platform's name is read
-    assert check.status is Status.FAIL and "runs on cpu only" in check.detail, check
-    check = _quantization(SimpleNamespace(name="cuda"), "int8")
+    assert check.status is Status.FAIL and "runs on cpu, cuda only" in check.detail, check
+    check = _quantization(SimpleNamespace(name="cuda"), "w8a8")
     assert check.status is Status.FAIL and "runs on cpu, npu only" in check.detail, check
+    assert _quantization(SimpleNamespace(name="cuda"), "int8").status is Status.OK  # no GPU here: the kernel unrun
 
 
 @pytest.mark.parametrize("absent, status", [((), "ok"), (("npu_dynamic_quant",), "fail")])

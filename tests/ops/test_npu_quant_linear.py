@@ -209,7 +209,7 @@ def test_what_the_npu_cannot_run_is_refused_at_start_up(qwen2_vl_tiny, monkeypat
     with pytest.raises(ValueError, match="fp16 or bf16 activations only, not torch.float32"):
         check_method("w8a8", "npu", torch.float32)
     assert check_method("w8a8", "npu", torch.bfloat16) == "w8a8"
-    with pytest.raises(ValueError, match="quantization=int4 runs on cpu only"):
+    with pytest.raises(ValueError, match="quantization=int4 runs on cpu, cuda only"):
         check_method("int4", "npu", torch.bfloat16)
     FakeTorchNpu().install(monkeypatch)
     with pytest.raises(ValueError, match="npu_weight_quant_batchmatmul takes K and N up to 65535"):

@@ -39,8 +39,8 @@ from typing import Protocol
 
 import torch
 
-from epdserve.engine.lm.cuda_int4_linear import CudaInt4Linear
-from epdserve.engine.lm.cuda_quant_linear import CudaInt8Linear
+from epdserve.engine.lm.cuda_int4_linear import CudaInt4Linear, check_cuda_int4
+from epdserve.engine.lm.cuda_quant_linear import CudaInt8Linear, check_cuda_int8
 from epdserve.engine.lm.fp8_linear import Fp8Linear
 from epdserve.engine.lm.fusion import fuse
 from epdserve.engine.lm.int4_linear import Int4Linear
@@ -81,6 +81,7 @@ LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicL
 NPU_LINEAR_METHODS = {"int8": NpuInt8Linear, "w8a8": NpuInt8DynamicLinear}
 # CUDA's classes for the methods it runs on its own kernels (the same weights; engine/lm/cuda_quant_linear.py)
 CUDA_LINEAR_METHODS = {"int8": CudaInt8Linear, "int4": CudaInt4Linear}
+CUDA_CHECKS = {"int8": check_cuda_int8, "int4": check_cuda_int4}  # each one's kernel run once on the device at start-up
 # a quantized method -> the platforms with its kernel ("w8a8-static" and "ascend": an msModelSlim
 # checkpoint's own, engine/lm/prequantized.py; "compressed-tensors": an FP8 checkpoint's own,
 # engine/lm/fp8_checkpoint.py)
