@@ -58,6 +58,13 @@ def test_cuda_takes_the_triton_classes_and_refuses_what_it_has_no_kernel_for():
         check_method("int4", "npu")
 
 
+def _tf32(t):
+    """`t` (fp32) with its mantissa rounded to TF32's 10 bits: what tensor cores make of fp32 operands
+    at Triton's default dot precision, which the kernels must not use for an fp32 model."""
+    b = t.float().contiguous().view(torch.int32)
+    return ((b + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
 def _reference(x, q, scales, bias=None):
     out = (x.float() @ (q.float() * scales.float()[:, None]).t())
     return (out if bias is None else out + bias.float()).to(x.dtype)
@@ -82,6 +89,10 @@ def test_the_startup_check_refuses_a_kernel_that_fails_or_strays():
                                              "float product past its bound: serve --quantization fp8"):
             check_cuda_int8("cpu", torch.bfloat16, kernel=kernel)
             pytest.fail(name)
+    # subtle: an fp32 model's product through TF32 operands (the bound is tight enough to see it)
+    check_cuda_int8("cpu", torch.float32, kernel=_reference)
+    with pytest.raises(ValueError, match="past its bound"):
+        check_cuda_int8("cpu", torch.float32, kernel=lambda x, q, s, b: _reference(_tf32(x), q, s, b))
 
 
 def _reference4(x, packed, sz, group, bias=None):
@@ -113,3 +124,7 @@ def test_the_int4_startup_check_refuses_a_kernel_that_fails_or_strays():
         with pytest.raises(ValueError, match="int4 Triton kernel's product on cpu .* past its bound"):
             check_cuda_int4("cpu", torch.bfloat16, kernel=kernel, pack=_pack)
             pytest.fail(name)
+    check_cuda_int4("cpu", torch.float32, kernel=_reference4, pack=_pack)
+    with pytest.raises(ValueError, match="past its bound"):  # subtle: an fp32 model's activations through TF32
+        check_cuda_int4("cpu", torch.float32, kernel=lambda x, p, sz, g, b: _reference4(_tf32(x), p, sz, g, b),
+                        pack=_pack)
