@@ -5,8 +5,11 @@ computes, on CUDA (engine/lm/cuda_int4_linear.py holds the weights and checks th
 
 Why Triton and not torch's own op: torch registers a CUDA kernel for `_weight_int4pack_mm`
 (native_functions.yaml: `CUDA: _weight_int4pack_mm_cuda`, the tinygemm kernel, with
-`_convert_weight_to_int4pack` `CUDA: _convert_weight_to_int4pack_cuda` to pack for it), but it takes
-bf16 activations only on compute capability >= 8.0, and its packing op has no CPU kernel
+`_convert_weight_to_int4pack` `CUDA: _convert_weight_to_int4pack_cuda` to pack for it; read in the
+torch 2.13 native_functions.yaml installed here), but it takes bf16 activations only on compute
+capability >= 8.0 (aten/src/ATen/native/cuda/int4mm.cu `_weight_int4pack_mm_cuda`:
+`TORCH_CHECK(A.dtype() == at::kBFloat16)`, the kernel built for `__CUDA_ARCH__ >= 800`; read in a
+copy of the file, not at the v2.11.0 tag), and its packing op has no CPU kernel
 (`_convert_weight_to_int4pack_for_cpu` packs another layout): nothing of it can run in this
 project's CPU tests, and fp16 / fp32 models would need a second route. This kernel takes all three
 dtypes and runs in Triton's interpreter.

@@ -4,8 +4,11 @@ output in x's dtype, a bias added — what `Int8Linear` (engine/lm/quant_linear.
 (engine/lm/cuda_quant_linear.py holds the weights and checks this kernel at start-up).
 
 Why Triton and not torch's own op: torch registers a CUDA kernel for `_weight_int8pack_mm`
-(native_functions.yaml: `CUDA: _weight_int8pack_mm_cuda`, added by pytorch/pytorch PR #159325 in
-2025, so in the 2.11 the GPU image runs), but that kernel (aten/src/ATen/native/cuda/int8mm.cu) is
+(native_functions.yaml: `CUDA: _weight_int8pack_mm_cuda`, added by pytorch/pytorch PR #159325,
+merged by September 2025 — PR #163461 unskips its Inductor test "as the kernel was added by
+#159325" — so before the 2.10 and 2.11 releases; the dispatch line was read in the
+native_functions.yaml of the torch 2.13 installed here, not at the v2.11.0 tag of the GPU image),
+but that kernel (aten/src/ATen/native/cuda/int8mm.cu, pytorch main) is
 one thread per output element walking all of K in a scalar loop, with x copied to fp32 and the
 output copied back to x's dtype on every call: no tiling, no tensor cores, three extra passes over
 the activations. This kernel tiles M × N × K and feeds `tl.dot` (tensor cores for bf16 / fp16).
