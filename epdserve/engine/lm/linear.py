@@ -79,14 +79,15 @@ LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicL
                   "int4": Int4Linear, "fp8": Fp8Linear}  # name -> its Linear
 # the NPU's classes for the methods it runs (the same weights, held as torch_npu's kernels take them)
 NPU_LINEAR_METHODS = {"int8": NpuInt8Linear, "w8a8": NpuInt8DynamicLinear}
-# CUDA's classes for the methods it runs on its own kernels (the same weights; engine/lm/cuda_quant_linear.py)
+# CUDA's classes for the methods it runs on Triton kernels (the same weights; engine/lm/cuda_quant_linear.py,
+# cuda_int4_linear.py)
 CUDA_LINEAR_METHODS = {"int8": CudaInt8Linear, "int4": CudaInt4Linear}
 CUDA_CHECKS = {"int8": check_cuda_int8, "int4": check_cuda_int4}  # each one's kernel run once on the device at start-up
 # a quantized method -> the platforms with its kernel ("w8a8-static" and "ascend": an msModelSlim
 # checkpoint's own, engine/lm/prequantized.py; "compressed-tensors": an FP8 checkpoint's own,
 # engine/lm/fp8_checkpoint.py)
-METHOD_PLATFORMS = {"int8": ("cpu", "npu", "cuda"), "w8a8": ("cpu", "npu"), "int4": ("cpu", "cuda"), "w8a8-static": ("cpu", "npu"),
-                    "ascend": ("cpu", "npu"), "fp8": ("cpu", "cuda"), "compressed-tensors": ("cpu", "cuda")}
+METHOD_PLATFORMS = {"int8": ("cpu", "npu", "cuda"), "w8a8": ("cpu", "npu"), "int4": ("cpu", "cuda"),
+                    "w8a8-static": ("cpu", "npu"), "ascend": ("cpu", "npu"), "fp8": ("cpu", "cuda"), "compressed-tensors": ("cpu", "cuda")}
 METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel; torch_npu.npu_weight_quant_batchmatmul; a Triton "
                           "kernel on CUDA",
                   "w8a8": "torch's _int_mm CPU kernel; torch_npu.npu_dynamic_quant + npu_quant_matmul; no CUDA "
