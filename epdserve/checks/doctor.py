@@ -82,9 +82,10 @@ def run_checks(mode: str | None = None, mm_store: str | None = None, scheduler: 
 def _quantization(plat, method: str, model: str | None = None) -> Check:
     """Which linears `method` holds quantized, and whether this platform has its kernel
     (engine/lm/linear.py check_method; on an NPU, the installed torch_npu's operators:
-    ops/npu_quant_schema.py check_quant_kernels); with `model`, a MoE model's experts take the method
+    ops/npu_quant_schema.py check_quant_kernels; on CUDA, int8's / int4's Triton kernel run once in
+    bf16, engine/lm/linear.py CUDA_CHECKS); with `model`, a MoE model's experts take the method
     too (int4: their widths must be whole groups, engine/lm/expert_linears.py check_expert_groups)."""
-    from epdserve.engine.lm.linear import check_method
+    from epdserve.engine.lm.linear import CUDA_CHECKS, check_method
 
     if plat is None:
         return Check("quantization", Status.FAIL, f"{method}: no platform", "see the devices row")
@@ -98,6 +99,11 @@ def _quantization(plat, method: str, model: str | None = None) -> Check:
             check_quant_kernels(method, torch_npu)
     except (ValueError, RuntimeError, ImportError) as e:
         return Check("quantization", Status.FAIL, str(e), "run it on the CPU, or leave --quantization out")
+    if plat.name == "cuda" and method in CUDA_CHECKS and torch.cuda.is_available():  # the Triton kernel, run once
+        try:
+            CUDA_CHECKS[method]("cuda", torch.bfloat16)
+        except ValueError as e:
+            return Check("quantization", Status.FAIL, str(e), "serve the bf16 checkpoint, or run on the CPU")
     if method in ("fp8", "compressed-tensors") and plat.name == "cuda":  # torch._scaled_mm's floor (engine/lm/fp8_device.py)
         from epdserve.engine.lm.fp8_device import fp8_capability_refusal
 

@@ -23,7 +23,7 @@ from epdserve.engine.lm.forward import LeanLM
 from epdserve.engine.lm.fp8_checkpoint import METHOD as FP8_CHECKPOINT
 from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme, check_fp8_tensors, read_fp8_scheme
 from epdserve.engine.lm.fp8_device import check_fp8_device
-from epdserve.engine.lm.linear import check_method
+from epdserve.engine.lm.linear import CUDA_CHECKS, check_method
 from epdserve.engine.lm.prequantized import CHECKPOINT_ONLY, DESCRIPTION, MIXED, checkpoint_method, read_description
 from epdserve.engine.lm.shard_loader import read_layers
 from epdserve.engine.tp.shard import TPShard, check_model_degree, num_experts
@@ -79,7 +79,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     does not split the model is refused before any weight is read). `quantization`: how the LM's
     attention and MLP weights are held (engine/lm/linear.py `LINEAR_METHODS`; None: dense, in
     `dtype`); a method the platform has no kernel for is refused before any weight is read (on an NPU
-    also an fp32 model, or a torch_npu that does not register the operators the method calls).
+    also an fp32 model, or a torch_npu that does not register the operators the method calls; on CUDA
+    an FP8 `_scaled_mm` or the int8 / int4 Triton kernel that does not run on the device).
 
     dtype "auto" (or None) is bf16 on accelerators and on a CPU with native bf16, else fp32
     (platform/dtype_default.py `auto_dtype`; the choice and why are logged and kept as `dtype_why`)."""
@@ -105,6 +106,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
         check_fp8_tensors(model)
     if method in ("fp8", FP8_CHECKPOINT):
         check_fp8_device(platform.device(), _fp8_layouts(fp8), tdtype)
+    if platform.name == "cuda" and method in CUDA_CHECKS:  # the Triton W8A16 / W4A16 kernel, run once on the device
+        CUDA_CHECKS[method](platform.device(), tdtype)
     ckpt = load_checkpoint(model, platform.device(), tdtype, without_lm_layers=own)
     a = VLMAdapter(ckpt.model)
     layers = (read_layers(model, a.text_config, shard, tdtype, platform.device(), method, description, fp8=fp8,

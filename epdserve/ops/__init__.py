@@ -11,6 +11,8 @@ One sentence per module:
 - triton_decode.py    the Triton paged decode-attention kernel (reads K/V through the block table; CPU: Triton's interpreter)
 - triton_layer_ops.py `TritonLayerOps`: CUDA's LayerOps as Triton kernels, and their start-up check against the portable ops
 - triton_layer.py     the Triton kernels: add + RMSNorm, RMSNorm, rotary (q and k in one launch), SiLU-and-mul, the KV write
+- triton_int8_mm.py   the Triton W8A16 GEMM: int8 weights per output channel dequantized in the kernel (CUDA's int8 linear)
+- triton_int4_mm.py   the Triton W4A16 GEMM: 4-bit codes in groups of 128 with a scale and zero (CUDA's int4 linear)
 - native.py           `NativeOps`: the csrc/ C++ operators (`torch.ops.epdserve.*`), built on first use
 - native_build.py     building csrc/: torch's C++-extension JIT, cached per torch version and source hash
 - build_progress.py   what a user waiting on the first native build sees on stderr

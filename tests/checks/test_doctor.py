@@ -159,8 +159,9 @@ def test_quantization_row_says_which_linears_and_refuses_a_platform_without_the_
         row(out, "quantization")
     check = _quantization(SimpleNamespace(name="npu"), "fp8")  # only the platform's name is read
     assert check.status is Status.FAIL and "runs on cpu, cuda only" in check.detail, check
-    check = _quantization(SimpleNamespace(name="cuda"), "int8")
+    check = _quantization(SimpleNamespace(name="cuda"), "w8a8")
     assert check.status is Status.FAIL and "runs on cpu, npu only" in check.detail, check
+    assert _quantization(SimpleNamespace(name="cuda"), "int8").status is Status.OK  # no GPU here: the kernel unrun
 
 
 @pytest.mark.parametrize("method, absent, status", [

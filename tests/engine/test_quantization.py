@@ -115,10 +115,9 @@ def test_int8_linear_equals_the_dequantized_weights_within_the_rounding_bound(me
 def test_a_method_the_platform_lacks_or_an_unknown_one_is_refused_before_loading(qwen2_vl_tiny):
     assert check_method(None, "npu") == "dense" and check_method("int8", "cpu") == "int8"
     assert check_method("int4", "npu") == "int4"  # engine/lm/npu_int4_linear.py
-    with pytest.raises(ValueError, match="quantization=int4 runs on cpu, npu only .* not on cuda"):
-        check_method("int4", "cuda")
-    with pytest.raises(ValueError, match="quantization=int8 runs on cpu, npu only .* not on cuda"):
-        check_method("int8", "cuda")
+    with pytest.raises(ValueError, match="quantization=w8a8 runs on cpu, npu only .* not on cuda"):
+        check_method("w8a8", "cuda")
+    assert check_method("int8", "cuda") == "int8" and check_method("int4", "cuda") == "int4"  # Triton kernels
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         check_method("int3", "cpu")
     with pytest.raises(ValueError, match="quantization"):

@@ -18,6 +18,8 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - npu_int4_linear.py   NpuInt4Linear (W4A16): Int4Linear's codes on torch_npu's npu_convert_weight_to_int4pack
                        + npu_weight_quant_batchmatmul (per-group scale and offset)
 - npu_static_w8a8.py   NpuStaticW8A8Linear: msModelSlim's static W8A8 on torch_npu's npu_quantize + npu_quant_matmul
+- cuda_quant_linear.py CudaInt8Linear (W8A16) on CUDA: the int8 linear on a Triton GEMM, and its start-up check
+- cuda_int4_linear.py  CudaInt4Linear (W4A16) on CUDA: the int4 linear on a Triton GEMM, and its start-up check
 - fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
 - expert_linears.py  the experts' weights, one projection per expert, held by the dense linears' method

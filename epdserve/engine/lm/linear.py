@@ -26,7 +26,12 @@ engine's platform): on an NPU "int8", "w8a8", "w8a8-static" and "ascend" run on 
 kernels (engine/lm/npu_quant_linear.py, npu_static_w8a8.py: the same weights and scales, held as
 those kernels take them), and so does "int4" (engine/lm/npu_int4_linear.py: the same codes, scales
 and zeros on npu_weight_quant_batchmatmul over `npu_convert_weight_to_int4pack` weights), fp16 /
-bf16 models only; FP8 runs on the CPU and CUDA. On the CPU every method is as it was.
+bf16 models only; FP8 runs on the CPU and CUDA. On CUDA "int8" runs on a Triton W8A16 kernel
+(engine/lm/cuda_quant_linear.py, ops/triton_int8_mm.py: the same weights and scales) and "int4" on
+a Triton W4A16 kernel (engine/lm/cuda_int4_linear.py, ops/triton_int4_mm.py: the same codes, scales
+and zeros, the codes packed for it), each checked on the device at start-up; "w8a8" has no CUDA
+kernel here and is refused there, naming int8, int4 and fp8 instead. On the CPU every method is as
+it was.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ from typing import Protocol
 
 import torch
 
+from epdserve.engine.lm.cuda_int4_linear import CudaInt4Linear, check_cuda_int4
+from epdserve.engine.lm.cuda_quant_linear import CudaInt8Linear, check_cuda_int8
 from epdserve.engine.lm.fp8_linear import Fp8Linear
 from epdserve.engine.lm.fusion import fuse
 from epdserve.engine.lm.int4_linear import Int4Linear
@@ -73,15 +80,22 @@ LINEAR_METHODS = {"dense": DenseLinear, "int8": Int8Linear, "w8a8": Int8DynamicL
                   "int4": Int4Linear, "fp8": Fp8Linear}  # name -> its Linear
 # the NPU's classes for the methods it runs (the same weights, held as torch_npu's kernels take them)
 NPU_LINEAR_METHODS = {"int8": NpuInt8Linear, "w8a8": NpuInt8DynamicLinear, "int4": NpuInt4Linear}
+# CUDA's classes for the methods it runs on Triton kernels (the same weights; engine/lm/cuda_quant_linear.py,
+# cuda_int4_linear.py)
+CUDA_LINEAR_METHODS = {"int8": CudaInt8Linear, "int4": CudaInt4Linear}
+CUDA_CHECKS = {"int8": check_cuda_int8, "int4": check_cuda_int4}  # each one's kernel run once on the device at start-up
 # a quantized method -> the platforms with its kernel ("w8a8-static" and "ascend": an msModelSlim
 # checkpoint's own, engine/lm/prequantized.py; "compressed-tensors": an FP8 checkpoint's own,
 # engine/lm/fp8_checkpoint.py)
-METHOD_PLATFORMS = {"int8": ("cpu", "npu"), "w8a8": ("cpu", "npu"), "int4": ("cpu", "npu"), "w8a8-static": ("cpu", "npu"),
-                    "ascend": ("cpu", "npu"), "fp8": ("cpu", "cuda"), "compressed-tensors": ("cpu", "cuda")}
-METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel; torch_npu.npu_weight_quant_batchmatmul",
-                  "w8a8": "torch's _int_mm CPU kernel; torch_npu.npu_dynamic_quant + npu_quant_matmul",
+METHOD_PLATFORMS = {"int8": ("cpu", "npu", "cuda"), "w8a8": ("cpu", "npu"), "int4": ("cpu", "npu", "cuda"),
+                    "w8a8-static": ("cpu", "npu"), "ascend": ("cpu", "npu"), "fp8": ("cpu", "cuda"),
+                    "compressed-tensors": ("cpu", "cuda")}
+METHOD_KERNELS = {"int8": "torch's _weight_int8pack_mm CPU kernel; torch_npu.npu_weight_quant_batchmatmul; a Triton "
+                          "kernel on CUDA",
+                  "w8a8": "torch's _int_mm CPU kernel; torch_npu.npu_dynamic_quant + npu_quant_matmul; no CUDA "
+                          "kernel here yet: on CUDA use int8 or int4 (weight-only) or fp8",
                   "int4": "torch's _weight_int4pack_mm_for_cpu kernel; torch_npu.npu_convert_weight_to_int4pack + "
-                          "npu_weight_quant_batchmatmul",
+                          "npu_weight_quant_batchmatmul; a Triton kernel on CUDA",
                   "w8a8-static": "torch's _int_mm CPU kernel; torch_npu.npu_quantize + npu_quant_matmul",
                   "ascend": "torch's int8 CPU kernels; torch_npu's quantized matmuls",
                   "fp8": "torch's _scaled_mm (CPU; CUDA compute capability >= 8.9)",
@@ -115,9 +129,12 @@ def check_method(quantization: str | None, platform: str, dtype: torch.dtype | N
 
 
 def linear_class(method: str, platform: str = "cpu"):
-    """The class holding `method`'s projections on `platform` (the NPU's for the methods it runs)."""
+    """The class holding `method`'s projections on `platform` (the NPU's and CUDA's for the methods
+    they run on kernels of their own)."""
     if platform == "npu" and method in NPU_LINEAR_METHODS:
         return NPU_LINEAR_METHODS[method]
+    if platform == "cuda" and method in CUDA_LINEAR_METHODS:
+        return CUDA_LINEAR_METHODS[method]
     try:
         return LINEAR_METHODS[method]
     except KeyError:
