@@ -100,7 +100,7 @@ class EngineConfig:
         None, choices=("int8", "w8a8", "int4", "ascend", "fp8", "compressed-tensors"),
         help="the language model's attention and MLP weights, MoE experts included (int8, w8a8, int4: each expert on "
              "its own), quantized at load from the checkpoint's "
-             "(CPU; int8 and w8a8 also on an Ascend NPU; int8, int4 and fp8 also on CUDA, int8 and int4 there on Triton "
+             "(CPU; int8, w8a8 and int4 also on an Ascend NPU; int8, int4 and fp8 also on CUDA, int8 and int4 there on Triton "
              "kernels checked on the device at start-up): int8 = int8 per output channel, weight-only, activations and "
              "KV in --dtype (W8A16: on the CPU faster "
              "than bf16 at a decode batch of a few sequences, slower above; engine/lm/quant_linear.py); w8a8 = each "
