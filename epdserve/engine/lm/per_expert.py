@@ -12,7 +12,11 @@ three projections as their own Linear modules, under `<layer>.mlp.experts.{e}.{g
   quantized as any Linear, so it is saved as `weight` float8_e4m3fn + `weight_scale` (and
   `input_scale` for static activations): engine/lm/fp8_checkpoint.py's per-projection format.
 - Qwen's own block-wise FP8 (`"quant_method": "fp8"`, weight_block_size [128, 128]): the same
-  per-expert modules with `weight` float8_e4m3fn + `weight_scale_inv` per block.
+  per-expert modules with `weight` float8_e4m3fn + `weight_scale_inv` per block. Seen in the
+  loaders written for Qwen's FP8 MoE releases (ml-explore/mlx-lm pull 1224, for
+  Qwen/Qwen3.6-35B-A3B-FP8: `experts.{E}.{gate,up,down}_proj.weight` and a `weight_scale_inv` each,
+  where the bf16 release is pre-stacked), not in Qwen3-VL-30B-A3B-Instruct-FP8's own index, which
+  was not read here.
 
 Both are what vLLM reads: `Qwen3MoeModel.load_weights` (vllm/model_executor/models/qwen3_moe.py,
 used by qwen3_vl_moe.py's language model) maps a per-expert name through
