@@ -6,7 +6,9 @@ one for its down, activations per token); an FP8 checkpoint's experts, stored on
 compressed-tensors Qwen3-VL-MoE checkpoints: engine/lm/per_expert.py), are read per rank as FP8
 projections. The checkpoints are written here from the tiny MoE demo: its fused experts split into
 per-expert modules, then quantized by tests/engine/test_fp8.py's and test_fp8_block.py's writers
-(whose projection filter takes the per-expert names).
+(whose projection filter takes the per-expert names). A checkpoint whose experts stay fused in
+float runs them dense, at TP1 too; what cannot run (part-FP8 experts, an FP8 router, fused FP8
+experts) is refused naming the tensor.
 
 Each expert projection: against the float64 product of its dequantized weights and the
 fake-quantized activations, within test_fp8.py's fp32 bound (K + 3) · 2⁻²⁴ · R (bf16: 2⁻⁸ · R more).
@@ -344,3 +346,20 @@ def test_what_cannot_run_as_fp8_experts_is_refused_at_start_up(qwen3_vl_moe_tiny
     save_file(fused, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj is FP8; .*stored one module each"):
         LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_bytes=32 << 20)
+
+
+def test_an_fp8_checkpoint_whose_experts_stay_fused_in_float_runs_them_dense_at_tp1(qwen3_vl_moe_tiny, tmp_path):
+    """Experts the checkpoint left in float, fused as transformers holds them: the shard loader reads
+    the layers at TP1 too (attention FP8) and holds those experts dense, never re-quantized."""
+    from epdserve.engine.lm.expert_linears import DenseExpert
+
+    ckpt = fp8_checkpoint(qwen3_vl_moe_tiny, tmp_path / "fp8", Fp8Scheme("channel", "token"))
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_bytes=32 << 20)
+    try:
+        layers = llm.engine.model.lm.layers
+        assert layers and all(isinstance(w.qkv, Fp8Linear) for w in layers)
+        assert all(isinstance(lin, DenseExpert) for w in layers for lin in w.moe.gate_up + w.moe.down)
+        assert InstanceHost.weights_method(types.SimpleNamespace(model=llm.engine.model)) == \
+            "compressed-tensors(experts:dense)"
+    finally:
+        llm.engine.close()
