@@ -363,3 +363,12 @@ def test_an_fp8_checkpoint_whose_experts_stay_fused_in_float_runs_them_dense_at_
             "compressed-tensors(experts:dense)"
     finally:
         llm.engine.close()
+
+
+def test_doctor_says_fp8_holds_the_experts_too():
+    from epdserve.checks.doctor import Status, _quantization
+
+    at_load = _quantization(types.SimpleNamespace(name="cpu"), "fp8")  # only the platform's name is read
+    assert at_load.status is Status.OK and "MoE experts included (each expert on its own, by fp8 too" in at_load.detail
+    checkpoint = _quantization(types.SimpleNamespace(name="cpu"), "compressed-tensors")
+    assert checkpoint.status is Status.OK and "MoE experts stored one module each" in checkpoint.detail
