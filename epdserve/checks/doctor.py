@@ -126,13 +126,19 @@ def _quantization(plat, method: str, model: str | None = None) -> Check:
                          "choose int8 or w8a8" if isinstance(e, ValueError) else f"check that {model} is a checkpoint "
                          "directory")
     from epdserve.engine.lm.expert_linears import QUANTIZES_EXPERTS
+    from epdserve.engine.lm.fp8_checkpoint import METHOD as FP8_CHECKPOINT
 
+    if method == FP8_CHECKPOINT:  # a checkpoint's own FP8 projections (engine/lm/per_expert.py for its experts)
+        return Check("quantization", Status.OK, f"{method}: the checkpoint's FP8 linears, attention, dense MLP and MoE "
+                     f"experts stored one module each (the MoE router, vision tower, embedding and LM head stay in "
+                     f"--dtype)")
     if method not in QUANTIZES_EXPERTS:
         return Check("quantization", Status.OK, f"{method}: the LM's attention and dense MLP linears (MoE experts, "
                      f"vision tower, embedding and LM head stay in --dtype)")
+    block = "; a block-wise FP8 checkpoint's experts as its files hold them" if method == "fp8" else ""
     return Check("quantization", Status.OK, f"{method}: the LM's attention and MLP linears, MoE experts included "
-                 f"(each expert on its own, by {method} too; the MoE router, vision tower, embedding and LM head stay "
-                 f"in --dtype)")
+                 f"(each expert on its own, by {method} too{block}; the MoE router, vision tower, embedding and LM "
+                 f"head stay in --dtype)")
 
 
 # ---------------------------------------------------------------- versions

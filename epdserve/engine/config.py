@@ -98,8 +98,8 @@ class EngineConfig:
              "disaggregated P or D at any degree sends or receives each rank's own KV heads (docs/tensor-parallel.md)")
     quantization: str | None = setting(
         None, choices=("int8", "w8a8", "int4", "ascend", "fp8", "compressed-tensors"),
-        help="the language model's attention and MLP weights, MoE experts included (int8, w8a8, int4: each expert on "
-             "its own), quantized at load from the checkpoint's "
+        help="the language model's attention and MLP weights, MoE experts included (int8, w8a8, int4, fp8: each expert "
+             "on its own), quantized at load from the checkpoint's "
              "(CPU; int8, w8a8 and int4 also on an Ascend NPU; int8, int4 and fp8 also on CUDA, int8 and int4 there on Triton "
              "kernels checked on the device at start-up): int8 = int8 per output channel, weight-only, activations and "
              "KV in --dtype (W8A16: on the CPU faster "
@@ -110,13 +110,14 @@ class EngineConfig:
              "engine/lm/int4_linear.py; a TP rank's share of a row-parallel projection, and a MoE model's expert widths, "
              "must be whole groups); fp8 = "
              "float8_e4m3fn weights, one scale a projection, and each token's activations in fp8, one "
-             "torch._scaled_mm (CPU, and CUDA of compute capability >= 8.9; engine/lm/fp8_linear.py; MoE experts stay "
-             "in --dtype). The vision encoder, embedding, LM head and MoE router stay in --dtype. An msModelSlim checkpoint "
+             "torch._scaled_mm (CPU, and CUDA of compute capability >= 8.9; engine/lm/fp8_linear.py; a MoE expert one "
+             "scale for its gate-up and one for its down). The vision encoder, embedding, LM head and MoE router stay in --dtype. An msModelSlim checkpoint "
              "(quant_model_description.json: W8A8_DYNAMIC, W8A8 static, W8A16) runs as it was quantized without this "
              "flag; ascend (vLLM's name) asks for exactly that and is refused for any other checkpoint. Likewise a "
              "compressed-tensors FP8 checkpoint (config.json quantization_config: llm-compressor's W8A8-FP8, per-tensor "
              "or per-channel weights; engine/lm/fp8_checkpoint.py) runs as compressed-tensors (vLLM's name), and a block-wise FP8 checkpoint (quant_method fp8, "
-             "weight_block_size: Qwen's own) as fp8. A P and a D "
+             "weight_block_size: Qwen's own) as fp8; either's MoE experts, stored one module each (mlp.experts.<e>.*), "
+             "run in FP8 at any tensor_parallel_size (engine/lm/per_expert.py). A P and a D "
              "must use the same method (checked at registration)")
     grammar_cache_bytes: int = setting(
         512 << 20, flag="--grammar-cache-mb", check=(">=", 1), to_field=lambda mb: mb << 20,

@@ -21,6 +21,7 @@ moves an activation across an fp8 rounding boundary, which changes it by one e4m
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -36,6 +37,7 @@ from tests.engine.test_quantization import PROMPTS, QUANTIZED, W8A8_NEAR_TIE
 from tests.hf_oracle import NEAR_TIE, HFOracle, assert_same_greedy
 
 TOKENS = 8
+PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 MODULES = tuple(n.rsplit(".", 1)[0] for n in QUANTIZED)
 FUSED = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # part -> the fused projection's first
 # Where an fp32 reduction-order difference flips an activation's fp8 rounding (module docstring), outputs may
@@ -48,7 +50,9 @@ LOGPROB_TOL = 2 * NEAR_TIE
 
 
 def _is_projection(name: str) -> bool:
-    return ".layers." in name and "visual" not in name and name.endswith(QUANTIZED)
+    """An LM decoder projection's weight: attention, dense MLP, or a MoE expert's stored one module each
+    (`mlp.experts.{e}.gate_proj.weight`, the FP8 checkpoints' layout: tests/engine/test_fp8_experts.py)."""
+    return ".layers." in name and "visual" not in name and (name.endswith(QUANTIZED) or bool(PER_EXPERT.search(name)))
 
 
 def _key(name: str) -> str:
@@ -419,16 +423,3 @@ def test_quantization_fp8_at_load_equals_transformers_on_its_dequantized_weights
                 assert abs(out.outputs[0].logprobs[i].logprob - ref[i]) <= LOGPROB_TOL, f"token {i}"
     finally:
         llm.engine.close()
-
-
-def test_an_fp8_moe_checkpoint_at_tensor_parallel_size_1_is_refused(tmp_path):
-    """At TP1 transformers' own expert block runs a MoE model's decoder layers, and it reads no FP8:
-    refused from config.json alone, before any weight is read (so the directory holds no weights)."""
-    from transformers import Qwen3VLMoeConfig
-
-    Qwen3VLMoeConfig().save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="FP8 checkpoints of MoE models run only at tensor_parallel_size > 1"):
-        LLM(str(tmp_path), device="cpu", dtype="float32")

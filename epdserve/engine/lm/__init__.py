@@ -13,6 +13,7 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
                    or an FP8 checkpoint's own tensors)
 - fp8_block_linear.py  Fp8BlockLinear: block-wise FP8 (Qwen's / DeepSeek's weight_block_size checkpoints)
 - fp8_checkpoint.py  FP8 checkpoints (compressed-tensors, block-wise "fp8"; config.json's quantization_config)
+- fp8_parts.py     a checkpoint's FP8 projection parts read into Fp8Linear / Fp8BlockLinear (dense and per expert)
 - fp8_device.py    whether a device runs FP8 (CUDA compute capability >= 8.9, a probe of each scale layout)
 - npu_quant_linear.py  NpuInt8Linear (W8A16) and NpuInt8DynamicLinear (W8A8): the int8 linears on torch_npu's kernels
 - npu_int4_linear.py   NpuInt4Linear (W4A16): Int4Linear's codes on torch_npu's npu_convert_weight_to_int4pack
@@ -23,6 +24,7 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
 - fusion.py    fused parts (QKV, gate-up) into one weight and bias, for every method
 - experts.py   ExpertShard: a MoE layer's router and one tensor-parallel rank's share of its experts
 - expert_linears.py  the experts' weights, one projection per expert, held by the dense linears' method
+- per_expert.py    MoE experts stored one module each (the FP8 checkpoints' layout), read per rank
 - shard_loader.py  the decoder layers read from the safetensors files, one tensor-parallel rank's slices only
 - rotary.py    RotaryTable: M-RoPE cos/sin of every position, gathered per token once a step
 - forward.py   LeanLM: the layer loop over packed tokens (LayerOps between the matmuls, paged

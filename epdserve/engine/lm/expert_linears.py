@@ -6,14 +6,16 @@ down [E, hidden, I]); `expert_linears` turns a rank's [E_local, out, in] slice i
 per expert. "dense": `DenseExpert`, expert e's [out, in] slice applied by `F.linear`, transformers'
 own call, so the layer's sum stays transformers' bit for bit. A quantized method: each expert's
 slice is a projection of the linear-layer contract (engine/lm/linear.py `make_linear`: `Int8Linear`
-W8A16, `Int8DynamicLinear` W8A8, `Int4Linear` W4A16), quantized from that expert's weights alone
-(per output channel, or per group of 128 inputs) and applied by the same torch kernels as the
-dense projections.
+W8A16, `Int8DynamicLinear` W8A8, `Int4Linear` W4A16, `Fp8Linear` FP8 with per-token activations),
+quantized from that expert's weights alone (per output channel, per group of 128 inputs, or — fp8 —
+one scale for the expert's fused gate-up and one for its down) and applied by the same torch
+kernels as the dense projections.
 
-Which methods quantize experts: `QUANTIZES_EXPERTS` (int8, w8a8, int4, quantized at load). Every
-other method holds them dense — a checkpoint quantized already (msModelSlim, FP8: its experts are
-read as the files hold them, in `--dtype`) and `--quantization fp8` (FP8 experts: not yet);
-`expert_method` says which.
+Which methods quantize experts: `QUANTIZES_EXPERTS` (int8, w8a8, int4, fp8, quantized at load).
+A checkpoint quantized already holds them as its files do, never re-quantized: an FP8 checkpoint's
+experts stored one module each are read as FP8 projections (engine/lm/per_expert.py), its fused
+[E, ...] float experts and an msModelSlim checkpoint's experts are held dense; `expert_method` says
+which method the fused experts take.
 
 Tensor parallelism splits the experts over the ranks whole (engine/tp/shard.py `expert_range`),
 never an expert's inputs: int4's groups must divide hidden_size (gate_up's inputs) and
@@ -29,7 +31,7 @@ from epdserve.engine.lm.int4_linear import GROUP_SIZE
 from epdserve.engine.lm.linear import Linear, make_linear
 
 
-QUANTIZES_EXPERTS = ("int8", "w8a8", "int4")
+QUANTIZES_EXPERTS = ("int8", "w8a8", "int4", "fp8")
 
 
 def expert_method(method: str, prequantized: bool = False) -> str:

@@ -16,7 +16,8 @@ the order in which the ranks' parts are summed differs.
 
 The experts are held by the method the dense linears run (`--quantization`; engine/lm/
 expert_linears.py): one projection per local expert for gate_up and one for down, each applied in
-that same order. Quantized, they compute with their dequantized weights (up to the kernel's
+that same order (or, for a checkpoint whose experts are quantized already, those projections as
+read: `ExpertShard.of_projections`). Quantized, they compute with their dequantized weights (up to the kernel's
 rounding); the router stays in the model dtype, never quantized.
 """
 from __future__ import annotations
@@ -38,6 +39,18 @@ class ExpertShard:
         self.down = expert_linears(down, method, "down_proj (moe_intermediate_size)", platform)
         self.first, self.top_k = first, top_k
         self.num_local = len(self.gate_up)
+
+    @classmethod
+    def of_projections(cls, router: torch.Tensor, gate_up: list, down: list, first: int, top_k: int,
+                       method: str) -> ExpertShard:
+        """The shard of experts built already (a checkpoint's own quantized experts, engine/lm/
+        per_expert.py): `gate_up[i]` and `down[i]` expert first + i's projections, held by `method`."""
+        self = cls.__new__(cls)
+        self.router, self.method = router, method
+        self.gate_up, self.down = list(gate_up), list(down)
+        self.first, self.top_k = first, top_k
+        self.num_local = len(self.gate_up)
+        return self
 
     def parameters(self) -> list[torch.Tensor]:
         return [self.router] + [t for lin in self.gate_up + self.down for t in lin.tensors()]

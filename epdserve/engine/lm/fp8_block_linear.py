@@ -16,7 +16,7 @@ their fp32 products summed in fp32. Correct on any device that runs rowwise `_sc
 (engine/lm/fp8_device.py), not fast: a native block-scaled GEMM (torch's 1x128 × 128x128
 "DeepSeek recipe", Hopper with cuBLAS ≥ 12.9 only) is not wired. Under tensor parallelism a
 rank's share of a row-parallel projection (o, down) must be whole groups of bk inputs, as vLLM
-requires (`validate_fp8_block_shape`): engine/lm/shard_loader.py refuses otherwise.
+requires (`validate_fp8_block_shape`): engine/lm/fp8_parts.py refuses otherwise.
 """
 from __future__ import annotations
 

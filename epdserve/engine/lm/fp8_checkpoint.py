@@ -26,9 +26,11 @@ activations, `input_scale` (one value)). The weights stand for weight · weight_
 
 Which projections are quantized is read from the files themselves: a LM decoder projection whose
 weight is float8_e4m3fn is FP8 (the config's "targets" / "ignore" chose them when it was written),
-any other is dense. An FP8 tensor anywhere else (vision tower, embedding, LM head, MoE experts)
-is refused at start-up (`check_fp8_tensors`): epdserve runs FP8 in the LM's attention and dense
-MLP projections only.
+any other is dense. MoE experts stored one module each (`mlp.experts.{e}.{gate,up,down}_proj`, the
+layout of the FP8 Qwen3-VL-MoE checkpoints: engine/lm/per_expert.py) are projections like any other.
+An FP8 tensor anywhere else (vision tower, embedding, LM head, the router, experts fused into
+[E, ...] tensors as transformers' `FP8Experts` holds them) is refused at start-up
+(`check_fp8_tensors`): epdserve runs FP8 in the LM's attention, dense MLP and per-expert projections.
 
 Qwen's and DeepSeek's own block-wise FP8 (`"quant_method": "fp8"`, `"weight_block_size": [128,
 128]`, `"activation_scheme": "dynamic"`; transformers integrations/finegrained_fp8.py `FP8Linear`
@@ -56,7 +58,8 @@ from pathlib import Path
 
 METHOD = "compressed-tensors"  # vLLM's name for these checkpoints; the linear method they run as
 BLOCK_METHOD = "fp8"  # block-wise ("quant_method": "fp8" with weight_block_size): vLLM's name
-PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+PROJECTION = re.compile(
+    r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -151,8 +154,8 @@ def _group_scheme(group: dict, refuse) -> Fp8Scheme:
 
 
 def check_fp8_tensors(path: str | Path) -> None:
-    """ValueError naming an FP8 tensor outside the LM decoder's attention and dense MLP projections,
-    or one not float8_e4m3fn (e5m2)."""
+    """ValueError naming an FP8 tensor outside the LM decoder's attention, dense MLP and per-expert
+    MoE projections, or one not float8_e4m3fn (e5m2)."""
     from safetensors import safe_open
 
     for f in sorted(Path(path).glob("*.safetensors")):
@@ -164,5 +167,6 @@ def check_fp8_tensors(path: str | Path) -> None:
                 if dtype.startswith("F8") and (
                         not PROJECTION.search(name) or "visual" in name):
                     raise ValueError(f"{path}: {name} is FP8; epdserve runs FP8 only in the language model's "
-                                     f"attention and dense MLP projections (the vision tower, embedding, LM head "
-                                     f"and MoE experts must be in the checkpoint's ignore list)")
+                                     f"attention, dense MLP and MoE expert projections, the experts stored one "
+                                     f"module each (mlp.experts.<e>.<gate|up|down>_proj; the vision tower, "
+                                     f"embedding, LM head and router must be in the checkpoint's ignore list)")

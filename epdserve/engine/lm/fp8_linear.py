@@ -3,7 +3,7 @@ fp32 scales, the activations quantized to float8_e4m3fn at run time, one `torch.
 
 Built two ways:
 - from a checkpoint's own FP8 tensors (`Fp8Linear.prequantized`; compressed-tensors' W8A8-FP8,
-  engine/lm/fp8_checkpoint.py reads its description, engine/lm/shard_loader.py its tensors): each
+  engine/lm/fp8_checkpoint.py reads its description, engine/lm/fp8_parts.py its tensors): each
   part's weights q [out_i, in] and its scale, one per tensor ([1]) or one per output channel
   ([out_i]); the weights stand for q · scale. The activations as the checkpoint says: per token
   at run time ("token"), or per tensor with the checkpoint's calibrated `input_scale` ("static").

@@ -18,7 +18,8 @@ Both layouts of the checkpoints in the wild are read: transformers 5's
 (`model.language_model.layers.N.`) and the hub's Qwen2-VL / Qwen2.5-VL one (`model.layers.N.`),
 as transformers' own key mapping renames them. A sparse (MoE) layer's router is read whole and
 only the rank's experts of its fused expert tensors (engine/lm/experts.py), held by the same method
-as the projections (engine/lm/expert_linears.py).
+as the projections (engine/lm/expert_linears.py); an FP8 checkpoint's experts, one module each, as
+the checkpoint holds them (engine/lm/per_expert.py; its FP8 readers: engine/lm/fp8_parts.py).
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ import torch
 
 from epdserve.engine.lm.expert_linears import check_expert_groups, expert_method
 from epdserve.engine.lm.experts import ExpertShard
-from epdserve.engine.lm.fp8_block_linear import Fp8BlockLinear, block_row_scales
 from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme
-from epdserve.engine.lm.fp8_linear import FP8, Fp8Linear
+from epdserve.engine.lm.fp8_parts import read_fp8
 from epdserve.engine.lm.linear import Linear, linear_class, make_linear, static_linear
+from epdserve.engine.lm.per_expert import holds_fp8_experts, read_fp8_experts, stack_float_experts, stores_per_expert
 from epdserve.engine.lm.prequantized import projection_type
 from epdserve.engine.lm.static_w8a8 import StaticPart
 from epdserve.engine.lm.weights import LeanLayerWeights
@@ -121,7 +122,7 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
         if kinds == {"W8A16"}:
             return _w8a16(reader, p, parts, biases or [None] * len(parts), dtype, device, platform)
         if kinds == {"FP8"}:
-            return _fp8(reader, p, parts, biases or [None] * len(parts), dtype, device, fp8)
+            return read_fp8(reader, p, parts, biases or [None] * len(parts), dtype, device, fp8)
         if kinds == {"W8A8"}:  # split by its inputs (o, down): the ranks' sums add up, rank 0 adds quant_bias
             return _w8a8_static(reader, p, parts, dtype, device, platform,
                                 bias_here=shard.rank == 0 or parts[0][2] is None)
@@ -135,7 +136,7 @@ def read_layer(reader: SafetensorsReader, i: int, text_config, shard: TPShard, d
     if sparse_layer(text_config, i):
         gate_up = down = None
         held = expert_method(method, prequantized=bool(description) or fp8 is not None)
-        moe = _experts(reader, p, text_config, shard, get, held, platform)
+        moe = _experts(reader, p, text_config, shard, get, held, platform, fp8, dtype, device)
     else:
         gate_up = linear([("mlp.gate_proj", mlp, None), ("mlp.up_proj", mlp, None)])
         down, moe = linear([("mlp.down_proj", None, mlp)]), None
@@ -212,87 +213,28 @@ def _w8a8_static(reader: SafetensorsReader, p: str, parts, dtype, device, platfo
     return static_linear(out, dtype, platform)
 
 
-def _fp8(reader: SafetensorsReader, p: str, parts, biases, dtype, device, scheme: Fp8Scheme) -> Fp8Linear:
-    """A compressed-tensors FP8 checkpoint's parts (engine/lm/fp8_checkpoint.py): the rank's slice of
-    each float8_e4m3fn weight; its `weight_scale`, one value (per tensor, the same on every rank) or
-    [out, 1] / [out] (per channel: the rank's rows, all of them for a projection split by its
-    inputs); static activations' `input_scale` (one value). A scale of another shape, not finite or
-    not > 0, is refused naming the tensor."""
-    if scheme.weights == "block":
-        return _fp8_block(reader, p, parts, biases, dtype, device, scheme)
-    qs, scales, input_scales = [], [], []
-    for m, rows, cols in parts:
-        name = p + m
-        q = reader.get(name + ".weight", rows, cols)
-        if q.dtype != FP8:
-            raise ValueError(f"{name}.weight is {q.dtype}, expected float8_e4m3fn")
-        out = reader.shape(name + ".weight")[0]
-        if name + ".weight_scale" not in reader:
-            raise ValueError(f"{name}: FP8 weight without its weight_scale")
-        shape = reader.shape(name + ".weight_scale")
-        want = ([out, 1], [out]) if scheme.weights == "channel" else ([], [1], [1, 1])
-        if shape not in want:
-            raise ValueError(f"{name}.weight_scale has shape {shape}; a per-{scheme.weights} FP8 weight of {out} "
-                             f"output rows needs {' or '.join(map(str, want))}")
-        s = reader.get(name + ".weight_scale", rows if scheme.weights == "channel" else None).float().reshape(-1)
-        _check_scales(name + ".weight_scale", s)
-        if scheme.activations == "static":
-            if name + ".input_scale" not in reader or reader.get(name + ".input_scale").numel() != 1:
-                raise ValueError(f"{name}: static FP8 activations need one input_scale value")
-            x_scale = reader.get(name + ".input_scale").float().reshape(-1)
-            _check_scales(name + ".input_scale", x_scale)
-            input_scales.append(float(x_scale[0]))
-        qs.append(q.to(device).contiguous())
-        scales.append(s.to(device))
-    return Fp8Linear.prequantized(qs, scales, biases, dtype, scheme.activations, input_scales or None)
-
-
-def _fp8_block(reader: SafetensorsReader, p: str, parts, biases, dtype, device, scheme: Fp8Scheme) -> Fp8BlockLinear:
-    """Block-wise FP8 parts (engine/lm/fp8_block_linear.py): the rank's slice of each float8_e4m3fn
-    weight and, per row of it, the `weight_scale_inv` of its block row over the rank's groups of
-    inputs — which must be whole groups of block[1] (refused otherwise, naming the width)."""
-    bn, bk = scheme.block
-    qs, row_scales = [], []
-    for m, rows, cols in parts:
-        name = p + m
-        q = reader.get(name + ".weight", rows, cols)
-        if q.dtype != FP8:
-            raise ValueError(f"{name}.weight is {q.dtype}, expected float8_e4m3fn")
-        out, inputs = reader.shape(name + ".weight")
-        if name + ".weight_scale_inv" not in reader:
-            raise ValueError(f"{name}: block-wise FP8 weight without its weight_scale_inv")
-        want = [-(-out // bn), -(-inputs // bk)]
-        if reader.shape(name + ".weight_scale_inv") != want:
-            raise ValueError(f"{name}.weight_scale_inv has shape {reader.shape(name + '.weight_scale_inv')}; a "
-                             f"[{out}, {inputs}] weight in blocks of {[bn, bk]} needs {want}")
-        cols = cols or range(inputs)
-        if cols.start % bk or (cols.stop % bk and cols.stop != inputs):
-            raise ValueError(f"{name}: this rank's inputs {cols.start}..{cols.stop} are not whole groups of {bk} "
-                             f"(weight_block_size): choose a tensor_parallel_size whose share of {inputs} is")
-        s = reader.get(name + ".weight_scale_inv").float()
-        _check_scales(name + ".weight_scale_inv", s)
-        s = s[:, cols.start // bk: -(-cols.stop // bk)]
-        qs.append(q.to(device).contiguous())
-        row_scales.append(block_row_scales(s, rows or range(out), bn).to(device))
-    return Fp8BlockLinear(qs, row_scales, biases, dtype, bk)
-
-
-def _check_scales(name: str, s: torch.Tensor) -> None:
-    if not bool((torch.isfinite(s) & (s > 0)).all()):
-        raise ValueError(f"{name} holds a scale that is not finite and > 0")
-
-
 def _experts(reader: SafetensorsReader, p: str, text_config, shard: TPShard, get, method: str,
-             platform: str = "cpu") -> ExpertShard:
+             platform: str = "cpu", fp8: Fp8Scheme | None = None, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> ExpertShard:
     """A sparse layer's router (whole, in the model dtype) and the rank's experts (`expert_range`),
     each held by `method` as the dense linears are (engine/lm/expert_linears.py: an int4 model whose
     expert widths are not whole groups is refused before they are read), in transformers
     5's layout: gate_up [E, 2 I, hidden], down [E, hidden, I]. Checkpoints written before it
     hold both transposed ([E, hidden, 2 I], [E, I, hidden]): read by shape, as transformers'
     own conversion does (conversion_mapping.py "qwen3_vl_moe": Transpose(1, 2, check_dims=True),
-    which keeps a tensor already of the expected shape)."""
+    which keeps a tensor already of the expected shape). Experts stored one module each (the FP8
+    checkpoints' layout, engine/lm/per_expert.py) are read as they are when FP8 (`fp8`: the
+    checkpoint's scheme), else stacked into that fused layout and held by `method`."""
     h, inter = text_config.hidden_size, text_config.moe_intermediate_size
     mine = expert_range(text_config.num_experts, shard)
+    if stores_per_expert(reader, p, mine.start):
+        if holds_fp8_experts(reader, p, mine):
+            gate_up, down = read_fp8_experts(reader, p, mine, fp8, dtype, device)
+            return ExpertShard.of_projections(get("mlp.gate.weight"), gate_up, down, mine.start,
+                                              text_config.num_experts_per_tok, fp8.method)
+        gate_up, down = stack_float_experts(reader, p, mine, dtype, device)
+        return ExpertShard(get("mlp.gate.weight"), gate_up, down, mine.start, text_config.num_experts_per_tok,
+                           method, platform)
     check_expert_groups(method, {"gate_up_proj (hidden_size)": h, "down_proj (moe_intermediate_size)": inter})
 
     def experts(name: str, want: tuple[int, int]) -> torch.Tensor:
