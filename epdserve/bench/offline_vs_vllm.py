@@ -8,7 +8,8 @@ the model once and timing every batch size: TPOT = (time of N new tokens - time 
 greedy, `ignore_eos`, distinct text prompts (prefill cancels out), the median of `--repeats` inside
 the worker. vLLM runs in its own venv (epdserve/bench/peer_vllm.py, built on first use) with the
 environment its CPU docs recommend (`vllm_env`: both cores bound, tcmalloc and Intel OpenMP
-preloaded); epdserve in this interpreter with the caller's environment. The report gives each
+preloaded); epdserve in this interpreter with the caller's environment less OMP_WAIT_POLICY (both at
+their OpenMP defaults). The report gives each
 engine's median over rounds with its min-max, and the ratio epdserve / vLLM per round.
 
 The worker (`worker` subcommand) imports nothing of epdserve at module level: both workers run
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -71,10 +73,21 @@ def _run_worker(engine: str, args: argparse.Namespace, python: str, env: dict[st
     # where profile.py shadows the standard library's (which torch imports)
     cmd = [python, "-c", Path(__file__).read_text(), "worker", "--engine", engine, "--model", args.model, "--dtype",
            args.dtype, "--batches", args.batches, "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, cwd="/")
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{engine} worker failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    # a session of its own, killed whole afterwards: vLLM's engine-core and worker processes can
+    # outlive the worker's exit, spinning on the cores the next round measures on
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/",
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=args.timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")] if proc.returncode is not None else []
+    if not lines:
+        raise RuntimeError(f"{engine} worker failed (exit {proc.returncode}): {err[-2000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -89,6 +102,10 @@ def _environments(venv: Path) -> dict[str, tuple[str, dict[str, str]]]:
             v_env[k] = v
     repo = str(Path(__file__).resolve().parents[2])
     e_env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # each engine at its own OpenMP default, one process alone on the cores: vLLM's Intel OpenMP spins
+    # (vllm_env unsets the policy), and PASSIVE — what `launch` gives instances sharing the cores —
+    # cost epdserve's offline step 12% at batch 1 and 25% at 32 here (2026-12-07)
+    e_env.pop("OMP_WAIT_POLICY", None)
     return {"epdserve": (sys.executable, e_env), "vllm": (str(venv / "bin" / "python"), v_env)}
 
 

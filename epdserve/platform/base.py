@@ -12,6 +12,26 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def capture_body(context, fn, leave):
+    """`fn()` run inside `context` (a graph capture: torch.cuda.graph, torch.npu.graph). A failure
+    calls `leave()` (set back what the context's exit could not: the thread's stream, the
+    allocator) and raises the body's own exception with its traceback — not the complaint the
+    context's exit (`capture_end`) makes about the capture it invalidated."""
+    body_error: list[BaseException] = []
+    try:
+        with context:
+            try:
+                return fn()
+            except BaseException as e:
+                body_error.append(e)
+                raise
+    except BaseException as e:
+        leave()
+        if body_error and body_error[0] is not e:
+            raise body_error[0] from None
+        raise
+
+
 class Platform(ABC):
     """What the rest of epdserve may ask of a device family.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.platform.base import Platform
+from epdserve.platform.base import Platform, capture_body
 
 
 class CudaPlatform(Platform):
@@ -36,21 +36,10 @@ class CudaPlatform(Platform):
     def capture_graph(self, fn, pool):
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.current_stream()
-        body_error: list[BaseException] = []
-        try:
-            # thread_local: another thread's CUDA calls (KV receivers, a co-located engine) during a
-            # capture are not errors; only this thread's unsafe calls would be
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                try:
-                    out = fn()
-                except BaseException as e:
-                    body_error.append(e)
-                    raise
-        except BaseException as e:
-            _leave_failed_capture(before, pool)
-            if body_error and body_error[0] is not e:
-                raise body_error[0] from None  # the cause, with its own traceback
-            raise
+        # thread_local: another thread's CUDA calls (KV receivers, a co-located engine) during a
+        # capture are not errors; only this thread's unsafe calls would be
+        out = capture_body(torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), fn,
+                           lambda: _leave_failed_capture(before, pool))
         return graph, out
 
     def new_stream(self, priority: int = 0):

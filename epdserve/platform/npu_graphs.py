@@ -21,6 +21,8 @@ ops' question (ops/npu_schema.py `graph_fia_missing`, `NpuPagedOps.graphs_unavai
 """
 from __future__ import annotations
 
+from epdserve.platform.base import capture_body
+
 GRAPH_API = ("NPUGraph", "graph", "graph_pool_handle", "ExternalEvent", "Stream", "graph_task_group_begin",
              "graph_task_group_end", "graph_task_update_begin", "graph_task_update_end")
 
@@ -43,17 +45,6 @@ def capture_npu_graph(torch_npu, fn, pool):
     npu = torch_npu.npu
     graph = npu.NPUGraph()
     before = npu.current_stream()
-    body_error: list[BaseException] = []
-    try:
-        with npu.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            try:
-                out = fn()
-            except BaseException as e:
-                body_error.append(e)
-                raise
-    except BaseException as e:
-        npu.set_stream(before)
-        if body_error and body_error[0] is not e:
-            raise body_error[0] from None  # the cause, not capture_end's complaint about it
-        raise
+    out = capture_body(npu.graph(graph, pool=pool, capture_error_mode="thread_local"), fn,
+                       lambda: npu.set_stream(before))
     return graph, out
