@@ -54,8 +54,8 @@ def test_cuda_takes_the_triton_classes_and_refuses_what_it_has_no_kernel_for():
     with pytest.raises(ValueError, match="quantization=w8a8 runs on .* no CUDA kernel here yet: on CUDA use int8 or "
                                          "int4 .*not on cuda"):
         check_method("w8a8", "cuda")
-    with pytest.raises(ValueError, match="quantization=int4 runs on cpu, cuda only .*not on npu"):
-        check_method("int4", "npu")
+    with pytest.raises(ValueError, match="quantization=fp8 runs on cpu, cuda only .*not on npu"):
+        check_method("fp8", "npu")
 
 
 def _tf32(t):
