@@ -236,21 +236,27 @@ def test_a_compressed_tensors_checkpoint_equals_transformers_on_its_dequantized_
         if tp == 1:
             layer = llm.engine.model.lm.layers[0]
             assert all(isinstance(getattr(layer, n), Fp8Linear) for n in ("qkv", "o", "gate_up", "down"))
-        inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
-        outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0))
-        for (prompt, imgs), out in zip(PROMPTS, outs):
-            what = f"{arch} TP{tp} {scheme} {prompt[:20]!r}"
-            got = list(out.outputs[0].token_ids)
-            want, margins, ref = oracle_greedy(oracle, prompt, imgs)
-            assert_same_greedy(got, want, margins, what, FP8_NEAR_TIE)
-            for i, (g, w) in enumerate(zip(got, want)):
-                if g != w:
-                    break
-                lp = out.outputs[0].logprobs[i].logprob
-                print(f"{what}: token {i} logprob differs by {abs(lp - ref[i]):.2g}")
-                assert abs(lp - ref[i]) <= LOGPROB_TOL, f"{what}: token {i} logprob {lp} vs transformers' {ref[i]}"
+        check_generates_oracle(llm, oracle, f"{arch} TP{tp} {scheme}")
     finally:
         llm.engine.close()
+
+
+def check_generates_oracle(llm, oracle: HFOracle, what: str) -> None:
+    """`llm`'s greedy tokens for `PROMPTS` equal `oracle`'s but at a near tie (`FP8_NEAR_TIE`,
+    reported), each agreed token's logprob within `LOGPROB_TOL` of transformers'."""
+    inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
+    outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0))
+    for (prompt, imgs), out in zip(PROMPTS, outs):
+        label = f"{what} {prompt[:20]!r}"
+        got = list(out.outputs[0].token_ids)
+        want, margins, ref = oracle_greedy(oracle, prompt, imgs)
+        assert_same_greedy(got, want, margins, label, FP8_NEAR_TIE)
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                break
+            lp = out.outputs[0].logprobs[i].logprob
+            print(f"{label}: token {i} logprob differs by {abs(lp - ref[i]):.2g}")
+            assert abs(lp - ref[i]) <= LOGPROB_TOL, f"{label}: token {i} logprob {lp} vs transformers' {ref[i]}"
 
 
 def oracle_greedy(oracle: HFOracle, prompt, imgs) -> tuple[list[int], list[float], list[float]]:
@@ -411,15 +417,6 @@ def test_quantization_fp8_at_load_equals_transformers_on_its_dequantized_weights
     llm = LLM(str(qwen2_vl_tiny), device="cpu", dtype="float32", quantization="fp8", kv_cache_bytes=16 << 20)
     try:
         assert llm.engine.model.quantization == "fp8" and isinstance(llm.engine.model.lm.layers[0].qkv, Fp8Linear)
-        inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
-        outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0))
-        for (prompt, imgs), out in zip(PROMPTS, outs):
-            got = list(out.outputs[0].token_ids)
-            want, margins, ref = oracle_greedy(oracle, prompt, imgs)
-            assert_same_greedy(got, want, margins, f"--quantization fp8 {prompt[:20]!r}", FP8_NEAR_TIE)
-            for i, (g, w) in enumerate(zip(got, want)):
-                if g != w:
-                    break
-                assert abs(out.outputs[0].logprobs[i].logprob - ref[i]) <= LOGPROB_TOL, f"token {i}"
+        check_generates_oracle(llm, oracle, "--quantization fp8")
     finally:
         llm.engine.close()

@@ -14,12 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from epdserve import LLM, SamplingParams
+from epdserve import LLM
 from epdserve.engine.lm.fp8_checkpoint import Fp8Scheme, read_fp8_scheme
 from epdserve.engine.lm.fp8_linear import dynamic_scale, quantize_fp8
-from tests.engine.test_fp8 import FP8_NEAR_TIE, LOGPROB_TOL, MODULES, TOKENS, _is_projection, oracle_greedy
-from tests.engine.test_quantization import PROMPTS
-from tests.hf_oracle import HFOracle, assert_same_greedy
+from tests.engine.test_fp8 import MODULES, _is_projection, check_generates_oracle
+from tests.hf_oracle import HFOracle
 
 
 def block_checkpoint(src, dst, block=(32, 32)):
@@ -142,15 +141,6 @@ def test_a_block_wise_fp8_checkpoint_equals_transformers_on_its_dequantized_weig
     llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_bytes=16 << 20)
     try:
         assert llm.engine.model.quantization == "fp8"
-        inputs = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in PROMPTS]
-        outs = llm.generate(inputs, SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0))
-        for (prompt, imgs), out in zip(PROMPTS, outs):
-            got = list(out.outputs[0].token_ids)
-            want, margins, ref = oracle_greedy(oracle, prompt, imgs)
-            assert_same_greedy(got, want, margins, f"block-wise fp8 {prompt[:20]!r}", FP8_NEAR_TIE)
-            for i, (g, w) in enumerate(zip(got, want)):
-                if g != w:
-                    break
-                assert abs(out.outputs[0].logprobs[i].logprob - ref[i]) <= LOGPROB_TOL, f"token {i}"
+        check_generates_oracle(llm, oracle, "block-wise fp8")
     finally:
         llm.engine.close()

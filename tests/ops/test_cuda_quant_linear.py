@@ -6,10 +6,6 @@ multiples of the blocks; 1, 3 and 33 rows; with and without a bias; int8's weigh
 either layout); CUDA choosing `CudaInt8Linear` / `CudaInt4Linear` and still refusing w8a8 by name;
 the start-up checks (engine/lm/cuda_quant_linear.py, cuda_int4_linear.py) refusing a kernel that
 fails, or runs and is wrong."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,19 +17,15 @@ from epdserve.engine.lm.int4_linear import GROUP_SIZE, Int4Linear
 from epdserve.engine.lm.linear import CUDA_LINEAR_METHODS, check_method, linear_class
 from epdserve.engine.lm.npu_quant_linear import NpuInt8Linear
 from epdserve.engine.lm.quant_linear import Int8Linear
+from tests.ops.interpreter import interpreted_rows
 
 CASES = Path(__file__).with_name("cuda_quant_linear_cases.py")
 
 
 def test_the_kernel_is_within_its_bound_of_the_dequantized_product_in_the_interpreter():
-    root = Path(__file__).parents[2]  # first on the path: this checkout's epdserve, not an installed one
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=300, cwd=root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = interpreted_rows(CASES)
     assert rows.pop() == {"startup_check": "ok"}  # check_cuda_int8 with the real kernel, as at start-up
-    assert len(rows) == 24, out.stdout  # (int8, int4) x (fp32, bf16) x 3 row counts x bias or not
+    assert len(rows) == 24, rows  # (int8, int4) x (fp32, bf16) x 3 row counts x bias or not
     for r in rows:
         assert r["dtype_ok"] and r["shape_ok"], r
         assert r["over"] <= 0, r  # within int8_bound of x · (q · scale)ᵀ + bias

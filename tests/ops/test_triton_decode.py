@@ -2,27 +2,19 @@
 through Triton's interpreter, against the portable gather + SDPA (fp32 and bf16; GQA and MHA;
 block-boundary crossings, scattered block tables, ragged contexts, a head_dim that is not a power
 of two, an empty row); and CUDA choosing it (ops/select.py)."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from epdserve.ops.select import paged_ops
 from epdserve.platform.cuda import CudaPlatform
+from tests.ops.interpreter import interpreted_rows
 
 CASES = Path(__file__).with_name("triton_decode_cases.py")
 
 
 def test_the_kernel_equals_the_portable_op_in_the_interpreter():
-    root = Path(__file__).parents[2]  # first on the path: this checkout's epdserve, not an installed one
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=300, cwd=root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = interpreted_rows(CASES)
     assert rows.pop() == {"startup_check": "ok"}  # TritonOps.check_kv_spec: the kernel run once, as at start-up
-    assert len(rows) == 10, out.stdout
+    assert len(rows) == 10, rows
     for r in rows:
         assert r["shape_ok"] and r["empty_rows_zero"], r
         assert r["err"] <= r["bound"], r

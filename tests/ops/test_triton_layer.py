@@ -20,11 +20,8 @@ the sum of squares is exact (small whole numbers). Elsewhere the bounds, derived
   bf16 ulps and 1% of the elements. On CUDA both sides call CUDA's expf (libdevice) and divide
   correctly rounded, so the difference is not expected there (not measured: no GPU here).
 """
-import json
 import logging
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,19 +29,15 @@ import pytest
 
 from epdserve.ops.select import layer_ops
 from epdserve.platform.cuda import CudaPlatform
+from tests.ops.interpreter import interpreted_rows
 
 CASES = Path(__file__).with_name("triton_layer_cases.py")
-ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
 def run():
-    """The cases script's JSON lines, run once under TRITON_INTERPRET=1 (this checkout first on the path)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    """The cases script's JSON lines, run once under Triton's interpreter."""
+    return interpreted_rows(CASES)
 
 
 def _ops(run, prefix):
