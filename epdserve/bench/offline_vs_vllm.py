@@ -104,7 +104,7 @@ def _environments(venv: Path) -> dict[str, tuple[str, dict[str, str]]]:
     e_env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # each engine at its own OpenMP default, one process alone on the cores: vLLM's Intel OpenMP spins
     # (vllm_env unsets the policy), and PASSIVE — what `launch` gives instances sharing the cores —
-    # cost epdserve's offline step 12% at batch 1 and 25% at 32 here (2026-12-07)
+    # cost epdserve's offline step 13% at batch 1 and 23% at 32 here (benchmarks/decode_tpot.py, 2026-12-07)
     e_env.pop("OMP_WAIT_POLICY", None)
     return {"epdserve": (sys.executable, e_env), "vllm": (str(venv / "bin" / "python"), v_env)}
 
