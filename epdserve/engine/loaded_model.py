@@ -26,6 +26,7 @@ from epdserve.engine.lm.fp8_device import check_fp8_device
 from epdserve.engine.lm.linear import CUDA_CHECKS, check_method
 from epdserve.engine.lm.prequantized import CHECKPOINT_ONLY, DESCRIPTION, MIXED, checkpoint_method, read_description
 from epdserve.engine.lm.shard_loader import read_layers
+from epdserve.ops.npu_quant_schema import check_installed_quant_kernels
 from epdserve.engine.tp.shard import TPShard, check_model_degree, num_experts
 from epdserve.model.adapter import VLMAdapter
 from epdserve.model.loader import LoadedCheckpoint, eos_token_ids, load_checkpoint, max_model_len
@@ -93,7 +94,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", context_le
     quantization = _checkpoint_quantization(model, description, fp8, quantization)
     method = check_method(quantization, platform.name, tdtype)
     if platform.name == "npu" and method != "dense":
-        _check_npu_quant_kernels(method)
+        check_installed_quant_kernels(method)  # the operators and keywords the NPU linears call
     weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 0
     size = f"{weights / 1e9:.1f} GB" if weights >= 1e9 else f"{weights / 1e6:.1f} MB"
     log.info("loading model %s (%s of weights) on %s as %s (%s) ...", model, size, platform.device(), name, why)
@@ -131,16 +132,6 @@ def _fp8_layouts(scheme: Fp8Scheme | None) -> set[str]:
     """The `_scaled_mm` scale layouts the FP8 projections may run (engine/lm/fp8_linear.py): rowwise,
     and tensorwise too for per-tensor weights with static activations."""
     return {"rowwise"} | ({"tensorwise"} if scheme == Fp8Scheme("tensor", "static") else set())
-
-
-def _check_npu_quant_kernels(method: str) -> None:
-    """The installed torch_npu registers the operators `method`'s NPU linears call, with the
-    keywords they pass (ops/npu_quant_schema.py); NpuKernelsUnsupported naming the operator otherwise."""
-    import torch_npu
-
-    from epdserve.ops.npu_quant_schema import check_quant_kernels
-
-    check_quant_kernels(method, torch_npu)
 
 
 def _checkpoint_quantization(model: str, desc: dict | None, fp8: Fp8Scheme | None, asked: str | None) -> str | None:

@@ -60,3 +60,11 @@ def check_quant_kernels(method: str, torch_npu) -> None:
         if missing:
             raise NpuKernelsUnsupported(f"--quantization {method} on an NPU calls torch_npu.{op} with {missing}, which "
                                         f"torch_npu {version}'s schema lacks")
+
+
+def check_installed_quant_kernels(method: str) -> None:
+    """`check_quant_kernels` against the installed torch_npu (imported here: engine start-up and
+    `epdserve doctor` ask the same question)."""
+    import torch_npu
+
+    check_quant_kernels(method, torch_npu)

@@ -24,6 +24,12 @@ from epdserve.platform.npu_streams import NpuStreamBook
 log = logging.getLogger(__name__)
 
 
+def import_torch_npu():
+    """torch_npu, imported (registering its operators and torch.npu): the one place outside
+    ops/ that imports it; engine and check code call this instead."""
+    return importlib.import_module("torch_npu")
+
+
 def torch_npu_installed() -> bool:
     """Is torch_npu importable-in-principle here (without importing it)?"""
     try:
@@ -70,7 +76,7 @@ class NpuPlatform(Platform):
         self.device_limited = False  # set_device_limit succeeded in this process (stream limits need it first)
 
     def _torch_npu(self):
-        return importlib.import_module("torch_npu")
+        return import_torch_npu()
 
     def torch_npu_version(self) -> str:
         """The imported torch_npu's own `__version__` (what the first-run table prints)."""

@@ -41,6 +41,7 @@ import torch
 
 from epdserve.engine.lm.int4_linear import Int4Linear
 from epdserve.engine.lm.npu_quant_linear import check_shape, npu_bias
+from epdserve.platform.npu import import_torch_npu
 
 INT4_PER_INT32 = 8  # npu_convert_weight_to_int4pack: eight int4 codes per int32, along the last dim
 
@@ -55,7 +56,7 @@ class NpuInt4Linear(Int4Linear):
             raise ValueError(f"torch_npu.npu_convert_weight_to_int4pack packs the int4 weights' {self.out_features} "
                              f"outputs on this rank in groups of {INT4_PER_INT32}: not a multiple of "
                              f"{INT4_PER_INT32}; use another tensor_parallel_size or int8")
-        import torch_npu  # registers the operators (engine start-up checked their schemas)
+        torch_npu = import_torch_npu()  # registers the operators (engine start-up checked their schemas)
 
         self._npu = torch_npu
         signed = q - 8  # [out, in] int32 in [-8, 7]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
+from epdserve.platform.npu import import_torch_npu
 
 NPU_DTYPES = (torch.float16, torch.bfloat16)  # the activations both kernels take
 MAX_KN = 65535  # both documents: K and N in [1, 65535]
@@ -70,7 +71,7 @@ class NpuInt8Linear(Int8Linear):
 
     def _place(self) -> None:
         check_shape(self.out_features, self.in_features, "npu_weight_quant_batchmatmul")
-        import torch_npu  # registers the operator (engine start-up checked its schema)
+        torch_npu = import_torch_npu()  # registers the operator (engine start-up checked its schema)
 
         self._npu = torch_npu
         self.qt = self.q.t()  # [in, out]: the transposed view of the row-major [out, in] weights
@@ -86,7 +87,7 @@ class NpuInt8DynamicLinear(Int8DynamicLinear):
     def _hold(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         self.out_features = int(q.shape[0])
         check_shape(self.out_features, int(q.shape[1]), "npu_quant_matmul")
-        import torch_npu  # registers the operators (engine start-up checked their schemas)
+        torch_npu = import_torch_npu()  # registers the operators (engine start-up checked their schemas)
 
         self._npu = torch_npu
         self.w = q.t().contiguous()  # [in, out] int8, as vllm-ascend's process_weights_after_loading

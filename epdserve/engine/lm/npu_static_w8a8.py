@@ -26,6 +26,7 @@ import torch
 
 from epdserve.engine.lm.npu_quant_linear import check_shape
 from epdserve.engine.lm.static_w8a8 import StaticPart, StaticW8A8Linear, quant_bias, runs
+from epdserve.platform.npu import import_torch_npu
 
 
 class _NpuRun:
@@ -54,7 +55,7 @@ class NpuStaticW8A8Linear(StaticW8A8Linear):
     """msModelSlim static W8A8 on torch_npu (see the module docstring); `dtype`: the model's (fp16 / bf16)."""
 
     def __init__(self, parts: list[StaticPart], dtype: torch.dtype):
-        import torch_npu  # registers the operators (engine start-up checked their schemas)
+        torch_npu = import_torch_npu()  # registers the operators (engine start-up checked their schemas)
 
         self._npu = torch_npu
         self.runs = [_NpuRun(run, dtype) for run in runs(parts)]
