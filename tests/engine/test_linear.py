@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epdserve.engine.lm.linear import make_linear
+from epdserve.engine.lm.linear import DenseLinear, make_linear
 
 
 def test_fused_parts_equal_each_part_applied_alone():
@@ -18,7 +18,7 @@ def test_fused_parts_equal_each_part_applied_alone():
     want = torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(parts, biases)], dim=1)
     assert lin.out_features == 16 and torch.allclose(lin(x), want, atol=1e-6)
     assert len(lin.tensors()) == 2  # the fused weight and the fused bias
-    plain = make_linear(parts[:1])
+    plain = DenseLinear(parts[:1])
     assert torch.allclose(plain(x), x @ parts[0].t(), atol=1e-6) and plain.tensors() == [plain.t]
 
 

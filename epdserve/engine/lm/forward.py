@@ -82,7 +82,8 @@ class LeanLM:
         """Parameters of the LM (embedding, layers, final norm, LM head; a tied head counted once)."""
         seen, n = set(), 0
         for t in [self.embed_weight, self.norm_weight, self.lm_head_t, *self.tensors()[7:]]:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+            # an opaque oneDNN weight (engine/lm/prepacked_linear.py) has no storage: it is its own key
+            key = ("opaque", id(t)) if t.is_mkldnn else (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
             if key not in seen:
                 seen.add(key)
                 n += t.numel()

@@ -8,7 +8,9 @@ three, gate-up's two, or one) already cut to the rank's slice (engine/lm/shard_l
 transformers' modules at tensor_parallel_size 1): a method sees whole [out, in] weights of its
 rank and decides how to hold them. `DenseLinear` ("dense", the default): the weights in the
 model dtype, fused and stored transposed ([in, out] views of row-major [out, in] tensors) so a
-call is one `mm` / `addmm` with no per-call transpose. `Int8Linear` ("int8",
+call is one `mm` / `addmm` with no per-call transpose; on the CPU "dense" is `PrepackedLinear`
+(engine/lm/prepacked_linear.py: the same fused weight reordered once for oneDNN) wherever oneDNN
+runs the dtype. `Int8Linear` ("int8",
 engine/lm/quant_linear.py): int8 weights per output channel, quantized from the rank's slice at
 load, applied by torch's int8 CPU kernel; `Int8DynamicLinear` ("w8a8"): the same weights with
 each token's activations quantized to int8 at run time, an int8 GEMM; `Int4Linear` ("int4",
@@ -47,6 +49,7 @@ from epdserve.engine.lm.int4_linear import Int4Linear
 from epdserve.engine.lm.npu_int4_linear import NpuInt4Linear
 from epdserve.engine.lm.npu_quant_linear import NPU_DTYPES, NpuInt8DynamicLinear, NpuInt8Linear
 from epdserve.engine.lm.npu_static_w8a8 import NpuStaticW8A8Linear
+from epdserve.engine.lm.prepacked_linear import PrepackedLinear, usable as prepack_usable
 from epdserve.engine.lm.quant_linear import Int8DynamicLinear, Int8Linear
 from epdserve.engine.lm.static_w8a8 import StaticPart, StaticW8A8Linear
 
@@ -107,6 +110,8 @@ CHECKPOINT_LINEARS = {"w8a8-static": StaticW8A8Linear}  # built from a checkpoin
 
 def method_of(linear) -> str:
     """The method name a built projection runs (the inverse of `LINEAR_METHODS`, `CHECKPOINT_LINEARS`)."""
+    if isinstance(linear, PrepackedLinear):
+        return "dense"
     return next((name for name, cls in {**LINEAR_METHODS, **CHECKPOINT_LINEARS}.items() if isinstance(linear, cls)),
                 type(linear).__name__)
 
@@ -148,5 +153,8 @@ def static_linear(parts: list[StaticPart], dtype: torch.dtype, platform: str = "
 
 def make_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None,
                 method: str = "dense", platform: str = "cpu") -> Linear:
-    """The projection fusing `weights` (each [out_i, in], the rank's slice) by `method`, held for `platform`."""
+    """The projection fusing `weights` (each [out_i, in], the rank's slice) by `method`, held for `platform`
+    ("dense" on the CPU: prepacked for oneDNN where it runs the dtype, engine/lm/prepacked_linear.py)."""
+    if method == "dense" and platform == "cpu" and prepack_usable(weights[0].dtype, weights[0].device):
+        return PrepackedLinear(weights, biases)
     return linear_class(method, platform)(weights, biases)
