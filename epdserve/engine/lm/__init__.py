@@ -5,6 +5,7 @@ reference; engine/lm/shard_loader.py reads the decoder layers from the checkpoin
                transformers modules by their checkpoint names, or as engine/lm/shard_loader.py reads them)
 - linear.py    the linear-layer contract: a projection's weights held and applied by its method
                (dense, or quantized: `--quantization`), the rank's slice under tensor parallelism
+- prepacked_linear.py  PrepackedLinear: the CPU's dense projection with its weight reordered once for oneDNN
 - quant_linear.py  Int8Linear (W8A16) and Int8DynamicLinear (W8A8): int8 weights quantized at load
 - int4_linear.py   Int4Linear (W4A16): 4-bit weights in groups of 128, quantized at load
 - prequantized.py  checkpoints quantized already (msModelSlim W8A8_DYNAMIC, W8A8, W8A16): what their description says

@@ -4,8 +4,9 @@ repacking (or streaming a row-major [in, out] view) on every call.
 
 Why: a decode step on the CPU is its GEMMs (91% of a batch-1 step under torch.profiler,
 issue 50's note). On this VM (AMD EPYC, AVX2) the small demo model's 32 projections took, median
-of 15: M = 1 17.7 ms with `torch.mm` on today's layout against 12.6 ms prepacked; M = 8 47.6
-against 16.8; M = 32 65.7 against 29.5 (`python benchmarks/prepacked_gemm.py`). vLLM's CPU
+of 15: M = 1 16.8 ms with `torch.mm` on the transposed layout against 11.8 ms prepacked; M = 8
+37.7 against 15.3; M = 32 51.2 against 33.0 (`python benchmarks/prepacked_gemm.py`,
+benchmarks/results/prepacked-gemm-cpu.md); prefill-sized M = 256 24.2 against 18.5. vLLM's CPU
 backend holds its weights the same way (its own oneDNN matmul over weights reordered at load);
 torch's inductor does it under freezing (`torch/_inductor/fx_passes/mkldnn_fusion.py`:
 `mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`, the two ops used here).
