@@ -100,7 +100,7 @@ def _drop_lm_head(adapter, lm) -> None:
     head = adapter.lm_head.weight
     if head.data_ptr() != adapter.embed.weight.data_ptr():
         head.data = torch.empty(0, dtype=head.dtype, device=head.device)
-    lm.lm_head_t = None
+    lm.head = None
 
 
 def _encode(adapter, pixel_values, grids) -> tuple[str, object]:

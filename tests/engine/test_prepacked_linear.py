@@ -46,3 +46,26 @@ def test_off_the_cpu_or_in_another_method_nothing_is_prepacked():
     assert not prepacked_linear.usable(torch.int8)
     lin = make_linear([torch.randn(16, 64)], method="int8")
     assert method_of(lin) == "int8"
+
+
+def test_an_untied_lm_head_is_prepacked_and_a_tied_one_stays_the_embeddings_own():
+    from types import SimpleNamespace
+
+    from epdserve.engine.lm.forward import _head
+
+    gen = torch.Generator().manual_seed(1)
+    embed = torch.nn.Embedding(100, 32)
+    head = torch.nn.Linear(32, 100, bias=False)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(100, 32, generator=gen))
+        head.weight.copy_(torch.randn(100, 32, generator=gen))
+    x = torch.randn(3, 32, generator=gen)
+    want = torch.nn.functional.linear(x, head.weight.detach().clone())
+    untied = _head(SimpleNamespace(lm_head=head, embed=embed), "cpu")
+    assert isinstance(untied, PrepackedLinear) and torch.allclose(untied(x), want, rtol=0, atol=1e-5)
+    assert head.weight.numel() == 0  # the row-major copy is released: one copy of the head
+    tied_head = torch.nn.Linear(32, 100, bias=False)
+    tied_head.weight = embed.weight
+    tied = _head(SimpleNamespace(lm_head=tied_head, embed=embed), "cpu")
+    assert isinstance(tied, DenseLinear) and tied.t.data_ptr() == embed.weight.data_ptr()
+    assert torch.equal(tied(x), x @ embed.weight.detach().t())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from epdserve.engine.lm.linear import DenseLinear, Linear, make_linear
 from epdserve.engine.lm.rotary import RotaryTable
 from epdserve.engine.lm.weights import LeanLayerWeights, drop_hf_layers, layer_weights
 from epdserve.engine.tp.shard import TPShard, head_map
@@ -49,7 +50,7 @@ class LeanLM:
         self.shard = shard
         self.embed_weight = adapter.embed.weight.detach()
         self.norm_weight = adapter.norm.weight.detach()
-        self.lm_head_t = adapter.lm_head.weight.detach().t()
+        self.head: Linear | None = _head(adapter, platform)  # None on a TP rank other than 0 (engine/tp_rank.py)
         self.eps = float(tc.rms_norm_eps)
         self.head_dim = adapter.head_dim
         q, kv = head_map(adapter.num_heads, adapter.num_kv_heads, shard)
@@ -72,7 +73,7 @@ class LeanLM:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward reads (weights, rotary tables), each once."""
-        out = [self.embed_weight, self.norm_weight, self.lm_head_t, self.rotary.cos, self.rotary.sin,
+        out = [self.embed_weight, self.norm_weight, *self._head_tensors(), self.rotary.cos, self.rotary.sin,
                self.rotary.axis, self.rotary.cols]
         for w in self.layers:
             out += w.tensors()
@@ -81,7 +82,8 @@ class LeanLM:
     def num_parameters(self) -> int:
         """Parameters of the LM (embedding, layers, final norm, LM head; a tied head counted once)."""
         seen, n = set(), 0
-        for t in [self.embed_weight, self.norm_weight, self.lm_head_t, *self.tensors()[7:]]:
+        for t in [self.embed_weight, self.norm_weight, *self._head_tensors(),
+                  *(t for w in self.layers for t in w.tensors())]:
             # an opaque oneDNN weight (engine/lm/prepacked_linear.py) has no storage: it is its own key
             key = ("opaque", id(t)) if t.is_mkldnn else (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
             if key not in seen:
@@ -136,4 +138,20 @@ class LeanLM:
         return ops.add_rms_norm(h, residual, self.norm_weight, self.eps)[0]
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return torch.mm(normed, self.lm_head_t)
+        return self.head(normed)
+
+    def _head_tensors(self) -> list[torch.Tensor]:
+        return self.head.tensors() if self.head is not None else []
+
+
+def _head(adapter, platform: str) -> Linear:
+    """The LM head as a projection: tied to the embedding, the embedding's own weight (a view, no
+    copy); else held as "dense" holds it on `platform` (prepacked for oneDNN on the CPU, the
+    row-major copy then released)."""
+    weight = adapter.lm_head.weight.detach()
+    if weight.data_ptr() == adapter.embed.weight.data_ptr():
+        return DenseLinear([weight])
+    head = make_linear([weight], platform=platform)
+    if not isinstance(head, DenseLinear):
+        adapter.lm_head.weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    return head
