@@ -3,6 +3,9 @@ same checkpoint, dtype, prompts and batch sizes, one command (issue 50 item 5):
 
     python benchmarks/vs_vllm_offline.py --dtype float32 --batches 1,32 --rounds 3 --out $OUT/offline-vs-vllm.md
 
+`--image-ttft` also times one request with one 640x360 image to its first token (encode + prefill), each
+engine alone: the work a served request adds to the steps of every request decoding beside it.
+
 Each round runs one worker process per engine (the order alternates between rounds), each loading
 the model once and timing every batch size: TPOT = (time of N new tokens - time of 1) / (N - 1),
 greedy, `ignore_eos`, distinct text prompts (prefill cancels out), the median of `--repeats` inside
@@ -28,6 +31,9 @@ import time
 from pathlib import Path
 
 PROMPT = "Tell me a story number {i} about a dragon and a knight"
+IMAGE_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture.<|im_end|>\n"
+                "<|im_start|>assistant\n")
+IMAGE_SIZE = (640, 360)  # the largest of the served comparison's JPEGs
 
 
 def _prompts(batch: int) -> list[str]:
@@ -50,6 +56,28 @@ def _time_engine(generate, batches: list[int], tokens: int, repeats: int) -> dic
     return out
 
 
+def _image_request(k: int) -> dict:
+    """One prompt with its own 640x360 image (noise seeded by `k`: no engine finds it in a cache)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(k).integers(0, 256, (IMAGE_SIZE[1], IMAGE_SIZE[0], 3), dtype=np.uint8)
+    return {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": Image.fromarray(pixels)}}
+
+
+def _time_image_ttft(generate, repeats: int) -> float:
+    """Seconds to the first token of one image request alone (encode + prefill + one step), the median
+    of `repeats` after a warm-up, each with a fresh image."""
+    generate([_image_request(0)], 1)
+    times = []
+    for k in range(1, repeats + 1):
+        req = _image_request(k)
+        t = time.perf_counter()
+        generate([req], 1)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def _worker(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     if args.engine == "vllm":
@@ -65,14 +93,18 @@ def _worker(args: argparse.Namespace) -> None:
         llm = LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=max(batches))
         sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
         gen = lambda prompts, n: llm.generate(prompts, sp(n))  # noqa: E731
-    print("RESULT " + json.dumps(_time_engine(gen, batches, args.tokens, args.repeats)), flush=True)
+    result = _time_engine(gen, batches, args.tokens, args.repeats)
+    if args.image_ttft:
+        result["image_ttft"] = _time_image_ttft(gen, args.repeats)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def _run_worker(engine: str, args: argparse.Namespace, python: str, env: dict[str, str]) -> dict[str, float]:
     # this file's source through -c, not its path: a path would put epdserve/bench/ first on sys.path,
     # where profile.py shadows the standard library's (which torch imports)
     cmd = [python, "-c", Path(__file__).read_text(), "worker", "--engine", engine, "--model", args.model, "--dtype",
-           args.dtype, "--batches", args.batches, "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+           args.dtype, "--batches", args.batches, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+           *(["--image-ttft"] if args.image_ttft else [])]
     # a session of its own, killed whole afterwards: vLLM's engine-core and worker processes can
     # outlive the worker's exit, spinning on the cores the next round measures on
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/",
@@ -125,6 +157,14 @@ def report(rounds: list[dict[str, dict[str, float]]], args: argparse.Namespace) 
         lines.append(f"| {b} | {fmt(e)} | {fmt(v)} | {fmt([int(b) * 1e3 / x for x in e])} | "
                      f"{fmt([int(b) * 1e3 / x for x in v])} | {statistics.median(ratios):.2f}x "
                      f"({', '.join(f'{r:.2f}' for r in ratios)}) |")
+    if args.image_ttft:
+        e = [r["epdserve"]["image_ttft"] * 1e3 for r in rounds]
+        v = [r["vllm"]["image_ttft"] * 1e3 for r in rounds]
+        ratios = [x / y for x, y in zip(e, v)]
+        lines += ["", f"One request alone with one {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} image, time to its first token "
+                  "(encode + prefill + a step; a fresh image each time):", "",
+                  "| epdserve ms | vLLM ms | epdserve / vLLM (per round) |", "|---:|---:|---|",
+                  f"| {fmt(e)} | {fmt(v)} | {statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}) |"]
     return "\n".join(lines) + "\n"
 
 
@@ -138,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=33, help="new tokens per timed generate")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per figure inside a worker (median)")
     ap.add_argument("--rounds", type=int, default=3, help="worker pairs, the engines' order alternating")
+    ap.add_argument("--image-ttft", action="store_true",
+                    help="also time one request with one 640x360 image to its first token (encode + prefill)")
     ap.add_argument("--vllm-venv", help="vLLM's venv (default: peer_vllm's, built on first use)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one worker may take")
     ap.add_argument("--out", help="write the Markdown report here too")
