@@ -65,6 +65,13 @@ class EngineConfig:
              "decoding request keeps to 0.9x this per token on average (time a short step saves may be spent by a "
              "later one, up to 1.8x this in one step; engine/step_budget.py); the scheduler's controller and "
              "`bench serve` count against the same objective")
+    step_budget_bank: float = setting(
+        2.0, check=(">=", 1),
+        help="the most targets (0.9x --slo-tpot-ms each) one budgeted step may take when its decoding requests "
+             "have banked that much time in shorter steps (engine/step_budget.py): 2 keeps every gap between two "
+             "tokens near 1.8x the SLO at most; a larger bank lets a lightly loaded engine run an image's encode "
+             "and prefill in fewer, longer steps (lower TTFT, longer single gaps) while each request's TPOT, a "
+             "mean over its tokens, still keeps to the SLO")
     step_budget: bool = setting(
         True, negate="--no-step-budget",
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "

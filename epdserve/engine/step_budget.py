@@ -13,8 +13,9 @@ The step's time is each decoding request's slack, not a fixed share: a request's
 due `target_s` (HEADROOM × the SLO) after its previous one was due, counted from when it started
 decoding here, so a request whose steps ran short (decode-only) has banked time a later step may
 spend, and one whose steps overran (an estimate that was low) gets shorter steps until it is back
-on schedule. The step may take the least slack of its decoding requests, at most `BANK` targets
-(so no decode waits much beyond the SLO for anything).
+on schedule. The step may take the least slack of its decoding requests, at most `bank` targets
+(`--step-budget-bank`, `BANK` = 2 by default: no decode waits much beyond the SLO for anything; a
+larger bank lets a step spend more of what its decodes saved, e.g. a whole image's encode).
 
 Which of prefill and encode goes first in the step: the older request (arrival order), so an
 image's encode is not starved by prompts that arrived after it.
@@ -31,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 HEADROOM = 0.9  # plan to this share of the TPOT SLO: the costs are estimates
-BANK = 2.0  # a step takes at most this many targets, however much slack its decodes have banked
+BANK = 2.0  # by default a step takes at most this many targets, however much slack its decodes have banked
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,13 @@ class LinearCost:
 
 
 class StepBudget:
-    def __init__(self, slo_tpot_s: float, min_prefill_tokens: int = 16, window: int = 64):
+    def __init__(self, slo_tpot_s: float, min_prefill_tokens: int = 16, window: int = 64, bank: float = BANK):
         if slo_tpot_s <= 0:
             raise ValueError(f"the TPOT SLO must be > 0, got {slo_tpot_s}")
+        if bank < 1:
+            raise ValueError(f"the step budget's bank must be >= 1 target, got {bank}")
         self.target_s = slo_tpot_s * HEADROOM
-        self.max_step_s = self.target_s * BANK
+        self.max_step_s = self.target_s * bank
         self.min_prefill_tokens = min_prefill_tokens
         self.lm = LinearCost(window)
         self.vision_s_per_patch_block: float | None = None

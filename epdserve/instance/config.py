@@ -75,6 +75,7 @@ class InstanceConfig:
     colocation: str = setting("split", choices=POLICIES, help=COLOCATION_HELP)
     slo_tpot_ms: float = same_as(EngineConfig, "slo_tpot_ms")
     step_budget: bool = same_as(EngineConfig, "step_budget")
+    step_budget_bank: float = same_as(EngineConfig, "step_budget_bank")
     enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
     tensor_parallel_size: int = same_as(EngineConfig, "tensor_parallel_size")
     quantization: str | None = same_as(EngineConfig, "quantization")

@@ -60,6 +60,16 @@ def test_a_step_takes_the_least_slack_of_its_decodes():
     assert s.step_target([(0.0, 0)], 2 * t) < 0  # late: its next token is overdue
 
 
+def test_a_larger_bank_lets_one_step_spend_more_of_what_its_decodes_saved():
+    wide = StepBudget(0.1, bank=8.0)
+    t = wide.target_s
+    assert wide.step_target([(0.0, 10)], t) == pytest.approx(8 * t)  # 10 tokens banked, 8 may go at once
+    assert wide.step_target([(0.0, 3)], 2 * t) == pytest.approx(2 * t)  # no more than it banked
+    assert StepBudget(0.1).step_target([(0.0, 10)], t) == pytest.approx(2 * t)  # the default: 2 targets
+    with pytest.raises(ValueError, match="bank must be >= 1"):
+        StepBudget(0.1, bank=0.5)
+
+
 def test_a_vision_block_waits_until_the_decodes_have_banked_room_for_it():
     s = _budget()  # the decodes' own step: 0.02 + 0.001 * 4 s
     s.record_vision(1000, 1, 0.1)  # one block over 1000 patches: 0.1 s, more than the whole target
@@ -79,7 +89,8 @@ def test_sliced_steps_keep_greedy_tokens(request, arch):
     model_dir = request.getfixturevalue(f"{arch}_tiny")
     ref = ReferenceGenerator(model_dir)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", slo_tpot_ms=1.0))
+    eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", slo_tpot_ms=1.0, step_budget_bank=3.0))
+    assert eng.budget.max_step_s == pytest.approx(3 * eng.budget.target_s)  # the engine's bank is the setting's
     text = "a long text prompt " * 12
     eng.add_request(eng.build_request("text", text, None, SamplingParams(max_tokens=40, ignore_eos=True)))
     for _ in range(4):  # it decodes, and the budget has measured steps of two sizes
