@@ -25,6 +25,8 @@ Modules:
 - `token_cost`: where a served token's CPU goes, by process and stage (benchmarks/served_token_cost.py);
 - `offline_vs_vllm`: offline decode TPOT of epdserve's `LLM` against `vllm.LLM`, alternating rounds
   (benchmarks/vs_vllm_offline.py);
+- `aiperf_vs_vllm`: NVIDIA's aiperf as a second client against vLLM and epdserve, alternating rounds
+  (benchmarks/aiperf_vs_vllm.py);
 - `chaos`: `bench chaos`, faults under load; `chaos_faults` (find, kill, wait for recovery);
 - `soak`: `bench soak`, minutes of mixed traffic on E-P-D with instances killed; `soak_traffic`
   (the catalogue and its offline outputs), `soak_load` (clients and kills), `soak_rss` (memory of
