@@ -13,7 +13,12 @@ The step's time is each decoding request's slack, not a fixed share: a request's
 due `target_s` (HEADROOM × the SLO) after its previous one was due, counted from when it started
 decoding here, so a request whose steps ran short (decode-only) has banked time a later step may
 spend, and one whose steps overran (an estimate that was low) gets shorter steps until it is back
-on schedule. The step may take the least slack of its decoding requests, at most `bank` targets
+on schedule. A request's slack is counted over its next `HORIZON` tokens (fewer if it has fewer to
+make): this step may take what keeps its token n + H on time if the H - 1 steps after it decode only
+(at the measured decode-only cost), so time the coming steps will save is spent now, on work that
+waits — a fresh decoder does not force a waiting encode into slices of one target while its TPOT,
+a mean over its tokens, has room (issue 50: image TTFT 1.3-1.5x vLLM's at 1 req/s with slack counted
+one token ahead). The step may take the least slack of its decoding requests, at most `bank` targets
 (`--step-budget-bank`, `BANK` = 2 by default: no decode waits much beyond the SLO for anything; a
 larger bank lets a step spend more of what its decodes saved, e.g. a whole image's encode).
 
@@ -32,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 
 HEADROOM = 0.9  # plan to this share of the TPOT SLO: the costs are estimates
+HORIZON = 32  # tokens ahead a request's slack is counted over (its remaining tokens if fewer)
 BANK = 2.0  # by default a step takes at most this many targets, however much slack its decodes have banked
 
 
@@ -102,12 +108,26 @@ class StepBudget:
         self.vision_s_per_patch_block = cost if old is None else 0.8 * old + 0.2 * cost
 
     # ---------------------------------------------------------------- planned
-    def step_target(self, clocks: list[tuple[float, int]], now: float) -> float:
+    def step_target(self, clocks: list[tuple[float, int] | tuple[float, int, int]], now: float,
+                    decode_s: float | None = None) -> float:
         """Seconds this step may take beside decodes whose clocks are (when the request started
-        decoding here, tokens it has made since): the least slack to the next token's due time,
-        at most `max_step_s` (with nothing decoding: `target_s`). Negative when one is late."""
-        slack = min((t0 + (n + 1) * self.target_s - now for t0, n in clocks), default=self.target_s)
-        return min(slack, self.max_step_s)
+        decoding here, tokens it has made since[, tokens it may still make]): the least slack, at most
+        `max_step_s` (with nothing decoding: `target_s`). A request's slack is to its next token's due
+        time, plus, given `decode_s` (a decode-only step's cost) and its tokens to come, what the next
+        `HORIZON` - 1 decode-only steps would save against the target. Negative when one is late."""
+        def slack(clock) -> float:
+            own = clock[0] + (clock[1] + 1) * self.target_s - now
+            if decode_s is None or len(clock) < 3:
+                return own
+            ahead = min(HORIZON, clock[2]) - 1
+            return own + max(ahead, 0) * max(self.target_s - decode_s, 0.0)
+
+        return min(min((slack(c) for c in clocks), default=self.target_s), self.max_step_s)
+
+    def decode_cost(self, decodes: int) -> float | None:
+        """Seconds a step of `decodes` decode rows alone takes (None while the costs are unknown)."""
+        fit = self.lm.fit()
+        return None if fit is None else fit[0] + fit[1] * decodes
 
     def plan(self, decodes: int, prefill_wanted: int, vision_patches: int, target_s: float | None = None,
              vision_first: bool = False) -> StepPlan:

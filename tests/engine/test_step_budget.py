@@ -60,6 +60,33 @@ def test_a_step_takes_the_least_slack_of_its_decodes():
     assert s.step_target([(0.0, 0)], 2 * t) < 0  # late: its next token is overdue
 
 
+def test_slack_is_counted_over_the_tokens_to_come():
+    s = StepBudget(0.1, bank=30.0)
+    t = s.target_s
+    assert s.step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(t + 31 * (t - 0.03))
+    assert s.step_target([(0.0, 0, 4)], 0.0, decode_s=0.03) == pytest.approx(t + 3 * (t - 0.03))  # 4 to come
+    assert s.step_target([(0.0, 0, 1)], 0.0, decode_s=0.03) == pytest.approx(t)  # its last token: no horizon
+    assert s.step_target([(0.0, 0, 32)], 0.0) == pytest.approx(t)  # decode cost unknown: the next token only
+    assert s.step_target([(0.0, 0, 32)], 0.0, decode_s=0.5) == pytest.approx(t)  # decodes alone overrun: no credit
+    assert s.step_target([(0.0, 0, 500)], 0.0, decode_s=0.03) == pytest.approx(t + 31 * (t - 0.03))  # HORIZON
+    assert StepBudget(0.1).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(2 * t)  # the bank caps
+
+
+def test_the_engine_counts_each_decodes_tokens_to_come(qwen2_vl_tiny):
+    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", slo_tpot_ms=100.0))
+    seen = []
+    real = eng.budget.step_target
+    eng.budget.step_target = lambda clocks, now, decode_s=None: seen.append(
+        (clocks, decode_s, {r: len(q.output_token_ids) for r, q in eng._seqs.items()})) or real(clocks, now, decode_s)
+    eng.add_request(eng.build_request("a", "a text prompt " * 8, None, SamplingParams(max_tokens=12, ignore_eos=True)))
+    eng.add_request(eng.build_request("b", "another prompt " * 3, None, SamplingParams(max_tokens=7, ignore_eos=True)))
+    for _ in range(5):
+        eng.step()
+    clocks, decode_s, made = seen[-1]  # the tokens each had made when the step was planned
+    assert sorted(c[2] for c in clocks) == sorted([12 - made["a"], 7 - made["b"]])
+    assert decode_s is not None and decode_s > 0  # the decode-only cost, once two step sizes are measured
+
+
 def test_a_larger_bank_lets_one_step_spend_more_of_what_its_decodes_saved():
     wide = StepBudget(0.1, bank=8.0)
     t = wide.target_s
