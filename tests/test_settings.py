@@ -55,7 +55,7 @@ def test_launch_forwards_what_was_given_by_field():
     # every forwarded flag is one `epdserve instance` takes, and it reads back into the same field
     argv = instance_argv({**merged, "block_size": 64, "max_model_len": 99, "feature_wait_s": 2.0,
                           "encode_token_budget": 5, "stream_interval_ms": 1.0, "slo_tpot_ms": 80.0,
-                          "no_step_budget": True, "step_budget_bank": 6.0, "no_prefix_caching": True, "kv_hop": "host",
+                          "no_step_budget": True, "step_budget_bank": 6.0, "step_budget_horizon": 4, "no_prefix_caching": True, "kv_hop": "host",
                           "enforce_eager": True, "no_pipelined_prefill": True,
                           "encode_per_item": True, "tensor_parallel_size": 2, "scheduling_policy": "fcfs"})
     cfg = _instance(argv)
@@ -63,6 +63,7 @@ def test_launch_forwards_what_was_given_by_field():
     assert (cfg.kv_cache_bytes, cfg.block_size, cfg.max_model_len, cfg.slo_tpot_ms) == (32 << 20, 64, 99, 80.0)
     assert cfg.kv_hop == "host"
     assert cfg.step_budget is False and "--no-step-budget" in argv and cfg.step_budget_bank == 6.0
+    assert cfg.step_budget_horizon == 4
     assert cfg.enable_prefix_caching is False and cfg.enforce_eager is True
     assert cfg.pipelined_prefill is False and "--no-pipelined-prefill" in argv and cfg.encode_per_item is True
     # flags without a value: --no-step-budget, --no-prefix-caching, --enforce-eager, --no-pipelined-prefill,

@@ -72,6 +72,11 @@ class EngineConfig:
              "tokens near 1.8x the SLO at most; a larger bank lets a lightly loaded engine run an image's encode "
              "and prefill in fewer, longer steps (lower TTFT, longer single gaps) while each request's TPOT, a "
              "mean over its tokens, still keeps to the SLO")
+    step_budget_horizon: int = setting(
+        32, check=(">=", 1),
+        help="tokens ahead a decoding request's slack is counted over (its remaining tokens if fewer): a "
+             "budgeted step may take what keeps that token on time if the steps after it decode only "
+             "(engine/step_budget.py); 1 keeps every step to the next token's due time")
     step_budget: bool = setting(
         True, negate="--no-step-budget",
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "

@@ -117,7 +117,8 @@ class LLMEngine:
         self.grammar_compiles = GrammarCompiles(self.grammars, timeout_s=config.grammar_compile_timeout_s)
         self.stats = EngineStats()
         # only an engine that decodes has inter-token gaps to protect
-        self.budget = (StepBudget(config.slo_tpot_ms / 1000.0, bank=config.step_budget_bank)
+        self.budget = (StepBudget(config.slo_tpot_ms / 1000.0, bank=config.step_budget_bank,
+                                  horizon=config.step_budget_horizon)
                        if config.step_budget and config.decodes else None)
         self.encoder = EncodeStage(
             a, self.features, encodes=config.encodes, prefills=config.prefills, wait_s=config.feature_wait_s,

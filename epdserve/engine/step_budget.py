@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 
 HEADROOM = 0.9  # plan to this share of the TPOT SLO: the costs are estimates
-HORIZON = 32  # tokens ahead a request's slack is counted over (its remaining tokens if fewer)
+HORIZON = 32  # by default, tokens ahead a request's slack is counted over (its remaining tokens if fewer)
 BANK = 2.0  # by default a step takes at most this many targets, however much slack its decodes have banked
 
 
@@ -84,13 +84,15 @@ class LinearCost:
 
 
 class StepBudget:
-    def __init__(self, slo_tpot_s: float, min_prefill_tokens: int = 16, window: int = 64, bank: float = BANK):
+    def __init__(self, slo_tpot_s: float, min_prefill_tokens: int = 16, window: int = 64, bank: float = BANK,
+                 horizon: int = HORIZON):
         if slo_tpot_s <= 0:
             raise ValueError(f"the TPOT SLO must be > 0, got {slo_tpot_s}")
         if bank < 1:
             raise ValueError(f"the step budget's bank must be >= 1 target, got {bank}")
         self.target_s = slo_tpot_s * HEADROOM
         self.max_step_s = self.target_s * bank
+        self.horizon = horizon
         self.min_prefill_tokens = min_prefill_tokens
         self.lm = LinearCost(window)
         self.vision_s_per_patch_block: float | None = None
@@ -119,7 +121,7 @@ class StepBudget:
             own = clock[0] + (clock[1] + 1) * self.target_s - now
             if decode_s is None or len(clock) < 3:
                 return own
-            ahead = min(HORIZON, clock[2]) - 1
+            ahead = min(self.horizon, clock[2]) - 1
             return own + max(ahead, 0) * max(self.target_s - decode_s, 0.0)
 
         return min(min((slack(c) for c in clocks), default=self.target_s), self.max_step_s)

@@ -32,7 +32,7 @@ STOP_MARGIN_S = 20.0  # beyond --drain-timeout: the instances' own margin (5), t
 FORWARDED = ("kv_cache_bytes", "max_num_seqs", "block_size", "max_model_len", "feature_wait_s", "pipelined_prefill",
              "encode_per_item",
              "encode_token_budget", "colocation", "stream_interval_ms", "slo_tpot_ms", "step_budget",
-             "step_budget_bank",
+             "step_budget_bank", "step_budget_horizon",
              "enable_prefix_caching", "enforce_eager", "kv_hop", "tensor_parallel_size", "scheduling_policy")
 
 # scheduler settings launch offers, by class, forwarded to the scheduler (max_model_len and slo_tpot_ms

@@ -76,6 +76,7 @@ class InstanceConfig:
     slo_tpot_ms: float = same_as(EngineConfig, "slo_tpot_ms")
     step_budget: bool = same_as(EngineConfig, "step_budget")
     step_budget_bank: float = same_as(EngineConfig, "step_budget_bank")
+    step_budget_horizon: int = same_as(EngineConfig, "step_budget_horizon")
     enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
     tensor_parallel_size: int = same_as(EngineConfig, "tensor_parallel_size")
     quantization: str | None = same_as(EngineConfig, "quantization")

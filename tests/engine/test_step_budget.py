@@ -70,10 +70,12 @@ def test_slack_is_counted_over_the_tokens_to_come():
     assert s.step_target([(0.0, 0, 32)], 0.0, decode_s=0.5) == pytest.approx(t)  # decodes alone overrun: no credit
     assert s.step_target([(0.0, 0, 500)], 0.0, decode_s=0.03) == pytest.approx(t + 31 * (t - 0.03))  # HORIZON
     assert StepBudget(0.1).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(2 * t)  # the bank caps
+    assert StepBudget(0.1, bank=30.0, horizon=1).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(t)
 
 
 def test_the_engine_counts_each_decodes_tokens_to_come(qwen2_vl_tiny):
-    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", slo_tpot_ms=100.0))
+    eng = LLMEngine(EngineConfig(model=str(qwen2_vl_tiny), device="cpu", slo_tpot_ms=100.0, step_budget_horizon=5))
+    assert eng.budget.horizon == 5
     seen = []
     real = eng.budget.step_target
     eng.budget.step_target = lambda clocks, now, decode_s=None: seen.append(
