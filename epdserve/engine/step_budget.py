@@ -13,12 +13,14 @@ The step's time is each decoding request's slack, not a fixed share: a request's
 due `target_s` (HEADROOM × the SLO) after its previous one was due, counted from when it started
 decoding here, so a request whose steps ran short (decode-only) has banked time a later step may
 spend, and one whose steps overran (an estimate that was low) gets shorter steps until it is back
-on schedule. A request's slack is counted over its next `HORIZON` tokens (fewer if it has fewer to
-make): this step may take what keeps its token n + H on time if the H - 1 steps after it decode only
-(at the measured decode-only cost), so time the coming steps will save is spent now, on work that
-waits — a fresh decoder does not force a waiting encode into slices of one target while its TPOT,
-a mean over its tokens, has room (issue 50: image TTFT 1.3-1.5x vLLM's at 1 req/s with slack counted
-one token ahead). The step may take the least slack of its decoding requests, at most `bank` targets
+on schedule. With `horizon` H > 1 (`--step-budget-horizon`) a request's slack is counted over its
+next H tokens (fewer if it has fewer to make): the step may take what keeps its token n + H on time if
+the H - 1 steps after it decode only (at the measured decode-only cost). The default is 1 (the next
+token), chosen by measurement (issue 50, this CPU, fp32, 24 requests at 1 req/s and in a burst, one
+run of two rounds, docs/benchmarks.md): horizon 32 with the default bank made burst TTFT p50 3-5x
+worse (6.7 / 11.2 s against 2.3 / 2.3 s) and SLO goodput 0.2-0.6 against 1.2 req/s; with a bank of 8
+it matched the default at 1 req/s (TTFT p50 281 / 389 against 269 / 409 ms) and fell short in the
+burst (goodput 1.0 against 1.2 req/s). The step may take the least slack of its decoding requests, at most `bank` targets
 (`--step-budget-bank`, `BANK` = 2 by default: no decode waits much beyond the SLO for anything; a
 larger bank lets a step spend more of what its decodes saved, e.g. a whole image's encode).
 
@@ -37,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 
 HEADROOM = 0.9  # plan to this share of the TPOT SLO: the costs are estimates
-HORIZON = 32  # by default, tokens ahead a request's slack is counted over (its remaining tokens if fewer)
+HORIZON = 1  # by default a request's slack is counted to its next token only (see above)
 BANK = 2.0  # by default a step takes at most this many targets, however much slack its decodes have banked
 
 
@@ -116,7 +118,7 @@ class StepBudget:
         decoding here, tokens it has made since[, tokens it may still make]): the least slack, at most
         `max_step_s` (with nothing decoding: `target_s`). A request's slack is to its next token's due
         time, plus, given `decode_s` (a decode-only step's cost) and its tokens to come, what the next
-        `HORIZON` - 1 decode-only steps would save against the target. Negative when one is late."""
+        `horizon` - 1 decode-only steps would save against the target. Negative when one is late."""
         def slack(clock) -> float:
             own = clock[0] + (clock[1] + 1) * self.target_s - now
             if decode_s is None or len(clock) < 3:

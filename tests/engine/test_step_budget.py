@@ -61,16 +61,16 @@ def test_a_step_takes_the_least_slack_of_its_decodes():
 
 
 def test_slack_is_counted_over_the_tokens_to_come():
-    s = StepBudget(0.1, bank=30.0)
+    s = StepBudget(0.1, bank=30.0, horizon=32)
     t = s.target_s
     assert s.step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(t + 31 * (t - 0.03))
     assert s.step_target([(0.0, 0, 4)], 0.0, decode_s=0.03) == pytest.approx(t + 3 * (t - 0.03))  # 4 to come
     assert s.step_target([(0.0, 0, 1)], 0.0, decode_s=0.03) == pytest.approx(t)  # its last token: no horizon
     assert s.step_target([(0.0, 0, 32)], 0.0) == pytest.approx(t)  # decode cost unknown: the next token only
     assert s.step_target([(0.0, 0, 32)], 0.0, decode_s=0.5) == pytest.approx(t)  # decodes alone overrun: no credit
-    assert s.step_target([(0.0, 0, 500)], 0.0, decode_s=0.03) == pytest.approx(t + 31 * (t - 0.03))  # HORIZON
-    assert StepBudget(0.1).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(2 * t)  # the bank caps
-    assert StepBudget(0.1, bank=30.0, horizon=1).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(t)
+    assert s.step_target([(0.0, 0, 500)], 0.0, decode_s=0.03) == pytest.approx(t + 31 * (t - 0.03))  # the horizon
+    assert StepBudget(0.1, horizon=32).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(2 * t)  # bank
+    assert StepBudget(0.1, bank=30.0).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(t)  # default 1
 
 
 def test_the_engine_counts_each_decodes_tokens_to_come(qwen2_vl_tiny):
