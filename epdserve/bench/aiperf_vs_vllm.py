@@ -83,26 +83,24 @@ def _run_aiperf(exe: pathlib.Path, url: str, model: str, a, log) -> dict[str, fl
 
 def _vllm(a, model: str, exe: pathlib.Path, log) -> dict[str, float]:
     from epdserve.bench.peer import peer_argv, serving
-    from epdserve.bench.peer_vllm import VLLM_CMD, default_vllm_venv, ensure_vllm_venv, vllm_env
+    from epdserve.bench.peer_vllm import VLLM_CMD, default_vllm_venv, ensure_vllm_venv, environ_with, vllm_env
     from epdserve.net import free_port
 
     venv = ensure_vllm_venv(pathlib.Path(a.vllm_venv) if a.vllm_venv else default_vllm_venv(), log)
     port = free_port()
     cmd = VLLM_CMD.replace("--dtype bfloat16", f"--dtype {a.dtype}")
-    env = {**os.environ, **vllm_env(venv)}
     with serving(peer_argv(cmd, venv=venv, model=model, port=port), f"http://127.0.0.1:{port}/health", name="vllm",
-                 env={k: v for k, v in env.items() if v is not None}):
+                 env=environ_with(dict(os.environ), vllm_env(venv))):
         return _run_aiperf(exe, f"http://127.0.0.1:{port}", model, a, log)
 
 
 def _epdserve(mode: str, a, model: str, exe: pathlib.Path, log) -> dict[str, float]:
-    from epdserve.bench.vs_peer import HTTP_RE
+    from epdserve.bench.vs_peer import http_url
     from epdserve.deploy.local.launched import launched, variant_args, variant_mode
 
     extra = ["--http-port", "0", "--instance-args", f"--dtype {a.dtype}", *variant_args(a.mode_arg).get(mode, [])]
     with launched(variant_mode(mode), model, extra, env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
-        url = HTTP_RE.search(dep.ready_line).group(1).replace("//0.0.0.0:", "//127.0.0.1:")
-        return _run_aiperf(exe, url, model, a, log)
+        return _run_aiperf(exe, http_url(dep.ready_line), model, a, log)
 
 
 def report(rounds: list[dict[str, dict[str, float]]], a) -> str:

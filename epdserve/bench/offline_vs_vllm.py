@@ -124,14 +124,9 @@ def _run_worker(engine: str, args: argparse.Namespace, python: str, env: dict[st
 
 
 def _environments(venv: Path) -> dict[str, tuple[str, dict[str, str]]]:
-    from epdserve.bench.peer_vllm import vllm_env
+    from epdserve.bench.peer_vllm import environ_with, vllm_env
 
-    v_env = dict(os.environ)
-    for k, v in vllm_env(venv).items():
-        if v is None:
-            v_env.pop(k, None)
-        else:
-            v_env[k] = v
+    v_env = environ_with(dict(os.environ), vllm_env(venv))
     repo = str(Path(__file__).resolve().parents[2])
     e_env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # each engine at its own OpenMP default, one process alone on the cores: vLLM's Intel OpenMP spins

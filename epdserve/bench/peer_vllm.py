@@ -50,6 +50,12 @@ def ensure_vllm_venv(venv: pathlib.Path, log=print) -> pathlib.Path:
     return venv
 
 
+def environ_with(base: dict[str, str], changes: dict[str, str | None]) -> dict[str, str]:
+    """`base` with `changes` applied, a None unsetting its variable."""
+    out = {**base, **changes}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def vllm_env(venv: pathlib.Path) -> dict[str, str | None]:
     """The environment vLLM's CPU docs recommend on this host (module docstring); None: unset.
     OMP_WAIT_POLICY is unset for vLLM: the comparison runs epdserve's instances PASSIVE (several

@@ -31,7 +31,7 @@ from epdserve.settings import add_flags, forward_argv
 from epdserve.slo import SLO, SLO_FLAGS
 from epdserve.bench.peer import PEER_CMD, PeerError, default_venv, ensure_peer_venv, peer_argv, serving
 from epdserve.bench.peer_compare import AIMS, VLLM_AIMS, comparison_table, merge_reports, ratio_rows, ratio_table
-from epdserve.bench.peer_vllm import VLLM_CMD, default_vllm_venv, ensure_vllm_venv, vllm_env
+from epdserve.bench.peer_vllm import VLLM_CMD, default_vllm_venv, ensure_vllm_venv, environ_with, vllm_env
 
 PEER = "transformers-serve"
 
@@ -64,6 +64,16 @@ WORKLOAD = ["--workload", "sharegpt4o", "--text-only-share", "0.5", "--images-pe
 FULL = {"num_requests": 24, "output_len": 32, "warmup": 2, "repeats": 3, "size": "small"}
 QUICK = {"num_requests": 4, "output_len": 4, "warmup": 1, "repeats": 1, "size": "tiny"}
 HTTP_RE = re.compile(r"\bhttp=(https?://\S+)")
+
+
+def http_url(ready_line: str) -> str:
+    """The OpenAI front's URL a launched deployment's ready line names (0.0.0.0 as loopback)."""
+    from epdserve.deploy.local.launched import LaunchError
+
+    m = HTTP_RE.search(ready_line)
+    if not m:
+        raise LaunchError(f"the ready line names no http= URL: {ready_line}")
+    return m.group(1).replace("//0.0.0.0:", "//127.0.0.1:")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -195,23 +205,19 @@ def _run_peer(a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> 
     argv = peer_argv(a.peer_cmd, venv=venv, model=model, port=port)
     url = f"http://127.0.0.1:{port}"
     _log(f"[{a.peer}] starting: {shlex.join(argv)}")
-    merged = {**env, **peer.env(venv)}  # a None: the peer runs without that variable
     with serving(argv, url + "/health", name=a.peer, ready_timeout_s=a.ready_timeout,
-                 env={k: v for k, v in merged.items() if v is not None}):
+                 env=environ_with(env, peer.env(venv))):  # a None: the peer runs without that variable
         return _bench(url, a.peer, out, bench, env)
 
 
 def _run_mode(mode: str, a, model: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:
-    from epdserve.deploy.local.launched import LaunchError, launched, variant_args, variant_mode
+    from epdserve.deploy.local.launched import launched, variant_args, variant_mode
 
     label = f"epdserve-{mode}"
     _log(f"[{label}] launching ...")
     extra = ["--http-port", "0", *shlex.split(a.launch_arg), *variant_args(a.mode_arg).get(mode, [])]
     with launched(variant_mode(mode), model, extra, ready_timeout_s=a.ready_timeout, env={"OMP_WAIT_POLICY": "PASSIVE"}) as dep:
-        m = HTTP_RE.search(dep.ready_line)
-        if not m:
-            raise LaunchError(f"{mode}: the ready line names no http= URL: {dep.ready_line}")
-        return _bench(m.group(1).replace("//0.0.0.0:", "//127.0.0.1:"), label, out, bench, env)
+        return _bench(http_url(dep.ready_line), label, out, bench, env)
 
 
 def _bench(url: str, label: str, out: pathlib.Path, bench: list[str], env: dict) -> pathlib.Path:

@@ -379,9 +379,10 @@ class LLMEngine:
         for seq in decoding:
             if seq.decode_clock is None:
                 seq.decode_clock = (now, len(seq.output_token_ids))
+        decode_s = self.budget.decode_cost(len(decoding)) if self.budget.horizon > 1 else None  # only a horizon reads it
         target = self.budget.step_target([(s.decode_clock[0], len(s.output_token_ids) - s.decode_clock[1],
                                            s.params.max_tokens - len(s.output_token_ids)) for s in decoding],
-                                         now, self.budget.decode_cost(len(decoding)))
+                                         now, decode_s)
         prefill = self.scheduler.prefill_tokens_waiting()
         vision_first = self.encoder.oldest_arrival() < self.scheduler.oldest_prefill_arrival()
         return lambda patches, spent=0.0: self.budget.plan(len(decoding), prefill, patches, target - spent,

@@ -44,7 +44,6 @@ class PrepackedLinear:
         """`weights`: the fused parts' [out_i, in] tensors; `biases`: theirs (as `DenseLinear`)."""
         w, self.bias = fuse(weights, biases)
         self.out_features = int(w.shape[0])
-        self.in_features = int(w.shape[1])
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
