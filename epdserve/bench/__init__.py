@@ -27,6 +27,8 @@ Modules:
   (benchmarks/vs_vllm_offline.py);
 - `aiperf_vs_vllm`: NVIDIA's aiperf as a second client against vLLM and epdserve, alternating rounds
   (benchmarks/aiperf_vs_vllm.py);
+- `budget_policy`: the step budget's policies on one engine's steps in one process, at a rate and
+  in a burst, alternating rounds (benchmarks/budget_policy.py);
 - `chaos`: `bench chaos`, faults under load; `chaos_faults` (find, kill, wait for recovery);
 - `soak`: `bench soak`, minutes of mixed traffic on E-P-D with instances killed; `soak_traffic`
   (the catalogue and its offline outputs), `soak_load` (clients and kills), `soak_rss` (memory of

@@ -4,7 +4,7 @@ ratios against the peer checked against those aims.
 
 Owns `merge_reports` (one report from the targets' reports), `cells` (target -> rate -> the
 metrics of its runs in repeat order), `FIGURES` (TTFT p50, TPOT p50/p90/p99 over requests, ITL
-p99 over all gaps, SLO goodput, output tok/s), `comparison_table` (each figure the median over repeats, with
+p50/p99 over all gaps, SLO goodput, output tok/s), `comparison_table` (each figure the median over repeats, with
 min-max when there are several; also the requests in SLO and those that ended before their
 max_tokens, and which objective the others missed), `AIMS` (against transformers serve),
 `VLLM_AIMS` (against vLLM) and `ratio_rows` / `ratio_table` (target over peer, the
@@ -24,7 +24,8 @@ from epdserve.perf.serving_metrics import SLO
 # (column, metrics key, statistic, decimals); key None: a top-level metric
 FIGURES = (("TTFT p50 ms", "ttft_ms", "median", 0), ("TPOT p50 ms", "tpot_ms", "median", 1),
            ("TPOT p90 ms", "tpot_ms", "p90", 1), ("TPOT p99 ms", "tpot_ms", "p99", 1),
-           ("ITL p99 ms", "itl_ms", "p99", 1), ("SLO goodput req/s", None, "goodput", 3),
+           ("ITL p50 ms", "itl_ms", "median", 1), ("ITL p99 ms", "itl_ms", "p99", 1),
+           ("SLO goodput req/s", None, "goodput", 3),
            ("output tok/s", None, "output_throughput", 0))
 
 

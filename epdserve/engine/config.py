@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epdserve.engine.step_budget import BANK, HORIZON
 from epdserve.roles import RoleSet, normalize_roles, role_set
 from epdserve.settings import check_settings, read_env, same_as, setting
 from epdserve.slo import SLO
@@ -62,22 +63,22 @@ class EngineConfig:
         SLO, "tpot_ms",
         help="the TPOT SLO, ms: while requests decode, each engine step takes only the prefill chunk and the "
              "vision-encoder blocks that fit beside its decodes, from costs measured online, so that every "
-             "decoding request keeps to 0.9x this per token on average (time a short step saves may be spent by a "
-             "later one, up to 1.8x this in one step; engine/step_budget.py); the scheduler's controller and "
+             "decoding request keeps to 0.9x this per token on average over its next --step-budget-horizon tokens "
+             "(time its short steps save may be spent by one long step; engine/step_budget.py); the scheduler's controller and "
              "`bench serve` count against the same objective")
     step_budget_bank: float = setting(
-        2.0, check=(">=", 1),
+        BANK, check=(">=", 1),
         help="the most targets (0.9x --slo-tpot-ms each) one budgeted step may take when its decoding requests "
-             "have banked that much time in shorter steps (engine/step_budget.py): 2 keeps every gap between two "
-             "tokens near 1.8x the SLO at most; a larger bank lets a lightly loaded engine run an image's encode "
-             "and prefill in fewer, longer steps (longer single gaps); 2 (default) measured as good or better "
-             "here, with --step-budget-horizon 1 or 32")
+             "have that much slack (engine/step_budget.py): 32 (default) sets no cap below what a full "
+             "--step-budget-horizon can bank, so an engine whose decodes can afford it runs an arriving image's "
+             "encode and prefill whole; 2 keeps every gap between two tokens near 1.8x the SLO at most (more, "
+             "shorter-stretched gaps: measured 2.7x the median gap under a steady load here)")
     step_budget_horizon: int = setting(
-        1, check=(">=", 1),
+        HORIZON, check=(">=", 1),
         help="tokens ahead a decoding request's slack is counted over (its remaining tokens if fewer): a "
              "budgeted step may take what keeps that token on time if the steps after it decode only "
-             "(engine/step_budget.py); 1 (default, measured best here) keeps every step to the next token's due "
-             "time")
+             "(engine/step_budget.py); 32 (default, measured best here) spends the TPOT SLO as the mean it is; "
+             "1 keeps every step to the next token's due time")
     step_budget: bool = setting(
         True, negate="--no-step-budget",
         help="no step-time budget: a step runs a whole encode and prefill chunks up to --max-num-batched-tokens "

@@ -13,16 +13,25 @@ The step's time is each decoding request's slack, not a fixed share: a request's
 due `target_s` (HEADROOM × the SLO) after its previous one was due, counted from when it started
 decoding here, so a request whose steps ran short (decode-only) has banked time a later step may
 spend, and one whose steps overran (an estimate that was low) gets shorter steps until it is back
-on schedule. With `horizon` H > 1 (`--step-budget-horizon`) a request's slack is counted over its
-next H tokens (fewer if it has fewer to make): the step may take what keeps its token n + H on time if
-the H - 1 steps after it decode only (at the measured decode-only cost). The default is 1 (the next
-token), chosen by measurement (issue 50, this CPU, fp32, 24 requests at 1 req/s and in a burst, one
-run of two rounds, docs/benchmarks.md): horizon 32 with the default bank made burst TTFT p50 3-5x
-worse (6.7 / 11.2 s against 2.3 / 2.3 s) and SLO goodput 0.2-0.6 against 1.2 req/s; with a bank of 8
-it matched the default at 1 req/s (TTFT p50 281 / 389 against 269 / 409 ms) and fell short in the
-burst (goodput 1.0 against 1.2 req/s). The step may take the least slack of its decoding requests, at most `bank` targets
-(`--step-budget-bank`, `BANK` = 2 by default: no decode waits much beyond the SLO for anything; a
-larger bank lets a step spend more of what its decodes saved, e.g. a whole image's encode).
+on schedule. The TPOT SLO is a mean over a request's tokens, so its slack is counted over its next
+`horizon` H tokens (`--step-budget-horizon`, HORIZON = 32 by default; its remaining tokens if
+fewer): the step may take what keeps its token n + H on time if the H - 1 steps after it decode
+only (at the measured decode-only cost). The step may take the least slack of its decoding
+requests, at most `bank` targets (`--step-budget-bank`, BANK = 32 by default: no cap below what a
+full horizon can bank). So slack is spent only when work waits, and then at once: a lightly
+loaded engine runs an arriving image's encode and prefill whole (one long gap in its decodes,
+their other gaps at the decode's own cost), and slices it only where its decodes cannot afford
+it (a burst: every request's mean kept to the target).
+
+Chosen by measurement (issue 50, this CPU, fp32, docs/benchmarks.md "Against vLLM"): the former
+defaults, horizon 1 and bank 2, kept every gap near the target, so under a steady concurrency of 4
+image requests (aiperf, the served small model) each waiting encode was spread over steps
+stretched to ~0.9 x the SLO: inter-token latency p50 71-73 ms against 24-27 ms for these
+defaults and for no budget at all, output tok/s 34-36 against 41-43; TTFT p50 was lower there
+(1.4-1.9 s against 2.4-2.5 s) and the TPOT means the same. In a burst these keep every request's
+TPOT under the SLO as the former did (and as no budget does not). Horizon 32 with bank 2 (a step
+capped at 2 targets) starved a burst's prompts (TTFT p50 3-5x) and stays a measured
+non-default. Progress: see below.
 
 Which of prefill and encode goes first in the step: the older request (arrival order), so an
 image's encode is not starved by prompts that arrived after it.
@@ -39,8 +48,8 @@ from collections import deque
 from dataclasses import dataclass
 
 HEADROOM = 0.9  # plan to this share of the TPOT SLO: the costs are estimates
-HORIZON = 1  # by default a request's slack is counted to its next token only (see above)
-BANK = 2.0  # by default a step takes at most this many targets, however much slack its decodes have banked
+HORIZON = 32  # by default a request's slack is counted over its next 32 tokens (see above)
+BANK = 32.0  # by default a step takes at most this many targets (a full horizon's slack: no lower cap)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from epdserve.bench.peer_compare import (AIMS, VLLM_AIMS, Aim, cells, comparison
 
 def _m(ttft, tpot50, tpot99, itl99, goodput, good=20, n=24):
     return {"ttft_ms": {"median": ttft}, "tpot_ms": {"median": tpot50, "p90": tpot50 * 1.5, "p99": tpot99},
-            "itl_ms": {"p99": itl99}, "goodput": goodput, "good_requests": good, "num_requests": n}
+            "itl_ms": {"median": itl99 / 10, "p99": itl99}, "goodput": goodput, "good_requests": good, "num_requests": n}
 
 
 def _part(label, runs):
@@ -39,6 +39,8 @@ def test_comparison_table_medians_and_spread():
     rows = [r for r in md.splitlines() if r.startswith("| 0.5/s") or r.startswith("| 1/s")]
     assert rows[0].startswith("| 0.5/s | transformers-serve | 2 | 3,200 (3,000-3,400) | 37.5 (37.0-38.0) |")
     assert "| 1/s | epdserve-monolithic | 2 | 4,500 (1,400-7,600) | 75.0 (60.0-90.0) |" in md
+    assert "| ITL p50 ms | ITL p99 ms |" in md  # the median gap beside the worst: a step policy moves both
+    assert "| 120.0 (90.0-150.0) | 1,200.0 (900.0-1,500.0) |" in md  # monolithic at 1/s: ITL p50, p99
     # goodput, output tok/s (none in these metrics), in SLO, missed, ended early
     assert "0.250 (0.200-0.300) | - | 12.5/24 (10-15) | 0 / 0 | 0 |" in md
 

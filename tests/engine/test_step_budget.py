@@ -26,7 +26,7 @@ def test_linear_cost_fits_a_line_and_waits_for_two_sizes():
 
 
 def _budget(a=0.02, b=0.001, slo=0.1):
-    s = StepBudget(slo, min_prefill_tokens=16)
+    s = StepBudget(slo, min_prefill_tokens=16, bank=2.0)  # a small cap: the plans below reach it
     for x in (1, 2, 50, 200):
         s.record_step(x, a + b * x)
     return s
@@ -56,7 +56,7 @@ def test_a_step_takes_the_least_slack_of_its_decodes():
     assert s.step_target([], 5.0) == t  # nothing decoding: the SLO's share
     assert s.step_target([(0.0, 3)], 2 * t) == pytest.approx(2 * t)  # 4th token due at 4t
     assert s.step_target([(0.0, 3), (t, 0)], 1.5 * t) == pytest.approx(0.5 * t)  # the newer one is due first
-    assert s.step_target([(0.0, 10)], t) == s.max_step_s  # much banked: at most BANK targets
+    assert s.step_target([(0.0, 10)], t) == s.max_step_s  # much banked: at most `bank` targets
     assert s.step_target([(0.0, 0)], 2 * t) < 0  # late: its next token is overdue
 
 
@@ -69,8 +69,12 @@ def test_slack_is_counted_over_the_tokens_to_come():
     assert s.step_target([(0.0, 0, 32)], 0.0) == pytest.approx(t)  # decode cost unknown: the next token only
     assert s.step_target([(0.0, 0, 32)], 0.0, decode_s=0.5) == pytest.approx(t)  # decodes alone overrun: no credit
     assert s.step_target([(0.0, 0, 500)], 0.0, decode_s=0.03) == pytest.approx(t + 31 * (t - 0.03))  # the horizon
-    assert StepBudget(0.1, horizon=32).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(2 * t)  # bank
-    assert StepBudget(0.1, bank=30.0).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(t)  # default 1
+    assert StepBudget(0.1, horizon=32, bank=2.0).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(
+        2 * t)  # a bank of 2 caps it
+    assert StepBudget(0.1, horizon=1).step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(t)  # next only
+    default = StepBudget(0.1)  # the defaults: a full horizon's slack, no lower cap
+    assert (default.horizon, default.max_step_s) == (32, pytest.approx(32 * t))
+    assert default.step_target([(0.0, 0, 32)], 0.0, decode_s=0.03) == pytest.approx(t + 31 * (t - 0.03))
 
 
 def test_the_engine_counts_each_decodes_tokens_to_come(qwen2_vl_tiny):
@@ -94,7 +98,8 @@ def test_a_larger_bank_lets_one_step_spend_more_of_what_its_decodes_saved():
     t = wide.target_s
     assert wide.step_target([(0.0, 10)], t) == pytest.approx(8 * t)  # 10 tokens banked, 8 may go at once
     assert wide.step_target([(0.0, 3)], 2 * t) == pytest.approx(2 * t)  # no more than it banked
-    assert StepBudget(0.1).step_target([(0.0, 10)], t) == pytest.approx(2 * t)  # the default: 2 targets
+    assert StepBudget(0.1, bank=2.0).step_target([(0.0, 10)], t) == pytest.approx(2 * t)  # 2 targets at most
+    assert StepBudget(0.1).step_target([(0.0, 10)], t) == pytest.approx(10 * t)  # the default: all it banked
     with pytest.raises(ValueError, match="bank must be >= 1"):
         StepBudget(0.1, bank=0.5)
 
