@@ -25,13 +25,14 @@ it (a burst: every request's mean kept to the target).
 
 Chosen by measurement (issue 50, this CPU, fp32, docs/benchmarks.md "Against vLLM"): the former
 defaults, horizon 1 and bank 2, kept every gap near the target, so under a steady concurrency of 4
-image requests (aiperf, the served small model) each waiting encode was spread over steps
-stretched to ~0.9 x the SLO: inter-token latency p50 71-73 ms against 24-27 ms for these
-defaults and for no budget at all, output tok/s 34-36 against 41-43; TTFT p50 was lower there
-(1.4-1.9 s against 2.4-2.5 s) and the TPOT means the same. In a burst these keep every request's
-TPOT under the SLO as the former did (and as no budget does not). Horizon 32 with bank 2 (a step
-capped at 2 targets) starved a burst's prompts (TTFT p50 3-5x) and stays a measured
-non-default. Progress: see below.
+image requests (aiperf against the served small model, one run of 2 rounds) each waiting encode
+was spread over steps stretched to ~0.9 x the SLO: inter-token latency p50 72.6-73.2 ms against
+26.4-27.7 ms for these defaults (no budget: 24.6-27.0), output tok/s 33.1-35.9 against 41.7-41.8;
+TTFT p50 was lower (1.45-1.90 s against 2.49-2.54 s; the TPOT means alike in one process,
+benchmarks/budget_policy.py). In a burst these
+keep every request's TPOT under the SLO as the former did (no budget does not), at half the former's
+TPOT p50. Horizon 32 with bank 2 (a step capped at 2 targets) starved a burst's prompts (TTFT p50
+3-5x) and stays a measured non-default.
 
 Which of prefill and encode goes first in the step: the older request (arrival order), so an
 image's encode is not starved by prompts that arrived after it.
