@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 
 from epdserve.perf.serving_metrics import RequestRecord, compute_metrics
-from epdserve.slo import SLO
+from epdserve.settings import add_flags, from_flags
+from epdserve.slo import SLO, SLO_FLAGS
 
 IMAGE_SIZES = ((320, 180), (480, 270), (640, 360))
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="output lengths spread over LEN x (1 +- this) (default 0.5; 0: all LEN, which marches a "
                          "closed loop in lockstep)")
     ap.add_argument("--dtype", default="float32", help="the engines' dtype (default float32: this CPU's fast one)")
-    ap.add_argument("--slo-tpot-ms", type=float, default=SLO().tpot_ms, help="the budget's TPOT objective")
+    add_flags(ap, SLO, SLO_FLAGS)  # the TPOT objective is also the engines' budget (epdserve/slo.py)
     ap.add_argument("--rounds", type=int, default=3, help="rounds, the variants' order alternating")
     ap.add_argument("--out", help="write the Markdown report here too")
     a = ap.parse_args(argv)
@@ -203,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         from epdserve.model.demo_cache import cached_demo_model
 
         a.model = str(cached_demo_model("qwen2_vl", "small"))
-    engines = {v.name: build_engine(a.model, a.dtype, v, a.slo_tpot_ms) for v in variants}
+    slo = from_flags(SLO, a)
+    engines = {v.name: build_engine(a.model, a.dtype, v, slo.tpot_ms) for v in variants}
     for name, eng in engines.items():  # warm: the costs the budget plans with are measured in service
         run_once(eng, workload(4, a.image_share, 8, math.inf, seed=9_999), f"warm-{name}")
-    slo = SLO(tpot_ms=a.slo_tpot_ms)
     results: dict[str, dict[str, list[dict]]] = {v.name: {} for v in variants}
     for k in range(a.rounds):
         order = variants if k % 2 == 0 else variants[::-1]
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{m['tpot_ms']['median']:.1f} ms, ITL p50 {m['itl_ms']['median']:.1f} ms", flush=True)
     header = [f"budget policies, one engine each in one process ({a.dtype}): {a.requests} requests, "
               f"{a.image_share:.0%} with one image ({'/'.join(f'{w}x{h}' for w, h in IMAGE_SIZES)} in turn), "
-              f"{a.output_len} tokens (x 1 +- {a.output_spread:g}), TPOT SLO {a.slo_tpot_ms:g} ms; {a.rounds} round(s), the variants' order "
+              f"{a.output_len} tokens (x 1 +- {a.output_spread:g}), SLO TTFT {slo.ttft_ms:g} / TPOT {slo.tpot_ms:g} ms; {a.rounds} round(s), the variants' order "
               "alternating; each figure the median over rounds (min-max)", ""]
     report = "\n".join(header + table(results, loads)) + "\n"
     print(report)

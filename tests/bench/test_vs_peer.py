@@ -55,7 +55,7 @@ def test_quick_run_against_the_stand_in_peer(tmp_path, capsys):
                                                                          "640x360": 0.2}
     assert rep["slo"] == {"ttft_ms": 3000.0, "tpot_ms": 100.0, "e2el_ms": None}
     printed = capsys.readouterr().out
-    assert "| 4/s | transformers-serve | 2 |" in printed and "TPOT p99 ms | ITL p99 ms | SLO goodput" in printed
+    assert "| 4/s | transformers-serve | 2 |" in printed and "TPOT p99 ms | ITL p50 ms | ITL p99 ms | SLO goodput" in printed
     assert out.with_suffix(".md").read_text().strip() in printed
     out.with_suffix(".md").unlink()  # --render: the tables again from the JSON, nothing run
     assert main(["--render", str(out)]) == 0
