@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from dataclasses import dataclass
 
+from epdserve.bench.peer_compare import median_spread
 from epdserve.perf.serving_metrics import RequestRecord, compute_metrics
 from epdserve.settings import add_flags, from_flags
 from epdserve.slo import SLO, SLO_FLAGS
@@ -165,16 +165,8 @@ def table(results: dict[str, dict[str, list[dict]]], loads: list[Load]) -> list[
     for load in loads:
         for name, by_load in results.items():
             runs = by_load.get(load.label, [])
-            cells = []
-            for _, key, stat in FIGURES:
-                vals = [(m[key][stat] if key else m[stat]) for m in runs]
-                vals = [v for v in vals if v is not None]
-                if not vals:
-                    cells.append("-")
-                    continue
-                digits = 3 if key is None and stat == "goodput" else 1
-                med = f"{statistics.median(vals):,.{digits}f}"
-                cells.append(med if len(vals) == 1 else f"{med} ({min(vals):,.{digits}f}-{max(vals):,.{digits}f})")
+            cells = [median_spread([v for v in ((m[key][stat] if key else m[stat]) for m in runs) if v is not None],
+                                   3 if stat == "goodput" else 1) for _, key, stat in FIGURES]
             lines.append(f"| {load.label} | {name} | " + " | ".join(cells) + " |")
     return lines
 

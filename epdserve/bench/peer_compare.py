@@ -7,7 +7,7 @@ metrics of its runs in repeat order), `FIGURES` (TTFT p50, TPOT p50/p90/p99 over
 p50/p99 over all gaps, SLO goodput, output tok/s), `comparison_table` (each figure the median over repeats, with
 min-max when there are several; also the requests in SLO and those that ended before their
 max_tokens, and which objective the others missed), `AIMS` (against transformers serve),
-`VLLM_AIMS` (against vLLM) and `ratio_rows` / `ratio_table` (target over peer, the
+`VLLM_AIMS` (against vLLM), `median_spread` (a figure over repeats as the tables print it) and `ratio_rows` / `ratio_table` (target over peer, the
 ratio of the medians with the min-max of the per-repeat ratios; repeat k of a target is paired
 with repeat k of the peer: the same requests at the same times). An aim `against="reference"`
 compares with the monolithic target of an earlier run's merged report (`--reference`: "today's
@@ -101,7 +101,8 @@ def _values(runs: list[dict], column: str) -> list[float]:
     return [v for v in (figure_of(m, column) for m in runs) if v is not None]
 
 
-def _spread(values: list[float], nd: int) -> str:
+def median_spread(values: list[float], nd: int) -> str:
+    """'1,234.5 (1,100.0-1,300.0)': the median of `values` with their range, `nd` decimals ('-' when empty)."""
     if not values:
         return "-"
     mid = f"{statistics.median(values):,.{nd}f}"
@@ -125,13 +126,13 @@ def comparison_table(report: dict, peer: str, workload: str | None = None) -> st
             runs = _rate_of(c[label], rate)
             if not runs:
                 continue
-            figs = " | ".join(_spread(_values(runs, col), nd) for col, _, _, nd in FIGURES)
+            figs = " | ".join(median_spread(_values(runs, col), nd) for col, _, _, nd in FIGURES)
             good = [m.get("good_requests", 0) for m in runs]
             total = max((m.get("num_requests", 0) for m in runs), default=0)
             spread = f" ({min(good)}-{max(good)})" if min(good) != max(good) else ""
             in_slo = f"{statistics.median(good):g}/{total}{spread}"
-            missed = " / ".join(_spread([(m.get("slo_missed") or {}).get(k, 0) for m in runs], 0) for k in ("ttft", "tpot"))
-            early = _spread([m.get("incomplete_outputs", 0) for m in runs], 0)  # fewer tokens than asked (EOS)
+            missed = " / ".join(median_spread([(m.get("slo_missed") or {}).get(k, 0) for m in runs], 0) for k in ("ttft", "tpot"))
+            early = median_spread([m.get("incomplete_outputs", 0) for m in runs], 0)  # fewer tokens than asked (EOS)
             lines.append(f"| {rate:g}/s | {label} | {len(runs)} | {figs} | {in_slo} | {missed} | {early} |")
     return "\n".join(lines)
 
